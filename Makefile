@@ -1,0 +1,35 @@
+# Two entry points, both from a clean clone:
+#   make run   set up .venv and run the main job on its built-in default
+#   make test  set up .venv with test dependencies and run the whole suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+
+.PHONY: run test setup setup-test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
+
+run: setup
+	$(BIN)/trex smoke
+
+test: setup-test
+	$(BIN)/python -m pytest -q
+
+bench: setup-test
+	$(BIN)/python bench/model_step.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

@@ -1,0 +1,3 @@
+from trex.cli import main
+
+raise SystemExit(main())

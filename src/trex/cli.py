@@ -1,0 +1,72 @@
+"""The ``trex`` command line. Each subcommand lives in its own module and registers here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    from trex import device
+
+    report = device.environment_report(device.detect(args.device))
+    if args.format == "json":
+        print(json.dumps(report, indent=2))
+    else:
+        for key, value in report.items():
+            print(f"{key:>16}: {value}")
+    return 0
+
+
+def _cmd_smoke(args: argparse.Namespace) -> int:
+    """Forward, backward and one AdamW step of the default tiny model; prints the loss."""
+    import time
+
+    import torch
+
+    from trex import device
+    from trex.models import build_model, get_preset
+
+    dev = device.detect(args.device)
+    dtype = dev.default_dtype()
+    cfg = get_preset("tiny")
+    model = build_model(cfg, device=dev.torch_device, dtype=dtype, seed=args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, cfg.vocab_size, (2, args.seq), generator=gen).to(dev.torch_device)
+    t0 = time.perf_counter()
+    for step in range(2):
+        out = model(ids, labels=ids)
+        loss = out.loss + 0.1 * out.mtp_loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        print(f"step {step}: loss {out.loss.item():.4f}  mtp_loss {out.mtp_loss.item():.4f}")
+    print(f"device {dev.name} dtype {str(dtype).replace('torch.', '')}  {time.perf_counter() - t0:.2f}s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trex", description=__doc__)
+    parser.add_argument("--device", default=None, help="cpu, cuda, npu, cuda:1 ... (default: auto / TREX_DEVICE)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("env", help="print the device, versions, backend and capabilities")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.set_defaults(func=_cmd_env)
+
+    p = sub.add_parser("smoke", help="forward + backward + one optimizer step of the tiny model")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_smoke)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

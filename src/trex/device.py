@@ -1,0 +1,316 @@
+"""The device layer: the one module in trex that names a vendor.
+
+Everything else asks this module for the device, the process-group backend, memory readings,
+RNG state and capabilities. Detection order: an explicit override (argument or ``TREX_DEVICE``),
+then ``torch.accelerator`` (CUDA, XPU, and Ascend NPU once ``torch_npu`` is imported), then CPU.
+
+Device *names* with an index ("cuda:0", "npu:3") are used throughout, never bare integers:
+integer ids route tensors to CUDA on some stacks and crash elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import platform
+import resource
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+# Backends by device type, used only when torch cannot tell us (see `Device.backend`).
+_FALLBACK_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl", "xpu": "xccl"}
+
+
+def _import_vendor_plugins() -> None:
+    """Import out-of-tree device plugins so that torch.accelerator can see them."""
+    try:  # Ascend: registers the "npu" device type and the HCCL backend.
+        importlib.import_module("torch_npu")
+    except Exception:  # noqa: BLE001 - absent or broken plugin means no NPU
+        pass
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the device does well. ``bf16_fast`` is measured on CPU, not assumed from CPU flags."""
+
+    bf16: bool
+    bf16_fast: bool
+    fp16: bool
+    fp8: bool
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device type ("cpu", "cuda", "npu", "xpu") and the local index this process uses."""
+
+    type: str
+    index: int = 0
+
+    # ---- naming -------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The torch device string: "cpu" or "<type>:<index>"."""
+        return "cpu" if self.type == "cpu" else f"{self.type}:{self.index}"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.name)
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.type != "cpu"
+
+    def count(self) -> int:
+        """Number of devices of this type visible to the process (CPU counts as 1)."""
+        if not self.is_accelerator:
+            return 1
+        return torch.get_device_module(self.type).device_count()
+
+    def set_current(self) -> None:
+        if self.is_accelerator:
+            torch.get_device_module(self.type).set_device(self.index)
+
+    # ---- distributed --------------------------------------------------------------------
+    def backend(self) -> str:
+        """Process-group backend for this device: nccl, hccl, xccl or gloo."""
+        try:
+            return dist.get_default_backend_for_device(self.type)
+        except (RuntimeError, ValueError, AttributeError):
+            return _FALLBACK_BACKENDS.get(self.type, "gloo")
+
+    # ---- timing and memory --------------------------------------------------------------
+    def synchronize(self) -> None:
+        if self.is_accelerator:
+            torch.get_device_module(self.type).synchronize(self.index)
+
+    def memory_allocated(self) -> int:
+        """Bytes currently held: allocator bytes on accelerators, resident set size on CPU."""
+        if self.is_accelerator:
+            return int(torch.get_device_module(self.type).memory_allocated(self.index))
+        return _rss_bytes()
+
+    def max_memory_allocated(self) -> int:
+        """Peak bytes since the last reset: allocator peak on accelerators, peak RSS on CPU."""
+        if self.is_accelerator:
+            return int(torch.get_device_module(self.type).max_memory_allocated(self.index))
+        return _peak_rss_bytes()
+
+    def reset_peak_memory(self) -> None:
+        """Reset the peak reading. On CPU the kernel's high-water mark is reset where Linux allows."""
+        if self.is_accelerator:
+            torch.get_device_module(self.type).reset_peak_memory_stats(self.index)
+        else:
+            _reset_peak_rss()
+
+    def total_memory(self) -> int:
+        if self.is_accelerator:
+            return int(torch.get_device_module(self.type).get_device_properties(self.index).total_memory)
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    # ---- RNG ----------------------------------------------------------------------------
+    def get_rng_state(self) -> dict[str, torch.Tensor]:
+        state = {"cpu": torch.get_rng_state()}
+        if self.is_accelerator:
+            state[self.type] = torch.get_device_module(self.type).get_rng_state(self.index)
+        return state
+
+    def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state["cpu"])
+        if self.is_accelerator and self.type in state:
+            torch.get_device_module(self.type).set_rng_state(state[self.type], self.index)
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)  # seeds every device's default generator too
+
+    # ---- determinism --------------------------------------------------------------------
+    def set_deterministic(self, enabled: bool = True) -> None:
+        """Deterministic kernels and collectives, with each backend's own switches."""
+        torch.use_deterministic_algorithms(enabled, warn_only=True)
+        if self.type == "cuda":
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8" if enabled else ""
+            torch.backends.cudnn.deterministic = enabled
+            torch.backends.cudnn.benchmark = not enabled
+        elif self.type == "npu":
+            os.environ["HCCL_DETERMINISTIC"] = "true" if enabled else "false"
+
+    # ---- capabilities -------------------------------------------------------------------
+    def capabilities(self) -> Capabilities:
+        return _capabilities(self.type, self.index)
+
+    def default_dtype(self) -> torch.dtype:
+        """bf16 on accelerators with fast bf16 matmul; fp32 on CPU and elsewhere.
+
+        CPU runs are for correctness and small jobs, where fp32 is the reference precision;
+        bf16 on CPU is an explicit choice (`bf16_fast` says whether it will be quick).
+        """
+        if self.is_accelerator and self.capabilities().bf16_fast:
+            return torch.bfloat16
+        return torch.float32
+
+
+def detect(override: str | None = None) -> Device:
+    """The device this process should use.
+
+    ``override`` (or ``TREX_DEVICE``) is a device string such as "cpu", "cuda", "npu:1".
+    Without an index, the local rank (``LOCAL_RANK``) picks the device on accelerators.
+    """
+    _import_vendor_plugins()
+    spec = override or os.environ.get("TREX_DEVICE")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if spec:
+        dev_type, _, idx = spec.partition(":")
+        if dev_type != "cpu" and not _type_available(dev_type):
+            raise RuntimeError(
+                f"device {spec!r} was requested (TREX_DEVICE or --device) but torch sees no "
+                f"{dev_type!r} device; available: {available_types()}"
+            )
+        return Device(dev_type, int(idx) if idx else (0 if dev_type == "cpu" else local_rank))
+    if torch.accelerator.is_available():
+        acc = torch.accelerator.current_accelerator()
+        count = torch.accelerator.device_count()
+        return Device(acc.type, local_rank % max(count, 1))
+    return Device("cpu", 0)
+
+
+def available_types() -> list[str]:
+    _import_vendor_plugins()
+    types = ["cpu"]
+    if torch.accelerator.is_available():
+        types.append(torch.accelerator.current_accelerator().type)
+    return types
+
+
+def _type_available(dev_type: str) -> bool:
+    try:
+        return torch.get_device_module(dev_type).is_available()
+    except (RuntimeError, AttributeError):
+        return False
+
+
+# ---- memory on CPU --------------------------------------------------------------------------
+def _read_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _rss_bytes() -> int:
+    kib = _read_status_kib("VmRSS")
+    return kib * 1024 if kib is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _peak_rss_bytes() -> int:
+    kib = _read_status_kib("VmHWM")
+    return kib * 1024 if kib is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak_rss() -> None:
+    # Writing "5" to clear_refs resets VmHWM to the current RSS (Linux >= 4.0).
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+# ---- capabilities -----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _capabilities(dev_type: str, index: int) -> Capabilities:
+    if dev_type == "cpu":
+        fast = measure_cpu_bf16_speedup() >= 0.5
+        return Capabilities(bf16=True, bf16_fast=fast, fp16=True, fp8=False)
+    if dev_type == "cuda":
+        major, minor = torch.cuda.get_device_capability(index)
+        bf16 = torch.cuda.is_bf16_supported()
+        return Capabilities(bf16=bf16, bf16_fast=bf16, fp16=True, fp8=(major, minor) >= (8, 9))
+    if dev_type == "npu":  # Ascend 910B/910C: bf16 and fp16 cube units, no fp8 matmul
+        return Capabilities(bf16=True, bf16_fast=True, fp16=True, fp8=False)
+    return Capabilities(bf16=True, bf16_fast=True, fp16=True, fp8=False)
+
+
+def measure_cpu_bf16_speedup(n: int = 256, repeats: int = 3) -> float:
+    """fp32 matmul time / bf16 matmul time on this CPU (>1 means bf16 is faster).
+
+    CPU flags are not enough: some CPUs report AVX512-BF16 while torch's bf16 GEMM still
+    runs far slower than fp32, so this times both.
+    """
+
+    def best(dtype: torch.dtype) -> float:
+        a = torch.randn(n, n).to(dtype)
+        a @ a  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ a
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return best(torch.float32) / max(best(torch.bfloat16), 1e-9)
+
+
+def measure_matmul_flops(device: Device, dtype: torch.dtype = torch.float32, n: int = 1024) -> float:
+    """Measured dense matmul throughput in FLOP/s (used as the MFU peak on CPU)."""
+    a = torch.randn(n, n, device=device.torch_device, dtype=dtype)
+    a @ a
+    device.synchronize()
+    reps = 5
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ a
+    device.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+# ---- environment report -------------------------------------------------------------------------
+def _version(module: str) -> str | None:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "unknown")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _cann_version() -> str | None:
+    home = os.environ.get("ASCEND_TOOLKIT_HOME") or os.environ.get("ASCEND_HOME_PATH")
+    if not home:
+        return None
+    for rel in ("version.cfg", "compiler/version.info", "version.info"):
+        path = os.path.join(home, rel)
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    if "version" in line.lower():
+                        return line.split("=", 1)[-1].strip()
+    return "unknown"
+
+
+def environment_report(device: Device | None = None) -> dict:
+    """What `trex doctor` prints: device, versions, backend and capabilities."""
+    device = device or detect()
+    report = {
+        "device": device.name,
+        "device_type": device.type,
+        "device_count": device.count(),
+        "backend": device.backend(),
+        "torch": torch.__version__,
+        "torch_npu": _version("torch_npu"),
+        "cann": _cann_version(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_threads": torch.get_num_threads(),
+        "capabilities": asdict(device.capabilities()),
+        "default_dtype": str(device.default_dtype()).replace("torch.", ""),
+    }
+    if device.is_accelerator:
+        props = torch.get_device_module(device.type).get_device_properties(device.index)
+        report["device_name"] = getattr(props, "name", device.type)
+        report["driver_cuda"] = torch.version.cuda if device.type == "cuda" else None
+    return report

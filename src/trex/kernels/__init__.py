@@ -1,0 +1,55 @@
+"""A small kernel registry: every op has a pure-PyTorch reference; fast paths are optional.
+
+    fn = kernels.get("rms_norm", device_type)
+
+returns the fast path registered for that device type when there is one and it is enabled,
+else the reference. ``TREX_KERNELS=reference`` forces the references everywhere (fidelity
+runs, debugging). Each fast path has an equivalence test against its reference
+(tests/test_kernels.py). Vendor plugins register their kernels with ``register``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from trex.kernels import reference
+
+_REFERENCE: dict[str, Callable] = {
+    "rms_norm": reference.rms_norm,
+    "grouped_mm": reference.grouped_mm,
+}
+_FAST: dict[tuple[str, str], Callable] = {}
+
+
+def register(op: str, device_type: str, fn: Callable) -> None:
+    """Register ``fn`` as the fast path of ``op`` on ``device_type`` ("cuda", "npu", "cpu", ...)."""
+    if op not in _REFERENCE:
+        raise KeyError(f"unknown kernel op {op!r}; known ops: {sorted(_REFERENCE)}")
+    _FAST[(op, device_type)] = fn
+
+
+def get(op: str, device_type: str) -> Callable:
+    if op not in _REFERENCE:
+        raise KeyError(f"unknown kernel op {op!r}; known ops: {sorted(_REFERENCE)}")
+    if os.environ.get("TREX_KERNELS", "auto") != "reference":
+        fast = _FAST.get((op, device_type))
+        if fast is not None:
+            return fast
+    return _REFERENCE[op]
+
+
+def reference_of(op: str) -> Callable:
+    return _REFERENCE[op]
+
+
+def fast_paths() -> dict[tuple[str, str], Callable]:
+    return dict(_FAST)
+
+
+# Vendor-neutral fused ops from PyTorch itself.
+from trex.kernels import fused as _fused  # noqa: E402
+
+for _device_type in ("cuda", "npu", "xpu"):
+    register("grouped_mm", _device_type, _fused.grouped_mm)
+    register("rms_norm", _device_type, _fused.rms_norm)

@@ -1,0 +1,318 @@
+"""Typed DeepSeek-V4 model configuration.
+
+Reads Hugging Face ``config.json`` files (``DeepseekV4Config`` field names, including the
+legacy ``compress_ratios`` / ``num_hash_layers``) and the official ``inference/config.json``
+names (``dim``, ``n_layers``, ...). Presets: ``deepseek-v4-flash``, ``deepseek-v4-pro`` and
+``tiny`` (a few-layer model with every layer type, for tests and the default job).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+HASH_MOE, MOE = "hash_moe", "moe"
+MLP_LAYER_TYPES = (HASH_MOE, MOE)
+_RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+
+# Official inference/config.json names -> HF names.
+_OFFICIAL_NAMES = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "moe_inter_dim": "moe_intermediate_size",
+    "n_activated_experts": "num_experts_per_tok",
+    "score_func": "scoring_func",
+    "route_scale": "routed_scaling_factor",
+    "rope_head_dim": "qk_rope_head_dim",
+    "window_size": "sliding_window",
+    "norm_eps": "rms_norm_eps",
+    "n_hash_layers": "num_hash_layers",
+    "n_mtp_layers": "num_nextn_predict_layers",
+    "max_seq_len": "max_position_embeddings",
+}
+# Fields that appear in real config files but do not change the architecture.
+_IGNORED_FIELDS = {
+    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "quantization_config",
+    "expert_dtype", "scale_fmt", "use_cache", "attention_bias", "mlp_bias", "attention_dropout",
+    "hidden_act", "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "pad_token_id",
+    "partial_rotary_factor", "topk_method", "n_dense_layers", "max_batch_size", "auto_map",
+    "num_key_value_heads", "_name_or_path", "original_seq_len", "rope_factor", "beta_fast", "beta_slow",
+    "mscale", "n_expert_groups", "n_limited_groups", "compress_rate_csa", "compress_rate_hca", "rope_parameters",
+    "rope_scaling", "compress_ratios", "num_hash_layers", "layer_types", "mlp_layer_types",
+    "keys_to_ignore_at_inference", "intermediate_size", "num_local_experts", "kv_lora_rank",
+}
+
+
+class ConfigError(ValueError):
+    """An invalid model configuration; the message names the field."""
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN on compressed layers (no attention scaling: the reference applies no mscale)."""
+
+    factor: float = 16.0
+    original_max_position_embeddings: int = 65536
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+@dataclass
+class ModelConfig:
+    """DeepSeek-V4 architecture. Field names follow Hugging Face ``DeepseekV4Config``."""
+
+    vocab_size: int = 129280
+    hidden_size: int = 4096
+    num_hidden_layers: int = 43
+    num_attention_heads: int = 64
+    head_dim: int = 512
+    qk_rope_head_dim: int = 64
+    q_lora_rank: int = 1024
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    sliding_window: int = 128
+    layer_types: list[str] = field(default_factory=list)
+    compress_rates: dict[str, int] = field(default_factory=lambda: {CSA: 4, HCA: 128})
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_scaling: YarnScaling | None = field(default_factory=YarnScaling)
+    max_position_embeddings: int = 1048576
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 6
+    moe_intermediate_size: int = 2048
+    mlp_layer_types: list[str] = field(default_factory=list)
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6
+    num_nextn_predict_layers: int = 1
+    mtp_layer_type: str = SLIDING
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | None = 1
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = _default_layer_types(self.num_hidden_layers)
+        if not self.mlp_layer_types:
+            self.mlp_layer_types = _default_mlp_layer_types(self.num_hidden_layers, 3)
+        self.validate()
+
+    # ------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(cond: bool, fld: str, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"config field `{fld}`: {msg}")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                     "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "n_routed_experts",
+                     "num_experts_per_tok", "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) > 0, name,
+                 f"must be a positive integer, got {getattr(self, name)!r}")
+        n = self.num_hidden_layers
+        need(len(self.layer_types) == n, "layer_types",
+             f"has {len(self.layer_types)} entries but num_hidden_layers is {n}")
+        bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+        need(not bad, "layer_types", f"unknown layer type(s) {bad}; expected one of {list(LAYER_TYPES)}")
+        need(len(self.mlp_layer_types) == n, "mlp_layer_types",
+             f"has {len(self.mlp_layer_types)} entries but num_hidden_layers is {n}")
+        bad = sorted({t for t in self.mlp_layer_types if t not in MLP_LAYER_TYPES})
+        need(not bad, "mlp_layer_types", f"unknown MLP type(s) {bad}; expected one of {list(MLP_LAYER_TYPES)}")
+        need(self.mtp_layer_type in LAYER_TYPES, "mtp_layer_type", f"unknown layer type {self.mtp_layer_type!r}")
+        for t in (CSA, HCA):
+            need(isinstance(self.compress_rates.get(t), int) and self.compress_rates[t] > 0, "compress_rates",
+                 f"needs a positive integer rate for {t!r}, got {self.compress_rates.get(t)!r}")
+        need(0 < self.qk_rope_head_dim <= self.head_dim and self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim",
+             f"must be even and at most head_dim ({self.head_dim}), got {self.qk_rope_head_dim}")
+        need(self.num_attention_heads % self.o_groups == 0, "o_groups",
+             f"must divide num_attention_heads ({self.num_attention_heads}), got {self.o_groups}")
+        need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
+             f"({self.num_experts_per_tok}) exceeds n_routed_experts ({self.n_routed_experts})")
+        need(self.scoring_func in ("sqrtsoftplus", "sigmoid", "softmax"), "scoring_func",
+             f"unknown scoring function {self.scoring_func!r}")
+        if CSA in self.layer_types:
+            need(self.qk_rope_head_dim <= self.index_head_dim, "index_head_dim",
+                 f"({self.index_head_dim}) must be at least qk_rope_head_dim ({self.qk_rope_head_dim})")
+            need(self.index_topk > 0 and self.index_n_heads > 0, "index_topk", "indexer sizes must be positive")
+
+    # ------------------------------------------------------------------------------------
+    def compress_rate(self, layer_type: str) -> int:
+        """Compression rate m of a layer type (0 for sliding-only layers)."""
+        return 0 if layer_type == SLIDING else self.compress_rates[layer_type]
+
+    def to_hf_dict(self) -> dict:
+        """A ``config.json`` that transformers' ``DeepseekV4Config`` reads back."""
+        d = dataclasses.asdict(self)
+        d.pop("rope_scaling")
+        d.pop("mtp_layer_type")
+        out = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", **d}
+        yarn = self.rope_scaling
+        compress = {"rope_type": "default", "rope_theta": self.compress_rope_theta,
+                    "partial_rotary_factor": self.qk_rope_head_dim / self.head_dim}
+        if yarn is not None:
+            compress.update(rope_type="yarn", factor=yarn.factor, attention_factor=1.0,
+                            original_max_position_embeddings=yarn.original_max_position_embeddings,
+                            beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow)
+        out["rope_parameters"] = {
+            "main": {"rope_type": "default", "rope_theta": self.rope_theta,
+                     "partial_rotary_factor": self.qk_rope_head_dim / self.head_dim},
+            "compress": compress,
+        }
+        out["partial_rotary_factor"] = self.qk_rope_head_dim / self.head_dim
+        out.pop("qk_rope_head_dim")
+        return out
+
+    # ------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "<dict>") -> "ModelConfig":
+        """Build from HF or official config names. Unknown fields are an error naming them."""
+        d = {_OFFICIAL_NAMES.get(k, k): v for k, v in raw.items()}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in d if k not in known and k not in _IGNORED_FIELDS)
+        if unknown:
+            raise ConfigError(f"{source}: unknown config field(s) {unknown}")
+        kw = {k: v for k, v in d.items() if k in known and k not in ("rope_scaling", "layer_types", "mlp_layer_types")}
+        n = d.get("num_hidden_layers", cls.num_hidden_layers)
+
+        # Compression rates: dict (HF), or legacy scalar overrides.
+        rates = dict(d.get("compress_rates") or {CSA: 4, HCA: 128})
+        if "compress_rate_csa" in d:
+            rates[CSA] = d["compress_rate_csa"]
+        if "compress_rate_hca" in d:
+            rates[HCA] = d["compress_rate_hca"]
+        kw["compress_rates"] = rates
+
+        # Layer types: explicit, or legacy per-layer ratios (with the trailing MTP entry).
+        if d.get("layer_types"):
+            kw["layer_types"] = list(d["layer_types"])
+        elif d.get("compress_ratios") is not None:
+            ratios = list(d["compress_ratios"])
+            ratio_to_type = {0: SLIDING, rates[CSA]: CSA, rates[HCA]: HCA, **{4: CSA, 128: HCA}}
+            bad = sorted({r for r in ratios if r not in ratio_to_type})
+            if bad:
+                raise ConfigError(f"{source}: config field `compress_ratios`: unknown ratio(s) {bad}; expected 0, "
+                                  f"{rates[CSA]} or {rates[HCA]}")
+            if len(ratios) not in (n, n + 1):
+                raise ConfigError(f"{source}: config field `compress_ratios` has {len(ratios)} entries; expected "
+                                  f"num_hidden_layers ({n}) or num_hidden_layers + 1 (with the MTP layer)")
+            kw["layer_types"] = [ratio_to_type[r] for r in ratios[:n]]
+            if len(ratios) == n + 1:
+                kw["mtp_layer_type"] = ratio_to_type[ratios[n]]
+        if d.get("mlp_layer_types"):
+            kw["mlp_layer_types"] = list(d["mlp_layer_types"])
+        elif "num_hash_layers" in d:
+            kw["mlp_layer_types"] = _default_mlp_layer_types(n, int(d["num_hash_layers"]))
+
+        # Partial rotary: either qk_rope_head_dim or partial_rotary_factor.
+        head_dim = d.get("head_dim", cls.head_dim)
+        if "qk_rope_head_dim" not in d and d.get("partial_rotary_factor"):
+            kw["qk_rope_head_dim"] = int(round(head_dim * d["partial_rotary_factor"]))
+
+        # RoPE: nested HF rope_parameters {"main", "compress"}, a flat rope_scaling, or official names.
+        rp = d.get("rope_parameters") or {}
+        yarn_src = None
+        if isinstance(rp.get("compress"), dict):
+            compress = rp["compress"]
+            kw["compress_rope_theta"] = compress.get("rope_theta", kw.get("compress_rope_theta", 160000.0))
+            if isinstance(rp.get("main"), dict) and "rope_theta" in rp["main"]:
+                kw["rope_theta"] = rp["main"]["rope_theta"]
+            yarn_src = compress if compress.get("rope_type", compress.get("type")) == "yarn" else None
+            if yarn_src is None:
+                kw["rope_scaling"] = None
+        elif d.get("rope_scaling") or rp:
+            src = d.get("rope_scaling") or rp
+            yarn_src = src if src.get("type", src.get("rope_type")) == "yarn" else None
+            if yarn_src is None:
+                kw["rope_scaling"] = None
+        elif "rope_factor" in d:
+            yarn_src = {"factor": d["rope_factor"], "original_max_position_embeddings": d.get("original_seq_len", 65536),
+                        "beta_fast": d.get("beta_fast", 32), "beta_slow": d.get("beta_slow", 1)}
+        if yarn_src is not None:
+            kw["rope_scaling"] = YarnScaling(
+                factor=float(yarn_src.get("factor", 16.0)),
+                original_max_position_embeddings=int(yarn_src.get("original_max_position_embeddings", 65536)),
+                beta_fast=float(yarn_src.get("beta_fast") or 32.0),
+                beta_slow=float(yarn_src.get("beta_slow") or 1.0),
+            )
+        if isinstance(kw.get("eos_token_id"), list):
+            kw["eos_token_id"] = kw["eos_token_id"][0]
+        try:
+            return cls(**kw)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+        except TypeError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_file(cls, path: str) -> "ModelConfig":
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+        return cls.from_dict(raw, source=path)
+
+
+def _default_layer_types(n: int) -> list[str]:
+    """V4-Flash schedule: two sliding layers, then CSA/HCA alternating starting with CSA."""
+    return [SLIDING] * min(n, 2) + [CSA if i % 2 == 0 else HCA for i in range(max(n - 2, 0))]
+
+
+def _default_mlp_layer_types(n: int, n_hash: int) -> list[str]:
+    return [HASH_MOE] * min(n, n_hash) + [MOE] * max(0, n - n_hash)
+
+
+# ---- presets -------------------------------------------------------------------------------------
+def v4_flash() -> ModelConfig:
+    return ModelConfig()
+
+
+def v4_pro() -> ModelConfig:
+    n = 61
+    return ModelConfig(
+        hidden_size=7168, num_hidden_layers=n, num_attention_heads=128, q_lora_rank=1536, o_groups=16,
+        index_topk=1024, n_routed_experts=384, moe_intermediate_size=3072, routed_scaling_factor=2.5,
+        layer_types=[HCA, HCA] + [CSA if i % 2 == 0 else HCA for i in range(n - 2)],
+    )
+
+
+def tiny(**overrides) -> ModelConfig:
+    """A few-layer model with every V4 feature at toy sizes (tests, default job)."""
+    base = dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+        qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8,
+        layer_types=[SLIDING, CSA, HCA, CSA], compress_rates={CSA: 4, HCA: 8},
+        rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=64),
+        max_position_embeddings=4096, index_n_heads=4, index_head_dim=16, index_topk=4,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        mlp_layer_types=[HASH_MOE, MOE, MOE, MOE], routed_scaling_factor=1.5, hc_mult=4,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+PRESETS = {"deepseek-v4-flash": v4_flash, "deepseek-v4-pro": v4_pro, "tiny": tiny}
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)} or a config.json path")
+    return PRESETS[name]()
