@@ -1,10 +1,19 @@
-"""The ``trex`` command line. Each subcommand lives in its own module and registers here."""
+"""The ``trex`` command line.
+
+Small commands live here; larger ones live in their own modules, each exposing
+``register(subparsers)`` that adds its parser and sets ``func``. Listing the module in
+``COMMAND_MODULES`` is all it takes to add one.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+
+# Modules that add subcommands through register(subparsers).
+COMMAND_MODULES: tuple[str, ...] = ()
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
@@ -48,7 +57,8 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trex", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="trex", description="Full-parameter post-training of DeepSeek-V4 models on any accelerator.")
     parser.add_argument("--device", default=None, help="cpu, cuda, npu, cuda:1 ... (default: auto / TREX_DEVICE)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -60,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_smoke)
+
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
     return parser
 
 
