@@ -1,0 +1,136 @@
+"""Model behaviour beyond parity: packed sequences, the attention core against a dense oracle,
+MoE routing, and the full-size builds on the meta device."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trex.models import build_model, count_parameters, get_preset
+from trex.models.config import tiny
+from trex.models.deepseek_v4 import Experts, sparse_attention
+
+
+def test_packed_documents_match_each_document_alone():
+    model = build_model(tiny(), seed=0).eval()
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 256, (1, 21), generator=gen)  # lengths not multiples of the rates
+    b = torch.randint(0, 256, (1, 30), generator=gen)
+    packed = torch.cat([a, b], dim=1)
+    doc_ids = torch.cat([torch.zeros_like(a), torch.ones_like(b)], dim=1)
+    with torch.no_grad():
+        out = model(packed, doc_ids=doc_ids)
+        alone_a, alone_b = model(a), model(b)
+    assert torch.allclose(out.logits[:, :21], alone_a.logits, atol=1e-5)
+    assert torch.allclose(out.logits[:, 21:], alone_b.logits, atol=1e-5)
+    # MTP sees the next token; only the last position of a document differs (its loss is masked)
+    assert torch.allclose(out.mtp_logits[0][:, :20], alone_a.mtp_logits[0][:, :20], atol=1e-5)
+    assert torch.allclose(out.mtp_logits[0][:, 21:], alone_b.mtp_logits[0], atol=1e-5)
+
+
+def test_packed_loss_ignores_cross_document_targets():
+    model = build_model(tiny(), seed=0).eval()
+    ids = torch.randint(0, 256, (1, 16))
+    doc = torch.tensor([[0] * 8 + [1] * 8])
+    with torch.no_grad():
+        packed = model(ids, labels=ids, doc_ids=doc).loss
+        logits = model(ids, doc_ids=doc).logits[0]
+    targets = ids[0, 1:].clone()
+    targets[7] = -100  # position 7 would predict the first token of the next document
+    expected = F.cross_entropy(logits[:-1], targets, ignore_index=-100)
+    assert torch.allclose(packed, expected, atol=1e-6)
+
+
+def _dense_attention(q, kv, sink, scale, window, doc, comp, comp_visible):
+    """Straightforward oracle: full [S, S + N] score matrix with an explicit mask."""
+    B, S, H, c = q.shape
+    t = torch.arange(S)
+    raw_ok = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - window)
+    raw_ok = raw_ok[None] & (doc[:, :, None] == doc[:, None, :])
+    keys = torch.cat([kv, comp], dim=1)
+    ok = torch.cat([raw_ok, comp_visible], dim=2)
+    scores = torch.einsum("bshc,bnc->bhsn", q, keys) * scale
+    scores = scores.masked_fill(~ok[:, None], float("-inf"))
+    scores = torch.cat([scores, sink.view(1, H, 1, 1).expand(B, H, S, 1)], dim=-1)
+    probs = scores.softmax(-1)[..., :-1]
+    return torch.einsum("bhsn,bnc->bshc", probs, keys)
+
+
+def test_sparse_attention_matches_dense_oracle():
+    torch.manual_seed(0)
+    B, S, H, c, W, N = 2, 45, 3, 16, 8, 6
+    q, kv = torch.randn(B, S, H, c), torch.randn(B, S, c)
+    sink, comp = torch.randn(H), torch.randn(B, N, c)
+    doc = torch.tensor([[0] * 20 + [1] * 25, [0] * 45])
+    visible = torch.rand(B, S, N) > 0.5
+    dense = _dense_attention(q, kv, sink, c**-0.5, W, doc, comp, visible)
+    ours = sparse_attention(q, kv, sink, c**-0.5, W, doc, comp, comp_mask=visible)
+    assert torch.allclose(ours, dense, atol=1e-5)
+    # the sparse (indexer) form: k distinct entries per query, some of them invalid
+    idx = torch.rand(B, S, N).argsort(dim=-1)[..., :3]
+    valid = torch.rand(B, S, 3) > 0.3
+    chosen = (F.one_hot(idx, N).bool() & valid[..., None]).any(dim=2)
+    sparse = sparse_attention(q, kv, sink, c**-0.5, W, doc, comp, comp_mask=valid, comp_idx=idx)
+    dense = _dense_attention(q, kv, sink, c**-0.5, W, doc, comp, chosen)
+    assert torch.allclose(sparse, dense, atol=1e-5)
+
+
+def test_grouped_experts_match_per_token_loop():
+    torch.manual_seed(0)
+    experts = Experts(n=5, dim=12, inter=7, limit=10.0)
+    for p in experts.parameters():
+        p.data.normal_(0, 0.5)
+    x = torch.randn(9, 12)
+    idx = torch.stack([torch.randperm(5)[:2] for _ in range(9)])
+    w = torch.rand(9, 2)
+    expected = torch.zeros(9, 12)
+    for t in range(9):
+        for j in range(2):
+            e = idx[t, j]
+            g = (x[t] @ experts.w1[e].T).clamp(max=10.0)
+            u = (x[t] @ experts.w3[e].T).clamp(-10.0, 10.0)
+            expected[t] += w[t, j] * ((F.silu(g) * u) @ experts.w2[e].T)
+    assert torch.allclose(experts(x, idx, w), expected, atol=1e-5)
+
+
+def test_training_mode_reports_balance_loss_and_expert_counts():
+    cfg = tiny()
+    model = build_model(cfg, seed=0).train()
+    out = model(torch.randint(0, 256, (2, 16)))
+    assert len(out.moe_stats) == cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    for stat, mlp_type in zip(out.moe_stats, cfg.mlp_layer_types + ["moe"]):
+        assert stat.counts.sum().item() == 2 * 16 * cfg.num_experts_per_tok
+        assert (stat.balance_loss is None) == (mlp_type == "hash_moe")
+    assert out.moe_stats[1].balance_loss.requires_grad
+
+
+def _count_from_shapes(d, layers, heads, q_lora, groups, experts, inter, vocab, layer_types):
+    """Parameter count from the checkpoint shape table of the reference notes (section 4.2)."""
+    c, rd, n, o_lora, ci, hi = 512, 64, 4, 1024, 128, 64
+    per_layer = 2 * d + 2 * ((2 + n) * n * n * d + (2 + n) * n + 3)  # norms, mHC attn + ffn
+    per_layer += heads + q_lora * d + q_lora + heads * c * q_lora + c * d + c  # sink, q path, kv
+    per_layer += groups * o_lora * (heads * c // groups) + d * groups * o_lora  # wo_a, wo_b
+    per_layer += experts * d + 3 * experts * inter * d + 3 * inter * d  # router, routed, shared
+    total = vocab * d * 2 + d + n * n * d + n + 1 + layers * per_layer  # embed, head, norm, hc_head
+    for t in layer_types:
+        if t == "compressed_sparse_attention":
+            total += 2 * (2 * c) * d + 4 * 2 * c + c  # compressor (overlapping, 2c wide)
+            total += hi * ci * q_lora + hi * d + 2 * (2 * ci) * d + 4 * 2 * ci + ci  # indexer
+        elif t == "heavily_compressed_attention":
+            total += 2 * c * d + 128 * c + c
+    active = total - layers * (experts - 6) * 3 * inter * d
+    del rd
+    return total, active
+
+
+def test_full_size_models_build_on_meta_with_exact_parameter_counts():
+    for name, expected_b in (("deepseek-v4-flash", (284.3, 13.8)), ("deepseek-v4-pro", (1573, 49.8))):
+        cfg = get_preset(name)
+        count = count_parameters(cfg)
+        total, active = _count_from_shapes(cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+                                           cfg.q_lora_rank, cfg.o_groups, cfg.n_routed_experts,
+                                           cfg.moe_intermediate_size, cfg.vocab_size, cfg.layer_types)
+        assert (count.total, count.active) == (total, active)
+        assert abs(count.total / 1e9 - expected_b[0]) / expected_b[0] < 0.005
+        assert abs(count.active / 1e9 - expected_b[1]) / expected_b[1] < 0.01
+        assert count.mtp > 0
