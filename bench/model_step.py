@@ -1,0 +1,167 @@
+"""One training step (forward + backward + AdamW) of trex vs transformers' DeepseekV4ForCausalLM.
+
+Same tiny config, same weights, CPU, fp32, batch 1, at several sequence lengths. Each
+(implementation, length) runs in a fresh subprocess so peak memory (Linux VmHWM) is its own.
+Writes a markdown table between markers in docs/benchmarks.md.
+
+    .venv/bin/python bench/model_step.py                 # S = 512 ... 8192
+    .venv/bin/python bench/model_step.py --seqs 256 --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+S_, C_, H_ = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+BENCH_CONFIG = dict(
+    vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, head_dim=64,
+    partial_rotary_factor=0.25, q_lora_rank=128, o_groups=4, o_lora_rank=64, sliding_window=128,
+    layer_types=[S_, C_, H_, C_], compress_rates={C_: 4, H_: 128},
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"], index_n_heads=4, index_head_dim=32, index_topk=64,
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, hc_mult=4,
+    max_position_embeddings=16384, num_nextn_predict_layers=0,
+    rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                  "beta_fast": 32, "beta_slow": 1},
+)
+# transformers materialises [S, S + S/m] scores per layer; above this it would not fit in 24 GiB.
+REFERENCE_MAX_SEQ = 4096
+MARK_BEGIN, MARK_END = "<!-- model-step-bench:begin -->", "<!-- model-step-bench:end -->"
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def run_one(impl: str, seq: int, ckpt: str, steps: int) -> dict:
+    """Runs in a subprocess: load, warm up, time `steps` training steps, report peak memory."""
+    import torch
+
+    torch.manual_seed(0)
+    if impl == "trex":
+        from trex.models import load_pretrained
+
+        model = load_pretrained(ckpt, dtype=torch.float32, device="cpu")
+    else:
+        from transformers import DeepseekV4ForCausalLM
+
+        model = DeepseekV4ForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, BENCH_CONFIG["vocab_size"], (1, seq))
+
+    def step():
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    step()  # warm-up (allocates optimizer state)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak to the current resident set
+    base = _status_kib("VmRSS")
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    peak = _status_kib("VmHWM")
+    return {"impl": impl, "seq": seq, "step_s": min(times), "tokens_per_s": seq / min(times),
+            "peak_step_bytes": (peak - base) * 1024}
+
+
+def measure(impl: str, seq: int, ckpt: str, steps: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", impl, str(seq), ckpt, str(steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"impl": impl, "seq": seq, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def table(results: dict, seqs: list[int]) -> str:
+    import torch
+
+    lines = [
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads, fp32, batch 1, AdamW step included.",
+        "Config: hidden 256, 4 layers (sliding, CSA, HCA, CSA), 8 heads x 64, window 128, CSA m=4 top-64, "
+        "HCA m=128, 8 experts top-2, hc_mult 4, vocab 1024. Peak = resident-set growth during a step.",
+        "",
+        "| S | trex tok/s | reference tok/s | speed ratio | trex peak MiB | reference peak MiB | memory ratio "
+        "| trex s/token vs S=1024 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    base = results.get(("trex", 1024), {}).get("step_s")
+    for s in seqs:
+        t, r = results.get(("trex", s), {}), results.get(("hf", s), {})
+        per_tok = f"{(t['step_s'] / s) / (base / 1024):.2f}x" if base and "step_s" in t else "-"
+        speed = f"{t['tokens_per_s'] / r['tokens_per_s']:.1f}x" if "tokens_per_s" in r and "tokens_per_s" in t else "-"
+        mem = (f"{r['peak_step_bytes'] / max(t['peak_step_bytes'], 1):.1f}x less"
+               if "peak_step_bytes" in r and "peak_step_bytes" in t else "-")
+        ref_tok = f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else r.get("error", "not run (does not fit)")
+        ref_mem = f"{r['peak_step_bytes'] / 2**20:.0f}" if "peak_step_bytes" in r else "-"
+        lines.append(f"| {s} | {t.get('tokens_per_s', 0):.0f} | {ref_tok} | {speed} | "
+                     f"{t.get('peak_step_bytes', 0) / 2**20:.0f} | {ref_mem} | {mem} | {per_tok} |")
+    return "\n".join(lines)
+
+
+def write_section(text: str) -> None:
+    path = os.path.join(ROOT, "docs", "benchmarks.md")
+    doc = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+    section = f"{MARK_BEGIN}\n## Model training step: trex vs transformers (CPU)\n\n" \
+              f"Command: `.venv/bin/python bench/model_step.py`\n\n{text}\n{MARK_END}"
+    if MARK_BEGIN in doc:
+        doc = doc[: doc.index(MARK_BEGIN)] + section + doc[doc.index(MARK_END) + len(MARK_END):]
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + section + "\n"
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(doc)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        impl, seq, ckpt, steps = args.child
+        print(json.dumps(run_one(impl, int(seq), ckpt, int(steps))))
+        return
+
+    from hf_oracle import hf_config, random_hf_model
+
+    with tempfile.TemporaryDirectory() as ckpt:
+        random_hf_model(hf_config(**BENCH_CONFIG), seed=0).save_pretrained(ckpt)
+        results = {}
+        for seq in args.seqs:
+            for impl in ("trex", "hf"):
+                if impl == "hf" and seq > REFERENCE_MAX_SEQ:
+                    continue
+                results[(impl, seq)] = r = measure(impl, seq, ckpt, args.steps)
+                print(json.dumps(r), flush=True)
+    text = table(results, args.seqs)
+    print(text)
+    if not args.no_write:
+        write_section(text)
+
+
+if __name__ == "__main__":
+    main()
