@@ -1,0 +1,1 @@
+"""Training: optimizers, LR schedules, precision policy, MoE load balancing and the training loop."""

@@ -1,0 +1,84 @@
+"""MoE load balancing without an auxiliary loss, and indexer freezing for post-training.
+
+After each optimizer step, every score-routed MoE layer's ``ffn.gate.bias`` (fp32 [E], a buffer,
+used only to pick the top-k experts) moves toward balance (DeepSeek-V3/V4)::
+
+    load_i = tokens routed to expert i in this step (summed over micro-batches and ranks)
+    b_i += gamma * sign(mean(load) - load_i)          # gamma = 0.001 in V4 pretraining
+
+Hash-routed layers (``ffn.gate.tid2eid``, no bias) keep their fixed table and are only reported.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from trex.models.deepseek_v4 import MoEStats
+
+INDEXER_MARK = ".attn.indexer."
+
+
+def sum_expert_counts(stats: Sequence[MoEStats]) -> dict[str, torch.Tensor]:
+    """Per-layer token counts [E] summed over micro-batches (``stats`` from every micro-batch)."""
+    totals: dict[str, torch.Tensor] = {}
+    for s in stats:
+        counts = s.counts.detach().to(torch.float32)
+        if s.layer in totals:
+            if totals[s.layer].shape != counts.shape:
+                raise ValueError(f"MoE stats for layer {s.layer}: expert counts of shape {tuple(counts.shape)} "
+                                 f"after {tuple(totals[s.layer].shape)} in an earlier micro-batch")
+            totals[s.layer] = totals[s.layer] + counts
+        else:
+            totals[s.layer] = counts
+    return totals
+
+
+@torch.no_grad()
+def update_router_bias(model: nn.Module, stats: Sequence[MoEStats], gamma: float,
+                       reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Apply b_i += gamma * sign(mean_load - load_i) to each score-routed layer's gate bias.
+
+    ``stats``: the ``out.moe_stats`` of every micro-batch of the step, concatenated. ``reduce``
+    (optional) receives all layers' counts stacked as one [L, E] fp32 tensor and returns the sum
+    over ranks (e.g. an all-reduce), so the update is identical on every rank. Returns the step's
+    counts per layer (after ``reduce``), hash layers included, for load metrics.
+    """
+    totals = sum_expert_counts(stats)
+    if not totals:
+        return {}
+    names = list(totals)
+    stacked = torch.stack([totals[n] for n in names])
+    if reduce is not None:
+        stacked = reduce(stacked)
+    counts = dict(zip(names, stacked.unbind(0)))
+    for layer, load in counts.items():
+        try:
+            gate = model.get_submodule(f"{layer}.ffn.gate")
+        except AttributeError:
+            raise ValueError(f"MoE stats name layer {layer!r}, but the model has no module {layer}.ffn.gate") from None
+        bias = getattr(gate, "bias", None)
+        if bias is None:  # hash-routed layer
+            continue
+        if bias.shape != load.shape:
+            raise ValueError(f"{layer}.ffn.gate.bias has shape {tuple(bias.shape)} but the layer's expert counts "
+                             f"have shape {tuple(load.shape)}")
+        bias.add_(torch.sign(load.mean() - load).to(device=bias.device, dtype=bias.dtype), alpha=gamma)
+    return counts
+
+
+def freeze_indexer(model: nn.Module) -> list[str]:
+    """Set requires_grad=False on every lightning-indexer parameter (``*.attn.indexer.*``).
+
+    Post-training default: the indexer's top-k is not differentiable, so the LM loss gives it no
+    gradient anyway; freezing also keeps it out of the optimizer (no weight decay drift).
+    Call before `build_optimizer`. Returns the frozen names.
+    """
+    frozen = []
+    for name, p in model.named_parameters():
+        if INDEXER_MARK in f".{name}":
+            p.requires_grad_(False)
+            frozen.append(name)
+    return frozen

@@ -1,0 +1,393 @@
+"""Muon (as DeepSeek-V4 uses it) and AdamW in one optimizer, parameter grouping by rule, clipping.
+
+Muon, for each logically independent matrix W (n x m) with gradient G (report Algorithm 1)::
+
+    M = mu * M + G                                   # momentum, mu = 0.95
+    O' = HybridNewtonSchulz(mu * M + G)              # Nesterov
+    O = O' * sqrt(max(n, m)) * update_rms            # update_rms = 0.18: update RMS ~ AdamW's
+    W = W * (1 - lr * wd) - lr * O                   # decoupled weight decay
+
+Parameters are split into logical matrices by a per-parameter *row split* (``row_blocks``): a
+list of row counts along dim -2, each block orthogonalised on its own; leading dims (stacked
+experts [E, out, in]) are always a batch of independent matrices. The update is written as two
+functions so that a sharded (FSDP/DTensor) version can reuse it: `momentum_direction` is
+elementwise and runs on local shards; `orthogonalized_update` needs each logical matrix whole
+(gather, update, re-shard). See docs/optimizers.md.
+
+`build_optimizer` groups a DeepSeek-V4 model's parameters by the rules in `classify`; parameters
+with ``requires_grad=False`` are left out. Parameters stored in a dtype other than fp32 get an
+fp32 master copy in the optimizer state; the update is computed on the master and copied back.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from trex import device as trex_device
+from trex.models.deepseek_v4 import Attention, Compressor, Experts, HyperConnection, HyperHead, RMSNorm
+
+OPTIMIZERS = ("muon", "adamw")
+NS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class OptimConfig:
+    """The ``[optim]`` section of a recipe. Defaults follow DeepSeek-V4 (report §2.4)."""
+
+    name: str = "muon"
+    """"muon" (Muon for matrices, AdamW for the rest, as V4) or "adamw" (AdamW for everything)."""
+    lr: float = 2e-5
+    """Peak learning rate, shared by the Muon and AdamW groups (Muon's update_rms makes them comparable)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay: W <- W * (1 - lr * weight_decay) before the update."""
+    decay_gains_and_biases: bool = False
+    """Also decay 1-D parameters and biases (norm weights, mHC base/scale, sinks, compressor ape)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-20
+    """AdamW epsilon (V4 uses 1e-20)."""
+    momentum: float = 0.95
+    """Muon momentum mu."""
+    nesterov: bool = True
+    """Muon: orthogonalise mu * M + G (Nesterov) instead of M."""
+    ns_coefficients: list[list[float]] = field(default_factory=lambda: [[3.4445, -4.7750, 2.0315], [2.0, -1.5, 0.5]])
+    """Newton-Schulz (a, b, c) stages: X <- a X + b (X X^T) X + c (X X^T)^2 X."""
+    ns_iterations: list[int] = field(default_factory=lambda: [8, 2])
+    """Iterations of each stage in ns_coefficients (V4: 8 then 2)."""
+    ns_dtype: str = "auto"
+    """Newton-Schulz matmul dtype: "fp32", "bf16", or "auto" (bf16 on accelerators with fast bf16, else fp32)."""
+    update_rms: float = 0.18
+    """Muon update scale gamma: O = NS(.) * sqrt(max(n, m)) * update_rms."""
+    grad_clip: float = 1.0
+    """Clip gradients to this global L2 norm; 0 disables clipping (the norm is still measured)."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, fld: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"optim.{fld}: {what}, got {getattr(self, fld)!r}")
+
+        need(self.name in OPTIMIZERS, "name", f"expected one of {list(OPTIMIZERS)}")
+        need(self.lr > 0, "lr", "expected a positive learning rate")
+        need(self.weight_decay >= 0, "weight_decay", "expected >= 0")
+        need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", "expected [beta1, beta2] in [0, 1)")
+        need(self.eps >= 0, "eps", "expected >= 0")
+        need(0 <= self.momentum < 1, "momentum", "expected a value in [0, 1)")
+        need(len(self.ns_coefficients) == len(self.ns_iterations), "ns_iterations",
+             f"expected one iteration count per ns_coefficients stage ({len(self.ns_coefficients)})")
+        need(all(len(c) == 3 for c in self.ns_coefficients), "ns_coefficients", "expected [a, b, c] triples")
+        need(all(isinstance(i, int) and i >= 0 for i in self.ns_iterations), "ns_iterations", "expected integers >= 0")
+        need(self.ns_dtype in ("auto", *NS_DTYPES), "ns_dtype", f"expected one of {['auto', *NS_DTYPES]}")
+        need(self.update_rms > 0, "update_rms", "expected > 0")
+        need(self.grad_clip >= 0, "grad_clip", "expected >= 0 (0 disables)")
+
+    def ns_schedule(self) -> list[tuple[float, float, float, int]]:
+        return [(float(a), float(b), float(c), int(n)) for (a, b, c), n in zip(self.ns_coefficients, self.ns_iterations)]
+
+
+# ==================================================================================================
+# The Muon update (shared with the distributed version)
+# ==================================================================================================
+def hybrid_newton_schulz(x: torch.Tensor, schedule: Sequence[tuple[float, float, float, int]],
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Approximate U V^T of each matrix in x: [..., n, m] -> fp32 [..., n, m].
+
+    Each matrix is normalised by its Frobenius norm (in fp32), then iterated in ``dtype`` with
+    X <- a X + b (X X^T) X + c (X X^T)^2 X. Tall matrices (n > m) are transposed first so the
+    Gram matrix X X^T is the small side (min(n, m) square); the result is transposed back.
+    """
+    X = x.float()
+    X = X / (torch.linalg.matrix_norm(X, keepdim=True) + 1e-7)
+    tall = X.shape[-2] > X.shape[-1]
+    X = (X.mT if tall else X).to(dtype)
+    for a, b, c, iterations in schedule:
+        for _ in range(iterations):
+            A = X @ X.mT
+            X = a * X + (b * A + c * (A @ A)) @ X
+    return (X.mT if tall else X).float()
+
+
+def momentum_direction(grad: torch.Tensor, momentum: torch.Tensor, mu: float, nesterov: bool) -> torch.Tensor:
+    """M <- mu * M + G in place; returns mu * M + G (Nesterov) or M. Elementwise: shard-local."""
+    g = grad.float()
+    momentum.mul_(mu).add_(g)
+    return momentum * mu + g if nesterov else momentum.clone()
+
+
+def orthogonalized_update(direction: torch.Tensor, row_blocks: Sequence[int], update_rms: float,
+                          schedule: Sequence[tuple[float, float, float, int]],
+                          ns_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Muon update O for a whole parameter: direction [..., rows, cols] -> fp32, same shape.
+
+    Leading dims are a batch of independent matrices. ``row_blocks`` splits dim -2 into logical
+    matrices (empty: one block); each block b (r x cols) gets NS(b) * sqrt(max(r, cols)) * update_rms.
+    """
+    if direction.dim() < 2:
+        raise ValueError(f"Muon needs a matrix, got a tensor of shape {tuple(direction.shape)}")
+    rows = direction.shape[-2]
+    blocks = list(row_blocks) or [rows]
+    if sum(blocks) != rows:
+        raise ValueError(f"row_blocks {blocks} sum to {sum(blocks)}, but the tensor of shape "
+                         f"{tuple(direction.shape)} has {rows} rows")
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return hybrid_newton_schulz(x, schedule, ns_dtype) * (math.sqrt(max(x.shape[-2], x.shape[-1])) * update_rms)
+
+    if len(set(blocks)) == 1:  # equal blocks: one batched call
+        return scaled(direction.unflatten(-2, (len(blocks), blocks[0]))).flatten(-3, -2)
+    return torch.cat([scaled(b) for b in direction.split(blocks, dim=-2)], dim=-2)
+
+
+def muon_update(grad: torch.Tensor, momentum: torch.Tensor, row_blocks: Sequence[int], *, mu: float,
+                nesterov: bool, update_rms: float, schedule: Sequence[tuple[float, float, float, int]],
+                ns_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The full Muon update O for one parameter (full, unsharded tensors); updates ``momentum``."""
+    direction = momentum_direction(grad, momentum, mu, nesterov)
+    return orthogonalized_update(direction, row_blocks, update_rms, schedule, ns_dtype)
+
+
+# ==================================================================================================
+# Parameter grouping rules
+# ==================================================================================================
+@dataclass(frozen=True)
+class Rule:
+    """One grouping rule: the optimizer a parameter gets and why."""
+
+    key: str
+    muon: bool  # Muon under name="muon" (AdamW otherwise)
+    decay: bool  # weight decay applies (gains and biases only with decay_gains_and_biases)
+    what: str
+
+
+RULES = {r.key: r for r in (
+    Rule("matrix", True, True, "matrices (attention, shared experts, router, MTP projections, mHC head fn), whole"),
+    Rule("experts", True, True, "routed experts [E, out, in], each expert a separate matrix"),
+    Rule("mhc_fn", True, True, "mHC fn [(2+n)n, nd], rows split into pre (n) / post (n) / comb (n*n)"),
+    Rule("csa_halves", True, True, "CSA compressor wkv/wgate [2c, d], rows split [0:c] / [c:2c]"),
+    Rule("wo_a_groups", True, True, "grouped wo_a [g*o_lora_rank, H*c/g], rows split into g groups"),
+    Rule("embed_head", False, True, "embedding and output head"),
+    Rule("gains_biases", False, False, "RMSNorm weights, mHC base/scale, attention sinks, compressor ape"),
+)}
+
+
+def classify(model: nn.Module) -> list[tuple[str, nn.Parameter, Rule, list[int]]]:
+    """(name, parameter, rule, row_blocks) for every trainable parameter, in model order.
+
+    A parameter shared by two modules (tied embedding and head) is listed once.
+    """
+    split_linears = _split_linears(model)
+    out, seen = [], set()
+    for mod_name, module in model.named_modules():
+        for leaf, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            name = f"{mod_name}.{leaf}" if mod_name else leaf
+            rule, blocks = split_linears.get(id(p)) or _rule_for(model, module, leaf, p, name)
+            out.append((name, p, rule, blocks))
+    return out
+
+
+def _split_linears(model: nn.Module) -> dict[int, tuple[Rule, list[int]]]:
+    """Linear weights that stack several logical matrices, by parameter id."""
+    found = {}
+    for module in model.modules():
+        if isinstance(module, Compressor) and module.overlap:
+            for linear in (module.wkv, module.wgate):
+                found[id(linear.weight)] = (RULES["csa_halves"], [module.c, module.c])
+        if isinstance(module, Attention):
+            found[id(module.wo_a.weight)] = (RULES["wo_a_groups"], [module.cfg.o_lora_rank] * module.cfg.o_groups)
+    return found
+
+
+def _rule_for(model: nn.Module, module: nn.Module, leaf: str, p: nn.Parameter, name: str) -> tuple[Rule, list[int]]:
+    if isinstance(module, nn.Embedding) or module is getattr(model, "head", None):
+        return RULES["embed_head"], []
+    if isinstance(module, RMSNorm) or (isinstance(module, (HyperConnection, HyperHead)) and leaf in ("base", "scale")):
+        return RULES["gains_biases"], []
+    if (isinstance(module, Attention) and leaf == "attn_sink") or (isinstance(module, Compressor) and leaf == "ape"):
+        return RULES["gains_biases"], []
+    if isinstance(module, HyperConnection) and leaf == "fn":
+        return RULES["mhc_fn"], [module.n, module.n, module.n * module.n]
+    if isinstance(module, Experts):
+        return RULES["experts"], []
+    if p.dim() == 1:
+        return RULES["gains_biases"], []
+    if p.dim() == 2:
+        return RULES["matrix"], []
+    raise ValueError(f"optimizer grouping: no rule for parameter {name} of shape {tuple(p.shape)} "
+                     f"in {type(module).__name__}")
+
+
+# ==================================================================================================
+# The optimizer
+# ==================================================================================================
+class MuonAdamW(torch.optim.Optimizer):
+    """One optimizer with Muon groups (``algorithm="muon"``) and AdamW groups (``"adamw"``).
+
+    Every group has ``lr``, ``weight_decay`` and ``names`` (parameter names, for messages);
+    Muon groups have ``momentum``, ``nesterov``, ``update_rms``, ``ns_coefficients``,
+    ``ns_iterations``, ``ns_dtype`` ("fp32"/"bf16") and ``row_blocks`` (one list per parameter);
+    AdamW groups have ``betas`` and ``eps``. State per parameter: ``momentum_buffer`` (Muon) or
+    ``step``, ``exp_avg``, ``exp_avg_sq`` (AdamW), all fp32, and ``master`` (fp32) for parameters
+    stored in a lower precision.
+    """
+
+    def __init__(self, param_groups: list[dict]):
+        for group in param_groups:
+            if group.get("algorithm") not in OPTIMIZERS:
+                raise ValueError(f"param group needs algorithm 'muon' or 'adamw', got {group.get('algorithm')!r}")
+            n = len(group["params"])
+            group.setdefault("names", [f"param{i}" for i in range(n)])
+            if group["algorithm"] == "muon":
+                group.setdefault("row_blocks", [[] for _ in range(n)])
+        super().__init__(param_groups, defaults={})
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, except that state tensors keep their saved dtype (fp32 master and moments):
+        torch would cast them to the parameter dtype, losing the master weights of bf16 parameters."""
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, saved in state_dict["state"].items():
+            p = params[index]
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    self.state[p][key] = value.to(device=p.device, copy=True)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                master = self._master(p, state)
+                if group["algorithm"] == "muon":
+                    update = self._muon_update(group, i, p, state)
+                else:
+                    update = self._adamw_update(group, p, state)
+                master.mul_(1.0 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
+                if master is not p:
+                    p.copy_(master)
+        return loss
+
+    @staticmethod
+    def _master(p: torch.Tensor, state: dict) -> torch.Tensor:
+        if p.dtype == torch.float32:
+            return p
+        if "master" not in state:
+            state["master"] = p.detach().float().clone()
+        return state["master"]
+
+    @staticmethod
+    def _muon_update(group: dict, i: int, p: torch.Tensor, state: dict) -> torch.Tensor:
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+        schedule = [(*coef, n) for coef, n in zip(group["ns_coefficients"], group["ns_iterations"])]
+        return muon_update(p.grad, state["momentum_buffer"], group["row_blocks"][i], mu=group["momentum"],
+                           nesterov=group["nesterov"], update_rms=group["update_rms"], schedule=schedule,
+                           ns_dtype=NS_DTYPES[group["ns_dtype"]])
+
+    @staticmethod
+    def _adamw_update(group: dict, p: torch.Tensor, state: dict) -> torch.Tensor:
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        beta1, beta2 = group["betas"]
+        g = p.grad.float()
+        state["step"] += 1
+        t = float(state["step"])
+        state["exp_avg"].lerp_(g, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt_().add_(group["eps"])
+        return state["exp_avg"] / (1 - beta1**t) / denom
+
+    def describe_groups(self) -> str:
+        """A table of the groups for the start of a run: rule, algorithm, counts, names (layers folded)."""
+        lines = []
+        total = matrices = 0
+        for group in self.param_groups:
+            numel = sum(p.numel() for p in group["params"])
+            total += numel
+            rule = RULES.get(group.get("rule", ""))
+            summary = f"{len(group['params'])} tensors, {numel:,} parameters"
+            if group["algorithm"] == "muon":
+                n = sum(_logical_count(p, rb) for p, rb in zip(group["params"], group["row_blocks"]))
+                matrices += n
+                summary += f", {n} logical matrices"
+            lines.append(f"  {group['algorithm']:5s} [{group.get('rule', '?')}] {rule.what if rule else ''}")
+            lines.append(f"        lr {group['lr']:g}, weight decay {group['weight_decay']:g}; {summary}")
+            folded = Counter(re.sub(r"(^|\.)(layers|mtp)\.\d+\.", r"\1\2.*.", n) for n in group["names"])
+            lines += [f"        {name}" + (f"  x{count}" if count > 1 else "") for name, count in folded.items()]
+        head = f"optimizer: {len(self.param_groups)} groups, {total:,} parameters, {matrices} Muon logical matrices"
+        return "\n".join([head, *lines])
+
+
+def _logical_count(p: torch.Tensor, row_blocks: Sequence[int]) -> int:
+    return math.prod(p.shape[:-2]) * max(1, len(row_blocks))
+
+
+def resolve_ns_dtype(name: str, dev: trex_device.Device) -> str:
+    """"auto" -> "bf16" on accelerators with fast bf16, "fp32" elsewhere (always fp32 on CPU)."""
+    if name != "auto":
+        return name
+    return "bf16" if dev.is_accelerator and dev.capabilities().bf16_fast else "fp32"
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, dev: trex_device.Device | None = None) -> MuonAdamW:
+    """Group the model's trainable parameters by rule (see `classify`) into one `MuonAdamW`.
+
+    ``dev`` resolves ``ns_dtype = "auto"``; by default it is the device of the parameters.
+    """
+    entries = classify(model)
+    if not entries:
+        raise ValueError("build_optimizer: the model has no trainable parameters")
+    if dev is None:
+        p0 = entries[0][1]
+        dev = trex_device.Device(p0.device.type, p0.device.index or 0)
+    by_rule: dict[str, list] = {}
+    for entry in entries:
+        by_rule.setdefault(entry[2].key, []).append(entry)
+    groups = []
+    for key, members in by_rule.items():
+        rule = RULES[key]
+        decay = rule.decay or cfg.decay_gains_and_biases
+        group = {"rule": key, "params": [m[1] for m in members], "names": [m[0] for m in members],
+                 "lr": cfg.lr, "weight_decay": cfg.weight_decay if decay else 0.0}
+        if rule.muon and cfg.name == "muon":
+            group.update(algorithm="muon", momentum=cfg.momentum, nesterov=cfg.nesterov, update_rms=cfg.update_rms,
+                         ns_coefficients=[list(c) for c in cfg.ns_coefficients], ns_iterations=list(cfg.ns_iterations),
+                         ns_dtype=resolve_ns_dtype(cfg.ns_dtype, dev), row_blocks=[m[3] for m in members])
+        else:
+            group.update(algorithm="adamw", betas=tuple(cfg.betas), eps=cfg.eps)
+        groups.append(group)
+    return MuonAdamW(groups)
+
+
+# ==================================================================================================
+# Gradient clipping
+# ==================================================================================================
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale gradients so their global L2 norm is at most ``max_norm`` (0: measure only).
+
+    Returns the norm before clipping as a 0-d tensor (non-finite if any gradient is). Uses
+    ``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm``, which also reduce DTensor gradients
+    across their mesh, so every rank sees the same global norm.
+    """
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    if max_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return torch.nn.utils.get_total_norm([p.grad for p in params])
