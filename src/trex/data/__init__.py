@@ -1,0 +1,32 @@
+"""Training data: JSONL/Parquet records -> DeepSeek-V4 chat (or raw text) encoding -> packed rows
+-> deterministic, resumable, rank-sharded micro-batches.
+
+    tok = load_tokenizer(cfg.tokenizer)
+    loader = build_loader(cfg, rank, world_size, tok)
+    batch = next(loader)            # Batch(input_ids, labels, doc_ids [B, S], n_loss_tokens, n_tokens)
+    state = loader.state_dict()     # resume: loader.load_state_dict(state)
+    loader.summary()                # for summary.json (skips by reason, packing efficiency, ...)
+"""
+
+from __future__ import annotations
+
+from trex.data.config import DataConfig
+from trex.data.documents import Documents, build_documents
+from trex.data.loader import Batch, PackedLoader
+from trex.data.packing import PackedRows
+from trex.data.records import BadRecordError, BadRecordPolicy, SkipCounter
+from trex.data.tokenizer import Tokenizer, compact_tokenizer, load_tokenizer
+
+__all__ = ["DataConfig", "Batch", "PackedLoader", "BadRecordError", "Tokenizer", "Documents",
+           "build_loader", "load_tokenizer", "compact_tokenizer"]
+
+
+def build_loader(cfg: DataConfig, rank: int, world_size: int, tokenizer: Tokenizer) -> PackedLoader:
+    """Read, encode and pack ``cfg.paths`` (identically on every rank) and return this rank's loader.
+
+    Raises BadRecordError (file:line: reason) under bad_record_policy "fail"."""
+    cfg.validate()
+    policy = BadRecordPolicy(cfg.bad_record_policy)
+    docs = build_documents(cfg, tokenizer, policy)
+    rows = PackedRows.build(docs, cfg.seq_len, tokenizer.pad_id)
+    return PackedLoader(rows, cfg.micro_batch_size, rank, world_size, cfg.seed, cfg.shuffle, policy.counter)

@@ -1,0 +1,164 @@
+"""Reading JSONL and Parquet records, each with its file and line, and the bad-record policy.
+
+A bad record is one that cannot become a training document: malformed JSON, invalid UTF-8, a
+missing/unknown role, an empty conversation, a document longer than seq_len, ... The policy decides:
+``fail`` raises :class:`BadRecordError` naming file, line and reason; ``skip`` drops it and counts it
+in :class:`SkipCounter`; ``truncate`` does the same except that an over-long document is cut to
+seq_len (counted as truncated).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from trex.data.chat import RecordError
+
+SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class Record:
+    """One input record; ``line`` is the 1-based JSONL line or Parquet row."""
+    data: dict
+    path: str
+    line: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+class BadRecordError(ValueError):
+    """Raised under the ``fail`` policy: ``path:line: reason: detail``."""
+
+    def __init__(self, path: str, line: int, reason: str, detail: str):
+        super().__init__(f"{path}:{line}: bad record ({reason}): {detail}")
+        self.path, self.line, self.reason = path, line, reason
+
+
+@dataclass
+class SkipCounter:
+    """Skipped and truncated records, by reason, with the first location of each reason."""
+    skipped: Counter = field(default_factory=Counter)
+    truncated: int = 0
+    first_seen: dict[str, str] = field(default_factory=dict)
+
+    def skip(self, reason: str, where: str) -> None:
+        self.skipped[reason] += 1
+        self.first_seen.setdefault(reason, where)
+
+    def truncate(self, where: str) -> None:
+        self.truncated += 1
+        self.first_seen.setdefault("truncated", where)
+
+    def as_dict(self) -> dict:
+        """For summary.json: {"skipped": total, "skipped_by_reason": {...}, "truncated": n, "first_seen": {...}}."""
+        return {"skipped": sum(self.skipped.values()), "skipped_by_reason": dict(sorted(self.skipped.items())),
+                "truncated": self.truncated, "first_seen": dict(sorted(self.first_seen.items()))}
+
+
+@dataclass
+class BadRecordPolicy:
+    """Applies ``policy`` (fail | skip | truncate) to bad records, counting into ``counter``."""
+    policy: str
+    counter: SkipCounter = field(default_factory=SkipCounter)
+
+    def __post_init__(self):
+        if self.policy not in ("fail", "skip", "truncate"):
+            raise ValueError(f"bad_record_policy = {self.policy!r}; expected fail, skip or truncate")
+
+    def reject(self, path: str, line: int, reason: str, detail: str) -> None:
+        """Raise under ``fail``, otherwise count the skip."""
+        if self.policy == "fail":
+            raise BadRecordError(path, line, reason, detail)
+        self.counter.skip(reason, f"{path}:{line}")
+
+    def too_long(self, path: str, line: int, length: int, seq_len: int) -> bool:
+        """For a document of ``length`` > seq_len tokens: True to truncate it, False to drop it
+        (counted); raises under ``fail``."""
+        if self.policy == "truncate":
+            self.counter.truncate(f"{path}:{line}")
+            return True
+        self.reject(path, line, "too_long", f"{length} tokens; seq_len is {seq_len}")
+        return False
+
+
+def resolve_paths(patterns: list[str], fmt: str = "auto") -> list[tuple[Path, str]]:
+    """Expand files, directories and globs into ``(path, format)`` in a stable order."""
+    out: list[tuple[Path, str]] = []
+    for pattern in patterns:
+        p = Path(pattern)
+        if p.is_dir():
+            files = sorted(f for f in p.rglob("*") if f.suffix in SUFFIXES and f.is_file())
+        elif p.is_file():
+            files = [p]
+        else:
+            files = sorted(Path(f) for f in glob.glob(pattern, recursive=True) if Path(f).is_file())
+        if not files:
+            raise FileNotFoundError(f"data path {pattern!r} matches no file; expected a file, a directory "
+                                    "of .jsonl/.parquet files or a glob")
+        for f in files:
+            kind = fmt if fmt != "auto" else SUFFIXES.get(f.suffix)
+            if kind is None:
+                raise ValueError(f"{f}: cannot tell the format from the extension {f.suffix!r}; "
+                                 "expected .jsonl, .json or .parquet, or set data.format")
+            out.append((f, kind))
+    return out
+
+
+def _jsonl_records(path: Path, policy: BadRecordPolicy) -> Iterator[Record]:
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                policy.reject(str(path), line_no, "invalid_utf8", f"byte {err.start}: {err.reason}")
+                continue
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as err:
+                policy.reject(str(path), line_no, "malformed_json", str(err))
+                continue
+            if not isinstance(data, dict):
+                policy.reject(str(path), line_no, "malformed_json", f"a JSON {type(data).__name__}; expected an object")
+                continue
+            yield Record(data, str(path), line_no)
+
+
+def _parquet_records(path: Path, policy: BadRecordPolicy) -> Iterator[Record]:
+    import pyarrow.parquet as pq
+
+    row = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        try:
+            rows = batch.to_pylist()
+        except UnicodeDecodeError:  # find the offending rows one by one
+            rows = []
+            for k in range(batch.num_rows):
+                try:
+                    rows.append(batch.slice(k, 1).to_pylist()[0])
+                except UnicodeDecodeError as err:
+                    rows.append(err)
+        for data in rows:
+            row += 1
+            if isinstance(data, UnicodeDecodeError):
+                policy.reject(str(path), row, "invalid_utf8", data.reason)
+                continue
+            yield Record(data, str(path), row)
+
+
+def iter_records(patterns: list[str], fmt: str, policy: BadRecordPolicy) -> Iterator[Record]:
+    """Every record of every file in order; unreadable ones go through ``policy``."""
+    for path, kind in resolve_paths(patterns, fmt):
+        yield from (_jsonl_records if kind == "jsonl" else _parquet_records)(path, policy)
+
+
+def reject_record(policy: BadRecordPolicy, record: Record, err: RecordError) -> None:
+    policy.reject(record.path, record.line, err.reason, err.detail)
