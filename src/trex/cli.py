@@ -13,7 +13,7 @@ import json
 import sys
 
 # Modules that add subcommands through register(subparsers).
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("trex.audit.cli",)
 
 
 def _cmd_env(args: argparse.Namespace) -> int:

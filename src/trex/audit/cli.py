@@ -1,0 +1,72 @@
+"""``trex audit PATH...``: registered through ``trex.cli.COMMAND_MODULES``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from trex.audit import reports, sarif
+from trex.audit.config import AuditConfig, find_config, load_config, parse_fail_on
+from trex.audit.scanner import run_audit
+
+FORMATS = {
+    "text": reports.to_text,
+    "json": reports.to_json,
+    "markdown": reports.to_markdown,
+    "sarif": sarif.to_sarif,
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "audit", help="find CUDA-only code, kernels and packages and say what replaces them",
+        description="Static portability audit. Exit status 1 when a finding reaches --fail-on, 2 on bad usage.")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="files or directories to scan")
+    p.add_argument("--format", choices=sorted(FORMATS), default="text")
+    p.add_argument("--config", default=None,
+                   help="config file (default: the nearest trex-audit.toml in the current directory or above)")
+    p.add_argument("--no-config", action="store_true", help="ignore any trex-audit.toml")
+    p.add_argument("--fail-on", default=None, metavar="SEVERITY",
+                   help="info, warning, error or none (default: the config's fail_on, else error)")
+    p.add_argument("--output", "-o", default=None, help="write the report to this file instead of stdout")
+    p.set_defaults(func=_cmd_audit)
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    try:
+        config = _config(args)
+        fail_on = parse_fail_on(args.fail_on) if args.fail_on is not None else config.fail_on
+        result = run_audit(args.paths, config)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"trex audit: {exc}", file=sys.stderr)
+        return 2
+    report = FORMATS[args.format](result)
+    if args.output:
+        _write_atomic(args.output, report + "\n")
+    else:
+        print(report)
+    worst = result.worst()
+    return 1 if fail_on is not None and worst is not None and worst >= fail_on else 0
+
+
+def _config(args: argparse.Namespace) -> AuditConfig:
+    if args.no_config:
+        return AuditConfig()
+    path = args.config or find_config()
+    if path is None:
+        return AuditConfig()
+    return load_config(path)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".trex-audit-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
