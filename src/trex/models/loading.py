@@ -1,29 +1,32 @@
-"""Build models from presets or config files and load Hugging Face safetensors checkpoints.
+"""Build models from presets or config files and load DeepSeek-V4 checkpoints.
 
-Loading streams tensor by tensor through ``safetensors.safe_open``: the model is built on the
-meta device, materialised once on the target device, and each checkpoint tensor is read, renamed,
-shape-checked and copied in before the next is read. Problems are collected and raised together,
-before the model is returned, naming the file and tensor.
+Loading streams tensor by tensor (``trex.checkpoint.reader``): every shard header is checked
+against the model first (missing shards, truncated files, shapes, FP8/FP4 scales: all problems
+raised together, naming file and tensor), then the model is built on the meta device,
+materialised once on the target device, and each parameter is filled from the checkpoint,
+dequantised to the training dtype. Peak host memory is the model plus about one checkpoint
+tensor. With a shard function or a device mesh, each parameter holds, and each rank reads,
+only its own region.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
+from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
 
+from trex.checkpoint.errors import CheckpointError
 from trex.models.config import ModelConfig
 from trex.models.deepseek_v4 import DeepseekV4
-from trex.models.naming import to_trex
+
+if TYPE_CHECKING:  # trex.checkpoint imports trex.models: import it lazily at run time
+    from trex.checkpoint.reader import CheckpointReader
+    from trex.checkpoint.sharding import ShardFn
+
+__all__ = ["CheckpointError", "build_model", "load_pretrained"]
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file and tensor."""
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
@@ -42,96 +45,68 @@ def _seeded(cfg: ModelConfig, seed: int) -> DeepseekV4:
     return model
 
 
-def checkpoint_files(path: str) -> list[str]:
-    """The safetensors files of a checkpoint directory (single file, or sharded with an index)."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
-        if missing:
-            raise CheckpointError(f"{index}: names shard(s) that do not exist: {missing}")
-        return [os.path.join(path, f) for f in files]
-    single = os.path.join(path, "model.safetensors")
-    if os.path.exists(single):
-        return [single]
-    found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not found:
-        raise CheckpointError(f"{path}: no model.safetensors, no index and no *.safetensors files")
-    return [os.path.join(path, f) for f in found]
+def load_pretrained(path: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+                    mesh=None, layout: str = "auto", shard_fn: "ShardFn | None" = None,
+                    placements_fn=None) -> DeepseekV4:
+    """Load a directory with ``config.json`` and safetensors weights in any DeepSeek-V4 layout.
 
-
-def load_pretrained(path: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None
-                    ) -> DeepseekV4:
-    """Load a directory with ``config.json`` and safetensors weights saved by ``transformers``.
-
+    Official names or HF names (``layout="auto"`` detects them; "official" / "hf" force one),
+    bf16/fp32 tensors, FP8 weights with ue8m0 128x128 scales, FP4 experts with 1x32 scales.
     dtype: parameter dtype (default: the device's default, fp32 on CPUs without fast bf16).
-    Tensors that transformers does not save (MTP) are initialised fresh and reported in the log.
+    MTP tensors are loaded when present; when absent they are initialised fresh (logged).
+    shard_fn(key, full_shape) -> Region: each parameter holds only that region, and only the
+    checkpoint bytes overlapping it are read. mesh: a ``DeviceMesh``; parameters become DTensors
+    with ``placements_fn(key, shape)`` (default: Shard(0) where rows >= ranks, else Replicate),
+    each rank reading only its local shard.
     """
     from trex import device as device_layer
+    from trex.checkpoint.reader import CheckpointReader
+    from trex.checkpoint.sharding import default_placements, local_region
 
-    cfg = ModelConfig.from_file(path)
+    reader = CheckpointReader(path, layout)
+    cfg = reader.config
     dev = device_layer.detect(str(device) if device is not None else None)
     dtype = dtype or dev.default_dtype()
     model = build_model(cfg, device="meta")
-    model.to_empty(device=dev.torch_device)
-    model.init_weights()
-    model.to(dtype=dtype)
-    state = dict(model.named_parameters())
-    state.update(dict(model.named_buffers()))
-    loaded: set[str] = set()
-    expert_slices: dict[str, set[int]] = {}
-    problems: list[str] = []
-    for file in checkpoint_files(path):
-        try:
-            handle = safe_open(file, framework="pt", device="cpu")
-        except Exception as e:  # noqa: BLE001 - safetensors raises several types
-            raise CheckpointError(f"{file}: cannot read safetensors header ({e})") from None
-        with handle:
-            for name in handle.keys():
-                try:
-                    tensor = handle.get_tensor(name)
-                except Exception as e:  # noqa: BLE001
-                    raise CheckpointError(f"{file}: tensor {name}: cannot read data ({e})") from None
-                for key, expert, value in to_trex(name, tensor):
-                    problem = _copy_in(state.get(key), key, expert, value)
-                    if problem:
-                        problems.append(f"{file}: {name}: {problem}")
-                    elif expert is None:
-                        loaded.add(key)
-                    else:
-                        expert_slices.setdefault(key, set()).add(expert)
-    for key, seen in expert_slices.items():
-        if len(seen) == state[key].shape[0]:
-            loaded.add(key)
-        else:
-            absent = sorted(set(range(state[key].shape[0])) - seen)
-            problems.append(f"{path}: {key}: experts {absent[:10]} missing")
-    missing = [k for k in state if k not in loaded and not k.startswith("mtp.")]
-    if missing:
-        problems.append(f"{path}: missing tensor(s): {missing[:20]}{' ...' if len(missing) > 20 else ''}")
-    if problems:
-        raise CheckpointError("cannot load checkpoint:\n  " + "\n  ".join(problems))
-    fresh_mtp = [k for k in state if k.startswith("mtp.") and k not in loaded]
-    if fresh_mtp:
-        log.warning("%s: no MTP weights in the checkpoint; %d MTP tensors initialised fresh", path, len(fresh_mtp))
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    fresh = reader.check({k: tuple(t.shape) for k, t in tensors.items()})
+    if mesh is not None:
+        placements_fn = placements_fn or (lambda key, shape: default_placements(mesh, shape))
+        shard_fn = shard_fn or (lambda key, shape: local_region(shape, mesh, placements_fn(key, shape)))
+    if shard_fn is not None and fresh:
+        raise CheckpointError(f"{path}: no MTP weights ({len(fresh)} tensors, e.g. {fresh[0]}); sharded loading "
+                              "cannot initialise them: load unsharded or add them to the checkpoint")
+    if shard_fn is None:
+        model.to_empty(device=dev.torch_device)
+        model.init_weights()
+        model.to(dtype=dtype)
+        for key, target in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items():
+            if key not in fresh:
+                reader.fill(key, target.shape, target)
+    else:
+        for key, meta in tensors.items():
+            _load_local(model, key, meta, reader, shard_fn, dev.torch_device, dtype, mesh, placements_fn)
+    if fresh:
+        log.warning("%s: no MTP weights in the checkpoint; %d MTP tensors initialised fresh", path, len(fresh))
     return model
 
 
-def _copy_in(target: torch.Tensor | None, key: str, expert: int | None, value: torch.Tensor) -> str | None:
-    """Copy a checkpoint tensor into the model (one expert slice when ``expert`` is set)."""
-    if target is None:
-        return f"unexpected tensor (the model has no {key})"
-    if expert is not None:
-        if not 0 <= expert < target.shape[0]:
-            return f"expert index {expert} out of range for {key} with {target.shape[0]} experts"
-        target = target[expert]
-    if tuple(value.shape) != tuple(target.shape):
-        return f"shape {tuple(value.shape)} does not match the config's {tuple(target.shape)} for {key}"
-    with torch.no_grad():
-        target.copy_(value.to(target.dtype))
-    return None
+def _load_local(model: DeepseekV4, key: str, meta: torch.Tensor, reader: "CheckpointReader", shard_fn: "ShardFn",
+                device: torch.device, dtype: torch.dtype, mesh, placements_fn) -> None:
+    """Replace parameter/buffer ``key`` by its local region (a DTensor when ``mesh`` is set)."""
+    shape = tuple(meta.shape)
+    region = shard_fn(key, shape)
+    local = torch.empty([b - a for a, b in region], dtype=dtype if meta.is_floating_point() else meta.dtype,
+                        device=device)
+    reader.fill(key, shape, local, region)
+    if mesh is not None:
+        from torch.distributed.tensor import DTensor
+
+        local = DTensor.from_local(local, mesh, placements_fn(key, shape), run_check=False,
+                                   shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+    owner_name, _, leaf = key.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if isinstance(meta, torch.nn.Parameter):
+        setattr(owner, leaf, torch.nn.Parameter(local, requires_grad=meta.requires_grad))
+    else:
+        owner.register_buffer(leaf, local, persistent=leaf not in owner._non_persistent_buffers_set)

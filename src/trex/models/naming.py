@@ -1,4 +1,4 @@
-"""Tensor names of every DeepSeek-V4 layout -> trex names.
+"""Tensor names of every DeepSeek-V4 layout <-> trex names.
 
 trex names follow the official checkpoint (``layers.3.attn.wq_a.weight``, no ``model.`` prefix),
 with mHC parameters as modules (``layers.3.hc_attn.fn`` for ``hc_attn_fn``) and routed experts
@@ -10,11 +10,17 @@ stacked per layer (``layers.3.ffn.experts.w1`` [E, I, d]). Three layouts are rea
   kv norm, ``attn.norm.weight``;
 - transformers module names (a raw ``state_dict``): ``model.layers.3.self_attn.q_a_proj.weight``,
   fused ``mlp.experts.gate_up_proj`` [E, 2I, d] (w1 rows, then w3) and ``mlp.experts.down_proj``.
+
+Two are written: ``official`` and ``hf`` (the transformers module names, which transformers
+loads as they are; MTP tensors, which transformers ignores, keep an unprefixed ``mtp.0.``).
+FP8/FP4 scales sit next to their weight: ``X.scale`` (official) or ``X.weight_scale_inv``
+(HF / V3 style; ``X_scale_inv`` for a fused expert tensor ``X``).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -53,28 +59,133 @@ _FROM_OFFICIAL = [
     (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".hc_\1.\2"),
     (r"\.attn\.norm\.weight$", ".attn.kv_norm.weight"),  # transformers' save_pretrained writes this
 ]
+# official names -> transformers module names (transformers' conversion mapping, in order).
+_TO_HF_MODULES = [
+    (r"^embed\.", "embed_tokens."),
+    (r"^head\.", "lm_head."),
+    (r"(^|\.)hc_head_(fn|base|scale)$", r"\1hc_head.hc_\2"),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+    (r"\.attn\.indexer\.weights_proj\.", ".self_attn.compressor.indexer.scorer.weights_proj."),
+    (r"\.attn\.indexer\.wq_b\.", ".self_attn.compressor.indexer.q_b_proj."),
+    (r"\.attn\.indexer\.compressor\.", ".self_attn.compressor.indexer."),
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"\.compressor(\.indexer)?\.norm\.", r".compressor\1.kv_norm."),
+    (r"\.ape$", ".position_bias"),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.attn_sink$", ".sinks"),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+]
+# trex names -> official names.
+_TO_OFFICIAL = [
+    (r"(^|\.)hc_head\.(fn|base|scale)$", r"\1hc_head_\2"),
+    (r"\.hc_(attn|ffn)\.(fn|base|scale)$", r".hc_\1_\2"),
+]
 _FROM_HF_MODULES = [(re.compile(p), r) for p, r in _FROM_HF_MODULES]
 _FROM_OFFICIAL = [(re.compile(p), r) for p, r in _FROM_OFFICIAL]
+_TO_HF_MODULES = [(re.compile(p), r) for p, r in _TO_HF_MODULES]
+_TO_OFFICIAL = [(re.compile(p), r) for p, r in _TO_OFFICIAL]
 _EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 _GATE_UP = re.compile(r"^(.*\.ffn\.experts)\.gate_up_proj$")
+_STACKED = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
+
+LAYOUTS = ("official", "hf")
 
 
-def to_trex(name: str, tensor: torch.Tensor) -> list[tuple[str, int | None, torch.Tensor]]:
+@dataclass(frozen=True)
+class Target:
+    """Where a checkpoint tensor goes: trex ``key``; ``expert`` J fills slice J of a stacked
+    [E, ...] parameter; ``half`` h takes half h of dim 1 (the fused transformers gate/up)."""
+
+    key: str
+    expert: int | None = None
+    half: int | None = None
+
+
+def detect_layout(names: list[str]) -> str:
+    """``hf`` if any name has the transformers ``model.`` / ``lm_head.`` prefix, else ``official``."""
+    return "hf" if any(n.startswith(("model.", "lm_head.")) for n in names) else "official"
+
+
+def trex_targets(name: str, layout: str = "auto") -> list[Target]:
+    """Where checkpoint tensor ``name`` goes. ``layout`` "official" applies only the official
+    renames; "hf" and "auto" also strip ``model.`` and undo the transformers module names."""
+    key = name
+    if layout != "official":
+        key = name[len("model."):] if name.startswith("model.") else name
+        for pattern, repl in _FROM_HF_MODULES:
+            key = pattern.sub(repl, key)
+    for pattern, repl in _FROM_OFFICIAL:
+        key = pattern.sub(repl, key)
+    m = _GATE_UP.match(key)
+    if m and layout != "official":
+        return [Target(f"{m.group(1)}.w1", half=0), Target(f"{m.group(1)}.w3", half=1)]
+    m = _EXPERT.match(key)
+    if m:
+        return [Target(f"{m.group(1)}.{m.group(3)}", expert=int(m.group(2)))]
+    return [Target(key)]
+
+
+def to_trex(name: str, tensor: torch.Tensor, layout: str = "auto") -> list[tuple[str, int | None, torch.Tensor]]:
     """One checkpoint tensor -> [(trex name, expert index or None, tensor)].
 
     An expert index J means the tensor fills slice J of a stacked [E, ...] expert parameter.
     The fused transformers gate/up tensor yields two entries (w1 and w3, all experts).
     """
-    key = name[len("model."):] if name.startswith("model.") else name
-    for pattern, repl in _FROM_HF_MODULES:
-        key = pattern.sub(repl, key)
-    for pattern, repl in _FROM_OFFICIAL:
-        key = pattern.sub(repl, key)
-    m = _GATE_UP.match(key)
+    out = []
+    for t in trex_targets(name, layout):
+        value = tensor
+        if t.half is not None:
+            inter = tensor.shape[1] // 2
+            value = tensor[:, t.half * inter:(t.half + 1) * inter]
+        out.append((t.key, t.expert, value))
+    return out
+
+
+def official_name(key: str, expert: int | None = None) -> str:
+    """trex name -> official name; a stacked expert key needs the expert index."""
+    m = _STACKED.match(key)
     if m:
-        inter = tensor.shape[1] // 2
-        return [(f"{m.group(1)}.w1", None, tensor[:, :inter]), (f"{m.group(1)}.w3", None, tensor[:, inter:])]
-    m = _EXPERT.match(key)
+        if expert is None:
+            raise ValueError(f"{key} is a stacked expert tensor: name one expert")
+        return f"{m.group(1)}.{expert}.{m.group(2)}.weight"
+    for pattern, repl in _TO_OFFICIAL:
+        key = pattern.sub(repl, key)
+    return key
+
+
+def hf_name(key: str) -> str:
+    """trex name -> transformers module name. Stacked experts map to the fused tensors: w1 and w3
+    both to ``gate_up_proj`` (w1 rows first), w2 to ``down_proj``."""
+    m = _STACKED.match(key)
     if m:
-        return [(f"{m.group(1)}.{m.group(3)}", int(m.group(2)), tensor)]
-    return [(key, None, tensor)]
+        base, which = m.group(1), m.group(2)
+        name = f"{base}.{'down_proj' if which == 'w2' else 'gate_up_proj'}"
+    else:
+        name = official_name(key)
+    for pattern, repl in _TO_HF_MODULES:
+        name = pattern.sub(repl, name)
+    return name if name.startswith(("mtp.", "lm_head.")) else "model." + name
+
+
+def scale_name(weight_name: str, layout: str) -> str:
+    """The name of the block scale of ``weight_name`` in ``layout``."""
+    if layout == "official":
+        return weight_name[: -len(".weight")] + ".scale" if weight_name.endswith(".weight") else weight_name + ".scale"
+    return weight_name + "_scale_inv"
+
+
+def scale_candidates(weight_name: str) -> tuple[str, ...]:
+    """Names under which any layout stores the block scale of ``weight_name``."""
+    return tuple(dict.fromkeys((scale_name(weight_name, "official"), scale_name(weight_name, "hf"))))

@@ -1,0 +1,257 @@
+"""Read a DeepSeek-V4 checkpoint directory tensor by tensor, in any layout and precision.
+
+``CheckpointReader(path)`` opens every shard header (nothing else), pairs each FP8/FP4 weight
+with its block scale and maps every tensor to the trex key it fills. ``check(expected)``
+compares that against the model's shapes before a byte of data is read: missing shards,
+truncated files, shapes that disagree with the config and scales that do not fit their weight
+are all reported together, naming file and tensor. ``fill(key, out, region)`` then reads only
+the tensors that overlap ``region`` of the key's full shape and writes them into ``out``,
+dequantised to ``out.dtype``: a rank that owns rows [a, b) of a parameter reads just those.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from trex.checkpoint import quant
+from trex.checkpoint.errors import CheckpointError
+from trex.checkpoint.safetensors_io import SafetensorsFile
+from trex.models.config import ModelConfig
+from trex.models.naming import LAYOUTS, Target, detect_layout, scale_candidates, trex_targets
+
+Region = tuple[tuple[int, int], ...]
+"""Per dim [start, stop) of a tensor's full (unsharded) shape."""
+
+
+def full_region(shape: Sequence[int]) -> Region:
+    return tuple((0, int(n)) for n in shape)
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint directory (single file, or sharded with an index)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        weight_map = read_index(index)
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
+        if missing:
+            first = {f: next(k for k, v in weight_map.items() if v == f) for f in missing}
+            detail = ", ".join(f"{f} (holds {k} ...)" for f, k in first.items())
+            raise CheckpointError(f"{index}: names shard(s) that do not exist: {detail}")
+        return [os.path.join(path, f) for f in files]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not found:
+        raise CheckpointError(f"{path}: no model.safetensors, no index and no *.safetensors files")
+    return [os.path.join(path, f) for f in found]
+
+
+def read_index(index: str) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file) of a ``model.safetensors.index.json``."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: weight_map is not an object")
+    return weight_map
+
+
+@dataclass(frozen=True)
+class Source:
+    """One checkpoint tensor feeding (part of) a trex key, with its block scale if quantised."""
+
+    file: SafetensorsFile
+    name: str
+    target: Target
+    scale_file: SafetensorsFile | None = None
+    scale: str | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.file.path}: {self.name}"
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        return self.file.tensors[self.name].shape
+
+    @property
+    def codec(self) -> str:
+        """plain, fp8 (e4m3 + 128x128 scales) or fp4 (packed e2m1 + 1x32 scales)."""
+        if self.scale is None:
+            return "plain"
+        return "fp4" if self.file.tensors[self.name].dtype in (torch.int8, torch.uint8) else "fp8"
+
+
+class CheckpointReader:
+    """Headers, scales and trex keys of a checkpoint directory; data is read by ``fill``."""
+
+    def __init__(self, path: str, layout: str = "auto"):
+        if layout not in ("auto", *LAYOUTS):
+            raise CheckpointError(f"layout must be auto, {' or '.join(LAYOUTS)}; got {layout!r}")
+        self.path = path
+        self.config = ModelConfig.from_file(path)
+        self.files = [SafetensorsFile(f) for f in checkpoint_files(path)]
+        self.problems: list[str] = []
+        located: dict[str, SafetensorsFile] = {}
+        for file in self.files:
+            for name in file.keys():
+                if name in located:
+                    self.problems.append(f"{file.path}: {name}: also in {located[name].path}")
+                located[name] = file
+        self._check_index(located)
+        self.layout = detect_layout(list(located)) if layout == "auto" else layout
+        self.sources: dict[str, list[Source]] = {}
+        scale_of = {n: c for n in located for c in scale_candidates(n) if c in located and c != n}
+        scales = set(scale_of.values())
+        for name, file in located.items():
+            if name in scales:
+                continue
+            scale = scale_of.get(name)
+            problem = self._codec_problem(file, name, scale)
+            if problem:
+                self.problems.append(f"{file.path}: {name}: {problem}")
+                continue
+            for target in trex_targets(name, self.layout):
+                self.sources.setdefault(target.key, []).append(
+                    Source(file, name, target, located[scale] if scale else None, scale))
+        self.quantized = sorted({s.codec for srcs in self.sources.values() for s in srcs} - {"plain"})
+
+    def _check_index(self, located: Mapping[str, SafetensorsFile]) -> None:
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if not os.path.exists(index):
+            return
+        for name, shard in read_index(index).items():
+            file = located.get(name)
+            if file is None:
+                self.problems.append(f"{index}: {name}: listed in shard {shard} but not in it")
+            elif os.path.basename(file.path) != shard:
+                self.problems.append(f"{index}: {name}: listed in {shard} but found in {file.path}")
+
+    @staticmethod
+    def _codec_problem(file: SafetensorsFile, name: str, scale: str | None) -> str | None:
+        dtype = file.tensors[name].dtype
+        if scale is None and dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return f"{dtype} weight without a block scale (looked for {' or '.join(scale_candidates(name))})"
+        if scale is not None and dtype not in (torch.float8_e4m3fn, torch.int8, torch.uint8):
+            return f"has block scale {scale} but dtype {dtype} is neither FP8 (e4m3) nor packed FP4 (int8)"
+        return None
+
+    # ---- validation ------------------------------------------------------------------------
+    def check(self, expected: Mapping[str, Sequence[int]], optional_prefixes: tuple[str, ...] = ("mtp.",)
+              ) -> list[str]:
+        """Raise ``CheckpointError`` listing every problem against ``expected`` (trex key -> full
+        shape); returns the optional keys (e.g. MTP) that the checkpoint lacks."""
+        problems = list(self.problems)
+        for key, sources in self.sources.items():
+            if key not in expected:
+                problems += [f"{s.where}: unexpected tensor (the model has no {key})" for s in sources]
+                continue
+            problems += [p for s in sources if (p := self._shape_problem(s, tuple(expected[key])))]
+            problems += self._coverage_problems(key, sources, tuple(expected[key]))
+        absent = [k for k in expected if k not in self.sources]
+        required = [k for k in absent if not k.startswith(optional_prefixes)]
+        if required:
+            problems.append(f"{self.path}: missing tensor(s): {required[:20]}{' ...' if len(required) > 20 else ''}")
+        if problems:
+            raise CheckpointError("cannot load checkpoint:\n  " + "\n  ".join(problems))
+        return [k for k in absent if k not in required]
+
+    def logical_shape(self, source: Source, cols: int | None = None) -> tuple[int, ...]:
+        """Shape of ``source`` once dequantised (FP4 needs the column count; default 2x packed)."""
+        shape = source.stored_shape
+        if source.codec == "fp4":
+            return (*shape[:-1], cols if cols is not None else 2 * shape[-1])
+        return shape
+
+    def _shape_problem(self, s: Source, full: tuple[int, ...]) -> str | None:
+        t = s.target
+        want = full[1:] if t.expert is not None else full
+        if t.half is not None:
+            want = (full[0], 2 * full[1], *full[2:])
+        shape = self.logical_shape(s, cols=want[-1] if want else None)
+        if shape != want:
+            return f"{s.where}: shape {shape} does not match the config's {want} for {t.key}"
+        if t.expert is not None and not 0 <= t.expert < full[0]:
+            return f"{s.where}: expert index {t.expert} out of range for {t.key} with {full[0]} experts"
+        scale_shape = s.scale_file.tensors[s.scale].shape if s.scale else None
+        if s.codec == "fp8":
+            problem = quant.check_fp8_scale(shape, scale_shape)
+        elif s.codec == "fp4":
+            problem = quant.check_fp4(s.stored_shape, scale_shape, shape[-1])
+        else:
+            return None
+        return f"{s.where}: {problem} (scale tensor {s.scale} in {s.scale_file.path})" if problem else None
+
+    def _coverage_problems(self, key: str, sources: list[Source], full: tuple[int, ...]) -> list[str]:
+        experts = [s.target.expert for s in sources if s.target.expert is not None]
+        whole = [s for s in sources if s.target.expert is None]
+        if len(whole) > 1 or (whole and experts):
+            return [f"{self.path}: {key}: given more than once ({', '.join(s.where for s in sources)})"]
+        if experts:
+            absent = sorted(set(range(full[0])) - set(experts))
+            dup = len(experts) != len(set(experts))
+            if absent or dup:
+                return [f"{self.path}: {key}: experts {absent[:10]} missing" if absent
+                        else f"{self.path}: {key}: an expert is given twice"]
+        return []
+
+    # ---- data ------------------------------------------------------------------------------
+    def fill(self, key: str, full_shape: Sequence[int], out: torch.Tensor, region: Region | None = None) -> None:
+        """Write ``region`` (default: all) of trex tensor ``key`` of shape ``full_shape`` into
+        ``out`` (shaped like the region), reading only the checkpoint tensors that overlap it."""
+        region = region or full_region(full_shape)
+        for source in self.sources[key]:
+            self._fill_from(source, tuple(full_shape), out, region)
+
+    def read(self, key: str, full_shape: Sequence[int], dtype: torch.dtype, region: Region | None = None
+             ) -> torch.Tensor:
+        """Region (default: all) of trex tensor ``key`` as a new CPU tensor of ``dtype``."""
+        region = region or full_region(full_shape)
+        out = torch.empty([b - a for a, b in region], dtype=dtype)
+        self.fill(key, full_shape, out, region)
+        return out
+
+    def _fill_from(self, s: Source, full: tuple[int, ...], out: torch.Tensor, region: Region) -> None:
+        t = s.target
+        origin = [0] * len(full)
+        extent = list(full)
+        if t.expert is not None:
+            origin[0], extent[0] = t.expert, t.expert + 1
+        inter = [(max(a, o), min(b, e)) for (a, b), o, e in zip(region, origin, extent)]
+        if any(a >= b for a, b in inter):
+            return  # nothing of this tensor lies in the region: not read at all
+        if s.codec == "plain" and t.expert is None:
+            value = s.file.read(s.name, rows=inter[0])  # only the rows in the region
+            origin[0] = inter[0][0]
+        else:
+            value = self._dequantized(s, out.dtype, cols=full[-1])
+        if t.half is not None:
+            inter_dim = value.shape[1] // 2
+            value = value[:, t.half * inter_dim:(t.half + 1) * inter_dim]
+        if t.expert is not None:
+            value = value.unsqueeze(0)
+        src = tuple(slice(a - o, b - o) for (a, b), o in zip(inter, origin))
+        dst = tuple(slice(a - r, b - r) for (a, b), (r, _) in zip(inter, region))
+        with torch.no_grad():
+            out[dst].copy_(value[src])
+
+    def _dequantized(self, s: Source, dtype: torch.dtype, cols: int) -> torch.Tensor:
+        weight = s.file.read(s.name)
+        if s.codec == "plain":
+            return weight
+        scale = s.scale_file.read(s.scale)
+        try:
+            if s.codec == "fp8":
+                return quant.dequantize_fp8(weight, scale, dtype)
+            return quant.dequantize_fp4(weight, scale, cols=cols, dtype=dtype)
+        except quant.QuantFormatError as e:
+            raise CheckpointError(f"{s.where}: {e}") from None
