@@ -1,0 +1,157 @@
+"""Typed recipes: TOML files loaded into nested dataclasses, with command-line overrides.
+
+A recipe is a dataclass whose fields are section dataclasses (``[data]``, ``[optim]`` ...), each
+holding plain values (str, int, float, bool, lists, dicts, optional values). Loading checks every
+key: an unknown one is an error naming the file and suggesting the closest valid key, and a value
+of the wrong type names the key and the type expected.
+
+    recipe = load(Recipe, "recipes/sft.toml", overrides=["optim.lr=1e-4", "train.steps=10"])
+    save(recipe, "runs/x/config.toml")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+import types
+import typing
+from typing import Any, TypeVar
+
+import tomli_w
+
+T = TypeVar("T")
+
+
+class RecipeError(ValueError):
+    """A recipe or override that does not fit the typed config; the message names the key."""
+
+
+def load(cls: type[T], path: str | None = None, overrides: list[str] | None = None,
+         base: dict | None = None) -> T:
+    """Build ``cls`` from ``base`` (a dict), then the TOML file at ``path``, then ``overrides``."""
+    raw: dict = _deep_copy(base or {})
+    source = "<defaults>"
+    if path is not None:
+        source = path
+        try:
+            with open(path, "rb") as f:
+                _merge(raw, tomllib.load(f))
+        except FileNotFoundError:
+            raise RecipeError(f"{path}: no such recipe file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise RecipeError(f"{path}: invalid TOML: {e}") from None
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise RecipeError(f"override {item!r}: expected section.key=value")
+        _set_path(raw, key.strip().split("."), _parse_value(value.strip()))
+    return from_dict(cls, raw, source)
+
+
+def from_dict(cls: type[T], raw: dict, source: str = "<dict>", prefix: str = "") -> T:
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{source}: `{prefix.rstrip('.') or 'recipe'}` must be a table, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"; did you mean `{prefix}{close[0]}`?" if close else f"; valid keys: {sorted(fields)}"
+            raise RecipeError(f"{source}: unknown key `{prefix}{key}`{hint}")
+        kwargs[key] = _coerce(hints[key], value, source, f"{prefix}{key}")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise RecipeError(f"{source}: `{prefix.rstrip('.') or cls.__name__}`: {e}") from None
+
+
+def to_dict(obj: Any) -> dict:
+    """The recipe as plain TOML-able data (None values dropped: TOML has no null)."""
+    def clean(v):
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items() if x is not None}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+
+    return clean(dataclasses.asdict(obj))
+
+
+def save(obj: Any, path: str) -> None:
+    """Write the resolved recipe atomically as TOML."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        tomli_w.dump(to_dict(obj), f)
+    os.replace(tmp, path)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _coerce(hint: Any, value: Any, source: str, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, source, prefix=f"{key}.")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, source, key)
+            except RecipeError as e:
+                errors.append(str(e))
+        raise RecipeError(errors[0])
+    if origin is typing.Literal:
+        if value not in typing.get_args(hint):
+            raise RecipeError(f"{source}: `{key}` must be one of {list(typing.get_args(hint))}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise RecipeError(f"{source}: `{key}` must be a list, got {value!r}")
+        (item,) = typing.get_args(hint) or (Any,)
+        return [_coerce(item, v, source, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise RecipeError(f"{source}: `{key}` must be a table, got {value!r}")
+        return dict(value)
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool):
+        if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
+            return value
+        raise RecipeError(f"{source}: `{key}` must be {hint.__name__}, got {value!r}")
+    return value
+
+
+def _parse_value(text: str) -> Any:
+    """Parse an override value as a TOML value, falling back to a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_path(raw: dict, keys: list[str], value: Any) -> None:
+    node = raw
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise RecipeError(f"override {'.'.join(keys)}: `{k}` is not a section")
+    node[keys[-1]] = value
+
+
+def _merge(dst: dict, src: dict) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        else:
+            dst[k] = v
+
+
+def _deep_copy(d: dict) -> dict:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in d.items()}

@@ -1,0 +1,64 @@
+"""Typed recipes: TOML + overrides into dataclasses, with errors that name the key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+
+from trex.recipe import RecipeError, load, save
+
+
+@dataclass
+class Optim:
+    name: Literal["adamw", "muon"] = "adamw"
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+
+
+@dataclass
+class Train:
+    steps: int = 10
+    out: str | None = None
+    mtp_weight: float = 0.1
+
+
+@dataclass
+class Recipe:
+    optim: Optim = field(default_factory=Optim)
+    train: Train = field(default_factory=Train)
+
+
+def test_toml_then_overrides_then_round_trip(tmp_path):
+    path = tmp_path / "r.toml"
+    path.write_text('[optim]\nname = "muon"\nlr = 2\n[train]\nsteps = 5\n')
+    r = load(Recipe, str(path), overrides=["train.steps=7", "optim.betas=[0.8, 0.9]", "train.out=runs/a"])
+    assert r.optim == Optim(name="muon", lr=2.0, betas=[0.8, 0.9])
+    assert r.train.steps == 7 and r.train.out == "runs/a" and isinstance(r.optim.lr, float)
+    save(r, str(tmp_path / "resolved.toml"))
+    assert load(Recipe, str(tmp_path / "resolved.toml")) == r
+
+
+def test_unknown_key_suggests_the_closest(tmp_path):
+    path = tmp_path / "r.toml"
+    path.write_text("[optim]\nlearning_rate = 1\n")
+    with pytest.raises(RecipeError, match=r"r.toml: unknown key `optim.learning_rate`"):
+        load(Recipe, str(path))
+    with pytest.raises(RecipeError, match=r"unknown key `train.step`; did you mean `train.steps`\?"):
+        load(Recipe, overrides=["train.step=3"])
+    with pytest.raises(RecipeError, match=r"unknown key `optimizer`; did you mean `optim`\?"):
+        load(Recipe, overrides=["optimizer.lr=3"])
+
+
+def test_wrong_types_and_bad_syntax_are_named(tmp_path):
+    with pytest.raises(RecipeError, match=r"`train.steps` must be int, got 'ten'"):
+        load(Recipe, overrides=["train.steps=ten"])
+    with pytest.raises(RecipeError, match=r"`optim.name` must be one of \['adamw', 'muon'\]"):
+        load(Recipe, overrides=["optim.name=sgd"])
+    with pytest.raises(RecipeError, match="expected section.key=value"):
+        load(Recipe, overrides=["train.steps"])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps = 1\n")
+    with pytest.raises(RecipeError, match="bad.toml: invalid TOML"):
+        load(Recipe, str(bad))
