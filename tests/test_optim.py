@@ -1,0 +1,254 @@
+"""Muon + AdamW optimizer, grouping rules, gradient clipping and LR schedules."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from trex.models import build_model
+from trex.models.config import tiny
+from trex.train.moe_balance import freeze_indexer
+from trex.train.optim import (OptimConfig, build_optimizer, classify, clip_grad_norm, hybrid_newton_schulz,
+                              orthogonalized_update)
+from trex.train.schedule import ScheduleConfig, build_scheduler, lr_multiplier
+
+# The report's hybrid schedule, written out here independently of OptimConfig's defaults.
+PAPER_NS = [(3.4445, -4.7750, 2.0315)] * 8 + [(2.0, -1.5, 0.5)] * 2
+PAPER_NS_SCHEDULE = [(3.4445, -4.7750, 2.0315, 8), (2.0, -1.5, 0.5, 2)]
+
+
+# ---- a straightforward reference: one matrix at a time, plain loops ------------------------------
+def ref_newton_schulz(G: torch.Tensor) -> torch.Tensor:
+    X = G.double()
+    X = X / X.pow(2).sum().sqrt()
+    transposed = X.shape[0] > X.shape[1]
+    if transposed:
+        X = X.T
+    for a, b, c in PAPER_NS:
+        A = X @ X.T
+        X = a * X + b * (A @ X) + c * (A @ (A @ X))
+    return X.T if transposed else X
+
+
+def ref_row_slices(name: str, shape: torch.Size, cfg) -> list[slice]:
+    """The logical matrices of a 2-D slice, decided from the parameter name and the model config."""
+    n, rows = cfg.hc_mult, shape[-2]
+    if name.endswith(("hc_attn.fn", "hc_ffn.fn")):
+        return [slice(0, n), slice(n, 2 * n), slice(2 * n, 2 * n + n * n)]
+    csa_layer = name.startswith("layers.") and cfg.layer_types[int(name.split(".")[1])] == "compressed_sparse_attention"
+    if csa_layer and ("compressor.wkv" in name or "compressor.wgate" in name):
+        return [slice(0, rows // 2), slice(rows // 2, rows)]
+    if name.endswith("attn.wo_a.weight"):
+        r = cfg.o_lora_rank
+        return [slice(i * r, (i + 1) * r) for i in range(cfg.o_groups)]
+    return [slice(0, rows)]
+
+
+def ref_muon_step(name, W, G, M, cfg_model, lr, wd, mu=0.95, rms=0.18):
+    """Returns the new W and M; W, G, M: fp64 tensors, 2-D or stacked experts [E, out, in]."""
+    M = mu * M + G
+    X = mu * M + G
+    O = torch.zeros_like(W)
+    mats = [(e,) for e in range(W.shape[0])] if W.dim() == 3 else [()]
+    for idx in mats:
+        for rows in ref_row_slices(name, W.shape, cfg_model):
+            block = X[idx][rows]
+            O[idx][rows] = ref_newton_schulz(block) * math.sqrt(max(block.shape)) * rms
+    return W * (1 - lr * wd) - lr * O, M
+
+
+def test_muon_matches_reference_on_tiny_model():
+    torch.manual_seed(0)
+    cfg = tiny(n_routed_experts=4)
+    model = build_model(cfg, seed=0)
+    lr, wd = 0.02, 0.1
+    opt = build_optimizer(model, OptimConfig(lr=lr, weight_decay=wd))
+    muon = {n: p for n, p, rule, _ in classify(model) if rule.muon}
+    ref_W = {n: p.detach().double().clone() for n, p in muon.items()}
+    ref_M = {n: torch.zeros_like(w) for n, w in ref_W.items()}
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        for n, p in muon.items():
+            ref_W[n], ref_M[n] = ref_muon_step(n, ref_W[n], p.grad.double(), ref_M[n], cfg, lr, wd)
+        opt.step()
+    kinds = set()
+    for n, p in muon.items():
+        torch.testing.assert_close(p.detach().double(), ref_W[n], rtol=0, atol=2e-6, msg=n)
+        kinds.add(len(ref_row_slices(n, p.shape, cfg)) + 100 * (p.dim() == 3))
+    assert kinds >= {1, 2, 3, cfg.o_groups, 101}  # whole, halves, mHC split, wo_a groups, experts all exercised
+
+
+def test_split_changes_the_update():
+    """Orthogonalising the stacked mHC fn whole would give a different update than per-block."""
+    torch.manual_seed(1)
+    g = torch.randn(24, 256)
+    split = orthogonalized_update(g, [4, 4, 16], 0.18, PAPER_NS_SCHEDULE)
+    whole = orthogonalized_update(g, [], 0.18, PAPER_NS_SCHEDULE)
+    assert (split - whole).abs().max() > 0.05
+    for rows in (slice(0, 4), slice(4, 8), slice(8, 24)):  # each block is itself orthogonal
+        blk = split[rows] / (math.sqrt(256) * 0.18)
+        torch.testing.assert_close(blk @ blk.T, torch.eye(blk.shape[0]), atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (16, 128), (200, 24), (3, 5, 40)])
+def test_newton_schulz_orthogonalises_and_update_has_target_rms(shape):
+    torch.manual_seed(2)
+    x = torch.randn(shape)
+    o = hybrid_newton_schulz(x, PAPER_NS_SCHEDULE)
+    sv = torch.linalg.svdvals(o)
+    assert sv.min() > 0.99 and sv.max() < 1.01
+    u = orthogonalized_update(x, [], 0.18, PAPER_NS_SCHEDULE)
+    assert u.pow(2).mean().sqrt().item() == pytest.approx(0.18, rel=0.01)
+
+
+def test_newton_schulz_bf16_close_to_fp32():
+    torch.manual_seed(3)
+    x = torch.randn(32, 96)
+    o32 = hybrid_newton_schulz(x, PAPER_NS_SCHEDULE, torch.float32)
+    o16 = hybrid_newton_schulz(x, PAPER_NS_SCHEDULE, torch.bfloat16)
+    assert (o16 - o32).norm() / o32.norm() < 0.05
+
+
+def test_bad_row_blocks_are_rejected():
+    with pytest.raises(ValueError, match="row_blocks"):
+        orthogonalized_update(torch.randn(10, 8), [4, 4], 0.18, PAPER_NS_SCHEDULE)
+
+
+def test_adamw_groups_match_torch_adamw():
+    torch.manual_seed(4)
+    model = build_model(tiny(), seed=0)
+    cfg = OptimConfig(name="adamw", lr=1e-2, eps=1e-8, decay_gains_and_biases=True)
+    ours = build_optimizer(model, cfg)
+    twin = copy.deepcopy(model)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for _ in range(3):
+        for p, q in zip(model.parameters(), twin.parameters()):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        ours.step()
+        ref.step()
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_grouping_rules_on_tiny_model():
+    cfg = tiny()
+    model = build_model(cfg)
+    rules = {n: (rule.key, blocks) for n, _, rule, blocks in classify(model)}
+    assert set(rules) == {n for n, _ in model.named_parameters()}
+    assert rules["embed.weight"][0] == rules["head.weight"][0] == "embed_head"
+    for n in ("layers.0.attn_norm.weight", "layers.1.attn.attn_sink", "layers.1.attn.compressor.ape",
+              "layers.0.hc_attn.base", "layers.0.hc_ffn.scale", "hc_head.base", "mtp.0.enorm.weight"):
+        assert rules[n] == ("gains_biases", []), n
+    assert rules["layers.0.hc_attn.fn"] == ("mhc_fn", [4, 4, 16])
+    assert rules["hc_head.fn"] == ("matrix", [])
+    c, ci = cfg.head_dim, cfg.index_head_dim
+    assert rules["layers.1.attn.compressor.wkv.weight"] == ("csa_halves", [c, c])  # CSA layer
+    assert rules["layers.1.attn.indexer.compressor.wgate.weight"] == ("csa_halves", [ci, ci])
+    assert rules["layers.2.attn.compressor.wkv.weight"] == ("matrix", [])  # HCA: no overlap, one matrix
+    assert rules["layers.3.attn.wo_a.weight"] == ("wo_a_groups", [cfg.o_lora_rank] * cfg.o_groups)
+    assert rules["layers.3.ffn.experts.w2"] == ("experts", [])
+    assert rules["layers.3.ffn.gate.weight"] == ("matrix", [])
+
+
+def test_optimizer_groups_frozen_params_and_adamw_mode():
+    model = build_model(tiny())
+    frozen = set(freeze_indexer(model))
+    opt = build_optimizer(model, OptimConfig(weight_decay=0.1))
+    in_opt = {n for g in opt.param_groups for n in g["names"]}
+    assert frozen and not (frozen & in_opt)
+    by_rule = {g["rule"]: g for g in opt.param_groups}
+    assert by_rule["gains_biases"]["weight_decay"] == 0.0 and by_rule["embed_head"]["weight_decay"] == 0.1
+    assert {g["algorithm"] for r, g in by_rule.items() if r in ("embed_head", "gains_biases")} == {"adamw"}
+    assert {g["algorithm"] for r, g in by_rule.items() if r not in ("embed_head", "gains_biases")} == {"muon"}
+    assert by_rule["matrix"]["ns_dtype"] == "fp32"  # auto on CPU
+    text = opt.describe_groups()
+    for rule in by_rule:
+        assert f"[{rule}]" in text
+    assert "layers.*.ffn.experts.w1  x4" in text
+    all_adamw = build_optimizer(build_model(tiny()), OptimConfig(name="adamw"))
+    assert {g["algorithm"] for g in all_adamw.param_groups} == {"adamw"}
+
+
+def test_bf16_params_keep_fp32_master_across_checkpoint():
+    torch.manual_seed(5)
+    model = build_model(tiny(), seed=0, dtype=torch.bfloat16)
+    opt = build_optimizer(model, OptimConfig(lr=1e-3))
+    twin = copy.deepcopy(model)
+    grads = [[torch.randn_like(p) for p in model.parameters()] for _ in range(4)]
+
+    def step(m, o, gs):
+        for p, g in zip(m.parameters(), gs):
+            p.grad = g.clone()
+        o.step()
+
+    for gs in grads[:2]:
+        step(model, opt, gs)
+    saved = copy.deepcopy(opt.state_dict())
+    resumed = build_optimizer(twin, OptimConfig(lr=1e-3))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        q.data.copy_(p.data)
+    resumed.load_state_dict(saved)
+    for gs in grads[2:]:
+        step(model, opt, gs)
+        step(twin, resumed, gs)
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert opt.state[p]["master"].dtype == torch.float32, n
+        assert resumed.state[q]["master"].dtype == torch.float32, n
+        torch.testing.assert_close(opt.state[p]["master"], resumed.state[q]["master"], rtol=0, atol=0, msg=n)
+        assert torch.equal(p, opt.state[p]["master"].to(torch.bfloat16)), n
+
+
+def test_clip_grad_norm_reports_norm_and_clips():
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))
+    a.grad, b.grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([[0.0, 4.0], [0.0, 0.0]])
+    assert clip_grad_norm([a, b], 0).item() == pytest.approx(5.0)
+    assert a.grad[0].item() == 3.0  # measure only
+    assert clip_grad_norm([a, b], 1.0).item() == pytest.approx(5.0)
+    assert torch.cat([a.grad, b.grad.flatten()]).norm().item() == pytest.approx(1.0, rel=1e-4)
+    a.grad[1] = float("inf")
+    assert not torch.isfinite(clip_grad_norm([a, b], 1.0))
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="optim.name"):
+        OptimConfig(name="sgd")
+    with pytest.raises(ValueError, match="optim.ns_iterations"):
+        OptimConfig(ns_iterations=[8])
+    with pytest.raises(ValueError, match="schedule.decay"):
+        ScheduleConfig(decay="step")
+
+
+# ---- schedules --------------------------------------------------------------------------------------
+def test_warmup_then_cosine():
+    cfg = ScheduleConfig(warmup_steps=4, decay="cosine", min_lr_ratio=0.1)
+    T = 14
+    f = [lr_multiplier(s, T, cfg) for s in range(T)]
+    assert f[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert f[4] == pytest.approx(1.0) and f[-1] == pytest.approx(0.1)
+    assert all(x >= y for x, y in zip(f[4:], f[5:]))
+    mid = 4 + (T - 4 - 1) / 2  # halfway through decay: cos(pi/2) = 0
+    assert lr_multiplier(int(mid), T, cfg) > 0.55 > lr_multiplier(int(mid) + 1, T, cfg)
+
+
+def test_linear_and_constant_decay():
+    lin = ScheduleConfig(warmup_steps=0, decay="linear", min_lr_ratio=0.0)
+    assert [lr_multiplier(s, 5, lin) for s in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    const = ScheduleConfig(warmup_steps=2, decay="constant")
+    assert [lr_multiplier(s, 5, const) for s in range(5)] == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0])
+
+
+def test_scheduler_drives_every_group():
+    model = build_model(tiny())
+    opt = build_optimizer(model, OptimConfig(lr=1e-3))
+    sched = build_scheduler(opt, ScheduleConfig(warmup_steps=2, decay="linear", min_lr_ratio=0.5), total_steps=4)
+    seen = []
+    for _ in range(4):
+        seen.append({g["lr"] for g in opt.param_groups})
+        opt.step()
+        sched.step()
+    assert [s.pop() for s in seen] == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])  # peak: last warmup and first decay step
+    with pytest.raises(ValueError, match="warmup_steps"):
+        build_scheduler(opt, ScheduleConfig(warmup_steps=10), total_steps=4)
