@@ -10,6 +10,7 @@ seq_len (counted as truncated).
 from __future__ import annotations
 
 import glob
+import os
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -162,3 +163,13 @@ def iter_records(patterns: list[str], fmt: str, policy: BadRecordPolicy) -> Iter
 
 def reject_record(policy: BadRecordPolicy, record: Record, err: RecordError) -> None:
     policy.reject(record.path, record.line, err.reason, err.detail)
+
+
+def write_jsonl(path: str | Path, records: list[dict]) -> None:
+    """Write one JSON object per line, atomically (temp file in the same folder, then rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
