@@ -1,0 +1,149 @@
+"""Precision policy resolution, dynamic loss scaling and the non-finite step guard."""
+
+import warnings
+
+import pytest
+import torch
+
+from trex import device
+from trex.train.optim import OptimConfig, build_optimizer, clip_grad_norm
+from trex.train.precision import DynamicLossScaler, NonFiniteError, PrecisionConfig, PrecisionPolicy, StepGuard
+
+
+def fake_caps(monkeypatch, **caps):
+    full = dict(bf16=True, bf16_fast=True, fp16=True, fp8=False) | caps
+    monkeypatch.setattr(device, "_capabilities", lambda dev_type, index: device.Capabilities(**full))
+
+
+def test_auto_is_fp32_on_cpu_and_bf16_on_fast_accelerators(monkeypatch):
+    fake_caps(monkeypatch, bf16_fast=True)
+    cpu = PrecisionPolicy.resolve("auto", device.Device("cpu"))
+    assert cpu.name == "fp32" and cpu.param_dtype == torch.float32 and not cpu.loss_scaling
+    acc = PrecisionPolicy.resolve("auto", device.Device("cuda", 0))
+    assert acc.param_dtype == acc.compute_dtype == torch.bfloat16
+    assert acc.master_dtype == acc.reduce_dtype == torch.float32
+    fake_caps(monkeypatch, bf16_fast=False)
+    assert PrecisionPolicy.resolve("auto", device.Device("npu", 0)).name == "fp32"
+
+
+def test_forced_bf16_warns_only_where_slow(monkeypatch):
+    fake_caps(monkeypatch, bf16_fast=False)
+    with pytest.warns(RuntimeWarning, match="bf16 matmul measured slower"):
+        policy = PrecisionPolicy.resolve("bf16", device.Device("cpu"))
+    assert policy.param_dtype == torch.bfloat16
+    fake_caps(monkeypatch, bf16_fast=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PrecisionPolicy.resolve("bf16", device.Device("cpu"))
+
+
+def test_missing_dtype_support_is_an_error(monkeypatch):
+    fake_caps(monkeypatch, fp16=False)
+    with pytest.raises(ValueError, match="fp16 was requested"):
+        PrecisionPolicy.resolve("fp16", device.Device("xpu", 0))
+    with pytest.raises(ValueError, match="precision.dtype"):
+        PrecisionPolicy.resolve("int8", device.Device("cpu"))
+
+
+def test_fp16_policy_record():
+    policy = PrecisionPolicy.resolve("fp16", device.Device("cpu"))
+    assert policy.to_dict() == {"name": "fp16", "param_dtype": "float16", "compute_dtype": "float16",
+                                "master_dtype": "float32", "reduce_dtype": "float32", "loss_scaling": True}
+
+
+def test_loss_scaler_backoff_growth_and_state():
+    s = DynamicLossScaler(init_scale=8.0, growth_factor=2.0, growth_interval=3, backoff_factor=0.5, min_scale=2.0)
+    assert s.scale(torch.tensor(1.5)).item() == 12.0
+    s.update(found_inf=True)
+    assert s.scale_value == 4.0
+    s.update(found_inf=True)
+    s.update(found_inf=True)
+    assert s.scale_value == 2.0 and not s.can_back_off()  # clamped at min_scale
+    for _ in range(3):
+        s.update(found_inf=False)
+    assert s.scale_value == 4.0
+    s.update(found_inf=False)
+    twin = DynamicLossScaler(init_scale=1024.0, growth_interval=3)
+    twin.load_state_dict(s.state_dict())
+    assert (twin.scale_value, twin.clean_steps) == (4.0, 1)
+    off = DynamicLossScaler(enabled=False)
+    loss = torch.tensor(3.0)
+    assert off.scale(loss) is loss and off.scale_value == 1.0
+
+
+def test_unscale_divides_gradients():
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.tensor([8.0, -16.0, 4.0])
+    DynamicLossScaler(init_scale=4.0).unscale_([p])
+    assert p.grad.tolist() == [2.0, -4.0, 1.0]
+
+
+def fp16_step(model, opt, scaler, guard, x, step, inject=None):
+    """One loop iteration as the training loop runs it."""
+    loss = model(x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    if inject is not None:
+        model.weight.grad.view(-1)[0] = inject
+    scaler.unscale_(model.parameters())
+    norm = clip_grad_norm(model.parameters(), 1.0)
+    if guard.check(loss, norm, step):
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_injected_inf_and_nan_skip_the_step_and_leave_weights_unchanged():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8, bias=False).to(torch.float16)
+    opt = build_optimizer(model, OptimConfig(name="adamw", lr=1e-2))
+    scaler = DynamicLossScaler(init_scale=1024.0)
+    guard = StepGuard(max_consecutive=3, scaler=scaler)
+    x = torch.randn(4, 8, dtype=torch.float16)
+    before = model.weight.detach().clone()
+    fp16_step(model, opt, scaler, guard, x, 0, inject=float("inf"))
+    assert torch.equal(model.weight, before) and scaler.scale_value == 512.0
+    assert guard.skipped_total == 1 and guard.consecutive == 0  # the scaler can still back off
+    assert "loss scale 1024 -> 512" in guard.last_reason
+    fp16_step(model, opt, scaler, guard, x, 1, inject=float("nan"))
+    assert torch.equal(model.weight, before) and guard.skipped_total == 2
+    fp16_step(model, opt, scaler, guard, x, 2)
+    assert not torch.equal(model.weight, before) and guard.skipped_total == 2
+    assert torch.isfinite(opt.state[model.weight]["master"]).all()
+
+
+def test_consecutive_non_finite_losses_stop_the_run():
+    guard = StepGuard(max_consecutive=3)
+    ok = torch.tensor(1.0)
+    nan = torch.tensor(float("nan"))
+    assert not guard.check(nan, ok, 10)
+    assert guard.check(ok, ok, 11) and guard.consecutive == 0  # a good step resets the run of skips
+    assert not guard.check(ok, torch.tensor(float("inf")), 12)
+    assert not guard.check(nan, ok, 13)
+    with pytest.raises(NonFiniteError, match=r"step 14: non-finite loss: 3 consecutive steps skipped"):
+        guard.check(nan, ok, 14)
+    assert guard.skipped_total == 4
+
+
+def test_fp16_overflow_at_min_scale_counts_toward_the_limit():
+    scaler = DynamicLossScaler(init_scale=4.0, min_scale=1.0)
+    guard = StepGuard(max_consecutive=2, scaler=scaler)
+    ok, inf = torch.tensor(1.0), torch.tensor(float("inf"))
+    assert not guard.check(ok, inf, 0) and not guard.check(ok, inf, 1)  # 4 -> 2 -> 1: remediable
+    assert guard.consecutive == 0 and scaler.scale_value == 1.0
+    assert not guard.check(ok, inf, 2)
+    with pytest.raises(NonFiniteError, match="max_consecutive_skips = 2"):
+        guard.check(ok, inf, 3)
+    state = guard.state_dict()
+    resumed = StepGuard(max_consecutive=2, scaler=DynamicLossScaler(init_scale=4.0))
+    resumed.load_state_dict(state)
+    assert (resumed.skipped_total, resumed.consecutive, resumed.scaler.scale_value) == (4, 2, 1.0)
+
+
+def test_precision_config_validation():
+    with pytest.raises(ValueError, match="precision.dtype"):
+        PrecisionConfig(dtype="fp8")
+    with pytest.raises(ValueError, match="precision.backoff_factor"):
+        PrecisionConfig(backoff_factor=1.5)
+    cfg = PrecisionConfig(dtype="fp16", init_scale=128.0)
+    scaler = DynamicLossScaler.from_config(cfg, PrecisionPolicy.resolve("fp16", device.Device("cpu")))
+    assert scaler.enabled and scaler.scale_value == 128.0
+    assert not DynamicLossScaler.from_config(cfg, PrecisionPolicy.resolve("fp32", device.Device("cpu"))).enabled
