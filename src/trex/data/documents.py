@@ -12,7 +12,7 @@ import numpy as np
 
 from trex.data.chat import RecordError, Segment, check_utf8, encode_segments, render_conversation
 from trex.data.config import DataConfig
-from trex.data.records import BadRecordPolicy, Record, iter_records, reject_record
+from trex.data.records import BadRecordPolicy, Record, iter_records
 from trex.data.tokenizer import BOS, EOS, Tokenizer
 
 
@@ -34,6 +34,8 @@ class Documents:
 
 def record_segments(record: Record, cfg: DataConfig) -> list[Segment]:
     """Render one record; raises RecordError if it cannot be used."""
+    if isinstance(record.data, RecordError):
+        raise record.data
     if cfg.mode == "cpt":
         text = record.data.get(cfg.text_field)
         if not isinstance(text, str):
@@ -68,12 +70,12 @@ def build_documents(cfg: DataConfig, tokenizer: Tokenizer, policy: BadRecordPoli
     encoded: list[tuple[np.ndarray, np.ndarray]] = []
     chunk: list[tuple[Record, list[Segment]]] = []
     n_read = 0
-    for record in iter_records(cfg.paths, cfg.format, policy):
+    for record in iter_records(cfg.paths, cfg.format):
         n_read += 1
         try:
             chunk.append((record, record_segments(record, cfg)))
         except RecordError as err:
-            reject_record(policy, record, err)
+            policy.reject(record.path, record.line, err.reason, err.detail)
         if len(chunk) == cfg.encode_chunk:
             _encode_chunk(chunk, tokenizer, cfg, policy, encoded)
             chunk = []

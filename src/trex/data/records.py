@@ -24,8 +24,9 @@ SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 @dataclass(frozen=True)
 class Record:
-    """One input record; ``line`` is the 1-based JSONL line or Parquet row."""
-    data: dict
+    """One input record; ``line`` is the 1-based JSONL line or Parquet row. ``data`` is a
+    RecordError when the line could not be read (invalid UTF-8, malformed JSON)."""
+    data: dict | RecordError
     path: str
     line: int
 
@@ -112,28 +113,28 @@ def resolve_paths(patterns: list[str], fmt: str = "auto") -> list[tuple[Path, st
     return out
 
 
-def _jsonl_records(path: Path, policy: BadRecordPolicy) -> Iterator[Record]:
+def _parse_json_line(raw: bytes) -> dict | RecordError:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return RecordError("invalid_utf8", f"byte {err.start}: {err.reason}")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        return RecordError("malformed_json", str(err))
+    if not isinstance(data, dict):
+        return RecordError("malformed_json", f"a JSON {type(data).__name__}; expected an object")
+    return data
+
+
+def _jsonl_records(path: Path) -> Iterator[Record]:
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                policy.reject(str(path), line_no, "invalid_utf8", f"byte {err.start}: {err.reason}")
-                continue
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as err:
-                policy.reject(str(path), line_no, "malformed_json", str(err))
-                continue
-            if not isinstance(data, dict):
-                policy.reject(str(path), line_no, "malformed_json", f"a JSON {type(data).__name__}; expected an object")
-                continue
-            yield Record(data, str(path), line_no)
+            if raw.strip():
+                yield Record(_parse_json_line(raw), str(path), line_no)
 
 
-def _parquet_records(path: Path, policy: BadRecordPolicy) -> Iterator[Record]:
+def _parquet_records(path: Path) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
     row = 0
@@ -146,23 +147,16 @@ def _parquet_records(path: Path, policy: BadRecordPolicy) -> Iterator[Record]:
                 try:
                     rows.append(batch.slice(k, 1).to_pylist()[0])
                 except UnicodeDecodeError as err:
-                    rows.append(err)
+                    rows.append(RecordError("invalid_utf8", err.reason))
         for data in rows:
             row += 1
-            if isinstance(data, UnicodeDecodeError):
-                policy.reject(str(path), row, "invalid_utf8", data.reason)
-                continue
             yield Record(data, str(path), row)
 
 
-def iter_records(patterns: list[str], fmt: str, policy: BadRecordPolicy) -> Iterator[Record]:
-    """Every record of every file in order; unreadable ones go through ``policy``."""
+def iter_records(patterns: list[str], fmt: str = "auto") -> Iterator[Record]:
+    """Every record of every file in order, unreadable ones included (``data`` is a RecordError)."""
     for path, kind in resolve_paths(patterns, fmt):
-        yield from (_jsonl_records if kind == "jsonl" else _parquet_records)(path, policy)
-
-
-def reject_record(policy: BadRecordPolicy, record: Record, err: RecordError) -> None:
-    policy.reject(record.path, record.line, err.reason, err.detail)
+        yield from (_jsonl_records if kind == "jsonl" else _parquet_records)(path)
 
 
 def write_jsonl(path: str | Path, records: list[dict]) -> None:

@@ -1,0 +1,132 @@
+"""Reading JSONL/Parquet and the bad-record policies (fail / skip / truncate)."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from trex.data import BadRecordError, DataConfig, build_loader, compact_tokenizer
+from trex.data.documents import build_documents
+from trex.data.records import BadRecordPolicy, write_jsonl
+
+TOK = compact_tokenizer()
+
+
+def convo(q, a):
+    return {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+
+
+GOOD = json.dumps(convo("1+1", "2"))
+LONG = json.dumps(convo("1+1", "9" * 200))  # 200+ tokens with the compact tokenizer, loss in the first 64
+# (line content, reason it is bad or None)
+LINES = [
+    (GOOD, None),
+    (b'{"messages": [{"role": "user", "content": "\xff"}]}', "invalid_utf8"),
+    ('{"messages": [', "malformed_json"),
+    ("[1, 2]", "malformed_json"),
+    (json.dumps({"messages": [{"role": "robot", "content": "x"}]}), "unknown_role"),
+    (json.dumps({"messages": [{"content": "x"}]}), "missing_role"),
+    (json.dumps({"messages": []}), "empty_conversation"),
+    (json.dumps({"text": "no messages"}), "missing_messages"),
+    ('{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "y"}]}',
+     "invalid_utf8"),
+    (LONG, "too_long"),
+    (json.dumps(convo("2+2", "4")), None),
+]
+
+
+@pytest.fixture
+def fixture_file(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    with open(path, "wb") as f:
+        for line, _ in LINES:
+            f.write((line if isinstance(line, bytes) else line.encode()) + b"\n")
+        f.write(b"\n")  # a trailing blank line is not a record
+    return path
+
+
+def cfg_for(path, policy, **kw):
+    return DataConfig(paths=[str(path)], tokenizer="compact", seq_len=64, bad_record_policy=policy, **kw)
+
+
+@pytest.mark.parametrize("bad_line", [i for i, (_, reason) in enumerate(LINES) if reason])
+def test_fail_names_file_line_and_reason(tmp_path, bad_line):
+    path = tmp_path / "one_bad.jsonl"
+    line, reason = LINES[bad_line]
+    with open(path, "wb") as f:
+        f.write(GOOD.encode() + b"\n" + (line if isinstance(line, bytes) else line.encode()) + b"\n")
+    with pytest.raises(BadRecordError) as err:
+        build_documents(cfg_for(path, "fail"), TOK, BadRecordPolicy("fail"))
+    assert str(err.value).startswith(f"{path}:2: bad record ({reason})")
+    assert (err.value.line, err.value.reason) == (2, reason)
+
+
+def test_skip_counts_every_reason(fixture_file):
+    policy = BadRecordPolicy("skip")
+    docs = build_documents(cfg_for(fixture_file, "skip"), TOK, policy)
+    assert len(docs) == 2 and docs.records_read == len(LINES)
+    want = {}
+    for _, reason in LINES:
+        if reason:
+            want[reason] = want.get(reason, 0) + 1
+    summary = policy.counter.as_dict()
+    assert summary["skipped_by_reason"] == want
+    assert summary["skipped"] == sum(want.values()) and summary["truncated"] == 0
+    assert summary["first_seen"]["malformed_json"] == f"{fixture_file}:3"
+
+
+def test_truncate_cuts_long_documents_and_skips_the_rest(fixture_file):
+    loader = build_loader(cfg_for(fixture_file, "truncate", shuffle=False), 0, 1, TOK)
+    s = loader.summary()
+    assert s["truncated"] == 1 and s["documents"] == 3
+    assert "too_long" not in s["skipped_by_reason"] and s["skipped_by_reason"]["malformed_json"] == 2
+    lengths = loader.rows.docs.lengths.tolist()
+    assert lengths[1] == 64  # the long one, cut to seq_len, in file order (shuffle off)
+    assert loader.rows.docs.tokens[loader.rows.docs.offsets[1]] == TOK.bos_id
+
+
+def test_truncation_without_loss_tokens_is_skipped(tmp_path):
+    path = tmp_path / "long_prompt.jsonl"
+    write_jsonl(path, [convo("1+1", "2"), convo("9" * 200, "x")])
+    s = build_loader(cfg_for(path, "truncate"), 0, 1, TOK).summary()
+    assert s["skipped_by_reason"] == {"no_loss_after_truncation": 1} and s["truncated"] == 1
+
+
+def test_cpt_text_records(tmp_path):
+    path = tmp_path / "text.jsonl"
+    write_jsonl(path, [{"text": "12+3=15"}, {"text": ""}, {"body": "x"}])
+    policy = BadRecordPolicy("skip")
+    docs = build_documents(cfg_for(path, "skip", mode="cpt"), TOK, policy)
+    assert TOK.decode(docs.tokens) == "<｜begin▁of▁sentence｜>12+3=15<｜end▁of▁sentence｜>"
+    assert docs.loss_mask.all()
+    assert policy.counter.as_dict()["skipped_by_reason"] == {"empty_text": 1, "missing_text": 1}
+
+
+def test_parquet_matches_jsonl(tmp_path):
+    records = [convo(f"{i}+{i}", str(2 * i)) for i in range(20)]
+    records[3]["messages"].insert(0, {"role": "system", "content": "sys"})
+    write_jsonl(tmp_path / "d.jsonl", records)
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "d.parquet")
+    a = build_documents(cfg_for(tmp_path / "d.jsonl", "fail"), TOK, BadRecordPolicy("fail"))
+    b = build_documents(cfg_for(tmp_path / "d.parquet", "fail"), TOK, BadRecordPolicy("fail"))
+    assert a.tokens.tolist() == b.tokens.tolist() and a.offsets.tolist() == b.offsets.tolist()
+
+
+def test_parquet_invalid_utf8_row(tmp_path):
+    texts = pa.array([b"good", b"\xff\xfe", b"fine"], pa.binary()).view(pa.string())
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": texts}), path)
+    with pytest.raises(BadRecordError, match=rf"{path}:2: bad record \(invalid_utf8\)"):
+        build_documents(cfg_for(path, "fail", mode="cpt"), TOK, BadRecordPolicy("fail"))
+    policy = BadRecordPolicy("skip")
+    assert len(build_documents(cfg_for(path, "skip", mode="cpt"), TOK, policy)) == 2
+
+
+def test_directory_and_missing_paths(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [convo("1+1", "2")])
+    write_jsonl(tmp_path / "b.jsonl", [convo("2+2", "4")])
+    docs = build_documents(cfg_for(tmp_path, "fail"), TOK, BadRecordPolicy("fail"))
+    assert len(docs) == 2
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        build_documents(cfg_for(tmp_path / "nope*.jsonl", "fail"), TOK, BadRecordPolicy("fail"))
