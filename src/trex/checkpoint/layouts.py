@@ -1,0 +1,130 @@
+"""What a saved checkpoint contains: trex tensors -> named, typed, possibly quantised outputs.
+
+``plan_outputs`` turns trex tensors (from a model or from another checkpoint) into groups of
+``PlannedTensor`` for one layout; each group is written together (a weight and its scale never
+land in different shards) and each tensor is only computed when the writer reaches it.
+
+Precision on disk follows the released checkpoints (reference §4.2/§4.3): with ``quantize``,
+the attention, indexer-query, shared-expert and MTP projections are FP8 with 128x128 ue8m0
+scales; routed experts are FP8 (``"fp8"``) or packed FP4 with 1x32 scales
+(``"fp8+fp4experts"``). Norms, router, compressor and indexer-compressor projections,
+``weights_proj``, embedding, head, mHC, sinks, ``ape`` and the gate bias are never quantised.
+mHC, ``ape``, sinks and the gate bias stay float32 even in a bf16 save; integer tensors
+(``tid2eid``) are written as they are.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from trex.checkpoint import quant
+from trex.checkpoint.safetensors_io import PlannedTensor
+from trex.models.naming import hf_name, official_name, scale_name
+
+QUANTIZE_MODES = (None, "fp8", "fp8+fp4experts")
+SAVE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+_FP8_LINEARS = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.shared_experts\.w[123]"
+                          r"|^mtp\.\d+\.(e_proj|h_proj))\.weight$")
+_STACKED_EXPERTS = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
+_KEEP_FP32 = re.compile(r"((^|\.)hc_(attn|ffn|head)\.(fn|base|scale)|\.ape|\.attn_sink|\.gate\.bias)$")
+
+
+@dataclass(frozen=True)
+class TrexTensor:
+    """One trex tensor to save. ``get(expert)`` returns it whole (expert None) or expert J's
+    slice of a stacked [E, ...] tensor, in any float dtype (it is cast on the way out)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    get: Callable[[int | None], torch.Tensor]
+
+
+def codec_for(key: str, quantize: str | None) -> str:
+    """plain, fp8 or fp4: how trex tensor ``key`` is stored under ``quantize``."""
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
+    if quantize is None:
+        return "plain"
+    if _STACKED_EXPERTS.match(key):
+        return "fp4" if quantize == "fp8+fp4experts" else "fp8"
+    return "fp8" if _FP8_LINEARS.search(key) else "plain"
+
+
+def plan_outputs(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, quantize: str | None
+                 ) -> list[list[PlannedTensor]]:
+    """Groups of tensors to write for ``layout`` ("official" or "hf"), in the order given."""
+    by_key = {t.key: t for t in tensors}
+    groups: list[list[PlannedTensor]] = []
+    for t in tensors:
+        codec = codec_for(t.key, quantize)
+        out_dtype = _plain_dtype(t, dtype)
+        m = _STACKED_EXPERTS.match(t.key)
+        if m and layout == "official":
+            for j in range(t.shape[0]):
+                groups.append(_encode(official_name(t.key, j), t.shape[1:], out_dtype, codec, layout,
+                                      lambda t=t, j=j: t.get(j)))
+        elif m and layout == "hf":
+            base, which = m.groups()
+            if which == "w3":
+                continue  # written inside gate_up_proj with w1
+            if which == "w1":
+                up = by_key[f"{base}.w3"]
+                shape = (t.shape[0], t.shape[1] + up.shape[1], *t.shape[2:])
+                produce = lambda t=t, up=up: torch.cat((t.get(None), up.get(None)), dim=1)  # noqa: E731
+            else:
+                shape, produce = t.shape, (lambda t=t: t.get(None))
+            groups.append(_encode(hf_name(t.key), shape, out_dtype, codec, layout, produce))
+        else:
+            name = official_name(t.key) if layout == "official" else hf_name(t.key)
+            groups.append(_encode(name, t.shape, out_dtype, codec, layout, lambda t=t: t.get(None)))
+    return groups
+
+
+def _plain_dtype(t: TrexTensor, dtype: torch.dtype) -> torch.dtype:
+    if not t.dtype.is_floating_point:
+        return t.dtype
+    return torch.float32 if _KEEP_FP32.search(t.key) else dtype
+
+
+def _encode(name: str, shape: tuple[int, ...], dtype: torch.dtype, codec: str, layout: str,
+            produce: Callable[[], torch.Tensor]) -> list[PlannedTensor]:
+    """The weight (cast, or quantised plus its scale) as planned tensors."""
+    if codec == "plain":
+        return [PlannedTensor(name, dtype, tuple(shape), lambda: produce().to(dtype))]
+    *lead, rows, cols = shape
+    if codec == "fp8":
+        qshape = (*lead, rows, cols), (*lead, quant.blocks(rows, quant.FP8_BLOCK), quant.blocks(cols, quant.FP8_BLOCK))
+        qdtype, encode = torch.float8_e4m3fn, quant.quantize_fp8
+    else:
+        qshape = (*lead, rows, quant.blocks(cols, 2)), (*lead, rows, quant.blocks(cols, quant.FP4_BLOCK))
+        qdtype, encode = torch.int8, quant.quantize_fp4
+    cache: dict[str, torch.Tensor] = {}
+
+    def weight() -> torch.Tensor:
+        q, cache["scale"] = encode(produce())
+        return q
+
+    def scale() -> torch.Tensor:
+        return cache.pop("scale") if "scale" in cache else encode(produce())[1]
+
+    return [PlannedTensor(name, qdtype, qshape[0], weight),
+            PlannedTensor(scale_name(name, layout), torch.float8_e8m0fnu, qshape[1], scale)]
+
+
+def quantization_config(quantize: str | None) -> dict | None:
+    """The ``quantization_config`` of config.json for ``quantize`` (None when unquantised)."""
+    if quantize is None:
+        return None
+    cfg = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
+           "weight_block_size": [quant.FP8_BLOCK, quant.FP8_BLOCK]}
+    if quantize == "fp8+fp4experts":
+        cfg["expert_dtype"] = "fp4"
+        cfg["expert_fmt"] = "e2m1"
+        cfg["expert_block_size"] = [1, quant.FP4_BLOCK]
+    return cfg

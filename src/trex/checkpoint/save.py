@@ -1,0 +1,135 @@
+"""Save a model, or convert a checkpoint directory, to the official or HF layout.
+
+Both stream: ``save_pretrained`` casts/quantises one parameter at a time from the model;
+``convert`` reads one source tensor (or one expert slice of it) at a time, so its memory stays
+near the largest tensor whatever the checkpoint size.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+
+from trex.checkpoint.layouts import SAVE_DTYPES, TrexTensor, plan_outputs, quantization_config
+from trex.checkpoint.reader import CheckpointReader
+from trex.checkpoint.safetensors_io import PlannedTensor
+from trex.checkpoint.writer import write_checkpoint
+from trex.models.config import CSA, HASH_MOE, HCA, ModelConfig
+from trex.models.naming import LAYOUTS
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def save_pretrained(model: torch.nn.Module, path: str, layout: str = "hf", dtype: str = "bf16",
+                    quantize: str | None = None, max_shard_size: int | str = "5GB", overwrite: bool = False,
+                    progress: bool = False) -> list[str]:
+    """Write ``model`` (a trex ``DeepseekV4``) as sharded safetensors + index + ``config.json``.
+
+    layout: "hf" (transformers module names, fused experts) or "official" (released names,
+    per-expert tensors). dtype: "bf16" or "fp32" for unquantised tensors. quantize: None, "fp8"
+    or "fp8+fp4experts" (reference formats, power-of-two scales). Returns the shard names.
+    """
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    tensors = [TrexTensor(k, tuple(v.shape), v.dtype, _getter(v)) for k, v in _ordered(state)]
+    return _write(tensors, model.cfg, path, layout, dtype, quantize, max_shard_size, overwrite, progress)
+
+
+def convert(src: str, dst: str, layout: str = "hf", dtype: str = "bf16", quantize: str | None = None,
+            max_shard_size: int | str = "5GB", src_layout: str = "auto", overwrite: bool = False,
+            progress: bool = False) -> list[str]:
+    """Convert checkpoint directory ``src`` (any layout/precision) to ``dst``, tensor by tensor."""
+    from trex.models.loading import build_model
+
+    reader = CheckpointReader(src, src_layout)
+    model = build_model(reader.config, device="meta")
+    meta = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    fresh = set(reader.check({k: tuple(v.shape) for k, v in meta.items()}))
+    tensors = []
+    for key, v in _ordered(meta):
+        if key in fresh:
+            continue  # e.g. no MTP in the source: nothing to convert
+        read_dtype = v.dtype if not v.dtype.is_floating_point else torch.float32
+        tensors.append(TrexTensor(key, tuple(v.shape), read_dtype, _reader_getter(reader, key, tuple(v.shape),
+                                                                                  read_dtype)))
+    return _write(tensors, reader.config, dst, layout, dtype, quantize, max_shard_size, overwrite, progress)
+
+
+def _getter(value: torch.Tensor) -> Callable[[int | None], torch.Tensor]:
+    return lambda expert: (value if expert is None else value[expert]).detach()
+
+
+def _reader_getter(reader: CheckpointReader, key: str, shape: tuple[int, ...], dtype: torch.dtype):
+    def get(expert: int | None) -> torch.Tensor:
+        if expert is None:
+            return reader.read(key, shape, dtype)
+        region = ((expert, expert + 1), *((0, n) for n in shape[1:]))
+        return reader.read(key, shape, dtype, region)[0]
+    return get
+
+
+def _ordered(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Embedding, layers in numeric order, top-level tensors, then MTP (the official order)."""
+    def rank(item: tuple[str, torch.Tensor]) -> tuple:
+        key = item[0]
+        m = _LAYER.match(key)
+        group = 0 if key.startswith("embed.") else 1 if m else 3 if key.startswith("mtp.") else 2
+        return group, int(m.group(1)) if m else 0
+    return sorted(state.items(), key=rank)
+
+
+def _write(tensors: list[TrexTensor], cfg: ModelConfig, path: str, layout: str, dtype: str,
+           quantize: str | None, max_shard_size: int | str, overwrite: bool, progress: bool) -> list[str]:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(SAVE_DTYPES)}, got {dtype!r}")
+    groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize)
+    config = checkpoint_config(cfg, layout, dtype, quantize)
+    if not progress:
+        return write_checkpoint(path, groups, config, max_shard_size, overwrite)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    total = sum(t.nbytes for g in groups for t in g)
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn()) as bar:
+        task = bar.add_task(f"writing {path}", total=total)
+
+        def advance(t: PlannedTensor) -> None:
+            bar.update(task, advance=t.nbytes)
+
+        return write_checkpoint(path, groups, config, max_shard_size, overwrite, on_written=advance)
+
+
+def checkpoint_config(cfg: ModelConfig, layout: str, dtype: str, quantize: str | None) -> dict:
+    """config.json for a saved checkpoint: transformers' fields for "hf"; for "official", the
+    released checkpoints' fields (legacy ``compress_ratios`` with the MTP entry,
+    ``num_hash_layers``, flat ``rope_scaling``). Both read back to ``cfg``."""
+    out = cfg.to_hf_dict()
+    out["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
+    qcfg = quantization_config(quantize)
+    if qcfg is not None:
+        out["quantization_config"] = qcfg
+        if quantize == "fp8+fp4experts":
+            out["expert_dtype"] = "fp4"
+    if layout == "hf":
+        return out
+    ratio = {CSA: cfg.compress_rates[CSA], HCA: cfg.compress_rates[HCA]}
+    out["compress_ratios"] = [ratio.get(t, 0) for t in cfg.layer_types] + [ratio.get(cfg.mtp_layer_type, 0)]
+    if cfg.compress_rates != ModelConfig().compress_rates:
+        out["compress_rates"] = dict(cfg.compress_rates)
+    n_hash = sum(t == HASH_MOE for t in cfg.mlp_layer_types)
+    if cfg.mlp_layer_types == [HASH_MOE] * n_hash + ["moe"] * (cfg.num_hidden_layers - n_hash):
+        out["num_hash_layers"] = n_hash
+        del out["mlp_layer_types"]
+    del out["layer_types"], out["rope_parameters"], out["partial_rotary_factor"]
+    out["qk_rope_head_dim"] = cfg.qk_rope_head_dim
+    yarn = cfg.rope_scaling
+    if yarn is not None:
+        out["rope_scaling"] = {"type": "yarn", "factor": yarn.factor, "beta_fast": yarn.beta_fast,
+                               "beta_slow": yarn.beta_slow,
+                               "original_max_position_embeddings": yarn.original_max_position_embeddings}
+    else:
+        out["rope_scaling"] = {"type": "default"}
+    return out
