@@ -1,0 +1,102 @@
+"""Model FLOPs per token for DeepSeek-V4, the numerator of MFU (docs/mfu.md).
+
+Counts the useful work of the architecture, not of a particular kernel: masked or padded
+entries that an implementation computes and throws away are not counted. A multiply-add is
+2 FLOPs; training counts each trained matmul three times (forward, input gradient, weight
+gradient). The indexer has no gradient, so it counts once.
+
+Attention keys per query are averaged over the positions t = 0..S-1 of a sequence (or document)
+of length S: min(t+1, W) window keys; HCA sees floor((t+1)/m) compressed entries; CSA sees the
+indexer's top-k of its floor((t+1)/4) entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from trex.models.config import CSA, HCA, SLIDING, ModelConfig
+
+
+@dataclass(frozen=True)
+class FlopsPerToken:
+    """FLOPs per token, by part (all already multiplied by 3 for trained parts when training)."""
+
+    dense_matmuls: float  # attention projections, mHC, compressors, router, shared expert
+    routed_experts: float  # k routed experts
+    attention_core: float  # q.k and p.v over window and compressed entries
+    indexer: float  # lightning indexer projections and scores (forward only)
+    head: float  # LM head(s)
+    mtp: float  # MTP block(s), excluding their LM head
+
+    @property
+    def total(self) -> float:
+        return sum(asdict(self).values())
+
+
+def _mean_window_keys(S: int, W: int) -> float:
+    # sum_{t<S} min(t+1, W) / S
+    if S <= W:
+        return (S + 1) / 2
+    return (W * (W + 1) / 2 + (S - W) * W) / S
+
+
+def _mean_closed_windows(S: int, m: int) -> float:
+    # sum_{t<S} floor((t+1)/m) / S
+    return sum((t + 1) // m for t in range(S)) / S if S < 1 << 16 else (S + 1) / (2 * m)
+
+
+def _mean_topk(S: int, m: int, k: int) -> float:
+    if S >= 1 << 16:
+        return float(k)  # nearly every query has more than k entries
+    return sum(min(k, (t + 1) // m) for t in range(S)) / S
+
+
+def _layer(cfg: ModelConfig, layer_type: str, S: int) -> tuple[float, float, float, float]:
+    """(dense matmul MACs, routed MACs, attention-core MACs, indexer MACs) per token, forward."""
+    d, H, c, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
+    dense = 2 * (2 + n) * n * n * d  # mHC projections at the attention and FFN sites
+    dense += d * cfg.q_lora_rank + cfg.q_lora_rank * H * c + d * c  # wq_a, wq_b, wkv
+    dense += H * c * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * d  # wo_a (grouped), wo_b
+    dense += cfg.n_routed_experts * d + 3 * cfg.moe_intermediate_size * d * cfg.n_shared_experts
+    routed = 3 * cfg.moe_intermediate_size * d * cfg.num_experts_per_tok
+    keys = _mean_window_keys(S, cfg.sliding_window)
+    indexer = 0.0
+    if layer_type != SLIDING:
+        m = cfg.compress_rate(layer_type)
+        coff = 2 if layer_type == CSA else 1
+        dense += 2 * coff * c * d  # compressor wkv, wgate
+        if layer_type == HCA:
+            keys += _mean_closed_windows(S, m)
+        else:
+            keys += _mean_topk(S, m, cfg.index_topk)
+            hi, ci = cfg.index_n_heads, cfg.index_head_dim
+            indexer = cfg.q_lora_rank * hi * ci + d * hi + 2 * 2 * ci * d  # wq_b, weights_proj, compressor
+            indexer += hi * ci * _mean_closed_windows(S, m)  # scores against every visible entry
+    attention = 2 * H * c * keys  # q.k and p.v
+    return dense, routed, attention, indexer
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True, with_mtp: bool = True) -> FlopsPerToken:
+    """Model FLOPs per token for sequences (or packed documents) of ``seq_len`` tokens."""
+    mult = 3 if training else 1
+    dense = routed = attention = indexer = 0.0
+    for layer_type in cfg.layer_types:
+        a, b, c_, i = _layer(cfg, layer_type, seq_len)
+        dense, routed, attention, indexer = dense + a, routed + b, attention + c_, indexer + i
+    d, n = cfg.hidden_size, cfg.hc_mult
+    dense += n * n * d  # final HC head
+    head = cfg.vocab_size * d
+    mtp = mtp_head = 0.0
+    if with_mtp:
+        for _ in range(cfg.num_nextn_predict_layers):
+            a, b, c_, i = _layer(cfg, cfg.mtp_layer_type, seq_len)
+            mtp += a + b + c_ + i + 2 * d * d + n * n * d  # block, e_proj/h_proj, its HC head
+            mtp_head += cfg.vocab_size * d
+    return FlopsPerToken(
+        dense_matmuls=2 * mult * dense,
+        routed_experts=2 * mult * routed,
+        attention_core=2 * mult * attention,
+        indexer=2 * indexer,
+        head=2 * mult * (head + mtp_head),
+        mtp=2 * mult * mtp,
+    )
