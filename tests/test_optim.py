@@ -252,3 +252,32 @@ def test_scheduler_drives_every_group():
     assert [s.pop() for s in seen] == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])  # peak: last warmup and first decay step
     with pytest.raises(ValueError, match="warmup_steps"):
         build_scheduler(opt, ScheduleConfig(warmup_steps=10), total_steps=4)
+
+
+def test_transposing_tall_matrices_does_not_change_the_result():
+    """The [?] in the reference: iterating on the tall matrix itself gives the same result."""
+    torch.manual_seed(6)
+    X = torch.randn(48, 12, dtype=torch.float64)
+    Y = X / X.norm()
+    for a, b, c in PAPER_NS:  # Gram matrix 48 x 48, no transpose
+        A = Y @ Y.T
+        Y = a * Y + b * (A @ Y) + c * (A @ (A @ Y))
+    torch.testing.assert_close(Y, ref_newton_schulz(X))
+    torch.testing.assert_close(hybrid_newton_schulz(X.float(), PAPER_NS_SCHEDULE), Y.float(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["muon", "adamw"])
+def test_training_on_one_batch_lowers_the_loss(name):
+    torch.manual_seed(7)
+    model = build_model(tiny(), seed=0)
+    opt = build_optimizer(model, OptimConfig(name=name, lr=3e-3))
+    ids = torch.randint(0, 256, (2, 32))
+    losses = []
+    for _ in range(8):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        clip_grad_norm(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
