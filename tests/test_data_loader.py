@@ -165,3 +165,13 @@ def test_padding_rows_from_synthetic_documents():
     assert labels.tolist() == [[-100, 2, 3, -100, -100], [-100, 5, 6, 7, -100]]
     assert doc_ids.tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 0, 1]]
     assert rows.used(np.array([0, 1])).tolist() == [3, 4]
+
+
+def test_bench_reports_rates_and_headroom(data_file):
+    from trex.data.bench import bench_data
+
+    cfg = DataConfig(paths=[str(data_file)], tokenizer="compact", seq_len=SEQ, micro_batch_size=2)
+    result = bench_data(cfg, TOK, n_batches=30)  # more than one epoch
+    report = result.report(step_tokens_per_s=result.iter_tokens_per_s / 4)
+    assert report["headroom"] == pytest.approx(4.0)
+    assert result.build_tokens_per_s > 0 and result.summary["documents"] == 120
