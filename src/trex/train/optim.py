@@ -88,7 +88,9 @@ class OptimConfig:
         need(self.grad_clip >= 0, "grad_clip", "expected >= 0 (0 disables)")
 
     def ns_schedule(self) -> list[tuple[float, float, float, int]]:
-        return [(float(a), float(b), float(c), int(n)) for (a, b, c), n in zip(self.ns_coefficients, self.ns_iterations)]
+        """[(a, b, c, iterations)] per stage, the form `hybrid_newton_schulz` takes."""
+        stages = zip(self.ns_coefficients, self.ns_iterations)
+        return [(float(a), float(b), float(c), int(n)) for (a, b, c), n in stages]
 
 
 # ==================================================================================================
@@ -232,8 +234,8 @@ class MuonAdamW(torch.optim.Optimizer):
     """One optimizer with Muon groups (``algorithm="muon"``) and AdamW groups (``"adamw"``).
 
     Every group has ``lr``, ``weight_decay`` and ``names`` (parameter names, for messages);
-    Muon groups have ``momentum``, ``nesterov``, ``update_rms``, ``ns_coefficients``,
-    ``ns_iterations``, ``ns_dtype`` ("fp32"/"bf16") and ``row_blocks`` (one list per parameter);
+    Muon groups have ``momentum``, ``nesterov``, ``update_rms``, ``ns_schedule`` ([a, b, c,
+    iterations] per stage), ``ns_dtype`` ("fp32"/"bf16") and ``row_blocks`` (one list per parameter);
     AdamW groups have ``betas`` and ``eps``. State per parameter: ``momentum_buffer`` (Muon) or
     ``step``, ``exp_avg``, ``exp_avg_sq`` (AdamW), all fp32, and ``master`` (fp32) for parameters
     stored in a lower precision.
@@ -293,9 +295,8 @@ class MuonAdamW(torch.optim.Optimizer):
     def _muon_update(group: dict, i: int, p: torch.Tensor, state: dict) -> torch.Tensor:
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-        schedule = [(*coef, n) for coef, n in zip(group["ns_coefficients"], group["ns_iterations"])]
         return muon_update(p.grad, state["momentum_buffer"], group["row_blocks"][i], mu=group["momentum"],
-                           nesterov=group["nesterov"], update_rms=group["update_rms"], schedule=schedule,
+                           nesterov=group["nesterov"], update_rms=group["update_rms"], schedule=group["ns_schedule"],
                            ns_dtype=NS_DTYPES[group["ns_dtype"]])
 
     @staticmethod
@@ -367,7 +368,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, dev: trex_device.Device 
                  "lr": cfg.lr, "weight_decay": cfg.weight_decay if decay else 0.0}
         if rule.muon and cfg.name == "muon":
             group.update(algorithm="muon", momentum=cfg.momentum, nesterov=cfg.nesterov, update_rms=cfg.update_rms,
-                         ns_coefficients=[list(c) for c in cfg.ns_coefficients], ns_iterations=list(cfg.ns_iterations),
+                         ns_schedule=[list(stage) for stage in cfg.ns_schedule()],
                          ns_dtype=resolve_ns_dtype(cfg.ns_dtype, dev), row_blocks=[m[3] for m in members])
         else:
             group.update(algorithm="adamw", betas=tuple(cfg.betas), eps=cfg.eps)

@@ -58,7 +58,8 @@ class PrecisionConfig:
         checks = {
             "init_scale": self.init_scale > 0, "growth_factor": self.growth_factor >= 1.0,
             "growth_interval": self.growth_interval >= 1, "backoff_factor": 0.0 < self.backoff_factor < 1.0,
-            "min_scale": 0 < self.min_scale <= self.init_scale, "max_consecutive_skips": self.max_consecutive_skips >= 1,
+            "min_scale": 0 < self.min_scale <= self.init_scale,
+            "max_consecutive_skips": self.max_consecutive_skips >= 1,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
@@ -219,7 +220,8 @@ class StepGuard:
         return False
 
     def state_dict(self) -> dict:
-        return {"skipped_total": self.skipped_total, "consecutive": self.consecutive, "scaler": self.scaler.state_dict()}
+        return {"skipped_total": self.skipped_total, "consecutive": self.consecutive,
+                "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped_total = int(state["skipped_total"])
