@@ -91,6 +91,17 @@ class Source:
         return "fp4" if self.file.tensors[self.name].dtype in (torch.int8, torch.uint8) else "fp8"
 
 
+@dataclass
+class Diagnosis:
+    """problems: every error (file and tensor named); missing: required trex keys absent;
+    missing_optional: optional ones absent (MTP); unexpected: checkpoint names the model lacks."""
+
+    problems: list[str]
+    missing: list[str]
+    missing_optional: list[str]
+    unexpected: list[str]
+
+
 class CheckpointReader:
     """Headers, scales and trex keys of a checkpoint directory; data is read by ``fill``."""
 
@@ -146,24 +157,33 @@ class CheckpointReader:
         return None
 
     # ---- validation ------------------------------------------------------------------------
-    def check(self, expected: Mapping[str, Sequence[int]], optional_prefixes: tuple[str, ...] = ("mtp.",)
-              ) -> list[str]:
-        """Raise ``CheckpointError`` listing every problem against ``expected`` (trex key -> full
-        shape); returns the optional keys (e.g. MTP) that the checkpoint lacks."""
+    def diagnose(self, expected: Mapping[str, Sequence[int]], optional_prefixes: tuple[str, ...] = ("mtp.",)
+                 ) -> Diagnosis:
+        """Everything wrong with this checkpoint for a model of ``expected`` shapes (trex key ->
+        full shape), from the headers alone."""
         problems = list(self.problems)
+        unexpected = []
         for key, sources in self.sources.items():
             if key not in expected:
+                unexpected += [s.name for s in sources]
                 problems += [f"{s.where}: unexpected tensor (the model has no {key})" for s in sources]
                 continue
             problems += [p for s in sources if (p := self._shape_problem(s, tuple(expected[key])))]
             problems += self._coverage_problems(key, sources, tuple(expected[key]))
         absent = [k for k in expected if k not in self.sources]
-        required = [k for k in absent if not k.startswith(optional_prefixes)]
-        if required:
-            problems.append(f"{self.path}: missing tensor(s): {required[:20]}{' ...' if len(required) > 20 else ''}")
-        if problems:
-            raise CheckpointError("cannot load checkpoint:\n  " + "\n  ".join(problems))
-        return [k for k in absent if k not in required]
+        missing = [k for k in absent if not k.startswith(optional_prefixes)]
+        if missing:
+            problems.append(f"{self.path}: missing tensor(s): {missing[:20]}{' ...' if len(missing) > 20 else ''}")
+        return Diagnosis(problems, missing, [k for k in absent if k not in missing], unexpected)
+
+    def check(self, expected: Mapping[str, Sequence[int]], optional_prefixes: tuple[str, ...] = ("mtp.",)
+              ) -> list[str]:
+        """Raise ``CheckpointError`` listing every problem (see ``diagnose``); returns the optional
+        keys (e.g. MTP) that the checkpoint lacks."""
+        d = self.diagnose(expected, optional_prefixes)
+        if d.problems:
+            raise CheckpointError("cannot load checkpoint:\n  " + "\n  ".join(d.problems))
+        return d.missing_optional
 
     def logical_shape(self, source: Source, cols: int | None = None) -> tuple[int, ...]:
         """Shape of ``source`` once dequantised (FP4 needs the column count; default 2x packed)."""

@@ -1,0 +1,69 @@
+"""``trex ckpt ...``: checkpoint commands (convert, inspect).
+
+The group is extensible like the top-level CLI: a module listed in ``CKPT_COMMAND_MODULES``
+exposes ``register(ckpt_subparsers)`` that adds its subcommand and sets ``func``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+# Modules that add ``trex ckpt`` subcommands through register(ckpt_subparsers).
+CKPT_COMMAND_MODULES: tuple[str, ...] = ()
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    group = subparsers.add_parser("ckpt", help="convert and inspect DeepSeek-V4 checkpoints")
+    sub = group.add_subparsers(dest="ckpt_command", required=True, metavar="CKPT_COMMAND")
+
+    p = sub.add_parser("convert", help="stream a checkpoint into another layout / precision (bounded memory)")
+    p.add_argument("src", help="checkpoint directory (any layout, bf16/fp32/FP8/FP4)")
+    p.add_argument("dst", help="new directory (written atomically)")
+    p.add_argument("--layout", choices=("hf", "official"), required=True)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of unquantised tensors")
+    p.add_argument("--quantize", choices=("fp8", "fp8+fp4experts"), default=None)
+    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--src-layout", choices=("auto", "hf", "official"), default="auto")
+    p.add_argument("--overwrite", action="store_true", help="replace dst if it exists")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("inspect", help="layout, dtypes, quantisation, parameters, missing/unexpected keys, shards")
+    p.add_argument("path")
+    p.add_argument("--layout", choices=("auto", "hf", "official"), default="auto")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.set_defaults(func=_cmd_inspect)
+
+    for module in CKPT_COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from trex.checkpoint.errors import CheckpointError
+    from trex.checkpoint.save import convert
+
+    try:
+        files = convert(args.src, args.dst, layout=args.layout, dtype=args.dtype, quantize=args.quantize,
+                        max_shard_size=args.max_shard_size, src_layout=args.src_layout, overwrite=args.overwrite,
+                        progress=not args.no_progress)
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(files)} shard(s) to {args.dst}")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from trex.checkpoint.errors import CheckpointError
+    from trex.checkpoint.inspect import format_report, inspect_checkpoint
+
+    try:
+        report = inspect_checkpoint(args.path, layout=args.layout)
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.format == "json" else format_report(report))
+    return 1 if report["problems"] else 0

@@ -1,0 +1,56 @@
+"""Summarise a checkpoint directory from its headers alone (no tensor data is read)."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+from trex.checkpoint.reader import CheckpointReader
+from trex.checkpoint.safetensors_io import DTYPE_NAMES
+
+
+def inspect_checkpoint(path: str, layout: str = "auto") -> dict:
+    """layout, dtypes, quantisation, tensor count, total/active parameters of the config,
+    missing and unexpected keys versus the config, and shard sizes in bytes."""
+    from trex.models.loading import build_model
+    from trex.models.params import count_parameters
+
+    reader = CheckpointReader(path, layout)
+    model = build_model(reader.config, device="meta")
+    expected = {k: tuple(v.shape) for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    diagnosis = reader.diagnose(expected)
+    dtypes = Counter(DTYPE_NAMES[info.dtype] for f in reader.files for info in f.tensors.values())
+    params = count_parameters(reader.config)
+    return {
+        "path": path,
+        "layout": reader.layout,
+        "quantization": reader.quantized or ["none"],
+        "dtypes": dict(sorted(dtypes.items())),
+        "tensors": sum(len(f.tensors) for f in reader.files),
+        "parameters": {"total": params.total, "active": params.active, "mtp": params.mtp},
+        "missing": diagnosis.missing,
+        "missing_optional": diagnosis.missing_optional,
+        "unexpected": diagnosis.unexpected,
+        "problems": diagnosis.problems,
+        "shards": {os.path.basename(f.path): os.path.getsize(f.path) for f in reader.files},
+    }
+
+
+def format_report(report: dict) -> str:
+    """Human-readable lines for ``inspect_checkpoint``'s result."""
+    p = report["parameters"]
+    lines = [
+        f"path:          {report['path']}",
+        f"layout:        {report['layout']}",
+        f"quantization:  {', '.join(report['quantization'])}",
+        f"dtypes:        {', '.join(f'{k} x{v}' for k, v in report['dtypes'].items())}",
+        f"tensors:       {report['tensors']}",
+        f"parameters:    total {p['total']:,}  active {p['active']:,}  mtp {p['mtp']:,}",
+        f"missing:       {len(report['missing'])} {report['missing'][:5]}",
+        f"no MTP:        {len(report['missing_optional'])} tensors" if report["missing_optional"] else "MTP:           present",
+        f"unexpected:    {len(report['unexpected'])} {report['unexpected'][:5]}",
+        f"shards:        {len(report['shards'])}, {sum(report['shards'].values()) / 1e9:.3f} GB",
+    ]
+    lines += [f"  {name}  {size / 1e6:,.1f} MB" for name, size in report["shards"].items()]
+    lines += [f"problem: {p}" for p in report["problems"]]
+    return "\n".join(lines)
