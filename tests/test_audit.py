@@ -233,3 +233,9 @@ def test_cli_writes_report_atomically(tmp_path, capsys):
     assert json.loads(out.read_text())["version"] == "2.1.0"
     assert os.listdir(tmp_path) == ["audit.sarif"]
     capsys.readouterr()
+
+
+def test_docs_list_every_rule():
+    text = (Path(__file__).parents[1] / "docs" / "audit.md").read_text()
+    for rule in RULES.values():
+        assert f"| {rule.id} | {rule.name} | {rule.category} | {rule.severity.label} |" in text, rule.id

@@ -67,10 +67,15 @@ class Finding:
     snippet: str = ""
     severity: Severity | None = None  # None: the rule's own severity
     guarded: bool = False  # inside a fallback branch or an optional import
+    effort: Effort | None = None  # None: the rule's own effort (a library can differ from its rule)
 
     @property
     def effective_severity(self) -> Severity:
         return self.rule.severity if self.severity is None else self.severity
+
+    @property
+    def effective_effort(self) -> Effort:
+        return self.rule.effort if self.effort is None else self.effort
 
     def with_severity(self, severity: Severity) -> "Finding":
         return replace(self, severity=severity)
@@ -81,7 +86,7 @@ class Finding:
             "name": self.rule.name,
             "category": self.rule.category,
             "severity": self.effective_severity.label,
-            "effort": self.rule.effort.value,
+            "effort": self.effective_effort.value,
             "path": self.path,
             "line": self.line,
             "column": self.column,

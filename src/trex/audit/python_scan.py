@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 
 from trex.audit import file_scan, rules
-from trex.audit.model import Finding, Severity
+from trex.audit.model import Effort, Finding, Severity
 
 _IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
 
@@ -49,7 +49,7 @@ class _Visitor(ast.NodeVisitor):
 
     # ---- reporting --------------------------------------------------------------------------
     def emit(self, rule_id: str, node: ast.AST, message: str, replacement: str | None = None,
-             severity: Severity | None = None, guard_note: str | None = None) -> None:
+             severity: Severity | None = None, guard_note: str | None = None, effort: Effort | None = None) -> None:
         """Record a finding; inside a CUDA-only branch, or with a ``guard_note``, it is info level."""
         rule = rules.RULES[rule_id]
         line = getattr(node, "lineno", 1)
@@ -63,7 +63,7 @@ class _Visitor(ast.NodeVisitor):
         self.findings.append(Finding(
             rule=rule, path=self.path, line=line, column=getattr(node, "col_offset", 0) + 1,
             message=message, replacement=replacement or rule.replacement, snippet=snippet,
-            severity=severity, guarded=guarded))
+            severity=severity, guarded=guarded, effort=effort))
 
     # ---- name resolution --------------------------------------------------------------------
     def qualify(self, node: ast.AST) -> str | None:
@@ -138,7 +138,7 @@ class _Visitor(ast.NodeVisitor):
         elif top in rules.CUDA_LIBRARIES:
             _, effort, replacement = rules.CUDA_LIBRARIES[top]
             self.emit("TRX301", node, f"import of {top}, which needs CUDA ({effort.value} port)", replacement,
-                      guard_note=note)
+                      guard_note=note, effort=effort)
 
     def visit_Try(self, node: ast.Try) -> None:
         catches_import = any(h.type is None or any(

@@ -29,9 +29,10 @@ def summary(result: AuditResult) -> dict:
 
 def _summary_line(result: AuditResult) -> str:
     s = summary(result)
+    cuda_lines = f"; {s['cuda_source_lines']} lines of CUDA sources" if s["cuda_source_lines"] else ""
     return (f"{s['findings']} findings ({s['errors']} error, {s['warnings']} warning, {s['info']} info) "
             f"in {s['files_scanned']} files scanned; {s['suppressed']} suppressed, {s['allowlisted']} allowlisted, "
-            f"{s['skipped']} skipped; {s['seconds']:.2f}s")
+            f"{s['skipped']} skipped{cuda_lines}; {s['seconds']:.2f}s")
 
 
 def to_text(result: AuditResult) -> str:
@@ -67,7 +68,7 @@ def effort_by_file(result: AuditResult) -> list[tuple[str, int]]:
     weights: dict[str, int] = defaultdict(int)
     for f in result.findings:
         if f.effective_severity > Severity.INFO:
-            weights[f.path] += f.rule.effort.weight
+            weights[f.path] += f.effective_effort.weight
     return sorted(weights.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
@@ -79,10 +80,10 @@ def to_markdown(result: AuditResult, top_files: int = 10) -> str:
     for category in CATEGORIES:
         found = [f for f in result.findings if f.rule.category == category]
         sev = Counter(f.effective_severity.label for f in found)
-        eff = Counter(f.rule.effort.value for f in found if f.effective_severity > Severity.INFO)
+        eff = Counter(f.effective_effort.value for f in found if f.effective_severity > Severity.INFO)
         out.append(f"| {category} | {sev['error']} | {sev['warning']} | {sev['info']} | "
                    + " | ".join(str(eff[e.value]) for e in Effort) + " |")
-    total_weight = sum(f.rule.effort.weight for f in blocking)
+    total_weight = sum(f.effective_effort.weight for f in blocking)
     out += ["", "Effort counts exclude info-level findings (guarded code that already falls back).", ""]
     if result.cuda_source_lines:
         n = sum(1 for f in result.findings if f.rule.id == "TRX403")

@@ -50,7 +50,7 @@ def to_sarif(result: AuditResult, root: str = ".") -> str:
         "level": _LEVEL[f.effective_severity],
         "message": {"text": f"{f.message}. Replace with: {f.replacement}"},
         "locations": [_location(f.path, f.line, f.column)],
-        "properties": {"category": f.rule.category, "effort": f.rule.effort.value, "guarded": f.guarded},
+        "properties": {"category": f.rule.category, "effort": f.effective_effort.value, "guarded": f.guarded},
     } for f in result.sorted_findings()]
     notifications = [{
         "level": "warning",
