@@ -172,3 +172,21 @@ def test_compact_tokenizer_carries_v4_specials():
     assert tok.decode(ids) == text
     assert len(ids) == 5 + len("123*4 = 492\nok") + len("492")  # five specials, one id per character
     assert tok.vocab_size <= 256
+
+
+def test_tokenizer_save_and_load_by_path(tmp_path):
+    compact_tokenizer().save(tmp_path / "tokenizer.json")
+    again = load_tokenizer(str(tmp_path))
+    text = BOS + USER + "7-5" + ASSISTANT + THINK_END + "2" + EOS
+    assert again.encode(text).tolist() == compact_tokenizer().encode(text).tolist()
+    with pytest.raises(FileNotFoundError, match="no file"):
+        load_tokenizer(str(tmp_path / "missing.json"))
+
+
+def test_tokenizer_without_v4_specials_is_rejected(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    HFTokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match="lacks the DeepSeek-V4 special token"):
+        load_tokenizer(str(tmp_path / "tokenizer.json"))

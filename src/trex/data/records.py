@@ -10,8 +10,8 @@ seq_len (counted as truncated).
 from __future__ import annotations
 
 import glob
-import os
 import json
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,10 +29,6 @@ class Record:
     data: dict | RecordError
     path: str
     line: int
-
-    @property
-    def where(self) -> str:
-        return f"{self.path}:{self.line}"
 
 
 class BadRecordError(ValueError):
