@@ -90,7 +90,16 @@ def test_truncation_without_loss_tokens_is_skipped(tmp_path):
     path = tmp_path / "long_prompt.jsonl"
     write_jsonl(path, [convo("1+1", "2"), convo("9" * 200, "x")])
     s = build_loader(cfg_for(path, "truncate"), 0, 1, TOK).summary()
-    assert s["skipped_by_reason"] == {"no_loss_after_truncation": 1} and s["truncated"] == 1
+    assert s["skipped_by_reason"] == {"no_loss_tokens": 1} and s["truncated"] == 1
+
+
+def test_no_trained_token_is_skipped(tmp_path):
+    path = tmp_path / "ends_with_user.jsonl"
+    two_turns = {"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"},
+                              {"role": "user", "content": "and 2+2?"}]}
+    write_jsonl(path, [convo("1+1", "2"), two_turns])
+    s = build_loader(cfg_for(path, "skip", loss_on="last_assistant"), 0, 1, TOK).summary()
+    assert s["skipped_by_reason"] == {"no_loss_tokens": 1} and s["documents"] == 1
 
 
 def test_cpt_text_records(tmp_path):

@@ -57,10 +57,10 @@ def _encode_chunk(chunk: list[tuple[Record, list[Segment]]], tokenizer: Tokenize
             if not policy.too_long(record.path, record.line, len(ids), cfg.seq_len):
                 continue
             ids, mask = ids[:cfg.seq_len], mask[:cfg.seq_len]
-            if not mask[1:].any():
-                policy.reject(record.path, record.line, "no_loss_after_truncation",
-                              f"no trained token in the first {cfg.seq_len} tokens")
-                continue
+        if not mask[1:].any():  # the first token is never a target
+            policy.reject(record.path, record.line, "no_loss_tokens",
+                          f"none of its {len(ids)} tokens (after any truncation) is trained")
+            continue
         out.append((ids, mask))
 
 
