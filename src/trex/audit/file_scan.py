@@ -100,7 +100,7 @@ def scan_shell(path: str, lines: list[str]) -> list[Finding]:
         code = line.split("#", 1)[0] if not line.lstrip().startswith("#") else ""
         if not code.strip():
             continue
-        for name in re.findall(r"\b(NCCL_[A-Z0-9_]+)\s*=", code):
+        for name in rules.NCCL_ENV_IN_TEXT.findall(code):
             findings.append(_finding("TRX202", path, number, f"{name} only tunes NCCL", None, lines))
         if rules.CUDA_BASE_IMAGE.match(code):
             findings.append(_finding("TRX505", path, number, "CUDA base image", None, lines))

@@ -130,7 +130,7 @@ class _Visitor(ast.NodeVisitor):
         if top in self.allow_modules or module in self.allow_modules:
             self.allowlisted += 1
             return
-        if module.startswith(rules.DEEPSPEED_OP_MODULES[0]) or (
+        if module.startswith(rules.DEEPSPEED_OP_MODULE) or (
                 top == "deepspeed" and any(rules.DEEPSPEED_CUDA_BUILDER.fullmatch(n) for n in imported or [])):
             self.emit("TRX304", node, f"import of DeepSpeed op builders ({module})", guard_note=note)
         elif top == "nvtx":
@@ -347,6 +347,9 @@ class _Visitor(ast.NodeVisitor):
 
     def visit_Compare(self, node: ast.Compare) -> None:
         self.visit_without_device_strings(node.left, *node.comparators)
+
+    def visit_MatchValue(self, node: ast.MatchValue) -> None:  # case "cuda": is a comparison
+        self.visit_without_device_strings(node.value)
 
     def visit_Subscript(self, node: ast.Subscript) -> None:
         self.visit(node.value)

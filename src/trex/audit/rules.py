@@ -152,17 +152,15 @@ DEVICE_STRING = re.compile(r"cuda(:\d+)?")
 DEVICE_PREFIX = "cuda:"  # f"cuda:{rank}"
 GUARD_DEVICE_TYPE = "cuda"  # `device.type == "cuda"` guards a branch
 DEVICE_TYPES = {"cuda", "npu", "xpu", "cpu", "mps", "hpu", "mtia", "meta"}
-NVTX_MODULES = {"nvtx"}
 # Names that hold an integer device index when passed as device=... or .to(...).
 RANK_NAMES = {"local_rank", "rank", "gpu", "gpu_id", "gpu_idx", "device_id", "cuda_id", "LOCAL_RANK"}
 
 # ---- collectives ----------------------------------------------------------------------------------
 NCCL = "nccl"
 NCCL_ENV = re.compile(r"NCCL_[A-Z0-9_]+")
-NCCL_ENV_IN_TEXT = re.compile(r"\bNCCL_[A-Z0-9_]+\s*=")
+NCCL_ENV_IN_TEXT = re.compile(r"\b(NCCL_[A-Z0-9_]+)\s*=")  # shell and Dockerfile assignments
 NCCL_ONLY_NAMES = {"PyNcclCommunicator", "ProcessGroupNCCL", "NCCLConfig", "NcclCommunicator", "pynccl",
                    "CudaCommunicator"}
-PROCESS_GROUP_FUNCS = {"init_process_group", "new_group", "new_subgroups", "new_subgroups_by_enumeration"}
 
 # ---- kernel libraries ------------------------------------------------------------------------------
 # Top-level import name -> (requirement names, effort, replacement).
@@ -190,7 +188,7 @@ CUDA_LIBRARIES: dict[str, tuple[tuple[str, ...], Effort, str]] = {
 }
 IMPORT_FUNCS = {"import_module", "__import__"}
 # DeepSpeed: CUDA op builders and the fused ops they compile.
-DEEPSPEED_OP_MODULES = ("deepspeed.ops.op_builder", "op_builder")
+DEEPSPEED_OP_MODULE = "deepspeed.ops.op_builder"
 DEEPSPEED_CUDA_BUILDER = re.compile(r"\w*(CUDAOpBuilder|Builder)$")
 TRITON_DECORATORS = {"triton.jit", "triton.autotune", "triton.heuristics"}
 
