@@ -7,6 +7,7 @@ and an extra one (false positive) both fail.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -113,7 +114,7 @@ def test_config_exclude_allowlist_modules_and_severity(tmp_path):
         '[audit]\nexclude = ["ext/", "*.sh"]\nallow_paths = ["train_dist.py"]\n'
         'allow_modules = ["triton"]\n[audit.severity]\nTRX106 = "error"\nTRX301 = "warning"\n')
     config = load_config(str(config_path))
-    config = AuditConfig(**{**config.__dict__, "root": str(CUDA_REPO)})
+    config = dataclasses.replace(config, root=str(CUDA_REPO))
     result = run_audit([str(CUDA_REPO)], config)
     baseline = run_audit([str(CUDA_REPO)], AuditConfig())
     paths = {Path(f.path).relative_to(CUDA_REPO).as_posix() for f in result.findings}
@@ -127,6 +128,15 @@ def test_config_exclude_allowlist_modules_and_severity(tmp_path):
     assert all(f.effective_severity == Severity.ERROR for f in result.findings if f.rule.id == "TRX106")
     unguarded_301 = [f for f in result.findings if f.rule.id == "TRX301" and not f.guarded]
     assert unguarded_301 and all(f.effective_severity == Severity.WARNING for f in unguarded_301)
+
+
+def test_config_include_limits_the_scan(tmp_path):
+    config_path = tmp_path / "trex-audit.toml"
+    config_path.write_text('[audit]\ninclude = ["ext/*.py"]\n')
+    config = dataclasses.replace(load_config(str(config_path)), root=str(CUDA_REPO))
+    result = run_audit([str(CUDA_REPO)], config)
+    assert result.files_scanned == 2
+    assert {Path(f.path).name for f in result.findings} == {"setup.py", "build_jit.py"}
 
 
 @pytest.mark.parametrize("body, complaint", [
