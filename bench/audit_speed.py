@@ -1,9 +1,9 @@
 """How fast `trex audit` scans a large tree: 10,000 synthetic files, one process, one core.
 
-Writes the files to a temporary directory (100 packages x 100 files: portable modules, CUDA-bound
-training code, requirements files), scans them with the audit, and records files/s and the
-findings count in docs/benchmarks.md between the audit-bench markers (the rest of that file is
-left alone).
+Writes the files to a temporary directory (100 packages x 100 files: portable modules, copies
+of the CUDA-bound fixture modules, requirements files), scans them with the audit, and records
+files/s and the findings count in docs/benchmarks.md between the audit-bench markers (the rest
+of that file is left alone).
 
     .venv/bin/python bench/audit_speed.py            # 10,000 files
     .venv/bin/python bench/audit_speed.py --files 2000 --no-write
@@ -27,10 +27,8 @@ BEGIN, END = "<!-- audit-bench -->", "<!-- /audit-bench -->"
 
 HEADER = '''"""Module {i}: synthetic training code for the audit benchmark."""
 import math
-import os
 
 import torch
-import torch.distributed as dist
 from torch import nn
 '''
 
@@ -58,50 +56,36 @@ def step_{i}(model, batch, device: torch.device):
     return {{"loss": loss.item(), "step": "{i}"}}
 '''
 
-CUDA_BOUND = '''
-from flash_attn import flash_attn_func
-
-os.environ["NCCL_DEBUG"] = "WARN"
-
-
-def setup_{i}(local_rank):
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl")
-    torch.backends.cuda.matmul.allow_tf32 = True
-
-
-def train_{i}(model, batch, local_rank):
-    model = model.cuda()
-    batch = batch.to(f"cuda:{{local_rank}}")
-    scaler = torch.cuda.amp.GradScaler()
-    with torch.cuda.amp.autocast():
-        out = flash_attn_func(batch, batch, batch)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return scaler.scale(out.sum())
-'''
-
-REQUIREMENTS = "torch==2.4.0+cu121\nnumpy==1.26.4\nflash-attn==2.6.3\nnvidia-cudnn-cu12==9.1.0.70\nsafetensors==0.4.3\n"
-
-
-BLOCKS_PER_FILE = 5  # about 150 lines per Python file
+# CUDA-bound code and requirements come from the audit's fixture repository, so that the
+# vendor names stay in the audit's own data and the benchmark scans code with known findings.
+FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "audit" / "cuda_repo"
+CUDA_BOUND = ("train_device.py", "train_dist.py", "kernels.py")
+REQUIREMENTS = "requirements.txt"
+BLOCKS_PER_FILE = 5  # about 120 lines per portable module
 
 
 def module_source(template: str, i: int) -> str:
     return HEADER.format(i=i) + "".join(template.format(i=f"{i}_{j}") for j in range(BLOCKS_PER_FILE))
 
 
-def generate(root: Path, n_files: int) -> None:
+def generate(root: Path, n_files: int) -> int:
+    """Write the tree; returns the total number of lines written."""
+    cuda_sources = [(FIXTURE / name).read_text() for name in CUDA_BOUND]
+    requirements = (FIXTURE / REQUIREMENTS).read_text()
+    total = 0
     for i in range(n_files):
         package = root / f"pkg{i // 100:03d}"
         package.mkdir(exist_ok=True)
         kind = i % 10
         if kind == 9:
-            (package / f"requirements-{i}.txt").write_text(REQUIREMENTS)
+            path, text = package / f"requirements-{i}.txt", requirements
         elif kind >= 6:
-            (package / f"train_{i}.py").write_text(module_source(CUDA_BOUND, i))
+            path, text = package / f"train_{i}.py", f"# synthetic module {i}\n" + cuda_sources[i % len(cuda_sources)]
         else:
-            (package / f"layer_{i}.py").write_text(module_source(PORTABLE, i))
+            path, text = package / f"layer_{i}.py", module_source(PORTABLE, i)
+        path.write_text(text)
+        total += text.count("\n")
+    return total
 
 
 def update_docs(section: str) -> None:
@@ -124,18 +108,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="trex-audit-bench-") as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()
-        generate(root, args.files)
+        total_lines = generate(root, args.files)
         generated = time.perf_counter() - t0
         cpu0 = time.process_time()
         result = run_audit([str(root)], AuditConfig(root=str(root)))
         cpu = time.process_time() - cpu0
     rate = result.files_scanned / result.seconds
-    lines_per_module = module_source(PORTABLE, 0).count("\n")
     lines = [
         "## trex audit scan speed",
         "",
-        f"`bench/audit_speed.py`: {result.files_scanned} synthetic files (60% portable modules, 30% CUDA-bound "
-        f"training modules, about {lines_per_module} lines each; 10% requirements files), one process.",
+        f"`bench/audit_speed.py`: {result.files_scanned} synthetic files, {total_lines} lines (60% portable "
+        "modules, 30% CUDA-bound modules from the audit fixtures, 10% requirements files), one process.",
         "",
         "| files | wall s | CPU s | files/s | findings | skipped |",
         "|---:|---:|---:|---:|---:|---:|",

@@ -1,8 +1,8 @@
 """``trex doctor``: check a machine (or a whole job) before launching training.
 
-Single process: the device and how many, torch / torch_npu / CANN / driver versions, the
-process-group backend, and bf16 / fp16 / fp8 matmul measured on the device (accuracy against
-fp32 and speed relative to fp32), never assumed from flags.
+Single process: the device and how many, the torch, accelerator plugin, toolkit and driver
+versions the device layer finds, the process-group backend, and bf16 / fp16 / fp8 matmul
+measured on the device (accuracy against fp32 and speed relative to fp32), never assumed.
 
 Under torchrun (``WORLD_SIZE`` > 1) it also runs a collective smoke test on the backend the device
 layer picks: all-reduce and all-to-all with exact expected values, then their bus bandwidth, and
@@ -117,7 +117,7 @@ def all_to_all_error(result: torch.Tensor, rank: int, world: int, chunk: int = _
 
 
 def _bus_bandwidth(dev: device_layer.Device, op: str, numel: int, iters: int, world: int) -> float:
-    """Bus bandwidth in GB/s (nccl-tests convention), slowest rank's time."""
+    """Bus bandwidth in GB/s, slowest rank's time: all-reduce moves 2(n-1)/n of the message, all-to-all (n-1)/n."""
     x = torch.ones(numel, device=dev.torch_device)
     y = torch.empty_like(x)
 
@@ -166,7 +166,7 @@ def _rank_checks(dev: device_layer.Device, rank: int, world: int, numel: int, it
 
 
 def failed_ranks(per_rank: list[dict]) -> list[str]:
-    """One line per failing rank and check: 'rank 3 (host, npu:3): all_to_all: ...'."""
+    """One line per failing rank and check: 'rank 3 (host, cpu): all_to_all: ...'."""
     return [f"rank {r['rank']} ({r['host']}, {r['device']}): {check}: {problem}"
             for r in sorted(per_rank, key=lambda r: r["rank"]) for check, problem in r["errors"].items()]
 
