@@ -77,9 +77,9 @@ def load_pretrained(path: str, dtype: torch.dtype | None = None, device: str | t
         raise CheckpointError(f"{path}: no MTP weights ({len(fresh)} tensors, e.g. {fresh[0]}); sharded loading "
                               "cannot initialise them: load unsharded or add them to the checkpoint")
     if shard_fn is None:
+        model.to(dtype=dtype)  # on the meta device: never materialised in a wider dtype
         model.to_empty(device=dev.torch_device)
         model.init_weights()
-        model.to(dtype=dtype)
         for key, target in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items():
             if key not in fresh:
                 reader.fill(key, target.shape, target)
