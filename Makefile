@@ -23,7 +23,7 @@ setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
 
 run: setup
-	$(BIN)/trex smoke
+	$(BIN)/trex train
 
 test: setup-test
 	$(BIN)/python -m pytest -q

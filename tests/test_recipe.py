@@ -62,3 +62,18 @@ def test_wrong_types_and_bad_syntax_are_named(tmp_path):
     bad.write_text("[train\nsteps = 1\n")
     with pytest.raises(RecipeError, match="bad.toml: invalid TOML"):
         load(Recipe, str(bad))
+
+
+@dataclass
+class Task:
+    digits: int = 2
+    n: int = 10
+
+
+@dataclass
+class Job:
+    task: Task = field(default_factory=lambda: Task(digits=3, n=50))
+
+
+def test_overriding_one_field_keeps_the_sections_other_defaults():
+    assert load(Job, overrides=["task.n=7"]).task == Task(digits=3, n=7)

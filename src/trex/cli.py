@@ -13,7 +13,7 @@ import json
 import sys
 
 # Modules that add subcommands through register(subparsers).
-COMMAND_MODULES: tuple[str, ...] = ("trex.audit.cli", "trex.doctor", "trex.checkpoint.cli")
+COMMAND_MODULES: tuple[str, ...] = ("trex.train.cli", "trex.audit.cli", "trex.doctor", "trex.checkpoint.cli")
 
 
 def _cmd_env(args: argparse.Namespace) -> int:

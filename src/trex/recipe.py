@@ -30,8 +30,11 @@ class RecipeError(ValueError):
 
 def load(cls: type[T], path: str | None = None, overrides: list[str] | None = None,
          base: dict | None = None) -> T:
-    """Build ``cls`` from ``base`` (a dict), then the TOML file at ``path``, then ``overrides``."""
-    raw: dict = _deep_copy(base or {})
+    """Build ``cls`` from its defaults (or ``base``), then the TOML file at ``path``, then ``overrides``.
+
+    Values merge key by key, so overriding one field of a section keeps that section's other defaults.
+    """
+    raw: dict = _deep_copy(base if base is not None else to_dict(cls()))
     source = "<defaults>"
     if path is not None:
         source = path

@@ -1,0 +1,142 @@
+"""The built-in default job (`trex train` with no recipe, `make run`).
+
+A tiny DeepSeek-V4 (every layer type, mHC, hash and score MoE, MTP) learns multi-digit arithmetic
+generated at run time:
+
+1. continued pretraining on raw text lines "a+b=c";
+2. evaluation: greedy answers to held-out questions asked in the V4 chat format (exact match);
+3. SFT on the same kind of problems as V4 chat conversations (loss on assistant tokens);
+4. the same evaluation again.
+
+It uses the compact character tokenizer (printable ASCII plus the V4 special tokens) and the same
+chat-encoding code as any SFT run. Each stage is an ordinary training run with its own run
+directory; the job's own summary.json holds the accuracies before and after SFT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from trex.data.arithmetic import ArithmeticTask, cpt_records, eval_prompts, generate, sft_records
+from trex.data.chat import completion_answer, render_prompt
+from trex.data.config import DataConfig
+from trex.data.records import write_jsonl
+from trex.data.tokenizer import Tokenizer, compact_tokenizer
+from trex.generate import greedy_generate
+from trex.models import DeepseekV4
+from trex.train.config import EvalSection, ModelSection, TrainRecipe, TrainSection
+from trex.train.loop import train
+from trex.train.optim import OptimConfig
+from trex.train.schedule import ScheduleConfig
+
+
+@dataclass
+class DefaultJob:
+    out: str = "runs/default"
+    """Job directory: data/, cpt/ and sft/ run directories, summary.json."""
+    task: ArithmeticTask = field(default_factory=lambda: ArithmeticTask(digits=2, ops="+-", n_train=6000,
+                                                                        n_eval=200, problems_per_text=6))
+    """The generated arithmetic task."""
+    model: ModelSection = field(default_factory=ModelSection)
+    """The model: the tiny preset by default."""
+    seq_len: int = 64
+    """Tokens per packed row."""
+    micro_batch_size: int = 16
+    """Rows per step."""
+    cpt_steps: int = 150
+    """Continued-pretraining steps on raw text."""
+    sft_steps: int = 250
+    """SFT steps on chat conversations."""
+    lr: float = 3e-3
+    """Peak learning rate of both stages (warmup 10%, cosine to 10%)."""
+    optimizer: str = "muon"
+    """muon or adamw."""
+    seed: int = 0
+    """Seeds the data order and the initialisation."""
+    device: str = ""
+    """Device override; empty: the device layer decides."""
+    progress: bool = True
+    """Live progress bars when the output is a terminal."""
+
+    def scale_steps(self, total: int) -> None:
+        """Spread ``total`` steps over the two stages in the default 3:5 proportion."""
+        self.cpt_steps = max(1, total * 3 // 8)
+        self.sft_steps = max(1, total - self.cpt_steps)
+
+
+def _stage(job: DefaultJob, name: str, paths: list[str], eval_paths: list[str], mode: str, steps: int) -> TrainRecipe:
+    return TrainRecipe(
+        model=job.model,
+        data=DataConfig(paths=paths, mode=mode, tokenizer="compact", seq_len=job.seq_len,
+                        micro_batch_size=job.micro_batch_size, seed=job.seed),
+        optim=OptimConfig(name=job.optimizer, lr=job.lr, weight_decay=0.0),
+        schedule=ScheduleConfig(warmup_steps=max(1, steps // 10), decay="cosine", min_lr_ratio=0.1),
+        train=TrainSection(steps=steps, seed=job.seed, out=os.path.join(job.out, name), device=job.device,
+                           eval_every=max(1, steps // 4), log_every=1, progress=job.progress),
+        eval=EvalSection(paths=eval_paths, batches=2),
+    )
+
+
+def exact_match(model: DeepseekV4, tokenizer: Tokenizer, prompts: list[tuple[list[dict], str]],
+                max_new_tokens: int = 8) -> tuple[float, list[dict]]:
+    """Greedy answers to chat-format questions; the fraction exactly equal to the expected answer."""
+    encoded = [tokenizer.encode(render_prompt(messages, thinking=False)).tolist() for messages, _ in prompts]
+    outputs = greedy_generate(model, encoded, max_new_tokens, stop_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    rows = []
+    for (messages, expected), ids in zip(prompts, outputs):
+        answer = completion_answer(tokenizer.decode(ids), thinking=False).strip()
+        rows.append({"question": messages[-1]["content"], "expected": expected, "answer": answer,
+                     "correct": answer == expected})
+    return sum(r["correct"] for r in rows) / max(1, len(rows)), rows
+
+
+def run_default_job(job: DefaultJob) -> dict:
+    t0 = time.perf_counter()
+    data_dir = os.path.join(job.out, "data")
+    os.makedirs(data_dir, exist_ok=True)
+    train_problems, held_out = generate(dataclasses.replace(job.task, seed=job.seed))
+    files = {
+        "cpt": os.path.join(data_dir, "cpt.jsonl"), "sft": os.path.join(data_dir, "sft.jsonl"),
+        "heldout": os.path.join(data_dir, "heldout.jsonl"),
+    }
+    write_jsonl(files["cpt"], cpt_records(train_problems, job.task.problems_per_text))
+    write_jsonl(files["sft"], sft_records(train_problems))
+    write_jsonl(files["heldout"], sft_records(held_out))
+    prompts = eval_prompts(held_out)
+    tokenizer = compact_tokenizer()
+
+    print(f"[1/4] continued pretraining: {job.cpt_steps} steps on {len(train_problems)} problems as text",
+          file=sys.stderr)
+    cpt = train(_stage(job, "cpt", [files["cpt"]], [], "cpt", job.cpt_steps), tokenizer=tokenizer)
+    print("[2/4] held-out exact match after continued pretraining", file=sys.stderr)
+    before, _ = exact_match(cpt.model, tokenizer, prompts)
+    print(f"      exact match before SFT: {100 * before:.1f}%", file=sys.stderr)
+    print(f"[3/4] SFT: {job.sft_steps} steps on chat conversations", file=sys.stderr)
+    sft = train(_stage(job, "sft", [files["sft"]], [files["heldout"]], "sft", job.sft_steps),
+                model=cpt.model, tokenizer=tokenizer)
+    print("[4/4] held-out exact match after SFT", file=sys.stderr)
+    after, rows = exact_match(sft.model, tokenizer, prompts)
+    summary = {
+        "exact_match_before_sft": before,
+        "exact_match_after_sft": after,
+        "held_out_problems": len(prompts),
+        "cpt": {"run_dir": cpt.run_dir, "final_loss": cpt.summary["final"].get("loss")},
+        "sft": {"run_dir": sft.run_dir, "final_loss": sft.summary["final"].get("loss"),
+                "eval_loss": sft.summary["eval_loss"].get("final")},
+        "skipped_steps": cpt.summary["skipped_steps"] + sft.summary["skipped_steps"],
+        "skipped_records": cpt.summary["data"]["skipped"] + sft.summary["data"]["skipped"],
+        "wall_time_s": time.perf_counter() - t0,
+        "examples": rows[:10],
+    }
+    tmp = os.path.join(job.out, "summary.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(tmp, os.path.join(job.out, "summary.json"))
+    print(f"exact match on {len(prompts)} held-out problems: before SFT {100 * before:.1f}%, "
+          f"after SFT {100 * after:.1f}%  ({summary['wall_time_s']:.0f}s; {job.out}/summary.json)")
+    return summary

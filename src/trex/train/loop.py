@@ -1,0 +1,260 @@
+"""The training loop: full-parameter continued pretraining and SFT of a DeepSeek-V4 model.
+
+One step, as in the algorithm:
+
+    take grad_accum micro-batches; count their loss targets (the global batch's denominator)
+    for each micro-batch: forward; loss = CE_sum / targets + w_mtp * MTP + alpha * balance; backward
+    unscale (fp16), measure and clip the global grad norm
+    if loss and norm are finite: optimizer step, then the aux-loss-free router bias update
+    else: skip the step and count it (N consecutive skips stop the run)
+    advance the LR schedule; log; evaluate now and then
+
+Everything a run writes lands in its run directory (see trex.train.run_dir).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from trex import device as device_layer
+from trex.data import build_loader, load_tokenizer
+from trex.data.tokenizer import Tokenizer, compact_tokenizer
+from trex.hardware import profile_for_device_name
+from trex.models import DeepseekV4, build_model, get_preset, load_pretrained
+from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
+from trex.models.flops import flops_per_token
+from trex.train.config import TrainRecipe
+from trex.train.moe_balance import freeze_indexer, sum_expert_counts, update_router_bias
+from trex.train.optim import build_optimizer, clip_grad_norm
+from trex.train.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy, StepGuard
+from trex.train.progress import StepProgress
+from trex.train.run_dir import RunDir
+from trex.train.schedule import build_scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    model: DeepseekV4
+    tokenizer: Tokenizer
+    summary: dict
+    run_dir: str
+
+
+# ---- losses -----------------------------------------------------------------------------------------
+def targets_for(labels: torch.Tensor, doc_ids: torch.Tensor, shift: int) -> torch.Tensor:
+    """Targets ``shift`` tokens ahead, IGNORE_INDEX across documents and past the end."""
+    return shift_labels(labels, shift, doc_ids)
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy (fp32) over targets != IGNORE_INDEX."""
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                             ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _count(targets: torch.Tensor) -> int:
+    return int((targets != IGNORE_INDEX).sum())
+
+
+# ---- set-up -----------------------------------------------------------------------------------------
+def tokenizer_for(spec: str) -> Tokenizer:
+    return compact_tokenizer() if spec == "compact" else load_tokenizer(spec)
+
+
+def model_for(recipe: TrainRecipe, tokenizer: Tokenizer, dev: device_layer.Device,
+              policy: PrecisionPolicy) -> DeepseekV4:
+    section = recipe.model
+    if section.path:
+        model = load_pretrained(section.path, dtype=policy.param_dtype, device=dev.name)
+    else:
+        cfg = get_preset(section.preset)
+        overrides = dict(section.overrides)
+        overrides.setdefault("vocab_size", -(-tokenizer.vocab_size // 8) * 8)  # a preset fits its tokenizer
+        try:
+            cfg = dataclasses.replace(cfg, **overrides)
+        except TypeError as e:
+            raise ValueError(f"model.overrides: {e}") from None
+        model = build_model(cfg, device=dev.torch_device, dtype=policy.param_dtype, seed=section.init_seed)
+    if model.cfg.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"tokenizer {tokenizer.source} has {tokenizer.vocab_size} ids but the model's vocab_size "
+                         f"is {model.cfg.vocab_size}")
+    return model
+
+
+def peak_flops(dev: device_layer.Device, policy: PrecisionPolicy) -> tuple[float | None, str]:
+    """The MFU denominator: measured on CPU, from the hardware profiles on accelerators."""
+    dtype = str(policy.compute_dtype).replace("torch.", "").replace("bfloat16", "bf16").replace(
+        "float16", "fp16").replace("float32", "fp32")
+    if not dev.is_accelerator:
+        return device_layer.measure_matmul_flops(dev, policy.compute_dtype, n=512), f"measured {dtype} matmul"
+    name = device_layer.environment_report(dev).get("device_name", dev.type)
+    profile = profile_for_device_name(name)
+    if profile is None:
+        log.warning("no hardware profile matches %r: MFU is not reported (add one, see docs/mfu.md)", name)
+        return None, "unknown device"
+    return profile.peak_flops(dtype), f"{profile.name} {dtype} per {profile.unit}"
+
+
+@torch.no_grad()
+def evaluate_loss(model: DeepseekV4, loader, batches: int, dev: device_layer.Device) -> float:
+    """Token-weighted next-token loss over ``batches`` held-out micro-batches."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for _ in range(batches):
+        b = next(loader).to(dev.torch_device)
+        targets = targets_for(b.labels, b.doc_ids, 1)
+        total += loss_sum(model(b.input_ids, doc_ids=b.doc_ids).logits, targets).item()
+        count += _count(targets)
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+def accumulate_gradients(model: DeepseekV4, micro: list, cfg_train, scaler: DynamicLossScaler):
+    """Forward and backward over the micro-batches of one step; gradients accumulate in .grad.
+
+    The LM and MTP cross-entropies are summed over tokens and divided by the number of targets in
+    the whole step (all micro-batches), so any split of a batch gives the same gradient. The
+    balance loss is averaged over micro-batches. Returns (lm loss, mtp loss, MoE stats).
+    """
+    shifts = [1] + [j + 2 for j in range(model.cfg.num_nextn_predict_layers)]
+    targets = [[targets_for(b.labels, b.doc_ids, s) for s in shifts] for b in micro]
+    counts = [max(1, sum(_count(t[i]) for t in targets)) for i in range(len(shifts))]
+    device = micro[0].input_ids.device
+    lm_total = torch.zeros((), device=device)
+    mtp_total = torch.zeros((), device=device)
+    stats = []
+    for b, tgt in zip(micro, targets):
+        out = model(b.input_ids, doc_ids=b.doc_ids)
+        lm = loss_sum(out.logits, tgt[0]) / counts[0]
+        mtp = sum((loss_sum(lg, t) / c for lg, t, c in zip(out.mtp_logits, tgt[1:], counts[1:])),
+                  torch.zeros((), device=device)) / max(1, len(out.mtp_logits))
+        loss = lm + cfg_train.mtp_weight * mtp
+        balance = [s.balance_loss for s in out.moe_stats if s.balance_loss is not None]
+        if balance:
+            loss = loss + cfg_train.balance_alpha * torch.stack(balance).sum() / len(micro)
+        scaler.scale(loss).backward()
+        lm_total += lm.detach()
+        mtp_total += mtp.detach()
+        stats.extend(out.moe_stats)
+    return lm_total, mtp_total, stats
+
+
+# ---- the loop ---------------------------------------------------------------------------------------
+def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Tokenizer | None = None) -> TrainResult:
+    """Run ``recipe``; ``model``/``tokenizer`` continue from a previous stage instead of [model]/[data]."""
+    t_start = time.perf_counter()
+    cfg_train = recipe.train
+    dev = device_layer.detect(cfg_train.device or None)
+    dev.set_current()
+    dev.manual_seed(cfg_train.seed)
+    policy = PrecisionPolicy.resolve(recipe.precision.dtype, dev)
+    run = RunDir(cfg_train.out)
+    run.save_config(recipe)
+
+    tokenizer = tokenizer or tokenizer_for(recipe.data.tokenizer)
+    model = model if model is not None else model_for(recipe, tokenizer, dev, policy)
+    model.to(dtype=policy.param_dtype).train()
+    frozen = freeze_indexer(model) if cfg_train.freeze_indexer else []
+    optimizer = build_optimizer(model, recipe.optim, dev)
+    print(optimizer.describe_groups(), file=sys.stderr)
+    scheduler = build_scheduler(optimizer, recipe.schedule, cfg_train.steps)
+    guard = StepGuard(recipe.precision.max_consecutive_skips, DynamicLossScaler.from_config(recipe.precision, policy))
+    loader = build_loader(recipe.data, rank=0, world_size=1, tokenizer=tokenizer)
+    eval_loader = None
+    if recipe.eval.paths:
+        eval_loader = build_loader(dataclasses.replace(recipe.data, paths=list(recipe.eval.paths), shuffle=False),
+                                   rank=0, world_size=1, tokenizer=tokenizer)
+    params = [p for p in model.parameters() if p.requires_grad]
+    flops = flops_per_token(model.cfg, recipe.data.seq_len).total
+    peak, peak_source = peak_flops(dev, policy)
+
+    status, events, last, evals = "completed", [], {}, {}
+    tokens_seen = 0
+    progress = StepProgress(cfg_train.steps, enabled=cfg_train.progress)
+    try:
+        for step in range(cfg_train.steps):
+            dev.synchronize()
+            t0 = time.perf_counter()
+            dev.reset_peak_memory()
+            micro = [next(loader).to(dev.torch_device) for _ in range(cfg_train.grad_accum)]
+            lm_total, mtp_total, stats = accumulate_gradients(model, micro, cfg_train, guard.scaler)
+
+            guard.scaler.unscale_(params)
+            grad_norm = clip_grad_norm(params, recipe.optim.grad_clip)
+            applied = guard.check(lm_total, grad_norm, step)
+            if applied:
+                optimizer.step()
+                loads = update_router_bias(model, stats, cfg_train.bias_gamma) if cfg_train.bias_gamma \
+                    else sum_expert_counts(stats)
+            else:
+                events.append(guard.last_reason)
+                loads = sum_expert_counts(stats)
+            optimizer.zero_grad(set_to_none=True)
+            lr = optimizer.param_groups[0]["lr"]
+            with warnings.catch_warnings():  # a skipped step still advances the schedule
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
+                scheduler.step()
+
+            dev.synchronize()
+            dt = time.perf_counter() - t0
+            step_tokens = sum(b.n_tokens for b in micro)
+            tokens_seen += step_tokens
+            imbalance = {k: (v.max() / v.mean().clamp(min=1e-9)).item() for k, v in loads.items()}
+            last = {
+                "loss": lm_total.item(), "mtp_loss": mtp_total.item(), "grad_norm": grad_norm.item(), "lr": lr,
+                "tokens_per_s": step_tokens / dt, "mfu": (step_tokens / dt * flops / peak) if peak else None,
+                "mem_peak_bytes": dev.max_memory_allocated(), "loss_scale": guard.scaler.scale_value,
+                "skipped_steps": guard.skipped_total, "expert_imbalance_max": max(imbalance.values(), default=1.0),
+                "step_time_s": dt, "tokens": tokens_seen,
+            }
+            eval_now = eval_loader is not None and cfg_train.eval_every and (step + 1) % cfg_train.eval_every == 0
+            if eval_now:
+                last["eval_loss"] = evals[step + 1] = evaluate_loss(model, eval_loader, recipe.eval.batches, dev)
+            if (step + 1) % cfg_train.log_every == 0 or step + 1 == cfg_train.steps or eval_now:
+                run.log(step + 1, last, {f"expert_imbalance/{k}": v for k, v in imbalance.items()})
+            progress.update(step + 1, last)
+    except KeyboardInterrupt:
+        status = "interrupted"
+    except NonFiniteError as e:
+        events.append(guard.last_reason)
+        status = f"stopped: {e}"
+    finally:
+        progress.close()
+
+    if eval_loader is not None and status == "completed":
+        evals["final"] = evaluate_loss(model, eval_loader, recipe.eval.batches, dev)
+    summary = {
+        "status": status,
+        "steps_completed": scheduler.last_epoch,
+        "tokens": tokens_seen,
+        "wall_time_s": time.perf_counter() - t_start,
+        "final": last,
+        "eval_loss": evals,
+        "skipped_steps": guard.skipped_total,
+        "nonfinite_events": events,
+        "data": loader.summary(),
+        "precision": policy.to_dict(),
+        "device": device_layer.environment_report(dev),
+        "frozen_parameters": len(frozen),
+        "flops_per_token": flops,
+        "peak_flops": peak,
+        "peak_flops_source": peak_source,
+    }
+    run.write_summary(summary)
+    run.plot_loss()
+    run.close()
+    if status.startswith("stopped"):
+        raise NonFiniteError(status)
+    if status == "interrupted":
+        raise KeyboardInterrupt
+    return TrainResult(model=model, tokenizer=tokenizer, summary=summary, run_dir=run.path)

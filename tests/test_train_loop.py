@@ -1,0 +1,148 @@
+"""The training loop: exact gradient accumulation, run outputs, skipped steps, interruption,
+the CLI, and the default job on a shortened schedule."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from trex.cli import main
+from trex.data import Batch
+from trex.data.arithmetic import ArithmeticTask, cpt_records, generate, sft_records
+from trex.data.records import write_jsonl
+from trex.models import build_model
+from trex.models.config import tiny
+from trex.recipe import load
+from trex.train.config import TrainRecipe, TrainSection
+from trex.train.loop import accumulate_gradients, train
+from trex.train.precision import DynamicLossScaler, NonFiniteError
+
+
+def _batch(ids, labels, docs):
+    return Batch(ids, labels, docs, 0, ids.numel())
+
+
+def test_gradient_accumulation_equals_one_large_batch():
+    torch.manual_seed(0)
+    model = build_model(tiny(), seed=0).double()
+    ids = torch.randint(0, 256, (4, 24))
+    labels = ids.clone()
+    labels[:, :5] = -100
+    labels[1, :] = -100  # uneven numbers of loss tokens between rows
+    labels[1, 20:] = ids[1, 20:]
+    docs = torch.zeros_like(ids)
+    docs[2, 11:] = 1
+    cfg = TrainSection(mtp_weight=0.3, balance_alpha=0.01)
+    scaler = DynamicLossScaler(enabled=False)
+
+    accumulate_gradients(model, [_batch(ids, labels, docs)], cfg, scaler)
+    big = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    halves = [_batch(ids[i:i + 2], labels[i:i + 2], docs[i:i + 2]) for i in (0, 2)]
+    accumulate_gradients(model, halves, cfg, scaler)
+    small = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert big.keys() == small.keys()
+    for name, g in big.items():
+        if "gate.weight" in name or ".hc_" in name:  # the balance loss is per sequence: equal by construction
+            pass
+        torch.testing.assert_close(small[name], g, atol=1e-6, rtol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def arithmetic_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    train_p, held = generate(ArithmeticTask(digits=2, n_train=400, n_eval=40))
+    write_jsonl(d / "sft.jsonl", sft_records(train_p))
+    write_jsonl(d / "heldout.jsonl", sft_records(held))
+    write_jsonl(d / "cpt.jsonl", cpt_records(train_p, 8))
+    # one malformed line and one conversation without an assistant turn, to be skipped and counted
+    with open(d / "sft.jsonl", "a") as f:
+        f.write("{not json\n")
+        f.write(json.dumps({"messages": [{"role": "user", "content": "1+1"}]}) + "\n")
+    return d
+
+
+def _recipe(files, out, *extra):
+    return load(TrainRecipe, overrides=[
+        f'data.paths=["{files}/sft.jsonl"]', 'data.tokenizer="compact"', "data.seq_len=64",
+        "data.micro_batch_size=4", 'data.bad_record_policy="skip"', "train.steps=6", "train.grad_accum=2",
+        f'train.out="{out}"', "optim.lr=3e-3", "train.eval_every=3", f'eval.paths=["{files}/heldout.jsonl"]',
+        "eval.batches=1", "train.progress=false", 'model.overrides={sliding_window=16}', *extra])
+
+
+def test_run_writes_every_output_and_learns(arithmetic_files, tmp_path):
+    out = tmp_path / "run"
+    result = train(_recipe(arithmetic_files, out))
+    for name in ("config.toml", "metrics.jsonl", "summary.json", "loss.png"):
+        assert (out / name).exists(), name
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(out / "tensorboard"))
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    required = {"loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_peak_bytes", "loss_scale", "skipped_steps"}
+    assert required <= rows[0].keys()
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert rows[0]["mfu"] > 0 and rows[0]["mem_peak_bytes"] > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps_completed"] == 6
+    assert summary["data"]["skipped"] == 2
+    assert set(summary["data"]["skipped_by_reason"]) == {"malformed_json", "no_assistant_turn"}
+    assert summary["skipped_steps"] == 0 and "final" in summary["eval_loss"]
+    assert summary["precision"]["name"] == "fp32"
+    assert load(TrainRecipe, str(out / "config.toml")).train.steps == 6  # the resolved config reloads
+    assert result.model.training
+
+
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run(arithmetic_files, tmp_path):
+    recipe = _recipe(arithmetic_files, tmp_path / "nan", "precision.max_consecutive_skips=2")
+    model = build_model(tiny(vocab_size=112, sliding_window=16), seed=0)
+    with torch.no_grad():
+        model.head.weight[0, 0] = float("nan")
+    before = model.embed.weight.clone()
+    with pytest.raises(NonFiniteError, match="2 consecutive steps skipped"):
+        train(recipe, model=model)
+    summary = json.loads((tmp_path / "nan" / "summary.json").read_text())
+    assert summary["skipped_steps"] == 2 and summary["status"].startswith("stopped")
+    assert len(summary["nonfinite_events"]) == 2
+    assert torch.equal(model.embed.weight, before)  # no update was applied
+
+
+def test_interrupt_still_writes_summary_and_plot(arithmetic_files, tmp_path, monkeypatch):
+    from trex.train import progress
+
+    calls = {"n": 0}
+
+    def interrupt(self, step, metrics):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(progress.StepProgress, "update", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        train(_recipe(arithmetic_files, tmp_path / "int"))
+    summary = json.loads((tmp_path / "int" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["steps_completed"] == 2
+    assert (tmp_path / "int" / "loss.png").exists()
+
+
+def test_cli_rejects_unknown_keys_with_a_suggestion(tmp_path, capsys):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[train]\nstpes = 3\n")
+    assert main(["train", str(recipe)]) == 2
+    assert "did you mean `train.steps`?" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_default_job_pipeline_on_a_short_schedule(tmp_path):
+    out = tmp_path / "job"
+    code = main(["train", "--out", str(out), "--set", "cpt_steps=4", "--set", "sft_steps=4",
+                 "--set", "task.n_train=300", "--set", "task.n_eval=100", "--set", "progress=false"])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert 0.0 <= summary["exact_match_before_sft"] <= 1.0 and 0.0 <= summary["exact_match_after_sft"] <= 1.0
+    assert summary["held_out_problems"] == 100 and len(summary["examples"]) == 10
+    for stage in ("cpt", "sft"):
+        assert (out / stage / "summary.json").exists() and (out / stage / "loss.png").exists()
+    assert (out / "data" / "heldout.jsonl").exists()
