@@ -146,3 +146,21 @@ def test_default_job_pipeline_on_a_short_schedule(tmp_path):
     for stage in ("cpt", "sft"):
         assert (out / stage / "summary.json").exists() and (out / stage / "loss.png").exists()
     assert (out / "data" / "heldout.jsonl").exists()
+
+
+@pytest.mark.parametrize("name", ["deepseek_v4_flash_sft", "deepseek_v4_pro_sft"])
+def test_shipped_cluster_recipes_load_and_describe_a_consistent_layout(name):
+    from trex.models import get_preset
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    recipe = load(TrainRecipe, os.path.join(root, "recipes", f"{name}.toml"))
+    preset = get_preset("deepseek-v4-flash" if "flash" in name else "deepseek-v4-pro")
+    assert recipe.precision.dtype == "bf16" and recipe.optim.name == "muon" and recipe.data.seq_len == 4096
+    assert recipe.train.mtp_weight > 0
+    p = recipe.parallel
+    assert preset.n_routed_experts % p.ep == 0 and p.world_size(p.dp_shard) % p.ep == 0
+
+
+def test_single_process_loop_refuses_a_multi_rank_layout(arithmetic_files, tmp_path):
+    with pytest.raises(ValueError, match="trains on one process"):
+        train(_recipe(arithmetic_files, tmp_path / "p", "parallel.dp_shard=4"))

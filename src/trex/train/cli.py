@@ -18,6 +18,16 @@ def register(sub) -> None:
                    help="override a recipe value; repeatable")
     p.set_defaults(func=_run)
 
+    bench = sub.add_parser("bench", help="benchmarks of a recipe's parts").add_subparsers(
+        dest="bench_command", required=True, metavar="WHAT")
+    b = bench.add_parser("data", help="data pipeline tokens/s vs the tokens/s the training step consumes")
+    b.add_argument("recipe", help="recipe TOML file")
+    b.add_argument("--batches", type=int, default=200, help="micro-batches to time")
+    b.add_argument("--steps", type=int, default=3, help="training steps to time (0: data only)")
+    b.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    b.add_argument("--format", choices=("text", "json"), default="text")
+    b.set_defaults(func=_bench_data)
+
 
 def _run(args: argparse.Namespace) -> int:
     from trex.recipe import RecipeError, load
@@ -56,3 +66,41 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("trex train: interrupted; summary.json and loss.png written", file=sys.stderr)
         return 130
+
+
+def _bench_data(args: argparse.Namespace) -> int:
+    """Time the data pipeline, then a few real training steps of the same recipe, and compare."""
+    import dataclasses
+    import json
+    import tempfile
+
+    from trex.data.bench import bench_data
+    from trex.recipe import RecipeError, load
+    from trex.train.config import EvalSection, TrainRecipe
+    from trex.train.loop import tokenizer_for, train
+
+    try:
+        recipe = load(TrainRecipe, args.recipe, args.overrides)
+        tokenizer = tokenizer_for(recipe.data.tokenizer)
+        result = bench_data(recipe.data, tokenizer, args.batches)
+        step_tps = None
+        if args.steps:
+            with tempfile.TemporaryDirectory() as out:
+                short = dataclasses.replace(recipe, eval=EvalSection(), train=dataclasses.replace(
+                    recipe.train, steps=args.steps, out=out, eval_every=0, progress=False))
+                step_tps = train(short, tokenizer=tokenizer).summary["final"]["tokens_per_s"]
+    except (RecipeError, ValueError) as e:
+        print(f"trex bench data: {e}", file=sys.stderr)
+        return 2
+    report = result.report(step_tps)
+    if args.format == "json":
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"build:     {report['build_seconds']:.2f}s, {report['build_tokens_per_s']:,.0f} tokens/s "
+          f"({report['summary']['documents']} documents, packing {report['summary']['packing_efficiency']:.1%}, "
+          f"{report['summary']['skipped']} skipped)")
+    print(f"iterate:   {report['iter_tokens_per_s']:,.0f} tokens/s over {report['batches']} micro-batches")
+    if step_tps:
+        verdict = "data keeps up" if report["headroom"] >= 1 else "DATA IS THE BOTTLENECK"
+        print(f"training:  {step_tps:,.0f} tokens/s per step -> headroom {report['headroom']:.0f}x ({verdict})")
+    return 0

@@ -7,6 +7,7 @@
     [precision]  trex.train.precision.PrecisionConfig
     [train]      steps, batch, losses, logging, evaluation
     [eval]       held-out data for the periodic evaluation loss
+    [parallel]   the device mesh: data-parallel replicate / shard and expert-parallel sizes
 """
 
 from __future__ import annotations
@@ -77,6 +78,33 @@ class EvalSection:
 
 
 @dataclass
+class ParallelSection:
+    dp_replicate: int = 1
+    """Data-parallel replicas (the outer, replicated dimension of HSDP)."""
+    dp_shard: int = -1
+    """Ranks that shard parameters, gradients and optimizer state (FSDP); -1: all ranks not used by
+    dp_replicate."""
+    ep: int = 1
+    """Expert-parallel size: routed experts are split across this many ranks of the shard dimension."""
+    activation_checkpointing: str = "none"
+    """none | full | selective (recompute mHC and attention)."""
+    timeout_s: int = 1800
+    """Collective timeout in seconds."""
+
+    def __post_init__(self) -> None:
+        if self.activation_checkpointing not in ("none", "full", "selective"):
+            raise ValueError(f"parallel.activation_checkpointing: expected none, full or selective, "
+                             f"got {self.activation_checkpointing!r}")
+        if self.dp_replicate < 1 or self.ep < 1 or (self.dp_shard < 1 and self.dp_shard != -1):
+            raise ValueError("parallel: dp_replicate and ep must be >= 1 and dp_shard >= 1 or -1")
+
+    def world_size(self, available: int) -> int:
+        """Ranks the layout needs given ``available`` ranks (resolving dp_shard = -1)."""
+        shard = available // self.dp_replicate if self.dp_shard == -1 else self.dp_shard
+        return self.dp_replicate * shard
+
+
+@dataclass
 class TrainRecipe:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataConfig = field(default_factory=DataConfig)
@@ -85,3 +113,4 @@ class TrainRecipe:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)

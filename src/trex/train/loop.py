@@ -154,6 +154,10 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
     """Run ``recipe``; ``model``/``tokenizer`` continue from a previous stage instead of [model]/[data]."""
     t_start = time.perf_counter()
     cfg_train = recipe.train
+    needed = recipe.parallel.world_size(1)
+    if needed != 1 or recipe.parallel.ep != 1:
+        raise ValueError(f"[parallel] describes {needed} data-parallel ranks with ep = {recipe.parallel.ep}; this "
+                         "version of trex trains on one process (set dp_shard = -1, dp_replicate = 1, ep = 1)")
     dev = device_layer.detect(cfg_train.device or None)
     dev.set_current()
     dev.manual_seed(cfg_train.seed)
