@@ -42,17 +42,17 @@ class DefaultJob:
     task: ArithmeticTask = field(default_factory=lambda: ArithmeticTask(digits=2, ops="+-", n_train=6000,
                                                                         n_eval=200, problems_per_text=6))
     """The generated arithmetic task."""
-    model: ModelSection = field(default_factory=ModelSection)
-    """The model: the tiny preset by default."""
+    model: ModelSection = field(default_factory=lambda: ModelSection(overrides={"sliding_window": 32}))
+    """The model: the tiny preset, with a window that covers a whole question and answer."""
     seq_len: int = 64
     """Tokens per packed row."""
-    micro_batch_size: int = 16
+    micro_batch_size: int = 32
     """Rows per step."""
     cpt_steps: int = 150
     """Continued-pretraining steps on raw text."""
-    sft_steps: int = 250
+    sft_steps: int = 200
     """SFT steps on chat conversations."""
-    lr: float = 3e-3
+    lr: float = 1e-2
     """Peak learning rate of both stages (warmup 10%, cosine to 10%)."""
     optimizer: str = "muon"
     """muon or adamw."""
@@ -64,8 +64,8 @@ class DefaultJob:
     """Live progress bars when the output is a terminal."""
 
     def scale_steps(self, total: int) -> None:
-        """Spread ``total`` steps over the two stages in the default 3:5 proportion."""
-        self.cpt_steps = max(1, total * 3 // 8)
+        """Spread ``total`` steps over the two stages in the default 3:4 proportion."""
+        self.cpt_steps = max(1, total * 3 // 7)
         self.sft_steps = max(1, total - self.cpt_steps)
 
 
