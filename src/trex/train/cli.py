@@ -16,6 +16,9 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, help="seed (train.seed)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a recipe value; repeatable")
+    p.add_argument("--save-every", type=int, help="checkpoint every N steps and at the end (checkpoint.save_every)")
+    p.add_argument("--resume", metavar="auto|PATH",
+                   help="resume from the newest checkpoint that verifies, or from PATH (checkpoint.resume)")
     p.set_defaults(func=_run)
 
     bench = sub.add_parser("bench", help="benchmarks of a recipe's parts").add_subparsers(
@@ -52,7 +55,8 @@ def _run(args: argparse.Namespace) -> int:
 
         overrides = list(args.overrides)
         for flag, key in ((args.out, "train.out"), (args.steps, "train.steps"), (args.seed, "train.seed"),
-                          (args.device, "train.device")):
+                          (args.device, "train.device"), (args.save_every, "checkpoint.save_every"),
+                          (args.resume, "checkpoint.resume")):
             if flag is not None:
                 overrides.append(f"{key}={flag!r}" if isinstance(flag, str) else f"{key}={flag}")
         recipe = load(TrainRecipe, args.recipe, overrides)

@@ -8,6 +8,7 @@
     [train]      steps, batch, losses, logging, evaluation
     [eval]       held-out data for the periodic evaluation loss
     [parallel]   the device mesh: data-parallel replicate / shard and expert-parallel sizes
+    [checkpoint] trex.train.checkpointing.CheckpointSection: sharded checkpoints and resume
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trex.data.config import DataConfig
+from trex.train.checkpointing import CheckpointSection
 from trex.train.optim import OptimConfig
 from trex.train.precision import PrecisionConfig
 from trex.train.schedule import ScheduleConfig
@@ -114,3 +116,4 @@ class TrainRecipe:
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalSection = field(default_factory=EvalSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
