@@ -80,6 +80,7 @@ class RunState:
     guard: Any
     loader: Any
     dev: Any  # trex.device.Device: its RNG states are saved per rank
+    eval_loader: Any = None
 
 
 @dataclass
@@ -228,6 +229,7 @@ def save_checkpoint(directory: str, step: int, state: RunState, *, config: dict 
     trainer = {
         "step": step, "loop": loop or {}, "scheduler": state.scheduler.state_dict(),
         "guard": state.guard.state_dict(), "loader": state.loader.state_dict(),
+        "eval_loader": state.eval_loader.state_dict() if state.eval_loader is not None else None,
         "param_groups": _group_records(state.model, state.optimizer), "config": config, "precision": precision,
         "model_config": state.model.cfg.to_hf_dict() if hasattr(state.model, "cfg") else None,
         "world_size": world_size,
@@ -339,6 +341,8 @@ def load_checkpoint(path: str, state: RunState) -> Resumed:
     state.scheduler.load_state_dict(trainer["scheduler"])
     state.guard.load_state_dict(trainer["guard"])
     state.loader.load_state_dict(trainer["loader"])
+    if state.eval_loader is not None and trainer.get("eval_loader"):
+        state.eval_loader.load_state_dict(trainer["eval_loader"])
 
     rank, world_size = _rank_world()
     rng = os.path.join(path, rng_file(rank))

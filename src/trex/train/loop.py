@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 import sys
 import time
 import warnings
@@ -24,12 +25,14 @@ from dataclasses import dataclass
 import torch
 
 from trex import device as device_layer
+from trex import recipe as recipe_io
 from trex.data import build_loader, load_tokenizer
 from trex.data.tokenizer import Tokenizer, compact_tokenizer
 from trex.hardware import profile_for_device_name
 from trex.models import DeepseekV4, build_model, get_preset, load_pretrained
 from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
 from trex.models.flops import flops_per_token
+from trex.train.checkpointing import Checkpointer, RunState
 from trex.train.config import TrainRecipe
 from trex.train.moe_balance import freeze_indexer, sum_expert_counts, update_router_bias
 from trex.train.optim import build_optimizer, clip_grad_norm
@@ -182,11 +185,17 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
     flops = flops_per_token(model.cfg, recipe.data.seq_len).total
     peak, peak_source = peak_flops(dev, policy)
 
+    ckpt = Checkpointer(recipe.checkpoint, cfg_train.out, RunState(model, optimizer, scheduler, guard, loader, dev,
+                                                                   eval_loader), config=recipe_io.to_dict(recipe),
+                        precision=policy.to_dict())
+    resumed = ckpt.resume()
+
     status, events, last, evals = "completed", [], {}, {}
-    tokens_seen = 0
+    tokens_seen = resumed.loop.get("tokens", 0) if resumed else 0
     progress = StepProgress(cfg_train.steps, enabled=cfg_train.progress)
+    ckpt.install_signal_handlers()
     try:
-        for step in range(cfg_train.steps):
+        for step in range(resumed.step if resumed else 0, cfg_train.steps):
             dev.synchronize()
             t0 = time.perf_counter()
             dev.reset_peak_memory()
@@ -227,6 +236,12 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
             if (step + 1) % cfg_train.log_every == 0 or step + 1 == cfg_train.steps or eval_now:
                 run.log(step + 1, last, {f"expert_imbalance/{k}": v for k, v in imbalance.items()})
             progress.update(step + 1, last)
+            stop = ckpt.after_step(step + 1, {"tokens": tokens_seen})  # saves when due, or on SIGTERM/SIGINT
+            if stop:
+                status = "terminated" if stop == signal.SIGTERM else "interrupted"
+                break
+        if status == "completed":
+            ckpt.finish(scheduler.last_epoch, {"tokens": tokens_seen})
     except KeyboardInterrupt:
         status = "interrupted"
     except NonFiniteError as e:
@@ -234,6 +249,7 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
         status = f"stopped: {e}"
     finally:
         progress.close()
+        ckpt.close()
 
     if eval_loader is not None and status == "completed":
         evals["final"] = evaluate_loss(model, eval_loader, recipe.eval.batches, dev)
@@ -261,4 +277,6 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
         raise NonFiniteError(status)
     if status == "interrupted":
         raise KeyboardInterrupt
+    if status == "terminated":
+        raise SystemExit(128 + signal.SIGTERM)  # saved a checkpoint, then exits as SIGTERM would
     return TrainResult(model=model, tokenizer=tokenizer, summary=summary, run_dir=run.path)
