@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trex.data.config import DataConfig
+from trex.fidelity.signals import FidelitySection
 from trex.train.checkpointing import CheckpointSection
 from trex.train.optim import OptimConfig
 from trex.train.precision import PrecisionConfig
@@ -117,3 +118,4 @@ class TrainRecipe:
     eval: EvalSection = field(default_factory=EvalSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    fidelity: FidelitySection = field(default_factory=FidelitySection)
