@@ -28,6 +28,7 @@ from trex import device as device_layer
 from trex import recipe as recipe_io
 from trex.data import build_loader, load_tokenizer
 from trex.data.tokenizer import Tokenizer, compact_tokenizer
+from trex.fidelity.signals import FidelityRecorder
 from trex.hardware import profile_for_device_name
 from trex.models import DeepseekV4, build_model, get_preset, load_pretrained
 from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
@@ -184,6 +185,7 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
     params = [p for p in model.parameters() if p.requires_grad]
     flops = flops_per_token(model.cfg, recipe.data.seq_len).total
     peak, peak_source = peak_flops(dev, policy)
+    fidelity = FidelityRecorder.for_recipe(recipe, run.path, tokenizer, dev.torch_device)  # rank 0 writes
 
     ckpt = Checkpointer(recipe.checkpoint, cfg_train.out, RunState(model, optimizer, scheduler, guard, loader, dev,
                                                                    eval_loader), config=recipe_io.to_dict(recipe),
@@ -203,6 +205,7 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
             lm_total, mtp_total, stats = accumulate_gradients(model, micro, cfg_train, guard.scaler)
 
             guard.scaler.unscale_(params)
+            fidelity.record_grad_norms(step + 1, model)  # unscaled, before clipping
             grad_norm = clip_grad_norm(params, recipe.optim.grad_clip)
             applied = guard.check(lm_total, grad_norm, step)
             if applied:
@@ -235,6 +238,7 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
                 last["eval_loss"] = evals[step + 1] = evaluate_loss(model, eval_loader, recipe.eval.batches, dev)
             if (step + 1) % cfg_train.log_every == 0 or step + 1 == cfg_train.steps or eval_now:
                 run.log(step + 1, last, {f"expert_imbalance/{k}": v for k, v in imbalance.items()})
+            fidelity.record_probe(step + 1, model)  # the fixed probe batch after the update
             progress.update(step + 1, last)
             stop = ckpt.after_step(step + 1, {"tokens": tokens_seen})  # saves when due, or on SIGTERM/SIGINT
             if stop:
