@@ -12,7 +12,7 @@ import json
 import sys
 
 # Modules that add ``trex ckpt`` subcommands through register(ckpt_subparsers).
-CKPT_COMMAND_MODULES: tuple[str, ...] = ()
+CKPT_COMMAND_MODULES: tuple[str, ...] = ("trex.checkpoint.training_cli",)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

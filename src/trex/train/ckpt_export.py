@@ -1,0 +1,79 @@
+"""Export a training checkpoint's model as a safetensors checkpoint (official or HF layout).
+
+The model tensors are read from the DCP shards one at a time (whatever layout saved them: DCP
+assembles each tensor from its shards) and handed to the weights writer of `trex.checkpoint`,
+which casts / quantises and writes them shard by shard. Host memory stays near the two largest
+tensors (a stacked expert tensor and its partner), never the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections import OrderedDict
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from trex.checkpoint.layouts import SAVE_DTYPES, TrexTensor, plan_outputs
+from trex.checkpoint.save import checkpoint_config
+from trex.checkpoint.writer import write_checkpoint
+from trex.models.config import ModelConfig
+from trex.models.loading import build_model
+from trex.models.naming import LAYOUTS
+from trex.train.ckpt_manifest import TRAINER_STATE, SafeFileSystemReader, verify_checkpoint
+
+
+class _TensorSource:
+    """Reads full model tensors from a DCP checkpoint, keeping the last two read."""
+
+    def __init__(self, path: str):
+        self.reader = SafeFileSystemReader(path)
+        self.index = self.reader.read_metadata().state_dict_metadata
+        self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+
+    def read(self, key: str) -> torch.Tensor:
+        if key not in self.cache:
+            entry = self.index[f"model.{key}"]
+            tensor = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load({"model": {key: tensor}}, storage_reader=self.reader, no_dist=True)
+            self.cache[key] = tensor
+            if len(self.cache) > 2:
+                self.cache.popitem(last=False)
+        return self.cache[key]
+
+
+def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf16", quantize: str | None = None,
+                      max_shard_size: int | str = "5GB", overwrite: bool = False) -> list[str]:
+    """Write the model of training checkpoint ``path`` to ``out``; returns the shard names.
+
+    The checkpoint must verify. layout, dtype, quantize, max_shard_size: as `save_pretrained`.
+    """
+    report = verify_checkpoint(path)
+    if not report.ok:
+        raise ValueError(f"{path}: does not verify: " + "; ".join(report.problems))
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(SAVE_DTYPES)}, got {dtype!r}")
+    with open(os.path.join(path, TRAINER_STATE)) as f:
+        raw_config = json.load(f).get("model_config")
+    if not raw_config:
+        raise ValueError(f"{path}/{TRAINER_STATE}: no model_config; this checkpoint cannot be exported")
+    cfg = ModelConfig.from_dict(raw_config, source=f"{path}/{TRAINER_STATE}")
+    meta_model = build_model(cfg, device="meta")
+    source = _TensorSource(path)
+    tensors = []
+    for key, v in [*meta_model.named_parameters(), *meta_model.named_buffers()]:
+        if f"model.{key}" not in source.index:
+            raise ValueError(f"{path}: the checkpoint has no tensor model.{key}")
+
+        def get(expert: int | None, key: str = key) -> torch.Tensor:
+            full = source.read(key)
+            return full if expert is None else full[expert]
+        tensors.append(TrexTensor(key, tuple(v.shape), v.dtype, get))
+    groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize)
+    return write_checkpoint(out, groups, checkpoint_config(cfg, layout, dtype, quantize), max_shard_size, overwrite)
