@@ -13,7 +13,8 @@ import json
 import sys
 
 # Modules that add subcommands through register(subparsers).
-COMMAND_MODULES: tuple[str, ...] = ("trex.train.cli", "trex.audit.cli", "trex.doctor", "trex.checkpoint.cli")
+COMMAND_MODULES: tuple[str, ...] = ("trex.train.cli", "trex.audit.cli", "trex.doctor", "trex.checkpoint.cli",
+                                    "trex.plan.cli", "trex.fidelity.cli")
 
 
 def _cmd_env(args: argparse.Namespace) -> int:

@@ -28,6 +28,8 @@ class HardwareProfile:
     devices_per_node: int
     match: list[str] = field(default_factory=list)  # substrings of the torch device name
     source: str = ""
+    host_memory_gib: float = 0.0  # host (CPU) memory per node; 0: not stated (offload is not checked)
+    host_link_gbps: float = 0.0  # per-device one-direction host link (PCIe), GB/s; 0: not stated
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.peak_tflops:

@@ -1,0 +1,172 @@
+"""Bytes that autograd keeps for backward in one training forward of trex's DeepSeek-V4.
+
+Derived from the real layer shapes *and* from what ``trex.models.deepseek_v4`` (with the
+reference kernels) actually saves: every term below names the tensor and why it is kept.
+``tests/test_plan_activations.py`` checks the sums against ``saved_tensors_hooks`` on a real
+model (storage-deduplicated, parameters excluded) at fp32 and bf16.
+
+Conventions, for one sequence (batch row) of S tokens without document boundaries:
+  b   bytes of the compute dtype (2 for bf16, 4 for fp32);
+  cp  bytes of an extra fp32 copy: a ``.float()`` of a compute-dtype tensor is a new tensor at
+      bf16 (cp = 4) and the same tensor at fp32 (cp = 0);
+  N   compressed entries floor(S / m); kc the compressed entries a query scores (CSA: the
+      indexer's top-k, HCA: all N); P the sequence padded to whole sliding-window blocks.
+Weights that trex casts to fp32 inside the forward (mHC fn, router, compressor, norms, LM head)
+are saved as fp32 copies at bf16: those are per-layer constants, not per-token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trex.models.config import CSA, HASH_MOE, HCA, SLIDING, ModelConfig
+
+F32, I64 = 4, 8
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Saved bytes of one block for one sequence: both mHC sites, attention, MoE."""
+
+    mhc: float
+    attention: float
+    moe: float
+
+    @property
+    def total(self) -> float:
+        return self.mhc + self.attention + self.moe
+
+
+def _rms_norm(D: int) -> float:
+    """Weighted RMSNorm (reference kernel): fp32 input, rstd, normalised pre-weight value."""
+    return F32 * (2 * D + 1)
+
+
+def mhc_site(cfg: ModelConfig, b: int) -> float:
+    """Per token, one HyperConnection (pre/post/comb with Sinkhorn) around a sublayer."""
+    n, d, it = cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters
+    cp = 0 if b == F32 else F32
+    per = 2 * n * d + 1  # fp32 streams (rms input) and the normalised streams fed to fn; rstd
+    per += (2 + n) * n  # mixes
+    per += 4 * n  # two sigmoids, pre (+eps), post
+    per += 2 * n * n  # softmax output, comb^T for the stream mix
+    per += (2 * it - 1) * (n * n + n)  # every Sinkhorn division keeps numerator and denominator
+    per += d  # sublayer output in fp32
+    return F32 * per + 2 * cp * n * d  # at bf16 two more .float() copies of the streams
+
+
+def attention(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
+    """One sequence of S tokens through attn_norm and Attention (compressor included)."""
+    d, H, c, q, W = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.sliding_window
+    rd = cfg.qk_rope_head_dim
+    cp = 0 if b == F32 else F32
+    P = -(-S // W) * W
+    per_tok = _rms_norm(d)  # attn_norm
+    per_tok += b * d + _rms_norm(q) + b * q  # wq_a input (shared with wkv), q_norm, wq_b input
+    per_tok += F32 * (H * c + H)  # unweighted RMSNorm of the heads: fp32 input and rstd
+    per_tok += _rms_norm(c)  # kv_norm
+    per_tok += F32 * rd // 2  # inverse RoPE on the output: the negated sin table
+    per_tok += b * H * c + b * cfg.o_groups * cfg.o_lora_rank  # grouped wo_a input (permuted copy), wo_b input
+    per_seq = b * H * c * P + b * c * (W + P)  # padded queries and keys of the window blocks
+    per_seq += 2 * W * P  # window mask (bool)
+    per_seq += b * H * 2 * W * P  # window probabilities, padded
+    kc = 0
+    if layer_type != SLIDING:
+        m = cfg.compress_rate(layer_type)
+        N = S // m
+        kc = min(cfg.index_topk, N) if layer_type == CSA else N
+        per_tok += b * H * c  # roped queries for the compressed scores
+        per_tok += (b if cp else 0) * H * (2 * W + kc + 1)  # at bf16, the compressed probabilities' bf16 copy
+        per_seq += b * c * N  # compressed entries
+        if layer_type == CSA:
+            per_tok += b * kc * c + I64 * kc + kc  # gathered top-k entries, their index, validity mask
+        else:
+            per_seq += S * N  # visibility mask (bool)
+        per_seq += compressor(cfg, layer_type, S, b)
+    per_tok += F32 * H * (2 * W + kc + 1)  # softmax output over window, compressed entries and sink
+    return per_tok * S + per_seq
+
+
+def compressor(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
+    """One sequence through the attention's Compressor (the indexer's runs under no_grad)."""
+    m, c, d = cfg.compress_rate(layer_type), cfg.head_dim, cfg.hidden_size
+    cp = 0 if b == F32 else F32
+    coff = 2 if layer_type == CSA else 1
+    N = S // m
+    total = S * (F32 * 2 * coff * c + 2 * cp * d)  # kv and gate scores (fp32), x.float() per projection
+    total += N * m * F32 * 2 * coff * c  # gathered window slots and their softmax weights
+    total += N * m * I64 * (2 if layer_type == CSA else 1)  # slot index (and previous-window index)
+    total += N * (1 if layer_type == CSA else 0)  # previous-window mask (bool)
+    total += N * _rms_norm(c)  # norm of the pooled entries
+    return total
+
+
+def moe(cfg: ModelConfig, mlp_type: str, b: int) -> float:
+    """Per token, ffn_norm and the MoE (router, k routed experts, shared expert)."""
+    d, E, k, I = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    per = _rms_norm(d)  # ffn_norm
+    per += F32 * d + (b * d if b != F32 else 0)  # router input (fp32) and, at bf16, the expert input
+    per += F32 * 2 * E + I64 * k + F32 * (k + 1)  # logits, scores; top-k index; weights and their sum
+    per += F32 if mlp_type != HASH_MOE else 0  # balance loss: score sums (and [E] per sequence, in block())
+    per += 2 * I64 * k + F32 * k  # sort order and token index of the k copies, gathered weights
+    per += b * d * k * 2  # permuted inputs, expert outputs
+    swiglu = F32 * 5 + F32 + b  # clamped SwiGLU's five fp32 tensors, routed product, w2 input
+    per += swiglu * I * k
+    per += (F32 * 5 + b) * I * cfg.n_shared_experts
+    return per
+
+
+def block(cfg: ModelConfig, layer_type: str, mlp_type: str, S: int, b: int) -> LayerActivations:
+    balance = F32 * cfg.n_routed_experts if mlp_type != HASH_MOE else 0  # per-sequence expert fractions
+    return LayerActivations(mhc=2 * mhc_site(cfg, b) * S, attention=attention(cfg, layer_type, S, b),
+                            moe=moe(cfg, mlp_type, b) * S + balance)
+
+
+def weight_copies(cfg: ModelConfig, layer_type: str, b: int) -> float:
+    """fp32 copies of weights that one block keeps at bf16 (0 at fp32, where .float() is free)."""
+    if b == F32:
+        return 0.0
+    n, d, c = cfg.hc_mult, cfg.hidden_size, cfg.head_dim
+    total = 2 * (2 + n) * n * n * d + cfg.n_routed_experts * d  # mHC fn (two sites), router
+    total += 2 * d + cfg.q_lora_rank + c  # RMSNorm weights
+    if layer_type != SLIDING:
+        coff = 2 if layer_type == CSA else 1
+        total += 2 * coff * c * d + c  # compressor wkv, wgate, norm
+    return F32 * total
+
+
+def head(cfg: ModelConfig, b: int) -> float:
+    """Per token, one output head: HC head, final norm, fp32 LM head input, logits and log-softmax."""
+    n, d, V = cfg.hc_mult, cfg.hidden_size, cfg.vocab_size
+    cp = 0 if b == F32 else F32
+    hc_head = F32 * (2 * n * d + 1 + 3 * n) + cp * n * d
+    return hc_head + _rms_norm(d) + F32 * d + 2 * F32 * V + I64  # logits are alive, log-softmax saved; targets
+
+
+def model_level(cfg: ModelConfig, S: int, b: int) -> float:
+    """Per-sequence bytes outside the blocks: ids, RoPE tables, heads, MTP inputs, weight copies."""
+    rd, n, d = cfg.qk_rope_head_dim, cfg.hc_mult, cfg.hidden_size
+    cp = 0 if b == F32 else F32
+    mtp = cfg.num_nextn_predict_layers
+    per_tok = I64 * (1 + mtp)  # token ids for the embeddings
+    per_tok += b * d if cp == 0 else 0  # at fp32 the first block's streams are the embedding itself
+    per_tok += 2 * F32 * rd  # cos and sin tables: plain and YaRN
+    per_tok += head(cfg, b) * (1 + mtp)
+    per_tok += mtp * (_rms_norm(d) + b * d)  # enorm, e_proj input
+    per_tok += mtp * (cp * n * d + F32 * (n * d + n) + b * n * d)  # hnorm (input copy at bf16), h_proj input
+    per_seq = sum(2 * F32 * rd // 2 * (S // m) for m in {cfg.compress_rate(t) for t in cfg.layer_types if t != SLIDING})
+    copies = 0.0
+    if b != F32:
+        V = cfg.vocab_size
+        copies = F32 * (V * d * (1 + mtp) + (1 + mtp) * (n * n * d + d)) + mtp * F32 * 3 * d
+    return per_tok * S + per_seq + copies
+
+
+def forward_saved(cfg: ModelConfig, S: int, b: int) -> float:
+    """Everything autograd keeps for one sequence of S tokens (the whole model, MTP included)."""
+    total = model_level(cfg, S, b)
+    for lt, mt in zip(cfg.layer_types, cfg.mlp_layer_types):
+        total += block(cfg, lt, mt, S, b).total + weight_copies(cfg, lt, b)
+    for _ in range(cfg.num_nextn_predict_layers):
+        total += block(cfg, cfg.mtp_layer_type, "moe", S, b).total + weight_copies(cfg, cfg.mtp_layer_type, b)
+    return total

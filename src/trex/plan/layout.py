@@ -1,0 +1,102 @@
+"""A training layout: how ranks split a model and its batch, checked against the model.
+
+    devices = dp_replicate x dp_shard x pp
+    dp_shard   ranks sharding parameters, gradients and optimizer state (FSDP / ZeRO-3);
+    ep         routed experts split over this many ranks *inside* the shard group; the expert
+               weights are further FSDP-sharded over dp_shard / ep ranks;
+    pp         pipeline stages, each holding num_hidden_layers / pp blocks (trex train has no
+               pipeline parallelism yet: plans with pp > 1 say so);
+    global batch tokens = micro_batch x seq_len x grad_accum x dp_replicate x dp_shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from trex.models.config import ModelConfig
+
+RECOMPUTE = ("none", "selective", "full")
+OPTIMIZERS = ("muon", "adamw")
+
+
+class PlanError(ValueError):
+    """Input the planner cannot plan for; the message says what was expected."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_shard: int
+    dp_replicate: int = 1
+    ep: int = 1
+    pp: int = 1
+    micro_batch: int = 1
+    grad_accum: int = 1
+    recompute: str = "none"
+    optimizer: str = "muon"
+    offload_optimizer: bool = False  # optimizer moments in host memory (a "virtual optimizer")
+
+    @property
+    def devices(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.pp
+
+    @property
+    def data_parallel(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def global_batch_tokens(self, seq_len: int) -> int:
+        return self.micro_batch * seq_len * self.grad_accum * self.data_parallel
+
+    def describe(self) -> str:
+        parts = [f"dp_shard={self.dp_shard}", f"ep={self.ep}"]
+        if self.dp_replicate > 1:
+            parts.insert(0, f"dp_replicate={self.dp_replicate}")
+        if self.pp > 1:
+            parts.append(f"pp={self.pp}")
+        parts += [f"mb={self.micro_batch}", f"ga={self.grad_accum}", f"recompute={self.recompute}", self.optimizer]
+        if self.offload_optimizer:
+            parts.append("offload")
+        return " ".join(parts)
+
+    def check(self, cfg: ModelConfig, seq_len: int) -> None:
+        """Raise PlanError unless the layout divides the model and the sequence is allowed."""
+        for name in ("dp_shard", "dp_replicate", "ep", "pp", "micro_batch", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"layout: {name} must be >= 1, got {getattr(self, name)}")
+        if self.recompute not in RECOMPUTE:
+            raise PlanError(f"layout: recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise PlanError(f"layout: optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}")
+        E, L = cfg.n_routed_experts, cfg.num_hidden_layers
+        if E % self.ep:
+            raise PlanError(f"layout: ep={self.ep} does not divide the model's {E} routed experts")
+        if self.dp_shard % self.ep:
+            raise PlanError(f"layout: ep={self.ep} must divide dp_shard={self.dp_shard} (experts are split inside "
+                            "the shard group)")
+        if L % self.pp:
+            raise PlanError(f"layout: pp={self.pp} does not divide the model's {L} layers")
+        if seq_len < 1 or seq_len > cfg.max_position_embeddings:
+            raise PlanError(f"sequence length {seq_len} is outside 1..{cfg.max_position_embeddings} "
+                            "(the model's max_position_embeddings)")
+
+
+def parse_layout(text: str, base: Layout) -> Layout:
+    """``"dp_shard=64,ep=32,pp=1"`` (any Layout field) applied on top of ``base``."""
+    fields = {f.name: f for f in dataclasses.fields(Layout)}
+    changes = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in fields:
+            raise PlanError(f"--layout: cannot read {item!r}; expected key=value with key one of {sorted(fields)}")
+        kind = fields[key].type
+        try:
+            if kind in ("int", int):
+                changes[key] = int(value)
+            elif kind in ("bool", bool):
+                changes[key] = value.strip().lower() in ("1", "true", "yes")
+            else:
+                changes[key] = value.strip()
+        except ValueError:
+            raise PlanError(f"--layout: {key} expects an integer, got {value!r}") from None
+    return dataclasses.replace(base, **changes)

@@ -1,0 +1,128 @@
+"""What the planner needs to know about a model, read from the model itself (built on meta).
+
+Parameter counts per module type, which parameters train (the lightning indexer is frozen in
+post-training, `trex.train.moe_balance.freeze_indexer`), which optimizer each one gets
+(`trex.train.optim.classify`), the largest block (the FSDP unit gathered at once) and the
+Newton-Schulz work of one Muon step.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from trex.models.config import ModelConfig
+
+# Module types, first match wins (names follow the official checkpoint, see trex.models.naming).
+MODULE_TYPES = (
+    ("embedding", r"^embed\."),
+    ("lm_head", r"^head\."),
+    ("indexer", r"\.attn\.indexer\."),
+    ("compressor", r"\.attn\.compressor\."),
+    ("attention", r"\.attn\."),
+    ("routed_experts", r"\.ffn\.experts\."),
+    ("shared_expert", r"\.ffn\.shared_experts\."),
+    ("router", r"\.ffn\.gate\."),
+    ("mhc", r"(^|\.)hc_(attn|ffn|head)\."),
+    ("norms", r"norm\.weight$"),
+    ("mtp_projections", r"\.(e_proj|h_proj)\."),
+)
+INDEXER = ".attn.indexer."
+NS_ITERATIONS = 10  # DeepSeek-V4's hybrid Newton-Schulz: 8 + 2 iterations (trex.train.optim.OptimConfig)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Parameter counts (elements, not bytes) of one model, MTP modules included unless stated."""
+
+    by_type: dict[str, int]  # main model (no MTP) per module type
+    mtp: int  # all MTP modules
+    total: int  # main model, as trex.models.count_parameters
+    active: int  # main model, per token (k routed experts of E)
+    trainable: int  # everything the optimizer updates (MTP included, indexer frozen)
+    experts: int  # routed-expert parameters (main + MTP), split by expert parallelism
+    muon: int  # trainable parameters under Muon (when optim.name = "muon")
+    adamw: int  # trainable parameters under AdamW (when optim.name = "muon")
+    block_dense: int  # largest block without its routed experts (one FSDP unit)
+    block_experts: int  # routed experts of one block
+    largest_muon_matrix: int  # elements of the largest dense Muon parameter
+    muon_ns_flops: float  # FLOPs of one Newton-Schulz pass over every Muon matrix
+
+    @property
+    def stored(self) -> int:
+        """Every parameter held on devices (frozen ones too)."""
+        return self.total + self.mtp
+
+    @property
+    def dense(self) -> int:
+        return self.stored - self.experts
+
+
+def module_type(name: str) -> str:
+    for kind, pattern in MODULE_TYPES:
+        if re.search(pattern, name):
+            return kind
+    raise ValueError(f"no module type for parameter {name!r}; extend trex.plan.model_facts.MODULE_TYPES")
+
+
+def _ns_flops(shape: tuple[int, ...], row_blocks: list[int]) -> float:
+    """One hybrid Newton-Schulz of a parameter: per iteration X X^T, A A and (bA + cA^2) X."""
+    *batch, rows, cols = shape
+    count = 1
+    for b in batch:
+        count *= b
+    total = 0.0
+    for r in row_blocks or [rows]:
+        n, m = min(r, cols), max(r, cols)
+        total += count * NS_ITERATIONS * (4 * n * n * m + 2 * n**3)
+    return total
+
+
+def _build_facts(cfg: ModelConfig) -> ModelFacts:
+    from trex.models import build_model
+    from trex.train.optim import classify
+
+    model = build_model(cfg, device="meta")
+    by_type: dict[str, int] = {kind: 0 for kind, _ in MODULE_TYPES}
+    mtp = experts = trainable = muon = 0
+    blocks: dict[str, list[int]] = {}
+    largest = 0
+    ns = 0.0
+    for name, p in model.named_parameters():
+        if name.startswith("mtp."):
+            mtp += p.numel()
+        else:
+            by_type[module_type(name)] += p.numel()
+        is_expert = ".ffn.experts." in name
+        experts += p.numel() if is_expert else 0
+        block = re.match(r"^(layers|mtp)\.\d+\.", name)
+        if block:
+            entry = blocks.setdefault(block.group(0), [0, 0])
+            entry[1 if is_expert else 0] += p.numel()
+    for name, p, rule, row_blocks in classify(model):
+        if INDEXER in f".{name}":
+            continue
+        trainable += p.numel()
+        if rule.muon:
+            muon += p.numel()
+            ns += _ns_flops(tuple(p.shape), row_blocks)
+            if p.dim() == 2:
+                largest = max(largest, p.numel())
+    total = sum(by_type.values())
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    inactive = cfg.num_hidden_layers * (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
+    return ModelFacts(
+        by_type=by_type, mtp=mtp, total=total, active=total - inactive, trainable=trainable, experts=experts,
+        muon=muon, adamw=trainable - muon, block_dense=max(v[0] for v in blocks.values()),
+        block_experts=max(v[1] for v in blocks.values()), largest_muon_matrix=largest, muon_ns_flops=ns)
+
+
+_CACHE: dict[str, ModelFacts] = {}
+
+
+def model_facts(cfg: ModelConfig) -> ModelFacts:
+    """Facts of ``cfg`` (cached by the config's contents)."""
+    key = repr(cfg)
+    if key not in _CACHE:
+        _CACHE[key] = _build_facts(cfg)
+    return _CACHE[key]

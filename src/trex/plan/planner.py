@@ -1,0 +1,133 @@
+"""A plan: parameters, memory per device, fit, step time, throughput and MFU for one layout; and the
+search over layouts that fit, fastest first."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from trex.hardware import HardwareProfile
+from trex.models.config import ModelConfig
+from trex.models.flops import flops_per_token
+from trex.plan.layout import Layout, PlanError
+from trex.plan.memory import HEADROOM, MemoryBreakdown, memory
+from trex.plan.model_facts import ModelFacts, model_facts
+from trex.plan.timing import StepTime, TimeAssumptions, step_time
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: Layout
+    seq_len: int
+    hardware: HardwareProfile
+    facts: ModelFacts
+    memory: MemoryBreakdown
+    time: StepTime
+    flops_per_token: float
+    assumptions: TimeAssumptions
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.hardware.memory_gib * GiB * (1 - HEADROOM)
+
+    @property
+    def host_fits(self) -> bool | None:
+        """Offloaded state vs host memory per device (None when the profile states no host memory)."""
+        if not self.layout.offload_optimizer:
+            return True
+        if not self.hardware.host_memory_gib:
+            return None
+        per_device = self.hardware.host_memory_gib * GiB / self.hardware.devices_per_node
+        return self.memory.optimizer_host <= per_device * (1 - HEADROOM)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.usable_bytes and self.host_fits is not False
+
+    @property
+    def global_batch_tokens(self) -> int:
+        return self.layout.global_batch_tokens(self.seq_len)
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.global_batch_tokens / self.time.total / self.layout.devices
+
+    @property
+    def mfu(self) -> float:
+        return self.tokens_per_s_per_device * self.flops_per_token / self.hardware.peak_flops(self.assumptions.dtype)
+
+    @property
+    def notes(self) -> list[str]:
+        out = []
+        if self.layout.pp > 1:
+            out.append("pipeline parallelism is modelled, but trex train does not run it yet")
+        if self.host_fits is None:
+            out.append(f"{self.hardware.name} states no host memory: offloaded state is not checked")
+        return out
+
+
+def make_plan(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
+              assume: TimeAssumptions = TimeAssumptions()) -> Plan:
+    layout.check(cfg, seq_len)
+    if assume.dtype not in DTYPE_BYTES:
+        raise PlanError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {assume.dtype!r}")
+    if assume.dtype not in hw.peak_tflops:
+        raise PlanError(f"hardware profile {hw.name!r} has no {assume.dtype} peak; it has {sorted(hw.peak_tflops)}")
+    b = DTYPE_BYTES[assume.dtype]
+    facts = model_facts(cfg)
+    return Plan(layout=layout, seq_len=seq_len, hardware=hw, facts=facts,
+                memory=memory(cfg, facts, layout, seq_len, b),
+                time=step_time(cfg, facts, layout, seq_len, hw, assume, b),
+                flops_per_token=flops_per_token(cfg, seq_len).total, assumptions=assume)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: int, hw: HardwareProfile,
+           assume: TimeAssumptions = TimeAssumptions(), optimizer: str = "muon",
+           micro_batches: tuple[int, ...] = (1, 2, 4), recompute: tuple[str, ...] = ("none", "selective", "full"),
+           pipeline: tuple[int, ...] = (1,)) -> list[Plan]:
+    """Every layout on ``devices`` devices that fits and reaches ``global_batch_tokens`` exactly,
+    fastest first. Shard sizes are the divisors of the device count; ep divides both the shard
+    size and the expert count."""
+    if global_batch_tokens % seq_len:
+        raise PlanError(f"global batch of {global_batch_tokens} tokens is not a whole number of "
+                        f"{seq_len}-token sequences")
+    Layout(dp_shard=1).check(cfg, seq_len)
+    plans = []
+    for pp in pipeline:
+        if devices % pp or cfg.num_hidden_layers % pp:
+            continue
+        for shard in _divisors(devices // pp):
+            replicate = devices // pp // shard
+            for ep in (e for e in _divisors(shard) if cfg.n_routed_experts % e == 0):
+                for mb in micro_batches:
+                    rows = global_batch_tokens // seq_len
+                    if rows % (mb * shard * replicate):
+                        continue
+                    for rc in recompute:
+                        for offload in (False, True):
+                            layout = Layout(dp_shard=shard, dp_replicate=replicate, ep=ep, pp=pp, micro_batch=mb,
+                                            grad_accum=rows // (mb * shard * replicate), recompute=rc,
+                                            optimizer=optimizer, offload_optimizer=offload)
+                            plan = make_plan(cfg, layout, seq_len, hw, assume)
+                            if plan.fits:
+                                plans.append(plan)
+    return sorted(plans, key=lambda p: p.time.total)
+
+
+def minimum_devices(cfg: ModelConfig, seq_len: int, hw: HardwareProfile, candidates: list[int],
+                    assume: TimeAssumptions = TimeAssumptions(), **layout_fields) -> int | None:
+    """The smallest device count among ``candidates`` with a fitting fully-sharded layout
+    (dp_shard = devices, ep = the largest divisor of both devices and the expert count)."""
+    for n in sorted(candidates):
+        ep = max(e for e in _divisors(n) if cfg.n_routed_experts % e == 0)
+        layout = dataclasses.replace(Layout(dp_shard=n, ep=ep), **layout_fields)
+        if make_plan(cfg, layout, seq_len, hw, assume).fits:
+            return n
+    return None

@@ -1,0 +1,75 @@
+"""Plans as text tables or JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from trex.plan.planner import GiB, Plan
+
+
+def plan_dict(plan: Plan) -> dict:
+    f = plan.facts
+    return {
+        "layout": {**dataclasses.asdict(plan.layout), "devices": plan.layout.devices},
+        "seq_len": plan.seq_len,
+        "global_batch_tokens": plan.global_batch_tokens,
+        "hardware": {"name": plan.hardware.name, "unit": plan.hardware.unit,
+                     "memory_gib": plan.hardware.memory_gib, "source": plan.hardware.source},
+        "parameters": {"total": f.total, "active": f.active, "mtp": f.mtp, "trainable": f.trainable,
+                       "muon": f.muon, "adamw": f.adamw, "by_type": f.by_type},
+        "memory_bytes": plan.memory.as_dict(),
+        "usable_bytes": plan.usable_bytes,
+        "fits": plan.fits,
+        "time_s": plan.time.as_dict(),
+        "flops_per_token": plan.flops_per_token,
+        "tokens_per_s_per_device": plan.tokens_per_s_per_device,
+        "mfu": plan.mfu,
+        "assumptions": dataclasses.asdict(plan.assumptions),
+        "notes": plan.notes,
+    }
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:8.1f} GiB"
+
+
+def plan_table(plan: Plan) -> str:
+    f, m, t, hw = plan.facts, plan.memory, plan.time, plan.hardware
+    lines = [
+        f"layout      {plan.layout.describe()}  ({plan.layout.devices} x {hw.name}, one {hw.unit} each)",
+        f"batch       {plan.global_batch_tokens:,} tokens per step, sequences of {plan.seq_len}",
+        f"parameters  {f.total / 1e9:.1f}B total, {f.active / 1e9:.1f}B active per token, {f.mtp / 1e9:.1f}B MTP; "
+        f"{f.trainable / 1e9:.1f}B trained ({f.muon / 1e9:.1f}B Muon, {f.adamw / 1e9:.2f}B AdamW)",
+        "            " + ", ".join(f"{k} {v / 1e9:.2f}B" for k, v in f.by_type.items() if v),
+        "memory per device",
+    ]
+    for key, value in m.as_dict().items():
+        if key not in ("total", "optimizer_host"):
+            lines.append(f"  {key:20s}{_gib(value)}")
+    lines.append(f"  {'total':20s}{_gib(m.total)}   of {_gib(plan.usable_bytes).strip()} usable "
+                 f"({hw.memory_gib:g} GiB less headroom): {'FITS' if plan.fits else 'DOES NOT FIT'}")
+    if m.optimizer_host:
+        lines.append(f"  {'in host memory':20s}{_gib(m.optimizer_host)}")
+    lines.append("time per step")
+    for key, value in t.as_dict().items():
+        lines.append(f"  {key:20s}{value:10.2f} s")
+    lines.append(f"throughput  {plan.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {plan.mfu:.1%} "
+                 f"({plan.flops_per_token / 1e9:.1f} GFLOP/token, {hw.peak_tflops[plan.assumptions.dtype]:g} "
+                 f"TFLOP/s {plan.assumptions.dtype} per {hw.unit})")
+    a = plan.assumptions
+    lines.append(f"assumptions compute efficiency {a.compute_efficiency:.0%}, FSDP overlap {a.fsdp_overlap:.0%}, "
+                 f"EP overlap {a.ep_overlap:.0%}, links {hw.intra_node_gbps:g}/{hw.inter_node_gbps:g} GB/s "
+                 f"intra/inter node, {hw.devices_per_node} per node")
+    lines += [f"note        {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def search_table(plans: list[Plan], top: int) -> str:
+    if not plans:
+        return "no layout fits: add devices, shorten the sequence, or allow recompute/offload"
+    head = "| rank | layout | memory GiB | step s | tokens/s/device | MFU |"
+    rows = [head, "|---|---|---|---|---|---|"]
+    for i, p in enumerate(plans[:top], 1):
+        rows.append(f"| {i} | {p.layout.describe()} | {p.memory.total / GiB:.1f} | {p.time.total:.2f} | "
+                    f"{p.tokens_per_s_per_device:,.0f} | {p.mfu:.1%} |")
+    return "\n".join(rows)

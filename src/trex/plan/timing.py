@@ -1,0 +1,112 @@
+"""Step time of one layout: compute, communication with stated overlap, pipeline bubble, optimizer.
+
+Compute: tokens per device x FLOPs per token (`trex.models.flops`, the MFU numerator) plus the
+forward work that recomputation repeats, at ``compute_efficiency`` x the device peak.
+Communication per step and device, ring algorithms (a device moves (g-1)/g of the buffer):
+  FSDP   all-gather of parameters in forward and again in backward per micro-batch (compute
+         dtype), reduce-scatter of gradients once per step (fp32, trex's reduce dtype);
+  HSDP   all-reduce of the sharded gradients over dp_replicate;
+  EP     all-to-all dispatch and combine of k copies of every token, forward and backward.
+A group of g ranks runs at the intra-node bandwidth when it fits in one node, at the
+inter-node bandwidth otherwise. ``fsdp_overlap`` / ``ep_overlap`` of that time hides behind
+compute (never more than the compute itself). Optimizer: the Newton-Schulz FLOPs of Muon split
+over the shard group, and, with offload, the moments crossing the host link twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from trex.hardware import HardwareProfile
+from trex.models.config import ModelConfig
+from trex.models.flops import flops_per_token
+from trex.plan.layout import Layout
+from trex.plan.model_facts import ModelFacts
+
+
+@dataclass(frozen=True)
+class TimeAssumptions:
+    compute_efficiency: float = 0.55  # achieved / peak FLOP/s of the model's kernels while computing
+    fsdp_overlap: float = 0.9  # share of FSDP traffic hidden behind compute (prefetch)
+    ep_overlap: float = 0.5  # share of EP all-to-all hidden behind compute
+    dtype: str = "bf16"
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step on every device (they run in lockstep)."""
+
+    compute: float
+    recompute: float
+    fsdp_comm: float
+    ep_comm: float
+    exposed_comm: float
+    bubble: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.exposed_comm + self.bubble + self.optimizer
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str) -> float:
+    """Forward FLOPs repeated in backward. Selective: mHC and attention (everything but the MoE)."""
+    f = flops_per_token(cfg, seq_len)
+    if recompute == "none":
+        return 0.0
+    trained_forward = (f.total - f.indexer) / 3
+    if recompute == "full":
+        return trained_forward + f.indexer
+    layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    moe_dense = 2 * layers * (cfg.n_routed_experts + 3 * cfg.moe_intermediate_size * cfg.n_shared_experts) * cfg.hidden_size
+    return (f.dense_matmuls + f.attention_core) / 3 - moe_dense + f.indexer
+
+
+def _group_seconds(nbytes: float, group: int, hw: HardwareProfile, span: int = 1) -> float:
+    """A ring collective moving ``nbytes`` in a group of ``group`` ranks spaced ``span`` apart."""
+    if group <= 1:
+        return 0.0
+    within_node = group * span <= hw.devices_per_node
+    bw = (hw.intra_node_gbps if within_node else hw.inter_node_gbps) * 1e9
+    return nbytes * (group - 1) / group / bw
+
+
+def step_time(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, hw: HardwareProfile,
+              assume: TimeAssumptions, b: int) -> StepTime:
+    tokens_per_device = layout.micro_batch * seq_len * layout.grad_accum * layout.dp_replicate * layout.dp_shard \
+        / layout.devices
+    rate = hw.peak_flops(assume.dtype) * assume.compute_efficiency
+    model_flops = flops_per_token(cfg, seq_len).total
+    compute = tokens_per_device * model_flops / rate
+    recompute = tokens_per_device * recompute_flops_per_token(cfg, seq_len, layout.recompute) / rate
+
+    micro = layout.grad_accum
+    shard, ef = layout.dp_shard, layout.dp_shard // layout.ep
+    dense = facts.dense / layout.pp
+    experts = facts.experts / layout.pp / layout.ep
+    gather = 2 * micro * (_group_seconds(b * dense, shard, hw) + _group_seconds(b * experts, ef, hw, layout.ep))
+    reduce = _group_seconds(4 * dense, shard, hw) + _group_seconds(4 * experts, ef, hw, layout.ep)
+    replicate = 2 * _group_seconds(4 * facts.stored / layout.pp / shard, layout.dp_replicate, hw, shard)
+    fsdp = gather + reduce + replicate
+
+    layers = cfg.num_hidden_layers // layout.pp + cfg.num_nextn_predict_layers
+    a2a_bytes = 4 * b * layout.micro_batch * seq_len * cfg.num_experts_per_tok * cfg.hidden_size * layers * micro
+    ep = _group_seconds(a2a_bytes, layout.ep, hw)
+
+    busy = compute + recompute
+    hidden = min(busy, assume.fsdp_overlap * fsdp + assume.ep_overlap * ep)
+    exposed = fsdp + ep - hidden
+    bubble = (layout.pp - 1) / layout.grad_accum * busy if layout.pp > 1 else 0.0
+
+    optimizer = 0.0
+    if layout.optimizer == "muon":
+        optimizer += facts.muon_ns_flops / (layout.dp_shard * layout.pp) / rate
+    if layout.offload_optimizer:
+        state = (4 * facts.muon + 8 * facts.adamw) if layout.optimizer == "muon" else 8 * facts.trainable
+        link = hw.host_link_gbps or hw.inter_node_gbps
+        optimizer += 2 * state / (layout.dp_shard * layout.pp) / (link * 1e9)
+    return StepTime(compute=compute, recompute=recompute, fsdp_comm=fsdp, ep_comm=ep, exposed_comm=exposed,
+                    bubble=bubble, optimizer=optimizer)
