@@ -1,0 +1,195 @@
+"""Training checkpoints: exact resume after kill -9 and SIGTERM, verify catches truncation and bit
+flips and --resume auto skips them, export then load_pretrained gives identical logits."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from trex.cli import main
+from trex.data.arithmetic import ArithmeticTask, generate, sft_records
+from trex.data.records import write_jsonl
+from trex.models import load_pretrained
+from trex.recipe import load
+from trex.train.checkpointing import find_resume, list_checkpoints
+from trex.train.ckpt_manifest import verify_checkpoint
+from trex.train.config import TrainRecipe
+from trex.train.loop import train
+
+COMPARED = ("loss", "mtp_loss", "grad_norm", "lr", "loss_scale", "tokens", "eval_loss")
+
+
+@pytest.fixture(scope="module")
+def recipe_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt_data")
+    train_p, held = generate(ArithmeticTask(digits=2, n_train=200, n_eval=20))
+    write_jsonl(d / "sft.jsonl", sft_records(train_p))
+    write_jsonl(d / "held.jsonl", sft_records(held))
+    recipe = d / "recipe.toml"
+    recipe.write_text(f"""
+[data]
+paths = ["{d}/sft.jsonl"]
+tokenizer = "compact"
+seq_len = 32
+micro_batch_size = 2
+[train]
+steps = 20
+progress = false
+eval_every = 5
+[eval]
+paths = ["{d}/held.jsonl"]
+batches = 1
+[optim]
+lr = 3e-3
+[schedule]
+warmup_steps = 3
+[model]
+overrides = {{ sliding_window = 16 }}
+""")
+    return recipe
+
+
+def _trex_train(recipe, out, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trex", "train", str(recipe), "--out", str(out), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _by_step(out) -> dict[int, dict]:
+    """The last metrics line of each step (a resumed run repeats the steps after its checkpoint)."""
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return {r["step"]: {k: r.get(k) for k in COMPARED} for r in rows}
+
+
+def _wait_for(path, proc, timeout=240.0) -> None:
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        assert proc.poll() is None, f"trex train exited ({proc.returncode}) before {path} existed:\n{proc.stdout.read()}"
+        assert time.time() < deadline, f"{path} did not appear within {timeout}s"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def straight_run(recipe_file, tmp_path_factory):
+    """20 steps without interruption and without checkpoints: the reference curve."""
+    out = tmp_path_factory.mktemp("straight")
+    proc = _trex_train(recipe_file, out)
+    assert proc.wait() == 0, proc.stdout.read()
+    return _by_step(out)
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_reproduces_every_step(recipe_file, straight_run, tmp_path):
+    out = tmp_path / "killed"
+    proc = _trex_train(recipe_file, out, "--save-every", "5")
+    _wait_for(out / "checkpoints" / "step_10" / "manifest.json", proc)
+    proc.kill()  # SIGKILL: no handler runs, nothing is flushed
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    saved = [step for step, _ in list_checkpoints(out / "checkpoints")]
+    assert 10 in saved and max(saved) < 20
+
+    resumed = _trex_train(recipe_file, out, "--save-every", "5", "--resume", "auto")
+    assert resumed.wait() == 0, resumed.stdout.read()
+    lines = sum(1 for _ in open(out / "metrics.jsonl"))
+    assert lines > 20  # the resumed run re-ran the steps after its checkpoint, it did not start over or skip
+    assert _by_step(out) == straight_run  # every step, exactly (CPU, fp32)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits_143(recipe_file, straight_run, tmp_path):
+    out = tmp_path / "term"
+    proc = _trex_train(recipe_file, out, "--save-every", "100")
+    _wait_for(out / "metrics.jsonl", proc)
+    while sum(1 for _ in open(out / "metrics.jsonl")) < 3:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143
+    (step, path), = list_checkpoints(out / "checkpoints")
+    assert 3 <= step < 20 and verify_checkpoint(path).ok
+    assert max(_by_step(out)) == step  # it stopped right after the step it saved
+    assert json.loads((out / "summary.json").read_text())["status"] == "terminated"
+
+    resumed = _trex_train(recipe_file, out, "--save-every", "100", "--resume", "auto")
+    assert resumed.wait() == 0, resumed.stdout.read()
+    assert _by_step(out) == straight_run
+
+
+def _recipe(recipe_file, out, *extra):
+    return load(TrainRecipe, str(recipe_file), [f'train.out="{out}"', "train.eval_every=0",
+                                                'eval.paths=[]', *extra])
+
+
+def _flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+@pytest.mark.slow
+def test_verify_catches_truncation_and_a_flipped_byte_and_resume_skips_them(recipe_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    train(_recipe(recipe_file, out, "train.steps=6", "checkpoint.save_every=2"))
+    first = _by_step(out)
+    ckpts = out / "checkpoints"
+    assert [s for s, _ in list_checkpoints(ckpts)] == [2, 4, 6]
+    assert main(["ckpt", "verify", str(ckpts)]) == 0
+
+    shard = "__0_0.distcp"
+    _flip_byte(str(ckpts / "step_6" / shard), os.path.getsize(ckpts / "step_6" / shard) // 2)
+    with open(ckpts / "step_4" / shard, "r+b") as f:
+        f.truncate(os.path.getsize(ckpts / "step_4" / shard) - 100)
+    shutil.copytree(ckpts / "step_2", ckpts / "step_8")
+    os.remove(ckpts / "step_8" / "manifest.json")  # a save that never finished
+
+    assert "sha256 differs" in " ".join(verify_checkpoint(ckpts / "step_6").problems)
+    assert "truncated" in " ".join(verify_checkpoint(ckpts / "step_4").problems)
+    assert "no manifest.json" in " ".join(verify_checkpoint(ckpts / "step_8").problems)
+    capsys.readouterr()
+    assert main(["ckpt", "verify", str(ckpts / "step_6")]) == 1
+    assert "FAILED" in capsys.readouterr().out
+    assert main(["ckpt", "verify", str(ckpts / "step_2")]) == 0
+
+    with pytest.warns(RuntimeWarning, match="skipping checkpoint") as caught:
+        assert find_resume(str(ckpts)) == str(ckpts / "step_2")
+    assert len(caught) == 3  # step_8, step_6, step_4
+
+    with pytest.warns(RuntimeWarning, match="skipping checkpoint"):
+        train(_recipe(recipe_file, out, "train.steps=6", "checkpoint.save_every=2", 'checkpoint.resume="auto"'))
+    assert _by_step(out) == first  # steps 3-6 again from step 2, identical
+    assert verify_checkpoint(ckpts / "step_6").ok  # re-saved over the corrupt one
+
+
+def test_resume_from_a_path_that_does_not_verify_is_an_error(recipe_file, tmp_path):
+    out = tmp_path / "run"
+    train(_recipe(recipe_file, out, "train.steps=3", "checkpoint.save_every=3"))
+    os.remove(out / "checkpoints" / "step_3" / "trainer_state.json")
+    with pytest.raises(ValueError, match="trainer_state.json: missing"):
+        train(_recipe(recipe_file, out, "train.steps=3", f'checkpoint.resume="{out}/checkpoints/step_3"'))
+
+
+def test_export_then_load_pretrained_gives_identical_logits(recipe_file, tmp_path):
+    out = tmp_path / "run"
+    result = train(_recipe(recipe_file, out, "train.steps=3", "checkpoint.save_every=3"))
+    ids = torch.randint(0, result.model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = result.model.eval()(ids).logits
+    biases = [n for n, _ in result.model.named_buffers() if n.endswith("gate.bias")]
+    assert any(result.model.get_buffer(n).abs().sum() > 0 for n in biases)  # the router bias did move
+    for layout in ("hf", "official"):
+        exported = tmp_path / layout
+        assert main(["ckpt", "export", str(out / "checkpoints" / "step_3"), str(exported), "--layout", layout,
+                     "--dtype", "fp32"]) == 0
+        model = load_pretrained(str(exported), dtype=torch.float32)
+        with torch.no_grad():
+            assert torch.equal(model.eval()(ids).logits, want), layout
+        assert all(torch.equal(model.get_buffer(n), result.model.get_buffer(n)) for n in biases), layout
