@@ -161,6 +161,6 @@ def test_shipped_cluster_recipes_load_and_describe_a_consistent_layout(name):
     assert preset.n_routed_experts % p.ep == 0 and p.world_size(p.dp_shard) % p.ep == 0
 
 
-def test_single_process_loop_refuses_a_multi_rank_layout(arithmetic_files, tmp_path):
-    with pytest.raises(ValueError, match="trains on one process"):
+def test_layout_that_does_not_match_the_world_size_is_refused(arithmetic_files, tmp_path):
+    with pytest.raises(ValueError, match=r"dp_shard \(4\) = 4 ranks, but the run has 1"):
         train(_recipe(arithmetic_files, tmp_path / "p", "parallel.dp_shard=4"))

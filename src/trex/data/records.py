@@ -87,9 +87,12 @@ class BadRecordPolicy:
 
 
 def resolve_paths(patterns: list[str], fmt: str = "auto") -> list[tuple[Path, str]]:
-    """Expand files, directories and globs into ``(path, format)`` in a stable order."""
+    """Expand files, directories and globs into ``(path, format)`` in a stable order.
+
+    Environment variables in a pattern are expanded (``/data/$RANK/*.jsonl`` for per-rank data)."""
     out: list[tuple[Path, str]] = []
     for pattern in patterns:
+        pattern = os.path.expandvars(pattern)
         p = Path(pattern)
         if p.is_dir():
             files = sorted(f for f in p.rglob("*") if f.suffix in SUFFIXES and f.is_file())

@@ -585,10 +585,14 @@ class MTPBlock(Block):
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg)
 
-    def forward(self, X: torch.Tensor, next_emb: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
-        """X: [B, S, n, d] previous stream; next_emb: [B, S, d] embedding of the token one ahead."""
+    def forward(self, X: torch.Tensor, next_emb: torch.Tensor, ctx: SeqContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """X: [B, S, n, d] previous stream; next_emb: [B, S, d] embedding of the token one ahead.
+
+        Returns (the module's stream [B, S, n, d], normed hidden state for the shared head [B, S, d]).
+        Every parameter of the module is used here, so it can be one FSDP unit."""
         Z = self.e_proj(self.enorm(next_emb)).unsqueeze(2) + self.h_proj(self.hnorm(X))
-        return super().forward(Z, ctx)
+        Z = super().forward(Z, ctx)
+        return Z, self.norm(self.hc_head(Z))
 
 
 @dataclass
@@ -679,8 +683,8 @@ class DeepseekV4(nn.Module):
         mtp_losses = []
         for j, mtp in enumerate(self.mtp):
             next_ids = F.pad(input_ids[:, j + 1 :], (0, j + 1), value=0)
-            X = mtp(X, self.embed(next_ids), ctx)
-            mtp_logits = self.logits(mtp.norm(mtp.hc_head(X)))
+            X, h = mtp(X, self.embed(next_ids), ctx)
+            mtp_logits = self.logits(h)
             out.mtp_logits.append(mtp_logits)
             if labels is not None:
                 mtp_losses.append(causal_lm_loss(mtp_logits, shift_labels(labels, j + 2, doc_ids)))

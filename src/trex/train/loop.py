@@ -33,6 +33,10 @@ from trex.hardware import profile_for_device_name
 from trex.models import DeepseekV4, build_model, get_preset, load_pretrained
 from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
 from trex.models.flops import flops_per_token
+from trex.parallel.expert_parallel import sync_expert_grads
+from trex.parallel.mesh import Parallel, init_parallel
+from trex.parallel.plan import apply_parallelism
+from trex.parallel.preflight import collective_context, preflight
 from trex.train.checkpointing import Checkpointer, RunState
 from trex.train.config import TrainRecipe
 from trex.train.moe_balance import freeze_indexer, sum_expert_counts, update_router_bias
@@ -109,8 +113,9 @@ def peak_flops(dev: device_layer.Device, policy: PrecisionPolicy) -> tuple[float
 
 
 @torch.no_grad()
-def evaluate_loss(model: DeepseekV4, loader, batches: int, dev: device_layer.Device) -> float:
-    """Token-weighted next-token loss over ``batches`` held-out micro-batches."""
+def evaluate_loss(model: DeepseekV4, loader, batches: int, dev: device_layer.Device,
+                  par: Parallel | None = None) -> float:
+    """Token-weighted next-token loss over ``batches`` held-out micro-batches (of every rank)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -120,19 +125,27 @@ def evaluate_loss(model: DeepseekV4, loader, batches: int, dev: device_layer.Dev
         total += loss_sum(model(b.input_ids, doc_ids=b.doc_ids).logits, targets).item()
         count += _count(targets)
     model.train(was_training)
+    if par is not None and par.distributed:
+        total, count = par.all_reduce_sum(torch.tensor([total, float(count)], dtype=torch.float64)).tolist()
     return total / max(count, 1)
 
 
-def accumulate_gradients(model: DeepseekV4, micro: list, cfg_train, scaler: DynamicLossScaler):
+def accumulate_gradients(model: DeepseekV4, micro: list, cfg_train, scaler: DynamicLossScaler,
+                         par: Parallel | None = None):
     """Forward and backward over the micro-batches of one step; gradients accumulate in .grad.
 
     The LM and MTP cross-entropies are summed over tokens and divided by the number of targets in
-    the whole step (all micro-batches), so any split of a batch gives the same gradient. The
-    balance loss is averaged over micro-batches. Returns (lm loss, mtp loss, MoE stats).
+    the whole step (all micro-batches of all ranks; ranks sum their gradients), so any split of a
+    batch gives the same gradient. The balance loss is averaged over micro-batches and ranks.
+    Returns this rank's share of the (lm loss, mtp loss) and its MoE stats.
     """
+    world = par.world_size if par is not None else 1
     shifts = [1] + [j + 2 for j in range(model.cfg.num_nextn_predict_layers)]
     targets = [[targets_for(b.labels, b.doc_ids, s) for s in shifts] for b in micro]
-    counts = [max(1, sum(_count(t[i]) for t in targets)) for i in range(len(shifts))]
+    counts = torch.tensor([sum(_count(t[i]) for t in targets) for i in range(len(shifts))])
+    if par is not None:
+        counts = par.all_reduce_sum(counts)
+    counts = counts.clamp(min=1).tolist()
     device = micro[0].input_ids.device
     lm_total = torch.zeros((), device=device)
     mtp_total = torch.zeros((), device=device)
@@ -145,7 +158,7 @@ def accumulate_gradients(model: DeepseekV4, micro: list, cfg_train, scaler: Dyna
         loss = lm + cfg_train.mtp_weight * mtp
         balance = [s.balance_loss for s in out.moe_stats if s.balance_loss is not None]
         if balance:
-            loss = loss + cfg_train.balance_alpha * torch.stack(balance).sum() / len(micro)
+            loss = loss + cfg_train.balance_alpha * torch.stack(balance).sum() / (len(micro) * world)
         scaler.scale(loss).backward()
         lm_total += lm.detach()
         mtp_total += mtp.detach()
@@ -158,30 +171,35 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
     """Run ``recipe``; ``model``/``tokenizer`` continue from a previous stage instead of [model]/[data]."""
     t_start = time.perf_counter()
     cfg_train = recipe.train
-    needed = recipe.parallel.world_size(1)
-    if needed != 1 or recipe.parallel.ep != 1:
-        raise ValueError(f"[parallel] describes {needed} data-parallel ranks with ep = {recipe.parallel.ep}; this "
-                         "version of trex trains on one process (set dp_shard = -1, dp_replicate = 1, ep = 1)")
     dev = device_layer.detect(cfg_train.device or None)
     dev.set_current()
-    dev.manual_seed(cfg_train.seed)
+    layout = recipe.parallel
+    par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev)
+    dev.manual_seed(cfg_train.seed)  # the same on every rank: identical initial weights
     policy = PrecisionPolicy.resolve(recipe.precision.dtype, dev)
-    run = RunDir(cfg_train.out)
+    run = RunDir(cfg_train.out, enabled=par.is_main)
     run.save_config(recipe)
 
     tokenizer = tokenizer or tokenizer_for(recipe.data.tokenizer)
     model = model if model is not None else model_for(recipe, tokenizer, dev, policy)
-    model.to(dtype=policy.param_dtype).train()
+    # one process holds parameters in the policy's dtype; sharded runs keep fp32 shards (the master
+    # weights) and let FSDP cast to the compute dtype
+    model.to(dtype=torch.float32 if par.distributed else policy.param_dtype).train()
     frozen = freeze_indexer(model) if cfg_train.freeze_indexer else []
+    experts = apply_parallelism(model, par, policy, layout.activation_checkpointing)
     optimizer = build_optimizer(model, recipe.optim, dev)
-    print(optimizer.describe_groups(), file=sys.stderr)
+    if par.is_main:
+        print(optimizer.describe_groups(), file=sys.stderr)
     scheduler = build_scheduler(optimizer, recipe.schedule, cfg_train.steps)
     guard = StepGuard(recipe.precision.max_consecutive_skips, DynamicLossScaler.from_config(recipe.precision, policy))
-    loader = build_loader(recipe.data, rank=0, world_size=1, tokenizer=tokenizer)
+    loader = build_loader(recipe.data, rank=par.rank, world_size=par.world_size, tokenizer=tokenizer)
     eval_loader = None
     if recipe.eval.paths:
         eval_loader = build_loader(dataclasses.replace(recipe.data, paths=list(recipe.eval.paths), shuffle=False),
-                                   rank=0, world_size=1, tokenizer=tokenizer)
+                                   rank=par.rank, world_size=par.world_size, tokenizer=tokenizer)
+    preflight(par, {"steps": cfg_train.steps, "grad_accum": cfg_train.grad_accum,
+                    "micro_batches_per_epoch": loader.micro_batches_per_epoch, "data": loader.fingerprint,
+                    "eval_micro_batches": eval_loader.micro_batches_per_epoch if eval_loader else 0})
     params = [p for p in model.parameters() if p.requires_grad]
     flops = flops_per_token(model.cfg, recipe.data.seq_len).total
     peak, peak_source = peak_flops(dev, policy)
@@ -194,7 +212,7 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
 
     status, events, last, evals = "completed", [], {}, {}
     tokens_seen = resumed.loop.get("tokens", 0) if resumed else 0
-    progress = StepProgress(cfg_train.steps, enabled=cfg_train.progress)
+    progress = StepProgress(cfg_train.steps, enabled=cfg_train.progress and par.is_main)
     ckpt.install_signal_handlers()
     try:
         for step in range(resumed.step if resumed else 0, cfg_train.steps):
@@ -202,16 +220,24 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
             t0 = time.perf_counter()
             dev.reset_peak_memory()
             micro = [next(loader).to(dev.torch_device) for _ in range(cfg_train.grad_accum)]
-            lm_total, mtp_total, stats = accumulate_gradients(model, micro, cfg_train, guard.scaler)
-
-            guard.scaler.unscale_(params)
-            fidelity.record_grad_norms(step + 1, model)  # unscaled, before clipping
-            grad_norm = clip_grad_norm(params, recipe.optim.grad_clip)
+            with collective_context(par, step, "forward/backward (FSDP all-gather/reduce-scatter, MoE all-to-all)"):
+                lm_total, mtp_total, stats = accumulate_gradients(model, micro, cfg_train, guard.scaler, par)
+            with collective_context(par, step, "gradient sync, norm and loss all-reduce"):
+                if experts:
+                    sync_expert_grads(experts, par.expert_replica_mesh)
+                guard.scaler.unscale_(params)
+                fidelity.record_grad_norms(step + 1, model)  # unscaled, before clipping
+                grad_norm = clip_grad_norm(params, recipe.optim.grad_clip)
+                step_tokens = sum(b.n_tokens for b in micro)
+                totals = par.all_reduce_sum(torch.stack([lm_total, mtp_total, lm_total.new_tensor(step_tokens)]))
+                lm_total, mtp_total, step_tokens = totals[0], totals[1], int(totals[2])
             applied = guard.check(lm_total, grad_norm, step)
             if applied:
-                optimizer.step()
-                loads = update_router_bias(model, stats, cfg_train.bias_gamma) if cfg_train.bias_gamma \
-                    else sum_expert_counts(stats)
+                with collective_context(par, step, "optimizer step (Muon gathers) and router-bias all-reduce"):
+                    optimizer.step()
+                    reduce = par.all_reduce_sum if par.distributed else None
+                    loads = update_router_bias(model, stats, cfg_train.bias_gamma, reduce) if cfg_train.bias_gamma \
+                        else sum_expert_counts(stats)
             else:
                 events.append(guard.last_reason)
                 loads = sum_expert_counts(stats)
@@ -223,19 +249,19 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
 
             dev.synchronize()
             dt = time.perf_counter() - t0
-            step_tokens = sum(b.n_tokens for b in micro)
             tokens_seen += step_tokens
             imbalance = {k: (v.max() / v.mean().clamp(min=1e-9)).item() for k, v in loads.items()}
             last = {
                 "loss": lm_total.item(), "mtp_loss": mtp_total.item(), "grad_norm": grad_norm.item(), "lr": lr,
-                "tokens_per_s": step_tokens / dt, "mfu": (step_tokens / dt * flops / peak) if peak else None,
+                "tokens_per_s": step_tokens / dt,
+                "mfu": (step_tokens / dt * flops / (peak * par.world_size)) if peak else None,
                 "mem_peak_bytes": dev.max_memory_allocated(), "loss_scale": guard.scaler.scale_value,
                 "skipped_steps": guard.skipped_total, "expert_imbalance_max": max(imbalance.values(), default=1.0),
                 "step_time_s": dt, "tokens": tokens_seen,
             }
             eval_now = eval_loader is not None and cfg_train.eval_every and (step + 1) % cfg_train.eval_every == 0
             if eval_now:
-                last["eval_loss"] = evals[step + 1] = evaluate_loss(model, eval_loader, recipe.eval.batches, dev)
+                last["eval_loss"] = evals[step + 1] = evaluate_loss(model, eval_loader, recipe.eval.batches, dev, par)
             if (step + 1) % cfg_train.log_every == 0 or step + 1 == cfg_train.steps or eval_now:
                 run.log(step + 1, last, {f"expert_imbalance/{k}": v for k, v in imbalance.items()})
             fidelity.record_probe(step + 1, model)  # the fixed probe batch after the update
@@ -256,7 +282,7 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
         ckpt.close()
 
     if eval_loader is not None and status == "completed":
-        evals["final"] = evaluate_loss(model, eval_loader, recipe.eval.batches, dev)
+        evals["final"] = evaluate_loss(model, eval_loader, recipe.eval.batches, dev, par)
     summary = {
         "status": status,
         "steps_completed": scheduler.last_epoch,
@@ -273,6 +299,8 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
         "flops_per_token": flops,
         "peak_flops": peak,
         "peak_flops_source": peak_source,
+        "parallel": {"world_size": par.world_size, "dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard,
+                     "ep": par.ep, "activation_checkpointing": layout.activation_checkpointing},
     }
     run.write_summary(summary)
     run.plot_loss()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch import nn
 
 from trex import device as trex_device
@@ -293,11 +294,25 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _muon_update(group: dict, i: int, p: torch.Tensor, state: dict) -> torch.Tensor:
+        """The momentum is updated shard-locally; the orthogonalization sees each logical matrix whole:
+        a sharded 2-D parameter is gathered, and a stack of experts sharded on dim 0 already holds
+        whole matrices. The result is re-sharded like the parameter."""
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-        return muon_update(p.grad, state["momentum_buffer"], group["row_blocks"][i], mu=group["momentum"],
-                           nesterov=group["nesterov"], update_rms=group["update_rms"], schedule=group["ns_schedule"],
-                           ns_dtype=NS_DTYPES[group["ns_dtype"]])
+        direction = momentum_direction(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
+
+        def orthogonalize(d: torch.Tensor) -> torch.Tensor:
+            return orthogonalized_update(d, group["row_blocks"][i], group["update_rms"], group["ns_schedule"],
+                                         NS_DTYPES[group["ns_dtype"]])
+
+        if not isinstance(direction, DTensor):
+            return orthogonalize(direction)
+        if direction.dim() > 2 and all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0)
+                                       for pl in direction.placements):
+            return DTensor.from_local(orthogonalize(direction.to_local()), direction.device_mesh,
+                                      direction.placements, shape=direction.shape, stride=direction.stride())
+        full = orthogonalize(direction.full_tensor())
+        return distribute_tensor(full, direction.device_mesh, direction.placements, src_data_rank=None)
 
     @staticmethod
     def _adamw_update(group: dict, p: torch.Tensor, state: dict) -> torch.Tensor:
@@ -382,13 +397,21 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, dev: trex_device.Device 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Scale gradients so their global L2 norm is at most ``max_norm`` (0: measure only).
 
-    Returns the norm before clipping as a 0-d tensor (non-finite if any gradient is). Uses
-    ``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm``, which also reduce DTensor gradients
-    across their mesh, so every rank sees the same global norm.
+    Returns the norm before clipping as a 0-d tensor (non-finite if any gradient is). Sharded
+    (DTensor) gradients contribute their full norm, whatever mesh they live on (FSDP shards and
+    expert-parallel shards mix), so every rank sees the same global norm.
     """
-    params = [p for p in params if p.grad is not None]
-    if not params:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
         return torch.zeros(())
+    squares = []
+    for g in grads:
+        norm = torch.linalg.vector_norm(g.float())
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = torch.stack(squares).sum().sqrt()
     if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return torch.nn.utils.get_total_norm([p.grad for p in params])
+        coef = min(1.0, max_norm / (float(total) + 1e-6))  # one host sync; nan stays nan and skips the step
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+    return total

@@ -1,0 +1,85 @@
+"""Process group and device mesh from the recipe's [parallel] section.
+
+Ranks form a 3-D mesh ("dp_replicate", "efsdp", "ep"): every rank is data parallel (it reads its own
+micro-batches); parameters are sharded over the flattened ("efsdp", "ep") = "dp_shard" dimension
+(FSDP2, replicated over "dp_replicate" as HSDP); routed experts are split over "ep" and replicated
+over ("dp_replicate", "efsdp"), whose gradients are summed with an all-reduce.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from trex import device as device_layer
+
+
+@dataclass
+class Parallel:
+    """This process's place in the run. ``mesh`` is None for a single process."""
+
+    rank: int = 0
+    world_size: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    ep: int = 1
+    mesh: DeviceMesh | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """2-D (dp_replicate, dp_shard) mesh for FSDP2 (HSDP when dp_replicate > 1)."""
+        return self.mesh["dp_replicate", "dp_shard"]
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        return self.mesh["ep"]
+
+    @property
+    def expert_replica_mesh(self) -> DeviceMesh:
+        """Ranks holding the same experts (same ep coordinate): their expert gradients are summed."""
+        return self.mesh["expert_replica"]
+
+    def all_reduce_sum(self, tensor):
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+
+def resolve_layout(dp_replicate: int, dp_shard: int, ep: int, world_size: int) -> tuple[int, int, int]:
+    """Check the layout against the world size; dp_shard = -1 takes the ranks dp_replicate leaves."""
+    if world_size % dp_replicate:
+        raise ValueError(f"parallel.dp_replicate = {dp_replicate} does not divide the world size {world_size}")
+    shard = world_size // dp_replicate if dp_shard == -1 else dp_shard
+    if dp_replicate * shard != world_size:
+        raise ValueError(f"parallel: dp_replicate ({dp_replicate}) x dp_shard ({shard}) = {dp_replicate * shard} "
+                         f"ranks, but the run has {world_size} (torchrun --nproc-per-node x --nnodes)")
+    if shard % ep:
+        raise ValueError(f"parallel.ep = {ep} must divide dp_shard = {shard}")
+    return dp_replicate, shard, ep
+
+
+def init_parallel(dp_replicate: int, dp_shard: int, ep: int, timeout_s: int,
+                  dev: device_layer.Device, world_size: int | None = None) -> Parallel:
+    """Join the process group (torchrun's environment) and build the mesh; a no-op for one process."""
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    replicate, shard, ep = resolve_layout(dp_replicate, dp_shard, ep, world_size)
+    if world_size == 1:
+        return Parallel()
+    if not dist.is_initialized():
+        dist.init_process_group(backend=dev.backend(), timeout=timedelta(seconds=timeout_s))
+    mesh = init_device_mesh(dev.type, (replicate, shard // ep, ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+    mesh["efsdp", "ep"]._flatten("dp_shard")
+    mesh["dp_replicate", "efsdp"]._flatten("expert_replica")
+    return Parallel(dist.get_rank(), world_size, replicate, shard, ep, mesh)
