@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from trex import kernels
 from trex.models.deepseek_v4 import Experts, clamped_swiglu
@@ -74,14 +74,3 @@ def shard_experts(model: nn.Module, ep_mesh) -> list[nn.Parameter]:
                 setattr(child, name, sharded)
                 params.append(sharded)
     return params
-
-
-def sync_expert_grads(params: list[nn.Parameter], replica_mesh) -> None:
-    """Sum expert gradients over the ranks that hold the same experts (same ep coordinate)."""
-    if replica_mesh.size() == 1:
-        return
-    group = replica_mesh.get_group()
-    for p in params:
-        if p.grad is not None:
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)

@@ -2,8 +2,8 @@
 
 Ranks form a 3-D mesh ("dp_replicate", "efsdp", "ep"): every rank is data parallel (it reads its own
 micro-batches); parameters are sharded over the flattened ("efsdp", "ep") = "dp_shard" dimension
-(FSDP2, replicated over "dp_replicate" as HSDP); routed experts are split over "ep" and replicated
-over ("dp_replicate", "efsdp"), whose gradients are summed with an all-reduce.
+(FSDP2, replicated over "dp_replicate" as HSDP); routed experts are split over "ep" and their
+shards are FSDP-sharded again over ("dp_replicate", "efsdp"), the ranks that hold the same experts.
 """
 
 from __future__ import annotations
@@ -46,11 +46,6 @@ class Parallel:
     def ep_mesh(self) -> DeviceMesh:
         return self.mesh["ep"]
 
-    @property
-    def expert_replica_mesh(self) -> DeviceMesh:
-        """Ranks holding the same experts (same ep coordinate): their expert gradients are summed."""
-        return self.mesh["expert_replica"]
-
     def all_reduce_sum(self, tensor):
         if self.distributed:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
@@ -81,5 +76,4 @@ def init_parallel(dp_replicate: int, dp_shard: int, ep: int, timeout_s: int,
         dist.init_process_group(backend=dev.backend(), timeout=timedelta(seconds=timeout_s))
     mesh = init_device_mesh(dev.type, (replicate, shard // ep, ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
     mesh["efsdp", "ep"]._flatten("dp_shard")
-    mesh["dp_replicate", "efsdp"]._flatten("expert_replica")
     return Parallel(dist.get_rank(), world_size, replicate, shard, ep, mesh)

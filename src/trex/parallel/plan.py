@@ -43,16 +43,18 @@ def apply_activation_checkpointing(model: DeepseekV4, mode: str) -> None:
 
 def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
                       activation_checkpointing: str = "none") -> list[nn.Parameter]:
-    """Returns the expert-parallel parameters (their gradients need ``sync_expert_grads``)."""
+    """Returns the expert-parallel parameters."""
     apply_activation_checkpointing(model, activation_checkpointing)
     if not par.distributed:
         return []
-    experts = shard_experts(model, par.ep_mesh) if par.ep > 1 else []
-    ignored = set(experts)
     mp = MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=policy.reduce_dtype)
+    experts = shard_experts(model, par.ep_mesh) if par.ep > 1 else []
+    if experts:  # expert shards are further sharded over the ranks that hold the same experts
+        for block in [*model.layers, *model.mtp]:
+            fully_shard(block.ffn.experts, mesh=par.mesh["dp_replicate", "efsdp"], mp_policy=mp)
     for block in [*model.layers, *model.mtp]:
-        fully_shard(block, mesh=par.dp_mesh, mp_policy=mp, ignored_params=ignored)
-    fully_shard(model, mesh=par.dp_mesh, mp_policy=mp, ignored_params=ignored)
+        fully_shard(block, mesh=par.dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=par.dp_mesh, mp_policy=mp)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

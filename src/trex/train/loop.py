@@ -33,7 +33,6 @@ from trex.hardware import profile_for_device_name
 from trex.models import DeepseekV4, build_model, get_preset, load_pretrained
 from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
 from trex.models.flops import flops_per_token
-from trex.parallel.expert_parallel import sync_expert_grads
 from trex.parallel.mesh import Parallel, init_parallel
 from trex.parallel.plan import apply_parallelism
 from trex.parallel.preflight import collective_context, preflight
@@ -186,7 +185,7 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
     # weights) and let FSDP cast to the compute dtype
     model.to(dtype=torch.float32 if par.distributed else policy.param_dtype).train()
     frozen = freeze_indexer(model) if cfg_train.freeze_indexer else []
-    experts = apply_parallelism(model, par, policy, layout.activation_checkpointing)
+    apply_parallelism(model, par, policy, layout.activation_checkpointing)
     optimizer = build_optimizer(model, recipe.optim, dev)
     if par.is_main:
         print(optimizer.describe_groups(), file=sys.stderr)
@@ -223,8 +222,6 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
             with collective_context(par, step, "forward/backward (FSDP all-gather/reduce-scatter, MoE all-to-all)"):
                 lm_total, mtp_total, stats = accumulate_gradients(model, micro, cfg_train, guard.scaler, par)
             with collective_context(par, step, "gradient sync, norm and loss all-reduce"):
-                if experts:
-                    sync_expert_grads(experts, par.expert_replica_mesh)
                 guard.scaler.unscale_(params)
                 fidelity.record_grad_norms(step + 1, model)  # unscaled, before clipping
                 grad_norm = clip_grad_norm(params, recipe.optim.grad_clip)
