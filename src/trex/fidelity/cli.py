@@ -1,0 +1,104 @@
+"""`trex fidelity compare | export | matrix | profiles`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser("fidelity", help="convergence fidelity: compare a run with a reference, golden files, matrix")
+    fid = p.add_subparsers(dest="fidelity_command", required=True, metavar="WHAT")
+
+    c = fid.add_parser("compare", help="does RUN converge like REFERENCE? exit 0 PASS, 1 FAIL, 2 bad input")
+    c.add_argument("run", help="run directory (or golden file)")
+    c.add_argument("reference", help="run directory or golden reference file")
+    c.add_argument("--profile", default="layout", help="bitwise | layout | precision | vendor (default: layout)")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="MEASURE=VALUE",
+                   help="override one threshold of the profile (VALUE or off); repeatable")
+    c.add_argument("--metric", default="loss", help="the metrics.jsonl curve to compare (default: loss)")
+    c.add_argument("--prefix", action="store_true", help="the run may stop before the reference ends")
+    c.add_argument("--out", help="report directory (default: RUN/fidelity, or ./fidelity-report for a file)")
+    c.add_argument("--format", choices=("text", "json"), default="text")
+    c.set_defaults(func=_compare)
+
+    e = fid.add_parser("export", help="store a run as a golden reference file")
+    e.add_argument("run", help="run directory")
+    e.add_argument("out", help="golden file to write (JSON)")
+    e.set_defaults(func=_export)
+
+    m = fid.add_parser("matrix", help="run a recipe's variants against its fp32 single-process control")
+    m.add_argument("recipe", help="recipe TOML file")
+    m.add_argument("--out", default="runs/fidelity-matrix", help="matrix directory (runs and report)")
+    m.add_argument("--steps", type=int, help="optimizer steps of every variant (default: the recipe's)")
+    m.add_argument("--only", action="append", default=[], metavar="VARIANT", help="run only these variants")
+    m.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a recipe value for every variant; repeatable")
+    m.set_defaults(func=_matrix)
+
+    pr = fid.add_parser("profiles", help="print the tolerance profiles, their thresholds and rationale")
+    pr.set_defaults(func=_profiles)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from trex.fidelity.compare import compare
+    from trex.fidelity.profiles import get_profile, parse_overrides
+    from trex.fidelity.report import table, write_all
+    from trex.fidelity.runs import load_signals
+
+    try:
+        profile = get_profile(args.profile).with_overrides(parse_overrides(args.overrides))
+        run, ref = load_signals(args.run), load_signals(args.reference)
+        result = compare(run, ref, profile, metric=args.metric, allow_prefix=args.prefix)
+    except ValueError as e:
+        print(f"trex fidelity compare: {e}", file=sys.stderr)
+        return 2
+    out = args.out or (os.path.join(args.run, "fidelity") if os.path.isdir(args.run) else "fidelity-report")
+    ref_name = os.path.splitext(os.path.basename(os.path.normpath(args.reference)))[0]
+    paths = write_all(result, out, f"{profile.name}_vs_{ref_name}")
+    if args.format == "json":
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(table(result))
+        print(f"report: {paths['json']}  plot: {paths['png']}")
+    return 0 if result.passed else 1
+
+
+def _export(args: argparse.Namespace) -> int:
+    from trex.fidelity.golden import export
+
+    try:
+        golden = export(args.run, args.out)
+    except ValueError as e:
+        print(f"trex fidelity export: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.out}: {len(golden['metrics'])} metric steps, {len(golden['grad_norms'])} grad-norm records, "
+          f"{len(golden['probe'])} probe records ({os.path.getsize(args.out) / 1024:.0f} KiB)")
+    return 0
+
+
+def _matrix(args: argparse.Namespace) -> int:
+    from trex.fidelity.matrix import run_matrix
+    from trex.recipe import RecipeError
+
+    try:
+        report = run_matrix(args.recipe, args.out, steps=args.steps, only=args.only, overrides=args.overrides)
+    except (RecipeError, ValueError) as e:
+        print(f"trex fidelity matrix: {e}", file=sys.stderr)
+        return 2
+    return 0 if report["verdict"] == "PASS" else 1
+
+
+def _profiles(args: argparse.Namespace) -> int:
+    from trex.fidelity.profiles import MEASURES, PROFILES
+
+    for profile in PROFILES.values():
+        print(f"== {profile.name}: {profile.use}")
+        print(f"   {profile.rationale}")
+        for measure in MEASURES:
+            value = profile.thresholds.get(measure)
+            print(f"   {measure:<26} {'off' if value is None else f'{value:g}':>8}")
+        print(f"   EMA weight {profile.ema:g}\n")
+    return 0

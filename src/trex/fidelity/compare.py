@@ -1,0 +1,226 @@
+"""Compare a run with its reference: align steps, measure, check each measure against a profile.
+
+    result = compare(load_signals("runs/x"), load_signals("fidelity/golden/default_cpu_fp32.json"),
+                     get_profile("layout"))
+    result.passed, result.checks, result.to_dict()
+
+Relative errors divide by the reference value. The probe KL is computed on the reference's top-k
+next-token probabilities plus one remainder bucket (1 - their sum); a reference token missing from
+the run's top-k is given the run's k-th probability, an upper bound, so the KL is then a lower
+bound (the top-1 agreement is reported next to it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from trex.fidelity.profiles import MEASURES, Profile
+from trex.fidelity.runs import FidelityInputError, RunSignals, check_reference
+
+_TINY = 1e-12
+
+
+@dataclass
+class Check:
+    measure: str
+    value: float | None
+    """None: the data to measure it is missing."""
+    threshold: float | None
+    """None: the check is off."""
+    detail: str = ""
+
+    @property
+    def status(self) -> str:
+        if self.threshold is None:
+            return "off"
+        if self.value is None:
+            return "FAIL"
+        return "PASS" if self.value <= self.threshold else "FAIL"
+
+
+@dataclass
+class Comparison:
+    run: str
+    reference: str
+    profile: Profile
+    metric: str
+    steps: list[int]
+    """Steps both logged, ascending."""
+    missing_in_run: list[int]
+    not_reached: list[int]
+    """Reference steps after the run's last step."""
+    first_step_outside_band: int | None
+    checks: list[Check]
+    layer_errors: dict[str, float] = field(default_factory=dict)
+    curves: dict[str, list[float]] = field(default_factory=dict)
+    """ref, run, ema_ref, ema_run, rel_err: per aligned step (for the plot)."""
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    probe_top1_agreement: float | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(c.status != "FAIL" for c in self.checks)
+
+    @property
+    def verdict(self) -> str:
+        return "PASS" if self.passed else "FAIL"
+
+    def to_dict(self) -> dict:
+        return {
+            "verdict": self.verdict, "run": self.run, "reference": self.reference, "metric": self.metric,
+            "profile": {"name": self.profile.name, "ema": self.profile.ema, "thresholds": self.profile.thresholds,
+                        "rationale": self.profile.rationale},
+            "steps": {"aligned": len(self.steps), "first": self.steps[0], "last": self.steps[-1],
+                      "missing_in_run": self.missing_in_run, "not_reached": self.not_reached},
+            "first_step_outside_band": self.first_step_outside_band,
+            "checks": [{"measure": c.measure, "value": c.value, "threshold": c.threshold, "status": c.status,
+                        "detail": c.detail, "meaning": MEASURES[c.measure]} for c in self.checks],
+            "layer_grad_norm_rel_err": self.layer_errors,
+            "probe_top1_agreement": self.probe_top1_agreement,
+            "counts": self.counts,
+            "curves": {"steps": self.steps, **self.curves},
+        }
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), _TINY)
+
+
+def _ema(values: list[float], weight: float) -> list[float]:
+    """EMA with ``weight`` on the newest value; a non-finite value holds the previous average."""
+    out, avg = [], None
+    for v in values:
+        if math.isfinite(v):
+            avg = v if avg is None else avg + weight * (v - avg)
+        out.append(avg if avg is not None else math.nan)
+    return out
+
+
+def _skipped(signals: RunSignals) -> int:
+    last = signals.metrics[signals.steps[-1]]
+    return int(last.get("skipped_steps", signals.summary.get("skipped_steps", 0)) or 0)
+
+
+def _layer_errors(run: RunSignals, ref: RunSignals) -> dict[str, float] | None:
+    steps = sorted(set(run.grad_norms) & set(ref.grad_norms))
+    if not steps:
+        return None
+    errors: dict[str, list[float]] = {}
+    for step in steps:
+        a, b = run.grad_norms[step], ref.grad_norms[step]
+        if set(a) != set(b):
+            raise FidelityInputError(
+                f"per-layer gradient norms at step {step} cover different layer groups: only in {run.source}: "
+                f"{sorted(set(a) - set(b))[:6]}, only in {ref.source}: {sorted(set(b) - set(a))[:6]} "
+                "(different models?)")
+        for group, ref_norm in b.items():
+            errors.setdefault(group, []).append(_rel(a[group], ref_norm) if math.isfinite(a[group]) else math.inf)
+    return {g: sum(e) / len(e) for g, e in errors.items()}
+
+
+def position_kl(ref_ids: list[int], ref_logp: list[float], run_ids: list[int], run_logp: list[float]) -> float:
+    """KL(ref || run) over the reference's top-k tokens plus a remainder bucket (see module docstring)."""
+    run_map = dict(zip(run_ids, run_logp))
+    floor = min(run_logp)
+    kl, p_sum, q_sum = 0.0, 0.0, 0.0
+    for token, lp in zip(ref_ids, ref_logp):
+        lq = run_map.get(token, floor)
+        p = math.exp(lp)
+        kl += p * (lp - lq)
+        p_sum += p
+        q_sum += math.exp(lq)
+    rest_p, rest_q = max(1.0 - p_sum, _TINY), max(1.0 - q_sum, _TINY)
+    return kl + rest_p * math.log(rest_p / rest_q)
+
+
+def _probe(run: RunSignals, ref: RunSignals) -> tuple[float, float, float] | None:
+    """(max mean KL, max probe-loss relative error, top-1 agreement) over common probe steps."""
+    steps = sorted(set(run.probe) & set(ref.probe))
+    if not steps:
+        return None
+    kls, loss_errors, agree, total = [], [], 0, 0
+    for step in steps:
+        a, b = run.probe[step], ref.probe[step]
+        if a.get("positions") != b.get("positions"):
+            raise FidelityInputError(f"probe positions at step {step} differ between {run.source} and {ref.source}: "
+                                     "the runs used different probe data or [fidelity] settings")
+        per_position = [position_kl(ri, rl, ui, ul) for ri, rl, ui, ul in zip(b["ids"], b["logprobs"], a["ids"],
+                                                                             a["logprobs"])]
+        kls.append(sum(per_position) / max(1, len(per_position)))
+        loss_errors.append(_rel(a["loss"], b["loss"]) if math.isfinite(a["loss"]) else math.inf)
+        agree += sum(ri[0] == ui[0] for ri, ui in zip(b["ids"], a["ids"]))
+        total += len(b["ids"])
+    return max(kls), max(loss_errors), agree / max(1, total)
+
+
+def compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str = "loss",
+            allow_prefix: bool = False) -> Comparison:
+    """Measure ``run`` against ``ref`` and check every measure against ``profile``.
+
+    ``allow_prefix``: the run may stop before the reference (a short re-run of a longer golden run);
+    only the reference steps up to the run's last step must be present.
+    """
+    for signals in (run, ref):
+        if metric not in signals.metric_names():
+            raise FidelityInputError(f"{signals.source} logs no `{metric}`; run metrics: {run.metric_names()}, "
+                                     f"reference metrics: {ref.metric_names()}")
+    check_reference(ref, metric)
+    run_series, ref_series = run.series(metric), ref.series(metric)
+    steps = sorted(set(run_series) & set(ref_series))
+    if not steps:
+        raise FidelityInputError(f"no common steps: {run.source} logs steps {run.steps[0]}..{run.steps[-1]}, "
+                                 f"{ref.source} logs {ref.steps[0]}..{ref.steps[-1]}")
+    last_run = max(run_series)
+    missing = [s for s in ref_series if s <= last_run and s not in run_series]
+    not_reached = [s for s in ref_series if s > last_run]
+    t = profile.thresholds
+
+    a = [run_series[s] for s in steps]
+    b = [ref_series[s] for s in steps]
+    finite = [(x, y) for x, y in zip(a, b) if math.isfinite(x)]
+    rel = [_rel(x, y) if math.isfinite(x) else math.nan for x, y in zip(a, b)]
+    ema_a, ema_b = _ema(a, profile.ema), _ema(b, profile.ema)
+    band = [_rel(x, y) if math.isfinite(x) and math.isfinite(y) else math.inf for x, y in zip(ema_a, ema_b)]
+    band_limit = t.get("loss_band_rel")
+    outside = [s for s, dev in zip(steps, band) if band_limit is not None and dev > band_limit]
+    nonfinite = sum(not math.isfinite(v) for v in run_series.values())
+
+    checks = [
+        Check("missing_steps", float(len(missing) + (0 if allow_prefix else len(not_reached))),
+              t.get("missing_steps"), f"{len(missing)} missing inside the run, {len(not_reached)} after its end"
+              + (" (prefix run)" if allow_prefix else "")),
+        Check("loss_mean_rel_err", sum(_rel(x, y) for x, y in finite) / len(finite) if finite else None,
+              t.get("loss_mean_rel_err"), f"over {len(finite)} steps"),
+        Check("loss_band_rel", max(band), band_limit,
+              f"EMA weight {profile.ema}; first step outside: {outside[0] if outside else 'none'}"),
+        Check("final_loss_rel_delta", rel[-1] if math.isfinite(rel[-1]) else None, t.get("final_loss_rel_delta"),
+              f"step {steps[-1]}: run {a[-1]:.6g}, reference {b[-1]:.6g}"),
+    ]
+    gn_run, gn_ref = run.series("grad_norm"), ref.series("grad_norm")
+    gn_steps = [s for s in steps if s in gn_run and s in gn_ref and math.isfinite(gn_run[s])]
+    checks.append(Check("grad_norm_mean_rel_err",
+                        sum(_rel(gn_run[s], gn_ref[s]) for s in gn_steps) / len(gn_steps) if gn_steps else None,
+                        t.get("grad_norm_mean_rel_err"),
+                        f"over {len(gn_steps)} steps" if gn_steps else "no common grad_norm steps"))
+    layers = _layer_errors(run, ref)
+    worst = max(layers, key=layers.get) if layers else None
+    checks.append(Check("layer_grad_norm_rel_err", layers[worst] if layers else None,
+                        t.get("layer_grad_norm_rel_err"),
+                        f"worst group {worst}" if layers else "no common grad_norms.jsonl steps ([fidelity] every)"))
+    probe = _probe(run, ref)
+    checks.append(Check("probe_kl", probe[0] if probe else None, t.get("probe_kl"),
+                        f"top-1 agreement {probe[2]:.1%}" if probe else "no common probe.jsonl steps"))
+    checks.append(Check("probe_loss_rel_err", probe[1] if probe else None, t.get("probe_loss_rel_err")))
+    counts = {"run": {"nonfinite_losses": nonfinite, "skipped_steps": _skipped(run)},
+              "reference": {"nonfinite_losses": 0, "skipped_steps": _skipped(ref)}}
+    checks.append(Check("nonfinite_losses", float(nonfinite), t.get("nonfinite_losses")))
+    checks.append(Check("extra_skipped_steps", float(counts["run"]["skipped_steps"] - counts["reference"]["skipped_steps"]),
+                        t.get("extra_skipped_steps"),
+                        f"run {counts['run']['skipped_steps']}, reference {counts['reference']['skipped_steps']}"))
+    return Comparison(run=run.source, reference=ref.source, profile=profile, metric=metric, steps=steps,
+                      missing_in_run=missing, not_reached=not_reached,
+                      first_step_outside_band=outside[0] if outside else None, checks=checks,
+                      layer_errors=layers or {},
+                      curves={"ref": b, "run": a, "ema_ref": ema_b, "ema_run": ema_a, "rel_err": rel},
+                      counts=counts, probe_top1_agreement=probe[2] if probe else None)

@@ -1,0 +1,229 @@
+"""Fidelity comparison without training: measures, verdicts, profiles and bad input, on small
+synthetic runs written as run directories and golden files."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from trex.cli import main
+from trex.fidelity.compare import compare, position_kl
+from trex.fidelity.golden import export
+from trex.fidelity.profiles import PROFILES, get_profile, parse_overrides
+from trex.fidelity.runs import FidelityInputError, load_signals
+from trex.fidelity.signals import layer_group
+
+GROUPS = ("embed", "layers.0.attn", "layers.0.ffn", "head")
+
+
+def _probe(step, shift=0.0):
+    logp = [math.log(p) for p in (0.5, 0.2, 0.1)]
+    return {"step": step, "loss": 2.0 - 0.01 * step + shift, "tokens": 10, "positions": [[0, 0, 3], [0, 1, 5]],
+            "ids": [[4, 7, 1], [2, 3, 9]], "logprobs": [logp, [v + shift for v in logp]]}
+
+
+def write_run(path, losses, grad_scale=1.0, layer_scale=None, probe_shift=0.0, every=2, skipped=0):
+    """A run directory: loss per step, grad norms, per-layer norms and probe records every ``every`` steps."""
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "metrics.jsonl", "w") as f:
+        for i, loss in enumerate(losses, start=1):
+            f.write(json.dumps({"step": i, "loss": loss, "grad_norm": grad_scale * (1 + 1 / i),
+                                "skipped_steps": skipped}) + "\n")
+    layer_scale = layer_scale or {}
+    with open(path / "grad_norms.jsonl", "w") as f, open(path / "probe.jsonl", "w") as g:
+        for step in range(every, len(losses) + 1, every):
+            norms = {name: layer_scale.get(name, 1.0) * (i + 1) / step for i, name in enumerate(GROUPS)}
+            f.write(json.dumps({"step": step, "norms": norms}) + "\n")
+            g.write(json.dumps(_probe(step, probe_shift)) + "\n")
+    return path
+
+
+CURVE = [3.0 * 0.97 ** i + 0.5 for i in range(20)]
+
+
+def test_identical_runs_pass_every_profile_with_zero_error(tmp_path):
+    ref = load_signals(str(write_run(tmp_path / "ref", CURVE)))
+    run = load_signals(str(write_run(tmp_path / "run", CURVE)))
+    for profile in PROFILES.values():
+        result = compare(run, ref, profile)
+        assert result.passed, (profile.name, [(c.measure, c.value) for c in result.checks])
+    values = {c.measure: c.value for c in compare(run, ref, get_profile("bitwise")).checks}
+    assert values["loss_mean_rel_err"] == 0 and values["probe_kl"] == 0 and values["layer_grad_norm_rel_err"] == 0
+
+
+def test_loss_measures_match_their_definition(tmp_path):
+    noisy = [v * (1 + (0.01 if i % 2 else -0.01)) for i, v in enumerate(CURVE)]
+    ref = load_signals(str(write_run(tmp_path / "ref", CURVE)))
+    run = load_signals(str(write_run(tmp_path / "run", noisy)))
+    result = compare(run, ref, get_profile("vendor"))
+    values = {c.measure: c.value for c in result.checks}
+    assert values["loss_mean_rel_err"] == pytest.approx(0.01, rel=1e-9)
+    assert values["final_loss_rel_delta"] == pytest.approx(0.01, rel=1e-9)
+    assert values["loss_band_rel"] == pytest.approx(0.01)  # step 1: the EMA starts at the raw value
+    late = abs(result.curves["ema_run"][-1] / result.curves["ema_ref"][-1] - 1)
+    assert late < 0.005  # then smoothing averages the alternating error out
+    assert result.passed
+    assert not compare(run, ref, get_profile("layout")).passed  # 1% is far outside a layout change
+
+
+def test_drift_gives_the_first_step_outside_the_band(tmp_path):
+    drift = [v * (1 + 0.01 * max(0, i - 9)) for i, v in enumerate(CURVE)]  # starts drifting after step 10
+    ref = load_signals(str(write_run(tmp_path / "ref", CURVE)))
+    run = load_signals(str(write_run(tmp_path / "run", drift)))
+    profile = get_profile("precision").with_overrides({"loss_band_rel": 0.03, "loss_mean_rel_err": 1.0,
+                                                       "final_loss_rel_delta": 1.0})
+    result = compare(run, ref, profile)
+    assert result.first_step_outside_band is not None and 13 <= result.first_step_outside_band <= 20
+    assert not result.passed and {c.measure for c in result.checks if c.status == "FAIL"} == {"loss_band_rel"}
+
+
+def test_gradients_that_disagree_fail_even_when_the_loss_agrees(tmp_path):
+    """The known case: forward loss within 1%, first-layer gradients 50-100% apart."""
+    ref = load_signals(str(write_run(tmp_path / "ref", CURVE)))
+    run = load_signals(str(write_run(tmp_path / "run", [v * 1.005 for v in CURVE], layer_scale={"embed": 1.6})))
+    result = compare(run, ref, get_profile("vendor"))
+    status = {c.measure: c.status for c in result.checks}
+    assert status["loss_mean_rel_err"] == "PASS" and status["layer_grad_norm_rel_err"] == "FAIL"
+    assert "embed" in next(c.detail for c in result.checks if c.measure == "layer_grad_norm_rel_err")
+    assert result.layer_errors["embed"] == pytest.approx(0.6)
+
+
+def test_probe_kl_is_zero_for_equal_fingerprints_and_grows_with_the_difference():
+    ids, logp = [1, 2, 3], [math.log(0.6), math.log(0.3), math.log(0.05)]
+    assert position_kl(ids, logp, ids, logp) == 0
+    closer = position_kl(ids, logp, ids, [math.log(0.55), math.log(0.35), math.log(0.05)])
+    farther = position_kl(ids, logp, ids, [math.log(0.3), math.log(0.6), math.log(0.05)])
+    assert 0 < closer < farther
+    # exact KL of the 4-bucket distributions when the top-k sets agree
+    p, q = [0.6, 0.3, 0.05, 0.05], [0.3, 0.6, 0.05, 0.05]
+    assert farther == pytest.approx(sum(a * math.log(a / b) for a, b in zip(p, q)))
+    # a token the run does not rank in its top-k counts as at most its k-th probability
+    assert position_kl(ids, logp, [1, 2, 4], [math.log(0.6), math.log(0.3), math.log(0.01)]) > 0
+
+
+def test_prefix_runs_need_the_prefix_flag_and_gaps_always_fail(tmp_path):
+    ref = load_signals(str(write_run(tmp_path / "ref", CURVE)))
+    short = load_signals(str(write_run(tmp_path / "short", CURVE[:8])))
+    assert not compare(short, ref, get_profile("bitwise")).passed
+    result = compare(short, ref, get_profile("bitwise"), allow_prefix=True)
+    assert result.passed and len(result.not_reached) == 12
+    gap = tmp_path / "gap"
+    write_run(gap, CURVE)
+    lines = (gap / "metrics.jsonl").read_text().splitlines()
+    (gap / "metrics.jsonl").write_text("\n".join(lines[:4] + lines[6:]) + "\n")
+    result = compare(load_signals(str(gap)), ref, get_profile("bitwise"))
+    assert result.missing_in_run == [5, 6] and not result.passed
+
+
+def test_nonfinite_and_skipped_steps_are_counted(tmp_path):
+    ref = load_signals(str(write_run(tmp_path / "ref", CURVE)))
+    bad = list(CURVE)
+    bad[7] = float("nan")
+    result = compare(load_signals(str(write_run(tmp_path / "run", bad, skipped=2))), ref, get_profile("precision"))
+    values = {c.measure: (c.value, c.status) for c in result.checks}
+    assert values["nonfinite_losses"] == (1.0, "FAIL")
+    assert values["extra_skipped_steps"] == (2.0, "PASS")  # precision allows a few loss-scaler skips
+    assert values["loss_mean_rel_err"][1] == "PASS"  # the other steps are identical
+
+
+def test_overrides_change_one_threshold_and_reject_unknown_names():
+    profile = get_profile("layout").with_overrides(parse_overrides(["loss_mean_rel_err=0.5", "probe_kl=off"]))
+    assert profile.thresholds["loss_mean_rel_err"] == 0.5 and profile.thresholds["probe_kl"] is None
+    assert profile.thresholds["grad_norm_mean_rel_err"] == get_profile("layout").thresholds["grad_norm_mean_rel_err"]
+    for bad in (["loss_mean=0.1"], ["probe_kl=abc"], ["probe_kl"], ["probe_kl=-1"]):
+        with pytest.raises(ValueError, match="--set"):
+            parse_overrides(bad)
+    with pytest.raises(ValueError, match="unknown fidelity profile"):
+        get_profile("close-enough")
+
+
+def test_missing_signals_fail_unless_switched_off(tmp_path):
+    ref = load_signals(str(write_run(tmp_path / "ref", CURVE)))
+    bare = write_run(tmp_path / "bare", CURVE)
+    (bare / "grad_norms.jsonl").unlink()
+    (bare / "probe.jsonl").unlink()
+    result = compare(load_signals(str(bare)), ref, get_profile("layout"))
+    assert {c.measure for c in result.checks if c.status == "FAIL"} == {"layer_grad_norm_rel_err", "probe_kl",
+                                                                        "probe_loss_rel_err"}
+    off = get_profile("layout").with_overrides(parse_overrides(
+        ["layer_grad_norm_rel_err=off", "probe_kl=off", "probe_loss_rel_err=off"]))
+    assert compare(load_signals(str(bare)), ref, off).passed
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "metrics.jsonl").write_text(""), "empty"),
+    (lambda d: (d / "metrics.jsonl").write_text('{"step": 1, "loss": 2}\n{"step": 1, "loss": 2}\n'),
+     "metrics.jsonl:2: step 1 after step 1"),
+    (lambda d: (d / "metrics.jsonl").write_text('{"step": 1, "loss": 2}\n{oops\n'), "metrics.jsonl:2: invalid JSON"),
+    (lambda d: (d / "metrics.jsonl").write_text('{"loss": 2}\n'), "metrics.jsonl:1: expected a JSON object"),
+    (lambda d: (d / "metrics.jsonl").unlink(), "not a run directory"),
+])
+def test_bad_run_directories_name_the_file_and_line(tmp_path, damage, message):
+    run = write_run(tmp_path / "run", CURVE)
+    damage(run)
+    with pytest.raises(FidelityInputError, match=message):
+        load_signals(str(run))
+
+
+def test_bad_comparisons_say_what_is_wrong(tmp_path):
+    ref_dir = write_run(tmp_path / "ref", CURVE)
+    run = load_signals(str(write_run(tmp_path / "run", CURVE)))
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    (renamed / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "train_loss": 1.0}) + "\n"
+                                                   for i in range(1, 4)))
+    with pytest.raises(FidelityInputError, match="logs no `loss`.*train_loss"):
+        compare(load_signals(str(renamed)), load_signals(str(ref_dir)), get_profile("layout"))
+    nan_ref = list(CURVE)
+    nan_ref[3] = float("nan")
+    with pytest.raises(FidelityInputError, match="non-finite loss at step.*4"):
+        compare(run, load_signals(str(write_run(tmp_path / "nanref", nan_ref))), get_profile("layout"))
+    other = write_run(tmp_path / "other", CURVE)
+    (other / "grad_norms.jsonl").write_text(json.dumps({"step": 2, "norms": {"embed": 1.0}}) + "\n")
+    with pytest.raises(FidelityInputError, match="different layer groups"):
+        compare(load_signals(str(other)), load_signals(str(ref_dir)), get_profile("layout"))
+    with pytest.raises(FidelityInputError, match="no such run directory"):
+        load_signals(str(tmp_path / "nowhere"))
+
+
+def test_golden_export_round_trips_and_rejects_runs_without_signals(tmp_path):
+    run_dir = write_run(tmp_path / "run", CURVE)
+    export(str(run_dir), str(tmp_path / "golden.json"))
+    golden = load_signals(str(tmp_path / "golden.json"))
+    run = load_signals(str(run_dir))
+    assert golden.series("loss") == run.series("loss") and golden.grad_norms == run.grad_norms
+    assert compare(run, golden, get_profile("bitwise")).passed
+    (run_dir / "probe.jsonl").unlink()
+    with pytest.raises(FidelityInputError, match="every > 0"):
+        export(str(run_dir), str(tmp_path / "g2.json"))
+    (tmp_path / "not_golden.json").write_text('{"metrics": []}')
+    with pytest.raises(FidelityInputError, match="not a golden reference"):
+        load_signals(str(tmp_path / "not_golden.json"))
+
+
+def test_cli_exit_codes_table_json_and_png(tmp_path, capsys):
+    ref = write_run(tmp_path / "ref", CURVE)
+    same = write_run(tmp_path / "same", CURVE)
+    drifted = write_run(tmp_path / "drifted", [v * 1.05 for v in CURVE])
+    assert main(["fidelity", "compare", str(same), str(ref), "--profile", "bitwise"]) == 0
+    assert "verdict: PASS" in capsys.readouterr().out
+    assert (same / "fidelity" / "bitwise_vs_ref.json").exists() and (same / "fidelity" / "bitwise_vs_ref.png").exists()
+    assert main(["fidelity", "compare", str(drifted), str(ref), "--profile", "vendor", "--format", "json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "FAIL" and report["first_step_outside_band"] is not None
+    assert main(["fidelity", "compare", str(drifted), str(ref), "--set", "nope=1"]) == 2
+    assert "--set" in capsys.readouterr().err
+    assert main(["fidelity", "profiles"]) == 0
+    assert "Ascend" in capsys.readouterr().out
+
+
+def test_layer_groups_follow_blocks_and_submodules():
+    assert layer_group("embed.weight") == "embed"
+    assert layer_group("layers.3.attn.wq_a.weight") == "layers.3.attn"
+    assert layer_group("layers.3.ffn.experts.w1") == "layers.3.ffn"
+    assert layer_group("layers.3.hc_attn.fn") == "layers.3.hc"
+    assert layer_group("layers.0.attn_norm.weight") == "layers.0.norm"
+    assert layer_group("mtp.0.e_proj.weight") == "mtp.0.proj"
+    assert layer_group("hc_head.base") == "hc_head"
