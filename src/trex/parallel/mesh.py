@@ -9,6 +9,7 @@ shards are FSDP-sharded again over ("dp_replicate", "efsdp"), the ranks that hol
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -40,7 +41,9 @@ class Parallel:
     @property
     def dp_mesh(self) -> DeviceMesh:
         """2-D (dp_replicate, dp_shard) mesh for FSDP2 (HSDP when dp_replicate > 1)."""
-        return self.mesh["dp_replicate", "dp_shard"]
+        with warnings.catch_warnings():  # slicing a flattened dim: supported, with a deprecation notice
+            warnings.simplefilter("ignore", UserWarning)
+            return self.mesh["dp_replicate", "dp_shard"]
 
     @property
     def ep_mesh(self) -> DeviceMesh:

@@ -12,6 +12,7 @@ import functools
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint
 
 from trex.models import DeepseekV4
@@ -50,8 +51,13 @@ def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
     mp = MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=policy.reduce_dtype)
     experts = shard_experts(model, par.ep_mesh) if par.ep > 1 else []
     if experts:  # expert shards are further sharded over the ranks that hold the same experts
+        efsdp = par.mesh["efsdp"].size()
+        local_experts = model.cfg.n_routed_experts // par.ep
+        # whole experts per rank when they divide evenly, else split every expert's rows (no padding)
+        placement = Shard(0) if local_experts % efsdp == 0 else Shard(1)
         for block in [*model.layers, *model.mtp]:
-            fully_shard(block.ffn.experts, mesh=par.mesh["dp_replicate", "efsdp"], mp_policy=mp)
+            fully_shard(block.ffn.experts, mesh=par.mesh["dp_replicate", "efsdp"], mp_policy=mp,
+                        shard_placement_fn=lambda p: placement)
     for block in [*model.layers, *model.mtp]:
         fully_shard(block, mesh=par.dp_mesh, mp_policy=mp)
     fully_shard(model, mesh=par.dp_mesh, mp_policy=mp)

@@ -19,6 +19,9 @@ def register(sub) -> None:
     p.add_argument("--save-every", type=int, help="checkpoint every N steps and at the end (checkpoint.save_every)")
     p.add_argument("--resume", metavar="auto|PATH",
                    help="resume from the newest checkpoint that verifies, or from PATH (checkpoint.resume)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build the full model on the meta device under a fake process group and print per-rank memory")
+    p.add_argument("--world-size", type=int, default=0, help="ranks for --dry-run")
     p.set_defaults(func=_run)
 
     bench = sub.add_parser("bench", help="benchmarks of a recipe's parts").add_subparsers(
@@ -60,6 +63,13 @@ def _run(args: argparse.Namespace) -> int:
             if flag is not None:
                 overrides.append(f"{key}={flag!r}" if isinstance(flag, str) else f"{key}={flag}")
         recipe = load(TrainRecipe, args.recipe, overrides)
+        if args.dry_run:
+            from trex.parallel.dry_run import dry_run, format_report
+
+            if args.world_size < 1:
+                raise ValueError("--dry-run needs --world-size N")
+            print(format_report(dry_run(recipe, args.world_size)))
+            return 0
         result = train(recipe)
         print(f"{result.summary['status']}: {result.summary['steps_completed']} steps, "
               f"final loss {result.summary['final'].get('loss', float('nan')):.4f}; {result.run_dir}/summary.json")

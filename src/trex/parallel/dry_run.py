@@ -1,0 +1,113 @@
+"""`trex train RECIPE --dry-run --world-size N`: the full model under the real parallel plan, on any CPU.
+
+The model is built on the meta device (no memory), a fake process group stands in for N ranks, and
+the recipe's parallel plan (expert parallel, FSDP2) is applied exactly as in training. What rank 0
+would hold is then counted from the sharded parameters themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from trex import device as device_layer
+from trex.models import ModelConfig, build_model, get_preset
+from trex.parallel.mesh import init_parallel
+from trex.parallel.plan import apply_parallelism
+from trex.train.config import TrainRecipe
+from trex.train.moe_balance import freeze_indexer
+from trex.train.optim import build_optimizer
+from trex.train.precision import PrecisionPolicy
+
+
+def model_config(recipe: TrainRecipe) -> ModelConfig:
+    """The checkpoint's config.json when the path exists here, else the recipe's preset."""
+    if recipe.model.path and os.path.exists(recipe.model.path):
+        return ModelConfig.from_file(recipe.model.path)
+    return dataclasses.replace(get_preset(recipe.model.preset), **recipe.model.overrides)
+
+
+def dry_run(recipe: TrainRecipe, world_size: int) -> dict:
+    """Per-rank bytes of parameters, gradients, master weights and optimizer state, and the mesh."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    cpu = device_layer.Device("cpu")
+    layout = recipe.parallel
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, cpu, world_size)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # bf16 on this CPU: the dry run only counts bytes
+            policy = PrecisionPolicy.resolve(recipe.precision.dtype if recipe.precision.dtype != "auto" else "bf16",
+                                             cpu)
+        cfg = model_config(recipe)
+        model = build_model(cfg, device="meta")
+        if recipe.train.freeze_indexer:
+            freeze_indexer(model)
+        apply_parallelism(model, par, policy, layout.activation_checkpointing)
+        optimizer = build_optimizer(model, recipe.optim, cpu)
+        algorithm = {id(p): g["algorithm"] for g in optimizer.param_groups for p in g["params"]}
+        params = grads = optim_state = master = 0
+        trained = frozen = 0
+        for p in model.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            n = local.numel()
+            params += n * 4  # sharded parameters are the fp32 master weights (FSDP casts for compute)
+            if not p.requires_grad:
+                frozen += n
+                continue
+            trained += n
+            grads += n * 4  # fp32 gradient shards (reduce dtype)
+            optim_state += n * (4 if algorithm[id(p)] == "muon" else 8)
+        compute = torch.tensor([], dtype=policy.compute_dtype).element_size()
+        largest_block = max(  # a block's parameters gathered for its forward: its own experts only
+            sum(p.numel() // (par.ep if ".ffn.experts." in f".{name}" else 1) for name, p in block.named_parameters())
+            for block in [*model.layers, *model.mtp])
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+        return {
+            "world_size": world_size,
+            "mesh": {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "efsdp": par.dp_shard // par.ep,
+                     "ep": par.ep},
+            "precision": policy.to_dict(),
+            "activation_checkpointing": layout.activation_checkpointing,
+            "parameters_total": sum(p.numel() for p in model.parameters()),
+            "per_rank": {
+                "parameter_elements": trained + frozen,
+                "params_fp32_bytes": params,
+                "grads_bytes": grads,
+                "master_bytes": master,
+                "optimizer_state_bytes": optim_state,
+                "buffers_bytes": buffers,
+                "largest_unsharded_block_bytes": largest_block * compute,
+                "total_bytes": params + grads + master + optim_state + buffers + largest_block * compute,
+            },
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def format_report(report: dict) -> str:
+    gib = 2**30
+    r = report["per_rank"]
+    mesh = report["mesh"]
+    lines = [
+        f"world size {report['world_size']}: mesh dp_replicate={mesh['dp_replicate']} x dp_shard={mesh['dp_shard']} "
+        f"(= efsdp {mesh['efsdp']} x ep {mesh['ep']}); precision {report['precision']['name']}; "
+        f"activation checkpointing {report['activation_checkpointing']}",
+        f"model parameters: {report['parameters_total'] / 1e9:,.1f}B",
+        "per rank (rank 0):",
+        f"  parameters (fp32 master shards)  {r['params_fp32_bytes'] / gib:9.2f} GiB  ({r['parameter_elements'] / 1e9:.2f}B elements)",
+        f"  gradients (fp32 shards)          {r['grads_bytes'] / gib:9.2f} GiB",
+        f"  extra master weights             {r['master_bytes'] / gib:9.2f} GiB  (the fp32 shards are the master)",
+        f"  optimizer state                  {r['optimizer_state_bytes'] / gib:9.2f} GiB  (Muon 1 x fp32, AdamW 2 x fp32)",
+        f"  buffers (router bias, hash)      {r['buffers_bytes'] / gib:9.2f} GiB",
+        f"  largest gathered block (compute) {r['largest_unsharded_block_bytes'] / gib:9.2f} GiB",
+        f"  total before activations         {r['total_bytes'] / gib:9.2f} GiB",
+        "activations depend on micro-batch and sequence length: see `trex plan`.",
+    ]
+    return "\n".join(lines)
