@@ -90,3 +90,23 @@ def test_uneven_data_is_caught_by_the_preflight_check(data, tmp_path):
     assert proc.returncode != 0
     assert "pre-flight check failed" in proc.stderr and "micro_batches_per_epoch differs" in proc.stderr
     assert "ranks [0]" in proc.stderr and "ranks [1]" in proc.stderr
+
+
+def test_sharded_load_from_a_checkpoint_matches_one_process(data, tmp_path):
+    from trex.models import build_model, save_pretrained
+    from trex.models.config import tiny
+
+    ckpt = tmp_path / "ckpt"
+    save_pretrained(build_model(tiny(vocab_size=112, sliding_window=16), seed=3), str(ckpt), layout="official",
+                    dtype="fp32")
+    curves = {}
+    for nproc, extra in ((1, []), (2, ["--set", "parallel.dp_shard=2", "--set", "parallel.ep=2"])):
+        out = tmp_path / f"from_ckpt_{nproc}"
+        args = _args(data, out, nproc, ["--set", f'model.path="{ckpt}"', "--set", "train.steps=3", *extra])
+        proc = torchrun(nproc, args) if nproc > 1 else subprocess.run(
+            [sys.executable, "-m", "trex", *args], capture_output=True, text=True, timeout=240, cwd=ROOT,
+            env={**os.environ, "TREX_DEVICE": "cpu"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        curves[nproc] = _losses(out)
+    for a, b in zip(curves[2], curves[1]):
+        assert abs(a - b) <= 1e-4 * abs(b)

@@ -33,6 +33,7 @@ from trex.hardware import profile_for_device_name
 from trex.models import DeepseekV4, build_model, get_preset, load_pretrained
 from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
 from trex.models.flops import flops_per_token
+from trex.parallel.load import load_sharded
 from trex.parallel.mesh import Parallel, init_parallel
 from trex.parallel.plan import apply_parallelism
 from trex.parallel.preflight import collective_context, preflight
@@ -91,10 +92,14 @@ def model_for(recipe: TrainRecipe, tokenizer: Tokenizer, dev: device_layer.Devic
         except TypeError as e:
             raise ValueError(f"model.overrides: {e}") from None
         model = build_model(cfg, device=dev.torch_device, dtype=policy.param_dtype, seed=section.init_seed)
+    check_vocab(model, tokenizer)
+    return model
+
+
+def check_vocab(model: DeepseekV4, tokenizer: Tokenizer) -> None:
     if model.cfg.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"tokenizer {tokenizer.source} has {tokenizer.vocab_size} ids but the model's vocab_size "
                          f"is {model.cfg.vocab_size}")
-    return model
 
 
 def peak_flops(dev: device_layer.Device, policy: PrecisionPolicy) -> tuple[float | None, str]:
@@ -180,12 +185,21 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
     run.save_config(recipe)
 
     tokenizer = tokenizer or tokenizer_for(recipe.data.tokenizer)
-    model = model if model is not None else model_for(recipe, tokenizer, dev, policy)
-    # one process holds parameters in the policy's dtype; sharded runs keep fp32 shards (the master
-    # weights) and let FSDP cast to the compute dtype
-    model.to(dtype=torch.float32 if par.distributed else policy.param_dtype).train()
-    frozen = freeze_indexer(model) if cfg_train.freeze_indexer else []
-    apply_parallelism(model, par, policy, layout.activation_checkpointing)
+    frozen: list[str] = []
+
+    def prepare(m: DeepseekV4) -> None:
+        # one process holds parameters in the policy's dtype; sharded runs keep fp32 shards (the
+        # master weights) and let FSDP cast to the compute dtype
+        m.to(dtype=torch.float32 if par.distributed else policy.param_dtype).train()
+        frozen.extend(freeze_indexer(m) if cfg_train.freeze_indexer else [])
+        apply_parallelism(m, par, policy, layout.activation_checkpointing)
+
+    if model is None and recipe.model.path and par.distributed:
+        model = load_sharded(recipe.model.path, prepare, dev.torch_device)  # each rank reads its shards
+        check_vocab(model, tokenizer)
+    else:
+        model = model if model is not None else model_for(recipe, tokenizer, dev, policy)
+        prepare(model)
     optimizer = build_optimizer(model, recipe.optim, dev)
     if par.is_main:
         print(optimizer.describe_groups(), file=sys.stderr)

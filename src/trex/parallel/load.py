@@ -1,0 +1,44 @@
+"""Load a checkpoint straight into a sharded model: each rank reads only the regions it owns.
+
+The model is built on the meta device, the parallel plan is applied (parameters become DTensors),
+storage is allocated for the local shards only, and each shard is filled from the checkpoint
+(official or HF layout, bf16/fp32/FP8/FP4) through ``trex.checkpoint.reader``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from trex.checkpoint.errors import CheckpointError
+from trex.checkpoint.reader import CheckpointReader
+from trex.models import DeepseekV4, build_model
+
+
+def local_region(t: DTensor) -> tuple[tuple[int, int], ...]:
+    """[start, stop) per dim of the global tensor that this rank's shard of ``t`` covers."""
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple((o, o + n) for o, n in zip(offset, shape))
+
+
+@torch.no_grad()
+def load_sharded(path: str, prepare, device: torch.device, layout: str = "auto") -> DeepseekV4:
+    """``prepare(model)`` applies the parallel plan to the meta model (and freezes what it must)."""
+    reader = CheckpointReader(path, layout)
+    model = build_model(reader.config, device="meta")
+    prepare(model)
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    fresh = reader.check({k: tuple(t.shape) for k, t in tensors.items()})
+    if fresh:
+        raise CheckpointError(f"{path}: no MTP weights ({len(fresh)} tensors, e.g. {fresh[0]}); a sharded load "
+                              "cannot initialise them: convert the checkpoint with MTP or train on one process")
+    model.to_empty(device=device)
+    for key, t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items():
+        if isinstance(t, DTensor):
+            local = t.to_local()
+            if local.numel():
+                reader.fill(key, t.shape, local, local_region(t))
+        else:
+            reader.fill(key, t.shape, t)
+    return model
