@@ -20,7 +20,7 @@ GROUPS = ("embed", "layers.0.attn", "layers.0.ffn", "head")
 
 def _probe(step, shift=0.0):
     logp = [math.log(p) for p in (0.5, 0.2, 0.1)]
-    return {"step": step, "loss": 2.0 - 0.01 * step + shift, "tokens": 10, "positions": [[0, 0, 3], [0, 1, 5]],
+    return {"step": step, "loss": 2.0 - 0.01 * step + shift, "tokens": 10, "positions": [[0, 3], [1, 5]],
             "ids": [[4, 7, 1], [2, 3, 9]], "logprobs": [logp, [v + shift for v in logp]]}
 
 

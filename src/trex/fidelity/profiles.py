@@ -70,7 +70,7 @@ LAYOUT = Profile(
         "The mathematics is identical; only the order of floating-point reductions changes (a different "
         "split of the batch, all-reduce order, expert placement), which perturbs fp32 results at ~1e-7 "
         "per operation. Training amplifies such noise chaotically, so the bound is not zero but far below "
-        "anything a real bug produces. Measured on recipes/fidelity_default.toml (30 steps, fp32 CPU): "
+        "anything a real bug produces. Measured on recipes/fidelity_default.toml (20 steps, fp32 CPU): "
         "splitting the batch into 2 micro-batches gives a mean relative loss error of LAYOUT_MEASURED; "
         "a learning rate 20% off gives PERTURB_MEASURED. Thresholds sit between the two."),
     thresholds={"loss_mean_rel_err": 2e-3, "loss_band_rel": 5e-3, "final_loss_rel_delta": 5e-3,

@@ -5,14 +5,14 @@ Every ``[fidelity] every`` optimizer steps the recorder writes, into the run dir
 ``grad_norms.jsonl``  ``{"step": s, "norms": {group: L2 norm}}``: the gradient norm of each block
                       (`layer_group`), measured after unscaling and before clipping, so it is the
                       same gradient the global ``grad_norm`` in metrics.jsonl describes.
-``probe.jsonl``       ``{"step": s, "loss": nats/token, "tokens": n, "positions": [[batch, row, pos]],
+``probe.jsonl``       ``{"step": s, "loss": nats/token, "tokens": n, "positions": [[row, pos]],
                       "ids": [[k ids]], "logprobs": [[k log-probs]]}``: the loss of a fixed probe batch
                       after the step's update, and the top-k next-token log-probabilities at a few
                       fixed positions (the logits fingerprint).
 
-The probe batch is the first ``probe_batches`` micro-batches of ``probe_paths`` (default: the
-[eval] files, else the [data] files), read in file order, so every run of a recipe, at any layout
-or precision, sees the same tokens. Positions are evenly spaced over each row's loss targets.
+The probe batch is the first ``probe_rows`` packed rows of ``probe_paths`` (default: the [eval]
+files, else the [data] files), read in file order, so every run of a recipe, at any layout or
+precision, sees the same tokens. Positions are evenly spaced over each row's loss targets.
 
 Under torch.distributed every rank computes (the norms and the probe forward involve collectives
 when parameters are sharded) and only rank 0 writes.
@@ -39,8 +39,9 @@ class FidelitySection:
 
     every: int = 10
     """Optimizer steps between per-layer gradient norms and probe evaluations (0 disables both)."""
-    probe_batches: int = 1
-    """Micro-batches in the fixed probe batch."""
+    probe_rows: int = 4
+    """Rows (of [data] seq_len tokens) in the fixed probe batch; independent of the micro-batch size,
+    so runs at any layout probe the same tokens."""
     probe_positions: int = 4
     """Positions per probe row whose top-k log-probabilities are stored."""
     topk: int = 8
@@ -51,7 +52,7 @@ class FidelitySection:
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ValueError(f"fidelity.every must be >= 0 (0 disables), got {self.every}")
-        for name in ("probe_batches", "probe_positions", "topk"):
+        for name in ("probe_rows", "probe_positions", "topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"fidelity.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -124,11 +125,11 @@ def probe_positions(targets: torch.Tensor, per_row: int) -> list[tuple[int, int]
 class FidelityRecorder:
     """Writes grad_norms.jsonl and probe.jsonl into a run directory every ``section.every`` steps."""
 
-    def __init__(self, section: FidelitySection, run_path: str, probe: list, device: torch.device):
+    def __init__(self, section: FidelitySection, run_path: str, probe, device: torch.device):
         self.section = section
         self.enabled = section.every > 0
         self.write = _is_writer()
-        self.probe = [b.to(device) for b in probe]
+        self.probe = probe.to(device) if probe is not None else None
         self.grad_path = os.path.join(run_path, GRAD_NORMS_FILE)
         self.probe_path = os.path.join(run_path, PROBE_FILE)
 
@@ -138,12 +139,12 @@ class FidelityRecorder:
         from trex.data import build_loader
 
         section = recipe.fidelity
-        probe = []
+        probe = None
         if section.every > 0:
             paths = section.probe_paths or recipe.eval.paths or recipe.data.paths
-            cfg = dataclasses.replace(recipe.data, paths=list(paths), shuffle=False)
-            loader = build_loader(cfg, rank=0, world_size=1, tokenizer=tokenizer)
-            probe = [next(loader) for _ in range(section.probe_batches)]
+            cfg = dataclasses.replace(recipe.data, paths=list(paths), shuffle=False,
+                                      micro_batch_size=section.probe_rows)
+            probe = next(build_loader(cfg, rank=0, world_size=1, tokenizer=tokenizer))
         return cls(section, run_path, probe, device)
 
     def due(self, step: int) -> bool:
@@ -164,20 +165,19 @@ class FidelityRecorder:
             return
         was_training = model.training
         model.eval()
-        loss, count = 0.0, 0
-        positions, ids, logprobs = [], [], []
-        for index, batch in enumerate(self.probe):
-            logits = model(batch.input_ids, doc_ids=batch.doc_ids).logits.float()
-            targets = shift_labels(batch.labels, 1, batch.doc_ids)
-            loss += torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
-                                                      ignore_index=IGNORE_INDEX, reduction="sum").item()
-            count += int((targets != IGNORE_INDEX).sum())
-            for row, pos in probe_positions(targets, self.section.probe_positions):
-                top = torch.log_softmax(logits[row, pos], dim=-1).topk(self.section.topk)
-                positions.append([index, row, pos])
-                ids.append(top.indices.tolist())
-                logprobs.append(top.values.tolist())
+        batch = self.probe
+        logits = model(batch.input_ids, doc_ids=batch.doc_ids).logits.float()
         model.train(was_training)
+        targets = shift_labels(batch.labels, 1, batch.doc_ids)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                 ignore_index=IGNORE_INDEX, reduction="sum").item()
+        count = int((targets != IGNORE_INDEX).sum())
+        positions, ids, logprobs = [], [], []
+        for row, pos in probe_positions(targets, self.section.probe_positions):
+            top = torch.log_softmax(logits[row, pos], dim=-1).topk(self.section.topk)
+            positions.append([row, pos])
+            ids.append(top.indices.tolist())
+            logprobs.append(top.values.tolist())
         if self.write:
             _append_json(self.probe_path, {"step": step, "loss": loss / max(count, 1), "tokens": count,
                                            "positions": positions, "ids": ids, "logprobs": logprobs})

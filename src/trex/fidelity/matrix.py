@@ -1,0 +1,209 @@
+"""`trex fidelity matrix RECIPE`: the recipe's variants against its fp32 single-process control.
+
+Every variant trains the same tokens (same steps, same global batch = micro-batch x grad_accum x
+ranks) and is compared with the control under the profile that states what should hold:
+
+    bf16, fp16 (loss scaling)            precision
+    grad-accum split, 2 processes, EP,   layout
+    activation checkpointing
+    stop-and-resume (SIGTERM, resume)    bitwise
+
+A variant this build cannot run (the loop refuses the layout, torchrun fails) is reported as
+"not available" with the reason, never as PASS; the matrix passes when every variant that ran
+passes. Output: ``<out>/<variant>/`` run directories, ``<out>/reports/<variant>.{json,png}``,
+``<out>/matrix.json`` and ``<out>/matrix.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from trex.fidelity.compare import compare
+from trex.fidelity.profiles import get_profile
+from trex.fidelity.report import write_all
+from trex.fidelity.runs import load_signals
+
+
+@dataclass
+class Variant:
+    name: str
+    profile: str
+    overrides: list[str] = field(default_factory=list)
+    launch: str = "inline"
+    """inline (this process), torchrun (2 processes) or resume (stopped by SIGTERM, then resumed)."""
+
+
+def variants(micro_batch_size: int, grad_accum: int) -> list[Variant]:
+    """The variants of a recipe whose per-rank batch is ``micro_batch_size`` x ``grad_accum`` rows."""
+    half = micro_batch_size // 2
+    split = [f"data.micro_batch_size={half}", f"train.grad_accum={2 * grad_accum}"] if half else []
+    two_ranks = [f"data.micro_batch_size={half}", "parallel.dp_shard=2"] if half else []
+    return [
+        Variant("bf16", "precision", ['precision.dtype="bf16"']),
+        Variant("fp16-loss-scaling", "precision", ['precision.dtype="fp16"']),
+        Variant("grad-accum-split", "layout", split),
+        Variant("2-processes", "layout", two_ranks, launch="torchrun"),
+        Variant("expert-parallel", "layout", [*two_ranks, "parallel.ep=2"], launch="torchrun"),
+        Variant("activation-checkpointing", "layout", ['parallel.activation_checkpointing="full"']),
+        Variant("stop-and-resume", "bitwise", [], launch="resume"),
+    ]
+
+
+UNAVAILABLE = "not available in this build"
+CONTROL = ['precision.dtype="fp32"', "parallel.dp_replicate=1", "parallel.dp_shard=-1", "parallel.ep=1",
+           'parallel.activation_checkpointing="none"', "checkpoint.save_every=0", 'checkpoint.resume=""',
+           "train.progress=false"]
+
+
+def _cli(recipe_path: str, out: str, overrides: list[str]) -> list[str]:
+    args = ["-m", "trex", "train", recipe_path, "--out", out]
+    for item in overrides:
+        args += ["--set", item]
+    return args
+
+
+def _failure(proc: subprocess.CompletedProcess | subprocess.Popen, stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    said = [line for line in lines if "trex train:" in line or "Error" in line]
+    return (said or lines or [f"exit code {proc.returncode}"])[-1].strip()[:300]
+
+
+def _run_inline(recipe_path: str, out: str, overrides: list[str]) -> None:
+    from trex.recipe import load
+    from trex.train.config import TrainRecipe
+    from trex.train.loop import train
+
+    train(load(TrainRecipe, recipe_path, [*overrides, f"train.out={json.dumps(out)}"]))
+
+
+def _run_torchrun(recipe_path: str, out: str, overrides: list[str]) -> str | None:
+    """None when it trained; else why it could not (the build refuses the layout, a launch failure)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           *_cli(recipe_path, out, overrides)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    return None if proc.returncode == 0 else _failure(proc, proc.stderr)
+
+
+def _run_stop_and_resume(recipe_path: str, out: str, overrides: list[str], steps: int) -> str:
+    """Train in a child process, SIGTERM it once it has logged half the steps (it saves a checkpoint
+    and exits), then resume to the end. Returns a note saying where it stopped."""
+    ckpt = [*overrides, f"checkpoint.save_every={steps}", 'checkpoint.resume="auto"']
+    cmd = [sys.executable, *_cli(recipe_path, out, ckpt)]
+    metrics = os.path.join(out, "metrics.jsonl")
+    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while child.poll() is None:
+        if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= max(1, steps // 2):
+            child.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.2)
+    _, stderr = child.communicate()
+    if child.returncode not in (0, 128 + signal.SIGTERM, -signal.SIGTERM):
+        raise RuntimeError(f"first leg: {_failure(child, stderr)}")
+    stopped = sum(1 for _ in open(metrics)) if os.path.exists(metrics) else 0
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"resume: {_failure(proc, proc.stderr)}")
+    return f"stopped after step {stopped} of {steps}, resumed"
+
+
+def run_matrix(recipe_path: str, out: str, steps: int | None = None, only: list[str] | None = None,
+               overrides: list[str] | None = None) -> dict:
+    from trex.recipe import load
+    from trex.train.config import TrainRecipe
+
+    base = list(overrides or [])
+    if steps:
+        base.append(f"train.steps={steps}")
+    recipe = load(TrainRecipe, recipe_path, base)
+    if recipe.fidelity.every == 0:
+        base.append(f"fidelity.every={max(1, recipe.train.steps // 5)}")
+    steps = recipe.train.steps
+    chosen = [v for v in variants(recipe.data.micro_batch_size, recipe.train.grad_accum)
+              if not only or v.name in only]
+    unknown = set(only or []) - {v.name for v in variants(2, 1)}
+    if unknown:
+        raise ValueError(f"--only {sorted(unknown)}: unknown variant; choose from {[v.name for v in variants(2, 1)]}")
+
+    control_dir = os.path.join(out, "control-fp32")
+    print(f"[control] fp32, one process, {steps} steps -> {control_dir}", file=sys.stderr)
+    _run_inline(recipe_path, control_dir, [*base, *CONTROL])
+    control = load_signals(control_dir)
+    rows = []
+    for variant in chosen:
+        run_dir = os.path.join(out, variant.name)
+        row = {"variant": variant.name, "profile": variant.profile, "overrides": variant.overrides,
+               "run_dir": run_dir, "note": ""}
+        print(f"[{variant.name}] {' '.join(variant.overrides) or '(control settings)'}", file=sys.stderr)
+        settings = [*base, *CONTROL, *variant.overrides]
+        try:
+            if not variant.overrides and variant.launch != "resume":
+                raise _Unavailable("the recipe's micro-batch size cannot be halved")
+            if variant.launch == "torchrun":
+                why = _run_torchrun(recipe_path, run_dir, settings)
+                if why:
+                    raise _Unavailable(why)
+            elif variant.launch == "resume":
+                row["note"] = _run_stop_and_resume(recipe_path, run_dir, settings, steps)
+            else:
+                _run_inline(recipe_path, run_dir, settings)
+            result = compare(load_signals(run_dir), control, get_profile(variant.profile))
+        except _Unavailable as e:
+            row.update(verdict=UNAVAILABLE, note=str(e))
+        except Exception as e:  # a variant that crashes is a finding, reported in its row
+            row.update(verdict="ERROR", note=f"{type(e).__name__}: {e}"[:300])
+        else:
+            paths = write_all(result, os.path.join(out, "reports"), variant.name)
+            failed = [c.measure for c in result.checks if c.status == "FAIL"]
+            values = {c.measure: c.value for c in result.checks}
+            row.update(verdict=result.verdict, report=paths["json"], plot=paths["png"],
+                       loss_mean_rel_err=values["loss_mean_rel_err"],
+                       layer_grad_norm_rel_err=values["layer_grad_norm_rel_err"], probe_kl=values["probe_kl"],
+                       tokens=load_signals(run_dir).summary.get("tokens"),
+                       note="; ".join(filter(None, [row["note"], f"failed: {', '.join(failed)}" if failed else ""])))
+        rows.append(row)
+        print(f"    -> {row['verdict']} {row['note']}", file=sys.stderr)
+    counted = [r for r in rows if r["verdict"] != UNAVAILABLE]
+    verdict = "PASS" if counted and all(r["verdict"] == "PASS" for r in counted) else "FAIL"
+    report = {"recipe": recipe_path, "steps": steps, "control": control_dir,
+              "control_tokens": control.summary.get("tokens"), "environment": control.environment,
+              "verdict": verdict, "variants": rows}
+    _write_reports(report, out)
+    print(markdown(report))
+    return report
+
+
+class _Unavailable(Exception):
+    """This build cannot run the variant."""
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.2e}"
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Fidelity matrix: {report['recipe']}", "",
+             f"control: fp32, one process, {report['steps']} steps, {report['control_tokens']} tokens "
+             f"({report['environment'].get('device', '?')}, torch {report['environment'].get('torch', '?')})", "",
+             "| variant | profile | verdict | loss mean rel err | worst layer grad-norm rel err | probe KL | tokens | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in report["variants"]:
+        lines.append(f"| {r['variant']} | {r['profile']} | {r['verdict']} | {_num(r.get('loss_mean_rel_err'))} | "
+                     f"{_num(r.get('layer_grad_norm_rel_err'))} | {_num(r.get('probe_kl'))} | {r.get('tokens', '-')} | "
+                     f"{r['note']} |")
+    lines += ["", f"matrix verdict: **{report['verdict']}**"]
+    return "\n".join(lines)
+
+
+def _write_reports(report: dict, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    for name, text in (("matrix.json", json.dumps(report, indent=2)), ("matrix.md", markdown(report) + "\n")):
+        tmp = os.path.join(out, f"{name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(out, name))
