@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Multi-node trex training under SLURM: one torchrun per node, c10d rendezvous on the first node.
+#
+#   sbatch --nodes=8 --gpus-per-node=8 scripts/slurm_train.sh recipes/deepseek_v4_flash_sft.toml --resume auto
+#
+# Works unchanged on NVIDIA (NCCL) and Ascend (HCCL) nodes: trex picks the backend from the device.
+#SBATCH --job-name=trex
+#SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
+set -euo pipefail
+
+RECIPE=${1:?usage: sbatch scripts/slurm_train.sh RECIPE [trex train options]}
+shift
+NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+PORT=${PORT:-29500}
+
+srun --kill-on-bad-exit=1 .venv/bin/python -m torch.distributed.run \
+    --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node "$NPROC_PER_NODE" \
+    --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$PORT" --rdzv-id "$SLURM_JOB_ID" \
+    -m trex train "$RECIPE" "$@"
