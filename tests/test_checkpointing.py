@@ -194,3 +194,63 @@ def test_export_then_load_pretrained_gives_identical_logits(recipe_file, tmp_pat
         with torch.no_grad():
             assert torch.equal(model.eval()(ids).logits, want), layout
         assert all(torch.equal(model.get_buffer(n), result.model.get_buffer(n)) for n in biases), layout
+
+
+class _Position:
+    def __init__(self):
+        self.pos = 0
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
+def _bf16_state():
+    from trex import device
+    from trex.models import build_model
+    from trex.models.config import tiny
+    from trex.train.checkpointing import RunState
+    from trex.train.optim import OptimConfig, build_optimizer
+    from trex.train.precision import StepGuard
+    from trex.train.schedule import ScheduleConfig, build_scheduler
+
+    model = build_model(tiny(), seed=0).to(torch.bfloat16)
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
+    return RunState(model, optimizer, build_scheduler(optimizer, ScheduleConfig(warmup_steps=2), 10), StepGuard(3),
+                    _Position(), device.detect("cpu"))
+
+
+def _step(state, seed):
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(seed))
+    state.model(ids, labels=ids).loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.scheduler.step()
+    state.loader.pos += 1
+
+
+def test_async_save_round_trips_bf16_parameters_and_fp32_optimizer_state(tmp_path):
+    from trex.train.checkpointing import load_checkpoint, save_checkpoint
+    from trex.train.schedule import ScheduleConfig, lr_multiplier
+
+    a = _bf16_state()
+    for seed in range(2):
+        _step(a, seed)
+    pending = save_checkpoint(str(tmp_path), 2, a, async_save=True)
+    assert list_checkpoints(tmp_path) == []  # not published while in flight
+    expected = {k: v.clone() for k, v in a.model.state_dict().items()}
+    _step(a, 2)  # training goes on: the save holds the step-2 state
+    path = pending.finalize()
+    assert verify_checkpoint(path).ok
+
+    b = _bf16_state()
+    assert load_checkpoint(path, b).step == 2 and b.loader.pos == 2
+    assert all(torch.equal(b.model.state_dict()[k], v) for k, v in expected.items())
+    masters = [s["master"] for s in b.optimizer.state.values() if "master" in s]
+    assert masters and all(m.dtype == torch.float32 for m in masters)
+    want_lr = 1e-2 * lr_multiplier(2, 10, ScheduleConfig(warmup_steps=2))
+    assert b.scheduler.last_epoch == 2 and all(g["lr"] == want_lr for g in b.optimizer.param_groups)
+    _step(b, 2)  # the same step from the restored state lands on the same weights
+    assert all(torch.equal(b.model.state_dict()[k], v) for k, v in a.model.state_dict().items())
