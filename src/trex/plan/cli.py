@@ -70,11 +70,14 @@ def _inputs(args: argparse.Namespace) -> tuple[ModelConfig, Layout, int, str]:
 
         r = recipe_io.load(TrainRecipe, args.recipe)
         par = r.parallel
-        shard = par.dp_shard if par.dp_shard != -1 else (args.devices or 0) // par.dp_replicate
-        base = Layout(dp_shard=max(shard, 1), dp_replicate=par.dp_replicate, ep=par.ep,
+        if par.dp_shard == -1 and not args.devices:
+            raise PlanError(f"{args.recipe}: [parallel] dp_shard = -1 takes every rank; say how many with --devices")
+        shard = par.dp_shard if par.dp_shard != -1 else args.devices // par.dp_replicate
+        base = Layout(dp_shard=shard, dp_replicate=par.dp_replicate, ep=par.ep,
                       micro_batch=r.data.micro_batch_size, grad_accum=r.train.grad_accum,
                       recompute=par.activation_checkpointing, optimizer=r.optim.name)
-        model_spec = model_spec or r.model.path or r.model.preset
+        has_checkpoint = bool(r.model.path) and os.path.exists(r.model.path)
+        model_spec = model_spec or (r.model.path if has_checkpoint or not r.model.preset else r.model.preset)
         seq = seq or r.data.seq_len
         dtype = dtype or (r.precision.dtype if r.precision.dtype != "auto" else None)
     if model_spec is None:

@@ -8,11 +8,10 @@ from dataclasses import dataclass
 
 from trex.hardware import HardwareProfile
 from trex.models.config import ModelConfig
-from trex.models.flops import flops_per_token
 from trex.plan.layout import Layout, PlanError
 from trex.plan.memory import HEADROOM, MemoryBreakdown, memory
 from trex.plan.model_facts import ModelFacts, model_facts
-from trex.plan.timing import StepTime, TimeAssumptions, step_time
+from trex.plan.timing import StepTime, TimeAssumptions, step_time, training_flops
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GiB = 2**30
@@ -81,7 +80,7 @@ def make_plan(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfil
     return Plan(layout=layout, seq_len=seq_len, hardware=hw, facts=facts,
                 memory=memory(cfg, facts, layout, seq_len, b),
                 time=step_time(cfg, facts, layout, seq_len, hw, assume, b),
-                flops_per_token=flops_per_token(cfg, seq_len).total, assumptions=assume)
+                flops_per_token=training_flops(cfg, seq_len).total, assumptions=assume)
 
 
 def _divisors(n: int) -> list[int]:

@@ -19,9 +19,20 @@ from dataclasses import asdict, dataclass
 
 from trex.hardware import HardwareProfile
 from trex.models.config import ModelConfig
-from trex.models.flops import flops_per_token
+from trex.models.flops import FlopsPerToken, flops_per_token
 from trex.plan.layout import Layout
 from trex.plan.model_facts import ModelFacts
+
+
+_FLOPS_CACHE: dict[tuple[str, int], FlopsPerToken] = {}
+
+
+def training_flops(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
+    """`flops_per_token` (training), memoised: a search evaluates hundreds of layouts of one model."""
+    key = (repr(cfg), seq_len)
+    if key not in _FLOPS_CACHE:
+        _FLOPS_CACHE[key] = flops_per_token(cfg, seq_len)
+    return _FLOPS_CACHE[key]
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,7 @@ class StepTime:
 
 def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str) -> float:
     """Forward FLOPs repeated in backward. Selective: mHC and attention (everything but the MoE)."""
-    f = flops_per_token(cfg, seq_len)
+    f = training_flops(cfg, seq_len)
     if recompute == "none":
         return 0.0
     trained_forward = (f.total - f.indexer) / 3
@@ -79,7 +90,7 @@ def step_time(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int,
     tokens_per_device = layout.micro_batch * seq_len * layout.grad_accum * layout.dp_replicate * layout.dp_shard \
         / layout.devices
     rate = hw.peak_flops(assume.dtype) * assume.compute_efficiency
-    model_flops = flops_per_token(cfg, seq_len).total
+    model_flops = training_flops(cfg, seq_len).total
     compute = tokens_per_device * model_flops / rate
     recompute = tokens_per_device * recompute_flops_per_token(cfg, seq_len, layout.recompute) / rate
 

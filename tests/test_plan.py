@@ -1,0 +1,99 @@
+"""trex plan: parameter counts, layout checks, memory and time models, search, command line."""
+
+import dataclasses
+import json
+
+import pytest
+
+from trex.cli import main
+from trex.hardware import HardwareProfile, load_profiles
+from trex.models import build_model, count_parameters, get_preset
+from trex.models.config import tiny
+from trex.plan import Layout, PlanError, TimeAssumptions, make_plan, model_facts, parse_layout, search
+
+H100 = load_profiles()["h100-sxm"]
+FLASH = get_preset("deepseek-v4-flash")
+
+
+def test_parameter_counts_are_the_meta_model_and_split_by_type():
+    for name in ("tiny", "deepseek-v4-flash"):
+        cfg = get_preset(name)
+        facts, ref = model_facts(cfg), count_parameters(cfg)
+        assert (facts.total, facts.active, facts.mtp) == (ref.total, ref.active, ref.mtp)
+        assert sum(facts.by_type.values()) == facts.total
+        model = build_model(cfg, device="meta")
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".ffn.experts." in n)
+        indexer = sum(p.numel() for n, p in model.named_parameters() if ".attn.indexer." in n)
+        assert facts.experts == experts and facts.trainable == facts.stored - indexer
+        assert facts.muon + facts.adamw == facts.trainable and facts.adamw >= facts.by_type["embedding"] * 2
+
+
+def test_bad_input_gets_a_clear_error(capsys):
+    with pytest.raises(PlanError, match="does not divide the model's 256 routed experts"):
+        make_plan(FLASH, Layout(dp_shard=96, ep=96), 4096, H100)
+    with pytest.raises(PlanError, match="does not divide the model's 43 layers"):
+        make_plan(FLASH, Layout(dp_shard=8, pp=2), 4096, H100)
+    with pytest.raises(PlanError, match="max_position_embeddings"):
+        make_plan(FLASH, Layout(dp_shard=8), FLASH.max_position_embeddings + 1, H100)
+    with pytest.raises(PlanError, match="ep=16 must divide dp_shard=8"):
+        make_plan(FLASH, Layout(dp_shard=8, ep=16), 4096, H100)
+    with pytest.raises(PlanError, match="key=value"):
+        parse_layout("dp_shard=8,colour=red", Layout(dp_shard=1))
+    assert main(["plan", "--model", "deepseek-v4-flash", "--hardware", "tpu-v9", "--seq", "4096"]) == 2
+    assert "unknown hardware 'tpu-v9'" in capsys.readouterr().err
+
+
+def test_state_shrinks_with_shards_and_recompute_trades_memory_for_time():
+    base = Layout(dp_shard=64, ep=32)
+    plans = {rc: make_plan(FLASH, dataclasses.replace(base, recompute=rc), 4096, H100)
+             for rc in ("none", "selective", "full")}
+    acts = [plans[rc].memory.activations for rc in ("none", "selective", "full")]
+    work = [plans[rc].time.recompute for rc in ("none", "selective", "full")]
+    times = [plans[rc].time.total for rc in ("none", "selective", "full")]
+    assert acts[0] > acts[1] > acts[2] and work[0] == 0 < work[1] < work[2]
+    assert times == sorted(times)  # recompute can hide behind communication, never make a step faster
+    wide = make_plan(FLASH, dataclasses.replace(base, dp_shard=128), 4096, H100)
+    assert wide.memory.weights == pytest.approx(plans["none"].memory.weights / 2)
+    # bf16 weights and gradients, fp32 master, Muon momentum / AdamW moments, all sharded
+    f = model_facts(FLASH)
+    m = plans["none"].memory
+    assert m.weights + m.master + m.gradients + m.optimizer == pytest.approx(
+        (2 * f.stored + 6 * f.trainable + 4 * f.muon + 8 * f.adamw) / 64)
+    off = make_plan(FLASH, dataclasses.replace(base, offload_optimizer=True), 4096, H100)
+    assert off.memory.optimizer == 0 and off.memory.optimizer_host == m.optimizer
+    assert off.time.optimizer > plans["none"].time.optimizer
+
+
+def test_mfu_uses_the_training_flops_formula_and_the_profile_peak():
+    """One device, no communication, AdamW (no Newton-Schulz), no recompute: MFU is the efficiency."""
+    cfg = tiny()
+    hw = HardwareProfile(name="x", unit="card", peak_tflops={"bf16": 100.0}, memory_gib=80, intra_node_gbps=100,
+                         inter_node_gbps=10, devices_per_node=8)
+    plan = make_plan(cfg, Layout(dp_shard=1, optimizer="adamw", grad_accum=4), 512, hw,
+                     TimeAssumptions(compute_efficiency=0.4))
+    assert plan.time.exposed_comm == 0 and plan.mfu == pytest.approx(0.4)
+    assert plan.global_batch_tokens == 4 * 512
+
+
+def test_search_returns_fitting_layouts_fastest_first_at_the_requested_batch():
+    plans = search(FLASH, 64, 4096, 64 * 4096 * 4, load_profiles()["h200-sxm"])
+    assert plans and all(p.fits and p.layout.devices == 64 for p in plans)
+    assert all(p.global_batch_tokens == 64 * 4096 * 4 for p in plans)
+    assert [p.time.total for p in plans] == sorted(p.time.total for p in plans)
+    assert not search(FLASH, 8, 4096, 8 * 4096, H100)  # 284B parameters do not fit on one node
+
+
+def test_cli_plans_a_recipe_and_a_user_hardware_profile(tmp_path, monkeypatch, capsys):
+    (tmp_path / "big.toml").write_text(
+        'name = "big"\nunit = "card"\npeak_tflops = { bf16 = 1000.0 }\nmemory_gib = 4096\nintra_node_gbps = 400\n'
+        'inter_node_gbps = 50\ndevices_per_node = 8\nsource = "test"\n')
+    monkeypatch.setenv("TREX_HARDWARE_DIR", str(tmp_path))
+    recipe = "recipes/deepseek_v4_flash_sft.toml"  # dp_shard = -1: every rank
+    assert main(["plan", recipe, "--hardware", "big"]) == 2
+    assert "--devices" in capsys.readouterr().err
+    assert main(["plan", recipe, "--hardware", "big", "--devices", "64", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["layout"]["devices"] == 64 and out["parameters"]["total"] == model_facts(FLASH).total
+    assert main(["plan", "--model", "deepseek-v4-flash", "--hardware", "big", "--seq", "4096", "--devices", "16",
+                 "--layout", "dp_shard=16,ep=16", "--global-batch-tokens", str(16 * 4096 * 2)]) == 0
+    assert "ga=2" in capsys.readouterr().out
