@@ -23,6 +23,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from trex import device as device_layer
 from trex import recipe as recipe_io
@@ -154,7 +155,9 @@ def accumulate_gradients(model: DeepseekV4, micro: list, cfg_train, scaler: Dyna
     lm_total = torch.zeros((), device=device)
     mtp_total = torch.zeros((), device=device)
     stats = []
-    for b, tgt in zip(micro, targets):
+    for i, (b, tgt) in enumerate(zip(micro, targets)):
+        if isinstance(model, FSDPModule):  # reduce-scatter gradients once, after the last micro-batch
+            model.set_requires_gradient_sync(i == len(micro) - 1)
         out = model(b.input_ids, doc_ids=b.doc_ids)
         lm = loss_sum(out.logits, tgt[0]) / counts[0]
         mtp = sum((loss_sum(lg, t) / c for lg, t, c in zip(out.mtp_logits, tgt[1:], counts[1:])),
