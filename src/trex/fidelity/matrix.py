@@ -121,8 +121,9 @@ def run_matrix(recipe_path: str, out: str, steps: int | None = None, only: list[
     if steps:
         base.append(f"train.steps={steps}")
     recipe = load(TrainRecipe, recipe_path, base)
-    if recipe.fidelity.every == 0:
-        base.append(f"fidelity.every={max(1, recipe.train.steps // 5)}")
+    every = recipe.fidelity.every
+    if not 0 < every <= recipe.train.steps // 2:  # at least two gradient/probe records per run
+        base.append(f"fidelity.every={max(1, recipe.train.steps // 4)}")
     steps = recipe.train.steps
     chosen = [v for v in variants(recipe.data.micro_batch_size, recipe.train.grad_accum)
               if not only or v.name in only]
