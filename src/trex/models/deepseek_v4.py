@@ -9,8 +9,8 @@ as summarised in the project's reference notes; parameter names follow the offic
 Shapes: B batch, S sequence, d hidden, H query heads, c head dim, n = hc_mult streams,
 m compression rate, N compressed entries, W sliding window, E experts, k experts per token.
 
-Efficiency by construction: sliding-window attention runs on blocks of W queries against 2W
-keys (memory O(S*W)); HCA attends densely to the S/m' compressed entries; CSA's indexer
+Efficiency by construction: sliding-window attention runs on blocks of W/4 queries against the
+W/4 + W keys they need (memory O(S*W)); HCA attends densely to the S/m' compressed entries; CSA's indexer
 scores S x S/4 in bounded chunks without autograd and the attention gathers only the top-k
 entries; experts run as grouped matmuls over tokens sorted by expert.
 """
@@ -188,10 +188,10 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x: [B, S, C], index: [B, *rest] -> [B, *rest, C]."""
-    B, C = x.shape[0], x.shape[-1]
-    flat = index.reshape(B, -1, 1).expand(-1, -1, C)
-    return x.gather(1, flat).view(*index.shape, C)
+    """x: [B, S, C], index: [B, *rest] -> [B, *rest, C] (rows x[b, index[b, ...]])."""
+    B, S, C = x.shape
+    offsets = (torch.arange(B, device=index.device) * S).view(B, *([1] * (index.dim() - 1)))
+    return x.reshape(B * S, C).index_select(0, (index + offsets).reshape(-1)).view(*index.shape, C)
 
 
 # ==================================================================================================
@@ -301,21 +301,23 @@ def sparse_attention(
     """
     B, S, H, c = q.shape
     W = window
-    nb = -(-S // W)
-    P = nb * W
-    # --- sliding window: block j of W queries against keys of blocks j-1 and j -------------
-    qb = F.pad(q, (0, 0, 0, 0, 0, P - S)).view(B, nb, W * H, c)
+    Q = max(1, W // 4)  # queries per block: a block sees its Q + W keys, of which each query uses W
+    K = Q + W
+    nb = -(-S // Q)
+    P = nb * Q
+    # --- sliding window: block j of Q queries against the K keys that end with it -----------------
+    qb = F.pad(q, (0, 0, 0, 0, 0, P - S)).view(B, nb, Q * H, c)
     kvp = F.pad(kv, (0, 0, W, P - S))  # [B, W + P, c]
-    kb = kvp.unfold(1, 2 * W, W).transpose(-1, -2)  # [B, nb, 2W, c]
-    local = (qb @ kb.transpose(-1, -2)).view(B, nb, W, H, 2 * W) * scale
+    kb = kvp.unfold(1, K, Q).transpose(-1, -2)  # [B, nb, K, c]: keys j*Q - W ... j*Q + Q - 1
+    local = (qb @ kb.transpose(-1, -2)).view(B, nb, Q, H, K) * scale
     docp = F.pad(doc, (W, P - S), value=-1)
-    key_doc = docp.unfold(1, 2 * W, W)  # [B, nb, 2W]
-    t = torch.arange(P, device=q.device).view(nb, W, 1)
-    s = (torch.arange(nb, device=q.device).view(nb, 1, 1) - 1) * W + torch.arange(2 * W, device=q.device)
-    in_window = (s <= t) & (s > t - W) & (s >= 0)  # [nb, W, 2W]
-    q_doc = F.pad(doc, (0, P - S), value=-2).view(B, nb, W, 1)
-    ok = in_window & (key_doc[:, :, None, :] == q_doc)  # [B, nb, W, 2W]
-    local = local.masked_fill(~ok[:, :, :, None, :], float("-inf")).view(B, P, H, 2 * W)[:, :S]
+    key_doc = docp.unfold(1, K, Q)  # [B, nb, K]
+    t = torch.arange(P, device=q.device).view(nb, Q, 1)
+    s = torch.arange(nb, device=q.device).view(nb, 1, 1) * Q - W + torch.arange(K, device=q.device)
+    in_window = (s <= t) & (s > t - W) & (s >= 0)  # [nb, Q, K]
+    q_doc = F.pad(doc, (0, P - S), value=-2).view(B, nb, Q, 1)
+    ok = in_window & (key_doc[:, :, None, :] == q_doc)  # [B, nb, Q, K]
+    local = local.masked_fill(~ok[:, :, :, None, :], float("-inf")).view(B, P, H, K)[:, :S]
     # --- compressed entries ------------------------------------------------------------------
     parts = [local]
     if compressed is not None and compressed.shape[1] > 0:
@@ -328,10 +330,10 @@ def sparse_attention(
     parts.append(sink.float().view(1, 1, H, 1).expand(B, S, H, 1))
     probs = torch.cat([p.float() for p in parts], dim=-1).softmax(dim=-1).to(q.dtype)
     # --- weighted values -----------------------------------------------------------------------
-    p_local = F.pad(probs[..., : 2 * W], (0, 0, 0, 0, 0, P - S)).view(B, nb, W * H, 2 * W)
+    p_local = F.pad(probs[..., :K], (0, 0, 0, 0, 0, P - S)).view(B, nb, Q * H, K)
     out = (p_local @ kb).view(B, P, H, c)[:, :S]
     if len(parts) == 3:
-        p_comp = probs[..., 2 * W : -1]
+        p_comp = probs[..., K:-1]
         if comp_idx is None:
             out = out + (p_comp.reshape(B, S * H, -1) @ compressed).view(B, S, H, c)
         else:
