@@ -138,7 +138,7 @@ def test_cli_rejects_unknown_keys_with_a_suggestion(tmp_path, capsys):
 def test_default_job_pipeline_on_a_short_schedule(tmp_path):
     out = tmp_path / "job"
     code = main(["train", "--out", str(out), "--set", "cpt_steps=4", "--set", "sft_steps=4",
-                 "--set", "task.n_train=300", "--set", "task.n_eval=100", "--set", "progress=false"])
+                 "--set", "task.n_train=300", "--set", "task.n_eval=100", "--set", "micro_batch_size=8", "--set", "progress=false"])
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert 0.0 <= summary["exact_match_before_sft"] <= 1.0 and 0.0 <= summary["exact_match_after_sft"] <= 1.0

@@ -188,10 +188,10 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x: [B, S, C], index: [B, *rest] -> [B, *rest, C] (rows x[b, index[b, ...]])."""
-    B, S, C = x.shape
-    offsets = (torch.arange(B, device=index.device) * S).view(B, *([1] * (index.dim() - 1)))
-    return x.reshape(B * S, C).index_select(0, (index + offsets).reshape(-1)).view(*index.shape, C)
+    """x: [B, S, C], index: [B, *rest] -> [B, *rest, C]."""
+    B, C = x.shape[0], x.shape[-1]
+    flat = index.reshape(B, -1, 1).expand(-1, -1, C)
+    return x.gather(1, flat).view(*index.shape, C)
 
 
 # ==================================================================================================

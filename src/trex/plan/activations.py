@@ -60,7 +60,9 @@ def attention(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
     d, H, c, q, W = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.sliding_window
     rd = cfg.qk_rope_head_dim
     cp = 0 if b == F32 else F32
-    P = -(-S // W) * W
+    Qb = max(1, W // 4)  # queries per window block; each block sees Qb + W keys
+    K = Qb + W
+    P = -(-S // Qb) * Qb
     per_tok = _rms_norm(d)  # attn_norm
     per_tok += b * d + _rms_norm(q) + b * q  # wq_a input (shared with wkv), q_norm, wq_b input
     per_tok += F32 * (H * c + H)  # unweighted RMSNorm of the heads: fp32 input and rstd
@@ -68,22 +70,22 @@ def attention(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
     per_tok += F32 * rd // 2  # inverse RoPE on the output: the negated sin table
     per_tok += b * H * c + b * cfg.o_groups * cfg.o_lora_rank  # grouped wo_a input (permuted copy), wo_b input
     per_seq = b * H * c * P + b * c * (W + P)  # padded queries and keys of the window blocks
-    per_seq += 2 * W * P  # window mask (bool)
-    per_seq += b * H * 2 * W * P  # window probabilities, padded
+    per_seq += K * P  # window mask (bool)
+    per_seq += b * H * K * P  # window probabilities, padded
     kc = 0
     if layer_type != SLIDING:
         m = cfg.compress_rate(layer_type)
         N = S // m
         kc = min(cfg.index_topk, N) if layer_type == CSA else N
         per_tok += b * H * c  # roped queries for the compressed scores
-        per_tok += (b if cp else 0) * H * (2 * W + kc + 1)  # at bf16, the compressed probabilities' bf16 copy
+        per_tok += (b if cp else 0) * H * (K + kc + 1)  # at bf16, the compressed probabilities' bf16 copy
         per_seq += b * c * N  # compressed entries
         if layer_type == CSA:
             per_tok += b * kc * c + I64 * kc + kc  # gathered top-k entries, their index, validity mask
         else:
             per_seq += S * N  # visibility mask (bool)
         per_seq += compressor(cfg, layer_type, S, b)
-    per_tok += F32 * H * (2 * W + kc + 1)  # softmax output over window, compressed entries and sink
+    per_tok += F32 * H * (K + kc + 1)  # softmax output over window, compressed entries and sink
     return per_tok * S + per_seq
 
 
