@@ -15,6 +15,15 @@ import sys
 CKPT_COMMAND_MODULES: tuple[str, ...] = ("trex.checkpoint.training_cli",)
 
 
+def add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of every command that writes safetensors through the weights writer."""
+    p.add_argument("--layout", choices=("hf", "official"), required=True)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of unquantised tensors")
+    p.add_argument("--quantize", choices=("fp8", "fp8+fp4experts"), default=None)
+    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--overwrite", action="store_true", help="replace the output directory if it exists")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     group = subparsers.add_parser("ckpt", help="convert and inspect DeepSeek-V4 checkpoints")
     sub = group.add_subparsers(dest="ckpt_command", required=True, metavar="CKPT_COMMAND")
@@ -22,12 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="stream a checkpoint into another layout / precision (bounded memory)")
     p.add_argument("src", help="checkpoint directory (any layout, bf16/fp32/FP8/FP4)")
     p.add_argument("dst", help="new directory (written atomically)")
-    p.add_argument("--layout", choices=("hf", "official"), required=True)
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of unquantised tensors")
-    p.add_argument("--quantize", choices=("fp8", "fp8+fp4experts"), default=None)
-    p.add_argument("--max-shard-size", default="5GB")
+    add_output_arguments(p)
     p.add_argument("--src-layout", choices=("auto", "hf", "official"), default="auto")
-    p.add_argument("--overwrite", action="store_true", help="replace dst if it exists")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_convert)
 

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from trex.checkpoint.cli import add_output_arguments
+
 
 def register(sub) -> None:
     p = sub.add_parser("verify", help="check a training checkpoint's files and checksums against its manifest",
@@ -19,11 +21,7 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="write a training checkpoint's model as safetensors (hf or official layout)")
     p.add_argument("dir", help="a step_<N> training checkpoint directory")
     p.add_argument("out", help="new directory (written atomically)")
-    p.add_argument("--layout", choices=("hf", "official"), required=True)
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of unquantised tensors")
-    p.add_argument("--quantize", choices=("fp8", "fp8+fp4experts"), default=None)
-    p.add_argument("--max-shard-size", default="5GB")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    add_output_arguments(p)
     p.set_defaults(func=_cmd_export)
 
 
