@@ -14,7 +14,7 @@ from trex.data.config import DataConfig
 from trex.data.documents import Documents, build_documents
 from trex.data.loader import Batch, PackedLoader
 from trex.data.packing import PackedRows
-from trex.data.records import BadRecordError, BadRecordPolicy, SkipCounter
+from trex.data.records import BadRecordError, BadRecordPolicy
 from trex.data.tokenizer import Tokenizer, compact_tokenizer, load_tokenizer
 
 __all__ = ["DataConfig", "Batch", "PackedLoader", "BadRecordError", "Tokenizer", "Documents",

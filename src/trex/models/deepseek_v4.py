@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trex import kernels
-from trex.models.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig, YarnScaling
+from trex.models.config import CSA, HASH_MOE, MOE, SLIDING, ModelConfig, YarnScaling
 
 IGNORE_INDEX = -100
 _BIG = 1 << 40  # sentinel index for padded compressed entries

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trex.models.config import CSA, HASH_MOE, HCA, SLIDING, ModelConfig
+from trex.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
 
 F32, I64 = 4, 8
 
