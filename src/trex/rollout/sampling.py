@@ -1,0 +1,158 @@
+"""Batched sampling from the trex model: temperature, top-p, max new tokens, stop tokens.
+
+Prompts of different lengths share one batch: each row is left-padded and the padding is its own
+document (``doc_ids`` 0, the prompt and its completion are document 1), so padding never enters
+attention or a compression window and every prompt's positions start at 0.
+
+The sampler reads the live model weights and works on the plain and on the FSDP2/EP-sharded model:
+when torch.distributed is initialised every rank runs the same number of forward calls (the number
+of batches and the stop decision are agreed across ranks), so collectives inside the model match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+@dataclass
+class SamplingParams:
+    """temperature 0 means greedy; top_p keeps the smallest set of tokens whose probability reaches it."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        self.stop_ids = tuple(int(s) for s in self.stop_ids)
+
+
+@dataclass
+class Samples:
+    """Per prompt: the prompt, its completion (a stop token included when one ended it), the sampler's
+    log p(token) under log_softmax(logits.float()) at temperature 1, and whether a stop token ended it."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finished: list[bool]
+
+
+def choose_tokens(logits: torch.Tensor, params: SamplingParams,
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (tokens [B] long, log p(token) [B] fp32 under the untempered distribution).
+
+    Sampling draws one uniform per row (from ``generator``, on the generator's device) and inverts
+    the CDF of the temperature-scaled, top-p-truncated distribution over tokens sorted by probability.
+    """
+    logits = logits.float()
+    logp = F.log_softmax(logits, dim=-1)
+    if params.temperature == 0:
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs, order = (logits / params.temperature).softmax(dim=-1).sort(dim=-1, descending=True, stable=True)
+        cdf = probs.cumsum(dim=-1)
+        keep = (cdf - probs) < params.top_p  # the first token is always kept
+        cdf = (probs * keep).cumsum(dim=-1)
+        gen_device = generator.device if generator is not None else logits.device
+        u = torch.rand(logits.shape[0], 1, generator=generator, device=gen_device).to(logits.device)
+        pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=keep.sum(dim=-1, keepdim=True) - 1)
+        tokens = order.gather(1, pick).squeeze(1)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _agree_max(value: int, device: torch.device) -> int:
+    """The largest ``value`` over all ranks (the value itself in one process)."""
+    if not _distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, L], doc_ids [B, L]): prompts right-aligned; padding is document 0, prompts document 1."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    docs = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        docs[i, width - len(p):] = 1
+    return ids.to(device), docs.to(device)
+
+
+def _sample_batch(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
+                  generator: torch.Generator | None, done: torch.Tensor):
+    """Decode one batch; rows already ``done`` [B] (dummy rows of a rank with no prompts left) only
+    keep the collectives in step. Returns (tokens [B, T], logprobs [B, T], finished [B])."""
+    device = done.device
+    ids, docs = left_pad(prompts, pad_id, device)
+    stop = torch.tensor(params.stop_ids, dtype=torch.long, device=device)
+    finished = torch.zeros_like(done)
+    tokens, logprobs = [], []
+    for step in range(params.max_new_tokens):
+        if step:
+            ids = torch.cat([ids, tokens[-1][:, None]], dim=1)
+            docs = torch.cat([docs, torch.ones_like(docs[:, :1])], dim=1)
+        logits = model(ids, doc_ids=docs).logits[:, -1]
+        tok, lp = choose_tokens(logits, params, generator)
+        tokens.append(torch.where(done, torch.full_like(tok, pad_id), tok))
+        logprobs.append(lp)
+        hit = torch.isin(tok, stop) & ~done
+        finished |= hit
+        done = done | hit
+        if _agree_max(int(not bool(done.all())), device) == 0:
+            break
+    if not tokens:
+        empty = torch.zeros(len(prompts), 0, device=device)
+        return empty.long(), empty, finished
+    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), finished
+
+
+@torch.no_grad()
+def sample(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
+           generator: torch.Generator | None = None, batch_size: int = 64) -> Samples:
+    """Sample a completion for every prompt (lists of token ids), ``batch_size`` prompts per batch.
+
+    Deterministic given ``generator`` (same prompts, weights and batch size). Under torch.distributed
+    each rank passes its own prompts; ranks with fewer batches run dummy rows until all are done.
+    """
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"sample: prompt {i} is empty; every prompt needs at least one token")
+    if batch_size < 1:
+        raise ValueError(f"sample: batch_size must be >= 1, got {batch_size}")
+    was_training = model.training
+    model.eval()
+    device = model.embed.weight.device
+    out = Samples([list(p) for p in prompts], [], [], [])
+    n_batches = _agree_max(-(-len(prompts) // batch_size), device)
+    for b in range(n_batches):
+        chunk = prompts[b * batch_size:(b + 1) * batch_size]
+        real = bool(chunk)
+        rows = chunk if real else [[pad_id]]
+        done = torch.full((len(rows),), not real, dtype=torch.bool, device=device)
+        tokens, logprobs, finished = _sample_batch(model, rows, params, pad_id, generator, done)
+        if not real:
+            continue
+        for toks, lps, fin in zip(tokens.tolist(), logprobs.tolist(), finished.tolist()):
+            n = next((i + 1 for i, t in enumerate(toks) if t in params.stop_ids), len(toks))
+            out.completion_ids.append(toks[:n])
+            out.logprobs.append(lps[:n])
+            out.finished.append(fin)
+    model.train(was_training)
+    return out
