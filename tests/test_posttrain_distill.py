@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from trex.posttrain.distill import reverse_kl
+from trex.posttrain.distill_loss import reverse_kl
 
 
 def _reference(z, teachers, weights):

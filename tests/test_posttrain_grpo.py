@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trex.posttrain.grpo import group_advantages, k3_kl, policy_loss, token_entropy, token_weights
+from trex.posttrain.grpo_loss import group_advantages, k3_kl, policy_loss, token_entropy, token_weights
 
 
 def test_group_advantages_hand_computed():

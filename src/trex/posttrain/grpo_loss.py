@@ -1,6 +1,6 @@
 """GRPO math: group-normalised advantages, the clipped policy-ratio loss, the k3 KL estimator and
 the per-token statistics an RL step logs. Pure tensor functions; the objective that samples,
-scores and calls them lives in trex.posttrain.grpo_objective.
+scores and calls them is trex.posttrain.grpo.
 
 Shapes: N prompts, G samples per prompt (B = N * G completions), T completion tokens (padded);
 ``mask`` [B, T] is 1 on real completion tokens. Log-probabilities are natural-log, fp32.
