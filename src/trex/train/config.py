@@ -5,10 +5,13 @@
     [optim]      trex.train.optim.OptimConfig
     [schedule]   trex.train.schedule.ScheduleConfig
     [precision]  trex.train.precision.PrecisionConfig
-    [train]      steps, batch, losses, logging, evaluation
+    [train]      mode, steps, batch, losses, logging, evaluation
     [eval]       held-out data for the periodic evaluation loss
     [parallel]   the device mesh: data-parallel replicate / shard and expert-parallel sizes
     [checkpoint] trex.train.checkpointing.CheckpointSection: sharded checkpoints and resume
+    [sampling]   generation settings of on-policy modes (grpo, distill)
+    [grpo]       GRPO with verifiable rewards (train.mode = "grpo")
+    [distill]    on-policy distillation from frozen teachers (train.mode = "distill")
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from trex.train.checkpointing import CheckpointSection
 from trex.train.optim import OptimConfig
 from trex.train.precision import PrecisionConfig
 from trex.train.schedule import ScheduleConfig
+
+TRAIN_MODES = ("sft", "dpo", "grpo", "distill")
 
 
 @dataclass
@@ -41,6 +46,9 @@ class ModelSection:
 
 @dataclass
 class TrainSection:
+    mode: str = "sft"
+    """What the steps optimise (trex.posttrain): sft (continued pretraining / SFT; [data] mode picks the
+    encoding), dpo ([dpo]), grpo ([grpo]), distill ([distill])."""
     steps: int = 100
     """Optimizer steps."""
     grad_accum: int = 1
@@ -67,6 +75,8 @@ class TrainSection:
     """Show a live progress bar when the output is a terminal."""
 
     def __post_init__(self) -> None:
+        if self.mode not in TRAIN_MODES:
+            raise ValueError(f"train.mode = {self.mode!r}; expected one of {', '.join(TRAIN_MODES)}")
         for name in ("steps", "grad_accum", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
@@ -108,6 +118,116 @@ class ParallelSection:
 
 
 @dataclass
+class SamplingSection:
+    """How on-policy modes (grpo, distill) sample completions (trex.rollout.SamplingParams)."""
+    temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    max_new_tokens: int = 64
+    """Longest completion; one cut here is "truncated" (no stop token)."""
+    batch_size: int = 64
+    """Prompts per generation batch."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1 or self.batch_size < 1:
+            raise ValueError("sampling: expected temperature >= 0, 0 < top_p <= 1, max_new_tokens >= 1, "
+                             "batch_size >= 1")
+
+
+@dataclass
+class GRPOSection:
+    """GRPO with verifiable rewards (trex.posttrain.grpo)."""
+    prompts: list[str] = field(default_factory=list)
+    """Prompt files: JSONL records {"prompt": str | "messages": [...], "answer": ...}."""
+    eval_prompts: list[str] = field(default_factory=list)
+    """Held-out prompt files (same format): greedy exact match and reward at each evaluation."""
+    eval_limit: int = 0
+    """Held-out prompts evaluated (0: all)."""
+    prompts_per_step: int = 8
+    """Prompts per optimizer step over all ranks (each rank takes an equal share)."""
+    group_size: int = 8
+    """Completions sampled per prompt (G); advantages are normalised within each group."""
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])
+    """Reward functions: built-in names, trex.rewards entry points or module:function paths."""
+    reward_weights: list[float] = field(default_factory=list)
+    """One weight per reward (empty: all 1)."""
+    scale_by_std: bool = True
+    """Divide advantages by the group's reward std (False: Dr. GRPO)."""
+    eps_low: float = 0.2
+    """Lower clip of the policy ratio: 1 - eps_low."""
+    eps_high: float = 0.2
+    """Upper clip of the policy ratio: 1 + eps_high (DAPO raises it, e.g. 0.28)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the reference model (0: no reference is loaded)."""
+    reference: str = ""
+    """Reference checkpoint directory; empty: a frozen copy of the initial policy."""
+    aggregation: str = "token"
+    """token (mean over all tokens) | sequence (mean per completion, then over completions) |
+    constant (sum / (max_new_tokens x completions), no length bias)."""
+    mask_truncated: bool = False
+    """Completions cut at max_new_tokens contribute no loss (they still count in the metrics)."""
+    ppo_epochs: int = 1
+    """Optimizer steps per sampled batch (> 1: later steps reuse the batch with the clipped ratio)."""
+    micro_batch_size: int = 32
+    """Completions per training forward."""
+    seed: int = 0
+    """Seeds the prompt order and the sampler."""
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in ("token", "sequence", "constant"):
+            raise ValueError(f"grpo.aggregation = {self.aggregation!r}; expected token, sequence or constant")
+        for name in ("prompts_per_step", "ppo_epochs", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"grpo.{name} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ValueError(f"grpo.group_size must be >= 2, got {self.group_size}")
+        if self.eps_low < 0 or self.eps_high < 0 or self.kl_coef < 0:
+            raise ValueError("grpo: eps_low, eps_high and kl_coef must be >= 0")
+
+
+@dataclass
+class TeacherSpec:
+    path: str = ""
+    """Teacher checkpoint directory (same tokenizer/vocabulary as the student)."""
+    weight: float = 1.0
+    """w_i in sum_i w_i KL(student || teacher_i)."""
+
+    def __post_init__(self) -> None:
+        if not self.path or self.weight < 0:
+            raise ValueError(f"distill.teachers: expected {{path = \"...\", weight >= 0}}, got path={self.path!r} "
+                             f"weight={self.weight}")
+
+
+@dataclass
+class DistillSection:
+    """On-policy distillation (trex.posttrain.distill): the student samples, teachers score its tokens."""
+    teachers: list[TeacherSpec] = field(default_factory=list)
+    """Teachers: [{ path = "...", weight = 1.0 }, ...]."""
+    prompts: list[str] = field(default_factory=list)
+    """Prompt files: JSONL records {"prompt": str | "messages": [...], "answer": ... (optional)}."""
+    eval_prompts: list[str] = field(default_factory=list)
+    """Held-out prompt files: reverse KL to each teacher and, with answers, greedy exact match."""
+    eval_limit: int = 0
+    """Held-out prompts evaluated (0: all)."""
+    prompts_per_step: int = 16
+    """Prompts per optimizer step over all ranks."""
+    samples_per_prompt: int = 1
+    """Completions sampled per prompt."""
+    micro_batch_size: int = 32
+    """Completions per training forward."""
+    chunk: int = 1024
+    """Positions per chunk of the full-vocabulary KL (bounds its fp32 memory)."""
+    seed: int = 0
+    """Seeds the prompt order and the sampler."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "samples_per_prompt", "micro_batch_size", "chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"distill.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
 class TrainRecipe:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataConfig = field(default_factory=DataConfig)
@@ -119,3 +239,6 @@ class TrainRecipe:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     fidelity: FidelitySection = field(default_factory=FidelitySection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+    distill: DistillSection = field(default_factory=DistillSection)

@@ -1,13 +1,13 @@
-"""The training loop: full-parameter continued pretraining and SFT of a DeepSeek-V4 model.
+"""The training loop: full-parameter training of a DeepSeek-V4 model in any `[train] mode`.
 
-One step, as in the algorithm:
+One loop serves every mode; what differs is the mode's Objective (trex.posttrain): SFT/CPT
+next-token loss, DPO, GRPO, distillation. One step, as in the algorithm:
 
-    take grad_accum micro-batches; count their loss targets (the global batch's denominator)
-    for each micro-batch: forward; loss = CE_sum / targets + w_mtp * MTP + alpha * balance; backward
+    objective.step: forward and backward of the step's micro-batches (gradients in .grad, scaled)
     unscale (fp16), measure and clip the global grad norm
     if loss and norm are finite: optimizer step, then the aux-loss-free router bias update
     else: skip the step and count it (N consecutive skips stop the run)
-    advance the LR schedule; log; evaluate now and then
+    advance the LR schedule; log; objective.evaluate now and then
 
 Everything a run writes lands in its run directory (see trex.train.run_dir).
 """
@@ -23,21 +23,21 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from trex import device as device_layer
 from trex import recipe as recipe_io
-from trex.data import build_loader, load_tokenizer
+from trex.data import load_tokenizer
 from trex.data.tokenizer import Tokenizer, compact_tokenizer
 from trex.fidelity.signals import FidelityRecorder
 from trex.hardware import profile_for_device_name
 from trex.models import DeepseekV4, build_model, get_preset, load_pretrained
-from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
 from trex.models.flops import flops_per_token
 from trex.parallel.load import load_sharded
-from trex.parallel.mesh import Parallel, init_parallel
+from trex.parallel.mesh import init_parallel
 from trex.parallel.plan import apply_parallelism
 from trex.parallel.preflight import collective_context, preflight
+from trex.posttrain import Objective, TrainContext, build_objective
+from trex.posttrain.sft import accumulate_gradients
 from trex.train.checkpointing import Checkpointer, RunState
 from trex.train.config import TrainRecipe
 from trex.train.moe_balance import freeze_indexer, sum_expert_counts, update_router_bias
@@ -46,6 +46,8 @@ from trex.train.precision import DynamicLossScaler, NonFiniteError, PrecisionPol
 from trex.train.progress import StepProgress
 from trex.train.run_dir import RunDir
 from trex.train.schedule import build_scheduler
+
+__all__ = ["TrainResult", "train", "accumulate_gradients", "model_for", "tokenizer_for"]
 
 log = logging.getLogger(__name__)
 
@@ -56,22 +58,6 @@ class TrainResult:
     tokenizer: Tokenizer
     summary: dict
     run_dir: str
-
-
-# ---- losses -----------------------------------------------------------------------------------------
-def targets_for(labels: torch.Tensor, doc_ids: torch.Tensor, shift: int) -> torch.Tensor:
-    """Targets ``shift`` tokens ahead, IGNORE_INDEX across documents and past the end."""
-    return shift_labels(labels, shift, doc_ids)
-
-
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy (fp32) over targets != IGNORE_INDEX."""
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                             ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def _count(targets: torch.Tensor) -> int:
-    return int((targets != IGNORE_INDEX).sum())
 
 
 # ---- set-up -----------------------------------------------------------------------------------------
@@ -117,60 +103,14 @@ def peak_flops(dev: device_layer.Device, policy: PrecisionPolicy) -> tuple[float
     return profile.peak_flops(dtype), f"{profile.name} {dtype} per {profile.unit}"
 
 
-@torch.no_grad()
-def evaluate_loss(model: DeepseekV4, loader, batches: int, dev: device_layer.Device,
-                  par: Parallel | None = None) -> float:
-    """Token-weighted next-token loss over ``batches`` held-out micro-batches (of every rank)."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for _ in range(batches):
-        b = next(loader).to(dev.torch_device)
-        targets = targets_for(b.labels, b.doc_ids, 1)
-        total += loss_sum(model(b.input_ids, doc_ids=b.doc_ids).logits, targets).item()
-        count += _count(targets)
-    model.train(was_training)
-    if par is not None and par.distributed:
-        total, count = par.all_reduce_sum(torch.tensor([total, float(count)], dtype=torch.float64)).tolist()
-    return total / max(count, 1)
-
-
-def accumulate_gradients(model: DeepseekV4, micro: list, cfg_train, scaler: DynamicLossScaler,
-                         par: Parallel | None = None):
-    """Forward and backward over the micro-batches of one step; gradients accumulate in .grad.
-
-    The LM and MTP cross-entropies are summed over tokens and divided by the number of targets in
-    the whole step (all micro-batches of all ranks; ranks sum their gradients), so any split of a
-    batch gives the same gradient. The balance loss is averaged over micro-batches and ranks.
-    Returns this rank's share of the (lm loss, mtp loss) and its MoE stats.
-    """
-    world = par.world_size if par is not None else 1
-    shifts = [1] + [j + 2 for j in range(model.cfg.num_nextn_predict_layers)]
-    targets = [[targets_for(b.labels, b.doc_ids, s) for s in shifts] for b in micro]
-    counts = torch.tensor([sum(_count(t[i]) for t in targets) for i in range(len(shifts))])
-    if par is not None:
-        counts = par.all_reduce_sum(counts)
-    counts = counts.clamp(min=1).tolist()
-    device = micro[0].input_ids.device
-    lm_total = torch.zeros((), device=device)
-    mtp_total = torch.zeros((), device=device)
-    stats = []
-    for i, (b, tgt) in enumerate(zip(micro, targets)):
-        if isinstance(model, FSDPModule):  # reduce-scatter gradients once, after the last micro-batch
-            model.set_requires_gradient_sync(i == len(micro) - 1)
-        out = model(b.input_ids, doc_ids=b.doc_ids)
-        lm = loss_sum(out.logits, tgt[0]) / counts[0]
-        mtp = sum((loss_sum(lg, t) / c for lg, t, c in zip(out.mtp_logits, tgt[1:], counts[1:])),
-                  torch.zeros((), device=device)) / max(1, len(out.mtp_logits))
-        loss = lm + cfg_train.mtp_weight * mtp
-        balance = [s.balance_loss for s in out.moe_stats if s.balance_loss is not None]
-        if balance:
-            loss = loss + cfg_train.balance_alpha * torch.stack(balance).sum() / (len(micro) * world)
-        scaler.scale(loss).backward()
-        lm_total += lm.detach()
-        mtp_total += mtp.detach()
-        stats.extend(out.moe_stats)
-    return lm_total, mtp_total, stats
+def fidelity_recorder(recipe: TrainRecipe, objective: Objective, run_path: str, tokenizer: Tokenizer,
+                      device: torch.device) -> FidelityRecorder:
+    """The probe batch comes from [fidelity] probe_paths or the SFT/CPT data; other modes' data are
+    not next-token rows, so without probe_paths their objective supplies it."""
+    section = recipe.fidelity
+    if recipe.train.mode == "sft" or section.probe_paths or not section.every:
+        return FidelityRecorder.for_recipe(recipe, run_path, tokenizer, device)
+    return FidelityRecorder(section, run_path, objective.probe_batch(section.probe_rows), device)
 
 
 # ---- the loop ---------------------------------------------------------------------------------------
@@ -208,22 +148,17 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
         print(optimizer.describe_groups(), file=sys.stderr)
     scheduler = build_scheduler(optimizer, recipe.schedule, cfg_train.steps)
     guard = StepGuard(recipe.precision.max_consecutive_skips, DynamicLossScaler.from_config(recipe.precision, policy))
-    loader = build_loader(recipe.data, rank=par.rank, world_size=par.world_size, tokenizer=tokenizer)
-    eval_loader = None
-    if recipe.eval.paths:
-        eval_loader = build_loader(dataclasses.replace(recipe.data, paths=list(recipe.eval.paths), shuffle=False),
-                                   rank=par.rank, world_size=par.world_size, tokenizer=tokenizer)
-    preflight(par, {"steps": cfg_train.steps, "grad_accum": cfg_train.grad_accum,
-                    "micro_batches_per_epoch": loader.micro_batches_per_epoch, "data": loader.fingerprint,
-                    "eval_micro_batches": eval_loader.micro_batches_per_epoch if eval_loader else 0})
+    # built before resume: a reference taken from the student is the initial policy
+    objective = build_objective(cfg_train.mode, TrainContext(recipe, par, dev, policy, tokenizer, model))
+    preflight(par, {"mode": cfg_train.mode, "steps": cfg_train.steps, "grad_accum": cfg_train.grad_accum,
+                    **objective.preflight()})
     params = [p for p in model.parameters() if p.requires_grad]
     flops = flops_per_token(model.cfg, recipe.data.seq_len).total
     peak, peak_source = peak_flops(dev, policy)
-    fidelity = FidelityRecorder.for_recipe(recipe, run.path, tokenizer, dev.torch_device)  # rank 0 writes
+    fidelity = fidelity_recorder(recipe, objective, run.path, tokenizer, dev.torch_device)  # rank 0 writes
 
-    ckpt = Checkpointer(recipe.checkpoint, cfg_train.out, RunState(model, optimizer, scheduler, guard, loader, dev,
-                                                                   eval_loader), config=recipe_io.to_dict(recipe),
-                        precision=policy.to_dict())
+    ckpt = Checkpointer(recipe.checkpoint, cfg_train.out, RunState(model, optimizer, scheduler, guard, objective, dev),
+                        config=recipe_io.to_dict(recipe), precision=policy.to_dict())
     resumed = ckpt.resume()
 
     status, events, last, evals = "completed", [], {}, {}
@@ -235,26 +170,23 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
             dev.synchronize()
             t0 = time.perf_counter()
             dev.reset_peak_memory()
-            micro = [next(loader).to(dev.torch_device) for _ in range(cfg_train.grad_accum)]
-            with collective_context(par, step, "forward/backward (FSDP all-gather/reduce-scatter, MoE all-to-all)"):
-                lm_total, mtp_total, stats = accumulate_gradients(model, micro, cfg_train, guard.scaler, par)
-            with collective_context(par, step, "gradient sync, norm and loss all-reduce"):
+            with collective_context(par, step, "forward/backward (FSDP all-gather/reduce-scatter, MoE all-to-all) "
+                                               "and loss all-reduce"):
+                result = objective.step(model, step, guard.scaler)
+            with collective_context(par, step, "gradient sync and norm"):
                 guard.scaler.unscale_(params)
                 fidelity.record_grad_norms(step + 1, model)  # unscaled, before clipping
                 grad_norm = clip_grad_norm(params, recipe.optim.grad_clip)
-                step_tokens = sum(b.n_tokens for b in micro)
-                totals = par.all_reduce_sum(torch.stack([lm_total, mtp_total, lm_total.new_tensor(step_tokens)]))
-                lm_total, mtp_total, step_tokens = totals[0], totals[1], int(totals[2])
-            applied = guard.check(lm_total, grad_norm, step)
+            applied = guard.check(result.loss, grad_norm, step)
             if applied:
                 with collective_context(par, step, "optimizer step (Muon gathers) and router-bias all-reduce"):
                     optimizer.step()
                     reduce = par.all_reduce_sum if par.distributed else None
-                    loads = update_router_bias(model, stats, cfg_train.bias_gamma, reduce) if cfg_train.bias_gamma \
-                        else sum_expert_counts(stats)
+                    loads = update_router_bias(model, result.moe_stats, cfg_train.bias_gamma, reduce) \
+                        if cfg_train.bias_gamma else sum_expert_counts(result.moe_stats)
             else:
                 events.append(guard.last_reason)
-                loads = sum_expert_counts(stats)
+                loads = sum_expert_counts(result.moe_stats)
             optimizer.zero_grad(set_to_none=True)
             lr = optimizer.param_groups[0]["lr"]
             with warnings.catch_warnings():  # a skipped step still advances the schedule
@@ -263,20 +195,22 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
 
             dev.synchronize()
             dt = time.perf_counter() - t0
-            tokens_seen += step_tokens
+            tokens_seen += result.tokens
             imbalance = {k: (v.max() / v.mean().clamp(min=1e-9)).item() for k, v in loads.items()}
             last = {
-                "loss": lm_total.item(), "mtp_loss": mtp_total.item(), "grad_norm": grad_norm.item(), "lr": lr,
-                "tokens_per_s": step_tokens / dt,
-                "mfu": (step_tokens / dt * flops / (peak * par.world_size)) if peak else None,
+                "loss": result.loss.item(), **result.metrics, "grad_norm": grad_norm.item(), "lr": lr,
+                "tokens_per_s": result.tokens / dt,
+                "mfu": (result.tokens / dt * flops / (peak * par.world_size)) if peak else None,
                 "mem_peak_bytes": dev.max_memory_allocated(), "loss_scale": guard.scaler.scale_value,
                 "skipped_steps": guard.skipped_total, "expert_imbalance_max": max(imbalance.values(), default=1.0),
                 "step_time_s": dt, "tokens": tokens_seen,
             }
-            eval_now = eval_loader is not None and cfg_train.eval_every and (step + 1) % cfg_train.eval_every == 0
-            if eval_now:
-                last["eval_loss"] = evals[step + 1] = evaluate_loss(model, eval_loader, recipe.eval.batches, dev, par)
-            if (step + 1) % cfg_train.log_every == 0 or step + 1 == cfg_train.steps or eval_now:
+            held_out = objective.evaluate(model) if cfg_train.eval_every and (step + 1) % cfg_train.eval_every == 0 \
+                else {}
+            if held_out:
+                last.update(held_out)
+                evals[step + 1] = held_out
+            if (step + 1) % cfg_train.log_every == 0 or step + 1 == cfg_train.steps or held_out:
                 run.log(step + 1, last, {f"expert_imbalance/{k}": v for k, v in imbalance.items()})
             fidelity.record_probe(step + 1, model)  # the fixed probe batch after the update
             progress.update(step + 1, last)
@@ -295,18 +229,22 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
         progress.close()
         ckpt.close()
 
-    if eval_loader is not None and status == "completed":
-        evals["final"] = evaluate_loss(model, eval_loader, recipe.eval.batches, dev, par)
+    if status == "completed":
+        held_out = objective.evaluate(model)
+        if held_out:
+            evals["final"] = held_out
     summary = {
         "status": status,
+        "mode": cfg_train.mode,
         "steps_completed": scheduler.last_epoch,
         "tokens": tokens_seen,
         "wall_time_s": time.perf_counter() - t_start,
         "final": last,
-        "eval_loss": evals,
+        "eval": evals,
+        "eval_loss": {at: m["eval_loss"] for at, m in evals.items() if "eval_loss" in m},
         "skipped_steps": guard.skipped_total,
         "nonfinite_events": events,
-        "data": loader.summary(),
+        "data": objective.summary(),
         "precision": policy.to_dict(),
         "device": device_layer.environment_report(dev),
         "frozen_parameters": len(frozen),

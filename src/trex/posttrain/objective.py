@@ -1,0 +1,155 @@
+"""What differs between training modes: the Objective the loop runs, and the helpers they share.
+
+The training loop (trex.train.loop) is the same for every mode: precision policy, step guard,
+clipping, optimizer, router-bias update, checkpoints, fidelity signals, metrics. Each optimizer
+step it asks the mode's :class:`Objective` for the gradients::
+
+    result = objective.step(model, step, scaler)   # forward + backward; grads in .grad (scaled)
+    ... unscale, clip, guard.check(result.loss, grad_norm), optimizer.step(), router bias ...
+    objective.evaluate(model)                       # held-out metrics, now and then
+    objective.state_dict() / load_state_dict(d)     # data position, RNG: what resume needs
+
+Shared helpers: :func:`token_logprobs` (per-token log-probabilities of the next tokens, fp32
+log-softmax over the full vocabulary) and :func:`load_frozen` (a frozen reference/teacher model,
+sharded like the student).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trex import device as device_layer
+from trex.data.loader import Batch
+from trex.data.tokenizer import Tokenizer
+from trex.models import DeepseekV4, build_model, load_pretrained
+from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
+from trex.parallel.load import load_sharded
+from trex.parallel.mesh import Parallel
+from trex.parallel.plan import apply_parallelism
+from trex.train.precision import PrecisionPolicy
+
+
+@dataclass
+class StepResult:
+    """One optimizer step's forward/backward, as the loop needs it."""
+
+    loss: torch.Tensor
+    """Scalar objective loss of the step over all ranks (detached): the guard's loss and the "loss" metric."""
+    tokens: int
+    """Tokens processed this step on all ranks (throughput and MFU)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Extra metrics (mtp_loss, reward_margin, kl, ...) for metrics.jsonl and TensorBoard."""
+    moe_stats: list = field(default_factory=list)
+    """MoEStats of the trained model's forwards, for the router-bias update."""
+
+
+@dataclass
+class TrainContext:
+    """What an objective is built from: the recipe, where it runs, and the (prepared) student."""
+
+    recipe: Any  # trex.train.config.TrainRecipe
+    par: Parallel
+    dev: device_layer.Device
+    policy: PrecisionPolicy
+    tokenizer: Tokenizer
+    model: DeepseekV4
+    """The student, already cast and sharded; at construction it holds the initial weights."""
+
+
+class Objective:
+    """Base of every mode's objective. ``step`` is required; the rest have neutral defaults."""
+
+    def step(self, model: DeepseekV4, step: int, scaler) -> StepResult:
+        """Forward and backward of optimizer step ``step`` (0-based); gradients accumulate in .grad,
+        scaled by ``scaler``. Every rank calls it; the returned loss and tokens cover all ranks."""
+        raise NotImplementedError
+
+    def evaluate(self, model: DeepseekV4) -> dict[str, float]:
+        """Held-out metrics (the same on every rank); {} when there is no held-out data."""
+        return {}
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable position (data order, RNG) that resume restores."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no resume state, but the checkpoint has {sorted(state)}")
+
+    def preflight(self) -> dict:
+        """Facts every rank must agree on before the first step (checked by trex.parallel.preflight)."""
+        return {}
+
+    def summary(self) -> dict:
+        """Data facts for summary.json (records, skips by reason, ...)."""
+        return {}
+
+    def probe_batch(self, rows: int) -> Batch:
+        """The fidelity probe: ``rows`` fixed rows with next-token labels, the same in every run."""
+        raise ValueError(f"{type(self).__name__} has no fidelity probe of its own: set fidelity.probe_paths to "
+                         "SFT-format records, or fidelity.every = 0")
+
+
+# ---- log-probabilities ------------------------------------------------------------------------------
+def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
+                        doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [B, S]: entry t is log p(input_ids[t+1] | input_ids[..t]) under log_softmax(logits[t]).
+
+    logits: [B, S, V] from the model on ``input_ids`` [B, S]. The last position, and a position
+    whose next token belongs to another document (``doc_ids``), hold 0 (there is no next token).
+    """
+    targets = shift_labels(input_ids, 1, doc_ids)
+    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                          reduction="none")
+    return -nll.view(input_ids.shape)
+
+
+def token_logprobs(model: DeepseekV4, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Run ``model`` on ``input_ids`` and return :func:`next_token_logprobs` (fp32 [B, S])."""
+    return next_token_logprobs(model(input_ids, doc_ids=doc_ids).logits, input_ids, doc_ids)
+
+
+# ---- frozen reference / teacher models ---------------------------------------------------------------
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def load_frozen(source: str | DeepseekV4, ctx: TrainContext) -> DeepseekV4:
+    """A frozen model (requires_grad False, eval mode, no optimizer) sharded like the student.
+
+    ``source`` is a checkpoint directory (official or HF layout; under torch.distributed each rank
+    reads only its shards) or a live model, whose current weights are copied (the student at start:
+    the initial policy). The copy is built on the meta device, given the student's parallel plan and
+    filled shard by shard, so a sharded student is never gathered.
+    """
+    par, policy = ctx.par, ctx.policy
+
+    def prepare(m: DeepseekV4) -> None:
+        m.to(dtype=torch.float32 if par.distributed else policy.param_dtype)
+        m.requires_grad_(False)
+        apply_parallelism(m, par, policy)
+
+    if isinstance(source, str):
+        if par.distributed:
+            model = load_sharded(source, prepare, ctx.dev.torch_device)
+        else:
+            model = load_pretrained(source, dtype=policy.param_dtype, device=ctx.dev.name)
+            prepare(model)
+        if model.cfg.vocab_size != ctx.model.cfg.vocab_size:
+            raise ValueError(f"{source}: vocab_size {model.cfg.vocab_size}; the trained model's is "
+                             f"{ctx.model.cfg.vocab_size} (a frozen model must share the tokenizer)")
+    else:
+        model = build_model(source.cfg, device="meta")
+        prepare(model)
+        model.to_empty(device=ctx.dev.torch_device)
+        mine = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        theirs = {**dict(source.named_parameters()), **dict(source.named_buffers())}
+        with torch.no_grad():
+            for name, t in mine.items():
+                _local(t).copy_(_local(theirs[name]))
+    model.requires_grad_(False)
+    return model.eval()

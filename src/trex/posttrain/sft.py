@@ -1,0 +1,151 @@
+"""Continued pretraining and SFT: next-token cross-entropy over packed rows, plus MTP and balance losses.
+
+One step takes ``grad_accum`` micro-batches; the LM and MTP cross-entropies are summed over tokens
+and divided by the number of targets in the whole step (all micro-batches of all ranks), so any
+split of the batch gives the same gradient. The data section's own ``mode`` (cpt | sft) decides
+how records are encoded (trex.data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from trex.data import build_loader
+from trex.data.loader import Batch
+from trex.models import DeepseekV4
+from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
+from trex.parallel.mesh import Parallel
+from trex.posttrain.objective import Objective, StepResult, TrainContext
+from trex.train.precision import DynamicLossScaler
+
+
+def targets_for(labels: torch.Tensor, doc_ids: torch.Tensor, shift: int) -> torch.Tensor:
+    """Targets ``shift`` tokens ahead, IGNORE_INDEX across documents and past the end."""
+    return shift_labels(labels, shift, doc_ids)
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy (fp32) over targets != IGNORE_INDEX."""
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                             ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _count(targets: torch.Tensor) -> int:
+    return int((targets != IGNORE_INDEX).sum())
+
+
+def balance_term(moe_stats: list, alpha: float, micro_batches: int, world: int) -> torch.Tensor | None:
+    """``alpha`` x the sequence-wise balance losses of one forward, averaged over the step's
+    micro-batches and ranks; None when the forward produced none."""
+    balance = [s.balance_loss for s in moe_stats if s.balance_loss is not None]
+    if not balance:
+        return None
+    return alpha * torch.stack(balance).sum() / (micro_batches * world)
+
+
+@torch.no_grad()
+def evaluate_loss(model: DeepseekV4, loader, batches: int, device: torch.device, par: Parallel | None = None) -> float:
+    """Token-weighted next-token loss over ``batches`` held-out micro-batches (of every rank)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for _ in range(batches):
+        b = next(loader).to(device)
+        targets = targets_for(b.labels, b.doc_ids, 1)
+        total += loss_sum(model(b.input_ids, doc_ids=b.doc_ids).logits, targets).item()
+        count += _count(targets)
+    model.train(was_training)
+    if par is not None and par.distributed:
+        total, count = par.all_reduce_sum(torch.tensor([total, float(count)], dtype=torch.float64)).tolist()
+    return total / max(count, 1)
+
+
+def accumulate_gradients(model: DeepseekV4, micro: list, cfg_train, scaler: DynamicLossScaler,
+                         par: Parallel | None = None):
+    """Forward and backward over the micro-batches of one step; gradients accumulate in .grad.
+
+    The LM and MTP cross-entropies are summed over tokens and divided by the number of targets in
+    the whole step (all micro-batches of all ranks; ranks sum their gradients), so any split of a
+    batch gives the same gradient. The balance loss is averaged over micro-batches and ranks.
+    Returns this rank's share of the (lm loss, mtp loss) and its MoE stats.
+    """
+    world = par.world_size if par is not None else 1
+    shifts = [1] + [j + 2 for j in range(model.cfg.num_nextn_predict_layers)]
+    targets = [[targets_for(b.labels, b.doc_ids, s) for s in shifts] for b in micro]
+    counts = torch.tensor([sum(_count(t[i]) for t in targets) for i in range(len(shifts))])
+    if par is not None:
+        counts = par.all_reduce_sum(counts)
+    counts = counts.clamp(min=1).tolist()
+    device = micro[0].input_ids.device
+    lm_total = torch.zeros((), device=device)
+    mtp_total = torch.zeros((), device=device)
+    stats = []
+    for i, (b, tgt) in enumerate(zip(micro, targets)):
+        if isinstance(model, FSDPModule):  # reduce-scatter gradients once, after the last micro-batch
+            model.set_requires_gradient_sync(i == len(micro) - 1)
+        out = model(b.input_ids, doc_ids=b.doc_ids)
+        lm = loss_sum(out.logits, tgt[0]) / counts[0]
+        mtp = sum((loss_sum(lg, t) / c for lg, t, c in zip(out.mtp_logits, tgt[1:], counts[1:])),
+                  torch.zeros((), device=device)) / max(1, len(out.mtp_logits))
+        loss = lm + cfg_train.mtp_weight * mtp
+        balance = balance_term(out.moe_stats, cfg_train.balance_alpha, len(micro), world)
+        if balance is not None:
+            loss = loss + balance
+        scaler.scale(loss).backward()
+        lm_total += lm.detach()
+        mtp_total += mtp.detach()
+        stats.extend(out.moe_stats)
+    return lm_total, mtp_total, stats
+
+
+class SFTObjective(Objective):
+    """Next-token loss on the packed rows of [data]; held-out loss on [eval]."""
+
+    def __init__(self, ctx: TrainContext):
+        recipe, par = ctx.recipe, ctx.par
+        self.ctx = ctx
+        self.loader = build_loader(recipe.data, rank=par.rank, world_size=par.world_size, tokenizer=ctx.tokenizer)
+        self.eval_loader = None
+        if recipe.eval.paths:
+            held_out = dataclasses.replace(recipe.data, paths=list(recipe.eval.paths), shuffle=False)
+            self.eval_loader = build_loader(held_out, rank=par.rank, world_size=par.world_size,
+                                            tokenizer=ctx.tokenizer)
+
+    def step(self, model: DeepseekV4, step: int, scaler) -> StepResult:
+        ctx = self.ctx
+        micro = [next(self.loader).to(ctx.dev.torch_device) for _ in range(ctx.recipe.train.grad_accum)]
+        lm, mtp, stats = accumulate_gradients(model, micro, ctx.recipe.train, scaler, ctx.par)
+        tokens = sum(b.n_tokens for b in micro)
+        totals = ctx.par.all_reduce_sum(torch.stack([lm, mtp, lm.new_tensor(tokens)]))
+        return StepResult(loss=totals[0], tokens=int(totals[2]), metrics={"mtp_loss": totals[1].item()},
+                          moe_stats=stats)
+
+    def evaluate(self, model: DeepseekV4) -> dict[str, float]:
+        if self.eval_loader is None:
+            return {}
+        ctx = self.ctx
+        return {"eval_loss": evaluate_loss(model, self.eval_loader, ctx.recipe.eval.batches, ctx.dev.torch_device,
+                                           ctx.par)}
+
+    def state_dict(self) -> dict:
+        return {"loader": self.loader.state_dict(),
+                "eval_loader": self.eval_loader.state_dict() if self.eval_loader is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state["loader"])
+        if self.eval_loader is not None and state.get("eval_loader"):
+            self.eval_loader.load_state_dict(state["eval_loader"])
+
+    def preflight(self) -> dict:
+        return {"micro_batches_per_epoch": self.loader.micro_batches_per_epoch, "data": self.loader.fingerprint,
+                "eval_micro_batches": self.eval_loader.micro_batches_per_epoch if self.eval_loader else 0}
+
+    def summary(self) -> dict:
+        return self.loader.summary()
+
+
+def build(ctx: TrainContext) -> SFTObjective:
+    return SFTObjective(ctx)
