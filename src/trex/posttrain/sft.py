@@ -14,7 +14,6 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from trex.data import build_loader
-from trex.data.loader import Batch
 from trex.models import DeepseekV4
 from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
 from trex.parallel.mesh import Parallel
