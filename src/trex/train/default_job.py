@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from trex.checkpoint.save import save_pretrained
 from trex.data.arithmetic import ArithmeticTask, cpt_records, eval_prompts, generate, sft_records
 from trex.data.chat import completion_answer, render_prompt
 from trex.data.config import DataConfig
@@ -38,7 +39,7 @@ from trex.train.schedule import ScheduleConfig
 @dataclass
 class DefaultJob:
     out: str = "runs/default"
-    """Job directory: data/, cpt/ and sft/ run directories, summary.json."""
+    """Job directory: data/, cpt/ and sft/ run directories, model/ (the final SFT model), summary.json."""
     task: ArithmeticTask = field(default_factory=lambda: ArithmeticTask(digits=2, ops="+-", n_train=6000,
                                                                         n_eval=200, problems_per_text=6))
     """The generated arithmetic task."""
@@ -95,6 +96,13 @@ def exact_match(model: DeepseekV4, tokenizer: Tokenizer, prompts: list[tuple[lis
     return sum(r["correct"] for r in rows) / max(1, len(rows)), rows
 
 
+def export_model(model: DeepseekV4, path: str) -> str:
+    """Write ``model`` to ``path`` in the HF layout (fp32) for recipes to start from (atomically:
+    the checkpoint writer fills a temporary directory, then renames it over ``path``)."""
+    save_pretrained(model, path, layout="hf", dtype="fp32", overwrite=True)
+    return path
+
+
 def run_default_job(job: DefaultJob) -> dict:
     t0 = time.perf_counter()
     data_dir = os.path.join(job.out, "data")
@@ -121,6 +129,7 @@ def run_default_job(job: DefaultJob) -> dict:
                 model=cpt.model, tokenizer=tokenizer)
     print("[4/4] held-out exact match after SFT", file=sys.stderr)
     after, rows = exact_match(sft.model, tokenizer, prompts)
+    model_dir = export_model(sft.model, os.path.join(job.out, "model"))
     summary = {
         "exact_match_before_sft": before,
         "exact_match_after_sft": after,
@@ -128,6 +137,7 @@ def run_default_job(job: DefaultJob) -> dict:
         "cpt": {"run_dir": cpt.run_dir, "final_loss": cpt.summary["final"].get("loss")},
         "sft": {"run_dir": sft.run_dir, "final_loss": sft.summary["final"].get("loss"),
                 "eval_loss": sft.summary["eval_loss"].get("final")},
+        "model": model_dir,
         "skipped_steps": cpt.summary["skipped_steps"] + sft.summary["skipped_steps"],
         "skipped_records": cpt.summary["data"]["skipped"] + sft.summary["data"]["skipped"],
         "wall_time_s": time.perf_counter() - t0,

@@ -1,0 +1,157 @@
+"""`[train] mode = "distill"`: on-policy distillation from one or more frozen teachers.
+
+One optimizer step:
+
+    take prompts_per_step prompts (each rank an equal share); the student samples
+        samples_per_prompt completions of each from its live weights (trex.rollout)
+    for each micro-batch: every teacher scores the student's rows (no grad); the student's forward;
+        at every sampled position the weighted reverse KL over the full vocabulary
+        sum_i w_i KL(student || teacher_i) (trex.posttrain.distill_loss, fp32, chunked), averaged
+        over all sampled tokens of the step; backward
+    metrics: the reverse KL to each teacher, response length, entropy, trainer-vs-sampler log-prob
+        difference on the sampled tokens
+
+Teachers are loaded frozen and sharded like the student (trex.posttrain.objective.load_frozen) and
+must share its tokenizer. Evaluation samples the held-out prompts with a fixed seed and reports
+the student's reverse KL to each teacher there, plus greedy exact match when records have answers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from trex.data.loader import Batch
+from trex.models import DeepseekV4
+from trex.posttrain.distill_loss import reverse_kl
+from trex.posttrain.grpo_loss import token_entropy
+from trex.posttrain.objective import Objective, StepResult, TrainContext, load_frozen
+from trex.posttrain.on_policy import (PromptOrder, Rollouts, generator_state, greedy_exact_match, load_prompts,
+                                      probe_batch, rank_generator, roll_out, sampling_params, set_generator_state)
+from trex.posttrain.sft import balance_term
+
+EVAL_SEED = 1234  # held-out samples are drawn with the same seed at every evaluation
+
+
+class DistillObjective(Objective):
+    def __init__(self, ctx: TrainContext):
+        recipe, par = ctx.recipe, ctx.par
+        self.ctx, self.cfg, self.sampling = ctx, recipe.distill, recipe.sampling
+        self.thinking = recipe.data.thinking
+        if not self.cfg.teachers:
+            raise ValueError("distill.teachers is empty; expected [{ path = \"...\", weight = 1.0 }, ...]")
+        if not self.cfg.prompts:
+            raise ValueError("distill.prompts is empty; expected JSONL files of {\"prompt\" | \"messages\"}")
+        self.teachers = [load_frozen(t.path, ctx) for t in self.cfg.teachers]
+        self.weights = [t.weight for t in self.cfg.teachers]
+        self.prompts = load_prompts(self.cfg.prompts, ctx.tokenizer, self.thinking)
+        self.eval_prompts = load_prompts(self.cfg.eval_prompts, ctx.tokenizer, self.thinking,
+                                         self.cfg.eval_limit) if self.cfg.eval_prompts else []
+        if self.eval_prompts and len(self.eval_prompts) < par.world_size:
+            raise ValueError(f"distill.eval_prompts: {len(self.eval_prompts)} prompts for {par.world_size} ranks")
+        self.order = PromptOrder(len(self.prompts), self.cfg.prompts_per_step, par, self.cfg.seed, "distill")
+        self.generator = rank_generator(self.cfg.seed, par)
+        self.teacher_exact_match: list[float] | None = None
+
+    def _rollouts(self, model: DeepseekV4, prompts: list, generator: torch.Generator) -> Rollouts:
+        ctx = self.ctx
+        return roll_out(model, [p.ids for p in prompts], sampling_params(self.sampling, ctx.tokenizer), ctx.tokenizer,
+                        generator, self.sampling.batch_size, ctx.dev.torch_device)
+
+    def _teacher_logits(self, ids: torch.Tensor, docs: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [t(ids, doc_ids=docs).logits[mask] for t in self.teachers]
+
+    def _sums(self, z: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, sampler_logp: torch.Tensor,
+              per_teacher: torch.Tensor) -> torch.Tensor:
+        """Per micro-batch: [tokens, entropy, |trainer - sampler| log-prob, KL to each teacher] sums."""
+        sampled = ids.roll(-1, dims=1)[mask]  # mask[b, t]: the token at t + 1 was sampled
+        logp = torch.log_softmax(z.detach().float(), dim=-1).gather(1, sampled[:, None]).squeeze(1)
+        return torch.cat([torch.stack([mask.sum().float(), token_entropy(z).sum(),
+                                       (logp - sampler_logp[mask]).abs().sum()]), per_teacher.sum(dim=1)]).double()
+
+    def step(self, model: DeepseekV4, step: int, scaler) -> StepResult:
+        ctx, cfg = self.ctx, self.cfg
+        device = ctx.dev.torch_device
+        chosen = [self.prompts[i] for i in self.order.next() for _ in range(cfg.samples_per_prompt)]
+        r = self._rollouts(model, chosen, self.generator)
+        n_tok = int(ctx.par.all_reduce_sum(r.mask.sum().double()).item())
+        slices = r.micro_batches(cfg.micro_batch_size)
+        sums = torch.zeros(3 + len(self.teachers), dtype=torch.float64, device=device)
+        loss_total = torch.zeros((), dtype=torch.float64, device=device)
+        stats = []
+        for i, s in enumerate(slices):
+            if isinstance(model, FSDPModule):  # reduce-scatter gradients once, after the last micro-batch
+                model.set_requires_gradient_sync(i == len(slices) - 1)
+            ids, docs, mask = r.input_ids[s], r.doc_ids[s], r.mask[s]
+            teacher_logits = self._teacher_logits(ids, docs, mask)
+            out = model(ids, doc_ids=docs)
+            z = out.logits[mask]
+            total, per_teacher = reverse_kl(z, teacher_logits, self.weights, cfg.chunk)
+            loss = total.sum() / max(n_tok, 1)
+            balance = balance_term(out.moe_stats, ctx.recipe.train.balance_alpha, len(slices), ctx.par.world_size)
+            scaler.scale(loss if balance is None else loss + balance).backward()
+            stats.extend(out.moe_stats)
+            loss_total += loss.detach().double()
+            sums += self._sums(z, ids, mask, r.sampler_logp[s], per_teacher)
+        sums = ctx.par.all_reduce_sum(torch.cat([sums, loss_total[None]]))
+        totals = sums.tolist()
+        tokens = max(totals[0], 1.0)
+        rows = ctx.par.all_reduce_sum(torch.tensor([float(r.input_ids.shape[0]), float((r.doc_ids != 0).sum())],
+                                                   dtype=torch.float64, device=device)).tolist()
+        metrics = {"entropy": totals[1] / tokens, "logprob_diff": totals[2] / tokens,
+                   "response_length": totals[0] / rows[0],
+                   **{f"reverse_kl/teacher{i}": v / tokens for i, v in enumerate(totals[3:-1])}}
+        return StepResult(loss=sums[-1].float(), tokens=int(rows[1]), metrics=metrics, moe_stats=stats)
+
+    @torch.no_grad()
+    def evaluate(self, model: DeepseekV4) -> dict[str, float]:
+        if not self.eval_prompts:
+            return {}
+        ctx, par = self.ctx, self.ctx.par
+        mine = self.eval_prompts[par.rank::par.world_size]
+        r = self._rollouts(model, mine, rank_generator(EVAL_SEED, par))
+        was_training = model.training
+        model.eval()
+        sums = torch.zeros(1 + len(self.teachers), dtype=torch.float64, device=ctx.dev.torch_device)
+        for s in r.micro_batches(self.cfg.micro_batch_size):
+            ids, docs, mask = r.input_ids[s], r.doc_ids[s], r.mask[s]
+            _, per_teacher = reverse_kl(model(ids, doc_ids=docs).logits[mask], self._teacher_logits(ids, docs, mask),
+                                        self.weights, self.cfg.chunk)
+            sums += torch.cat([mask.sum().double()[None], per_teacher.sum(dim=1).double()])
+        model.train(was_training)
+        totals = par.all_reduce_sum(sums).tolist()
+        per = [v / max(totals[0], 1.0) for v in totals[1:]]
+        metrics = {"eval_reverse_kl": sum(w * v for w, v in zip(self.weights, per)),
+                   **{f"eval_reverse_kl/teacher{i}": v for i, v in enumerate(per)}}
+        if all("answer" in p.record for p in self.eval_prompts):
+            def em(m: DeepseekV4) -> float:
+                return greedy_exact_match(m, self.eval_prompts, ctx.tokenizer, self.thinking, self.sampling, par,
+                                          ctx.dev.torch_device)
+            metrics["eval_exact_match"] = em(model)
+            if self.teacher_exact_match is None:  # the teachers do not change
+                self.teacher_exact_match = [em(t) for t in self.teachers]
+            metrics.update({f"eval_exact_match/teacher{i}": v for i, v in enumerate(self.teacher_exact_match)})
+        return metrics
+
+    def state_dict(self) -> dict:
+        return {"order": self.order.state_dict(), "generator": generator_state(self.generator)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order.load_state_dict(state["order"])
+        set_generator_state(self.generator, state["generator"])
+
+    def preflight(self) -> dict:
+        return {"prompts": len(self.prompts), "eval_prompts": len(self.eval_prompts),
+                "teachers": [(t.path, t.weight) for t in self.cfg.teachers]}
+
+    def summary(self) -> dict:
+        return {"prompts": len(self.prompts), "eval_prompts": len(self.eval_prompts), "prompt_epoch": self.order.epoch,
+                "teachers": [{"path": t.path, "weight": t.weight} for t in self.cfg.teachers]}
+
+    def probe_batch(self, rows: int) -> Batch:
+        return probe_batch(self.prompts, rows, self.ctx.recipe.data.seq_len, self.ctx.tokenizer.pad_id)
+
+
+def build(ctx: TrainContext) -> DistillObjective:
+    return DistillObjective(ctx)

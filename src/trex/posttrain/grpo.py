@@ -1,0 +1,200 @@
+"""`[train] mode = "grpo"`: group-relative policy optimisation with verifiable rewards.
+
+One optimizer step (every ``ppo_epochs`` steps a new batch is sampled; the steps in between reuse
+it, and the clipped ratio keeps them near the policy that sampled it):
+
+    take prompts_per_step prompts (each rank an equal share); sample G completions of each from
+        the live weights (trex.rollout); score them with the reward plug-ins; advantages normalised
+        within each group of G; with kl_coef > 0, the frozen reference's log-probs
+    for each micro-batch of completions: forward; log-probs of the sampled tokens (fp32);
+        old log-probs = these, detached, on the batch's first step (ratio 1); clipped surrogate
+        + kl_coef * k3 KL, aggregated by token_weights over the whole step; backward
+    metrics: reward mean/std (and per reward), KL, clip fraction, response length, entropy and the
+        trainer-vs-sampler log-prob difference on the sampled tokens
+
+The math is in trex.posttrain.grpo_loss; prompts, sampling and rows in trex.posttrain.on_policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from trex.data.loader import Batch
+from trex.models import DeepseekV4
+from trex.posttrain.grpo_loss import group_advantages, policy_loss, token_entropy, token_weights
+from trex.posttrain.objective import Objective, StepResult, TrainContext, load_frozen, next_token_logprobs
+from trex.posttrain.on_policy import (PromptOrder, Rollouts, completions, generator_state, greedy_exact_match,
+                                      load_prompts, probe_batch, rank_generator, roll_out, sampling_params,
+                                      set_generator_state)
+from trex.posttrain.rewards import RewardSet
+from trex.posttrain.sft import balance_term
+
+
+@dataclass
+class GroupBatch:
+    """The sampled batch of one rank and what every step that uses it needs."""
+    rollouts: Rollouts
+    advantages: torch.Tensor        # fp32 [B]
+    loss_mask: torch.Tensor         # bool [B, L]: rollouts.mask without truncated rows if mask_truncated
+    ref_logp: torch.Tensor | None   # fp32 [B, L] or None
+    old_logp: torch.Tensor          # fp32 [B, L]: filled on the batch's first step
+    metrics: dict[str, float]       # reward statistics (global)
+    counts: tuple[int, int]         # (completions, tokens) carrying loss over all ranks
+
+
+class GRPOObjective(Objective):
+    def __init__(self, ctx: TrainContext):
+        recipe, par = ctx.recipe, ctx.par
+        self.ctx, self.cfg, self.sampling = ctx, recipe.grpo, recipe.sampling
+        self.thinking = recipe.data.thinking
+        if not self.cfg.prompts:
+            raise ValueError("grpo.prompts is empty; expected JSONL files of {\"prompt\" | \"messages\", \"answer\"}")
+        self.prompts = load_prompts(self.cfg.prompts, ctx.tokenizer, self.thinking)
+        self.eval_prompts = load_prompts(self.cfg.eval_prompts, ctx.tokenizer, self.thinking,
+                                         self.cfg.eval_limit) if self.cfg.eval_prompts else []
+        if self.eval_prompts and len(self.eval_prompts) < par.world_size:
+            raise ValueError(f"grpo.eval_prompts: {len(self.eval_prompts)} prompts for {par.world_size} ranks")
+        self.rewards = RewardSet.load(self.cfg.rewards, self.cfg.reward_weights)
+        self.order = PromptOrder(len(self.prompts), self.cfg.prompts_per_step, par, self.cfg.seed, "grpo")
+        self.generator = rank_generator(self.cfg.seed, par)
+        self.reference = load_frozen(self.cfg.reference or ctx.model, ctx) if self.cfg.kl_coef > 0 else None
+        self.batch: GroupBatch | None = None
+
+    # ---- sampling and scoring ------------------------------------------------------------------------
+    def _collect(self, model: DeepseekV4) -> GroupBatch:
+        ctx, cfg, G = self.ctx, self.cfg, self.cfg.group_size
+        device = ctx.dev.torch_device
+        chosen = [self.prompts[i] for i in self.order.next() for _ in range(G)]  # prompt-major groups
+        rollouts = roll_out(model, [p.ids for p in chosen], sampling_params(self.sampling, ctx.tokenizer),
+                            ctx.tokenizer, self.generator, self.sampling.batch_size, device)
+        scored = [self.rewards.score(c) for c in completions(rollouts, chosen, self.thinking)]
+        rewards = torch.tensor([total for total, _ in scored], dtype=torch.float32)
+        advantages = group_advantages(rewards, G, cfg.scale_by_std).to(device)
+        loss_mask = rollouts.mask & rollouts.finished[:, None] if cfg.mask_truncated else rollouts.mask
+        ref_logp = None
+        if self.reference is not None:
+            ref_logp = torch.zeros(rollouts.mask.shape, dtype=torch.float32, device=device)
+            with torch.no_grad():
+                for s in rollouts.micro_batches(cfg.micro_batch_size):
+                    ids, docs = rollouts.input_ids[s], rollouts.doc_ids[s]
+                    ref_logp[s] = next_token_logprobs(self.reference(ids, doc_ids=docs).logits, ids, docs)
+        parts = {n: torch.tensor([p[n] for _, p in scored]) for n in self.rewards.names}
+        zero_std = rewards.view(-1, G).std(dim=1) == 0
+        sums = torch.stack([
+            torch.tensor(float(len(rewards))), rewards.sum(), (rewards ** 2).sum(), zero_std.float().sum(),
+            torch.tensor(float(len(zero_std))), (loss_mask.any(dim=1)).sum().cpu().float(),
+            loss_mask.sum().cpu().float(), *[v.sum() for v in parts.values()]]).double().to(device)
+        sums = ctx.par.all_reduce_sum(sums).tolist()
+        n, r_sum, r_sq, zero, groups, n_seq, n_tok = sums[:7]
+        mean = r_sum / n
+        metrics = {"reward_mean": mean, "reward_std": max(r_sq / n - mean * mean, 0.0) ** 0.5,
+                   "zero_std_group_frac": zero / groups,
+                   **{f"reward/{name}": v / n for name, v in zip(parts, sums[7:])}}
+        return GroupBatch(rollouts, advantages, loss_mask, ref_logp, torch.zeros_like(rollouts.sampler_logp),
+                          metrics, (int(n_seq), int(n_tok)))
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def step(self, model: DeepseekV4, step: int, scaler) -> StepResult:
+        ctx, cfg = self.ctx, self.cfg
+        first_use = step % cfg.ppo_epochs == 0
+        if first_use:
+            self.batch = self._collect(model)
+        elif self.batch is None:
+            raise RuntimeError(f"grpo: step {step} reuses a sampled batch (ppo_epochs = {cfg.ppo_epochs}) "
+                               "but none was sampled or restored")
+        batch = self.batch
+        r = batch.rollouts
+        device = ctx.dev.torch_device
+        n_seq, n_tok = batch.counts
+        slices = r.micro_batches(cfg.micro_batch_size)
+        sums = torch.zeros(8, dtype=torch.float64, device=device)
+        stats = []
+        for i, s in enumerate(slices):
+            if isinstance(model, FSDPModule):  # reduce-scatter gradients once, after the last micro-batch
+                model.set_requires_gradient_sync(i == len(slices) - 1)
+            ids, docs, mask = r.input_ids[s], r.doc_ids[s], r.mask[s]
+            out = model(ids, doc_ids=docs)
+            logp = next_token_logprobs(out.logits, ids, docs)
+            if first_use:
+                batch.old_logp[s] = logp.detach()
+            loss_mask = batch.loss_mask[s]
+            weights = token_weights(loss_mask, cfg.aggregation, n_seq, n_tok, self.sampling.max_new_tokens)
+            pl = policy_loss(logp, batch.old_logp[s], batch.advantages[s], weights, loss_mask, cfg.eps_low,
+                             cfg.eps_high, batch.ref_logp[s] if batch.ref_logp is not None else None, cfg.kl_coef)
+            loss = pl.loss
+            balance = balance_term(out.moe_stats, ctx.recipe.train.balance_alpha, len(slices), ctx.par.world_size)
+            if balance is not None:
+                loss = loss + balance
+            scaler.scale(loss).backward()
+            stats.extend(out.moe_stats)
+            diff = (logp.detach() - r.sampler_logp[s]).abs()[mask]
+            sums += torch.stack([
+                pl.loss.detach(), pl.kl_sum, pl.clipped, token_entropy(out.logits[mask]).sum(), diff.sum(),
+                mask.sum(), (docs != 0).sum(), diff.max() if diff.numel() else diff.new_zeros(())]).double()
+        max_diff = sums[7].clone()
+        sums[7] = 0
+        sums = ctx.par.all_reduce_sum(sums)
+        if ctx.par.distributed:
+            torch.distributed.all_reduce(max_diff, op=torch.distributed.ReduceOp.MAX)
+        loss, kl, clipped, entropy, diff, tokens, seen = sums[:7].tolist()
+        rows = ctx.par.all_reduce_sum(torch.tensor([float(r.input_ids.shape[0]), float((~r.finished).sum())],
+                                                   dtype=torch.float64, device=device)).tolist()
+        metrics = {**batch.metrics, "kl": kl / max(tokens, 1), "clip_frac": clipped / max(tokens, 1),
+                   "entropy": entropy / max(tokens, 1), "response_length": tokens / rows[0],
+                   "truncated_frac": rows[1] / rows[0], "logprob_diff": diff / max(tokens, 1),
+                   "logprob_diff_max": max_diff.item(), "ppo_epoch": float(step % cfg.ppo_epochs)}
+        return StepResult(loss=sums.new_tensor(loss).float(), tokens=int(seen), metrics=metrics, moe_stats=stats)
+
+    # ---- evaluation, resume --------------------------------------------------------------------------
+    def evaluate(self, model: DeepseekV4) -> dict[str, float]:
+        if not self.eval_prompts:
+            return {}
+        ctx = self.ctx
+        return {"eval_exact_match": greedy_exact_match(model, self.eval_prompts, ctx.tokenizer, self.thinking,
+                                                       self.sampling, ctx.par, ctx.dev.torch_device)}
+
+    def state_dict(self) -> dict:
+        return {"order": self.order.state_dict(), "generator": generator_state(self.generator),
+                "batch": _batch_state(self.batch) if self.batch is not None and self.cfg.ppo_epochs > 1 else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order.load_state_dict(state["order"])
+        set_generator_state(self.generator, state["generator"])
+        if state.get("batch") is not None:
+            self.batch = _batch_from_state(state["batch"], self.ctx.dev.torch_device)
+
+    def preflight(self) -> dict:
+        return {"prompts": len(self.prompts), "eval_prompts": len(self.eval_prompts), "rewards": self.rewards.names}
+
+    def summary(self) -> dict:
+        return {"prompts": len(self.prompts), "eval_prompts": len(self.eval_prompts), "rewards": self.rewards.names,
+                "prompt_epoch": self.order.epoch}
+
+    def probe_batch(self, rows: int) -> Batch:
+        return probe_batch(self.prompts, rows, self.ctx.recipe.data.seq_len, self.ctx.tokenizer.pad_id)
+
+
+_TENSORS = ("advantages", "loss_mask", "ref_logp", "old_logp")
+_ROLLOUT_TENSORS = ("input_ids", "doc_ids", "mask", "sampler_logp", "finished")
+
+
+def _batch_state(b: GroupBatch) -> dict:
+    """A batch reused by later ppo epochs, as JSON (restored when resuming mid-cycle)."""
+    def enc(t):
+        return None if t is None else {"dtype": str(t.dtype).removeprefix("torch."), "data": t.tolist()}
+    return {**{k: enc(getattr(b, k)) for k in _TENSORS}, **{k: enc(getattr(b.rollouts, k)) for k in _ROLLOUT_TENSORS},
+            "texts": b.rollouts.texts, "metrics": b.metrics, "counts": list(b.counts)}
+
+
+def _batch_from_state(d: dict, device: torch.device) -> GroupBatch:
+    def dec(v):
+        return None if v is None else torch.tensor(v["data"], dtype=getattr(torch, v["dtype"]), device=device)
+    rollouts = Rollouts(*[dec(d[k]) for k in _ROLLOUT_TENSORS], texts=d["texts"])
+    return GroupBatch(rollouts, *[dec(d[k]) for k in _TENSORS], metrics=d["metrics"], counts=tuple(d["counts"]))
+
+
+def build(ctx: TrainContext) -> GRPOObjective:
+    return GRPOObjective(ctx)

@@ -1,0 +1,182 @@
+"""What the on-policy modes (grpo, distill) share: prompt sets, their resumable order, sampling
+from the live policy, the training rows of prompt + completion, and the held-out greedy check.
+
+Rows are laid out as the sampler lays them out (trex.rollout.sampling.left_pad): right-aligned,
+the padding its own document, so the trainer's forward sees each completion in the same context
+the sampler did. ``mask[b, t]`` marks positions t whose next token ``input_ids[b, t+1]`` is a
+completion token: the positions whose log-probabilities the losses use.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from trex.data.chat import RecordError, render_prompt
+from trex.data.loader import Batch
+from trex.data.packing import IGNORE_INDEX
+from trex.data.records import BadRecordError, iter_records
+from trex.data.tokenizer import Tokenizer
+from trex.parallel.mesh import Parallel
+from trex.posttrain.rewards import Completion, exact_match
+from trex.rollout import Samples, SamplingParams, sample
+from trex.rollout.sampling import left_pad
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    """The rendered generation prompt, tokenized (ends with <｜Assistant｜></think> or <think>)."""
+    record: dict
+    """The JSONL record it came from (``answer`` and anything a reward needs)."""
+
+
+def load_prompts(paths: list[str], tokenizer: Tokenizer, thinking: bool, limit: int = 0) -> list[Prompt]:
+    """Prompts of JSONL/Parquet records ``{"prompt": str}`` (one user turn) or ``{"messages": [...]}``
+    (a conversation ending with a user or tool message); at most ``limit`` (0: all)."""
+    prompts = []
+    for rec in iter_records(paths):
+        data = rec.data
+        if isinstance(data, RecordError):
+            raise BadRecordError(rec.path, rec.line, data.reason, data.detail)
+        if isinstance(data.get("messages"), list):
+            messages = data["messages"]
+        elif isinstance(data.get("prompt"), str):
+            messages = [{"role": "user", "content": data["prompt"]}]
+        else:
+            raise BadRecordError(rec.path, rec.line, "no_prompt",
+                                 'expected a "prompt" string or a "messages" list ending with a user message')
+        if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") not in ("user", "tool"):
+            raise BadRecordError(rec.path, rec.line, "no_prompt", "messages must end with a user or tool message")
+        try:
+            text = render_prompt(messages, thinking=thinking)
+        except RecordError as e:
+            raise BadRecordError(rec.path, rec.line, e.reason, e.detail) from None
+        prompts.append(Prompt(tokenizer.encode(text).tolist(), data))
+        if limit and len(prompts) == limit:
+            break
+    if not prompts:
+        raise ValueError(f"prompt files {paths} hold no records")
+    return prompts
+
+
+class PromptOrder:
+    """Each epoch a permutation of the prompts seeded with (seed, epoch); every step takes the next
+    ``per_step`` of it (the remainder of an epoch is dropped) and rank r gets the r-th equal block.
+    The position is all that resume needs."""
+
+    def __init__(self, n_prompts: int, per_step: int, par: Parallel, seed: int, where: str):
+        if per_step % par.world_size:
+            raise ValueError(f"{where}.prompts_per_step = {per_step} is not divisible by the {par.world_size} ranks")
+        if per_step > n_prompts:
+            raise ValueError(f"{where}.prompts_per_step = {per_step} exceeds the {n_prompts} prompts")
+        self.n, self.per_step, self.par, self.seed = n_prompts, per_step, par, seed
+        self.epoch, self.pos = 0, 0
+
+    def next(self) -> list[int]:
+        """This rank's prompt indices for the next step."""
+        if self.pos + self.per_step > self.n:
+            self.epoch, self.pos = self.epoch + 1, 0
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+        step = order[self.pos:self.pos + self.per_step]
+        self.pos += self.per_step
+        share = self.per_step // self.par.world_size
+        return step[self.par.rank * share:(self.par.rank + 1) * share].tolist()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+
+
+def generator_state(g: torch.Generator) -> str:
+    """A CPU generator's state as text (objective state is JSON)."""
+    return base64.b64encode(g.get_state().numpy().tobytes()).decode("ascii")
+
+
+def set_generator_state(g: torch.Generator, text: str) -> None:
+    g.set_state(torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8))
+
+
+def rank_generator(seed: int, par: Parallel) -> torch.Generator:
+    """The sampler's CPU generator: seeded per rank, so ranks draw different samples."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + par.rank)
+
+
+@dataclass
+class Rollouts:
+    """Prompt + completion rows of one step on one rank (B rows, L tokens)."""
+    input_ids: torch.Tensor    # long [B, L], right-aligned, padding is document 0
+    doc_ids: torch.Tensor      # long [B, L]
+    mask: torch.Tensor         # bool [B, L]: the next token is a completion token
+    sampler_logp: torch.Tensor  # fp32 [B, L]: the sampler's log p of that next token (0 off the mask)
+    finished: torch.Tensor     # bool [B]: a stop token ended the completion
+    texts: list[str]           # decoded completions (special tokens included)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.mask.sum(dim=1)
+
+    def micro_batches(self, size: int) -> list[slice]:
+        """Row slices of at most ``size`` rows (every rank has the same number of rows, so the same
+        number of micro-batches: FSDP's collectives stay in step)."""
+        return [slice(i, i + size) for i in range(0, self.input_ids.shape[0], size)]
+
+
+def sampling_params(section, tokenizer: Tokenizer, greedy: bool = False) -> SamplingParams:
+    """The [sampling] section as SamplingParams (EOS stops); ``greedy``: temperature 0."""
+    return SamplingParams(temperature=0.0 if greedy else section.temperature, top_p=section.top_p,
+                          max_new_tokens=section.max_new_tokens, stop_ids=(tokenizer.eos_id,))
+
+
+def roll_out(model, prompts: list[list[int]], params: SamplingParams, tokenizer: Tokenizer,
+             generator: torch.Generator | None, batch_size: int, device: torch.device) -> Rollouts:
+    """Sample a completion per prompt from the live ``model`` and lay the rows out for training."""
+    samples: Samples = sample(model, prompts, params, tokenizer.pad_id, generator=generator, batch_size=batch_size)
+    rows = [p + c for p, c in zip(samples.prompt_ids, samples.completion_ids)]
+    ids, docs = left_pad(rows, tokenizer.pad_id, device)
+    width = ids.shape[1]
+    mask = torch.zeros(ids.shape, dtype=torch.bool)
+    sampler_logp = torch.zeros(ids.shape, dtype=torch.float32)
+    for i, (c, lp) in enumerate(zip(samples.completion_ids, samples.logprobs)):
+        if c:
+            mask[i, width - 1 - len(c):width - 1] = True
+            sampler_logp[i, width - 1 - len(c):width - 1] = torch.tensor(lp, dtype=torch.float32)
+    texts = [tokenizer.decode(c) for c in samples.completion_ids]
+    return Rollouts(ids, docs, mask.to(device), sampler_logp.to(device),
+                    torch.tensor(samples.finished, dtype=torch.bool, device=device), texts)
+
+
+def completions(rollouts: Rollouts, prompts: list[Prompt], thinking: bool) -> list[Completion]:
+    """The rows as reward inputs (prompts[i] is row i's prompt)."""
+    return [Completion(text, p.record, thinking, bool(f))
+            for text, p, f in zip(rollouts.texts, prompts, rollouts.finished.tolist())]
+
+
+def greedy_exact_match(model, prompts: list[Prompt], tokenizer: Tokenizer, thinking: bool, section,
+                       par: Parallel, device: torch.device) -> float:
+    """Fraction of held-out prompts (every rank a share) whose greedy answer equals ``answer``."""
+    mine = prompts[par.rank::par.world_size]  # non-empty: the objectives check len(prompts) >= world size
+    rolled = roll_out(model, [p.ids for p in mine], sampling_params(section, tokenizer, greedy=True), tokenizer,
+                      None, section.batch_size, device)
+    correct = sum(exact_match(c) for c in completions(rolled, mine, thinking))
+    totals = par.all_reduce_sum(torch.tensor([correct, float(len(mine))], dtype=torch.float64, device=device))
+    return float(totals[0] / totals[1].clamp(min=1))
+
+
+def probe_batch(prompts: list[Prompt], rows: int, seq_len: int, pad_id: int) -> Batch:
+    """The fidelity probe of an on-policy run: the first ``rows`` prompts, cut or padded to
+    ``seq_len``, with next-token labels on the prompt tokens."""
+    ids = torch.full((rows, seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((rows, seq_len), IGNORE_INDEX, dtype=torch.long)
+    docs = torch.zeros((rows, seq_len), dtype=torch.long)
+    for i, p in enumerate(prompts[:rows]):
+        n = min(len(p.ids), seq_len)
+        ids[i, :n] = labels[i, :n] = torch.tensor(p.ids[:n])
+        docs[i, :n] = 1
+    n_loss = int(((labels[:, 1:] != IGNORE_INDEX) & (docs[:, 1:] == docs[:, :-1])).sum())
+    return Batch(ids, labels, docs, n_loss, int((docs != 0).sum()))
