@@ -134,3 +134,99 @@ def test_token_entropy():
     logits = torch.randn(5, V)
     p = logits.softmax(-1)
     torch.testing.assert_close(token_entropy(logits, chunk=2), -(p * p.log()).sum(-1))
+
+
+# ---- the grpo objective through the training loop ------------------------------------------------------
+SMALL_MODEL = ('model.overrides={sliding_window=16, hidden_size=32, num_hidden_layers=2, '
+               'layer_types=["sliding_attention","compressed_sparse_attention"], '
+               'mlp_layer_types=["hash_moe","moe"], num_nextn_predict_layers=0}')
+
+
+@pytest.fixture(scope="module")
+def prompt_files(tmp_path_factory):
+    from trex.data.arithmetic import ArithmeticTask, generate
+    from trex.data.records import write_jsonl
+
+    d = tmp_path_factory.mktemp("grpo")
+    train_p, held = generate(ArithmeticTask(digits=1, n_train=24, n_eval=4))
+    write_jsonl(d / "prompts.jsonl", [{"prompt": p.question, "answer": p.answer} for p in train_p])
+    write_jsonl(d / "heldout.jsonl", [{"messages": [{"role": "user", "content": p.question}], "answer": p.answer}
+                                      for p in held])
+    # a user reward plug-in, named by module path in the recipe: 1 when the completion starts with a digit
+    (d / "digit_reward.py").write_text("def first_digit(c):\n    return float(c.text[:1].isdigit())\n")
+    return d
+
+
+def _grpo_recipe(files, out, *extra):
+    from trex.recipe import load
+    from trex.train.config import TrainRecipe
+
+    return load(TrainRecipe, overrides=[
+        'train.mode="grpo"', 'data.tokenizer="compact"', "data.seq_len=32", f'train.out="{out}"',
+        "train.progress=false", "fidelity.every=0", "optim.lr=1e-2", 'schedule.decay="constant"', SMALL_MODEL,
+        f'grpo.prompts=["{files}/prompts.jsonl"]', f'grpo.eval_prompts=["{files}/heldout.jsonl"]',
+        'grpo.rewards=["digit_reward:first_digit"]', "grpo.prompts_per_step=4", "grpo.group_size=8",
+        "grpo.micro_batch_size=16", "sampling.max_new_tokens=2", *extra])
+
+
+def _metrics(run_dir):
+    import json
+
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.slow
+def test_grpo_raises_the_reward_and_logs_rl_metrics(prompt_files, tmp_path, monkeypatch):
+    from trex.train.loop import train
+
+    monkeypatch.syspath_prepend(str(prompt_files))
+    result = train(_grpo_recipe(prompt_files, tmp_path / "run", "train.steps=12", "train.eval_every=12"))
+    rows = _metrics(tmp_path / "run")
+    for key in ("reward_mean", "reward_std", "kl", "clip_frac", "response_length", "entropy", "logprob_diff",
+                "reward/digit_reward:first_digit"):
+        assert all(key in r for r in rows), key
+    # one update per batch: ratio 1, so nothing is clipped; the trainer recomputes the sampler's log-probs
+    assert all(r["clip_frac"] == 0 for r in rows)
+    assert max(r["logprob_diff_max"] for r in rows) < 1e-3
+    first = sum(r["reward_mean"] for r in rows[:3]) / 3
+    last = sum(r["reward_mean"] for r in rows[-3:]) / 3
+    assert last > first + 0.2, (first, last)
+    assert 0.0 <= result.summary["eval"]["final"]["eval_exact_match"] <= 1.0
+
+
+@pytest.mark.slow
+def test_grpo_resume_mid_batch_reproduces_samples_and_losses(prompt_files, tmp_path, monkeypatch):
+    """ppo_epochs 2 and a KL reference: resuming after step 3 (inside a sampled batch's two updates)
+    gives step 4 the same samples, rewards, losses and the same final weights as an unbroken run."""
+    from trex.train.loop import train
+
+    monkeypatch.syspath_prepend(str(prompt_files))
+    extra = ("train.steps=5", "grpo.ppo_epochs=2", "grpo.kl_coef=0.05", "checkpoint.save_every=3",
+             "checkpoint.keep_last=0")
+    whole = train(_grpo_recipe(prompt_files, tmp_path / "a", *extra))
+    resumed = train(_grpo_recipe(prompt_files, tmp_path / "b", *extra,
+                                 f'checkpoint.resume="{tmp_path}/a/checkpoints/step_3"'))
+    a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == [4, 5]
+    assert a[3]["ppo_epoch"] == 1 and a[4]["ppo_epoch"] == 0  # step 4 reuses a batch, step 5 samples anew
+    assert a[3]["kl"] > 0 and a[3]["clip_frac"] >= 0
+    for ra, rb in zip(a[3:], b):
+        for key in ("loss", "reward_mean", "reward_std", "kl", "clip_frac", "entropy", "response_length",
+                    "logprob_diff", "grad_norm"):
+            assert ra[key] == rb[key], (ra["step"], key)
+    for (name, p), q in zip(whole.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def test_prompt_file_errors_name_the_line(tmp_path):
+    from trex.data.records import BadRecordError
+    from trex.data.tokenizer import compact_tokenizer
+    from trex.posttrain.on_policy import load_prompts
+
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "1+1", "answer": "2"}\n{"question": "2+2"}\n')
+    with pytest.raises(BadRecordError, match=r"p.jsonl:2: bad record \(no_prompt\)"):
+        load_prompts([str(bad)], compact_tokenizer(), thinking=False)
+    bad.write_text('{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}\n')
+    with pytest.raises(BadRecordError, match="p.jsonl:1: .*end with a user"):
+        load_prompts([str(bad)], compact_tokenizer(), thinking=False)
