@@ -20,8 +20,8 @@ def test_auto_is_fp32_on_cpu_and_bf16_on_fast_accelerators(monkeypatch):
     cpu = PrecisionPolicy.resolve("auto", device.Device("cpu"))
     assert cpu.name == "fp32" and cpu.param_dtype == torch.float32 and not cpu.loss_scaling
     acc = PrecisionPolicy.resolve("auto", device.Device("cuda", 0))
-    assert acc.param_dtype == acc.compute_dtype == torch.bfloat16
-    assert acc.master_dtype == acc.reduce_dtype == torch.float32
+    assert acc.compute_dtype == torch.bfloat16
+    assert acc.param_dtype == acc.master_dtype == acc.reduce_dtype == torch.float32
     fake_caps(monkeypatch, bf16_fast=False)
     assert PrecisionPolicy.resolve("auto", device.Device("npu", 0)).name == "fp32"
 
@@ -30,7 +30,7 @@ def test_forced_bf16_warns_only_where_slow(monkeypatch):
     fake_caps(monkeypatch, bf16_fast=False)
     with pytest.warns(RuntimeWarning, match="bf16 matmul measured slower"):
         policy = PrecisionPolicy.resolve("bf16", device.Device("cpu"))
-    assert policy.param_dtype == torch.bfloat16
+    assert policy.compute_dtype == torch.bfloat16 and policy.param_dtype == torch.float32
     fake_caps(monkeypatch, bf16_fast=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -47,7 +47,7 @@ def test_missing_dtype_support_is_an_error(monkeypatch):
 
 def test_fp16_policy_record():
     policy = PrecisionPolicy.resolve("fp16", device.Device("cpu"))
-    assert policy.to_dict() == {"name": "fp16", "param_dtype": "float16", "compute_dtype": "float16",
+    assert policy.to_dict() == {"name": "fp16", "param_dtype": "float32", "compute_dtype": "float16",
                                 "master_dtype": "float32", "reduce_dtype": "float32", "loss_scaling": True}
 
 
@@ -147,3 +147,88 @@ def test_precision_config_validation():
     scaler = DynamicLossScaler.from_config(cfg, PrecisionPolicy.resolve("fp16", device.Device("cpu")))
     assert scaler.enabled and scaler.scale_value == 128.0
     assert not DynamicLossScaler.from_config(cfg, PrecisionPolicy.resolve("fp32", device.Device("cpu"))).enabled
+
+
+# ---- one process, low precision: fp32 master parameters, compute in the policy dtype ----------------
+def _tiny_pair(dtype):
+    """A tiny model with fp32 parameters cast for compute, and a twin holding the same values in ``dtype``."""
+    from trex.models import build_model
+    from trex.models.config import tiny
+    from trex.parallel.plan import cast_for_compute
+
+    model = build_model(tiny(), seed=0)
+    twin = build_model(tiny(), seed=0)
+    for p in twin.parameters():
+        p.data = p.data.to(dtype)
+    cast_for_compute(model, dtype)
+    return model, twin
+
+
+def _batch(seed):
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def _backward(model, ids):
+    out = model(ids, labels=ids)
+    (out.loss + out.mtp_loss).backward()
+    return out
+
+
+def test_cast_for_compute_runs_the_low_precision_model_on_fp32_masters():
+    model, twin = _tiny_pair(torch.bfloat16)
+    params = list(model.parameters())
+    out, ref = _backward(model, _batch(0)), _backward(twin, _batch(0))
+    assert torch.equal(out.logits, ref.logits) and out.loss.item() == ref.loss.item()  # computed in bf16
+    assert [p is q for p, q in zip(params, model.parameters())] == [True] * len(params)
+    assert sum(p.grad is not None for p in params) > len(params) // 2
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert type(p) is torch.nn.Parameter and p.dtype == torch.float32, name
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:  # the bf16 gradient, delivered in fp32
+            assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad.float()), name
+
+
+def test_micro_batch_gradients_accumulate_in_fp32():
+    model, twin = _tiny_pair(torch.bfloat16)
+    for seed in (0, 1):
+        _backward(model, _batch(seed))
+    single = []
+    for seed in (0, 1):
+        twin.zero_grad(set_to_none=True)
+        _backward(twin, _batch(seed))
+        single.append([q.grad.float() for q in twin.parameters() if q.grad is not None])
+    exact = [a + b for a, b in zip(*single)]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(grads) == len(exact) and all(torch.equal(g, e) for g, e in zip(grads, exact))
+    rounded = [(a + b).to(torch.bfloat16).float() for a, b in zip(*single)]
+    assert any(not torch.equal(g, r) for g, r in zip(exact, rounded))  # a bf16 sum would differ
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputed_blocks_see_the_same_low_precision_weights(mode):
+    from trex.parallel.plan import apply_activation_checkpointing
+
+    plain, _ = _tiny_pair(torch.bfloat16)
+    recomputed, _ = _tiny_pair(torch.bfloat16)
+    apply_activation_checkpointing(recomputed, mode)
+    a, b = _backward(plain, _batch(0)), _backward(recomputed, _batch(0))
+    assert torch.equal(a.logits, b.logits)
+    for (name, p), q in zip(plain.named_parameters(), recomputed.parameters()):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+
+
+def test_fp32_installs_nothing_and_a_later_fp32_stage_removes_the_cast():
+    from trex.models import build_model
+    from trex.models.config import tiny
+    from trex.parallel.plan import cast_for_compute
+
+    model = build_model(tiny(), seed=0)
+    reference = model(_batch(0)).logits
+    cast_for_compute(model, torch.float32)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    cast_for_compute(model, torch.bfloat16)
+    assert not torch.equal(model(_batch(0)).logits, reference)
+    cast_for_compute(model, torch.float32)  # a job's next stage at fp32
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert torch.equal(model(_batch(0)).logits, reference)

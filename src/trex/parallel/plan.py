@@ -4,12 +4,20 @@ then FSDP2 per block (and the root) over the data-parallel mesh.
 Gradients are summed, not averaged, across ranks (``set_gradient_divide_factor(1.0)``): the loop
 divides every loss by the global number of targets, so a step at any layout computes the same
 gradient as one process on the whole global batch.
+
+Mixed precision is the same at every layout: parameters are stored in fp32 (the master weights the
+optimizer updates) and each block sees them in the policy's compute dtype during its forward. FSDP2
+does this when it gathers a block (``MixedPrecisionPolicy``); one process uses `ComputeCast` on the
+same units (each block, and the root for the parameters outside blocks). Gradients flow back
+through the cast, so they reach ``.grad`` in fp32 and accumulate over micro-batches in fp32.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
@@ -21,15 +29,89 @@ from trex.parallel.mesh import Parallel
 from trex.train.precision import PrecisionPolicy
 
 
-def _recompute(module: nn.Module) -> None:
-    """Recompute ``module``'s forward during backward instead of keeping its activations.
+class ComputeCast:
+    """While entered, the fp32 parameters of ``unit`` (minus those under ``skip``) are seen by the
+    forward as casts to ``dtype``; leaving restores them. Entering again while entered does nothing,
+    so a region that activation checkpointing recomputes during backward can enter it again and see
+    the same low-precision weights as the forward did (as FSDP2 gathers a block again for backward).
 
-    Wraps the instance's forward, so parameter names (and checkpoints) do not change."""
+    The casts are differentiable: each gradient is computed in ``dtype`` and arrives in the fp32
+    parameter's ``.grad`` through the cast, where micro-batches accumulate in fp32. The parameter
+    objects never change, so names, the optimizer and checkpoints see fp32 parameters throughout.
+    """
+
+    def __init__(self, unit: nn.Module, dtype: torch.dtype, skip: tuple[nn.Module, ...] = ()):
+        skipped = {id(m) for s in skip for m in s.modules()}
+        self.dtype = dtype
+        self.slots = [(m, name) for m in unit.modules() if id(m) not in skipped
+                      for name, p in m.named_parameters(recurse=False) if p.is_floating_point()]
+        self.saved: list[nn.Parameter] = []
+        self.depth = 0
+        self.hooks = [unit.register_forward_pre_hook(lambda *_: self._enter()),
+                      unit.register_forward_hook(lambda *_: self.__exit__(), always_call=True)]
+
+    def __enter__(self) -> "ComputeCast":
+        self._enter()
+        return self
+
+    def _enter(self) -> None:
+        if self.depth == 0:
+            self.saved = [m._parameters[name] for m, name in self.slots]
+            for (m, name), p in zip(self.slots, self.saved):
+                m._parameters[name] = p.to(self.dtype)  # a tensor, not a Parameter: the forward's view
+        self.depth += 1
+
+    def __exit__(self, *_) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            for (m, name), p in zip(self.slots, self.saved):
+                m._parameters[name] = p
+            self.saved = []
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+_CAST = "_trex_compute_cast"
+
+
+def cast_for_compute(model: DeepseekV4, dtype: torch.dtype) -> None:
+    """One process: run each block's forward (and the root's) on ``dtype`` casts of the fp32 parameters.
+
+    Replaces a cast installed by an earlier call (a model carried into the next stage of a job);
+    when every parameter is already ``dtype`` (fp32 runs) nothing is installed and the model runs
+    exactly as before.
+    """
+    blocks = (*model.layers, *model.mtp)
+    for unit in (model, *blocks):
+        old = unit.__dict__.pop(_CAST, None)
+        if old is not None:
+            old.remove()
+    if all(p.dtype == dtype for p in model.parameters() if p.is_floating_point()):
+        return
+    for unit in (model, *blocks):
+        unit.__dict__[_CAST] = ComputeCast(unit, dtype, skip=blocks if unit is model else ())
+
+
+def _cast_of(unit: nn.Module) -> contextlib.AbstractContextManager:
+    return unit.__dict__.get(_CAST) or contextlib.nullcontext()
+
+
+def _recompute(module: nn.Module, block: nn.Module) -> None:
+    """Recompute ``module`` (inside ``block``)'s forward during backward instead of keeping its activations.
+
+    Wraps the instance's forward, so parameter names (and checkpoints) do not change. The
+    recomputation enters ``block``'s compute cast, if it has one (one process, low precision)."""
     forward = module.forward
+
+    def run(*args, **kwargs):
+        with _cast_of(block):
+            return forward(*args, **kwargs)
 
     @functools.wraps(forward)
     def checkpointed(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
     module.forward = checkpointed
 
@@ -39,14 +121,15 @@ def apply_activation_checkpointing(model: DeepseekV4, mode: str) -> None:
     if mode == "none":
         return
     for block in [*model.layers, *model.mtp]:
-        _recompute(block if mode == "full" else block.hc_attn)
+        _recompute(block if mode == "full" else block.hc_attn, block)
 
 
 def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
                       activation_checkpointing: str = "none") -> list[nn.Parameter]:
-    """Returns the expert-parallel parameters."""
+    """Returns the expert-parallel parameters. Expects the parameters in fp32 (the master weights)."""
     apply_activation_checkpointing(model, activation_checkpointing)
     if not par.distributed:
+        cast_for_compute(model, policy.compute_dtype)
         return []
     mp = MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=policy.reduce_dtype)
     experts = shard_experts(model, par.ep_mesh) if par.ep > 1 else []

@@ -7,12 +7,18 @@ One `PrecisionPolicy` says which dtype every part of a run uses; the loop record
 name    param dtype  compute dtype  master dtype  reduce dtype  loss scaling
 ======  ===========  =============  ============  ============  ============
 fp32    fp32         fp32           fp32          fp32          no
-bf16    bf16         bf16           fp32          fp32          no
-fp16    fp16         fp16           fp32          fp32          dynamic
+bf16    fp32         bf16           fp32          fp32          no
+fp16    fp32         fp16           fp32          fp32          dynamic
 ======  ===========  =============  ============  ============  ============
 
-"master dtype" is what the optimizer updates: for bf16/fp16 parameters it keeps an fp32 copy in
-its state (`trex.train.optim`). "reduce dtype" is the dtype of gradient reductions across ranks.
+"param dtype" is what parameters are stored in: fp32 at every precision, so the stored parameters
+are the master weights the optimizer updates (and its state is fp32). "compute dtype" is what the
+forward and backward run in: each block sees its parameters cast to it (FSDP2's
+``MixedPrecisionPolicy`` when sharded, `trex.parallel.plan.ComputeCast` in one process), and
+gradients come back through the cast into fp32 ``.grad``, where micro-batches accumulate. "reduce
+dtype" is the dtype of gradient reductions across ranks. This is mixed-precision training as
+Micikevicius et al. (2018) define it; holding bf16 parameters and gradients instead rounds every
+update into the weights and every micro-batch's gradient into the sum.
 
 A step with a non-finite loss or gradient is skipped, never applied. `StepGuard` counts skips and
 stops the run after ``max_consecutive_skips`` in a row; an fp16 overflow that the loss scaler can
@@ -99,8 +105,7 @@ class PrecisionPolicy:
         if name == "bf16" and not caps.bf16_fast:
             warnings.warn(f"precision.dtype = bf16 on {dev.name}, where bf16 matmul measured slower than fp32; "
                           "the run will be slow (use dtype = \"auto\" or \"fp32\")", RuntimeWarning, stacklevel=2)
-        low = _DTYPES[name]
-        return cls(name=name, param_dtype=low, compute_dtype=low, master_dtype=torch.float32,
+        return cls(name=name, param_dtype=torch.float32, compute_dtype=_DTYPES[name], master_dtype=torch.float32,
                    reduce_dtype=torch.float32, loss_scaling=name == "fp16")
 
     def to_dict(self) -> dict:
