@@ -14,10 +14,12 @@ import os
 from collections.abc import Callable
 
 from trex.kernels import reference
+from trex.kernels import sparse_attention as _sparse_attention
 
 _REFERENCE: dict[str, Callable] = {
     "rms_norm": reference.rms_norm,
     "grouped_mm": reference.grouped_mm,
+    "sparse_attention": _sparse_attention.reference,
 }
 _FAST: dict[tuple[str, str], Callable] = {}
 
@@ -53,3 +55,6 @@ from trex.kernels import fused as _fused  # noqa: E402
 for _device_type in ("cuda", "npu", "xpu"):
     register("grouped_mm", _device_type, _fused.grouped_mm)
     register("rms_norm", _device_type, _fused.rms_norm)
+# A hand-written backward in plain PyTorch: faster and leaner than autograd's on every device.
+for _device_type in ("cpu", "cuda", "npu", "xpu"):
+    register("sparse_attention", _device_type, _sparse_attention.fused_backward)

@@ -13,6 +13,10 @@ Efficiency by construction: sliding-window attention runs on blocks of W/4 queri
 W/4 + W keys they need (memory O(S*W)); HCA attends densely to the S/m' compressed entries; CSA's indexer
 scores S x S/4 in bounded chunks without autograd and the attention gathers only the top-k
 entries; experts run as grouped matmuls over tokens sorted by expert.
+
+Generation: ``model(ids, doc_ids=docs, cache=DecodeCache(n))`` runs the ordinary forward over the
+prompts and fills the cache; each later call feeds one token per row and attends to the cache
+(``Attention.decode``, ``decode_attention``). The training path does not touch the cache.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trex import kernels
+from trex.kernels.sparse_attention import gather_rows
 from trex.models.config import CSA, HASH_MOE, MOE, SLIDING, ModelConfig, YarnScaling
 
 IGNORE_INDEX = -100
@@ -59,12 +64,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     """
     rd = 2 * cos.shape[-1]
     nope, rope = x[..., :-rd], x[..., -rd:]
-    pairs = rope.float().unflatten(-1, (-1, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    if inverse:
-        sin = -sin
-    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat((nope, rotated), dim=-1)
+    pairs = torch.view_as_complex(rope.float().unflatten(-1, (-1, 2)).contiguous())  # x[2i] + i x[2i+1]
+    rotated = torch.view_as_real(pairs * torch.complex(cos, -sin if inverse else sin))
+    return torch.cat((nope, rotated.flatten(-2).to(x.dtype)), dim=-1)
 
 
 # ==================================================================================================
@@ -104,15 +106,25 @@ class WindowLayout:
 
 
 class SeqContext:
-    """Per-forward facts shared by all layers: ids, document ids, positions, RoPE tables, layouts."""
+    """Per-forward facts shared by all layers: ids, document ids, positions, RoPE tables, layouts.
 
-    def __init__(self, cfg: ModelConfig, input_ids: torch.Tensor, doc_ids: torch.Tensor | None):
+    With a filled ``cache`` (a decode step) input_ids is [B, 1] and positions come from the cache."""
+
+    def __init__(self, cfg: ModelConfig, input_ids: torch.Tensor, doc_ids: torch.Tensor | None,
+                 cache: DecodeCache | None = None):
         B, S = input_ids.shape
         dev = input_ids.device
         self.cfg = cfg
         self.input_ids = input_ids
+        self.cache = cache
+        self.decoding = cache is not None and cache.prefilled
         arange = torch.arange(S, device=dev)
-        if doc_ids is None:
+        if self.decoding:
+            if S != 1:
+                raise ValueError(f"a decode step takes input_ids of shape [B, 1], got {tuple(input_ids.shape)}")
+            self.doc = torch.ones(B, 1, dtype=torch.long, device=dev)
+            self.pos = cache.pos[:, None]
+        elif doc_ids is None:
             self.doc = torch.zeros(B, S, dtype=torch.long, device=dev)
             self.pos = arange.expand(B, S)
         else:
@@ -167,6 +179,55 @@ class SeqContext:
 
 
 # ==================================================================================================
+# Decode cache: per attention layer the raw K=V of the last W tokens, and per compressor the
+# projections of the tokens its next entry pools plus the entries of windows already closed.
+# Everything belongs to the LAST document of each row (left padding is an earlier document).
+# ==================================================================================================
+@dataclass
+class CompressorCache:
+    """One compressor's state for B rows.
+
+    kv, score: [B, R, width] fp32 wkv / wgate projections of the last R tokens, newest last
+    (R = 2m with overlap: the window that closes next and the one before it; else R = m);
+    entries: [B, cap, c] pooled entries of closed windows; count: [B] how many are filled.
+    """
+
+    kv: torch.Tensor
+    score: torch.Tensor
+    entries: torch.Tensor
+    count: torch.Tensor
+
+
+@dataclass
+class AttentionCache:
+    """window: [B, W, c] RoPE'd K=V of the last W tokens, newest last; compressor state (CSA, HCA) and
+    the indexer's own compressor state (CSA)."""
+
+    window: torch.Tensor
+    compressor: CompressorCache | None = None
+    indexer: CompressorCache | None = None
+
+
+class DecodeCache:
+    """Incremental generation state of a whole model, for at most ``max_new_tokens`` decode steps.
+
+    Empty until a forward with it (the prefill) fills it; ``pos`` [B] is then the position within
+    its document of the next token each row feeds. A plain class (not a dataclass), so FSDP passes
+    the object itself through forward hooks.
+    """
+
+    def __init__(self, max_new_tokens: int):
+        self.max_new_tokens = max_new_tokens
+        self.steps = 0
+        self.pos: torch.Tensor | None = None
+        self.layers: dict[nn.Module, AttentionCache] = {}
+
+    @property
+    def prefilled(self) -> bool:
+        return self.pos is not None
+
+
+# ==================================================================================================
 # Norms and small helpers
 # ==================================================================================================
 class RMSNorm(nn.Module):
@@ -185,13 +246,6 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight.float())
-
-
-def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x: [B, S, C], index: [B, *rest] -> [B, *rest, C]."""
-    B, C = x.shape[0], x.shape[-1]
-    flat = index.reshape(B, -1, 1).expand(-1, -1, C)
-    return x.gather(1, flat).view(*index.shape, C)
 
 
 # ==================================================================================================
@@ -216,24 +270,63 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
         """x: [B, S, d] -> entries [B, N, c] (RoPE applied at each window's first position)."""
-        B, N, m, c = x.shape[0], layout.n, self.m, self.c
-        if N == 0:
-            return x.new_zeros(B, 0, c)
-        kv = linear_fp32(x, self.wkv.weight)
-        score = linear_fp32(x, self.wgate.weight)
-        tok = layout.safe_starts()[:, :, None] + torch.arange(m, device=x.device)  # [B, N, m]
-        kv_cur, score_cur = _gather_rows(kv, tok), _gather_rows(score, tok) + self.ape.float()
+        if layout.n == 0:
+            return x.new_zeros(x.shape[0], 0, self.c)
+        return self.pool(linear_fp32(x, self.wkv.weight), linear_fp32(x, self.wgate.weight), layout, x.dtype)
+
+    def pool(self, kv: torch.Tensor, score: torch.Tensor, layout: WindowLayout, dtype: torch.dtype) -> torch.Tensor:
+        """kv, score: [B, S, width] fp32 projections -> entries [B, N, c] in ``dtype``."""
+        m, c = self.m, self.c
+        tok = layout.safe_starts()[:, :, None] + torch.arange(m, device=kv.device)  # [B, N, m]
+        kv_cur, score_cur = gather_rows(kv, tok), gather_rows(score, tok) + self.ape.float()
         if self.overlap:
             prev = (tok - m).clamp(min=0)
-            kv_prev = _gather_rows(kv[..., :c], prev)
-            score_prev = _gather_rows(score[..., :c], prev) + self.ape[:, :c].float()
+            kv_prev = gather_rows(kv[..., :c], prev)
+            score_prev = gather_rows(score[..., :c], prev) + self.ape[:, :c].float()
             score_prev = score_prev.masked_fill(~layout.has_prev[:, :, None, None], float("-inf"))
             kv_cur = torch.cat((kv_prev, kv_cur[..., c:]), dim=2)
             score_cur = torch.cat((score_prev, score_cur[..., c:]), dim=2)
         pooled = (kv_cur * score_cur.softmax(dim=2)).sum(dim=2)
-        pooled = self.norm(pooled.to(x.dtype))
+        pooled = self.norm(pooled.to(dtype))
         cos, sin = layout.rope["compress"]
         return apply_rope(pooled, cos, sin)
+
+    def start_cache(self, x: torch.Tensor, entries: torch.Tensor, layout: WindowLayout,
+                    max_new_tokens: int) -> CompressorCache:
+        """State after a prefill: x [B, S, d], its entries [B, N, c]; keeps the entries the last token
+        sees and room for the windows ``max_new_tokens`` more tokens can close."""
+        B, S, _ = x.shape
+        R = 2 * self.m if self.overlap else self.m
+        recent = x[:, -R:]
+        kv, score = (F.pad(linear_fp32(recent, w.weight), (0, 0, R - recent.shape[1], 0))
+                     for w in (self.wkv, self.wgate))
+        lo, hi = layout.lo[:, -1], layout.hi[:, -1]
+        count = hi - lo
+        cap = int(count.max()) + max_new_tokens // self.m + 1
+        slot = torch.arange(cap, device=x.device)
+        kept = x.new_zeros(B, cap, self.c) if layout.n == 0 else gather_rows(
+            entries, (lo[:, None] + slot).clamp(max=layout.n - 1))
+        kept = kept.masked_fill((slot >= count[:, None])[:, :, None], 0)
+        return CompressorCache(kv, score, kept, count)
+
+    def decode_step(self, x: torch.Tensor, cache: CompressorCache, ctx: SeqContext) -> None:
+        """Push one token (x [B, 1, d] at positions ctx.pos) into ``cache``; rows whose window closes
+        with it append that window's entry, pooled exactly as in training."""
+        B, R = x.shape[0], cache.kv.shape[1]
+        cache.kv = torch.cat([cache.kv[:, 1:], linear_fp32(x, self.wkv.weight)], dim=1)
+        cache.score = torch.cat([cache.score[:, 1:], linear_fp32(x, self.wgate.weight)], dim=1)
+        pos = ctx.pos[:, 0]
+        closing = (pos + 1) % self.m == 0
+        start = (pos + 1 - self.m).clamp(min=0)[:, None]  # position of the closing window's first token
+        ones = torch.ones_like(start, dtype=torch.bool)
+        layout = WindowLayout(self.m, torch.full_like(start, R - self.m), ones, start, start >= self.m,
+                              start, start + 1)
+        layout.rope = {"compress": ctx.rope_at(start, "compress")}
+        entry = self.pool(cache.kv, cache.score, layout, x.dtype)[:, 0]
+        rows = torch.arange(B, device=x.device)
+        slot = cache.count.clamp(max=cache.entries.shape[1] - 1)
+        cache.entries[rows, slot] = torch.where(closing[:, None], entry, cache.entries[rows, slot])
+        cache.count = cache.count + closing.long()
 
 
 class Indexer(nn.Module):
@@ -257,88 +350,86 @@ class Indexer(nn.Module):
         """Returns (idx [B, S, k] long, valid [B, S, k] bool) with k = min(index_topk, N)."""
         B, S, _ = x.shape
         keys = self.compressor(x, layout).float()  # [B, N, c_I]
-        q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
-        cos, sin = ctx.rope["compress"]
-        q = apply_rope(q, cos[:, :, None], sin[:, :, None]).float()
-        w = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        q, w = self._query(x, qr, ctx)
         k = min(self.topk, layout.n)
         chunk = max(1, self.chunk_elems // max(1, B * self.n_heads * layout.n))
         idx, valid = [], []
         for t0 in range(0, S, chunk):
             t1 = min(S, t0 + chunk)
-            scores = torch.einsum("bthc,bnc->bthn", q[:, t0:t1], keys).relu_()
-            scores = torch.einsum("bthn,bth->btn", scores, w[:, t0:t1])
-            scores.masked_fill_(~layout.visible(t0, t1), float("-inf"))
-            top = scores.topk(k, dim=-1)
-            idx.append(top.indices)
-            valid.append(top.values > float("-inf"))
+            top_idx, top_valid = self._select(q[:, t0:t1], w[:, t0:t1], keys, layout.visible(t0, t1), k)
+            idx.append(top_idx)
+            valid.append(top_valid)
         return torch.cat(idx, dim=1), torch.cat(valid, dim=1)
+
+    @torch.no_grad()
+    def decode(self, x: torch.Tensor, qr: torch.Tensor, ctx: SeqContext, cache: CompressorCache):
+        """One token per row (x [B, 1, d]): update the indexer's keys, return (idx, valid) [B, 1, k]."""
+        self.compressor.decode_step(x, cache, ctx)
+        q, w = self._query(x, qr, ctx)
+        cap = cache.entries.shape[1]
+        visible = (torch.arange(cap, device=x.device) < cache.count[:, None])[:, None]
+        return self._select(q, w, cache.entries.float(), visible, min(self.topk, cap))
+
+    def _query(self, x: torch.Tensor, qr: torch.Tensor, ctx: SeqContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indexer queries [B, S, H_I, c_I] and head weights [B, S, H_I], fp32."""
+        B, S, _ = x.shape
+        q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
+        cos, sin = ctx.rope["compress"]
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None]).float()
+        w = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        return q, w
+
+    @staticmethod
+    def _select(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, k: int):
+        """Top-k entries of I[t, s] for queries q [B, T, H_I, c_I] over keys [B, N, c_I] (visible [B, T, N])."""
+        scores = torch.einsum("bthc,bnc->bthn", q, keys).relu_()
+        scores = torch.einsum("bthn,bth->btn", scores, w)
+        scores.masked_fill_(~visible, float("-inf"))
+        top = scores.topk(k, dim=-1)
+        return top.indices, top.values > float("-inf")
 
 
 # ==================================================================================================
 # Sparse attention core: one softmax (with a per-head sink) over the sliding window and the
 # compressed entries the query may see.
 # ==================================================================================================
-def sparse_attention(
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, scale: float, window: int,
+                     doc: torch.Tensor, compressed: torch.Tensor | None = None, comp_mask: torch.Tensor | None = None,
+                     comp_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """One softmax (with a per-head sink) over the sliding window and the compressed entries each
+    query may see; [B, S, H, c] -> [B, S, H, c]. The math and shapes are documented in
+    ``trex.kernels.sparse_attention.reference``; this calls the registered implementation."""
+    fn = kernels.get("sparse_attention", q.device.type)
+    return fn(q, kv, sink, scale, window, doc, compressed, comp_mask, comp_idx)
+
+
+def decode_attention(
     q: torch.Tensor,
-    kv: torch.Tensor,
+    window: torch.Tensor,
+    window_valid: torch.Tensor,
     sink: torch.Tensor,
     scale: float,
-    window: int,
-    doc: torch.Tensor,
     compressed: torch.Tensor | None = None,
     comp_mask: torch.Tensor | None = None,
     comp_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of q over shared K=V entries.
+    """``sparse_attention`` for one query per row against a decode cache.
 
-    q: [B, S, H, c]; kv: [B, S, c] (one KV head, K = V); sink: [H] logits that take
-    probability mass but carry no value; doc: [B, S] document ids (no attention across them).
-    Compressed entries (optional) are [B, N, c] and either
-      dense  (HCA): comp_mask [B, S, N] says which entries each query sees, or
-      sparse (CSA): comp_idx [B, S, k] picks entries and comp_mask [B, S, k] says which are valid.
-    Query t sees raw keys t-W+1..t of its document. Returns [B, S, H, c].
+    q: [B, 1, H, c]; window: [B, W, c] K=V of the last W tokens with window_valid [B, W];
+    compressed: [B, N, c] with comp_mask [B, 1, N] (dense, HCA) or comp_idx, comp_mask [B, 1, k]
+    (sparse, CSA). One softmax with the per-head sink, as in training. Returns [B, 1, H, c].
     """
-    B, S, H, c = q.shape
-    W = window
-    Q = max(1, W // 4)  # queries per block: a block sees its Q + W keys, of which each query uses W
-    K = Q + W
-    nb = -(-S // Q)
-    P = nb * Q
-    # --- sliding window: block j of Q queries against the K keys that end with it -----------------
-    qb = F.pad(q, (0, 0, 0, 0, 0, P - S)).view(B, nb, Q * H, c)
-    kvp = F.pad(kv, (0, 0, W, P - S))  # [B, W + P, c]
-    kb = kvp.unfold(1, K, Q).transpose(-1, -2)  # [B, nb, K, c]: keys j*Q - W ... j*Q + Q - 1
-    local = (qb @ kb.transpose(-1, -2)).view(B, nb, Q, H, K) * scale
-    docp = F.pad(doc, (W, P - S), value=-1)
-    key_doc = docp.unfold(1, K, Q)  # [B, nb, K]
-    t = torch.arange(P, device=q.device).view(nb, Q, 1)
-    s = torch.arange(nb, device=q.device).view(nb, 1, 1) * Q - W + torch.arange(K, device=q.device)
-    in_window = (s <= t) & (s > t - W) & (s >= 0)  # [nb, Q, K]
-    q_doc = F.pad(doc, (0, P - S), value=-2).view(B, nb, Q, 1)
-    ok = in_window & (key_doc[:, :, None, :] == q_doc)  # [B, nb, Q, K]
-    local = local.masked_fill(~ok[:, :, :, None, :], float("-inf")).view(B, P, H, K)[:, :S]
-    # --- compressed entries ------------------------------------------------------------------
-    parts = [local]
-    if compressed is not None and compressed.shape[1] > 0:
-        if comp_idx is None:
-            comp = (q.reshape(B, S * H, c) @ compressed.transpose(1, 2)).view(B, S, H, -1) * scale
-        else:
-            gathered = _gather_rows(compressed, comp_idx)  # [B, S, k, c]
-            comp = (q @ gathered.transpose(-1, -2)) * scale  # [B, S, H, k]
-        parts.append(comp.masked_fill(~comp_mask[:, :, None, :], float("-inf")))
-    parts.append(sink.float().view(1, 1, H, 1).expand(B, S, H, 1))
-    probs = torch.cat([p.float() for p in parts], dim=-1).softmax(dim=-1).to(q.dtype)
-    # --- weighted values -----------------------------------------------------------------------
-    p_local = F.pad(probs[..., :K], (0, 0, 0, 0, 0, P - S)).view(B, nb, Q * H, K)
-    out = (p_local @ kb).view(B, P, H, c)[:, :S]
-    if len(parts) == 3:
-        p_comp = probs[..., K:-1]
-        if comp_idx is None:
-            out = out + (p_comp.reshape(B, S * H, -1) @ compressed).view(B, S, H, c)
-        else:
-            out = out + p_comp @ gathered
-    return out
+    B, _, H, c = q.shape
+    keys, mask = window, window_valid
+    if compressed is not None:
+        picked = compressed if comp_idx is None else gather_rows(compressed, comp_idx[:, 0])
+        keys = torch.cat([window, picked], dim=1)
+        mask = torch.cat([window_valid, comp_mask[:, 0]], dim=1)
+    logits = ((q[:, 0] @ keys.transpose(1, 2)) * scale).float()  # [B, H, K]
+    logits = logits.masked_fill(~mask[:, None], float("-inf"))
+    logits = torch.cat([logits, sink.float().view(1, H, 1).expand(B, H, 1)], dim=-1)
+    probs = logits.softmax(dim=-1)[..., :-1].to(q.dtype)
+    return (probs @ keys)[:, None]
 
 
 # ==================================================================================================
@@ -366,14 +457,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         """x: [B, S, d] (already attn_norm'ed) -> [B, S, d]."""
-        B, S, _ = x.shape
-        cfg, H, c = self.cfg, self.n_heads, self.head_dim
-        cos, sin = ctx.rope[self.rope_kind]
-        cos_h, sin_h = cos[:, :, None], sin[:, :, None]
-        qr = self.q_norm(self.wq_a(x))
-        q = unweighted_rms_norm(self.wq_b(qr).view(B, S, H, c), cfg.rms_norm_eps)
-        q = apply_rope(q, cos_h, sin_h)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        if ctx.decoding:
+            return self.decode(x, ctx)
+        S = x.shape[1]
+        cfg, c = self.cfg, self.head_dim
+        qr, q, kv = self._project(x, ctx)
 
         compressed = comp_mask = comp_idx = None
         if self.compressor is not None:
@@ -385,10 +473,62 @@ class Attention(nn.Module):
                 comp_mask = layout.visible(0, S)
         o = sparse_attention(q, kv, self.attn_sink, c**-0.5, cfg.sliding_window, ctx.doc,
                              compressed, comp_mask, comp_idx)
-        o = apply_rope(o, cos_h, sin_h, inverse=True)
-        g = cfg.o_groups
-        o = torch.einsum("bsgi,goi->bsgo", o.reshape(B, S, g, -1), self.wo_a.weight.view(g, cfg.o_lora_rank, -1))
+        if ctx.cache is not None:
+            ctx.cache.layers[self] = self._start_cache(x, kv, compressed, ctx)
+        return self._output(o, ctx)
+
+    def _project(self, x: torch.Tensor, ctx: SeqContext):
+        """x [B, S, d] -> (qr [B, S, q_lora_rank], q [B, S, H, c], kv [B, S, c]), RoPE'd at ctx.pos."""
+        B, S, _ = x.shape
+        cos, sin = ctx.rope[self.rope_kind]
+        qr = self.q_norm(self.wq_a(x))
+        q = unweighted_rms_norm(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), self.cfg.rms_norm_eps)
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        return qr, q, kv
+
+    def _output(self, o: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        """Attention output o [B, S, H, c] -> de-rotated, grouped output projection [B, S, d]."""
+        B, S = o.shape[:2]
+        cos, sin = ctx.rope[self.rope_kind]
+        o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
+        g = self.cfg.o_groups
+        o = torch.einsum("bsgi,goi->bsgo", o.reshape(B, S, g, -1), self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1))
         return self.wo_b(o.flatten(2))
+
+    def _start_cache(self, x: torch.Tensor, kv: torch.Tensor, compressed: torch.Tensor | None,
+                     ctx: SeqContext) -> AttentionCache:
+        """The layer's decode state after a prefill over x [B, S, d] (its kv [B, S, c], entries)."""
+        W, S, n = self.cfg.sliding_window, x.shape[1], ctx.cache.max_new_tokens
+        state = AttentionCache(F.pad(kv[:, -W:], (0, 0, max(0, W - S), 0)))
+        if self.compressor is not None:
+            layout = ctx.layout(self.m)
+            state.compressor = self.compressor.start_cache(x, compressed, layout, n)
+            if self.indexer is not None:
+                with torch.no_grad():
+                    keys = self.indexer.compressor(x, layout)
+                state.indexer = self.indexer.compressor.start_cache(x, keys, layout, n)
+        return state
+
+    def decode(self, x: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        """One token per row, x [B, 1, d] at positions ctx.pos, against and into ctx.cache -> [B, 1, d]."""
+        state = ctx.cache.layers[self]
+        qr, q, kv = self._project(x, ctx)
+        state.window = torch.cat([state.window[:, 1:], kv], dim=1)
+        W = state.window.shape[1]
+        window_valid = torch.arange(W, device=x.device) >= W - 1 - ctx.pos  # the row's last pos+1 tokens
+        compressed = comp_mask = comp_idx = None
+        if self.compressor is not None:
+            self.compressor.decode_step(x, state.compressor, ctx)
+            compressed = state.compressor.entries
+            if self.indexer is not None:
+                comp_idx, comp_mask = self.indexer.decode(x, qr, ctx, state.indexer)
+            else:
+                slots = torch.arange(compressed.shape[1], device=x.device)
+                comp_mask = (slots < state.compressor.count[:, None])[:, None]
+        o = decode_attention(q, state.window, window_valid, self.attn_sink, self.head_dim**-0.5,
+                             compressed, comp_mask, comp_idx)
+        return self._output(o, ctx)
 
 
 # ==================================================================================================
@@ -669,15 +809,31 @@ class DeepseekV4(nn.Module):
                     module.bias.zero_()
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> ModelOutput:
+                doc_ids: torch.Tensor | None = None, cache: DecodeCache | None = None) -> ModelOutput:
         """input_ids, labels, doc_ids: [B, S]. ``labels`` are aligned with input_ids (the shift happens
         here, as in Hugging Face); IGNORE_INDEX (-100) marks unlabelled tokens. Tokens of different
-        ``doc_ids`` never attend to each other, share no compression window, and positions restart."""
-        ctx = SeqContext(self.cfg, input_ids, doc_ids)
+        ``doc_ids`` never attend to each other, share no compression window, and positions restart.
+
+        Generation (no labels): with an empty ``cache`` this is the prefill, which fills it and whose
+        LAST document in each row is the one generation continues; with a filled cache input_ids is
+        [B, 1], the next token of every row. With a cache, logits are [B, 1, V] for the last position
+        only and MTP does not run."""
+        if cache is not None:
+            if labels is not None:
+                raise ValueError("forward with a decode cache takes no labels (generation only)")
+            if cache.prefilled:
+                cache.steps += 1
+                if cache.steps > cache.max_new_tokens:
+                    raise ValueError(f"DecodeCache was sized for {cache.max_new_tokens} decode steps; "
+                                     f"this is step {cache.steps}")
+        ctx = SeqContext(self.cfg, input_ids, doc_ids, cache)
         emb = self.embed(input_ids)
         X = emb.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1)
         for layer in self.layers:
             X = layer(X, ctx)
+        if cache is not None:
+            cache.pos = ctx.pos[:, -1] + 1
+            return ModelOutput(logits=self.logits(self.norm(self.hc_head(X[:, -1:]))), moe_stats=ctx.moe_stats)
         logits = self.logits(self.norm(self.hc_head(X)))
         out = ModelOutput(logits=logits)
         if labels is not None:

@@ -10,7 +10,7 @@ Conventions, for one sequence (batch row) of S tokens without document boundarie
   cp  bytes of an extra fp32 copy: a ``.float()`` of a compute-dtype tensor is a new tensor at
       bf16 (cp = 4) and the same tensor at fp32 (cp = 0);
   N   compressed entries floor(S / m); kc the compressed entries a query scores (CSA: the
-      indexer's top-k, HCA: all N); P the sequence padded to whole sliding-window blocks.
+      indexer's top-k, HCA: all N); K the window keys of a block of W/4 queries (W/4 + W).
 Weights that trex casts to fp32 inside the forward (mHC fn, router, compressor, norms, LM head)
 are saved as fp32 copies at bf16: those are per-layer constants, not per-token.
 """
@@ -59,31 +59,24 @@ def attention(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
     """One sequence of S tokens through attn_norm and Attention (compressor included)."""
     d, H, c, q, W = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.sliding_window
     rd = cfg.qk_rope_head_dim
-    cp = 0 if b == F32 else F32
-    Qb = max(1, W // 4)  # queries per window block; each block sees Qb + W keys
-    K = Qb + W
-    P = -(-S // Qb) * Qb
+    K = max(1, W // 4) + W  # window keys per query block of W/4 (the probabilities keep all K)
     per_tok = _rms_norm(d)  # attn_norm
     per_tok += b * d + _rms_norm(q) + b * q  # wq_a input (shared with wkv), q_norm, wq_b input
     per_tok += F32 * (H * c + H)  # unweighted RMSNorm of the heads: fp32 input and rstd
     per_tok += _rms_norm(c)  # kv_norm
-    per_tok += F32 * rd // 2  # inverse RoPE on the output: the negated sin table
+    per_tok += 3 * F32 * rd  # RoPE of q, kv and the output: each keeps its complex rotation [rd/2]
     per_tok += b * H * c + b * cfg.o_groups * cfg.o_lora_rank  # grouped wo_a input (permuted copy), wo_b input
-    per_seq = b * H * c * P + b * c * (W + P)  # padded queries and keys of the window blocks
-    per_seq += K * P  # window mask (bool)
-    per_seq += b * H * K * P  # window probabilities, padded
+    # sparse attention (kernels.sparse_attention, hand-written backward): q, kv and the probabilities
+    per_tok += b * H * c + b * c
+    per_seq = 0.0
     kc = 0
     if layer_type != SLIDING:
         m = cfg.compress_rate(layer_type)
         N = S // m
         kc = min(cfg.index_topk, N) if layer_type == CSA else N
-        per_tok += b * H * c  # roped queries for the compressed scores
-        per_tok += (b if cp else 0) * H * (K + kc + 1)  # at bf16, the compressed probabilities' bf16 copy
         per_seq += b * c * N  # compressed entries
         if layer_type == CSA:
-            per_tok += b * kc * c + I64 * kc + kc  # gathered top-k entries, their index, validity mask
-        else:
-            per_seq += S * N  # visibility mask (bool)
+            per_tok += I64 * kc  # the indexer's top-k (entries are re-gathered in backward)
         per_seq += compressor(cfg, layer_type, S, b)
     per_tok += F32 * H * (K + kc + 1)  # softmax output over window, compressed entries and sink
     return per_tok * S + per_seq
@@ -100,6 +93,7 @@ def compressor(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
     total += N * m * I64 * (2 if layer_type == CSA else 1)  # slot index (and previous-window index)
     total += N * (1 if layer_type == CSA else 0)  # previous-window mask (bool)
     total += N * _rms_norm(c)  # norm of the pooled entries
+    total += N * F32 * cfg.qk_rope_head_dim  # RoPE of the entries: their complex rotation
     return total
 
 
@@ -146,22 +140,21 @@ def head(cfg: ModelConfig, b: int) -> float:
 
 
 def model_level(cfg: ModelConfig, S: int, b: int) -> float:
-    """Per-sequence bytes outside the blocks: ids, RoPE tables, heads, MTP inputs, weight copies."""
-    rd, n, d = cfg.qk_rope_head_dim, cfg.hc_mult, cfg.hidden_size
+    """Per-sequence bytes outside the blocks: ids, document ids, heads, MTP inputs, weight copies."""
+    n, d = cfg.hc_mult, cfg.hidden_size
     cp = 0 if b == F32 else F32
     mtp = cfg.num_nextn_predict_layers
     per_tok = I64 * (1 + mtp)  # token ids for the embeddings
     per_tok += b * d if cp == 0 else 0  # at fp32 the first block's streams are the embedding itself
-    per_tok += 2 * F32 * rd  # cos and sin tables: plain and YaRN
+    per_tok += I64  # document ids (sparse attention rebuilds its window masks from them in backward)
     per_tok += head(cfg, b) * (1 + mtp)
     per_tok += mtp * (_rms_norm(d) + b * d)  # enorm, e_proj input
     per_tok += mtp * (cp * n * d + F32 * (n * d + n) + b * n * d)  # hnorm (input copy at bf16), h_proj input
-    per_seq = sum(2 * F32 * rd // 2 * (S // m) for m in {cfg.compress_rate(t) for t in cfg.layer_types if t != SLIDING})
     copies = 0.0
     if b != F32:
         V = cfg.vocab_size
         copies = F32 * (V * d * (1 + mtp) + (1 + mtp) * (n * n * d + d)) + mtp * F32 * 3 * d
-    return per_tok * S + per_seq + copies
+    return per_tok * S + copies
 
 
 def forward_saved(cfg: ModelConfig, S: int, b: int) -> float:
