@@ -4,6 +4,11 @@ Prompts of different lengths share one batch: each row is left-padded and the pa
 document (``doc_ids`` 0, the prompt and its completion are document 1), so padding never enters
 attention or a compression window and every prompt's positions start at 0.
 
+Decoding is incremental: the prompt batch runs once through the ordinary forward, which fills a
+:class:`~trex.models.deepseek_v4.DecodeCache`; every later token is one forward of [B, 1] against it
+(``use_cache=False`` re-runs the whole sequence per token instead, the reference the cache is tested
+against).
+
 The sampler reads the live model weights and works on the plain and on the FSDP2/EP-sharded model:
 when torch.distributed is initialised every rank runs the same number of forward calls (the number
 of batches and the stop decision are agreed across ranks), so collectives inside the model match.
@@ -16,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from trex.models.deepseek_v4 import DecodeCache
 
 
 @dataclass
@@ -96,19 +103,23 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tup
 
 
 def _sample_batch(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
-                  generator: torch.Generator | None, done: torch.Tensor):
+                  generator: torch.Generator | None, done: torch.Tensor, use_cache: bool):
     """Decode one batch; rows already ``done`` [B] (dummy rows of a rank with no prompts left) only
     keep the collectives in step. Returns (tokens [B, T], logprobs [B, T], finished [B])."""
     device = done.device
     ids, docs = left_pad(prompts, pad_id, device)
     stop = torch.tensor(params.stop_ids, dtype=torch.long, device=device)
+    cache = DecodeCache(params.max_new_tokens) if use_cache else None
     finished = torch.zeros_like(done)
     tokens, logprobs = [], []
     for step in range(params.max_new_tokens):
-        if step:
-            ids = torch.cat([ids, tokens[-1][:, None]], dim=1)
-            docs = torch.cat([docs, torch.ones_like(docs[:, :1])], dim=1)
-        logits = model(ids, doc_ids=docs).logits[:, -1]
+        if step and use_cache:
+            logits = model(tokens[-1][:, None], cache=cache).logits[:, -1]
+        else:
+            if step:
+                ids = torch.cat([ids, tokens[-1][:, None]], dim=1)
+                docs = torch.cat([docs, torch.ones_like(docs[:, :1])], dim=1)
+            logits = model(ids, doc_ids=docs, cache=cache).logits[:, -1]
         tok, lp = choose_tokens(logits, params, generator)
         tokens.append(torch.where(done, torch.full_like(tok, pad_id), tok))
         logprobs.append(lp)
@@ -125,7 +136,7 @@ def _sample_batch(model, prompts: list[list[int]], params: SamplingParams, pad_i
 
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
-           generator: torch.Generator | None = None, batch_size: int = 64) -> Samples:
+           generator: torch.Generator | None = None, batch_size: int = 64, use_cache: bool = True) -> Samples:
     """Sample a completion for every prompt (lists of token ids), ``batch_size`` prompts per batch.
 
     Deterministic given ``generator`` (same prompts, weights and batch size). Under torch.distributed
@@ -146,7 +157,7 @@ def sample(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
         real = bool(chunk)
         rows = chunk if real else [[pad_id]]
         done = torch.full((len(rows),), not real, dtype=torch.bool, device=device)
-        tokens, logprobs, finished = _sample_batch(model, rows, params, pad_id, generator, done)
+        tokens, logprobs, finished = _sample_batch(model, rows, params, pad_id, generator, done, use_cache)
         if not real:
             continue
         for toks, lps, fin in zip(tokens.tolist(), logprobs.tolist(), finished.tolist()):

@@ -1,0 +1,82 @@
+"""The incremental decode cache reproduces full recomputation: logits at every step and greedy tokens.
+
+Tiny models cover sliding, CSA (indexer top-k smaller and larger than the number of compressed
+entries) and HCA layers, hash and score MoE, hc_mult 2 and 4, a batch of prompts of different
+lengths, and enough new tokens that several CSA (m=4) and HCA (m'=8 or 4) windows close while
+decoding. The indexer gets 16 heads: with 4, two entries often both score exactly 0 (every head's
+ReLU is 0) and top-k breaks such ties arbitrarily, in training as well.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trex.models import build_model
+from trex.models.config import CSA, HASH_MOE, HCA, MOE, SLIDING, tiny
+from trex.models.deepseek_v4 import DecodeCache
+from trex.rollout import SamplingParams, sample
+from trex.rollout.sampling import left_pad
+
+PROMPTS = [[5, 6, 7], list(range(9, 30)), [3], list(range(40, 53))]
+CONFIGS = {
+    "hc4 topk<entries hca8": dict(index_n_heads=16),
+    "hc2 topk>entries hca4": dict(index_n_heads=16, hc_mult=2, index_topk=64, compress_rates={CSA: 4, HCA: 4},
+                                  layer_types=[HCA, CSA, SLIDING, HCA], mlp_layer_types=[HASH_MOE, HASH_MOE, MOE, MOE]),
+}
+
+
+def _model(overrides):
+    return build_model(tiny(**overrides), seed=0).eval()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cached_logits_match_full_recompute_at_every_step(name):
+    model = _model(CONFIGS[name])
+    ids, docs = left_pad(PROMPTS, pad_id=0, device=torch.device("cpu"))
+    steps = 16
+    cache = DecodeCache(steps)
+    with torch.no_grad():
+        cached = model(ids, doc_ids=docs, cache=cache).logits
+        assert cached.shape == (len(PROMPTS), 1, model.cfg.vocab_size)
+        at_prefill = {attn: st.compressor.count.clone() for attn, st in cache.layers.items() if st.compressor}
+        for step in range(steps):
+            full = model(ids, doc_ids=docs).logits[:, -1]
+            torch.testing.assert_close(cached[:, 0], full, rtol=0, atol=1e-5, msg=f"{name}: step {step}")
+            tok = full.argmax(dim=-1, keepdim=True)
+            ids, docs = torch.cat([ids, tok], dim=1), torch.cat([docs, torch.ones_like(tok)], dim=1)
+            cached = model(tok, cache=cache).logits
+    # every row closed at least two windows of every compressed layer while decoding
+    assert at_prefill
+    for attn, before in at_prefill.items():
+        assert bool((cache.layers[attn].compressor.count - before >= 2).all())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cached_greedy_equals_recompute_token_for_token(name):
+    model = _model(CONFIGS[name])
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    cached = sample(model, PROMPTS, params, pad_id=0)
+    full = sample(model, PROMPTS, params, pad_id=0, use_cache=False)
+    assert cached.completion_ids == full.completion_ids
+    assert all(len(c) == 16 for c in cached.completion_ids)
+    for a, b in zip(cached.logprobs, full.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+
+
+def test_cache_refuses_more_steps_than_it_was_sized_for_and_labels():
+    model = _model(CONFIGS["hc4 topk<entries hca8"])
+    ids = torch.tensor([[5, 6, 7]])
+    cache = DecodeCache(1)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="no labels"):
+            model(ids, labels=ids, cache=cache)
+        model(ids, cache=cache)
+        model(ids[:, :1], cache=cache)
+        with pytest.raises(ValueError, match="sized for 1 decode steps"):
+            model(ids[:, :1], cache=cache)
+    with pytest.raises(ValueError, match=r"shape \[B, 1\]"), torch.no_grad():
+        cache = DecodeCache(4)
+        model(ids, cache=cache)
+        model(ids, cache=cache)
