@@ -99,3 +99,15 @@ def sft_records(problems: list[Problem]) -> list[dict]:
 def eval_prompts(problems: list[Problem]) -> list[tuple[list[dict], str]]:
     """``(messages ending in the user question, exact expected answer)`` per held-out problem."""
     return [([{"role": "user", "content": p.question}], p.answer) for p in problems]
+
+
+def wrong_answer(problem: Problem, rng: np.random.Generator) -> str:
+    """A plausible wrong answer: off by one in the ones digit, or a carry/borrow slip in the tens."""
+    value = int(problem.answer)
+    return str(rng.choice([v for v in (value + 1, value - 1, value + 10, value - 10) if v >= 0]))
+
+
+def preference_records(problems: list[Problem], seed: int = 0) -> list[dict]:
+    """DPO pairs: the question as ``prompt``, the exact answer ``chosen``, a `wrong_answer` ``rejected``."""
+    rng = np.random.default_rng(seed)
+    return [{"prompt": p.question, "chosen": p.answer, "rejected": wrong_answer(p, rng)} for p in problems]

@@ -9,6 +9,7 @@
     [eval]       held-out data for the periodic evaluation loss
     [parallel]   the device mesh: data-parallel replicate / shard and expert-parallel sizes
     [checkpoint] trex.train.checkpointing.CheckpointSection: sharded checkpoints and resume
+    [dpo]        beta, label smoothing, reference model (train.mode = "dpo")
     [sampling]   generation settings of on-policy modes (grpo, distill)
     [grpo]       GRPO with verifiable rewards (train.mode = "grpo")
     [distill]    on-policy distillation from frozen teachers (train.mode = "distill")
@@ -80,6 +81,29 @@ class TrainSection:
         for name in ("steps", "grad_accum", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class DPOSection:
+    """The ``[dpo]`` section: direct preference optimisation (``train.mode = "dpo"``, trex.posttrain.dpo)."""
+
+    beta: float = 0.1
+    """Strength of the implicit KL to the reference: rewards are beta * (log pi - log pi_ref)."""
+    label_smoothing: float = 0.0
+    """Conservative DPO: the assumed probability that a pair's preference label is flipped, in [0, 0.5)."""
+    reference: str = "precompute"
+    """precompute: the reference's sequence log-probs of every pair once at start; online: a frozen
+    reference model scores each batch (memory for a second model, no start-up pass)."""
+    reference_path: str = ""
+    """The reference model's checkpoint directory; empty: the initial policy."""
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ValueError(f"dpo.beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.reference not in ("precompute", "online"):
+            raise ValueError(f"dpo.reference: expected precompute or online, got {self.reference!r}")
 
 
 @dataclass
@@ -239,6 +263,7 @@ class TrainRecipe:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     fidelity: FidelitySection = field(default_factory=FidelitySection)
+    dpo: DPOSection = field(default_factory=DPOSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
     grpo: GRPOSection = field(default_factory=GRPOSection)
     distill: DistillSection = field(default_factory=DistillSection)

@@ -1,0 +1,199 @@
+"""DPO: direct preference optimisation on chosen/rejected pairs (``[train] mode = "dpo"``, ``[dpo]``).
+
+For a pair with policy sequence log-probs (summed over the response tokens) pi_c, pi_r and the
+reference's ref_c, ref_r::
+
+    reward_c = beta * (pi_c - ref_c)          reward_r = beta * (pi_r - ref_r)
+    margin   = reward_c - reward_r
+    loss     = -(1 - eps) * log sigmoid(margin) - eps * log sigmoid(-margin)    (eps: label_smoothing)
+
+The step's loss is the mean over all pairs of the step (every micro-batch of every rank), so any
+split of the batch gives the same gradient; the sequence-wise MoE balance loss is added as in SFT.
+The reference is the initial policy unless ``reference_path`` names another model; its log-probs
+are computed once before the first step (``precompute``, kept per pair) or per batch by a frozen
+copy (``online``). Both happen before a resumed run loads its checkpoint, so they see the same
+reference as the original run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+
+from trex.data.loader import Batch, count_loss_tokens
+from trex.data.preference import PairBatch, PairLoader, PreferencePairs, collate, read_pairs, sweep
+from trex.data.records import BadRecordPolicy
+from trex.models import DeepseekV4
+from trex.models.deepseek_v4 import IGNORE_INDEX
+from trex.posttrain.objective import Objective, StepResult, TrainContext, load_frozen, next_token_logprobs
+from trex.posttrain.sft import balance_term
+
+
+@dataclass
+class DPOTerms:
+    """Per pair [B]: the loss and the implicit rewards of the chosen and the rejected response."""
+    losses: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> DPOTerms:
+    """The DPO loss of B pairs from their sequence log-probs (each [B], nats)."""
+    chosen = beta * (policy_chosen - ref_chosen)
+    rejected = beta * (policy_rejected - ref_rejected)
+    margin = chosen - rejected
+    losses = -(1 - label_smoothing) * F.logsigmoid(margin) - label_smoothing * F.logsigmoid(-margin)
+    return DPOTerms(losses, chosen, rejected)
+
+
+def sequence_logprobs(logits: torch.Tensor, batch: PairBatch) -> torch.Tensor:
+    """fp32 [2B]: each row's log-prob of its response tokens, summed."""
+    return (next_token_logprobs(logits, batch.input_ids, batch.doc_ids) * batch.scored).sum(-1)
+
+
+class DPOObjective(Objective):
+    def __init__(self, ctx: TrainContext):
+        recipe, par = ctx.recipe, ctx.par
+        self.ctx, self.cfg = ctx, recipe.dpo
+        self.pairs = read_pairs(recipe.data, ctx.tokenizer, BadRecordPolicy(recipe.data.bad_record_policy))
+        self.loader = PairLoader(self.pairs, recipe.data.micro_batch_size, par.rank, par.world_size,
+                                 recipe.data.seed, ctx.tokenizer.pad_id, recipe.data.shuffle)
+        self.held_out: PreferencePairs | None = None
+        if recipe.eval.paths:
+            held_out_cfg = dataclasses.replace(recipe.data, paths=list(recipe.eval.paths))
+            self.held_out = read_pairs(held_out_cfg, ctx.tokenizer, BadRecordPolicy(recipe.data.bad_record_policy))
+        source = self.cfg.reference_path or ctx.model
+        self.reference: DeepseekV4 | None = None
+        self.precomputed: dict[str, torch.Tensor] = {}
+        if self.cfg.reference == "online":
+            self.reference = load_frozen(source, ctx)
+        else:
+            scorer = load_frozen(source, ctx) if self.cfg.reference_path else ctx.model
+            self.precomputed["train"] = self._score_all(scorer, self.pairs)
+            if self.held_out is not None:
+                self.precomputed["eval"] = self._score_all(scorer, self.held_out)
+
+    # -- reference log-probs --
+    @torch.no_grad()
+    def _score_all(self, model: DeepseekV4, pairs: PreferencePairs) -> torch.Tensor:
+        """fp32 [N, 2]: (chosen, rejected) sequence log-probs of every pair under ``model``."""
+        par, dev = self.ctx.par, self.ctx.dev
+        table = torch.zeros(len(pairs), 2, dtype=torch.float32, device=dev.torch_device)
+        was_training = model.training
+        model.eval()
+        for index in sweep(len(pairs), self.ctx.recipe.data.micro_batch_size, par.rank, par.world_size):
+            b = collate(pairs, index if len(index) else np.zeros(1, dtype=np.int64), self.ctx.tokenizer.pad_id)
+            b = b.to(dev.torch_device)
+            logps = sequence_logprobs(model(b.input_ids, doc_ids=b.doc_ids).logits, b)
+            if len(index):  # an empty share still ran the forward: sharded ranks stay in step
+                table[torch.from_numpy(index).to(table.device)] = logps.view(2, -1).T
+        model.train(was_training)
+        return par.all_reduce_sum(table)
+
+    @torch.no_grad()
+    def _reference(self, batch: PairBatch, split: str) -> torch.Tensor:
+        """fp32 [2B]: the reference's sequence log-probs of the batch's rows."""
+        if self.reference is None:
+            table = self.precomputed[split][batch.index.to(self.precomputed[split].device)]
+            return table.T.reshape(-1)
+        return sequence_logprobs(self.reference(batch.input_ids, doc_ids=batch.doc_ids).logits, batch)
+
+    # -- the objective --
+    def _terms(self, logits: torch.Tensor, batch: PairBatch, split: str) -> DPOTerms:
+        policy = sequence_logprobs(logits, batch)
+        ref = self._reference(batch, split)
+        n = len(batch.index)
+        return dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.cfg.beta, self.cfg.label_smoothing)
+
+    def step(self, model: DeepseekV4, step: int, scaler) -> StepResult:
+        ctx = self.ctx
+        micro = [next(self.loader).to(ctx.dev.torch_device) for _ in range(ctx.recipe.train.grad_accum)]
+        pairs = sum(len(b.index) for b in micro) * ctx.par.world_size
+        sums = torch.zeros(5, dtype=torch.float64, device=ctx.dev.torch_device)
+        stats = []
+        for i, b in enumerate(micro):
+            if isinstance(model, FSDPModule):  # reduce-scatter gradients once, after the last micro-batch
+                model.set_requires_gradient_sync(i == len(micro) - 1)
+            out = model(b.input_ids, doc_ids=b.doc_ids)
+            terms = self._terms(out.logits, b, "train")
+            loss = terms.losses.sum() / pairs
+            balance = balance_term(out.moe_stats, ctx.recipe.train.balance_alpha, len(micro), ctx.par.world_size)
+            if balance is not None:
+                loss = loss + balance
+            scaler.scale(loss).backward()
+            sums += _sums(terms, b.n_tokens)
+            stats.extend(out.moe_stats)
+        sums = ctx.par.all_reduce_sum(sums)
+        mean = (sums[:4] / pairs).tolist()
+        return StepResult(loss=(sums[0] / pairs).float(), tokens=int(sums[4]), moe_stats=stats,
+                          metrics={"reward_chosen": mean[1], "reward_rejected": mean[2],
+                                   "reward_margin": mean[1] - mean[2], "accuracy": mean[3]})
+
+    @torch.no_grad()
+    def evaluate(self, model: DeepseekV4) -> dict[str, float]:
+        """Loss, accuracy (chosen reward > rejected reward) and reward margin over every held-out pair."""
+        if self.held_out is None:
+            return {}
+        ctx = self.ctx
+        sums = torch.zeros(5, dtype=torch.float64, device=ctx.dev.torch_device)
+        was_training = model.training
+        model.eval()
+        for index in sweep(len(self.held_out), ctx.recipe.data.micro_batch_size, ctx.par.rank, ctx.par.world_size):
+            b = collate(self.held_out, index if len(index) else np.zeros(1, dtype=np.int64), ctx.tokenizer.pad_id)
+            b = b.to(ctx.dev.torch_device)
+            terms = self._terms(model(b.input_ids, doc_ids=b.doc_ids).logits, b, "eval")
+            if len(index):
+                sums += _sums(terms, b.n_tokens)
+        model.train(was_training)
+        total = ctx.par.all_reduce_sum(sums)[:4] / len(self.held_out)
+        loss, chosen, rejected, accuracy = total.tolist()
+        return {"eval_loss": loss, "eval_accuracy": accuracy, "eval_reward_margin": chosen - rejected}
+
+    def state_dict(self) -> dict:
+        return {"loader": self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state["loader"])
+
+    def preflight(self) -> dict:
+        return {"pairs": len(self.pairs), "data": self.loader.fingerprint,
+                "eval_pairs": len(self.held_out) if self.held_out is not None else 0}
+
+    def summary(self) -> dict:
+        out = {**self.pairs.summary(), "reference": self.cfg.reference}
+        if self.held_out is not None:
+            out["eval_pairs"] = len(self.held_out)
+        return out
+
+    def probe_batch(self, rows: int) -> Batch:
+        """The chosen conversations of the first ``rows`` pairs (file order), labels on their responses."""
+        seq_len, pad = self.ctx.recipe.data.seq_len, self.ctx.tokenizer.pad_id
+        n = min(rows, len(self.pairs))
+        input_ids = torch.full((n, seq_len), pad, dtype=torch.long)
+        labels = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.long)
+        doc_ids = torch.ones((n, seq_len), dtype=torch.long)
+        for row in range(n):
+            ids = torch.from_numpy(self.pairs.tokens[2 * row].astype(np.int64))
+            mask = torch.from_numpy(self.pairs.response[2 * row])
+            input_ids[row, :len(ids)] = ids
+            labels[row, :len(ids)] = torch.where(mask, ids, IGNORE_INDEX)
+            doc_ids[row, :len(ids)] = 0
+        return Batch(input_ids, labels, doc_ids, count_loss_tokens(labels.numpy(), doc_ids.numpy()),
+                     int((doc_ids == 0).sum()))
+
+
+def _sums(terms: DPOTerms, n_tokens: int) -> torch.Tensor:
+    """float64 [5]: summed loss, chosen reward, rejected reward, correct pairs, and the tokens."""
+    parts = [terms.losses.sum(), terms.chosen_rewards.sum(), terms.rejected_rewards.sum(),
+             (terms.chosen_rewards > terms.rejected_rewards).sum(), torch.tensor(n_tokens)]
+    return torch.stack([p.detach().double().to(terms.losses.device) for p in parts])
+
+
+def build(ctx: TrainContext) -> DPOObjective:
+    return DPOObjective(ctx)
