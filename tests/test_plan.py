@@ -54,11 +54,11 @@ def test_state_shrinks_with_shards_and_recompute_trades_memory_for_time():
     assert times == sorted(times)  # recompute can hide behind communication, never make a step faster
     wide = make_plan(FLASH, dataclasses.replace(base, dp_shard=128), 4096, H100)
     assert wide.memory.weights == pytest.approx(plans["none"].memory.weights / 2)
-    # bf16 weights and gradients, fp32 master, Muon momentum / AdamW moments, all sharded
+    # fp32 parameters (the masters) and gradients, Muon momentum / AdamW moments, all sharded
     f = model_facts(FLASH)
     m = plans["none"].memory
-    assert m.weights + m.master + m.gradients + m.optimizer == pytest.approx(
-        (2 * f.stored + 6 * f.trainable + 4 * f.muon + 8 * f.adamw) / 64)
+    assert m.weights + m.gradients + m.optimizer == pytest.approx(
+        (4 * f.stored + 4 * f.trainable + 4 * f.muon + 8 * f.adamw) / 64)
     off = make_plan(FLASH, dataclasses.replace(base, offload_optimizer=True), 4096, H100)
     assert off.memory.optimizer == 0 and off.memory.optimizer_host == m.optimizer
     assert off.time.optimizer > plans["none"].time.optimizer

@@ -1,12 +1,20 @@
-"""Memory per device for one layout: persistent state, working buffers, activations, headroom.
+"""Memory per device for one layout: persistent state, the step's peak, headroom.
 
-State follows what trex keeps (docs/optimizers.md, trex.train.precision): parameters and their
-gradients at the compute dtype, an fp32 master copy when that dtype is not fp32, Muon one fp32
-momentum per parameter and AdamW two fp32 moments. FSDP shards all of it over dp_shard (experts:
-ep x dp_shard/ep), pipeline stages over pp. Working buffers: the unsharded block being used and
-the one prefetched (FSDP), one block's unsharded gradients before reduce-scatter, the
-Newton-Schulz workspace of the largest Muon matrix, the EP dispatch/combine buffers and the
-logits gradient. Activations come from `trex.plan.activations`.
+State follows what trex keeps (docs/optimizers.md, trex.train.precision, trex.parallel.plan):
+fp32 parameters, which are the master weights (FSDP2's mixed precision, and ComputeCast on one
+process, cast them to the compute dtype per block), fp32 gradients, Muon one fp32 momentum per
+parameter and AdamW two fp32 moments. FSDP shards all of it over dp_shard (experts: ep x
+dp_shard/ep), pipeline stages over pp.
+
+A step's memory peaks at one of two moments, and the breakdown keeps what is alive at each:
+  backward   activations at their backward peak, the FSDP working set (`gathered`), the logits
+             gradient and EP dispatch buffers (`transient`), and the gradients of earlier
+             micro-batches (`accumulated_gradients`, zero without gradient accumulation: the sharded
+             gradients fill in as the activations drain);
+  optimizer  the sharded gradients and the Newton-Schulz workspace of the largest Muon matrix.
+total = weights + optimizer state + the larger of the two. Activations come from
+`trex.plan.activations`. tests/test_plan_memory_cpu.py and tests/test_plan_memory_distributed.py
+check the step peak against measured CPU runs (one process; FSDP and FSDP+EP on two).
 """
 
 from __future__ import annotations
@@ -25,26 +33,42 @@ HEADROOM = 0.10  # of device memory, kept free for allocator fragmentation, runt
 class MemoryBreakdown:
     """Bytes per device."""
 
-    weights: float
-    master: float
-    gradients: float
+    weights: float  # fp32 parameters (the master weights)
+    gradients: float  # fp32, sharded, from the last backward to the optimizer step
     optimizer: float
-    gathered: float  # FSDP: unsharded current + prefetched block, one block of unsharded gradients
+    gathered: float  # weights at the compute dtype: FSDP's unsharded units, or one process's casts
+    accumulated_gradients: float  # held through the backward of micro-batches after the first
     optimizer_workspace: float
-    activations: float
+    activations: float  # alive at the backward peak
     transient: float  # logits gradient, EP dispatch/combine buffers
     optimizer_host: float  # optimizer state moved to host memory (not in total)
 
     @property
+    def backward_peak(self) -> float:
+        return self.activations + self.gathered + self.transient + self.accumulated_gradients
+
+    @property
+    def optimizer_peak(self) -> float:
+        return self.gradients + self.optimizer_workspace
+
+    @property
+    def step_peak(self) -> float:
+        """Bytes a step adds on top of the persistent weights and optimizer state."""
+        return max(self.backward_peak, self.optimizer_peak)
+
+    @property
     def total(self) -> float:
-        return sum(v for k, v in asdict(self).items() if k != "optimizer_host")
+        return self.weights + self.optimizer + self.step_peak
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "total": self.total}
+        return {**asdict(self), "step_peak": self.step_peak, "total": self.total}
 
 
 def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, b: int) -> float:
-    """Saved activations of the micro-batches in flight on the busiest pipeline stage."""
+    """Activations alive at the backward peak of the busiest pipeline stage: the saved tensors of
+    the micro-batches in flight plus the larger of the model-level tensors (logits, heads) at the
+    start of backward and, with recomputation, one block recomputed after the heads' backward has
+    freed their logits."""
     layers = list(zip(cfg.layer_types, cfg.mlp_layer_types))[: cfg.num_hidden_layers // layout.pp]
     layers += [(cfg.mtp_layer_type, "moe")] * cfg.num_nextn_predict_layers
     S = seq_len
@@ -55,13 +79,15 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, b: int) -> 
         copies = act.weight_copies(cfg, lt, b)
         if layout.recompute == "none":
             saved += blk.total + copies
-        elif layout.recompute == "selective":  # mHC and attention are recomputed in backward
-            saved += stream + blk.moe
-            recompute_peak = max(recompute_peak, blk.mhc + blk.attention + copies)
+        elif layout.recompute == "selective":  # the attention site (hc_attn: mHC + attention) is recomputed;
+            saved += stream + blk.mhc / 2 + blk.moe  # the FFN site's mHC and the MoE are kept
+            recompute_peak = max(recompute_peak, blk.mhc / 2 + blk.attention + copies)
         else:
             saved += stream
             recompute_peak = max(recompute_peak, blk.total + copies)
-    per_micro = (saved + act.model_level(cfg, S, b) + recompute_peak) * layout.micro_batch
+    model_level = act.model_level(cfg, S, b)
+    heads = act.head(cfg, b) * S * (1 + cfg.num_nextn_predict_layers)
+    per_micro = (saved + max(model_level, model_level - heads + recompute_peak)) * layout.micro_batch
     return per_micro * min(layout.pp, layout.grad_accum)  # 1F1B: stage 0 holds pp micro-batches
 
 
@@ -72,10 +98,22 @@ def memory(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, b:
         state = (4 * facts.muon + 8 * facts.adamw) / shard
     else:
         state = 8 * facts.trainable / shard
-    master = 4 * trainable if b != 4 else 0.0
-    block = facts.block_dense + facts.block_experts / layout.ep
-    gathered = 3 * b * block if layout.dp_shard > 1 else 0.0
-    workspace = 0.0
+    gathered = accumulated = 0.0
+    if layout.dp_shard == 1 and b != 4:
+        # one process: ComputeCast's per-block casts are saved by the forward's matmuls for backward
+        gathered = b * facts.stored / layout.pp
+    elif layout.dp_shard > 1:
+        # FSDP2: the block in use, the one prefetched and one block of unsharded gradients before its
+        # reduce-scatter; the root unit (embedding, heads) is not resharded after forward, so its
+        # unsharded copy lives through forward and backward
+        block = facts.block_dense + facts.block_experts / layout.ep
+        gathered = b * (3 * block + facts.root * (1 - 1 / layout.dp_shard))
+    if layout.grad_accum > 1:
+        # micro-batches before the last skip the reduce-scatter (no-sync), so FSDP2 accumulates
+        # *unsharded* gradients of the whole stage (experts: this rank's ep share), upcast to the
+        # fp32 reduce dtype (trex.train.precision); one process keeps its fp32 gradients
+        unsharded = (facts.trainable - facts.experts + facts.experts / layout.ep) / layout.pp
+        accumulated = 4 * unsharded if layout.dp_shard > 1 else 4 * trainable
     if layout.optimizer == "muon":  # momentum direction, X, X X^T products on the largest local matrix
         local_experts = facts.block_experts / 3 / layout.ep
         workspace = 4 * 4 * max(facts.largest_muon_matrix, local_experts)
@@ -86,7 +124,8 @@ def memory(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, b:
     if layout.ep > 1:
         transient += 2 * b * tokens * cfg.num_experts_per_tok * cfg.hidden_size
     return MemoryBreakdown(
-        weights=b * stored, master=master, gradients=b * trainable,
-        optimizer=0.0 if layout.offload_optimizer else state, gathered=gathered, optimizer_workspace=workspace,
+        weights=4 * stored, gradients=4 * trainable,
+        optimizer=0.0 if layout.offload_optimizer else state, gathered=gathered, accumulated_gradients=accumulated,
+        optimizer_workspace=workspace,
         activations=activation_bytes(cfg, layout, seq_len, b), transient=transient,
         optimizer_host=state if layout.offload_optimizer else 0.0)

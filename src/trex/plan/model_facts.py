@@ -45,6 +45,7 @@ class ModelFacts:
     adamw: int  # trainable parameters under AdamW (when optim.name = "muon")
     block_dense: int  # largest block without its routed experts (one FSDP unit)
     block_experts: int  # routed experts of one block
+    root: int  # parameters outside every block (embedding, LM head, mHC head, final norm): the FSDP root unit
     largest_muon_matrix: int  # elements of the largest dense Muon parameter
     muon_ns_flops: float  # FLOPs of one Newton-Schulz pass over every Muon matrix
 
@@ -86,6 +87,7 @@ def _build_facts(cfg: ModelConfig) -> ModelFacts:
     by_type: dict[str, int] = {kind: 0 for kind, _ in MODULE_TYPES}
     mtp = experts = trainable = muon = 0
     blocks: dict[str, list[int]] = {}
+    root = 0
     largest = 0
     ns = 0.0
     for name, p in model.named_parameters():
@@ -99,6 +101,8 @@ def _build_facts(cfg: ModelConfig) -> ModelFacts:
         if block:
             entry = blocks.setdefault(block.group(0), [0, 0])
             entry[1 if is_expert else 0] += p.numel()
+        else:
+            root += p.numel()
     for name, p, rule, row_blocks in classify(model):
         if INDEXER in f".{name}":
             continue
@@ -114,7 +118,7 @@ def _build_facts(cfg: ModelConfig) -> ModelFacts:
     return ModelFacts(
         by_type=by_type, mtp=mtp, total=total, active=total - inactive, trainable=trainable, experts=experts,
         muon=muon, adamw=trainable - muon, block_dense=max(v[0] for v in blocks.values()),
-        block_experts=max(v[1] for v in blocks.values()), largest_muon_matrix=largest, muon_ns_flops=ns)
+        block_experts=max(v[1] for v in blocks.values()), root=root, largest_muon_matrix=largest, muon_ns_flops=ns)
 
 
 _CACHE: dict[str, ModelFacts] = {}

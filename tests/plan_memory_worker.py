@@ -1,0 +1,155 @@
+"""Measured training steps for the memory-model tests: one JSON line per case, on every rank.
+
+    MALLOC_MMAP_THRESHOLD_=4096 python -m torch.distributed.run --nproc-per-node=2 \
+        tests/plan_memory_worker.py '[{"overrides": {}, "seq": 512, "ep": 2, "recompute": "selective"}]'
+
+(or plain ``python tests/plan_memory_worker.py CASES`` for one process). Each case builds the model
+as ``trex train`` does (fp32, frozen indexer, activation checkpointing, expert parallelism and FSDP2
+per block and root when distributed, MuonAdamW, ``grad_accum`` micro-batches of one sequence with
+the reduce-scatter after the last), runs a warm-up step, resets the peak resident set
+(clear_refs) and reports the VmHWM growth of the next step over the resident set before it.
+MALLOC_MMAP_THRESHOLD_=4096 makes every tensor above 4 KiB its own mapping, so freed tensors leave the
+resident set. The warm-up step also counts the bytes autograd saves for backward (storage-deduplicated,
+parameters excluded), for the breakdown a failing test prints.
+"""
+
+import gc
+import json
+import sys
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from trex import device
+from trex.models import build_model
+from trex.models.config import tiny
+from trex.parallel.mesh import init_parallel
+from trex.parallel.plan import apply_parallelism
+from trex.train.moe_balance import freeze_indexer
+from trex.train.optim import OptimConfig, build_optimizer
+from trex.train.precision import PrecisionPolicy
+
+
+def status(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+class SavedBytes:
+    """saved_tensors_hooks that sum the distinct storages autograd keeps (parameters and their
+    FSDP-unsharded copies excluded: those are counted by the weight terms)."""
+
+    def __init__(self):
+        self.seen: set[int] = set()
+        self.total = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self.seen:
+                self.seen.add(ptr)
+                self.total += t.untyped_storage().nbytes()
+        return t
+
+
+def run_case(case: dict, dev) -> dict:
+    cfg, S = tiny(**case.get("overrides", {})), case["seq"]
+    par = init_parallel(1, -1, case.get("ep", 1), 120, dev)
+    model = build_model(cfg, device="cpu", dtype=torch.float32, seed=0).train()
+    freeze_indexer(model)
+    apply_parallelism(model, par, PrecisionPolicy.resolve("fp32", dev), case.get("recompute", "none"))
+    opt = build_optimizer(model, OptimConfig(name="muon"))
+    grad_accum = case.get("grad_accum", 1)
+    ids = torch.randint(0, cfg.vocab_size, (grad_accum, S), generator=torch.Generator().manual_seed(par.rank))
+
+    def step(hooks=None) -> None:
+        for i in range(grad_accum):  # as trex.posttrain.sft: reduce-scatter after the last micro-batch only
+            if isinstance(model, FSDPModule):
+                model.set_requires_gradient_sync(i == grad_accum - 1)
+            counting = hooks is not None and i == 0  # saved bytes of one micro-batch
+            with torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t) if counting else nullcontext():
+                out = model(ids[i:i + 1], labels=ids[i:i + 1])
+            (out.loss + 0.1 * out.mtp_loss).backward()
+            del out
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    saved = SavedBytes()
+    step(saved)
+    gc.collect()  # the previous case's FSDP modules are freed by the collector: not during the measured step
+    if par.distributed:
+        dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = status("VmRSS")
+    step()
+    result = {**case, "rank": par.rank, "step_peak": status("VmHWM") - base, "saved": saved.total}
+    del model, opt
+    if par.distributed:
+        dist.barrier()
+    return result
+
+
+# ---- used by the tests (tests/test_plan_memory_cpu.py, tests/test_plan_memory_distributed.py) ----------
+SMALL = dict(hidden_size=256, num_attention_heads=8, head_dim=64, q_lora_rank=128, o_lora_rank=64, sliding_window=128,
+             index_topk=64, index_head_dim=32, moe_intermediate_size=128, vocab_size=1024)
+MiB = 2**20
+
+
+def launch(cases: list[dict], nproc: int, timeout: int = 400) -> list[dict]:
+    """Run ``cases`` in one process, or under torchrun on ``nproc`` gloo ranks; one result per case and rank."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = os.path.abspath(__file__)
+    cmd = [sys.executable, here, json.dumps(cases)] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}", here,
+        json.dumps(cases)]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "1",
+           "TREX_DEVICE": "cpu"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def predicted(case: dict, nproc: int):
+    """The planner's memory breakdown for ``case`` at dp_shard = nproc, on a CPU profile at fp32."""
+    from trex.hardware import HardwareProfile
+    from trex.plan import Layout, TimeAssumptions, make_plan
+
+    cpu = HardwareProfile(name="cpu", unit="card", peak_tflops={"fp32": 1.0}, memory_gib=64, intra_node_gbps=1,
+                          inter_node_gbps=1, devices_per_node=1)
+    layout = Layout(dp_shard=nproc, ep=case.get("ep", 1), grad_accum=case.get("grad_accum", 1),
+                    recompute=case.get("recompute", "none"))
+    return make_plan(tiny(**case.get("overrides", {})), layout, case["seq"], cpu, TimeAssumptions(dtype="fp32")).memory
+
+
+def explain(result: dict, memory) -> str:
+    """Measured vs predicted step peak, with the predicted terms, for a failing assertion."""
+    terms = ", ".join(f"{k} {v / MiB:.1f}" for k, v in memory.as_dict().items()
+                      if k in ("activations", "gathered", "transient", "accumulated_gradients", "gradients",
+                               "optimizer_workspace"))
+    return (f"rank {result['rank']}: measured step peak {result['step_peak'] / MiB:.1f} MiB, predicted "
+            f"{memory.step_peak / MiB:.1f} MiB (backward {memory.backward_peak / MiB:.1f}, optimizer "
+            f"{memory.optimizer_peak / MiB:.1f}; {terms}); autograd saved {result['saved'] / MiB:.1f} MiB outside "
+            f"checkpointed regions in one micro-batch")
+
+
+def main(cases: str) -> None:
+    dev = device.detect("cpu")
+    for case in json.loads(cases):
+        print(json.dumps(run_case(case, dev)), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
