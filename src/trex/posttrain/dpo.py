@@ -137,23 +137,29 @@ class DPOObjective(Objective):
 
     @torch.no_grad()
     def evaluate(self, model: DeepseekV4) -> dict[str, float]:
-        """Loss, accuracy (chosen reward > rejected reward) and reward margin over every held-out pair."""
+        """Over every held-out pair: loss, reward accuracy (chosen reward > rejected reward), reward
+        margin, and preference accuracy (log p(chosen) > log p(rejected)) of the policy and of the reference."""
         if self.held_out is None:
             return {}
         ctx = self.ctx
-        sums = torch.zeros(5, dtype=torch.float64, device=ctx.dev.torch_device)
+        sums = torch.zeros(7, dtype=torch.float64, device=ctx.dev.torch_device)
         was_training = model.training
         model.eval()
         for index in sweep(len(self.held_out), ctx.recipe.data.micro_batch_size, ctx.par.rank, ctx.par.world_size):
             b = collate(self.held_out, index if len(index) else np.zeros(1, dtype=np.int64), ctx.tokenizer.pad_id)
             b = b.to(ctx.dev.torch_device)
-            terms = self._terms(model(b.input_ids, doc_ids=b.doc_ids).logits, b, "eval")
-            if len(index):
-                sums += _sums(terms, b.n_tokens)
+            policy = sequence_logprobs(model(b.input_ids, doc_ids=b.doc_ids).logits, b)
+            ref = self._reference(b, "eval")
+            n = len(b.index)
+            terms = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.cfg.beta, self.cfg.label_smoothing)
+            prefers = torch.stack([(policy[:n] > policy[n:]).sum(), (ref[:n] > ref[n:]).sum()]).double()
+            if len(index):  # an empty share still ran the forward: sharded ranks stay in step
+                sums += torch.cat([_sums(terms, b.n_tokens), prefers])
         model.train(was_training)
-        total = ctx.par.all_reduce_sum(sums)[:4] / len(self.held_out)
-        loss, chosen, rejected, accuracy = total.tolist()
-        return {"eval_loss": loss, "eval_accuracy": accuracy, "eval_reward_margin": chosen - rejected}
+        loss, chosen, rejected, accuracy, _, prefers, ref_prefers = (
+            ctx.par.all_reduce_sum(sums) / len(self.held_out)).tolist()
+        return {"eval_loss": loss, "eval_accuracy": accuracy, "eval_reward_margin": chosen - rejected,
+                "eval_preference_accuracy": prefers, "eval_reference_preference_accuracy": ref_prefers}
 
     def state_dict(self) -> dict:
         return {"loader": self.loader.state_dict()}

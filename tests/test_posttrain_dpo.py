@@ -1,0 +1,149 @@
+"""DPO: the loss against hand-worked numbers, preference data and its bad records, training on a
+tiny model, precomputed vs online reference, resume, 2-process FSDP, and the shipped recipe."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trex.data.arithmetic import ArithmeticTask, generate, preference_records
+from trex.data.config import DataConfig
+from trex.data.preference import collate, read_pairs
+from trex.data.records import BadRecordError, BadRecordPolicy, write_jsonl
+from trex.data.tokenizer import compact_tokenizer
+from trex.posttrain.dpo import dpo_loss
+from trex.recipe import load
+from trex.train.config import TrainRecipe
+from trex.train.loop import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_dpo_loss_matches_hand_worked_numbers():
+    # beta = 0.5. Pair 1: rewards 0.5*(-2+2.5) = 0.25 and 0.5*(-3+2.5) = -0.25, margin 0.5.
+    # Pair 2: rewards 0.5*(-1-0) = -0.5 and 0.5*(-1+2) = 0.5, margin -1.
+    # loss = -log sigmoid(m) = log(1 + e^-m): log(1 + e^-0.5) = 0.4740770, log(1 + e^1) = 1.3132617.
+    # label smoothing 0.1: 0.9 * log(1 + e^-m) + 0.1 * log(1 + e^m)
+    #   pair 1: 0.9 * 0.4740770 + 0.1 * 0.9740770 = 0.5240770; pair 2: 0.9 * 1.3132617 + 0.1 * 0.3132617 = 1.2132617
+    args = [torch.tensor(v) for v in ([-2.0, -1.0], [-3.0, -1.0], [-2.5, 0.0], [-2.5, -2.0])]
+    plain = dpo_loss(*args, beta=0.5)
+    assert plain.chosen_rewards.tolist() == [0.25, -0.5] and plain.rejected_rewards.tolist() == [-0.25, 0.5]
+    assert plain.losses.tolist() == pytest.approx([0.4740770, 1.3132617], abs=1e-6)
+    smoothed = dpo_loss(*args, beta=0.5, label_smoothing=0.1)
+    assert smoothed.losses.tolist() == pytest.approx([0.5240770, 1.2132617], abs=1e-6)
+    assert math.isclose(plain.losses[0].item(), math.log(1 + math.exp(-0.5)), abs_tol=1e-6)
+
+
+def _cfg(path, policy="skip", seq_len=32):
+    return DataConfig(paths=[str(path)], tokenizer="compact", seq_len=seq_len, bad_record_policy=policy)
+
+
+def test_pairs_encode_both_forms_and_bad_records_follow_the_policy(tmp_path):
+    tok = compact_tokenizer()
+    path = tmp_path / "pairs.jsonl"
+    write_jsonl(path, [
+        {"prompt": "1+2", "chosen": "3", "rejected": "4"},
+        {"prompt": "5+5", "chosen": "10"},  # line 2: no rejected
+        {"messages": [{"role": "system", "content": "math"}, {"role": "user", "content": "2+2"}],
+         "chosen": [{"role": "assistant", "content": "4"}], "rejected": "5"},
+        {"prompt": "1+1", "chosen": "2", "rejected": "2"},  # line 4: nothing to prefer
+    ])
+    pairs = read_pairs(_cfg(path), tok, BadRecordPolicy("skip"))
+    assert len(pairs) == 2
+    summary = pairs.summary()
+    assert summary["skipped_by_reason"] == {"identical_responses": 1, "missing_rejected": 1}
+    assert summary["first_seen"]["missing_rejected"] == f"{path}:2"
+    # the scored tokens are exactly the response: answer + EOS
+    for k, response in ((0, "3"), (1, "4"), (2, "4"), (3, "5")):
+        assert tok.decode(pairs.tokens[k][pairs.response[k]].tolist()) == response + "<｜end▁of▁sentence｜>"
+    batch = collate(pairs, torch.tensor([1, 0]).numpy(), tok.pad_id)
+    assert batch.input_ids.shape[0] == 4 and batch.scored.sum().item() == 8
+    assert torch.equal(batch.input_ids[0, :len(pairs.tokens[2])], torch.from_numpy(pairs.tokens[2]).long())
+    with pytest.raises(BadRecordError, match=rf"{path}:2: bad record \(missing_rejected\)"):
+        read_pairs(_cfg(path, "fail"), tok, BadRecordPolicy("fail"))
+
+
+@pytest.fixture(scope="module")
+def pair_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dpo")
+    train_p, held = generate(ArithmeticTask(digits=2, n_train=16, n_eval=16))
+    write_jsonl(d / "train.jsonl", preference_records(train_p))
+    write_jsonl(d / "held.jsonl", preference_records(held, seed=1))
+    return d
+
+
+def _recipe(d, out, *extra):
+    return load(TrainRecipe, overrides=[
+        'train.mode="dpo"', f'data.paths=["{d}/train.jsonl"]', 'data.tokenizer="compact"', "data.seq_len=24",
+        "data.micro_batch_size=4", "train.grad_accum=2", "train.steps=6", f'train.out="{out}"', "optim.lr=3e-3",
+        "train.progress=false", "fidelity.every=3", "dpo.beta=0.5", "dpo.label_smoothing=0.05",
+        "model.overrides={sliding_window=16}",
+        *extra])
+
+
+def _metrics(out):
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+@pytest.mark.slow
+def test_dpo_learns_its_pairs_and_online_reference_gives_the_same_losses(pair_files, tmp_path):
+    pre = _metrics(train(_recipe(pair_files, tmp_path / "pre", "train.steps=12", "data.micro_batch_size=8",
+                                 "train.grad_accum=1")).run_dir)
+    assert pre[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference: margin 0
+    assert pre[0]["reward_margin"] == 0.0
+    late = pre[-4:]
+    assert sum(r["loss"] for r in late) / 4 < pre[0]["loss"] - 0.1
+    assert sum(r["accuracy"] for r in late) / 4 >= 0.9
+    online = _metrics(train(_recipe(pair_files, tmp_path / "online", "train.steps=3", "data.micro_batch_size=8",
+                                    "train.grad_accum=1", 'dpo.reference="online"')).run_dir)
+    for a, b in zip(online, pre[:3]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+        assert a["reward_margin"] == pytest.approx(b["reward_margin"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_resume_mid_dpo_reproduces_the_losses(pair_files, tmp_path):
+    extra = ("checkpoint.save_every=3", f'eval.paths=["{pair_files}/held.jsonl"]', "train.eval_every=3")
+    straight = train(_recipe(pair_files, tmp_path / "a", *extra))
+    assert {"eval_loss", "eval_accuracy", "eval_reward_margin"} <= straight.summary["eval"]["final"].keys()
+    assert straight.summary["data"]["pairs"] == 16 and os.path.exists(tmp_path / "a" / "probe.jsonl")
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step_3", tmp_path / "step_3")
+    train(_recipe(pair_files, tmp_path / "b", *extra, f'checkpoint.resume="{tmp_path}/step_3"'))
+    keys = ("loss", "grad_norm", "accuracy", "reward_margin", "eval_accuracy", "tokens")
+    want = [{k: r.get(k) for k in keys} for r in _metrics(tmp_path / "a")[3:]]
+    assert [{k: r.get(k) for k in keys} for r in _metrics(tmp_path / "b")] == want
+
+
+@pytest.mark.slow
+def test_two_process_fsdp_gives_the_losses_of_one_process(pair_files, tmp_path):
+    def args(out, nproc):
+        return ["train", str(pair_files / "recipe.toml"), "--out", str(out), "--set", 'train.mode="dpo"',
+                "--set", f'data.paths=["{pair_files}/train.jsonl"]', "--set", 'data.tokenizer="compact"',
+                "--set", "data.seq_len=24", "--set", f"data.micro_batch_size={4 // nproc}", "--set", "train.steps=4",
+                "--set", "optim.lr=3e-3", "--set", "train.progress=false", "--set", "dpo.beta=0.5",
+                "--set", "fidelity.every=0", "--set", "model.overrides={sliding_window=16}",
+                "--set", f'eval.paths=["{pair_files}/held.jsonl"]']
+    (pair_files / "recipe.toml").write_text("# everything set on the command line\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"}
+    one = subprocess.run([sys.executable, "-m", "trex", *args(tmp_path / "one", 1)], capture_output=True, text=True,
+                         timeout=400, cwd=ROOT, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_distributed import torchrun
+
+    two = torchrun(2, [*args(tmp_path / "two", 2), "--set", "parallel.dp_shard=2"], timeout=400)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4) and x["accuracy"] == y["accuracy"]
+    final = [json.loads((tmp_path / n / "summary.json").read_text())["eval"]["final"] for n in ("one", "two")]
+    assert final[0]["eval_accuracy"] == final[1]["eval_accuracy"]
+    assert final[0]["eval_loss"] == pytest.approx(final[1]["eval_loss"], rel=1e-4)
