@@ -199,7 +199,7 @@ def _scores(x: torch.Tensor, entries: torch.Tensor, dense: bool) -> torch.Tensor
     B, S, H, c = x.shape
     if dense:
         return (x.reshape(B, S * H, c) @ entries.transpose(1, 2)).view(B, S, H, -1)
-    return x @ entries.transpose(-1, -2)
+    return torch.bmm(x.reshape(B * S, H, c), entries.flatten(0, 1).transpose(1, 2)).view(B, S, H, -1)
 
 
 def _values(p: torch.Tensor, entries: torch.Tensor, dense: bool) -> torch.Tensor:
@@ -207,7 +207,7 @@ def _values(p: torch.Tensor, entries: torch.Tensor, dense: bool) -> torch.Tensor
     B, S, H, _ = p.shape
     if dense:
         return (p.reshape(B, S * H, -1) @ entries).view(B, S, H, -1)
-    return p @ entries
+    return torch.bmm(p.reshape(B * S, H, -1), entries.flatten(0, 1)).view(B, S, H, -1)
 
 
 def _entry_grads(weights: torch.Tensor, inputs: torch.Tensor, compressed: torch.Tensor,
@@ -220,7 +220,7 @@ def _entry_grads(weights: torch.Tensor, inputs: torch.Tensor, compressed: torch.
     N = compressed.shape[1]
     if idx is None:
         return weights.reshape(B, S * H2, N).transpose(1, 2) @ inputs.reshape(B, S * H2, c)
-    per_pick = weights.transpose(-1, -2) @ inputs  # [B, S, k, c]
+    per_pick = torch.bmm(weights.reshape(B * S, H2, -1).transpose(1, 2), inputs.reshape(B * S, H2, c))  # [B*S, k, c]
     flat = (idx + torch.arange(B, device=idx.device).view(B, 1, 1) * N).reshape(-1)
     grad = torch.zeros(B * N, c, dtype=per_pick.dtype, device=per_pick.device)
     return grad.index_add_(0, flat, per_pick.reshape(-1, c)).view(B, N, c)

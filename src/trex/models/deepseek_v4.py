@@ -674,7 +674,8 @@ class HyperConnection(nn.Module):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
         y = sublayer((pre.unsqueeze(-1) * X.float()).sum(dim=2).to(X.dtype))
-        mixed = post.unsqueeze(-1) * y.float().unsqueeze(-2) + comb.transpose(-1, -2) @ X.float()
+        streams = torch.bmm(comb.flatten(0, 1).transpose(1, 2), X.float().flatten(0, 1)).view(X.shape)  # comb^T X
+        mixed = post.unsqueeze(-1) * y.float().unsqueeze(-2) + streams
         return mixed.to(X.dtype)
 
 
