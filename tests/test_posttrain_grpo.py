@@ -227,6 +227,21 @@ def test_prompt_file_errors_name_the_line(tmp_path):
     bad.write_text('{"prompt": "1+1", "answer": "2"}\n{"question": "2+2"}\n')
     with pytest.raises(BadRecordError, match=r"p.jsonl:2: bad record \(no_prompt\)"):
         load_prompts([str(bad)], compact_tokenizer(), thinking=False)
-    bad.write_text('{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}\n')
+    bad.write_text('{"messages": [{"role": "system", "content": "be brief"}]}\n')
     with pytest.raises(BadRecordError, match="p.jsonl:1: .*end with a user"):
         load_prompts([str(bad)], compact_tokenizer(), thinking=False)
+
+
+def test_sft_records_are_prompts_with_their_answer(tmp_path):
+    from trex.data.chat import render_prompt
+    from trex.data.tokenizer import compact_tokenizer
+    from trex.posttrain.on_policy import load_prompts
+
+    f = tmp_path / "sft.jsonl"
+    f.write_text('{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}\n'
+                 '{"prompt": "3+4", "answer": "7"}\n')
+    tok = compact_tokenizer()
+    a, b = load_prompts([str(f)], tok, thinking=False)
+    assert a.record["answer"] == "2" and b.record["answer"] == "7"
+    assert a.ids == tok.encode(render_prompt([{"role": "user", "content": "1+1"}], thinking=False)).tolist()
+    assert tok.decode(b.ids).endswith("3+4<｜Assistant｜></think>")

@@ -36,7 +36,10 @@ class Prompt:
 
 def load_prompts(paths: list[str], tokenizer: Tokenizer, thinking: bool, limit: int = 0) -> list[Prompt]:
     """Prompts of JSONL/Parquet records ``{"prompt": str}`` (one user turn) or ``{"messages": [...]}``
-    (a conversation ending with a user or tool message); at most ``limit`` (0: all)."""
+    (a conversation ending with a user or tool message); at most ``limit`` (0: all).
+
+    An SFT record (messages ending with an assistant turn) is a prompt too: the conversation before
+    that turn, with the turn's content as the ``answer`` unless the record has one."""
     prompts = []
     for rec in iter_records(paths):
         data = rec.data
@@ -44,13 +47,17 @@ def load_prompts(paths: list[str], tokenizer: Tokenizer, thinking: bool, limit: 
             raise BadRecordError(rec.path, rec.line, data.reason, data.detail)
         if isinstance(data.get("messages"), list):
             messages = data["messages"]
+            if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+                data = {"answer": messages[-1].get("content"), **data}
+                messages = messages[:-1]
         elif isinstance(data.get("prompt"), str):
             messages = [{"role": "user", "content": data["prompt"]}]
         else:
             raise BadRecordError(rec.path, rec.line, "no_prompt",
                                  'expected a "prompt" string or a "messages" list ending with a user message')
         if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") not in ("user", "tool"):
-            raise BadRecordError(rec.path, rec.line, "no_prompt", "messages must end with a user or tool message")
+            raise BadRecordError(rec.path, rec.line, "no_prompt",
+                                 "messages must end with a user or tool message (or one assistant turn after it)")
         try:
             text = render_prompt(messages, thinking=thinking)
         except RecordError as e:
