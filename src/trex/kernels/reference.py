@@ -22,9 +22,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Ten
 
     x: [N, K] rows sorted by expert; w: [E, M, K] (nn.Linear layout, out x in);
     counts: rows per expert, sum(counts) == N. Returns [N, M] with rows i of group e
-    equal to x[i] @ w[e].T. One matmul per non-empty expert, no per-token work.
+    equal to x[i] @ w[e].T. One matmul per non-empty expert, no per-token work. ``unbind`` (not
+    ``w[e]``) so that backward stacks the expert gradients once instead of adding E full-size ones.
     """
-    outs = [xe @ w[e].t() for e, xe in enumerate(torch.split(x, counts)) if counts[e] > 0]
+    experts = w.unbind(0)
+    outs = [xe @ experts[e].t() for e, xe in enumerate(torch.split(x, counts)) if counts[e] > 0]
     if not outs:
         return x.new_zeros(0, w.shape[1])
     return torch.cat(outs, dim=0)
