@@ -30,6 +30,7 @@ def _model(overrides):
     return build_model(tiny(**overrides), seed=0).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_cached_logits_match_full_recompute_at_every_step(name):
     model = _model(CONFIGS[name])
