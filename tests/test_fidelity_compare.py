@@ -34,7 +34,8 @@ def write_run(path, losses, grad_scale=1.0, layer_scale=None, probe_shift=0.0, e
     layer_scale = layer_scale or {}
     with open(path / "grad_norms.jsonl", "w") as f, open(path / "probe.jsonl", "w") as g:
         for step in range(every, len(losses) + 1, every):
-            norms = {name: layer_scale.get(name, 1.0) * (i + 1) / step for i, name in enumerate(GROUPS)}
+            scale = {name: layer_scale.get(name, 1.0) for name in GROUPS}  # a number, or a function of the step
+            norms = {name: (v(step) if callable(v) else v) * (i + 1) / step for i, (name, v) in enumerate(scale.items())}
             f.write(json.dumps({"step": step, "norms": norms}) + "\n")
             g.write(json.dumps(_probe(step, probe_shift)) + "\n")
     return path
@@ -88,6 +89,30 @@ def test_gradients_that_disagree_fail_even_when_the_loss_agrees(tmp_path):
     assert status["loss_mean_rel_err"] == "PASS" and status["layer_grad_norm_rel_err"] == "FAIL"
     assert "embed" in next(c.detail for c in result.checks if c.measure == "layer_grad_norm_rel_err")
     assert result.layer_errors["embed"] == pytest.approx(0.6)
+
+
+def test_gradient_scale_averages_out_step_to_step_noise_but_not_a_bias(tmp_path):
+    """precision: per-step norms that swing +-45% around the reference pass, a constant 1.6x fails."""
+    ref = load_signals(str(write_run(tmp_path / "ref", CURVE)))
+    swing = {"layers.0.attn": lambda step: 1.45 if step % 4 else 0.55}
+    result = compare(load_signals(str(write_run(tmp_path / "swing", CURVE, layer_scale=swing))), ref,
+                     get_profile("precision"))
+    assert result.layer_errors["layers.0.attn"] == pytest.approx(0.45)
+    assert result.layer_scale_errors["layers.0.attn"] < 0.15 and result.passed
+    biased = compare(load_signals(str(write_run(tmp_path / "bias", CURVE, layer_scale={"embed": 1.6}))), ref,
+                     get_profile("precision"))
+    assert biased.layer_scale_errors["embed"] == pytest.approx(0.6)
+    assert {c.measure for c in biased.checks if c.status == "FAIL"} == {"layer_grad_norm_rel_err",
+                                                                        "layer_grad_scale_rel_err"}
+
+
+def test_groups_below_the_floor_are_judged_by_absolute_error(tmp_path):
+    """A group carrying <1% of the gradient, 2x off: a 100% relative error, but small against the floor."""
+    ref = load_signals(str(write_run(tmp_path / "ref", CURVE, layer_scale={"layers.0.ffn": 0.01})))
+    run = load_signals(str(write_run(tmp_path / "run", CURVE, layer_scale={"layers.0.ffn": 0.02})))
+    floored = compare(run, ref, get_profile("precision"))
+    assert floored.passed and floored.layer_errors["layers.0.ffn"] < 0.15
+    assert compare(run, ref, get_profile("layout")).layer_errors["layers.0.ffn"] == pytest.approx(1.0)
 
 
 def test_probe_kl_is_zero_for_equal_fingerprints_and_grows_with_the_difference():

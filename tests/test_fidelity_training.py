@@ -87,3 +87,19 @@ def test_recording_does_not_change_the_run(tmp_path):
     loud = train(_short(tmp_path / "loud", "fidelity.every=1")).run_dir
     assert load_signals(quiet).series("loss") == load_signals(loud).series("loss")
     assert len(load_signals(loud).probe) == 6
+
+
+@pytest.mark.slow
+def test_bf16_run_passes_the_precision_profile_and_a_broken_one_fails(tmp_path):
+    """bf16 (fp32 masters, bf16 compute) against the fp32 golden; doubling the lr is a real divergence."""
+    golden = load_signals(GOLDEN)
+    run = train(_short(tmp_path / "bf16", 'precision.dtype="bf16"'))
+    assert run.summary["precision"]["param_dtype"] == "float32"
+    assert all(p.dtype == torch.float32 for p in run.model.parameters())
+    result = compare(load_signals(run.run_dir), golden, get_profile("precision"), allow_prefix=True)
+    assert result.passed, [(c.measure, c.value, c.status) for c in result.checks]
+
+    broken = train(_short(tmp_path / "bf16_lr", 'precision.dtype="bf16"', "optim.lr=2e-2")).run_dir
+    result = compare(load_signals(broken), golden, get_profile("precision"), allow_prefix=True)
+    assert not result.passed
+    assert "loss_mean_rel_err" in {c.measure for c in result.checks if c.status == "FAIL"}

@@ -100,5 +100,5 @@ def _profiles(args: argparse.Namespace) -> int:
         for measure in MEASURES:
             value = profile.thresholds.get(measure)
             print(f"   {measure:<26} {'off' if value is None else f'{value:g}':>8}")
-        print(f"   EMA weight {profile.ema:g}\n")
+        print(f"   EMA weight {profile.ema:g}, layer-norm floor {profile.layer_norm_floor:g} x global norm\n")
     return 0

@@ -53,6 +53,7 @@ class Comparison:
     first_step_outside_band: int | None
     checks: list[Check]
     layer_errors: dict[str, float] = field(default_factory=dict)
+    layer_scale_errors: dict[str, float] = field(default_factory=dict)
     curves: dict[str, list[float]] = field(default_factory=dict)
     """ref, run, ema_ref, ema_run, rel_err: per aligned step (for the plot)."""
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -77,6 +78,7 @@ class Comparison:
             "checks": [{"measure": c.measure, "value": c.value, "threshold": c.threshold, "status": c.status,
                         "detail": c.detail, "meaning": MEASURES[c.measure]} for c in self.checks],
             "layer_grad_norm_rel_err": self.layer_errors,
+            "layer_grad_scale_rel_err": self.layer_scale_errors,
             "probe_top1_agreement": self.probe_top1_agreement,
             "counts": self.counts,
             "curves": {"steps": self.steps, **self.curves},
@@ -102,11 +104,17 @@ def _skipped(signals: RunSignals) -> int:
     return int(last.get("skipped_steps", signals.summary.get("skipped_steps", 0)) or 0)
 
 
-def _layer_errors(run: RunSignals, ref: RunSignals) -> dict[str, float] | None:
+def _layer_errors(run: RunSignals, ref: RunSignals, floor: float) -> tuple[dict[str, float], dict[str, float]] | None:
+    """Per layer group: (mean over common steps of its per-step relative error, relative error of its
+    norm averaged over those steps). A group's reference norm below ``floor`` x the reference's
+    global norm (the root of the groups' squared norms, at that step or averaged) is replaced by
+    that floor in the denominator."""
     steps = sorted(set(run.grad_norms) & set(ref.grad_norms))
     if not steps:
         return None
-    errors: dict[str, list[float]] = {}
+    per_step: dict[str, list[float]] = {}
+    sums: dict[str, list[float]] = {}
+    global_sum = 0.0
     for step in steps:
         a, b = run.grad_norms[step], ref.grad_norms[step]
         if set(a) != set(b):
@@ -114,9 +122,19 @@ def _layer_errors(run: RunSignals, ref: RunSignals) -> dict[str, float] | None:
                 f"per-layer gradient norms at step {step} cover different layer groups: only in {run.source}: "
                 f"{sorted(set(a) - set(b))[:6]}, only in {ref.source}: {sorted(set(b) - set(a))[:6]} "
                 "(different models?)")
+        global_ref = math.sqrt(sum(v * v for v in b.values()))
+        global_sum += global_ref
         for group, ref_norm in b.items():
-            errors.setdefault(group, []).append(_rel(a[group], ref_norm) if math.isfinite(a[group]) else math.inf)
-    return {g: sum(e) / len(e) for g, e in errors.items()}
+            scale = max(abs(ref_norm), floor * global_ref, _TINY)
+            per_step.setdefault(group, []).append(abs(a[group] - ref_norm) / scale if math.isfinite(a[group])
+                                                  else math.inf)
+            total = sums.setdefault(group, [0.0, 0.0])
+            total[0] += a[group]
+            total[1] += ref_norm
+    n = len(steps)
+    averaged = {g: abs(r - f) / n / max(abs(f) / n, floor * global_sum / n, _TINY) if math.isfinite(r) else math.inf
+                for g, (r, f) in sums.items()}
+    return {g: sum(e) / n for g, e in per_step.items()}, averaged
 
 
 def position_kl(ref_ids: list[int], ref_logp: list[float], run_ids: list[int], run_logp: list[float]) -> float:
@@ -203,11 +221,11 @@ def compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str = "l
                         sum(_rel(gn_run[s], gn_ref[s]) for s in gn_steps) / len(gn_steps) if gn_steps else None,
                         t.get("grad_norm_mean_rel_err"),
                         f"over {len(gn_steps)} steps" if gn_steps else "no common grad_norm steps"))
-    layers = _layer_errors(run, ref)
-    worst = max(layers, key=layers.get) if layers else None
-    checks.append(Check("layer_grad_norm_rel_err", layers[worst] if layers else None,
-                        t.get("layer_grad_norm_rel_err"),
-                        f"worst group {worst}" if layers else "no common grad_norms.jsonl steps ([fidelity] every)"))
+    layers, scales = _layer_errors(run, ref, profile.layer_norm_floor) or ({}, {})
+    for measure, errors in (("layer_grad_norm_rel_err", layers), ("layer_grad_scale_rel_err", scales)):
+        worst = max(errors, key=errors.get) if errors else None
+        checks.append(Check(measure, errors[worst] if errors else None, t.get(measure),
+                            f"worst group {worst}" if errors else "no common grad_norms.jsonl steps ([fidelity] every)"))
     probe = _probe(run, ref)
     checks.append(Check("probe_kl", probe[0] if probe else None, t.get("probe_kl"),
                         f"top-1 agreement {probe[2]:.1%}" if probe else "no common probe.jsonl steps"))
@@ -221,6 +239,6 @@ def compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str = "l
     return Comparison(run=run.source, reference=ref.source, profile=profile, metric=metric, steps=steps,
                       missing_in_run=missing, not_reached=not_reached,
                       first_step_outside_band=outside[0] if outside else None, checks=checks,
-                      layer_errors=layers or {},
+                      layer_errors=layers, layer_scale_errors=scales,
                       curves={"ref": b, "run": a, "ema_ref": ema_b, "ema_run": ema_a, "rel_err": rel},
                       counts=counts, probe_top1_agreement=probe[2] if probe else None)

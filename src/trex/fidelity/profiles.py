@@ -18,7 +18,9 @@ MEASURES = {
     "loss_band_rel": "max over steps of |ema_run - ema_ref| / |ema_ref| (EMA-smoothed loss; the band)",
     "final_loss_rel_delta": "|loss_run - loss_ref| / |loss_ref| at the last aligned step",
     "grad_norm_mean_rel_err": "mean relative error of the global (pre-clip) gradient norm",
-    "layer_grad_norm_rel_err": "worst layer group's mean relative error of its gradient norm",
+    "layer_grad_norm_rel_err": "worst layer group's mean over recorded steps of the relative error of its gradient norm",
+    "layer_grad_scale_rel_err": "worst layer group's relative error of its gradient norm averaged over the recorded "
+                                "steps (its gradient scale)",
     "probe_kl": "max over probe steps of the mean KL(ref || run) of the top-k next-token fingerprints",
     "probe_loss_rel_err": "max relative error of the probe-batch loss",
     "nonfinite_losses": "non-finite loss values logged by the run",
@@ -35,6 +37,9 @@ class Profile:
     """Why the thresholds are what they are."""
     thresholds: dict[str, float | None] = field(default_factory=dict)
     ema: float = 1.0
+    layer_norm_floor: float = 0.0
+    """Per-layer gradient errors divide by max(group norm, floor x global norm of the reference): a
+    group carrying less than this fraction of the gradient is judged by its absolute error."""
 
     def __post_init__(self) -> None:
         unknown = set(self.thresholds) - set(MEASURES)
@@ -42,6 +47,8 @@ class Profile:
             raise ValueError(f"profile {self.name}: unknown measure(s) {sorted(unknown)}; known: {sorted(MEASURES)}")
         if not 0.0 < self.ema <= 1.0:
             raise ValueError(f"profile {self.name}: ema must be in (0, 1], got {self.ema}")
+        if not 0.0 <= self.layer_norm_floor < 1.0:
+            raise ValueError(f"profile {self.name}: layer_norm_floor must be in [0, 1), got {self.layer_norm_floor}")
 
     def with_overrides(self, overrides: dict[str, float | None]) -> Profile:
         return dataclasses.replace(self, thresholds={**self.thresholds, **overrides})
@@ -84,17 +91,30 @@ PRECISION = Profile(
     name="precision",
     use="the same recipe in bf16 or fp16 (with loss scaling) against its fp32 control",
     rationale=(
-        "bf16 keeps 8 bits of mantissa (relative rounding 2^-9 = 0.2%), fp16 11 bits; parameters, "
-        "activations and logits are rounded at that level, so per-step losses differ by ~1% and the "
-        "difference must not grow into a different curve. Mixed-precision training is accepted as "
-        "converging like fp32 when the smoothed curves stay within a few percent (Micikevicius et al., "
-        "Mixed Precision Training, 2018; the same bar the vendor profile applies to the mean). fp16 "
-        "overflows that the loss scaler answers are allowed a few skipped steps. Not yet calibrated on a "
-        "measured bf16/fp16 run of the default recipe (run `trex fidelity matrix` to see the margins)."),
+        "bf16 keeps 8 bits of mantissa (relative rounding 2^-9 = 0.2%), fp16 11 bits. Runs hold fp32 master "
+        "weights and fp32 gradients and compute in bf16/fp16 (trex.parallel.plan), as mixed-precision training "
+        "does (Micikevicius et al., 2018). Measured on recipes/fidelity_default.toml (CPU, 20 steps, Muon lr "
+        "1e-2): at the same weights and batch (teacher-forced, 3 batches) every layer group's gradient norm "
+        "agrees with fp32 within 2% in bf16 and 0.5% in fp16; the largest errors are in groups carrying "
+        "~0.1% of the gradient (hc_head, mtp.0.hc: sums over all tokens with cancellation). Along a run, "
+        "the 0.2% rounding is amplified like any perturbation (the layout variants turn 1e-7 into 1e-4 "
+        "in 20 steps; MoE routing flips are discrete), so per-step gradient norms of single batches at "
+        "slightly different weights differ much more: worst group 29% (bf16) and 58% (fp16, whose first "
+        "step overflows and is skipped) averaged over steps, up to 80% at step 20, while the loss stays "
+        "within 0.3%/0.5% and the probe KL below 0.015. A precision run is therefore judged by (1) the loss "
+        "and probe fingerprint, (2) each group's gradient scale, its norm averaged over the recorded steps "
+        "(worst measured 0.18 bf16, 0.16 fp16; threshold 0.3), which a systematic bias such as first-layer "
+        "gradients 50-100% off still fails, and (3) a coarse per-step bound of 0.5 (measured 0.23/0.24). Both "
+        "gradient measures divide by at least 5% of the reference's global norm: groups below that (mHC "
+        "mixers, norm gains, hc_head) are judged by absolute error, since their relative error is "
+        "dominated by rounding and cancellation. fp16 overflows that the loss scaler answers are allowed a few "
+        "skipped steps. A wrong learning rate (+20%) fails (see docs/fidelity.md for the numbers)."),
     thresholds={"loss_mean_rel_err": 2e-2, "loss_band_rel": 3e-2, "final_loss_rel_delta": 3e-2,
-                "grad_norm_mean_rel_err": 1e-1, "layer_grad_norm_rel_err": 2e-1, "probe_kl": 2e-2,
-                "probe_loss_rel_err": 3e-2, "nonfinite_losses": 0, "missing_steps": 0, "extra_skipped_steps": 3},
+                "grad_norm_mean_rel_err": 1e-1, "layer_grad_norm_rel_err": 5e-1, "layer_grad_scale_rel_err": 3e-1,
+                "probe_kl": 2e-2, "probe_loss_rel_err": 3e-2, "nonfinite_losses": 0, "missing_steps": 0,
+                "extra_skipped_steps": 3},
     ema=0.3,
+    layer_norm_floor=0.05,
 )
 
 VENDOR = Profile(
