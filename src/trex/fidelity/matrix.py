@@ -164,7 +164,8 @@ def run_matrix(recipe_path: str, out: str, steps: int | None = None, only: list[
             values = {c.measure: c.value for c in result.checks}
             row.update(verdict=result.verdict, report=paths["json"], plot=paths["png"],
                        loss_mean_rel_err=values["loss_mean_rel_err"],
-                       layer_grad_norm_rel_err=values["layer_grad_norm_rel_err"], probe_kl=values["probe_kl"],
+                       layer_grad_norm_rel_err=values["layer_grad_norm_rel_err"],
+                       layer_grad_scale_rel_err=values["layer_grad_scale_rel_err"], probe_kl=values["probe_kl"],
                        tokens=load_signals(run_dir).summary.get("tokens"),
                        note="; ".join(filter(None, [row["note"], f"failed: {', '.join(failed)}" if failed else ""])))
         rows.append(row)
@@ -191,11 +192,13 @@ def markdown(report: dict) -> str:
     lines = [f"# Fidelity matrix: {report['recipe']}", "",
              f"control: fp32, one process, {report['steps']} steps, {report['control_tokens']} tokens "
              f"({report['environment'].get('device', '?')}, torch {report['environment'].get('torch', '?')})", "",
-             "| variant | profile | verdict | loss mean rel err | worst layer grad-norm rel err | probe KL | tokens | note |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| variant | profile | verdict | loss mean rel err | worst layer grad-norm rel err (per step) "
+             "| worst layer grad scale rel err | probe KL | tokens | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in report["variants"]:
         lines.append(f"| {r['variant']} | {r['profile']} | {r['verdict']} | {_num(r.get('loss_mean_rel_err'))} | "
-                     f"{_num(r.get('layer_grad_norm_rel_err'))} | {_num(r.get('probe_kl'))} | {r.get('tokens', '-')} | "
+                     f"{_num(r.get('layer_grad_norm_rel_err'))} | {_num(r.get('layer_grad_scale_rel_err'))} | "
+                     f"{_num(r.get('probe_kl'))} | {r.get('tokens', '-')} | "
                      f"{r['note']} |")
     lines += ["", f"matrix verdict: **{report['verdict']}**"]
     return "\n".join(lines)
