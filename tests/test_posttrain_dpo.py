@@ -97,7 +97,7 @@ def test_dpo_learns_its_pairs_and_online_reference_gives_the_same_losses(pair_fi
     pre = _metrics(train(_recipe(pair_files, tmp_path / "pre", "train.steps=12", "data.micro_batch_size=8",
                                  "train.grad_accum=1")).run_dir)
     assert pre[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference: margin 0
-    assert pre[0]["reward_margin"] == 0.0
+    assert pre[0]["reward_margin"] == pytest.approx(0.0, abs=1e-5)
     late = pre[-4:]
     assert sum(r["loss"] for r in late) / 4 < pre[0]["loss"] - 0.1
     assert sum(r["accuracy"] for r in late) / 4 >= 0.9
@@ -147,3 +147,28 @@ def test_two_process_fsdp_gives_the_losses_of_one_process(pair_files, tmp_path):
     final = [json.loads((tmp_path / n / "summary.json").read_text())["eval"]["final"] for n in ("one", "two")]
     assert final[0]["eval_accuracy"] == final[1]["eval_accuracy"]
     assert final[0]["eval_loss"] == pytest.approx(final[1]["eval_loss"], rel=1e-4)
+
+
+def test_shipped_pairs_are_what_the_generator_writes():
+    from trex.train.default_job import DefaultJob
+
+    train_p, held = generate(DefaultJob().task)
+    data = os.path.join(ROOT, "recipes", "dpo_arithmetic_data")
+    for name, want in (("train", preference_records(train_p[:2000], seed=0)),
+                       ("heldout", preference_records(held, seed=1))):
+        assert [json.loads(line) for line in open(os.path.join(data, f"{name}.jsonl"))] == want
+    for pair in want:  # a plausible wrong answer: off by one or by ten
+        assert abs(int(pair["rejected"]) - int(pair["chosen"])) in (1, 10)
+
+
+@pytest.mark.slow
+def test_shipped_recipe_runs_on_a_shortened_schedule(tmp_path):
+    data = os.path.join(ROOT, "recipes", "dpo_arithmetic_data")
+    recipe = load(TrainRecipe, os.path.join(ROOT, "recipes", "dpo_arithmetic.toml"), [
+        'model.path=""', 'model.overrides={sliding_window=32}', "train.steps=2", "train.eval_every=0",
+        f'train.out="{tmp_path}"', "train.progress=false",
+        f"data.paths={json.dumps([os.path.join(data, 'train.jsonl')])}",
+        f"eval.paths={json.dumps([os.path.join(data, 'heldout.jsonl')])}"])
+    summary = train(recipe).summary
+    assert summary["status"] == "completed" and summary["mode"] == "dpo" and summary["data"]["pairs"] == 2000
+    assert 0 <= summary["eval"]["final"]["eval_preference_accuracy"] <= 1

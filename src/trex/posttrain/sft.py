@@ -134,6 +134,8 @@ class SFTObjective(Objective):
                 "eval_loader": self.eval_loader.state_dict() if self.eval_loader is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
+        if "fingerprint" in state:  # a checkpoint from before objectives: the loader's own state
+            state = {"loader": state}
         self.loader.load_state_dict(state["loader"])
         if self.eval_loader is not None and state.get("eval_loader"):
             self.eval_loader.load_state_dict(state["eval_loader"])
