@@ -1,9 +1,9 @@
-"""Measured training steps for the memory-model tests: one JSON line per case, on every rank.
+"""Measured training steps for the memory-model tests: one JSON line per case and rank.
 
     MALLOC_MMAP_THRESHOLD_=4096 python -m torch.distributed.run --nproc-per-node=2 \
-        tests/plan_memory_worker.py '[{"overrides": {}, "seq": 512, "ep": 2, "recompute": "selective"}]'
+        tests/plan_memory_worker.py '[{"overrides": {}, "seq": 512, "ep": 2, "recompute": "selective"}]' OUT_DIR
 
-(or plain ``python tests/plan_memory_worker.py CASES`` for one process). Each case builds the model
+(or plain ``python tests/plan_memory_worker.py CASES OUT_DIR`` for one process). Each case builds the model
 as ``trex train`` does (fp32, frozen indexer, activation checkpointing, expert parallelism and FSDP2
 per block and root when distributed, MuonAdamW, ``grad_accum`` micro-batches of one sequence with
 the reduce-scatter after the last), runs a warm-up step, resets the peak resident set
@@ -61,7 +61,11 @@ def run_case(case: dict, dev) -> dict:
     par = init_parallel(1, -1, case.get("ep", 1), 120, dev)
     model = build_model(cfg, device="cpu", dtype=torch.float32, seed=0).train()
     freeze_indexer(model)
-    apply_parallelism(model, par, PrecisionPolicy.resolve("fp32", dev), case.get("recompute", "none"))
+    # with oneDNN, a CPU bf16 run's resident set grows every step (flat without it): the CPU kernels'
+    # memory, not the model's, so bf16 cases run ATen's own kernels
+    torch.backends.mkldnn.enabled = case.get("dtype", "fp32") == "fp32"
+    policy = PrecisionPolicy.resolve(case.get("dtype", "fp32"), dev)
+    apply_parallelism(model, par, policy, case.get("recompute", "none"))
     opt = build_optimizer(model, OptimConfig(name="muon"))
     grad_accum = case.get("grad_accum", 1)
     ids = torch.randint(0, cfg.vocab_size, (grad_accum, S), generator=torch.Generator().manual_seed(par.rank))
@@ -105,30 +109,35 @@ def launch(cases: list[dict], nproc: int, timeout: int = 400) -> list[dict]:
     import socket
     import subprocess
 
+    import tempfile
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     here = os.path.abspath(__file__)
-    cmd = [sys.executable, here, json.dumps(cases)] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}", here,
-        json.dumps(cases)]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "1",
-           "TREX_DEVICE": "cpu"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, here, json.dumps(cases), out] if nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}", here,
+            json.dumps(cases), out]
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "1",
+               "TREX_DEVICE": "cpu"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results = [json.loads(line) for rank in range(nproc) for line in open(os.path.join(out, f"rank{rank}.jsonl"))]
+    return sorted(results, key=lambda r: (r["case"], r["rank"]))
 
 
 def predicted(case: dict, nproc: int):
-    """The planner's memory breakdown for ``case`` at dp_shard = nproc, on a CPU profile at fp32."""
+    """The planner's memory breakdown for ``case`` at dp_shard = nproc, on a CPU profile."""
     from trex.hardware import HardwareProfile
     from trex.plan import Layout, TimeAssumptions, make_plan
 
-    cpu = HardwareProfile(name="cpu", unit="card", peak_tflops={"fp32": 1.0}, memory_gib=64, intra_node_gbps=1,
+    cpu = HardwareProfile(name="cpu", unit="card", peak_tflops={"fp32": 1.0, "bf16": 1.0}, memory_gib=64, intra_node_gbps=1,
                           inter_node_gbps=1, devices_per_node=1)
     layout = Layout(dp_shard=nproc, ep=case.get("ep", 1), grad_accum=case.get("grad_accum", 1),
                     recompute=case.get("recompute", "none"))
-    return make_plan(tiny(**case.get("overrides", {})), layout, case["seq"], cpu, TimeAssumptions(dtype="fp32")).memory
+    assume = TimeAssumptions(dtype=case.get("dtype", "fp32"))
+    return make_plan(tiny(**case.get("overrides", {})), layout, case["seq"], cpu, assume).memory
 
 
 def explain(result: dict, memory) -> str:
@@ -142,13 +151,16 @@ def explain(result: dict, memory) -> str:
             f"checkpointed regions in one micro-batch")
 
 
-def main(cases: str) -> None:
+def main(cases: str, out: str) -> None:
+    """Each rank writes its results to ``out``/rank<R>.jsonl, a line per case (numbered ``case``)."""
     dev = device.detect("cpu")
-    for case in json.loads(cases):
-        print(json.dumps(run_case(case, dev)), flush=True)
+    for i, case in enumerate(json.loads(cases)):
+        result = {**run_case(case, dev), "case": i}
+        with open(f"{out}/rank{result['rank']}.jsonl", "a") as f:
+            f.write(json.dumps(result) + "\n")
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -1,7 +1,7 @@
 """The memory model against the measured peak of real single-process CPU training steps.
 
-Each case runs in a fresh process (tests/plan_memory_worker.py: fp32, the real MuonAdamW, a frozen
-indexer, activation checkpointing as trex train applies it). glibc keeps freed small blocks in its
+Each case runs in a fresh process (tests/plan_memory_worker.py: fp32 or bf16 compute on fp32
+parameters, the real MuonAdamW, a frozen indexer, activation checkpointing as trex train applies it). glibc keeps freed small blocks in its
 heap, which would hide a step's growth, so the child sets MALLOC_MMAP_THRESHOLD_=4096: every tensor
 above 4 KiB is its own mapping, returned to the system when freed. The baseline is the resident set
 after a warm-up step (model and optimizer state exist, gradients freed); the measured peak is the
@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.slow,
 
 CASES = {
     "tiny-512": {"overrides": {}, "seq": 512},
+    "tiny-512 bf16": {"overrides": {}, "seq": 512, "dtype": "bf16"},
     "small-1024": {"overrides": SMALL, "seq": 1024},
     "small-512-selective": {"overrides": SMALL, "seq": 512, "recompute": "selective"},
 }
@@ -26,7 +27,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def measured():
-    return dict(zip(CASES, launch(list(CASES.values()), nproc=1)))
+    return {name: launch([case], nproc=1)[0] for name, case in CASES.items()}  # a fresh process each
 
 
 @pytest.mark.parametrize("name", list(CASES))

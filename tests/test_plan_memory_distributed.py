@@ -1,7 +1,7 @@
 """The planner's per-device memory against measured peaks of real 2-process CPU training steps.
 
 One torchrun launch (gloo) runs every case on two ranks as trex train builds them: FSDP2 per block
-and root, expert parallelism, selective activation checkpointing, gradient accumulation without
+and root, expert parallelism, bf16 mixed precision, selective activation checkpointing, gradient accumulation without
 reduce-scatter before the last micro-batch. Each rank measures its step peak as the single-process
 test does (tests/plan_memory_worker.py: MALLOC_MMAP_THRESHOLD_=4096, clear_refs, VmHWM growth over
 the resident set after a warm-up step) and is compared with the planner's step peak for that exact
@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.slow,
 
 NPROC = 2
 CASES = {
+    "tiny-512 fsdp2+ep2 bf16": {"overrides": {}, "seq": 512, "ep": 2, "dtype": "bf16"},  # first: a fresh heap
     "tiny-512 fsdp2": {"overrides": {}, "seq": 512},
     "tiny-512 fsdp2+ep2 selective": {"overrides": {}, "seq": 512, "ep": 2, "recompute": "selective"},
     "small-512 fsdp2+ep2": {"overrides": SMALL, "seq": 512, "ep": 2},
@@ -30,8 +31,8 @@ CASES = {
 def measured():
     results = launch(list(CASES.values()), nproc=NPROC)
     assert len(results) == NPROC * len(CASES)
-    return {(name, rank): next(r for r in results[i * NPROC:(i + 1) * NPROC] if r["rank"] == rank)
-            for i, name in enumerate(CASES) for rank in range(NPROC)}
+    names = list(CASES)
+    return {(names[r["case"]], r["rank"]): r for r in results}
 
 
 @pytest.mark.parametrize("name", list(CASES))
