@@ -63,8 +63,8 @@ def test_pairs_encode_both_forms_and_bad_records_follow_the_policy(tmp_path):
     # the scored tokens are exactly the response: answer + EOS
     for k, response in ((0, "3"), (1, "4"), (2, "4"), (3, "5")):
         assert tok.decode(pairs.tokens[k][pairs.response[k]].tolist()) == response + "<｜end▁of▁sentence｜>"
-    batch = collate(pairs, torch.tensor([1, 0]).numpy(), tok.pad_id)
-    assert batch.input_ids.shape[0] == 4 and batch.scored.sum().item() == 8
+    batch = collate(pairs, torch.tensor([1, 0]).numpy(), tok.pad_id, 32)
+    assert batch.input_ids.shape == (4, 32) and batch.scored.sum().item() == 8
     assert torch.equal(batch.input_ids[0, :len(pairs.tokens[2])], torch.from_numpy(pairs.tokens[2]).long())
     with pytest.raises(BadRecordError, match=rf"{path}:2: bad record \(missing_rejected\)"):
         read_pairs(_cfg(path, "fail"), tok, BadRecordPolicy("fail"))
@@ -94,15 +94,15 @@ def _metrics(out):
 
 @pytest.mark.slow
 def test_dpo_learns_its_pairs_and_online_reference_gives_the_same_losses(pair_files, tmp_path):
-    pre = _metrics(train(_recipe(pair_files, tmp_path / "pre", "train.steps=12", "data.micro_batch_size=8",
-                                 "train.grad_accum=1")).run_dir)
+    constant = ('schedule.decay="constant"', "data.micro_batch_size=8", "train.grad_accum=1")
+    pre = _metrics(train(_recipe(pair_files, tmp_path / "pre", "train.steps=12", *constant)).run_dir)
     assert pre[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference: margin 0
     assert pre[0]["reward_margin"] == pytest.approx(0.0, abs=1e-5)
     late = pre[-4:]
     assert sum(r["loss"] for r in late) / 4 < pre[0]["loss"] - 0.1
     assert sum(r["accuracy"] for r in late) / 4 >= 0.9
-    online = _metrics(train(_recipe(pair_files, tmp_path / "online", "train.steps=3", "data.micro_batch_size=8",
-                                    "train.grad_accum=1", 'dpo.reference="online"')).run_dir)
+    online = _metrics(train(_recipe(pair_files, tmp_path / "online", "train.steps=3", *constant,
+                                    'dpo.reference="online"')).run_dir)
     for a, b in zip(online, pre[:3]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
         assert a["reward_margin"] == pytest.approx(b["reward_margin"], rel=1e-4, abs=1e-6)
@@ -143,10 +143,11 @@ def test_two_process_fsdp_gives_the_losses_of_one_process(pair_files, tmp_path):
     a, b = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
     assert len(a) == len(b) == 4
     for x, y in zip(a, b):
-        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4) and x["accuracy"] == y["accuracy"]
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4)
+        assert x["reward_margin"] == pytest.approx(y["reward_margin"], rel=1e-3, abs=1e-5)
     final = [json.loads((tmp_path / n / "summary.json").read_text())["eval"]["final"] for n in ("one", "two")]
-    assert final[0]["eval_accuracy"] == final[1]["eval_accuracy"]
     assert final[0]["eval_loss"] == pytest.approx(final[1]["eval_loss"], rel=1e-4)
+    assert final[0]["eval_reward_margin"] == pytest.approx(final[1]["eval_reward_margin"], rel=1e-3, abs=1e-5)
 
 
 def test_shipped_pairs_are_what_the_generator_writes():

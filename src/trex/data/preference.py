@@ -55,11 +55,13 @@ class PreferencePairs:
 
 @dataclass
 class PairBatch:
-    """B pairs as 2B rows padded to the longest: rows 0..B-1 chosen, rows B..2B-1 rejected."""
+    """B pairs as 2B rows of seq_len tokens: rows 0..B-1 chosen, rows B..2B-1 rejected. Rows are padded
+    to the fixed seq_len (as packed SFT rows are), so the MoE statistics, which count padding tokens
+    too, do not depend on how a batch is split over micro-batches and ranks."""
     index: torch.Tensor      # long [B]: pair numbers
-    input_ids: torch.Tensor  # long [2B, L]
-    doc_ids: torch.Tensor    # long [2B, L]: 0 on the conversation, 1 on the padding
-    scored: torch.Tensor     # bool [2B, L]: position t's next token (t+1) is a response token
+    input_ids: torch.Tensor  # long [2B, seq_len]
+    doc_ids: torch.Tensor    # long [2B, seq_len]: 0 on the conversation, 1 on the padding
+    scored: torch.Tensor     # bool [2B, seq_len]: position t's next token (t+1) is a response token
     n_tokens: int            # non-padding tokens
 
     def to(self, device) -> "PairBatch":
@@ -147,10 +149,9 @@ def read_pairs(cfg: DataConfig, tokenizer: Tokenizer, policy: BadRecordPolicy) -
     return PreferencePairs(tokens, response, n_read, policy.counter)
 
 
-def collate(pairs: PreferencePairs, index: np.ndarray, pad_id: int) -> PairBatch:
-    """The pairs ``index`` as one :class:`PairBatch`."""
+def collate(pairs: PreferencePairs, index: np.ndarray, pad_id: int, length: int) -> PairBatch:
+    """The pairs ``index`` as one :class:`PairBatch` of rows of ``length`` tokens."""
     seqs = [2 * int(i) for i in index] + [2 * int(i) + 1 for i in index]
-    length = max(len(pairs.tokens[k]) for k in seqs)
     input_ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
     doc_ids = torch.ones((len(seqs), length), dtype=torch.long)
     scored = torch.zeros((len(seqs), length), dtype=torch.bool)
@@ -171,12 +172,12 @@ class PairLoader:
     takes ``order[k*W*B:(k+1)*W*B]`` and rank r the r-th block of B (the remainder is dropped)."""
 
     def __init__(self, pairs: PreferencePairs, micro_batch_size: int, rank: int, world_size: int, seed: int,
-                 pad_id: int, shuffle: bool = True):
+                 pad_id: int, seq_len: int, shuffle: bool = True):
         if len(pairs) < micro_batch_size * world_size:
             raise ValueError(f"only {len(pairs)} preference pairs; one step needs world_size * micro_batch_size "
                              f"= {micro_batch_size * world_size}")
         self.pairs, self.micro_batch_size, self.rank, self.world_size = pairs, micro_batch_size, rank, world_size
-        self.seed, self.pad_id, self.shuffle = seed, pad_id, shuffle
+        self.seed, self.pad_id, self.seq_len, self.shuffle = seed, pad_id, seq_len, shuffle
         self.fingerprint = pairs.fingerprint
         self.epoch, self.consumed = 0, 0
         self._order = self._epoch_order(0)
@@ -197,7 +198,7 @@ class PairLoader:
             self._order = self._epoch_order(self.epoch)
         start = self.consumed + self.rank * self.micro_batch_size
         self.consumed += step
-        return collate(self.pairs, self._order[start:start + self.micro_batch_size], self.pad_id)
+        return collate(self.pairs, self._order[start:start + self.micro_batch_size], self.pad_id, self.seq_len)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "shuffle": self.shuffle,

@@ -30,7 +30,8 @@ from trex.data.preference import PairBatch, PairLoader, PreferencePairs, collate
 from trex.data.records import BadRecordPolicy
 from trex.models import DeepseekV4
 from trex.models.deepseek_v4 import IGNORE_INDEX
-from trex.posttrain.objective import Objective, StepResult, TrainContext, load_frozen, next_token_logprobs
+from trex.posttrain.objective import (Objective, StepResult, TrainContext, load_frozen, mtp_anchor,
+                                      next_token_logprobs)
 from trex.posttrain.sft import balance_term
 
 
@@ -63,7 +64,7 @@ class DPOObjective(Objective):
         self.ctx, self.cfg = ctx, recipe.dpo
         self.pairs = read_pairs(recipe.data, ctx.tokenizer, BadRecordPolicy(recipe.data.bad_record_policy))
         self.loader = PairLoader(self.pairs, recipe.data.micro_batch_size, par.rank, par.world_size,
-                                 recipe.data.seed, ctx.tokenizer.pad_id, recipe.data.shuffle)
+                                 recipe.data.seed, ctx.tokenizer.pad_id, recipe.data.seq_len, recipe.data.shuffle)
         self.held_out: PreferencePairs | None = None
         if recipe.eval.paths:
             held_out_cfg = dataclasses.replace(recipe.data, paths=list(recipe.eval.paths))
@@ -79,6 +80,15 @@ class DPOObjective(Objective):
             if self.held_out is not None:
                 self.precomputed["eval"] = self._score_all(scorer, self.held_out)
 
+    def _sweep(self, pairs: PreferencePairs):
+        """(index, batch) over every pair once, this rank's share; an empty share (index []) still
+        yields a batch (of pair 0) to run, so sharded ranks make the same forward calls."""
+        ctx = self.ctx
+        for index in sweep(len(pairs), ctx.recipe.data.micro_batch_size, ctx.par.rank, ctx.par.world_size):
+            batch = collate(pairs, index if len(index) else np.zeros(1, dtype=np.int64), ctx.tokenizer.pad_id,
+                            ctx.recipe.data.seq_len)
+            yield index, batch.to(ctx.dev.torch_device)
+
     # -- reference log-probs --
     @torch.no_grad()
     def _score_all(self, model: DeepseekV4, pairs: PreferencePairs) -> torch.Tensor:
@@ -87,11 +97,9 @@ class DPOObjective(Objective):
         table = torch.zeros(len(pairs), 2, dtype=torch.float32, device=dev.torch_device)
         was_training = model.training
         model.eval()
-        for index in sweep(len(pairs), self.ctx.recipe.data.micro_batch_size, par.rank, par.world_size):
-            b = collate(pairs, index if len(index) else np.zeros(1, dtype=np.int64), self.ctx.tokenizer.pad_id)
-            b = b.to(dev.torch_device)
+        for index, b in self._sweep(pairs):
             logps = sequence_logprobs(model(b.input_ids, doc_ids=b.doc_ids).logits, b)
-            if len(index):  # an empty share still ran the forward: sharded ranks stay in step
+            if len(index):
                 table[torch.from_numpy(index).to(table.device)] = logps.view(2, -1).T
         model.train(was_training)
         return par.all_reduce_sum(table)
@@ -122,7 +130,7 @@ class DPOObjective(Objective):
                 model.set_requires_gradient_sync(i == len(micro) - 1)
             out = model(b.input_ids, doc_ids=b.doc_ids)
             terms = self._terms(out.logits, b, "train")
-            loss = terms.losses.sum() / pairs
+            loss = terms.losses.sum() / pairs + mtp_anchor(out)
             balance = balance_term(out.moe_stats, ctx.recipe.train.balance_alpha, len(micro), ctx.par.world_size)
             if balance is not None:
                 loss = loss + balance
@@ -145,15 +153,13 @@ class DPOObjective(Objective):
         sums = torch.zeros(7, dtype=torch.float64, device=ctx.dev.torch_device)
         was_training = model.training
         model.eval()
-        for index in sweep(len(self.held_out), ctx.recipe.data.micro_batch_size, ctx.par.rank, ctx.par.world_size):
-            b = collate(self.held_out, index if len(index) else np.zeros(1, dtype=np.int64), ctx.tokenizer.pad_id)
-            b = b.to(ctx.dev.torch_device)
+        for index, b in self._sweep(self.held_out):
             policy = sequence_logprobs(model(b.input_ids, doc_ids=b.doc_ids).logits, b)
             ref = self._reference(b, "eval")
             n = len(b.index)
             terms = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.cfg.beta, self.cfg.label_smoothing)
             prefers = torch.stack([(policy[:n] > policy[n:]).sum(), (ref[:n] > ref[n:]).sum()]).double()
-            if len(index):  # an empty share still ran the forward: sharded ranks stay in step
+            if len(index):
                 sums += torch.cat([_sums(terms, b.n_tokens), prefers])
         model.train(was_training)
         loss, chosen, rejected, accuracy, _, prefers, ref_prefers = (

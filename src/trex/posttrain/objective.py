@@ -113,6 +113,13 @@ def token_logprobs(model: DeepseekV4, input_ids: torch.Tensor, doc_ids: torch.Te
     return next_token_logprobs(model(input_ids, doc_ids=doc_ids).logits, input_ids, doc_ids)
 
 
+def mtp_anchor(out) -> torch.Tensor:
+    """0 x the MTP logits of a ModelOutput. An objective whose loss ignores the MTP heads adds it so
+    every parameter is in the backward graph: FSDP2 fails on a sharded unit that gets no gradient,
+    and one process then updates the same parameters (zero gradients, not none) as a sharded run."""
+    return sum((lg.sum() * 0.0 for lg in out.mtp_logits), torch.zeros((), device=out.logits.device))
+
+
 # ---- frozen reference / teacher models ---------------------------------------------------------------
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
