@@ -134,3 +134,22 @@ def test_full_size_models_build_on_meta_with_exact_parameter_counts():
         assert abs(count.total / 1e9 - expected_b[0]) / expected_b[0] < 0.005
         assert abs(count.active / 1e9 - expected_b[1]) / expected_b[1] < 0.01
         assert count.mtp > 0
+
+
+def test_full_activation_checkpointing_adds_no_moe_stats_in_backward_and_keeps_gradients():
+    """A checkpointed block re-runs in backward; its MoE must not record stats (or a graph) again."""
+    from trex.parallel.plan import apply_activation_checkpointing
+
+    cfg = tiny()
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    grads, stats = [], []
+    for mode in ("none", "full"):
+        model = build_model(cfg, device="cpu", dtype=torch.float32, seed=0)
+        apply_activation_checkpointing(model, mode)
+        out = model(ids, labels=ids)
+        (out.loss + out.mtp_loss).backward()
+        stats.append([s.layer for s in out.moe_stats])
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert stats[1] == stats[0] and len(stats[0]) == cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7, msg=name)

@@ -143,6 +143,7 @@ class SeqContext:
         self.rope = {kind: self.rope_at(self.pos, kind) for kind in self._inv_freq}
         self._layouts: dict[int, WindowLayout] = {}
         self.moe_stats: list[MoEStats] = []
+        self.recording = True  # off once the forward returns: a checkpoint's recompute adds no stats
 
     def rope_at(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [*positions.shape, rd/2] in fp32."""
@@ -631,8 +632,10 @@ class MoE(nn.Module):
         y = self.experts(flat, idx, weights) + self.shared_experts(flat)
         E = scores.shape[-1]
         counts = torch.bincount(idx.reshape(-1), minlength=E).detach()
-        ctx.moe_stats.append(MoEStats(self.name, counts, self._balance_loss(scores, idx, B, S) if self.training
-                                      and not self.gate.hashed else None))
+        stats = MoEStats(self.name, counts, self._balance_loss(scores, idx, B, S) if self.training
+                         and not self.gate.hashed else None)  # computed on recompute too: same saved tensors
+        if ctx.recording:
+            ctx.moe_stats.append(stats)
         return y.view(B, S, d)
 
     @staticmethod
@@ -834,6 +837,7 @@ class DeepseekV4(nn.Module):
             X = layer(X, ctx)
         if cache is not None:
             cache.pos = ctx.pos[:, -1] + 1
+            ctx.recording = False
             return ModelOutput(logits=self.logits(self.norm(self.hc_head(X[:, -1:]))), moe_stats=ctx.moe_stats)
         logits = self.logits(self.norm(self.hc_head(X)))
         out = ModelOutput(logits=logits)
@@ -850,6 +854,7 @@ class DeepseekV4(nn.Module):
         if mtp_losses:
             out.mtp_loss = torch.stack(mtp_losses).mean()
         out.moe_stats = ctx.moe_stats
+        ctx.recording = False  # activation checkpointing re-runs blocks in backward with this ctx
         return out
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
