@@ -144,10 +144,10 @@ def test_two_process_fsdp_gives_the_losses_of_one_process(pair_files, tmp_path):
     assert len(a) == len(b) == 4
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-4)
-        assert x["reward_margin"] == pytest.approx(y["reward_margin"], rel=1e-3, abs=1e-5)
+        assert x["reward_margin"] == pytest.approx(y["reward_margin"], rel=1e-3, abs=1e-4)
     final = [json.loads((tmp_path / n / "summary.json").read_text())["eval"]["final"] for n in ("one", "two")]
     assert final[0]["eval_loss"] == pytest.approx(final[1]["eval_loss"], rel=1e-4)
-    assert final[0]["eval_reward_margin"] == pytest.approx(final[1]["eval_reward_margin"], rel=1e-3, abs=1e-5)
+    assert final[0]["eval_reward_margin"] == pytest.approx(final[1]["eval_reward_margin"], rel=1e-3, abs=1e-4)
 
 
 def test_shipped_pairs_are_what_the_generator_writes():
@@ -166,7 +166,8 @@ def test_shipped_pairs_are_what_the_generator_writes():
 def test_shipped_recipe_runs_on_a_shortened_schedule(tmp_path):
     data = os.path.join(ROOT, "recipes", "dpo_arithmetic_data")
     recipe = load(TrainRecipe, os.path.join(ROOT, "recipes", "dpo_arithmetic.toml"), [
-        'model.path=""', 'model.overrides={sliding_window=32}', "train.steps=2", "train.eval_every=0",
+        'model.path=""', 'model.overrides={sliding_window=32}', "train.steps=2", "schedule.warmup_steps=1",
+        "train.eval_every=0",
         f'train.out="{tmp_path}"', "train.progress=false",
         f"data.paths={json.dumps([os.path.join(data, 'train.jsonl')])}",
         f"eval.paths={json.dumps([os.path.join(data, 'heldout.jsonl')])}"])

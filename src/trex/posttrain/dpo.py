@@ -31,7 +31,7 @@ from trex.data.records import BadRecordPolicy
 from trex.models import DeepseekV4
 from trex.models.deepseek_v4 import IGNORE_INDEX
 from trex.posttrain.objective import (Objective, StepResult, TrainContext, load_frozen, mtp_anchor,
-                                      next_token_logprobs)
+                                      next_token_logprobs, reshard)
 from trex.posttrain.sft import balance_term
 
 
@@ -102,6 +102,7 @@ class DPOObjective(Objective):
             if len(index):
                 table[torch.from_numpy(index).to(table.device)] = logps.view(2, -1).T
         model.train(was_training)
+        reshard(model)
         return par.all_reduce_sum(table)
 
     @torch.no_grad()

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from trex import device as device_layer
 from trex.data.loader import Batch
@@ -111,6 +112,15 @@ def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
 def token_logprobs(model: DeepseekV4, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``model`` on ``input_ids`` and return :func:`next_token_logprobs` (fp32 [B, S])."""
     return next_token_logprobs(model(input_ids, doc_ids=doc_ids).logits, input_ids, doc_ids)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the gathered parameters an FSDP2 model keeps after a no-grad forward (its root unit does not
+    reshard after forward, expecting a backward); a later training step otherwise loses part of the
+    root's gradients. A no-op on an unsharded model."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def mtp_anchor(out) -> torch.Tensor:

@@ -37,6 +37,7 @@ from trex.parallel.mesh import init_parallel
 from trex.parallel.plan import apply_parallelism
 from trex.parallel.preflight import collective_context, preflight
 from trex.posttrain import Objective, TrainContext, build_objective
+from trex.posttrain.objective import reshard
 from trex.posttrain.sft import accumulate_gradients
 from trex.train.checkpointing import Checkpointer, RunState
 from trex.train.config import TrainRecipe
@@ -213,6 +214,7 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
             if (step + 1) % cfg_train.log_every == 0 or step + 1 == cfg_train.steps or held_out:
                 run.log(step + 1, last, {f"expert_imbalance/{k}": v for k, v in imbalance.items()})
             fidelity.record_probe(step + 1, model)  # the fixed probe batch after the update
+            reshard(model)  # after no-grad forwards (evaluation, probe): FSDP's root must not stay gathered
             progress.update(step + 1, last)
             stop = ckpt.after_step(step + 1, {"tokens": tokens_seen})  # saves when due, or on SIGTERM/SIGINT
             if stop:
