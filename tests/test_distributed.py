@@ -56,7 +56,9 @@ def _losses(out):
 def test_losses_agree_across_layouts(data, tmp_path):
     runs = {
         "1 process": (1, []),
-        "2 FSDP": (2, ["--set", "parallel.dp_shard=2"]),
+        "2 FSDP accumulating 2, reduce-scatter every micro-batch": (
+            2, ["--set", "parallel.dp_shard=2", "--set", "data.micro_batch_size=1", "--set", "train.grad_accum=2",
+                "--set", "parallel.reduce_every_micro_batch=true"]),
         "2 FSDP+EP2 accumulating 2": (2, ["--set", "parallel.dp_shard=2", "--set", "parallel.ep=2",
                                           "--set", "data.micro_batch_size=1", "--set", "train.grad_accum=2"]),
         "4 FSDP+EP2 selective AC": (4, ["--set", "parallel.dp_shard=4", "--set", "parallel.ep=2",

@@ -64,6 +64,20 @@ def test_state_shrinks_with_shards_and_recompute_trades_memory_for_time():
     assert off.time.optimizer > plans["none"].time.optimizer
 
 
+def test_reducing_every_micro_batch_trades_accumulated_gradients_for_reduce_scatters():
+    base = Layout(dp_shard=64, ep=32, grad_accum=8)
+    once = make_plan(FLASH, base, 4096, H100)
+    every = make_plan(FLASH, dataclasses.replace(base, reduce_every_micro_batch=True), 4096, H100)
+    f = model_facts(FLASH)
+    unsharded = 4 * (f.trainable - f.experts + f.experts / 32)  # FSDP2's no-sync accumulation, fp32
+    assert once.memory.accumulated_gradients == pytest.approx(unsharded)
+    assert every.memory.accumulated_gradients == 0
+    assert every.memory.step_peak < once.memory.step_peak
+    assert every.time.total > once.time.total  # grad_accum reduce-scatters instead of one
+    assert "reduce-every-micro-batch" in every.layout.describe()
+    assert parse_layout("reduce_every_micro_batch=true", base).reduce_every_micro_batch
+
+
 def test_mfu_uses_the_training_flops_formula_and_the_profile_peak():
     """One device, no communication, AdamW (no Newton-Schulz), no recompute: MFU is the efficiency."""
     cfg = tiny()

@@ -116,6 +116,21 @@ def _recompute(module: nn.Module, block: nn.Module) -> None:
     module.forward = checkpointed
 
 
+_REDUCE_EVERY = "_trex_reduce_every_micro_batch"
+
+
+def sync_gradients(model: nn.Module, micro_batch: int, micro_batches: int) -> None:
+    """Call before each micro-batch's backward: whether FSDP2 reduce-scatters its gradients.
+
+    Default: only after the last micro-batch (one reduce-scatter per step; FSDP2 accumulates the
+    earlier micro-batches' gradients unsharded). With ``reduce_every_micro_batch`` every
+    micro-batch is reduce-scattered and sharded gradients accumulate (less memory, more traffic).
+    No-op for a model that is not FSDP-sharded."""
+    if isinstance(model, FSDPModule):
+        every = model.__dict__.get(_REDUCE_EVERY, False)
+        model.set_requires_gradient_sync(every or micro_batch == micro_batches - 1)
+
+
 def apply_activation_checkpointing(model: DeepseekV4, mode: str) -> None:
     """none; full (each block); selective (each block's mHC + attention site: hc_attn)."""
     if mode == "none":
@@ -125,9 +140,12 @@ def apply_activation_checkpointing(model: DeepseekV4, mode: str) -> None:
 
 
 def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
-                      activation_checkpointing: str = "none") -> list[nn.Parameter]:
-    """Returns the expert-parallel parameters. Expects the parameters in fp32 (the master weights)."""
+                      activation_checkpointing: str = "none", reduce_every_micro_batch: bool = False,
+                      ) -> list[nn.Parameter]:
+    """Returns the expert-parallel parameters. Expects the parameters in fp32 (the master weights).
+    ``reduce_every_micro_batch``: see :func:`sync_gradients`."""
     apply_activation_checkpointing(model, activation_checkpointing)
+    model.__dict__[_REDUCE_EVERY] = reduce_every_micro_batch
     if not par.distributed:
         cast_for_compute(model, policy.compute_dtype)
         return []

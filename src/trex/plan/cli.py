@@ -75,7 +75,8 @@ def _inputs(args: argparse.Namespace) -> tuple[ModelConfig, Layout, int, str]:
         shard = par.dp_shard if par.dp_shard != -1 else args.devices // par.dp_replicate
         base = Layout(dp_shard=shard, dp_replicate=par.dp_replicate, ep=par.ep,
                       micro_batch=r.data.micro_batch_size, grad_accum=r.train.grad_accum,
-                      recompute=par.activation_checkpointing, optimizer=r.optim.name)
+                      recompute=par.activation_checkpointing, optimizer=r.optim.name,
+                      reduce_every_micro_batch=par.reduce_every_micro_batch)
         has_checkpoint = bool(r.model.path) and os.path.exists(r.model.path)
         model_spec = model_spec or (r.model.path if has_checkpoint or not r.model.preset else r.model.preset)
         seq = seq or r.data.seq_len

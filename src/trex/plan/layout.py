@@ -35,6 +35,7 @@ class Layout:
     recompute: str = "none"
     optimizer: str = "muon"
     offload_optimizer: bool = False  # optimizer moments in host memory (a "virtual optimizer")
+    reduce_every_micro_batch: bool = False  # reduce-scatter per micro-batch: no unsharded gradient accumulation
 
     @property
     def devices(self) -> int:
@@ -56,6 +57,8 @@ class Layout:
         parts += [f"mb={self.micro_batch}", f"ga={self.grad_accum}", f"recompute={self.recompute}", self.optimizer]
         if self.offload_optimizer:
             parts.append("offload")
+        if self.reduce_every_micro_batch and self.grad_accum > 1:
+            parts.append("reduce-every-micro-batch")
         return " ".join(parts)
 
     def check(self, cfg: ModelConfig, seq_len: int) -> None:

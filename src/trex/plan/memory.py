@@ -108,7 +108,7 @@ def memory(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, b:
         # unsharded copy lives through forward and backward
         block = facts.block_dense + facts.block_experts / layout.ep
         gathered = b * (3 * block + facts.root * (1 - 1 / layout.dp_shard))
-    if layout.grad_accum > 1:
+    if layout.grad_accum > 1 and not (layout.reduce_every_micro_batch and layout.dp_shard > 1):
         # micro-batches before the last skip the reduce-scatter (no-sync), so FSDP2 accumulates
         # *unsharded* gradients of the whole stage (experts: this rank's ep share), upcast to the
         # fp32 reduce dtype (trex.train.precision); one process keeps its fp32 gradients

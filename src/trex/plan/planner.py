@@ -4,6 +4,7 @@ search over layouts that fit, fastest first."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 from trex.hardware import HardwareProfile
@@ -109,14 +110,15 @@ def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: in
                     rows = global_batch_tokens // seq_len
                     if rows % (mb * shard * replicate):
                         continue
-                    for rc in recompute:
-                        for offload in (False, True):
-                            layout = Layout(dp_shard=shard, dp_replicate=replicate, ep=ep, pp=pp, micro_batch=mb,
-                                            grad_accum=rows // (mb * shard * replicate), recompute=rc,
-                                            optimizer=optimizer, offload_optimizer=offload)
-                            plan = make_plan(cfg, layout, seq_len, hw, assume)
-                            if plan.fits:
-                                plans.append(plan)
+                    ga = rows // (mb * shard * replicate)
+                    reduce_options = (False, True) if ga > 1 and shard > 1 else (False,)
+                    for rc, offload, every in itertools.product(recompute, (False, True), reduce_options):
+                        layout = Layout(dp_shard=shard, dp_replicate=replicate, ep=ep, pp=pp, micro_batch=mb,
+                                        grad_accum=ga, recompute=rc, optimizer=optimizer, offload_optimizer=offload,
+                                        reduce_every_micro_batch=every)
+                        plan = make_plan(cfg, layout, seq_len, hw, assume)
+                        if plan.fits:
+                            plans.append(plan)
     return sorted(plans, key=lambda p: p.time.total)
 
 

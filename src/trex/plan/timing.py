@@ -4,7 +4,8 @@ Compute: tokens per device x FLOPs per token (`trex.models.flops`, the MFU numer
 forward work that recomputation repeats, at ``compute_efficiency`` x the device peak.
 Communication per step and device, ring algorithms (a device moves (g-1)/g of the buffer):
   FSDP   all-gather of parameters in forward and again in backward per micro-batch (compute
-         dtype), reduce-scatter of gradients once per step (fp32, trex's reduce dtype);
+         dtype), reduce-scatter of gradients once per step (fp32, trex's reduce dtype), or once
+         per micro-batch with ``reduce_every_micro_batch``;
   HSDP   all-reduce of the sharded gradients over dp_replicate;
   EP     all-to-all dispatch and combine of k copies of every token, forward and backward.
 A group of g ranks runs at the intra-node bandwidth when it fits in one node, at the
@@ -100,6 +101,7 @@ def step_time(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int,
     experts = facts.experts / layout.pp / layout.ep
     gather = 2 * micro * (_group_seconds(b * dense, shard, hw) + _group_seconds(b * experts, ef, hw, layout.ep))
     reduce = _group_seconds(4 * dense, shard, hw) + _group_seconds(4 * experts, ef, hw, layout.ep)
+    reduce *= micro if layout.reduce_every_micro_batch else 1
     replicate = 2 * _group_seconds(4 * facts.stored / layout.pp / shard, layout.dp_replicate, hw, shard)
     fsdp = gather + reduce + replicate
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from trex.data import build_loader
 from trex.models import DeepseekV4
 from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
 from trex.parallel.mesh import Parallel
+from trex.parallel.plan import sync_gradients
 from trex.posttrain.objective import Objective, StepResult, TrainContext
 from trex.train.precision import DynamicLossScaler
 
@@ -83,8 +83,7 @@ def accumulate_gradients(model: DeepseekV4, micro: list, cfg_train, scaler: Dyna
     mtp_total = torch.zeros((), device=device)
     stats = []
     for i, (b, tgt) in enumerate(zip(micro, targets)):
-        if isinstance(model, FSDPModule):  # reduce-scatter gradients once, after the last micro-batch
-            model.set_requires_gradient_sync(i == len(micro) - 1)
+        sync_gradients(model, i, len(micro))
         out = model(b.input_ids, doc_ids=b.doc_ids)
         lm = loss_sum(out.logits, tgt[0]) / counts[0]
         mtp = sum((loss_sum(lg, t) / c for lg, t, c in zip(out.mtp_logits, tgt[1:], counts[1:])),

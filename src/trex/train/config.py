@@ -125,6 +125,10 @@ class ParallelSection:
     """Expert-parallel size: routed experts are split across this many ranks of the shard dimension."""
     activation_checkpointing: str = "none"
     """none | full | selective (recompute mHC and attention)."""
+    reduce_every_micro_batch: bool = False
+    """With grad_accum > 1: reduce-scatter gradients after every micro-batch, so only sharded fp32
+    gradients accumulate (grad_accum reduce-scatters per step). Off: one reduce-scatter after the
+    last micro-batch, and FSDP2 keeps the stage's gradients unsharded in between (see trex plan)."""
     timeout_s: int = 1800
     """Collective timeout in seconds."""
 

@@ -136,7 +136,7 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
         # master weights) and let FSDP cast to the compute dtype
         m.to(dtype=torch.float32 if par.distributed else policy.param_dtype).train()
         frozen.extend(freeze_indexer(m) if cfg_train.freeze_indexer else [])
-        apply_parallelism(m, par, policy, layout.activation_checkpointing)
+        apply_parallelism(m, par, policy, layout.activation_checkpointing, layout.reduce_every_micro_batch)
 
     if model is None and recipe.model.path and par.distributed:
         model = load_sharded(recipe.model.path, prepare, dev.torch_device)  # each rank reads its shards
