@@ -166,7 +166,7 @@ def _grpo_recipe(files, out, *extra):
         "train.progress=false", "fidelity.every=0", "optim.lr=1e-2", 'schedule.decay="constant"', SMALL_MODEL,
         f'grpo.prompts=["{files}/prompts.jsonl"]', f'grpo.eval_prompts=["{files}/heldout.jsonl"]',
         'grpo.rewards=["digit_reward:first_digit"]', "grpo.prompts_per_step=4", "grpo.group_size=8",
-        "grpo.micro_batch_size=16", "sampling.max_new_tokens=2", *extra])
+        "grpo.micro_batch_size=32", "sampling.max_new_tokens=2", *extra])
 
 
 def _metrics(run_dir):
@@ -202,7 +202,7 @@ def test_grpo_resume_mid_batch_reproduces_samples_and_losses(prompt_files, tmp_p
 
     monkeypatch.syspath_prepend(str(prompt_files))
     extra = ("train.steps=5", "grpo.ppo_epochs=2", "grpo.kl_coef=0.05", "checkpoint.save_every=3",
-             "checkpoint.keep_last=0")
+             "checkpoint.keep_last=0", "grpo.prompts_per_step=2", "grpo.group_size=4", "grpo.micro_batch_size=4")
     whole = train(_grpo_recipe(prompt_files, tmp_path / "a", *extra))
     resumed = train(_grpo_recipe(prompt_files, tmp_path / "b", *extra,
                                  f'checkpoint.resume="{tmp_path}/a/checkpoints/step_3"'))
@@ -245,3 +245,13 @@ def test_sft_records_are_prompts_with_their_answer(tmp_path):
     assert a.record["answer"] == "2" and b.record["answer"] == "7"
     assert a.ids == tok.encode(render_prompt([{"role": "user", "content": "1+1"}], thinking=False)).tolist()
     assert tok.decode(b.ids).endswith("3+4<｜Assistant｜></think>")
+
+
+def test_carries_counts_carry_and_borrow_columns():
+    from trex.data.arithmetic import Problem, carries
+
+    # 57+68: 7+8=15 carry, 5+6+1=12 carry -> 2;  12+34: none;  52-37: 2<7 borrow, 5-1>=3 -> 1
+    # 100-1: 0<1 borrow, 0<0+1 borrow, 1>=0+1 -> 2;  25*4: 5*4=20 carry 2, 2*4+2=10 carry 1 -> 2;  12*3: none
+    cases = {(57, "+", 68): 2, (12, "+", 34): 0, (52, "-", 37): 1, (100, "-", 1): 2, (25, "*", 4): 2,
+             (12, "*", 3): 0, (0, "+", 0): 0}
+    assert {k: carries(Problem(*k)) for k in cases} == cases

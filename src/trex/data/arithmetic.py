@@ -111,3 +111,27 @@ def preference_records(problems: list[Problem], seed: int = 0) -> list[dict]:
     """DPO pairs: the question as ``prompt``, the exact answer ``chosen``, a `wrong_answer` ``rejected``."""
     rng = np.random.default_rng(seed)
     return [{"prompt": p.question, "chosen": p.answer, "rejected": wrong_answer(p, rng)} for p in problems]
+
+
+def carries(problem: Problem) -> int:
+    """Columns that carry (``+``, ``*``) or borrow (``-``) when the problem is worked digit by digit,
+    ones column first: the steps small models get wrong, used to pick harder prompts for GRPO."""
+    a, b, op = problem.a, problem.b, problem.op
+    count, carry = 0, 0
+    while a or (b and op != "*"):  # the right operand of * is one digit: it multiplies every column
+        if op == "+":
+            carry = int(a % 10 + b % 10 + carry >= 10)
+        elif op == "-":
+            carry = int(a % 10 < b % 10 + carry)
+        else:
+            carry = (a % 10 * b + carry) // 10
+        count += carry > 0
+        a //= 10
+        if op != "*":
+            b //= 10
+    return count
+
+
+def prompt_records(problems: list[Problem]) -> list[dict]:
+    """GRPO/distillation prompts: the question as ``prompt`` and its exact ``answer``."""
+    return [{"prompt": p.question, "answer": p.answer} for p in problems]
