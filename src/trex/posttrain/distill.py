@@ -19,10 +19,10 @@ the student's reverse KL to each teacher there, plus greedy exact match when rec
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from trex.data.loader import Batch
 from trex.models import DeepseekV4
+from trex.parallel.plan import sync_gradients
 from trex.posttrain.distill_loss import reverse_kl
 from trex.posttrain.grpo_loss import token_entropy
 from trex.posttrain.objective import Objective, StepResult, TrainContext, load_frozen
@@ -81,8 +81,7 @@ class DistillObjective(Objective):
         loss_total = torch.zeros((), dtype=torch.float64, device=device)
         stats = []
         for i, s in enumerate(slices):
-            if isinstance(model, FSDPModule):  # reduce-scatter gradients once, after the last micro-batch
-                model.set_requires_gradient_sync(i == len(slices) - 1)
+            sync_gradients(model, i, len(slices))
             ids, docs, mask = r.input_ids[s], r.doc_ids[s], r.mask[s]
             teacher_logits = self._teacher_logits(ids, docs, mask)
             out = model(ids, doc_ids=docs)

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 
 from trex.data.loader import Batch, count_loss_tokens
 from trex.data.preference import PairBatch, PairLoader, PreferencePairs, collate, read_pairs, sweep
 from trex.data.records import BadRecordPolicy
 from trex.models import DeepseekV4
 from trex.models.deepseek_v4 import IGNORE_INDEX
+from trex.parallel.plan import sync_gradients
 from trex.posttrain.objective import (Objective, StepResult, TrainContext, load_frozen, mtp_anchor,
                                       next_token_logprobs, reshard)
 from trex.posttrain.sft import balance_term
@@ -127,8 +127,7 @@ class DPOObjective(Objective):
         sums = torch.zeros(5, dtype=torch.float64, device=ctx.dev.torch_device)
         stats = []
         for i, b in enumerate(micro):
-            if isinstance(model, FSDPModule):  # reduce-scatter gradients once, after the last micro-batch
-                model.set_requires_gradient_sync(i == len(micro) - 1)
+            sync_gradients(model, i, len(micro))
             out = model(b.input_ids, doc_ids=b.doc_ids)
             terms = self._terms(out.logits, b, "train")
             loss = terms.losses.sum() / pairs + mtp_anchor(out)

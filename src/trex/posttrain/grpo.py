@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from trex.data.loader import Batch
 from trex.models import DeepseekV4
+from trex.parallel.plan import sync_gradients
 from trex.posttrain.grpo_loss import group_advantages, policy_loss, token_entropy, token_weights
 from trex.posttrain.objective import Objective, StepResult, TrainContext, load_frozen, next_token_logprobs
 from trex.posttrain.on_policy import (PromptOrder, Rollouts, completions, generator_state, greedy_exact_match,
@@ -113,8 +113,7 @@ class GRPOObjective(Objective):
         sums = torch.zeros(8, dtype=torch.float64, device=device)
         stats = []
         for i, s in enumerate(slices):
-            if isinstance(model, FSDPModule):  # reduce-scatter gradients once, after the last micro-batch
-                model.set_requires_gradient_sync(i == len(slices) - 1)
+            sync_gradients(model, i, len(slices))
             ids, docs, mask = r.input_ids[s], r.doc_ids[s], r.mask[s]
             out = model(ids, doc_ids=docs)
             logp = next_token_logprobs(out.logits, ids, docs)

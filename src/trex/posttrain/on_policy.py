@@ -21,6 +21,7 @@ from trex.data.packing import IGNORE_INDEX
 from trex.data.records import BadRecordError, iter_records
 from trex.data.tokenizer import Tokenizer
 from trex.parallel.mesh import Parallel
+from trex.posttrain.objective import reshard
 from trex.posttrain.rewards import Completion, exact_match
 from trex.rollout import Samples, SamplingParams, sample
 from trex.rollout.sampling import left_pad
@@ -144,6 +145,7 @@ def roll_out(model, prompts: list[list[int]], params: SamplingParams, tokenizer:
              generator: torch.Generator | None, batch_size: int, device: torch.device) -> Rollouts:
     """Sample a completion per prompt from the live ``model`` and lay the rows out for training."""
     samples: Samples = sample(model, prompts, params, tokenizer.pad_id, generator=generator, batch_size=batch_size)
+    reshard(model)  # FSDP2 leaves the root gathered after no-grad forwards; the next backward needs it sharded
     rows = [p + c for p, c in zip(samples.prompt_ids, samples.completion_ids)]
     ids, docs = left_pad(rows, tokenizer.pad_id, device)
     width = ids.shape[1]
