@@ -86,8 +86,10 @@ def test_distill_lowers_the_students_reverse_kl_to_two_teachers(tmp_path):
     train_p, held = generate(ArithmeticTask(digits=1, n_train=24, n_eval=4))
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p.question} for p in train_p])
     write_jsonl(tmp_path / "heldout.jsonl", [{"prompt": p.question, "answer": p.answer} for p in held])
-    teacher_cfg = dataclasses.replace(get_preset("tiny"), vocab_size=112, sliding_window=16,
-                                      num_nextn_predict_layers=0)
+    # teachers: 2 layers at hidden 64; the student: 2 layers at hidden 32
+    teacher_cfg = dataclasses.replace(get_preset("tiny"), vocab_size=112, sliding_window=16, num_hidden_layers=2,
+                                      layer_types=["sliding_attention", "compressed_sparse_attention"],
+                                      mlp_layer_types=["hash_moe", "moe"], num_nextn_predict_layers=0)
     for i in range(2):
         teacher = build_model(teacher_cfg, seed=10 + i)
         with torch.no_grad():
@@ -95,8 +97,8 @@ def test_distill_lowers_the_students_reverse_kl_to_two_teachers(tmp_path):
         save_pretrained(teacher, str(tmp_path / f"teacher{i}"), dtype="fp32")
     recipe = load(TrainRecipe, overrides=[
         'train.mode="distill"', 'data.tokenizer="compact"', "data.seq_len=32", f'train.out="{tmp_path}/run"',
-        "train.progress=false", "fidelity.every=0", "optim.lr=1e-2", 'schedule.decay="constant"', "train.steps=10",
-        "train.eval_every=10",
+        "train.progress=false", "fidelity.every=0", "optim.lr=1e-2", 'schedule.decay="constant"', "train.steps=8",
+        "train.eval_every=8",
         'model.overrides={sliding_window=16, hidden_size=32, num_hidden_layers=2, '
         'layer_types=["sliding_attention","compressed_sparse_attention"], mlp_layer_types=["hash_moe","moe"], '
         'num_nextn_predict_layers=0}',
