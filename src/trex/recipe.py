@@ -92,6 +92,14 @@ def save(obj: Any, path: str) -> None:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+def require_positive(section: Any, prefix: str, names: tuple[str, ...]) -> None:
+    """Raise ValueError naming ``prefix.name`` for each of ``names`` whose value is below 1."""
+    for name in names:
+        value = getattr(section, name)
+        if value < 1:
+            raise ValueError(f"{prefix}.{name} must be >= 1, got {value}")
+
+
 def _coerce(hint: Any, value: Any, source: str, key: str) -> Any:
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trex.recipe import require_positive
+
 MODES = ("sft", "cpt")
 FORMATS = ("auto", "jsonl", "parquet")
 LOSS_ON = ("assistant", "last_assistant", "all")
@@ -72,9 +74,7 @@ class DataConfig:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"data.{name} = {value!r}; expected one of {', '.join(allowed)}")
-        for name in ("seq_len", "micro_batch_size", "encode_chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"data.{name} = {getattr(self, name)}; expected a positive integer")
+        require_positive(self, "data", ("seq_len", "micro_batch_size", "encode_chunk"))
         if self.seq_len < 2:
             raise ValueError(f"data.seq_len = {self.seq_len}; expected at least 2")
         if not self.paths:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
+from trex.recipe import require_positive
 
 GRAD_NORMS_FILE = "grad_norms.jsonl"
 PROBE_FILE = "probe.jsonl"
@@ -52,9 +53,7 @@ class FidelitySection:
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ValueError(f"fidelity.every must be >= 0 (0 disables), got {self.every}")
-        for name in ("probe_rows", "probe_positions", "topk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"fidelity.{name} must be >= 1, got {getattr(self, name)}")
+        require_positive(self, "fidelity", ("probe_rows", "probe_positions", "topk"))
 
 
 def layer_group(name: str) -> str:

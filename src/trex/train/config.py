@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from trex.data.config import DataConfig
 from trex.fidelity.signals import FidelitySection
+from trex.recipe import require_positive
 from trex.train.checkpointing import CheckpointSection
 from trex.train.optim import OptimConfig
 from trex.train.precision import PrecisionConfig
@@ -78,9 +79,7 @@ class TrainSection:
     def __post_init__(self) -> None:
         if self.mode not in TRAIN_MODES:
             raise ValueError(f"train.mode = {self.mode!r}; expected one of {', '.join(TRAIN_MODES)}")
-        for name in ("steps", "grad_accum", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        require_positive(self, "train", ("steps", "grad_accum", "log_every"))
 
 
 @dataclass
@@ -205,9 +204,7 @@ class GRPOSection:
     def __post_init__(self) -> None:
         if self.aggregation not in ("token", "sequence", "constant"):
             raise ValueError(f"grpo.aggregation = {self.aggregation!r}; expected token, sequence or constant")
-        for name in ("prompts_per_step", "ppo_epochs", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"grpo.{name} must be >= 1, got {getattr(self, name)}")
+        require_positive(self, "grpo", ("prompts_per_step", "ppo_epochs", "micro_batch_size"))
         if self.group_size < 2:
             raise ValueError(f"grpo.group_size must be >= 2, got {self.group_size}")
         if self.eps_low < 0 or self.eps_high < 0 or self.kl_coef < 0:
@@ -250,9 +247,7 @@ class DistillSection:
     """Seeds the prompt order and the sampler."""
 
     def __post_init__(self) -> None:
-        for name in ("prompts_per_step", "samples_per_prompt", "micro_batch_size", "chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"distill.{name} must be >= 1, got {getattr(self, name)}")
+        require_positive(self, "distill", ("prompts_per_step", "samples_per_prompt", "micro_batch_size", "chunk"))
 
 
 @dataclass
