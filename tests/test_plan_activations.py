@@ -52,9 +52,8 @@ def test_saved_activation_bytes_match_autograd(S, dtype):
     measured, logits = _saved_bytes(cfg, S, dtype)
     predicted = act.forward_saved(cfg, S, b)
     assert predicted == pytest.approx(sum(measured.values()) + logits, rel=1e-4)
-    # block by block, every layer type (sliding, CSA, HCA); tensors shared by all blocks (RoPE tables,
-    # and at fp32 the embedding that is the first block's streams) are counted once at model level but
-    # caught in the first block that saves them, hence 2%
+    # block by block, every layer type (sliding, CSA, HCA); tensors shared by all blocks (RoPE tables)
+    # are counted once at model level but caught in the first block that saves them, hence 2%
     for i, (lt, mt) in enumerate(zip(cfg.layer_types, cfg.mlp_layer_types)):
         expected = act.block(cfg, lt, mt, S, b).total + act.weight_copies(cfg, lt, b)
         assert measured[f"layers.{i}"] == pytest.approx(expected, rel=0.02), f"layers.{i} ({lt})"

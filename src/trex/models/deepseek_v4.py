@@ -677,7 +677,7 @@ class HyperConnection(nn.Module):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
         y = sublayer((pre.unsqueeze(-1) * X.float()).sum(dim=2).to(X.dtype))
-        streams = torch.bmm(comb.flatten(0, 1).transpose(1, 2), X.float().flatten(0, 1)).view(X.shape)  # comb^T X
+        streams = torch.einsum("bsji,bsjd->bsid", comb, X.float())  # comb^T X
         mixed = post.unsqueeze(-1) * y.float().unsqueeze(-2) + streams
         return mixed.to(X.dtype)
 
@@ -832,7 +832,8 @@ class DeepseekV4(nn.Module):
                                      f"this is step {cache.steps}")
         ctx = SeqContext(self.cfg, input_ids, doc_ids, cache)
         emb = self.embed(input_ids)
-        X = emb.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1)
+        # a real copy per stream: batched matmuls over a stride-0 (expanded) operand take a ~100x slower path
+        X = emb.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         for layer in self.layers:
             X = layer(X, ctx)
         if cache is not None:

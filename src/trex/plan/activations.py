@@ -145,7 +145,6 @@ def model_level(cfg: ModelConfig, S: int, b: int) -> float:
     cp = 0 if b == F32 else F32
     mtp = cfg.num_nextn_predict_layers
     per_tok = I64 * (1 + mtp)  # token ids for the embeddings
-    per_tok += b * d if cp == 0 else 0  # at fp32 the first block's streams are the embedding itself
     per_tok += I64  # document ids (sparse attention rebuilds its window masks from them in backward)
     per_tok += head(cfg, b) * (1 + mtp)
     per_tok += mtp * (_rms_norm(d) + b * d)  # enorm, e_proj input
