@@ -131,19 +131,18 @@ class SparseAttention(torch.autograd.Function):
         local = (blk.query_blocks(q) @ kb.transpose(-1, -2)).view(B, blk.nb, blk.Q, H, blk.K)
         local = local.float().mul_(scale).masked_fill_(~blk.ok[:, :, :, None, :], float("-inf"))
         parts = [blk.scores(local, S)]
-        entries = None
-        if compressed is not None and compressed.shape[1] > 0:
-            entries = compressed if comp_idx is None else _take(compressed, comp_idx)
-            comp = _scores(q, entries, comp_idx is None).float().mul_(scale)
+        has_comp = compressed is not None and compressed.shape[1] > 0
+        if has_comp:
+            comp = _scores(q, compressed, comp_idx).float().mul_(scale)
             parts.append(comp.masked_fill_(~comp_mask[:, :, None, :], float("-inf")))
         parts.append(sink.float().view(1, 1, H, 1).expand(B, S, H, 1))
         probs = torch.cat(parts, dim=-1).softmax(dim=-1)
         p = probs.to(q.dtype)
         out = blk.unblock(blk.query_blocks(p[..., : blk.K]) @ kb, S, H)
-        if entries is not None:
-            out = out + _values(p[..., blk.K : -1], entries, comp_idx is None)
+        if has_comp:
+            out = out + _values(p[..., blk.K : -1], compressed, comp_idx)
         ctx.save_for_backward(q, kv, compressed, comp_idx, doc, probs)
-        ctx.scale, ctx.window, ctx.has_comp = scale, window, entries is not None
+        ctx.scale, ctx.window, ctx.has_comp = scale, window, has_comp
         return out
 
     @staticmethod
@@ -161,12 +160,9 @@ class SparseAttention(torch.autograd.Function):
         dp_local = blk.unblock(dob @ kb.transpose(-1, -2), S, H).float()  # [B, S, H, K]
         p_local = probs[..., :K]
         rowsum = (p_local * dp_local).sum(-1, keepdim=True)
-        entries = None
         if ctx.has_comp:
-            dense = comp_idx is None
-            entries = compressed if dense else _take(compressed, comp_idx)
             p_comp = probs[..., K:-1]
-            dp_comp = _scores(d_out, entries, dense).float()
+            dp_comp = _scores(d_out, compressed, comp_idx).float()
             rowsum += (p_comp * dp_comp).sum(-1, keepdim=True)
             ds_comp = (p_comp * (dp_comp - rowsum)).to(dtype)
         ds_local = (p_local * (dp_local - rowsum)).to(dtype)
@@ -174,56 +170,82 @@ class SparseAttention(torch.autograd.Function):
         # queries: dq = scale * dS @ keys
         dsb = blk.query_blocks(ds_local)  # [B, nb, Q*H, K]
         dq = blk.unblock(dsb @ kb, S, H) * scale
-        # window keys: each key block's gradient from its score and value uses in one matmul
-        pb = blk.query_blocks(p_local.to(dtype))
-        dkb = torch.cat((dsb * scale, pb), dim=2).transpose(-1, -2) @ torch.cat((blk.query_blocks(q), dob), dim=2)
+        # window keys: each key block's gradient from its value use (P^T dO) plus its score use (scale dS^T Q)
+        pb = blk.query_blocks(p_local.to(dtype)).flatten(0, 1)
+        dkb = torch.bmm(pb.transpose(1, 2), dob.flatten(0, 1))
+        dkb = dkb.baddbmm_(dsb.flatten(0, 1).transpose(1, 2), blk.query_blocks(q).flatten(0, 1), alpha=scale)
+        dkb = dkb.view(B, blk.nb, K, c)
         dkvp = torch.ops.aten.unfold_backward(dkb.transpose(-1, -2), [B, window + blk.P, c], 1, K, blk.Q)
         dkv = dkvp[:, window : window + S]
         d_comp = None
-        if entries is not None:
-            dq = dq + _values(ds_comp, entries, dense) * scale
-            d_comp = _entry_grads(torch.cat((ds_comp * scale, p_comp.to(dtype)), dim=2),
-                                  torch.cat((q, d_out), dim=2), compressed, comp_idx)
+        if ctx.has_comp:
+            dq = dq + _values(ds_comp, compressed, comp_idx) * scale
+            d_comp = _entry_grads(ds_comp * scale, p_comp.to(dtype), q, d_out, compressed, comp_idx)
         return dq, dkv, d_sink, d_comp, None, None, None, None, None
 
 
+# The top-k (CSA) path works on query chunks: each chunk gathers its [B, T, k, c] entries, uses them and
+# drops them, so the transient stays near CHUNK_BYTES instead of growing with S (a fresh allocation of
+# hundreds of MB also costs more in page faults than the gather itself).
+CHUNK_BYTES = 8 << 20
+
+
+def _chunks(S: int, per_query_bytes: int):
+    """Query ranges [t0, t1) of at most CHUNK_BYTES // per_query_bytes queries."""
+    step = max(1, CHUNK_BYTES // max(1, per_query_bytes))
+    return [(t0, min(S, t0 + step)) for t0 in range(0, S, step)]
+
+
 def _take(compressed: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """compressed [B, N, c], idx [B, S, k] -> [B, S, k, c] by one row lookup."""
+    """compressed [B, N, c], idx [B, T, k] -> [B, T, k, c] by one row lookup."""
     B, N, c = compressed.shape
     flat = (idx + torch.arange(B, device=idx.device).view(B, 1, 1) * N).reshape(-1)
     return compressed.reshape(B * N, c).index_select(0, flat).view(*idx.shape, c)
 
 
-def _scores(x: torch.Tensor, entries: torch.Tensor, dense: bool) -> torch.Tensor:
-    """x [B, S, H, c] against entries (dense [B, N, c] or gathered [B, S, k, c]) -> [B, S, H, N|k]."""
+def _scores(x: torch.Tensor, compressed: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    """x [B, S, H, c] against the entries [B, N, c] (all of them, or idx [B, S, k]) -> [B, S, H, N|k]."""
     B, S, H, c = x.shape
-    if dense:
-        return (x.reshape(B, S * H, c) @ entries.transpose(1, 2)).view(B, S, H, -1)
-    return torch.bmm(x.reshape(B * S, H, c), entries.flatten(0, 1).transpose(1, 2)).view(B, S, H, -1)
+    if idx is None:
+        return (x.reshape(B, S * H, c) @ compressed.transpose(1, 2)).view(B, S, H, -1)
+    out = x.new_empty(B, S, H, idx.shape[-1])
+    for t0, t1 in _chunks(S, B * idx.shape[-1] * c * x.element_size()):
+        entries = _take(compressed, idx[:, t0:t1]).flatten(0, 1)  # [B*T, k, c]
+        out[:, t0:t1] = torch.bmm(x[:, t0:t1].flatten(0, 1), entries.transpose(1, 2)).unflatten(0, (B, -1))
+    return out
 
 
-def _values(p: torch.Tensor, entries: torch.Tensor, dense: bool) -> torch.Tensor:
-    """p [B, S, H, N|k] weights entries -> [B, S, H, c]."""
+def _values(p: torch.Tensor, compressed: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    """p [B, S, H, N|k] weights the entries [B, N, c] (all of them, or idx [B, S, k]) -> [B, S, H, c]."""
     B, S, H, _ = p.shape
-    if dense:
-        return (p.reshape(B, S * H, -1) @ entries).view(B, S, H, -1)
-    return torch.bmm(p.reshape(B * S, H, -1), entries.flatten(0, 1)).view(B, S, H, -1)
+    c = compressed.shape[-1]
+    if idx is None:
+        return (p.reshape(B, S * H, -1) @ compressed).view(B, S, H, c)
+    out = p.new_empty(B, S, H, c)
+    for t0, t1 in _chunks(S, B * idx.shape[-1] * c * p.element_size()):
+        entries = _take(compressed, idx[:, t0:t1]).flatten(0, 1)  # [B*T, k, c]
+        out[:, t0:t1] = torch.bmm(p[:, t0:t1].flatten(0, 1), entries).unflatten(0, (B, -1))
+    return out
 
 
-def _entry_grads(weights: torch.Tensor, inputs: torch.Tensor, compressed: torch.Tensor,
-                 idx: torch.Tensor | None) -> torch.Tensor:
-    """Gradient of the compressed entries: sum over queries of weights^T @ inputs.
-
-    weights [B, S, 2H, N|k] (score gradients and probabilities), inputs [B, S, 2H, c] (queries and
-    output gradients); scattered back to [B, N, c] through ``idx`` when the entries were gathered."""
-    B, S, H2, c = inputs.shape
+def _entry_grads(ds: torch.Tensor, p: torch.Tensor, q: torch.Tensor, d_out: torch.Tensor,
+                 compressed: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    """Gradient of the compressed entries [B, N, c] from both uses: sum over queries of
+    ds^T q (scores) + p^T d_out (values), with ds, p [B, S, H, N|k] and q, d_out [B, S, H, c],
+    as one matmul over the stacked 2H rows; scattered back through idx when the entries were picked."""
+    B, S, H, c = q.shape
     N = compressed.shape[1]
     if idx is None:
-        return weights.reshape(B, S * H2, N).transpose(1, 2) @ inputs.reshape(B, S * H2, c)
-    per_pick = torch.bmm(weights.reshape(B * S, H2, -1).transpose(1, 2), inputs.reshape(B * S, H2, c))  # [B*S, k, c]
-    flat = (idx + torch.arange(B, device=idx.device).view(B, 1, 1) * N).reshape(-1)
-    grad = torch.zeros(B * N, c, dtype=per_pick.dtype, device=per_pick.device)
-    return grad.index_add_(0, flat, per_pick.reshape(-1, c)).view(B, N, c)
+        w = torch.cat((ds, p), dim=2).reshape(B, S * 2 * H, N)
+        return w.transpose(1, 2) @ torch.cat((q, d_out), dim=2).reshape(B, S * 2 * H, c)
+    k = idx.shape[-1]
+    grad = torch.zeros(B * N, c, dtype=q.dtype, device=q.device)
+    offset = torch.arange(B, device=idx.device).view(B, 1, 1) * N
+    for t0, t1 in _chunks(S, B * k * c * q.element_size()):
+        w = torch.cat((ds[:, t0:t1], p[:, t0:t1]), dim=2).flatten(0, 1)  # [B*T, 2H, k]
+        per_pick = torch.bmm(w.transpose(1, 2), torch.cat((q[:, t0:t1], d_out[:, t0:t1]), dim=2).flatten(0, 1))
+        grad.index_add_(0, (idx[:, t0:t1] + offset).reshape(-1), per_pick.reshape(-1, c))
+    return grad.view(B, N, c)
 
 
 def fused_backward(q, kv, sink, scale, window, doc, compressed=None, comp_mask=None, comp_idx=None):

@@ -337,7 +337,7 @@ class Indexer(nn.Module):
     no_grad, in query chunks so the [B, chunk, H_I, N] scores stay bounded.
     """
 
-    chunk_elems = 1 << 24
+    chunk_elems = 1 << 21
 
     def __init__(self, cfg: ModelConfig, m: int):
         super().__init__()
