@@ -24,6 +24,7 @@ CASES = {
     "small-512 fsdp2+ep2": {"overrides": SMALL, "seq": 512, "ep": 2},
     "small-512 fsdp2 selective": {"overrides": SMALL, "seq": 512, "recompute": "selective"},
     "small-256 fsdp2 grad_accum=2": {"overrides": SMALL, "seq": 256, "grad_accum": 2},
+    "small-512 fsdp2+ep2 full": {"overrides": SMALL, "seq": 512, "ep": 2, "recompute": "full"},
 }
 
 

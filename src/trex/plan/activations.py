@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trex.kernels.sparse_attention import CHUNK_BYTES
 from trex.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
 
 F32, I64 = 4, 8
@@ -118,6 +119,26 @@ def block(cfg: ModelConfig, layer_type: str, mlp_type: str, S: int, b: int) -> L
                             moe=moe(cfg, mlp_type, b) * S + balance)
 
 
+def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
+    """Transient bytes while one block runs backward (or is recomputed), on top of what it saved:
+    the fp32 gradients of its output and input streams, and sparse attention's entry-gradient buffers
+    (kernels.sparse_attention: the score and probability gradients of the compressed entries, the
+    stacked [2H] operands, and for CSA one query chunk's [T, k, c] per-pick gradients).
+    Measured per block type in tests/test_plan_memory_cpu.py (full recompute, where it shows)."""
+    n, d, H, c = cfg.hc_mult, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    total = 2 * F32 * n * d * S
+    if layer_type != SLIDING:
+        N = S // cfg.compress_rate(layer_type)
+        kc = min(cfg.index_topk, N) if layer_type == CSA else N
+        total += 2 * F32 * S * H * kc  # dP and dS of the compressed scores
+        if layer_type == CSA:
+            T = min(S, max(1, CHUNK_BYTES // (kc * c * b)))
+            total += T * (2 * H * (kc + c) * b + kc * c * b)
+        else:
+            total += S * 2 * H * (kc + c) * b
+    return total
+
+
 def weight_copies(cfg: ModelConfig, layer_type: str, b: int) -> float:
     """fp32 copies of weights that one block keeps at bf16 (0 at fp32, where .float() is free)."""
     if b == F32:
@@ -139,18 +160,20 @@ def head(cfg: ModelConfig, b: int) -> float:
     return hc_head + _rms_norm(d) + F32 * d + 2 * F32 * V + I64  # logits are alive, log-softmax saved; targets
 
 
-def model_level(cfg: ModelConfig, S: int, b: int) -> float:
-    """Per-sequence bytes outside the blocks: ids, document ids, heads, MTP inputs, weight copies."""
+def model_level(cfg: ModelConfig, S: int, b: int, heads: bool = True) -> float:
+    """Per-sequence bytes outside the blocks: ids, document ids, heads, MTP inputs, weight copies.
+    ``heads=False``: what is left once the heads and MTP modules are back-propagated."""
     n, d = cfg.hc_mult, cfg.hidden_size
     cp = 0 if b == F32 else F32
     mtp = cfg.num_nextn_predict_layers
     per_tok = I64 * (1 + mtp)  # token ids for the embeddings
     per_tok += I64  # document ids (sparse attention rebuilds its window masks from them in backward)
-    per_tok += head(cfg, b) * (1 + mtp)
-    per_tok += mtp * (_rms_norm(d) + b * d)  # enorm, e_proj input
-    per_tok += mtp * (cp * n * d + F32 * (n * d + n) + b * n * d)  # hnorm (input copy at bf16), h_proj input
+    if heads:
+        per_tok += head(cfg, b) * (1 + mtp)
+        per_tok += mtp * (_rms_norm(d) + b * d)  # enorm, e_proj input
+        per_tok += mtp * (cp * n * d + F32 * (n * d + n) + b * n * d)  # hnorm (input copy at bf16), h_proj input
     copies = 0.0
-    if b != F32:
+    if b != F32 and heads:  # the heads' fp32 weight copies
         V = cfg.vocab_size
         copies = F32 * (V * d * (1 + mtp) + (1 + mtp) * (n * n * d + d)) + mtp * F32 * 3 * d
     return per_tok * S + copies

@@ -41,11 +41,12 @@ class MemoryBreakdown:
     optimizer_workspace: float
     activations: float  # alive at the backward peak
     transient: float  # logits gradient, EP dispatch/combine buffers
+    backward_gradients: float  # gradients the backward has produced by its peak (full recompute: most)
     optimizer_host: float  # optimizer state moved to host memory (not in total)
 
     @property
     def backward_peak(self) -> float:
-        return self.activations + self.gathered + self.transient + self.accumulated_gradients
+        return self.activations + self.gathered + self.transient + self.accumulated_gradients + self.backward_gradients
 
     @property
     def optimizer_peak(self) -> float:
@@ -64,31 +65,70 @@ class MemoryBreakdown:
         return {**asdict(self), "step_peak": self.step_peak, "total": self.total}
 
 
-def activation_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, b: int) -> float:
-    """Activations alive at the backward peak of the busiest pipeline stage: the saved tensors of
-    the micro-batches in flight plus the larger of the model-level tensors (logits, heads) at the
-    start of backward and, with recomputation, one block recomputed after the heads' backward has
-    freed their logits."""
-    layers = list(zip(cfg.layer_types, cfg.mlp_layer_types))[: cfg.num_hidden_layers // layout.pp]
-    layers += [(cfg.mtp_layer_type, "moe")] * cfg.num_nextn_predict_layers
-    S = seq_len
+@dataclass(frozen=True)
+class BackwardMoment:
+    """What one device holds at one moment of the backward (bytes)."""
+
+    activations: float  # saved tensors still alive, plus the block being recomputed
+    transient: float  # the logits' gradient at the start; EP dispatch/combine buffers inside a block
+    gradients: float  # gradients this backward has already produced (this rank's shard)
+
+
+def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, b: int,
+                  grads_held: bool) -> BackwardMoment:
+    """The busiest moment of the backward of the busiest pipeline stage, found by walking the backward
+    in autograd's order: the start (everything the forward saved, the logits' gradient), then the MTP
+    blocks (they run before the main heads are freed), then the main blocks from the last. At each
+    block: the forward-saved tensors of the blocks not yet done, the block's recomputation (selective:
+    its attention site; full: all of it), the model-level tensors still alive, and the gradients of
+    everything already done. Without recomputation the start is the peak; under full recomputation the
+    activations are small and the gradients filling in decide it. ``grads_held``: gradient buffers
+    exist before this backward (gradient accumulation), so it adds none."""
+    S, mb = seq_len, layout.micro_batch
+    main = list(zip(cfg.layer_types, cfg.mlp_layer_types))[: cfg.num_hidden_layers // layout.pp]
+    n_mtp = cfg.num_nextn_predict_layers
+    blocks = main + [(cfg.mtp_layer_type, "moe")] * n_mtp
     stream = b * cfg.hc_mult * cfg.hidden_size * S  # a block's input, all a checkpointed block keeps
-    saved, recompute_peak = 0.0, 0.0
-    for lt, mt in layers:
-        blk = act.block(cfg, lt, mt, S, b)
-        copies = act.weight_copies(cfg, lt, b)
+    # per block: kept from the forward; recomputed in its backward (by then the block's FFN site, run
+    # first in backward, has freed what it kept: only the block's input is left of its own)
+    saved, rebuilt, workspace = [], [], []
+    for lt, mt in blocks:
+        blk, copies = act.block(cfg, lt, mt, S, b), act.weight_copies(cfg, lt, b)
+        workspace.append(act.backward_workspace(cfg, lt, S, b))
         if layout.recompute == "none":
-            saved += blk.total + copies
+            saved.append(blk.total + copies)
+            rebuilt.append(0.0)
         elif layout.recompute == "selective":  # the attention site (hc_attn: mHC + attention) is recomputed;
-            saved += stream + blk.mhc / 2 + blk.moe  # the FFN site's mHC and the MoE are kept
-            recompute_peak = max(recompute_peak, blk.mhc / 2 + blk.attention + copies)
+            saved.append(stream + blk.mhc / 2 + blk.moe)  # the FFN site's mHC and the MoE are kept
+            rebuilt.append(blk.mhc / 2 + blk.attention + copies)
         else:
-            saved += stream
-            recompute_peak = max(recompute_peak, blk.total + copies)
+            saved.append(stream)
+            rebuilt.append(blk.total + copies)
+
+    def own(j: int) -> float:
+        """Block j's own bytes while its backward runs."""
+        return (saved[j] if layout.recompute == "none" else stream + rebuilt[j]) + workspace[j]
+
     model_level = act.model_level(cfg, S, b)
-    heads = act.head(cfg, b) * S * (1 + cfg.num_nextn_predict_layers)
-    per_micro = (saved + max(model_level, model_level - heads + recompute_peak)) * layout.micro_batch
-    return per_micro * min(layout.pp, layout.grad_accum)  # 1F1B: stage 0 holds pp micro-batches
+    # a head's backward frees its log-softmax; its fp32 logits stay alive in the model's output
+    log_softmax = 4 * cfg.vocab_size * S
+    after_heads = act.model_level(cfg, S, b, heads=False) + log_softmax * (1 + n_mtp)
+    in_flight = min(layout.pp, layout.grad_accum)  # 1F1B: stage 0 holds pp micro-batches
+    others = (in_flight - 1) * mb * (sum(saved) + model_level)
+    tokens = mb * S
+    ep_buffers = 2 * b * tokens * cfg.num_experts_per_tok * cfg.hidden_size if layout.ep > 1 else 0.0
+    grad = [0.0 if grads_held else 4 * n / layout.dp_shard for n in facts.block_trainable]
+    heads_grad = 0.0 if grads_held else 4 * (facts.root - facts.by_type["embedding"]) / layout.dp_shard
+
+    moments = [BackwardMoment(mb * (sum(saved) + model_level) + others, 4 * cfg.vocab_size * tokens, 0.0)]
+    L = len(main)
+    for j in reversed(range(L, len(blocks))):  # MTP blocks; the main heads are still alive
+        alive = sum(saved[:j]) + own(j) + model_level - log_softmax * (len(blocks) - j)
+        moments.append(BackwardMoment(mb * alive + others, ep_buffers, sum(grad[j + 1:])))
+    for i in reversed(range(L)):
+        alive = sum(saved[:i]) + own(i) + after_heads
+        moments.append(BackwardMoment(mb * alive + others, ep_buffers, sum(grad[i + 1:]) + heads_grad))
+    return max(moments, key=lambda m: m.activations + m.transient + m.gradients)
 
 
 def memory(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, b: int) -> MemoryBreakdown:
@@ -108,7 +148,9 @@ def memory(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, b:
         # unsharded copy lives through forward and backward
         block = facts.block_dense + facts.block_experts / layout.ep
         gathered = b * (3 * block + facts.root * (1 - 1 / layout.dp_shard))
-    if layout.grad_accum > 1 and not (layout.reduce_every_micro_batch and layout.dp_shard > 1):
+    if layout.grad_accum > 1 and layout.reduce_every_micro_batch and layout.dp_shard > 1:
+        accumulated = 4 * trainable  # every micro-batch reduce-scatters: the sharded gradients accumulate
+    elif layout.grad_accum > 1:
         # micro-batches before the last skip the reduce-scatter (no-sync), so FSDP2 accumulates
         # *unsharded* gradients of the whole stage (experts: this rank's ep share), upcast to the
         # fp32 reduce dtype (trex.train.precision); one process keeps its fp32 gradients
@@ -119,13 +161,9 @@ def memory(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, b:
         workspace = 4 * 4 * max(facts.largest_muon_matrix, local_experts)
     else:
         workspace = 4 * 2 * max(facts.largest_muon_matrix, facts.block_experts / 3 / layout.ep)
-    tokens = layout.micro_batch * seq_len
-    transient = 4 * cfg.vocab_size * tokens  # gradient of one head's fp32 logits
-    if layout.ep > 1:
-        transient += 2 * b * tokens * cfg.num_experts_per_tok * cfg.hidden_size
+    peak = backward_peak(cfg, facts, layout, seq_len, b, grads_held=layout.grad_accum > 1)
     return MemoryBreakdown(
         weights=4 * stored, gradients=4 * trainable,
         optimizer=0.0 if layout.offload_optimizer else state, gathered=gathered, accumulated_gradients=accumulated,
-        optimizer_workspace=workspace,
-        activations=activation_bytes(cfg, layout, seq_len, b), transient=transient,
-        optimizer_host=state if layout.offload_optimizer else 0.0)
+        optimizer_workspace=workspace, activations=peak.activations, transient=peak.transient,
+        backward_gradients=peak.gradients, optimizer_host=state if layout.offload_optimizer else 0.0)

@@ -46,6 +46,7 @@ class ModelFacts:
     block_dense: int  # largest block without its routed experts (one FSDP unit)
     block_experts: int  # routed experts of one block
     root: int  # parameters outside every block (embedding, LM head, mHC head, final norm): the FSDP root unit
+    block_trainable: tuple[int, ...]  # trainable parameters of each block: layers.0 ... then mtp.0 ...
     largest_muon_matrix: int  # elements of the largest dense Muon parameter
     muon_ns_flops: float  # FLOPs of one Newton-Schulz pass over every Muon matrix
 
@@ -107,6 +108,9 @@ def _build_facts(cfg: ModelConfig) -> ModelFacts:
         if INDEXER in f".{name}":
             continue
         trainable += p.numel()
+        block = re.match(r"^(layers|mtp)\.\d+\.", name)
+        if block:
+            blocks[block.group(0)].append(p.numel())
         if rule.muon:
             muon += p.numel()
             ns += _ns_flops(tuple(p.shape), row_blocks)
@@ -118,7 +122,8 @@ def _build_facts(cfg: ModelConfig) -> ModelFacts:
     return ModelFacts(
         by_type=by_type, mtp=mtp, total=total, active=total - inactive, trainable=trainable, experts=experts,
         muon=muon, adamw=trainable - muon, block_dense=max(v[0] for v in blocks.values()),
-        block_experts=max(v[1] for v in blocks.values()), root=root, largest_muon_matrix=largest, muon_ns_flops=ns)
+        block_experts=max(v[1] for v in blocks.values()), root=root,
+        block_trainable=tuple(sum(v[2:]) for v in blocks.values()), largest_muon_matrix=largest, muon_ns_flops=ns)
 
 
 _CACHE: dict[str, ModelFacts] = {}

@@ -47,7 +47,7 @@ def plan_table(plan: Plan) -> str:
         if key not in ("total", "optimizer_host", "step_peak"):
             lines.append(f"  {key:20s}{_gib(value)}")
     lines.append(f"  {'step peak':20s}{_gib(m.step_peak)}   the larger of backward ({_gib(m.backward_peak).strip()}: "
-                 f"activations, gathered, transient, accumulated) and optimizer ({_gib(m.optimizer_peak).strip()}: "
+                 f"activations, gathered, transient, accumulated, backward_gradients) and optimizer ({_gib(m.optimizer_peak).strip()}: "
                  "gradients, workspace)")
     lines.append(f"  {'total':20s}{_gib(m.total)}   weights + optimizer + step peak, of {_gib(plan.usable_bytes).strip()} usable "
                  f"({hw.memory_gib:g} GiB less headroom): {'FITS' if plan.fits else 'DOES NOT FIT'}")
