@@ -2,8 +2,8 @@
 
 Every tensor saved for backward is caught with saved_tensors_hooks, deduplicated by storage
 (views of one tensor count once), parameters left out, and the bytes attributed to the block
-whose forward saved it. The logits (fp32, alive in the output until backward ends) are added:
-they are memory the step holds without being a saved tensor.
+whose forward saved it. The logits (fp32, alive in the output until backward ends) are added
+when no saved tensor shares their storage (trex's loss keeps them itself).
 """
 
 import re
@@ -40,7 +40,8 @@ def _saved_bytes(cfg, S: int, dtype: torch.dtype) -> tuple[Counter, int]:
     by_block = Counter()
     for label, nbytes in seen.values():
         by_block[label] += nbytes
-    logits = sum(x.numel() * x.element_size() for x in [out.logits, *out.mtp_logits])
+    logits = sum(x.numel() * x.element_size() for x in [out.logits, *out.mtp_logits]
+                 if x.untyped_storage().data_ptr() not in seen)  # the loss may keep them itself
     return by_block, logits
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trex.models.cross_entropy import token_nll
 from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
 from trex.recipe import require_positive
 
@@ -168,8 +169,7 @@ class FidelityRecorder:
         logits = model(batch.input_ids, doc_ids=batch.doc_ids).logits.float()
         model.train(was_training)
         targets = shift_labels(batch.labels, 1, batch.doc_ids)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
-                                                 ignore_index=IGNORE_INDEX, reduction="sum").item()
+        loss = token_nll(logits, targets).sum().item()
         count = int((targets != IGNORE_INDEX).sum())
         positions, ids, logprobs = [], [], []
         for row, pos in probe_positions(targets, self.section.probe_positions):

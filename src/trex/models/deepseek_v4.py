@@ -30,9 +30,9 @@ from torch import nn
 
 from trex import kernels
 from trex.kernels.sparse_attention import gather_rows
+from trex.models.cross_entropy import IGNORE_INDEX, token_nll
 from trex.models.config import CSA, HASH_MOE, MOE, SLIDING, ModelConfig, YarnScaling
 
-IGNORE_INDEX = -100
 _BIG = 1 << 40  # sentinel index for padded compressed entries
 
 
@@ -245,8 +245,29 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return kernels.get("rms_norm", x.device.type)(x, None, eps)
 
 
+class _LinearFP32(torch.autograd.Function):
+    """x.float() @ weight.float().T that keeps x and weight in their own dtype for backward: at bf16
+    an fp32 copy of the weight (the LM head's [V, d]: 3.5 GiB on V4-Pro, per head call) is re-made
+    in backward instead of kept. Gradients come back in the inputs' dtypes, as autograd's casts do."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        dx = (grad @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = (grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+        return dx, dw
+
+
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x.float(), weight.float())
+    """[..., in] x [out, in] -> [..., out] in fp32 whatever the inputs' dtype."""
+    return _LinearFP32.apply(x, weight)
 
 
 # ==================================================================================================
@@ -767,8 +788,7 @@ def shift_labels(labels: torch.Tensor, shift: int, doc: torch.Tensor | None) -> 
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over targets != IGNORE_INDEX (0 if there are none)."""
-    loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+    loss_sum = token_nll(logits, targets).sum()
     return loss_sum / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
 

@@ -11,8 +11,9 @@ Conventions, for one sequence (batch row) of S tokens without document boundarie
       bf16 (cp = 4) and the same tensor at fp32 (cp = 0);
   N   compressed entries floor(S / m); kc the compressed entries a query scores (CSA: the
       indexer's top-k, HCA: all N); K the window keys of a block of W/4 queries (W/4 + W).
-Weights that trex casts to fp32 inside the forward (mHC fn, router, compressor, norms, LM head)
-are saved as fp32 copies at bf16: those are per-layer constants, not per-token.
+Weights that trex casts to fp32 inside the forward (mHC fn, norms) are saved as fp32 copies at
+bf16: per-layer constants, not per-token. The router, compressor and LM head go through
+``linear_fp32``, which keeps weight and input as they are and re-casts in backward.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def compressor(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
     cp = 0 if b == F32 else F32
     coff = 2 if layer_type == CSA else 1
     N = S // m
-    total = S * (F32 * 2 * coff * c + 2 * cp * d)  # kv and gate scores (fp32), x.float() per projection
+    total = S * F32 * 2 * coff * c  # kv and gate scores (fp32; linear_fp32 keeps x as it is, shared)
     total += N * m * F32 * 2 * coff * c  # gathered window slots and their softmax weights
     total += N * m * I64 * (2 if layer_type == CSA else 1)  # slot index (and previous-window index)
     total += N * (1 if layer_type == CSA else 0)  # previous-window mask (bool)
@@ -102,7 +103,7 @@ def moe(cfg: ModelConfig, mlp_type: str, b: int) -> float:
     """Per token, ffn_norm and the MoE (router, k routed experts, shared expert)."""
     d, E, k, I = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     per = _rms_norm(d)  # ffn_norm
-    per += F32 * d + (b * d if b != F32 else 0)  # router input (fp32) and, at bf16, the expert input
+    per += b * d  # router and expert input (linear_fp32 keeps it at the compute dtype)
     per += F32 * 2 * E + I64 * k + F32 * (k + 1)  # logits, scores; top-k index; weights and their sum
     per += F32 if mlp_type != HASH_MOE else 0  # balance loss: score sums (and [E] per sequence, in block())
     per += 2 * I64 * k + F32 * k  # sort order and token index of the k copies, gathered weights
@@ -144,20 +145,20 @@ def weight_copies(cfg: ModelConfig, layer_type: str, b: int) -> float:
     if b == F32:
         return 0.0
     n, d, c = cfg.hc_mult, cfg.hidden_size, cfg.head_dim
-    total = 2 * (2 + n) * n * n * d + cfg.n_routed_experts * d  # mHC fn (two sites), router
+    total = 2 * (2 + n) * n * n * d  # mHC fn (two sites)
     total += 2 * d + cfg.q_lora_rank + c  # RMSNorm weights
     if layer_type != SLIDING:
-        coff = 2 if layer_type == CSA else 1
-        total += 2 * coff * c * d + c  # compressor wkv, wgate, norm
+        total += c  # compressor norm
     return F32 * total
 
 
 def head(cfg: ModelConfig, b: int) -> float:
-    """Per token, one output head: HC head, final norm, fp32 LM head input, logits and log-softmax."""
+    """Per token, one output head: HC head, final norm, LM head input, fp32 logits, the loss's
+    log-sum-exp and target (trex.models.cross_entropy keeps the logits, no log-softmax)."""
     n, d, V = cfg.hc_mult, cfg.hidden_size, cfg.vocab_size
     cp = 0 if b == F32 else F32
     hc_head = F32 * (2 * n * d + 1 + 3 * n) + cp * n * d
-    return hc_head + _rms_norm(d) + F32 * d + 2 * F32 * V + I64  # logits are alive, log-softmax saved; targets
+    return hc_head + _rms_norm(d) + b * d + F32 * V + F32 + I64 + 1  # ...; target index and its valid mask
 
 
 def model_level(cfg: ModelConfig, S: int, b: int, heads: bool = True) -> float:
@@ -175,7 +176,7 @@ def model_level(cfg: ModelConfig, S: int, b: int, heads: bool = True) -> float:
     copies = 0.0
     if b != F32 and heads:  # the heads' fp32 weight copies
         V = cfg.vocab_size
-        copies = F32 * (V * d * (1 + mtp) + (1 + mtp) * (n * n * d + d)) + mtp * F32 * 3 * d
+        copies = F32 * (1 + mtp) * (n * n * d + d) + mtp * F32 * 3 * d  # HC head fn, norm weights
     return per_tok * S + copies
 
 

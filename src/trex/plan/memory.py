@@ -110,9 +110,9 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
         return (saved[j] if layout.recompute == "none" else stream + rebuilt[j]) + workspace[j]
 
     model_level = act.model_level(cfg, S, b)
-    # a head's backward frees its log-softmax; its fp32 logits stay alive in the model's output
-    log_softmax = 4 * cfg.vocab_size * S
-    after_heads = act.model_level(cfg, S, b, heads=False) + log_softmax * (1 + n_mtp)
+    # a head's backward frees little (the loss keeps the logits, no log-softmax); the fp32 logits
+    # stay alive in the model's output until the step ends
+    after_heads = act.model_level(cfg, S, b, heads=False) + 4 * cfg.vocab_size * S * (1 + n_mtp)
     in_flight = min(layout.pp, layout.grad_accum)  # 1F1B: stage 0 holds pp micro-batches
     others = (in_flight - 1) * mb * (sum(saved) + model_level)
     tokens = mb * S
@@ -123,7 +123,7 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
     moments = [BackwardMoment(mb * (sum(saved) + model_level) + others, 4 * cfg.vocab_size * tokens, 0.0)]
     L = len(main)
     for j in reversed(range(L, len(blocks))):  # MTP blocks; the main heads are still alive
-        alive = sum(saved[:j]) + own(j) + model_level - log_softmax * (len(blocks) - j)
+        alive = sum(saved[:j]) + own(j) + model_level
         moments.append(BackwardMoment(mb * alive + others, ep_buffers, sum(grad[j + 1:])))
     for i in reversed(range(L)):
         alive = sum(saved[:i]) + own(i) + after_heads

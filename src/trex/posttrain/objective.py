@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
 from trex import device as device_layer
 from trex.data.loader import Batch
 from trex.data.tokenizer import Tokenizer
 from trex.models import DeepseekV4, build_model, load_pretrained
-from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
+from trex.models.cross_entropy import token_nll
+from trex.models.deepseek_v4 import shift_labels
 from trex.parallel.load import load_sharded
 from trex.parallel.mesh import Parallel
 from trex.parallel.plan import apply_parallelism
@@ -104,9 +104,7 @@ def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
     whose next token belongs to another document (``doc_ids``), hold 0 (there is no next token).
     """
     targets = shift_labels(input_ids, 1, doc_ids)
-    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                          reduction="none")
-    return -nll.view(input_ids.shape)
+    return -token_nll(logits, targets)
 
 
 def token_logprobs(model: DeepseekV4, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from trex.data import build_loader
 from trex.models import DeepseekV4
+from trex.models.cross_entropy import token_nll
 from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
 from trex.parallel.mesh import Parallel
 from trex.parallel.plan import sync_gradients
@@ -28,8 +29,7 @@ def targets_for(labels: torch.Tensor, doc_ids: torch.Tensor, shift: int) -> torc
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy (fp32) over targets != IGNORE_INDEX."""
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                             ignore_index=IGNORE_INDEX, reduction="sum")
+    return token_nll(logits, targets).sum()
 
 
 def _count(targets: torch.Tensor) -> int:
