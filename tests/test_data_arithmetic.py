@@ -6,7 +6,8 @@ import re
 import pytest
 
 from trex.data import DataConfig, build_loader, compact_tokenizer
-from trex.data.arithmetic import ArithmeticTask, cpt_records, eval_prompts, generate, sft_records
+from trex.data.arithmetic import (ArithmeticTask, Problem, cpt_records, eval_prompts, fresh_problems, generate,
+                                  mistake_records, sft_records)
 from trex.data.chat import render_prompt
 from trex.data.records import write_jsonl
 from trex.data.tokenizer import ASSISTANT, BOS, THINK_END, USER
@@ -31,6 +32,33 @@ def test_answers_are_correct_and_held_out_is_disjoint():
     assert {p.op for p in train} == {"+", "-", "*"}
     assert generate(task) == (train, held)
     assert generate(ArithmeticTask(digits=3, ops="+-*", n_train=3000, n_eval=300, seed=8)) != (train, held)
+
+
+def test_fresh_problems_are_a_third_disjoint_split():
+    task = ArithmeticTask(digits=2, ops="+-", n_train=3000, n_eval=200, seed=4)
+    train, held = generate(task)
+    fresh = fresh_problems(task, 2000, seed=1)
+    assert len(fresh) == len(set(fresh)) == 2000
+    assert not set(fresh) & (set(train) | set(held))
+    assert {p.op for p in fresh} == {"+", "-"} and all(p.answer == solve(p.question) for p in fresh)
+    assert fresh_problems(task, 2000, seed=1) == fresh  # deterministic
+    assert fresh_problems(task, 2000, seed=2) != fresh
+    assert generate(task) == (train, held)  # drawing them leaves the task's own splits as they were
+    with pytest.raises(ValueError, match="fresh problems requested"):
+        fresh_problems(task, 6000, seed=1)  # 15050 two-digit + and - problems, 3200 taken
+
+
+def test_mistake_records_pair_the_answer_with_the_most_frequent_wrong_one():
+    problems = [Problem(57, "+", 68), Problem(12, "+", 34), Problem(52, "-", 37), Problem(9, "-", 9)]
+    answers = [["125", "115", "135", "115"],  # 115 twice beats 135 once
+               ["46", "46"],                  # always right: no pair
+               ["15", "25", "5", "1x"],       # 25 and 5 once each: the first; "1x" is not a number
+               ["", "0"]]
+    assert mistake_records(problems, answers) == [
+        {"prompt": "57+68", "chosen": "125", "rejected": "115"},
+        {"prompt": "52-37", "chosen": "15", "rejected": "25"}]
+    with pytest.raises(ValueError, match="3 answer lists for 4 problems"):
+        mistake_records(problems, answers[:3])
 
 
 def test_record_formats():

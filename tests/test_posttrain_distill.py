@@ -116,3 +116,35 @@ def test_distill_lowers_the_students_reverse_kl_to_two_teachers(tmp_path):
     final = result.summary["eval"]["final"]
     assert {"eval_reverse_kl", "eval_reverse_kl/teacher0", "eval_reverse_kl/teacher1", "eval_exact_match",
             "eval_exact_match/teacher0", "eval_exact_match/teacher1"} <= set(final)
+
+
+@pytest.mark.slow
+def test_shipped_recipe_runs_on_a_shortened_schedule(tmp_path):
+    """recipes/distill_arithmetic.toml as shipped, with tiny random student and teacher: 2 steps."""
+    import os
+
+    from trex.checkpoint.save import save_pretrained
+    from trex.models import build_model
+    from trex.models.config import tiny
+    from trex.recipe import load
+    from trex.train.config import TrainRecipe
+    from trex.train.loop import train
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    data = os.path.join(root, "recipes", "grpo_arithmetic_data")
+    from trex.data.tokenizer import compact_tokenizer
+
+    small = dict(vocab_size=compact_tokenizer().vocab_size, sliding_window=16, hidden_size=32, num_hidden_layers=2,
+                 num_nextn_predict_layers=0,
+                 layer_types=["sliding_attention", "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "moe"])
+    save_pretrained(build_model(tiny(**small), seed=1), str(tmp_path / "teacher"), dtype="fp32")
+    save_pretrained(build_model(tiny(**small), seed=2), str(tmp_path / "student"), dtype="fp32")
+    recipe = load(TrainRecipe, os.path.join(root, "recipes", "distill_arithmetic.toml"), [
+        f'model.path="{tmp_path}/student"', "train.steps=2", "schedule.warmup_steps=1", "train.eval_every=0",
+        f'train.out="{tmp_path}/run"', "train.progress=false", "distill.prompts_per_step=4", "distill.eval_limit=8",
+        f'distill.teachers=[{{path="{tmp_path}/teacher", weight=1.0}}]',
+        f'distill.prompts=["{data}/prompts.jsonl"]', f'distill.eval_prompts=["{data}/heldout_fresh.jsonl"]'])
+    summary = train(recipe).summary
+    assert summary["status"] == "completed" and summary["mode"] == "distill"
+    final = summary["eval"]["final"]
+    assert final["eval_reverse_kl"] >= 0 and 0 <= final["eval_exact_match"] <= 1

@@ -150,16 +150,24 @@ def test_two_process_fsdp_gives_the_losses_of_one_process(pair_files, tmp_path):
     assert final[0]["eval_reward_margin"] == pytest.approx(final[1]["eval_reward_margin"], rel=1e-3, abs=1e-4)
 
 
-def test_shipped_pairs_are_what_the_generator_writes():
+def test_shipped_pairs_are_mistakes_on_fresh_problems():
+    """recipes/dpo_arithmetic_data (make_pairs.py): each pair is a problem of its split, in order,
+    with the exact answer chosen and a different number rejected (the SFT model's own mistake)."""
+    from trex.data.arithmetic import fresh_problems
     from trex.train.default_job import DefaultJob
 
-    train_p, held = generate(DefaultJob().task)
+    task = DefaultJob().task
+    fresh = fresh_problems(task, 4000, seed=1)
     data = os.path.join(ROOT, "recipes", "dpo_arithmetic_data")
-    for name, want in (("train", preference_records(train_p[:2000], seed=0)),
-                       ("heldout", preference_records(held, seed=1))):
-        assert [json.loads(line) for line in open(os.path.join(data, f"{name}.jsonl"))] == want
-    for pair in want:  # a plausible wrong answer: off by one or by ten
-        assert abs(int(pair["rejected"]) - int(pair["chosen"])) in (1, 10)
+    for name, problems in (("train", fresh[:3000]), ("heldout", fresh[3000:] + generate(task)[1])):
+        pairs = [json.loads(line) for line in open(os.path.join(data, f"{name}.jsonl"))]
+        answers = {p.question: p.answer for p in problems}
+        order = [p.question for p in problems]
+        assert len(pairs) > 50 and [order.index(p["prompt"]) for p in pairs] == sorted(
+            order.index(p["prompt"]) for p in pairs)
+        for pair in pairs:
+            assert pair["chosen"] == answers[pair["prompt"]]
+            assert pair["rejected"].isdigit() and pair["rejected"] != pair["chosen"]
 
 
 @pytest.mark.slow
@@ -172,5 +180,6 @@ def test_shipped_recipe_runs_on_a_shortened_schedule(tmp_path):
         f"data.paths={json.dumps([os.path.join(data, 'train.jsonl')])}",
         f"eval.paths={json.dumps([os.path.join(data, 'heldout.jsonl')])}"])
     summary = train(recipe).summary
-    assert summary["status"] == "completed" and summary["mode"] == "dpo" and summary["data"]["pairs"] == 2000
+    n_pairs = sum(1 for _ in open(os.path.join(data, "train.jsonl")))
+    assert summary["status"] == "completed" and summary["mode"] == "dpo" and summary["data"]["pairs"] == n_pairs
     assert 0 <= summary["eval"]["final"]["eval_preference_accuracy"] <= 1

@@ -6,6 +6,10 @@ negative) and ``*`` (b is a single digit). The same problems serve three uses:
 * continued pretraining: raw text records ``{"text": "12+34=46\\n7-5=2\\n..."}``;
 * SFT: ``{"messages": [{"role": "user", "content": "12+34"}, {"role": "assistant", "content": "46"}]}``;
 * evaluation: held-out prompts (never in the training problems) with their exact answers.
+
+Post-training demos draw on a third split (`fresh_problems`): GRPO/distillation prompts
+(`prompt_records`) and DPO pairs (`preference_records` with synthetic slips, or `mistake_records`
+with a model's own wrong answers).
 """
 
 from __future__ import annotations
@@ -58,15 +62,14 @@ def _space_size(task: ArithmeticTask) -> int:
     return sum(per_op[op] for op in set(task.ops))
 
 
-def generate(task: ArithmeticTask) -> tuple[list[Problem], list[Problem]]:
-    """``(train, held_out)``: distinct problems, seeded by ``task.seed``; no held-out problem is in train."""
+def _check_ops(task: ArithmeticTask) -> None:
     if not task.ops or set(task.ops) - set(OPS):
         raise ValueError(f"arithmetic ops {task.ops!r}; expected a non-empty subset of {OPS!r}")
-    wanted = task.n_train + task.n_eval
-    if wanted > _space_size(task) // 2:
-        raise ValueError(f"{wanted} distinct problems requested but digits={task.digits} with ops "
-                         f"{task.ops!r} allows only {_space_size(task)}; raise digits or lower the counts")
-    rng = np.random.default_rng(task.seed)
+
+
+def _draw(task: ArithmeticTask, wanted: int, rng: np.random.Generator, exclude: set[Problem]) -> list[Problem]:
+    """``wanted`` distinct problems not in ``exclude``, in draw order: an operator uniformly from
+    ``task.ops``, then both operands uniformly (swapped for ``-`` so a >= b)."""
     seen: dict[Problem, None] = {}
     limit = 10 ** task.digits
     while len(seen) < wanted:
@@ -79,9 +82,35 @@ def generate(task: ArithmeticTask) -> tuple[list[Problem], list[Problem]]:
                 x, y = y, x
             if op == "*":
                 y %= 10
-            seen.setdefault(Problem(x, op, y))
-    problems = list(seen)[:wanted]
+            p = Problem(x, op, y)
+            if p not in exclude:
+                seen.setdefault(p)
+    return list(seen)[:wanted]
+
+
+def generate(task: ArithmeticTask) -> tuple[list[Problem], list[Problem]]:
+    """``(train, held_out)``: distinct problems, seeded by ``task.seed``; no held-out problem is in train."""
+    _check_ops(task)
+    wanted = task.n_train + task.n_eval
+    if wanted > _space_size(task) // 2:
+        raise ValueError(f"{wanted} distinct problems requested but digits={task.digits} with ops "
+                         f"{task.ops!r} allows only {_space_size(task)}; raise digits or lower the counts")
+    problems = _draw(task, wanted, np.random.default_rng(task.seed), set())
     return problems[task.n_eval:], problems[:task.n_eval]
+
+
+def fresh_problems(task: ArithmeticTask, n: int, seed: int) -> list[Problem]:
+    """A third split: ``n`` distinct problems of the same distribution that are in neither split of
+    ``generate(task)`` (never trained on, never in its held-out set), seeded by ``seed``. Post-training
+    demos draw their training prompts and a larger held-out set from it."""
+    _check_ops(task)
+    train, held_out = generate(task)
+    left = _space_size(task) - len(train) - len(held_out)
+    if n > left // 2:
+        raise ValueError(f"{n} fresh problems requested but only {left} problems of digits={task.digits} "
+                         f"with ops {task.ops!r} are outside the task's {len(train)} + {len(held_out)}; "
+                         f"at most {left // 2}")
+    return _draw(task, n, np.random.default_rng([seed, task.seed]), set(train) | set(held_out))
 
 
 def cpt_records(problems: list[Problem], per_text: int) -> list[dict]:
@@ -113,23 +142,20 @@ def preference_records(problems: list[Problem], seed: int = 0) -> list[dict]:
     return [{"prompt": p.question, "chosen": p.answer, "rejected": wrong_answer(p, rng)} for p in problems]
 
 
-def carries(problem: Problem) -> int:
-    """Columns that carry (``+``, ``*``) or borrow (``-``) when the problem is worked digit by digit,
-    ones column first: the steps small models get wrong, used to pick harder prompts for GRPO."""
-    a, b, op = problem.a, problem.b, problem.op
-    count, carry = 0, 0
-    while a or (b and op != "*"):  # the right operand of * is one digit: it multiplies every column
-        if op == "+":
-            carry = int(a % 10 + b % 10 + carry >= 10)
-        elif op == "-":
-            carry = int(a % 10 < b % 10 + carry)
-        else:
-            carry = (a % 10 * b + carry) // 10
-        count += carry > 0
-        a //= 10
-        if op != "*":
-            b //= 10
-    return count
+def mistake_records(problems: list[Problem], answers: list[list[str]]) -> list[dict]:
+    """DPO pairs from a model's own mistakes (on-policy negatives): ``answers[i]`` are answers a model
+    gave to ``problems[i]``; a problem with a wrong numeric answer among them gives the pair
+    ``{"prompt": question, "chosen": the exact answer, "rejected": its most frequent wrong answer}``
+    (the first given among equally frequent ones); a problem always answered right gives none."""
+    if len(answers) != len(problems):
+        raise ValueError(f"mistake_records: {len(answers)} answer lists for {len(problems)} problems")
+    records = []
+    for p, given in zip(problems, answers):
+        wrong = [a for a in given if a.isdigit() and a != p.answer]
+        if wrong:
+            rejected = max(dict.fromkeys(wrong), key=wrong.count)  # max keeps the first of equal counts
+            records.append({"prompt": p.question, "chosen": p.answer, "rejected": rejected})
+    return records
 
 
 def prompt_records(problems: list[Problem]) -> list[dict]:

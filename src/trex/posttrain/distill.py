@@ -13,7 +13,7 @@ One optimizer step:
 
 Teachers are loaded frozen and sharded like the student (trex.posttrain.objective.load_frozen) and
 must share its tokenizer. Evaluation samples the held-out prompts with a fixed seed and reports
-the student's reverse KL to each teacher there, plus greedy exact match when records have answers.
+the student's reverse KL to each teacher there, plus greedy exact match (over all files and per file) when records have answers.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from trex.parallel.plan import sync_gradients
 from trex.posttrain.distill_loss import reverse_kl
 from trex.posttrain.grpo_loss import token_entropy
 from trex.posttrain.objective import Objective, StepResult, TrainContext, load_frozen
-from trex.posttrain.on_policy import (PromptOrder, Rollouts, generator_state, greedy_exact_match, load_prompts,
-                                      probe_batch, rank_generator, roll_out, sampling_params, set_generator_state)
+from trex.posttrain.on_policy import (PromptOrder, Rollouts, exact_match_by_set, generator_state, load_eval_sets,
+                                      load_prompts, probe_batch, rank_generator, roll_out, sampling_params,
+                                      set_generator_state)
 from trex.posttrain.sft import balance_term
 
 EVAL_SEED = 1234  # held-out samples are drawn with the same seed at every evaluation
@@ -45,13 +46,12 @@ class DistillObjective(Objective):
         self.teachers = [load_frozen(t.path, ctx) for t in self.cfg.teachers]
         self.weights = [t.weight for t in self.cfg.teachers]
         self.prompts = load_prompts(self.cfg.prompts, ctx.tokenizer, self.thinking)
-        self.eval_prompts = load_prompts(self.cfg.eval_prompts, ctx.tokenizer, self.thinking,
-                                         self.cfg.eval_limit) if self.cfg.eval_prompts else []
-        if self.eval_prompts and len(self.eval_prompts) < par.world_size:
-            raise ValueError(f"distill.eval_prompts: {len(self.eval_prompts)} prompts for {par.world_size} ranks")
+        self.eval_sets = load_eval_sets(self.cfg.eval_prompts, ctx.tokenizer, self.thinking, self.cfg.eval_limit,
+                                        par.world_size, "distill")
+        self.eval_prompts = [p for prompts in self.eval_sets.values() for p in prompts]
         self.order = PromptOrder(len(self.prompts), self.cfg.prompts_per_step, par, self.cfg.seed, "distill")
         self.generator = rank_generator(self.cfg.seed, par)
-        self.teacher_exact_match: list[float] | None = None
+        self.teacher_exact_match: dict[str, float] | None = None
 
     def _rollouts(self, model: DeepseekV4, prompts: list, generator: torch.Generator) -> Rollouts:
         ctx = self.ctx
@@ -124,13 +124,15 @@ class DistillObjective(Objective):
         metrics = {"eval_reverse_kl": sum(w * v for w, v in zip(self.weights, per)),
                    **{f"eval_reverse_kl/teacher{i}": v for i, v in enumerate(per)}}
         if all("answer" in p.record for p in self.eval_prompts):
-            def em(m: DeepseekV4) -> float:
-                return greedy_exact_match(m, self.eval_prompts, ctx.tokenizer, self.thinking, self.sampling, par,
+            def em(m: DeepseekV4) -> dict[str, float]:
+                return exact_match_by_set(m, self.eval_sets, ctx.tokenizer, self.thinking, self.sampling, par,
                                           ctx.dev.torch_device)
-            metrics["eval_exact_match"] = em(model)
+            metrics.update(em(model))
             if self.teacher_exact_match is None:  # the teachers do not change
-                self.teacher_exact_match = [em(t) for t in self.teachers]
-            metrics.update({f"eval_exact_match/teacher{i}": v for i, v in enumerate(self.teacher_exact_match)})
+                self.teacher_exact_match = {
+                    key.replace("eval_exact_match", f"eval_exact_match/teacher{i}", 1): v
+                    for i, t in enumerate(self.teachers) for key, v in em(t).items()}
+            metrics.update(self.teacher_exact_match)
         return metrics
 
     def state_dict(self) -> dict:

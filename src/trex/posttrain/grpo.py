@@ -4,7 +4,8 @@ One optimizer step (every ``ppo_epochs`` steps a new batch is sampled; the steps
 it, and the clipped ratio keeps them near the policy that sampled it):
 
     take prompts_per_step prompts (each rank an equal share); sample G completions of each from
-        the live weights (trex.rollout); score them with the reward plug-ins; advantages normalised
+        the live weights (trex.rollout; each row's random draws depend on its place in the step,
+        not on the rank it lands on, so any number of ranks samples the same completions); score them with the reward plug-ins; advantages normalised
         within each group of G; with kl_coef > 0, the frozen reference's log-probs
     for each micro-batch of completions: forward; log-probs of the sampled tokens (fp32);
         old log-probs = these, detached, on the batch's first step (ratio 1); clipped surrogate
@@ -26,9 +27,9 @@ from trex.models import DeepseekV4
 from trex.parallel.plan import sync_gradients
 from trex.posttrain.grpo_loss import group_advantages, policy_loss, token_entropy, token_weights
 from trex.posttrain.objective import Objective, StepResult, TrainContext, load_frozen, next_token_logprobs
-from trex.posttrain.on_policy import (PromptOrder, Rollouts, completions, generator_state, greedy_exact_match,
-                                      load_prompts, probe_batch, rank_generator, roll_out, sampling_params,
-                                      set_generator_state)
+from trex.posttrain.on_policy import (PromptOrder, Rollouts, completions, exact_match_by_set, generator_state,
+                                      load_eval_sets, load_prompts, probe_batch, rank_uniforms, roll_out,
+                                      sampling_params, set_generator_state)
 from trex.posttrain.rewards import RewardSet
 from trex.posttrain.sft import balance_term
 
@@ -53,13 +54,11 @@ class GRPOObjective(Objective):
         if not self.cfg.prompts:
             raise ValueError("grpo.prompts is empty; expected JSONL files of {\"prompt\" | \"messages\", \"answer\"}")
         self.prompts = load_prompts(self.cfg.prompts, ctx.tokenizer, self.thinking)
-        self.eval_prompts = load_prompts(self.cfg.eval_prompts, ctx.tokenizer, self.thinking,
-                                         self.cfg.eval_limit) if self.cfg.eval_prompts else []
-        if self.eval_prompts and len(self.eval_prompts) < par.world_size:
-            raise ValueError(f"grpo.eval_prompts: {len(self.eval_prompts)} prompts for {par.world_size} ranks")
+        self.eval_sets = load_eval_sets(self.cfg.eval_prompts, ctx.tokenizer, self.thinking, self.cfg.eval_limit,
+                                        par.world_size, "grpo")
         self.rewards = RewardSet.load(self.cfg.rewards, self.cfg.reward_weights)
         self.order = PromptOrder(len(self.prompts), self.cfg.prompts_per_step, par, self.cfg.seed, "grpo")
-        self.generator = rank_generator(self.cfg.seed, par)
+        self.generator = torch.Generator().manual_seed(self.cfg.seed)  # alike on every rank: rank_uniforms
         self.reference = load_frozen(self.cfg.reference or ctx.model, ctx) if self.cfg.kl_coef > 0 else None
         self.batch: GroupBatch | None = None
 
@@ -68,8 +67,9 @@ class GRPOObjective(Objective):
         ctx, cfg, G = self.ctx, self.cfg, self.cfg.group_size
         device = ctx.dev.torch_device
         chosen = [self.prompts[i] for i in self.order.next() for _ in range(G)]  # prompt-major groups
+        uniforms = rank_uniforms(self.generator, cfg.prompts_per_step * G, self.sampling.max_new_tokens, ctx.par)
         rollouts = roll_out(model, [p.ids for p in chosen], sampling_params(self.sampling, ctx.tokenizer),
-                            ctx.tokenizer, self.generator, self.sampling.batch_size, device)
+                            ctx.tokenizer, None, self.sampling.batch_size, device, uniforms)
         scored = [self.rewards.score(c) for c in completions(rollouts, chosen, self.thinking)]
         rewards = torch.tensor([total for total, _ in scored], dtype=torch.float32)
         advantages = group_advantages(rewards, G, cfg.scale_by_std).to(device)
@@ -149,11 +149,9 @@ class GRPOObjective(Objective):
 
     # ---- evaluation, resume --------------------------------------------------------------------------
     def evaluate(self, model: DeepseekV4) -> dict[str, float]:
-        if not self.eval_prompts:
-            return {}
         ctx = self.ctx
-        return {"eval_exact_match": greedy_exact_match(model, self.eval_prompts, ctx.tokenizer, self.thinking,
-                                                       self.sampling, ctx.par, ctx.dev.torch_device)}
+        return exact_match_by_set(model, self.eval_sets, ctx.tokenizer, self.thinking, self.sampling, ctx.par,
+                                  ctx.dev.torch_device) if self.eval_sets else {}
 
     def state_dict(self) -> dict:
         return {"order": self.order.state_dict(), "generator": generator_state(self.generator),
@@ -165,11 +163,14 @@ class GRPOObjective(Objective):
         if state.get("batch") is not None:
             self.batch = _batch_from_state(state["batch"], self.ctx.dev.torch_device)
 
+    def _n_eval(self) -> int:
+        return sum(len(p) for p in self.eval_sets.values())
+
     def preflight(self) -> dict:
-        return {"prompts": len(self.prompts), "eval_prompts": len(self.eval_prompts), "rewards": self.rewards.names}
+        return {"prompts": len(self.prompts), "eval_prompts": self._n_eval(), "rewards": self.rewards.names}
 
     def summary(self) -> dict:
-        return {"prompts": len(self.prompts), "eval_prompts": len(self.eval_prompts), "rewards": self.rewards.names,
+        return {"prompts": len(self.prompts), "eval_prompts": self._n_eval(), "rewards": self.rewards.names,
                 "prompt_epoch": self.order.epoch}
 
     def probe_batch(self, rows: int) -> Batch:

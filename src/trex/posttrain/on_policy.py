@@ -10,6 +10,7 @@ completion token: the positions whose log-probabilities the losses use.
 from __future__ import annotations
 
 import base64
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,6 +72,25 @@ def load_prompts(paths: list[str], tokenizer: Tokenizer, thinking: bool, limit: 
     return prompts
 
 
+def load_eval_sets(paths: list[str], tokenizer: Tokenizer, thinking: bool, limit: int, world_size: int,
+                   where: str) -> dict[str, list[Prompt]]:
+    """Held-out prompts per file, keyed by the file's stem (``_<index>`` added on a repeat), at most
+    ``limit`` in all (0: all); each set must give every rank at least one prompt."""
+    sets: dict[str, list[Prompt]] = {}
+    left = limit
+    for path in paths:
+        if limit and left <= 0:
+            break
+        prompts = load_prompts([path], tokenizer, thinking, left if limit else 0)
+        left -= len(prompts)
+        name = os.path.splitext(os.path.basename(path))[0]
+        name = f"{name}_{len(sets)}" if name in sets else name
+        if len(prompts) < world_size:
+            raise ValueError(f"{where}.eval_prompts: {path} gives {len(prompts)} prompts for {world_size} ranks")
+        sets[name] = prompts
+    return sets
+
+
 class PromptOrder:
     """Each epoch a permutation of the prompts seeded with (seed, epoch); every step takes the next
     ``per_step`` of it (the remainder of an epoch is dropped) and rank r gets the r-th equal block.
@@ -115,6 +135,16 @@ def rank_generator(seed: int, par: Parallel) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + par.rank)
 
 
+def rank_uniforms(generator: torch.Generator, rows: int, max_new_tokens: int, par: Parallel) -> torch.Tensor:
+    """The sampler's draws for one step: ``[rows, max_new_tokens]`` uniforms for the step's rows over
+    all ranks, drawn alike on every rank from a ``generator`` seeded alike, of which this rank keeps
+    its equal block of rows (``[rows / world_size, max_new_tokens]``). A row's completion then
+    depends only on its place in the step, not on how the step is split over ranks."""
+    every = torch.rand(rows, max_new_tokens, generator=generator)
+    share = rows // par.world_size
+    return every[par.rank * share:(par.rank + 1) * share]
+
+
 @dataclass
 class Rollouts:
     """Prompt + completion rows of one step on one rank (B rows, L tokens)."""
@@ -142,9 +172,12 @@ def sampling_params(section, tokenizer: Tokenizer, greedy: bool = False) -> Samp
 
 
 def roll_out(model, prompts: list[list[int]], params: SamplingParams, tokenizer: Tokenizer,
-             generator: torch.Generator | None, batch_size: int, device: torch.device) -> Rollouts:
-    """Sample a completion per prompt from the live ``model`` and lay the rows out for training."""
-    samples: Samples = sample(model, prompts, params, tokenizer.pad_id, generator=generator, batch_size=batch_size)
+             generator: torch.Generator | None, batch_size: int, device: torch.device,
+             uniforms: torch.Tensor | None = None) -> Rollouts:
+    """Sample a completion per prompt from the live ``model`` (``uniforms``: see trex.rollout.sample)
+    and lay the rows out for training."""
+    samples: Samples = sample(model, prompts, params, tokenizer.pad_id, generator=generator, batch_size=batch_size,
+                              uniforms=uniforms)
     reshard(model)  # FSDP2 leaves the root gathered after no-grad forwards; the next backward needs it sharded
     rows = [p + c for p, c in zip(samples.prompt_ids, samples.completion_ids)]
     ids, docs = left_pad(rows, tokenizer.pad_id, device)
@@ -175,6 +208,19 @@ def greedy_exact_match(model, prompts: list[Prompt], tokenizer: Tokenizer, think
     correct = sum(exact_match(c) for c in completions(rolled, mine, thinking))
     totals = par.all_reduce_sum(torch.tensor([correct, float(len(mine))], dtype=torch.float64, device=device))
     return float(totals[0] / totals[1].clamp(min=1))
+
+
+def exact_match_by_set(model, sets: dict[str, list[Prompt]], tokenizer: Tokenizer, thinking: bool, section,
+                       par: Parallel, device: torch.device) -> dict[str, float]:
+    """``eval_exact_match`` over all held-out prompts and, with several files,
+    ``eval_exact_match/<name>`` per file (`greedy_exact_match` of each)."""
+    per = {name: greedy_exact_match(model, prompts, tokenizer, thinking, section, par, device)
+           for name, prompts in sets.items()}
+    total = sum(len(p) for p in sets.values())
+    metrics = {"eval_exact_match": sum(per[n] * len(p) for n, p in sets.items()) / max(total, 1)}
+    if len(sets) > 1:
+        metrics.update({f"eval_exact_match/{name}": v for name, v in per.items()})
+    return metrics
 
 
 def probe_batch(prompts: list[Prompt], rows: int, seq_len: int, pad_id: int) -> Batch:

@@ -55,12 +55,13 @@ class Samples:
     finished: list[bool]
 
 
-def choose_tokens(logits: torch.Tensor, params: SamplingParams,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                  uniform: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (tokens [B] long, log p(token) [B] fp32 under the untempered distribution).
 
-    Sampling draws one uniform per row (from ``generator``, on the generator's device) and inverts
-    the CDF of the temperature-scaled, top-p-truncated distribution over tokens sorted by probability.
+    Sampling takes one uniform in [0, 1) per row (``uniform`` [B], else drawn from ``generator`` on
+    the generator's device) and inverts the CDF of the temperature-scaled, top-p-truncated
+    distribution over tokens sorted by probability.
     """
     logits = logits.float()
     logp = F.log_softmax(logits, dim=-1)
@@ -71,8 +72,10 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams,
         cdf = probs.cumsum(dim=-1)
         keep = (cdf - probs) < params.top_p  # the first token is always kept
         cdf = (probs * keep).cumsum(dim=-1)
-        gen_device = generator.device if generator is not None else logits.device
-        u = torch.rand(logits.shape[0], 1, generator=generator, device=gen_device).to(logits.device)
+        if uniform is None:
+            gen_device = generator.device if generator is not None else logits.device
+            uniform = torch.rand(logits.shape[0], generator=generator, device=gen_device)
+        u = uniform.float().to(logits.device)[:, None]
         pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=keep.sum(dim=-1, keepdim=True) - 1)
         tokens = order.gather(1, pick).squeeze(1)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
@@ -103,9 +106,11 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tup
 
 
 def _sample_batch(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
-                  generator: torch.Generator | None, done: torch.Tensor, use_cache: bool):
+                  generator: torch.Generator | None, uniforms: torch.Tensor | None, done: torch.Tensor,
+                  use_cache: bool):
     """Decode one batch; rows already ``done`` [B] (dummy rows of a rank with no prompts left) only
-    keep the collectives in step. Returns (tokens [B, T], logprobs [B, T], finished [B])."""
+    keep the collectives in step; ``uniforms`` [B, max_new_tokens] or None (draw from ``generator``).
+    Returns (tokens [B, T], logprobs [B, T], finished [B])."""
     device = done.device
     ids, docs = left_pad(prompts, pad_id, device)
     stop = torch.tensor(params.stop_ids, dtype=torch.long, device=device)
@@ -120,7 +125,7 @@ def _sample_batch(model, prompts: list[list[int]], params: SamplingParams, pad_i
                 ids = torch.cat([ids, tokens[-1][:, None]], dim=1)
                 docs = torch.cat([docs, torch.ones_like(docs[:, :1])], dim=1)
             logits = model(ids, doc_ids=docs, cache=cache).logits[:, -1]
-        tok, lp = choose_tokens(logits, params, generator)
+        tok, lp = choose_tokens(logits, params, generator, None if uniforms is None else uniforms[:, step])
         tokens.append(torch.where(done, torch.full_like(tok, pad_id), tok))
         logprobs.append(lp)
         hit = torch.isin(tok, stop) & ~done
@@ -136,17 +141,24 @@ def _sample_batch(model, prompts: list[list[int]], params: SamplingParams, pad_i
 
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
-           generator: torch.Generator | None = None, batch_size: int = 64, use_cache: bool = True) -> Samples:
+           generator: torch.Generator | None = None, batch_size: int = 64, use_cache: bool = True,
+           uniforms: torch.Tensor | None = None) -> Samples:
     """Sample a completion for every prompt (lists of token ids), ``batch_size`` prompts per batch.
 
-    Deterministic given ``generator`` (same prompts, weights and batch size). Under torch.distributed
-    each rank passes its own prompts; ranks with fewer batches run dummy rows until all are done.
+    Deterministic given ``generator`` (same prompts, weights and batch size). ``uniforms``
+    [len(prompts), max_new_tokens] in [0, 1), if given, replace the generator: prompt i's t-th token
+    uses ``uniforms[i, t]``, so its completion does not depend on the batch or rank it lands in.
+    Under torch.distributed each rank passes its own prompts; ranks with fewer batches run dummy
+    rows until all are done.
     """
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"sample: prompt {i} is empty; every prompt needs at least one token")
     if batch_size < 1:
         raise ValueError(f"sample: batch_size must be >= 1, got {batch_size}")
+    if uniforms is not None and tuple(uniforms.shape) != (len(prompts), params.max_new_tokens):
+        raise ValueError(f"sample: uniforms of shape {tuple(uniforms.shape)}; expected "
+                         f"[{len(prompts)} prompts, {params.max_new_tokens} max_new_tokens]")
     was_training = model.training
     model.eval()
     device = model.embed.weight.device
@@ -157,7 +169,10 @@ def sample(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
         real = bool(chunk)
         rows = chunk if real else [[pad_id]]
         done = torch.full((len(rows),), not real, dtype=torch.bool, device=device)
-        tokens, logprobs, finished = _sample_batch(model, rows, params, pad_id, generator, done, use_cache)
+        u = None
+        if uniforms is not None:
+            u = uniforms[b * batch_size:(b + 1) * batch_size] if real else uniforms.new_zeros(1, params.max_new_tokens)
+        tokens, logprobs, finished = _sample_batch(model, rows, params, pad_id, generator, u, done, use_cache)
         if not real:
             continue
         for toks, lps, fin in zip(tokens.tolist(), logprobs.tolist(), finished.tolist()):
