@@ -3,12 +3,13 @@ MoE routing, and the full-size builds on the meta device."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from trex.models import build_model, count_parameters, get_preset
 from trex.models.config import tiny
-from trex.models.deepseek_v4 import Experts, sparse_attention
+from trex.models.deepseek_v4 import Experts, _Sinkhorn, sparse_attention
 
 
 def test_packed_documents_match_each_document_alone():
@@ -153,3 +154,28 @@ def test_full_activation_checkpointing_adds_no_moe_stats_in_backward_and_keeps_g
     assert stats[1] == stats[0] and len(stats[0]) == cfg.num_hidden_layers + cfg.num_nextn_predict_layers
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("iters", [1, 3, 20])
+def test_sinkhorn_function_matches_the_plain_normalisation_loop(iters):
+    """mHC's Sinkhorn node (hand-written backward) against the loop of divisions autograd differentiates."""
+    g = torch.Generator().manual_seed(iters)
+    x0 = torch.rand(2, 5, 4, 4, generator=g, dtype=torch.float64) + 1e-3
+    upstream = torch.randn(2, 5, 4, 4, generator=g, dtype=torch.float64)
+    eps = 1e-6
+
+    def loop(x):
+        x = x / (x.sum(-2, keepdim=True) + eps)
+        for _ in range(iters - 1):
+            x = x / (x.sum(-1, keepdim=True) + eps)
+            x = x / (x.sum(-2, keepdim=True) + eps)
+        return x
+
+    a, b = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+    ya, yb = _Sinkhorn.apply(a, iters, eps), loop(b)
+    (ya * upstream).sum().backward()
+    (yb * upstream).sum().backward()
+    torch.testing.assert_close(ya, yb, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+    if iters == 20:  # columns sum to one after the last normalisation
+        torch.testing.assert_close(ya.sum(-2), torch.ones(2, 5, 4, dtype=torch.float64), rtol=0, atol=1e-5)
