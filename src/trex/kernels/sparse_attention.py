@@ -6,9 +6,9 @@ Two implementations with the same signature, registered as the op ``sparse_atten
 * ``reference``: plain PyTorch ops, differentiated by autograd. The test oracle.
 * ``fused_backward``: the same forward, with a hand-written backward (``SparseAttention``). It saves
   q, kv, the compressed entries, the top-k indices and the probabilities only, re-gathers the top-k
-  entries in backward instead of keeping the [B, S, k, c] copy, and computes each key's gradient
-  from both of its uses (score and value) in one matmul. Vendor-neutral; the default everywhere
-  until a vendor registers a fused kernel.
+  entries in backward (one query chunk at a time, see CHUNK_BYTES) instead of keeping a
+  [B, S, k, c] copy, and accumulates each key's gradient from both of its uses (score and value)
+  in place. Vendor-neutral; the default everywhere until a vendor registers a fused kernel.
 
 Shapes: B batch, S queries, H heads, c head dim, W window, N compressed entries, k top-k.
 Sliding-window attention runs on blocks of Q = W/4 queries against the Q + W keys that end with the
