@@ -304,7 +304,7 @@ def test_row_uniforms_make_samples_independent_of_batch_and_rank():
     params = SamplingParams(temperature=1.5, max_new_tokens=4)
     every = rank_uniforms(torch.Generator().manual_seed(3), 8, 4, Parallel(rank=0, world_size=1))
     whole = sample(model, prompts, params, pad_id=0, batch_size=8, uniforms=every)
-    # two "ranks", each with its block of rows (a different generator draw is the same block) and smaller batches
+    # two "ranks", each drawing from its own generator seeded alike and keeping its block, in smaller batches
     halves = [rank_uniforms(torch.Generator().manual_seed(3), 8, 4, Parallel(rank=r, world_size=2)) for r in (0, 1)]
     torch.testing.assert_close(torch.cat(halves), every, rtol=0, atol=0)
     split = [sample(model, prompts[4 * r:4 * r + 4], params, pad_id=0, batch_size=3, uniforms=halves[r])
