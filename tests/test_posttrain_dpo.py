@@ -39,6 +39,10 @@ def test_dpo_loss_matches_hand_worked_numbers():
     smoothed = dpo_loss(*args, beta=0.5, label_smoothing=0.1)
     assert smoothed.losses.tolist() == pytest.approx([0.5240770, 1.2132617], abs=1e-6)
     assert math.isclose(plain.losses[0].item(), math.log(1 + math.exp(-0.5)), abs_tol=1e-6)
+    # RPO, alpha 0.2, chosen responses of 4 and 2 tokens: + 0.2 * (2/4) = 0.1 and + 0.2 * (1/2) = 0.1
+    rpo = dpo_loss(*args, beta=0.5, rpo_alpha=0.2, chosen_tokens=torch.tensor([4.0, 2.0]))
+    assert rpo.losses.tolist() == pytest.approx([0.5740770, 1.4132617], abs=1e-6)
+    assert rpo.chosen_rewards.tolist() == plain.chosen_rewards.tolist()
 
 
 def _cfg(path, policy="skip", seq_len=32):

@@ -164,3 +164,14 @@ def test_shipped_cluster_recipes_load_and_describe_a_consistent_layout(name):
 def test_layout_that_does_not_match_the_world_size_is_refused(arithmetic_files, tmp_path):
     with pytest.raises(ValueError, match=r"dp_shard \(4\) = 4 ranks, but the run has 1"):
         train(_recipe(arithmetic_files, tmp_path / "p", "parallel.dp_shard=4"))
+
+
+def test_eval_at_start_scores_the_starting_model_once(arithmetic_files, tmp_path):
+    out = tmp_path / "run"
+    train(_recipe(arithmetic_files, out, "train.eval_at_start=true"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["eval"]) == {"0", "3", "6", "final"}
+    start, end = summary["eval"]["0"]["eval_loss"], summary["eval"]["final"]["eval_loss"]
+    assert end < start  # the run learned from the model scored at step 0
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert rows[0]["step"] == 0 and rows[0]["eval_loss"] == start

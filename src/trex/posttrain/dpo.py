@@ -44,12 +44,16 @@ class DPOTerms:
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> DPOTerms:
-    """The DPO loss of B pairs from their sequence log-probs (each [B], nats)."""
+             ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0, rpo_alpha: float = 0.0,
+             chosen_tokens: torch.Tensor | None = None) -> DPOTerms:
+    """The DPO loss of B pairs from their sequence log-probs (each [B], nats). ``rpo_alpha`` > 0 adds
+    the chosen response's mean per-token NLL (``-policy_chosen / chosen_tokens``) times rpo_alpha (RPO)."""
     chosen = beta * (policy_chosen - ref_chosen)
     rejected = beta * (policy_rejected - ref_rejected)
     margin = chosen - rejected
     losses = -(1 - label_smoothing) * F.logsigmoid(margin) - label_smoothing * F.logsigmoid(-margin)
+    if rpo_alpha:
+        losses = losses - rpo_alpha * policy_chosen / chosen_tokens
     return DPOTerms(losses, chosen, rejected)
 
 
@@ -114,11 +118,11 @@ class DPOObjective(Objective):
         return sequence_logprobs(self.reference(batch.input_ids, doc_ids=batch.doc_ids).logits, batch)
 
     # -- the objective --
-    def _terms(self, logits: torch.Tensor, batch: PairBatch, split: str) -> DPOTerms:
-        policy = sequence_logprobs(logits, batch)
-        ref = self._reference(batch, split)
+    def _terms(self, policy: torch.Tensor, ref: torch.Tensor, batch: PairBatch) -> DPOTerms:
+        """DPOTerms from the policy's and the reference's sequence log-probs of the batch's rows [2B]."""
         n = len(batch.index)
-        return dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.cfg.beta, self.cfg.label_smoothing)
+        return dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.cfg.beta, self.cfg.label_smoothing,
+                        self.cfg.rpo_alpha, batch.scored[:n].sum(-1))
 
     def step(self, model: DeepseekV4, step: int, scaler) -> StepResult:
         ctx = self.ctx
@@ -129,7 +133,7 @@ class DPOObjective(Objective):
         for i, b in enumerate(micro):
             sync_gradients(model, i, len(micro))
             out = model(b.input_ids, doc_ids=b.doc_ids)
-            terms = self._terms(out.logits, b, "train")
+            terms = self._terms(sequence_logprobs(out.logits, b), self._reference(b, "train"), b)
             loss = terms.losses.sum() / pairs + mtp_anchor(out)
             balance = balance_term(out.moe_stats, ctx.recipe.train.balance_alpha, len(micro), ctx.par.world_size)
             if balance is not None:
@@ -157,7 +161,7 @@ class DPOObjective(Objective):
             policy = sequence_logprobs(model(b.input_ids, doc_ids=b.doc_ids).logits, b)
             ref = self._reference(b, "eval")
             n = len(b.index)
-            terms = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.cfg.beta, self.cfg.label_smoothing)
+            terms = self._terms(policy, ref, b)
             prefers = torch.stack([(policy[:n] > policy[n:]).sum(), (ref[:n] > ref[n:]).sum()]).double()
             if len(index):
                 sums += torch.cat([_sums(terms, b.n_tokens), prefers])

@@ -73,6 +73,8 @@ class TrainSection:
     """Steps between metric lines (metrics.jsonl, TensorBoard, progress bar)."""
     eval_every: int = 0
     """Steps between held-out evaluations (0: only at the end, if [eval] has data)."""
+    eval_at_start: bool = False
+    """Also evaluate the starting model before step 1 (``summary.json`` ``eval["0"]``; not on resume)."""
     progress: bool = True
     """Show a live progress bar when the output is a terminal."""
 
@@ -95,8 +97,13 @@ class DPOSection:
     reference model scores each batch (memory for a second model, no start-up pass)."""
     reference_path: str = ""
     """The reference model's checkpoint directory; empty: the initial policy."""
+    rpo_alpha: float = 0.0
+    """RPO: add rpo_alpha x the chosen response's mean per-token NLL to each pair's loss, so the
+    chosen answer keeps its likelihood while the margin grows (0: plain DPO)."""
 
     def __post_init__(self) -> None:
+        if self.rpo_alpha < 0:
+            raise ValueError(f"dpo.rpo_alpha must be >= 0, got {self.rpo_alpha}")
         if self.beta <= 0:
             raise ValueError(f"dpo.beta must be > 0, got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:

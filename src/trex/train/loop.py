@@ -163,6 +163,11 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
     resumed = ckpt.resume()
 
     status, events, last, evals = "completed", [], {}, {}
+    if cfg_train.eval_at_start and not resumed:
+        evals[0] = objective.evaluate(model)
+        reshard(model)
+        if evals[0]:
+            run.log(0, evals[0], {})
     tokens_seen = resumed.loop.get("tokens", 0) if resumed else 0
     progress = StepProgress(cfg_train.steps, enabled=cfg_train.progress and par.is_main)
     ckpt.install_signal_handlers()
