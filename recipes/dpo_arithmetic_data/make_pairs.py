@@ -1,7 +1,7 @@
 """Write this folder's DPO pairs: the exact answer is ``chosen``, one of the default job's SFT
 model's own wrong answers is ``rejected`` (on-policy negatives, trex.data.arithmetic.mistake_records).
 
-    .venv/bin/python recipes/dpo_arithmetic_data/make_pairs.py runs/default/model
+    .venv/bin/python recipes/dpo_arithmetic_data/make_pairs.py runs/sft200/model
 
 Problems are the default job's task's third split, ``fresh_problems(DefaultJob().task, 4000, seed=1)``
 (never trained on, not in its held-out set), the same as recipes/grpo_arithmetic_data/: the first
@@ -49,4 +49,4 @@ def main(model_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "runs/default/model")
+    main(sys.argv[1] if len(sys.argv) > 1 else "runs/sft200/model")

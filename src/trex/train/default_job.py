@@ -51,8 +51,10 @@ class DefaultJob:
     """Rows per step."""
     cpt_steps: int = 150
     """Continued-pretraining steps on raw text."""
-    sft_steps: int = 200
-    """SFT steps on chat conversations."""
+    sft_steps: int = 400
+    """SFT steps on chat conversations. Held-out exact match goes through a sudden transition
+    during SFT whose timing varies: at 200 steps one run reached 93% and another, differing only in
+    thread count, 22%; at 300-400 steps 66.5-99%; at 400, 97.5% (2 threads) and 99.0% (seed 1)."""
     lr: float = 1e-2
     """Peak learning rate of both stages (warmup 10%, cosine to 10%)."""
     optimizer: str = "muon"
