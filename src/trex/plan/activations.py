@@ -86,8 +86,7 @@ def attention(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
 
 def compressor(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
     """One sequence through the attention's Compressor (the indexer's runs under no_grad)."""
-    m, c, d = cfg.compress_rate(layer_type), cfg.head_dim, cfg.hidden_size
-    cp = 0 if b == F32 else F32
+    m, c = cfg.compress_rate(layer_type), cfg.head_dim
     coff = 2 if layer_type == CSA else 1
     N = S // m
     total = S * F32 * 2 * coff * c  # kv and gate scores (fp32; linear_fp32 keeps x as it is, shared)
@@ -177,7 +176,6 @@ def model_level(cfg: ModelConfig, S: int, b: int, heads: bool = True) -> float:
         per_tok += mtp * (cp * n * d + F32 * (n * d + n) + b * n * d)  # hnorm (input copy at bf16), h_proj input
     copies = 0.0
     if b != F32 and heads:  # the heads' fp32 weight copies
-        V = cfg.vocab_size
         copies = F32 * (1 + mtp) * (n * n * d + d) + mtp * F32 * 3 * d  # HC head fn, norm weights
     return per_tok * S + copies
 

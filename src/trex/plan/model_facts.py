@@ -87,7 +87,7 @@ def _build_facts(cfg: ModelConfig) -> ModelFacts:
     model = build_model(cfg, device="meta")
     by_type: dict[str, int] = {kind: 0 for kind, _ in MODULE_TYPES}
     mtp = experts = trainable = muon = 0
-    blocks: dict[str, list[int]] = {}
+    blocks: dict[str, list[int]] = {}  # block prefix -> [dense, routed experts, trainable] parameters
     root = 0
     largest = 0
     ns = 0.0
@@ -100,7 +100,7 @@ def _build_facts(cfg: ModelConfig) -> ModelFacts:
         experts += p.numel() if is_expert else 0
         block = re.match(r"^(layers|mtp)\.\d+\.", name)
         if block:
-            entry = blocks.setdefault(block.group(0), [0, 0])
+            entry = blocks.setdefault(block.group(0), [0, 0, 0])
             entry[1 if is_expert else 0] += p.numel()
         else:
             root += p.numel()
@@ -110,7 +110,7 @@ def _build_facts(cfg: ModelConfig) -> ModelFacts:
         trainable += p.numel()
         block = re.match(r"^(layers|mtp)\.\d+\.", name)
         if block:
-            blocks[block.group(0)].append(p.numel())
+            blocks[block.group(0)][2] += p.numel()
         if rule.muon:
             muon += p.numel()
             ns += _ns_flops(tuple(p.shape), row_blocks)
@@ -123,7 +123,7 @@ def _build_facts(cfg: ModelConfig) -> ModelFacts:
         by_type=by_type, mtp=mtp, total=total, active=total - inactive, trainable=trainable, experts=experts,
         muon=muon, adamw=trainable - muon, block_dense=max(v[0] for v in blocks.values()),
         block_experts=max(v[1] for v in blocks.values()), root=root,
-        block_trainable=tuple(sum(v[2:]) for v in blocks.values()), largest_muon_matrix=largest, muon_ns_flops=ns)
+        block_trainable=tuple(v[2] for v in blocks.values()), largest_muon_matrix=largest, muon_ns_flops=ns)
 
 
 _CACHE: dict[str, ModelFacts] = {}

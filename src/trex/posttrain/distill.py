@@ -13,7 +13,8 @@ One optimizer step:
 
 Teachers are loaded frozen and sharded like the student (trex.posttrain.objective.load_frozen) and
 must share its tokenizer. Evaluation samples the held-out prompts with a fixed seed and reports
-the student's reverse KL to each teacher there, plus greedy exact match (over all files and per file) when records have answers.
+the student's reverse KL to each teacher there, plus greedy exact match (over all files and per
+file) when records have answers.
 """
 
 from __future__ import annotations

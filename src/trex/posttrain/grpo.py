@@ -5,8 +5,9 @@ it, and the clipped ratio keeps them near the policy that sampled it):
 
     take prompts_per_step prompts (each rank an equal share); sample G completions of each from
         the live weights (trex.rollout; each row's random draws depend on its place in the step,
-        not on the rank it lands on, so any number of ranks samples the same completions); score them with the reward plug-ins; advantages normalised
-        within each group of G; with kl_coef > 0, the frozen reference's log-probs
+        not on the rank it lands on, so any number of ranks samples the same completions); score
+        them with the reward plug-ins; advantages normalised within each group of G; with
+        kl_coef > 0, the frozen reference's log-probs
     for each micro-batch of completions: forward; log-probs of the sampled tokens (fp32);
         old log-probs = these, detached, on the batch's first step (ratio 1); clipped surrogate
         + kl_coef * k3 KL, aggregated by token_weights over the whole step; backward
