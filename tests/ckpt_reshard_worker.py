@@ -22,6 +22,7 @@ from trex import device
 from trex.models import build_model
 from trex.models.config import tiny
 from trex.models.deepseek_v4 import shift_labels
+from trex.parallel.mesh import shutdown_distributed
 from trex.train.checkpointing import RunState, load_checkpoint, save_checkpoint
 from trex.train.optim import OptimConfig, build_optimizer, clip_grad_norm
 from trex.train.precision import StepGuard
@@ -58,9 +59,7 @@ def step_loss(model, data: StepCounter, rank: int, world: int) -> torch.Tensor:
     return loss
 
 
-def main() -> None:
-    mode, directory, out = sys.argv[1:4]
-    dist.init_process_group("gloo")
+def run(mode: str, directory: str, out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     model = build_model(tiny(), seed=0)
@@ -94,7 +93,12 @@ def main() -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"losses": losses, "world": world}, f)
-    dist.destroy_process_group()
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    run(*sys.argv[1:4])
+    shutdown_distributed()  # the model and mesh are out of scope: every process group is freed here
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from trex import device
 from trex.models import build_model
 from trex.models.config import tiny
-from trex.parallel.mesh import init_parallel
+from trex.parallel.mesh import init_parallel, shutdown_distributed
 from trex.parallel.plan import apply_parallelism
 from trex.train.moe_balance import freeze_indexer
 from trex.train.optim import OptimConfig, build_optimizer
@@ -158,8 +158,7 @@ def main(cases: str, out: str) -> None:
         result = {**run_case(case, dev), "case": i}
         with open(f"{out}/rank{result['rank']}.jsonl", "a") as f:
             f.write(json.dumps(result) + "\n")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown_distributed()  # run_case's models are out of scope: every process group is freed here
 
 
 if __name__ == "__main__":

@@ -36,6 +36,15 @@ def register(sub) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from trex.parallel.mesh import shutdown_distributed
+
+    code = _run_job(args)
+    if code == 0:  # the job's model and optimizer are out of scope here: the process group can go
+        shutdown_distributed()
+    return code
+
+
+def _run_job(args: argparse.Namespace) -> int:
     from trex.recipe import RecipeError, load
 
     try:
