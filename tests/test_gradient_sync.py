@@ -35,3 +35,28 @@ def test_sharded_gradients_exist_after_the_first_micro_batch_only_when_reducing_
     for g, p in zip(grads, plain.parameters()):
         torch.testing.assert_close(g, p.grad)
 
+
+
+def test_shutdown_frees_the_groups_an_fsdp_model_held(tmp_path):
+    import gc
+    import weakref
+
+    from trex.parallel.mesh import shutdown_distributed
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+
+    def train_briefly() -> weakref.ref:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        model(torch.randn(3, 4)).sum().backward()
+        return weakref.ref(model)
+
+    gc.disable()  # only the shutdown's own collection may free the model's reference cycles
+    try:
+        model = train_briefly()
+        shutdown_distributed()
+    finally:
+        gc.enable()
+    assert not dist.is_initialized()
+    assert model() is None  # the FSDP model (and with it its process groups) is gone before interpreter exit
+    shutdown_distributed()  # a second call, or one in a single-process run, does nothing
