@@ -76,7 +76,7 @@ def run_case(case: dict, dev) -> dict:
                 model.set_requires_gradient_sync(i == grad_accum - 1)
             counting = hooks is not None and i == 0  # saved bytes of one micro-batch
             with torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t) if counting else nullcontext():
-                out = model(ids[i:i + 1], labels=ids[i:i + 1])
+                out = model(ids[i:i + 1], labels=ids[i:i + 1], return_logits=False)  # as training: no logits
             (out.loss + 0.1 * out.mtp_loss).backward()
             del out
         opt.step()

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trex.models.cross_entropy import IGNORE_INDEX, token_nll
+from trex.models import cross_entropy
+from trex.models.cross_entropy import IGNORE_INDEX, head_nll, token_nll
 from trex.models.deepseek_v4 import linear_fp32
 
 
@@ -73,3 +74,39 @@ def test_linear_fp32_matches_autograd_and_keeps_no_fp32_weight_copy(dtype):
     torch.testing.assert_close(dx, x.grad)
     torch.testing.assert_close(dw, w.grad)
     assert set(saved) == {x.untyped_storage().data_ptr(), w.untyped_storage().data_ptr()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_nll_equals_the_head_then_the_loss_over_several_chunks(dtype, monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    V = 300
+    monkeypatch.setattr(cross_entropy, "HEAD_CHUNK_BYTES", 4 * V * 4)  # 4 tokens per chunk: 4 chunks + a rest
+    h = (torch.randn(3, 6, 16, generator=g) * 2).to(dtype).requires_grad_()
+    w = torch.randn(V, 16, generator=g).to(dtype).requires_grad_()
+    targets = torch.randint(0, V, (3, 6), generator=g)
+    targets[1, :4] = IGNORE_INDEX
+    upstream = torch.randn(3, 6, generator=g)
+
+    ours = head_nll(h, w, targets)
+    (ours * upstream).sum().backward()
+    dh, dw = h.grad, w.grad
+    h.grad = w.grad = None
+    ref = token_nll(linear_fp32(h, w), targets)
+    (ref * upstream).sum().backward()
+
+    assert ours.dtype == torch.float32 and dh.dtype == dtype and dw.dtype == dtype
+    torch.testing.assert_close(ours, ref)
+    assert (ours[targets == IGNORE_INDEX] == 0).all()
+    tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(dh, h.grad, **tol)
+    torch.testing.assert_close(dw, w.grad, **tol)
+    assert (dh[1, :4] == 0).all()  # ignored tokens send nothing back
+
+
+def test_head_nll_keeps_no_vocabulary_sized_tensor():
+    h = torch.randn(64, 16, requires_grad=True)
+    w = torch.randn(1000, 16, requires_grad=True)
+    targets = torch.randint(0, 1000, (64,))
+    _, saved = _saved_storages(lambda: head_nll(h, w, targets))
+    assert max(saved.values()) == w.numel() * 4  # the head's own weight; no [64, 1000] logits
+    assert w.untyped_storage().data_ptr() in saved and h.untyped_storage().data_ptr() in saved

@@ -42,6 +42,37 @@ def test_packed_loss_ignores_cross_document_targets():
     assert torch.allclose(packed, expected, atol=1e-6)
 
 
+def test_forward_without_logits_gives_the_same_losses_and_gradients():
+    """return_logits=False fuses the LM head with the loss (no [B, S, V] tensor): the labels' losses,
+    the per-head NLL of given targets and every gradient match the forward that keeps the logits."""
+    from trex.models.deepseek_v4 import shift_labels
+
+    model = build_model(tiny(num_nextn_predict_layers=1), seed=0)
+    ids = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(3))
+    doc = torch.tensor([[0] * 9 + [1] * 10, [0] * 19])
+    targets = [shift_labels(ids, j + 1, doc) for j in range(2)]
+    results = []
+    for keep in (True, False):
+        model.zero_grad(set_to_none=True)
+        out = model(ids, labels=ids, doc_ids=doc, targets=targets, return_logits=keep)
+        (out.loss + 0.3 * out.mtp_loss + sum(n.sum() for n in out.token_nll) * 1e-2).backward()
+        results.append((out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (kept, grads_kept), (fused, grads_fused) = results
+    assert fused.logits is None and fused.mtp_logits == [] and kept.logits.shape == (2, 19, 256)
+    torch.testing.assert_close(fused.loss, kept.loss)
+    torch.testing.assert_close(fused.mtp_loss, kept.mtp_loss)
+    for a, b, t in zip(fused.token_nll, kept.token_nll, targets, strict=True):
+        torch.testing.assert_close(a, b)
+        assert (a[t == -100] == 0).all()
+    assert grads_fused.keys() == grads_kept.keys()
+    for name, g in grads_kept.items():
+        torch.testing.assert_close(grads_fused[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    main_only = model(ids, doc_ids=doc, targets=targets[:1], return_logits=False)
+    assert len(main_only.token_nll) == 1 and torch.equal(main_only.token_nll[0], fused.token_nll[0])
+    with pytest.raises(ValueError, match="one \\[B, S\\] tensor per head"):
+        model(ids, targets=targets * 2)
+
+
 def _dense_attention(q, kv, sink, scale, window, doc, comp, comp_visible):
     """Straightforward oracle: full [S, S + N] score matrix with an explicit mask."""
     B, S, H, c = q.shape

@@ -30,7 +30,7 @@ from torch import nn
 
 from trex import kernels
 from trex.kernels.sparse_attention import gather_rows
-from trex.models.cross_entropy import IGNORE_INDEX, token_nll
+from trex.models.cross_entropy import IGNORE_INDEX, head_nll, token_nll
 from trex.models.config import CSA, HASH_MOE, MOE, SLIDING, ModelConfig, YarnScaling
 
 _BIG = 1 << 40  # sentinel index for padded compressed entries
@@ -787,13 +787,16 @@ class MTPBlock(Block):
 
 @dataclass
 class ModelOutput:
-    """logits [B, S, V] fp32; loss: mean next-token CE over labelled tokens; mtp_logits[j] predicts
-    token t + 2 + j and mtp_loss averages their CE; moe_stats per MoE layer (main, then MTP)."""
+    """logits [B, S, V] fp32 (None when the forward was asked for none); loss: mean next-token CE over
+    labelled tokens; mtp_logits[j] predicts token t + 2 + j and mtp_loss averages their CE; token_nll:
+    per head (main, then MTP), fp32 [B, S] NLL of the ``targets`` the forward was given; moe_stats per
+    MoE layer (main, then MTP)."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     loss: torch.Tensor | None = None
     mtp_logits: list[torch.Tensor] = field(default_factory=list)
     mtp_loss: torch.Tensor | None = None
+    token_nll: list[torch.Tensor] = field(default_factory=list)
     moe_stats: list[MoEStats] = field(default_factory=list)
 
 
@@ -807,12 +810,6 @@ def shift_labels(labels: torch.Tensor, shift: int, doc: torch.Tensor | None) -> 
             crosses = doc[:, shift:] != doc[:, : S - shift]
             targets[:, : S - shift] = targets[:, : S - shift].masked_fill(crosses, IGNORE_INDEX)
     return targets
-
-
-def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over targets != IGNORE_INDEX (0 if there are none)."""
-    loss_sum = token_nll(logits, targets).sum()
-    return loss_sum / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
 
 class DeepseekV4(nn.Module):
@@ -856,10 +853,16 @@ class DeepseekV4(nn.Module):
                     module.bias.zero_()
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, cache: DecodeCache | None = None) -> ModelOutput:
+                doc_ids: torch.Tensor | None = None, cache: DecodeCache | None = None, *,
+                targets: list[torch.Tensor] | None = None, return_logits: bool = True) -> ModelOutput:
         """input_ids, labels, doc_ids: [B, S]. ``labels`` are aligned with input_ids (the shift happens
         here, as in Hugging Face); IGNORE_INDEX (-100) marks unlabelled tokens. Tokens of different
         ``doc_ids`` never attend to each other, share no compression window, and positions restart.
+
+        Training without logits: ``targets`` (one [B, S] per head for the first heads, main then MTP,
+        already shifted: targets[h][t] is what head h predicts at t) fill ``token_nll``; with
+        ``return_logits=False`` the heads run fused with the loss (``head_nll``), and no [B, S, V]
+        logits exist at all.
 
         Generation (no labels): with an empty ``cache`` this is the prefill, which fills it and whose
         LAST document in each row is the one generation continues; with a filled cache input_ids is
@@ -883,18 +886,34 @@ class DeepseekV4(nn.Module):
             cache.pos = ctx.pos[:, -1] + 1
             ctx.recording = False
             return ModelOutput(logits=self.logits(self.norm(self.hc_head(X[:, -1:]))), moe_stats=ctx.moe_stats)
-        logits = self.logits(self.norm(self.hc_head(X)))
-        out = ModelOutput(logits=logits)
-        if labels is not None:
-            out.loss = causal_lm_loss(logits, shift_labels(labels, 1, doc_ids))
+        if targets is not None and len(targets) > 1 + len(self.mtp):
+            raise ValueError(f"targets: at most one [B, S] tensor per head (1 + {len(self.mtp)} MTP), "
+                             f"got {len(targets)}")
+        out = ModelOutput(logits=None)
+
+        def nll(h: torch.Tensor, logits: torch.Tensor | None, tgt: torch.Tensor) -> torch.Tensor:
+            """One head's per-token NLL: from its logits, or fused with the head when there are none."""
+            return token_nll(logits, tgt) if logits is not None else head_nll(h, self.head.weight, tgt)
+
         mtp_losses = []
-        for j, mtp in enumerate(self.mtp):
-            next_ids = F.pad(input_ids[:, j + 1 :], (0, j + 1), value=0)
-            X, h = mtp(X, self.embed(next_ids), ctx)
-            mtp_logits = self.logits(h)
-            out.mtp_logits.append(mtp_logits)
+        h = self.norm(self.hc_head(X))
+        for j in range(1 + len(self.mtp)):  # head 0 is the main one; head j > 0 is MTP module j - 1
+            if j > 0:
+                X, h = self.mtp[j - 1](X, self.embed(F.pad(input_ids[:, j:], (0, j), value=0)), ctx)
+            logits = self.logits(h) if return_logits else None
+            if logits is not None and j == 0:
+                out.logits = logits
+            elif logits is not None:
+                out.mtp_logits.append(logits)
+            if targets is not None and j < len(targets):
+                out.token_nll.append(nll(h, logits, targets[j]))
             if labels is not None:
-                mtp_losses.append(causal_lm_loss(mtp_logits, shift_labels(labels, j + 2, doc_ids)))
+                shifted = shift_labels(labels, j + 1, doc_ids)
+                loss = nll(h, logits, shifted).sum() / (shifted != IGNORE_INDEX).sum().clamp(min=1)
+                if j == 0:
+                    out.loss = loss
+                else:
+                    mtp_losses.append(loss)
         if mtp_losses:
             out.mtp_loss = torch.stack(mtp_losses).mean()
         out.moe_stats = ctx.moe_stats

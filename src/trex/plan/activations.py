@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from trex.kernels.sparse_attention import CHUNK_BYTES
 from trex.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
+from trex.models.cross_entropy import HEAD_CHUNK_BYTES
 
 F32, I64 = 4, 8
 
@@ -100,7 +101,7 @@ def compressor(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
 
 def moe(cfg: ModelConfig, mlp_type: str, b: int) -> float:
     """Per token, ffn_norm and the MoE (router, k routed experts, shared expert)."""
-    d, E, k, I = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    d, E, k, inter = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     per = _rms_norm(d)  # ffn_norm
     per += b * d  # router and expert input (linear_fp32 keeps it at the compute dtype)
     per += F32 * 2 * E + I64 * k + F32 * (k + 1)  # logits, scores; top-k index; weights and their sum
@@ -108,8 +109,8 @@ def moe(cfg: ModelConfig, mlp_type: str, b: int) -> float:
     per += 2 * I64 * k + F32 * k  # sort order and token index of the k copies, gathered weights
     per += b * d * k * 2  # permuted inputs, expert outputs
     swiglu = F32 * 5 + F32 + b  # clamped SwiGLU's five fp32 tensors, routed product, w2 input
-    per += swiglu * I * k
-    per += (F32 * 5 + b) * I * cfg.n_shared_experts
+    per += swiglu * inter * k
+    per += (F32 * 5 + b) * inter * cfg.n_shared_experts
     return per
 
 
@@ -154,12 +155,21 @@ def weight_copies(cfg: ModelConfig, layer_type: str, b: int) -> float:
 
 
 def head(cfg: ModelConfig, b: int) -> float:
-    """Per token, one output head: HC head, final norm, LM head input, fp32 logits, the loss's
-    log-sum-exp and target (trex.models.cross_entropy keeps the logits, no log-softmax)."""
-    n, d, V = cfg.hc_mult, cfg.hidden_size, cfg.vocab_size
+    """Per token, one output head: HC head, final norm, LM head input, the loss's log-sum-exp and
+    target. No logits: training runs the LM head fused with the loss (cross_entropy.head_nll)."""
+    n, d = cfg.hc_mult, cfg.hidden_size
     cp = 0 if b == F32 else F32
     hc_head = F32 * (2 * n * d + 1 + 3 * n) + cp * n * d
-    return hc_head + _rms_norm(d) + b * d + F32 * V + F32 + I64 + 1  # ...; target index and its valid mask
+    return hc_head + _rms_norm(d) + b * d + F32 + I64 + 1  # ...; target index and its valid mask
+
+
+def head_backward_workspace(cfg: ModelConfig, tokens: int) -> float:
+    """Transient bytes of one fused head + loss backward (cross_entropy.head_nll) over ``tokens``:
+    one chunk's fp32 logits, the fp32 hidden-state gradient, the head weight's fp32 copy and its
+    fp32 gradient."""
+    V, d = cfg.vocab_size, cfg.hidden_size
+    chunk = max(1, HEAD_CHUNK_BYTES // (F32 * V))
+    return F32 * (V * min(tokens, chunk) + tokens * d + 2 * V * d)
 
 
 def model_level(cfg: ModelConfig, S: int, b: int, heads: bool = True) -> float:

@@ -7,8 +7,8 @@ parameter and AdamW two fp32 moments. FSDP shards all of it over dp_shard (exper
 dp_shard/ep), pipeline stages over pp.
 
 A step's memory peaks at one of two moments, and the breakdown keeps what is alive at each:
-  backward   activations at their backward peak, the FSDP working set (`gathered`), the logits
-             gradient and EP dispatch buffers (`transient`), and the gradients of earlier
+  backward   activations at their backward peak, the FSDP working set (`gathered`), the fused
+             head + loss backward and EP dispatch buffers (`transient`), and the gradients of earlier
              micro-batches (`accumulated_gradients`, zero without gradient accumulation: the sharded
              gradients fill in as the activations drain);
   optimizer  the sharded gradients and the Newton-Schulz workspace of the largest Muon matrix.
@@ -40,7 +40,7 @@ class MemoryBreakdown:
     accumulated_gradients: float  # held through the backward of micro-batches after the first
     optimizer_workspace: float
     activations: float  # alive at the backward peak
-    transient: float  # logits gradient, EP dispatch/combine buffers
+    transient: float  # fused head + loss backward, EP dispatch/combine buffers
     backward_gradients: float  # gradients the backward has produced by its peak (full recompute: most)
     optimizer_host: float  # optimizer state moved to host memory (not in total)
 
@@ -70,14 +70,14 @@ class BackwardMoment:
     """What one device holds at one moment of the backward (bytes)."""
 
     activations: float  # saved tensors still alive, plus the block being recomputed
-    transient: float  # the logits' gradient at the start; EP dispatch/combine buffers inside a block
+    transient: float  # the fused head + loss backward at the start; EP dispatch/combine buffers in a block
     gradients: float  # gradients this backward has already produced (this rank's shard)
 
 
 def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, b: int,
                   grads_held: bool) -> BackwardMoment:
     """The busiest moment of the backward of the busiest pipeline stage, found by walking the backward
-    in autograd's order: the start (everything the forward saved, the logits' gradient), then the MTP
+    in autograd's order: the start (everything the forward saved, the fused head + loss backward), then the MTP
     blocks (they run before the main heads are freed), then the main blocks from the last. At each
     block: the forward-saved tensors of the blocks not yet done, the block's recomputation (selective:
     its attention site; full: all of it), the model-level tensors still alive, and the gradients of
@@ -110,9 +110,7 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
         return (saved[j] if layout.recompute == "none" else stream + rebuilt[j]) + workspace[j]
 
     model_level = act.model_level(cfg, S, b)
-    # a head's backward frees little (the loss keeps the logits, no log-softmax); the fp32 logits
-    # stay alive in the model's output until the step ends
-    after_heads = act.model_level(cfg, S, b, heads=False) + 4 * cfg.vocab_size * S * (1 + n_mtp)
+    after_heads = act.model_level(cfg, S, b, heads=False)
     in_flight = min(layout.pp, layout.grad_accum)  # 1F1B: stage 0 holds pp micro-batches
     others = (in_flight - 1) * mb * (sum(saved) + model_level)
     tokens = mb * S
@@ -120,7 +118,7 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
     grad = [0.0 if grads_held else 4 * n / layout.dp_shard for n in facts.block_trainable]
     heads_grad = 0.0 if grads_held else 4 * (facts.root - facts.by_type["embedding"]) / layout.dp_shard
 
-    moments = [BackwardMoment(mb * (sum(saved) + model_level) + others, 4 * cfg.vocab_size * tokens, 0.0)]
+    moments = [BackwardMoment(mb * (sum(saved) + model_level) + others, act.head_backward_workspace(cfg, tokens), 0.0)]
     L = len(main)
     for j in reversed(range(L, len(blocks))):  # MTP blocks; the main heads are still alive
         alive = sum(saved[:j]) + own(j) + model_level

@@ -27,7 +27,8 @@ from trex.data.loader import Batch
 from trex.models import DeepseekV4
 from trex.parallel.plan import sync_gradients
 from trex.posttrain.grpo_loss import group_advantages, policy_loss, token_entropy, token_weights
-from trex.posttrain.objective import Objective, StepResult, TrainContext, load_frozen, next_token_logprobs
+from trex.posttrain.objective import (Objective, StepResult, TrainContext, load_frozen, next_token_logprobs,
+                                      token_logprobs)
 from trex.posttrain.on_policy import (PromptOrder, Rollouts, completions, exact_match_by_set, generator_state,
                                       load_eval_sets, load_prompts, probe_batch, rank_uniforms, roll_out,
                                       sampling_params, set_generator_state)
@@ -81,7 +82,7 @@ class GRPOObjective(Objective):
             with torch.no_grad():
                 for s in rollouts.micro_batches(cfg.micro_batch_size):
                     ids, docs = rollouts.input_ids[s], rollouts.doc_ids[s]
-                    ref_logp[s] = next_token_logprobs(self.reference(ids, doc_ids=docs).logits, ids, docs)
+                    ref_logp[s] = token_logprobs(self.reference, ids, docs)
         parts = {n: torch.tensor([p[n] for _, p in scored]) for n in self.rewards.names}
         zero_std = rewards.view(-1, G).std(dim=1) == 0
         sums = torch.stack([

@@ -109,7 +109,8 @@ def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
 
 def token_logprobs(model: DeepseekV4, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``model`` on ``input_ids`` and return :func:`next_token_logprobs` (fp32 [B, S])."""
-    return next_token_logprobs(model(input_ids, doc_ids=doc_ids).logits, input_ids, doc_ids)
+    targets = shift_labels(input_ids, 1, doc_ids)
+    return -model(input_ids, doc_ids=doc_ids, targets=[targets], return_logits=False).token_nll[0]
 
 
 def reshard(model: torch.nn.Module) -> None:

@@ -14,7 +14,6 @@ import torch
 
 from trex.data import build_loader
 from trex.models import DeepseekV4
-from trex.models.cross_entropy import token_nll
 from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
 from trex.parallel.mesh import Parallel
 from trex.parallel.plan import sync_gradients
@@ -25,11 +24,6 @@ from trex.train.precision import DynamicLossScaler
 def targets_for(labels: torch.Tensor, doc_ids: torch.Tensor, shift: int) -> torch.Tensor:
     """Targets ``shift`` tokens ahead, IGNORE_INDEX across documents and past the end."""
     return shift_labels(labels, shift, doc_ids)
-
-
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy (fp32) over targets != IGNORE_INDEX."""
-    return token_nll(logits, targets).sum()
 
 
 def _count(targets: torch.Tensor) -> int:
@@ -54,7 +48,8 @@ def evaluate_loss(model: DeepseekV4, loader, batches: int, device: torch.device,
     for _ in range(batches):
         b = next(loader).to(device)
         targets = targets_for(b.labels, b.doc_ids, 1)
-        total += loss_sum(model(b.input_ids, doc_ids=b.doc_ids).logits, targets).item()
+        out = model(b.input_ids, doc_ids=b.doc_ids, targets=[targets], return_logits=False)
+        total += out.token_nll[0].sum().item()
         count += _count(targets)
     model.train(was_training)
     if par is not None and par.distributed:
@@ -84,10 +79,10 @@ def accumulate_gradients(model: DeepseekV4, micro: list, cfg_train, scaler: Dyna
     stats = []
     for i, (b, tgt) in enumerate(zip(micro, targets)):
         sync_gradients(model, i, len(micro))
-        out = model(b.input_ids, doc_ids=b.doc_ids)
-        lm = loss_sum(out.logits, tgt[0]) / counts[0]
-        mtp = sum((loss_sum(lg, t) / c for lg, t, c in zip(out.mtp_logits, tgt[1:], counts[1:])),
-                  torch.zeros((), device=device)) / max(1, len(out.mtp_logits))
+        out = model(b.input_ids, doc_ids=b.doc_ids, targets=tgt, return_logits=False)  # no [B, S, V] logits
+        lm = out.token_nll[0].sum() / counts[0]
+        mtp = sum((nll.sum() / c for nll, c in zip(out.token_nll[1:], counts[1:])),
+                  torch.zeros((), device=device)) / max(1, len(tgt) - 1)
         loss = lm + cfg_train.mtp_weight * mtp
         balance = balance_term(out.moe_stats, cfg_train.balance_alpha, len(micro), world)
         if balance is not None:
