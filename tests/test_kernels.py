@@ -48,28 +48,32 @@ def test_fused_grouped_mm_matches_reference(dev):
     torch.testing.assert_close(expected, manual)
 
 
-def _attention_inputs(dev, dtype, dense: bool, S=37, H=3, c=8, N=9, k=4):
+def _attention_inputs(dev, dtype, kind: str, S=37, H=3, c=8, N=9):
     g = torch.Generator().manual_seed(0)
     q, kv = torch.randn(2, S, H, c, generator=g), torch.randn(2, S, c, generator=g)
     sink, comp = torch.randn(H, generator=g), torch.randn(2, N, c, generator=g)
     doc = torch.zeros(2, S, dtype=torch.long)
     doc[0, S // 3:] = 1  # two packed documents in row 0
-    if dense:
+    if kind == "dense":
         idx, mask = None, torch.rand(2, S, N, generator=g) > 0.3
-    else:
-        idx, mask = torch.randint(0, N, (2, S, k), generator=g), torch.rand(2, S, k, generator=g) > 0.2
+    elif kind == "topk":  # k < N / 2: the gathered path (indices may repeat)
+        idx, mask = torch.randint(0, N, (2, S, 4), generator=g), torch.rand(2, S, 4, generator=g) > 0.2
+    else:  # "topk-wide": distinct picks, k >= N / 2: run as the dense path with the picks as its mask
+        k = 5
+        assert k >= sparse_attention.DENSE_TOPK_FRACTION * N
+        idx, mask = torch.rand(2, S, N, generator=g).argsort(-1)[..., :k], torch.rand(2, S, k, generator=g) > 0.2
     grads = [t.to(dev, dtype).requires_grad_() for t in (q, kv, sink, comp)]
     return grads, doc.to(dev), mask.to(dev), None if idx is None else idx.to(dev)
 
 
 @pytest.mark.parametrize("dev", _devices())
-@pytest.mark.parametrize("kind", ["sliding", "dense", "topk"])
+@pytest.mark.parametrize("kind", ["sliding", "dense", "topk", "topk-wide"])
 @pytest.mark.parametrize("window", [8, 7])
 def test_sparse_attention_backward_matches_autograd_reference(dev, kind, window):
     """The hand-written backward against autograd through the reference: output and every gradient."""
     results = []
     for fn in (sparse_attention.reference, sparse_attention.fused_backward):
-        (q, kv, sink, comp), doc, mask, idx = _attention_inputs(dev, torch.float64, dense=kind == "dense")
+        (q, kv, sink, comp), doc, mask, idx = _attention_inputs(dev, torch.float64, kind)
         args = (comp, mask, idx) if kind != "sliding" else (None, None, None)
         out = fn(q, kv, sink, 8**-0.5, window, doc, *args)
         out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=dev).view_as(out))

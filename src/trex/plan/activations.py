@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trex.kernels.sparse_attention import CHUNK_BYTES
+from trex.kernels.sparse_attention import CHUNK_BYTES, DENSE_TOPK_FRACTION
 from trex.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
 from trex.models.cross_entropy import HEAD_CHUNK_BYTES
 
@@ -58,6 +58,18 @@ def mhc_site(cfg: ModelConfig, b: int) -> float:
     return F32 * per + 2 * cp * n * d  # at bf16 two more .float() copies of the streams
 
 
+def compressed_seen(cfg: ModelConfig, layer_type: str, S: int) -> tuple[int, int, bool]:
+    """(N entries, entries in each query's softmax, gathered top-k?) of a layer at S tokens. CSA whose
+    top-k picks half or more of the entries runs dense with a mask (sparse_attention.DENSE_TOPK_FRACTION)."""
+    if layer_type == SLIDING:
+        return 0, 0, False
+    N = S // cfg.compress_rate(layer_type)
+    k = min(cfg.index_topk, N)
+    if layer_type == CSA and k < DENSE_TOPK_FRACTION * N:
+        return N, k, True
+    return N, N, False
+
+
 def attention(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
     """One sequence of S tokens through attn_norm and Attention (compressor included)."""
     d, H, c, q, W = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.sliding_window
@@ -72,13 +84,10 @@ def attention(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
     # sparse attention (kernels.sparse_attention, hand-written backward): q, kv and the probabilities
     per_tok += b * H * c + b * c
     per_seq = 0.0
-    kc = 0
+    N, kc, gathered = compressed_seen(cfg, layer_type, S)
     if layer_type != SLIDING:
-        m = cfg.compress_rate(layer_type)
-        N = S // m
-        kc = min(cfg.index_topk, N) if layer_type == CSA else N
         per_seq += b * c * N  # compressed entries
-        if layer_type == CSA:
+        if gathered:
             per_tok += I64 * kc  # the indexer's top-k (entries are re-gathered in backward)
         per_seq += compressor(cfg, layer_type, S, b)
     per_tok += F32 * H * (K + kc + 1)  # softmax output over window, compressed entries and sink
@@ -123,22 +132,20 @@ def block(cfg: ModelConfig, layer_type: str, mlp_type: str, S: int, b: int) -> L
 def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
     """Transient bytes while one block runs backward (or is recomputed), on top of what it saved:
     the fp32 gradients of its output and input streams, and sparse attention's entry-gradient buffers
-    (kernels.sparse_attention: the score and probability gradients of the compressed entries, the
-    stacked [2H] operands, and for CSA one query chunk's [T, k, c] per-pick gradients).
-    Matches each block type's measured backward peak over its saved tensors (small config, S = 512:
-    sliding 4.0, CSA 18.1, HCA 10.0 MiB); checked end to end by the full-recompute cases of
-    tests/test_plan_memory_cpu.py, where it shows."""
+    (kernels.sparse_attention: the score and probability gradients of the compressed entries; over all
+    entries (HCA, and CSA whose top-k covers half of them) the probabilities as one matmul operand;
+    for gathered top-k, one query chunk's stacked [2H] operands and [T, k, c] per-pick gradients).
+    Checked end to end by the full-recompute cases of tests/test_plan_memory_cpu.py, where it shows."""
     n, d, H, c = cfg.hc_mult, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     total = 2 * F32 * n * d * S
     if layer_type != SLIDING:
-        N = S // cfg.compress_rate(layer_type)
-        kc = min(cfg.index_topk, N) if layer_type == CSA else N
+        _, kc, gathered = compressed_seen(cfg, layer_type, S)
         total += 2 * F32 * S * H * kc  # dP and dS of the compressed scores
-        if layer_type == CSA:
+        if gathered:
             T = min(S, max(1, CHUNK_BYTES // (kc * c * b)))
             total += T * (2 * H * (kc + c) * b + kc * c * b)
-        else:
-            total += S * 2 * H * (kc + c) * b
+        if not gathered or b != F32:  # the probabilities as one [S * H, N] operand, or their bf16 cast
+            total += S * H * kc * b
     return total
 
 
