@@ -28,10 +28,9 @@ from trex.data.loader import Batch, count_loss_tokens
 from trex.data.preference import PairBatch, PairLoader, PreferencePairs, collate, read_pairs, sweep
 from trex.data.records import BadRecordPolicy
 from trex.models import DeepseekV4
-from trex.models.deepseek_v4 import IGNORE_INDEX
+from trex.models.deepseek_v4 import IGNORE_INDEX, ModelOutput, shift_labels
 from trex.parallel.plan import sync_gradients
-from trex.posttrain.objective import (Objective, StepResult, TrainContext, load_frozen, mtp_anchor,
-                                      next_token_logprobs, reshard)
+from trex.posttrain.objective import Objective, StepResult, TrainContext, load_frozen, mtp_anchor, reshard
 from trex.posttrain.sft import balance_term
 
 
@@ -57,9 +56,14 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     return DPOTerms(losses, chosen, rejected)
 
 
-def sequence_logprobs(logits: torch.Tensor, batch: PairBatch) -> torch.Tensor:
-    """fp32 [2B]: each row's log-prob of its response tokens, summed."""
-    return (next_token_logprobs(logits, batch.input_ids, batch.doc_ids) * batch.scored).sum(-1)
+def sequence_logprobs(model: DeepseekV4, batch: PairBatch, all_heads: bool = False) -> tuple[torch.Tensor, ModelOutput]:
+    """fp32 [2B]: each row's log-prob of its response tokens, summed; and the model's output. The LM
+    head runs fused with the loss (no [2B, S, V] logits). ``all_heads``: the MTP heads score their own
+    targets too, so that a training step can anchor them (mtp_anchor)."""
+    heads = 1 + (model.cfg.num_nextn_predict_layers if all_heads else 0)
+    targets = [shift_labels(batch.input_ids, j + 1, batch.doc_ids) for j in range(heads)]
+    out = model(batch.input_ids, doc_ids=batch.doc_ids, targets=targets, return_logits=False)
+    return (-out.token_nll[0] * batch.scored).sum(-1), out
 
 
 class DPOObjective(Objective):
@@ -102,7 +106,7 @@ class DPOObjective(Objective):
         was_training = model.training
         model.eval()
         for index, b in self._sweep(pairs):
-            logps = sequence_logprobs(model(b.input_ids, doc_ids=b.doc_ids).logits, b)
+            logps, _ = sequence_logprobs(model, b)
             if len(index):
                 table[torch.from_numpy(index).to(table.device)] = logps.view(2, -1).T
         model.train(was_training)
@@ -115,7 +119,7 @@ class DPOObjective(Objective):
         if self.reference is None:
             table = self.precomputed[split][batch.index.to(self.precomputed[split].device)]
             return table.T.reshape(-1)
-        return sequence_logprobs(self.reference(batch.input_ids, doc_ids=batch.doc_ids).logits, batch)
+        return sequence_logprobs(self.reference, batch)[0]
 
     # -- the objective --
     def _terms(self, policy: torch.Tensor, ref: torch.Tensor, batch: PairBatch) -> DPOTerms:
@@ -132,8 +136,8 @@ class DPOObjective(Objective):
         stats = []
         for i, b in enumerate(micro):
             sync_gradients(model, i, len(micro))
-            out = model(b.input_ids, doc_ids=b.doc_ids)
-            terms = self._terms(sequence_logprobs(out.logits, b), self._reference(b, "train"), b)
+            policy, out = sequence_logprobs(model, b, all_heads=True)
+            terms = self._terms(policy, self._reference(b, "train"), b)
             loss = terms.losses.sum() / pairs + mtp_anchor(out)
             balance = balance_term(out.moe_stats, ctx.recipe.train.balance_alpha, len(micro), ctx.par.world_size)
             if balance is not None:
@@ -158,7 +162,7 @@ class DPOObjective(Objective):
         was_training = model.training
         model.eval()
         for index, b in self._sweep(self.held_out):
-            policy = sequence_logprobs(model(b.input_ids, doc_ids=b.doc_ids).logits, b)
+            policy, _ = sequence_logprobs(model, b)
             ref = self._reference(b, "eval")
             n = len(b.index)
             terms = self._terms(policy, ref, b)

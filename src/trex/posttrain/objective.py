@@ -122,11 +122,12 @@ def reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
-def mtp_anchor(out) -> torch.Tensor:
-    """0 x the MTP logits of a ModelOutput. An objective whose loss ignores the MTP heads adds it so
-    every parameter is in the backward graph: FSDP2 fails on a sharded unit that gets no gradient,
-    and one process then updates the same parameters (zero gradients, not none) as a sharded run."""
-    return sum((lg.sum() * 0.0 for lg in out.mtp_logits), torch.zeros((), device=out.logits.device))
+def mtp_anchor(out) -> torch.Tensor | float:
+    """0 x the MTP heads' outputs of a ModelOutput (their logits, or their token NLL when the forward
+    ran without logits). An objective whose loss ignores the MTP heads adds it so every parameter is
+    in the backward graph: FSDP2 fails on a sharded unit that gets no gradient, and one process then
+    updates the same parameters (zero gradients, not none) as a sharded run."""
+    return sum((x.sum() * 0.0 for x in out.mtp_logits or out.token_nll[1:]), 0.0)
 
 
 # ---- frozen reference / teacher models ---------------------------------------------------------------
