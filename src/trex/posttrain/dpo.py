@@ -28,9 +28,10 @@ from trex.data.loader import Batch, count_loss_tokens
 from trex.data.preference import PairBatch, PairLoader, PreferencePairs, collate, read_pairs, sweep
 from trex.data.records import BadRecordPolicy
 from trex.models import DeepseekV4
-from trex.models.deepseek_v4 import IGNORE_INDEX, ModelOutput, shift_labels
+from trex.models.deepseek_v4 import IGNORE_INDEX, ModelOutput
 from trex.parallel.plan import sync_gradients
-from trex.posttrain.objective import Objective, StepResult, TrainContext, load_frozen, mtp_anchor, reshard
+from trex.posttrain.objective import (Objective, StepResult, TrainContext, load_frozen, mtp_anchor,
+                                      next_token_nll, reshard)
 from trex.posttrain.sft import balance_term
 
 
@@ -61,8 +62,7 @@ def sequence_logprobs(model: DeepseekV4, batch: PairBatch, all_heads: bool = Fal
     head runs fused with the loss (no [2B, S, V] logits). ``all_heads``: the MTP heads score their own
     targets too, so that a training step can anchor them (mtp_anchor)."""
     heads = 1 + (model.cfg.num_nextn_predict_layers if all_heads else 0)
-    targets = [shift_labels(batch.input_ids, j + 1, batch.doc_ids) for j in range(heads)]
-    out = model(batch.input_ids, doc_ids=batch.doc_ids, targets=targets, return_logits=False)
+    out = next_token_nll(model, batch.input_ids, batch.doc_ids, heads)
     return (-out.token_nll[0] * batch.scored).sum(-1), out
 
 

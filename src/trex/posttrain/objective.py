@@ -107,10 +107,18 @@ def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
     return -token_nll(logits, targets)
 
 
+def next_token_nll(model: DeepseekV4, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                   heads: int = 1):
+    """Run ``model`` on ``input_ids`` [B, S] with the LM head fused with the loss (no logits). In the
+    returned ModelOutput, ``token_nll[j]`` (fp32 [B, S]) is head j's NLL of token t + 1 + j, 0 where
+    there is none (past the end, across documents); ``heads``: the main head and heads - 1 MTP heads."""
+    targets = [shift_labels(input_ids, j + 1, doc_ids) for j in range(heads)]
+    return model(input_ids, doc_ids=doc_ids, targets=targets, return_logits=False)
+
+
 def token_logprobs(model: DeepseekV4, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``model`` on ``input_ids`` and return :func:`next_token_logprobs` (fp32 [B, S])."""
-    targets = shift_labels(input_ids, 1, doc_ids)
-    return -model(input_ids, doc_ids=doc_ids, targets=[targets], return_logits=False).token_nll[0]
+    return -next_token_nll(model, input_ids, doc_ids).token_nll[0]
 
 
 def reshard(model: torch.nn.Module) -> None:
