@@ -1,11 +1,14 @@
-"""One training step (forward + backward + AdamW) of trex vs transformers' DeepseekV4ForCausalLM.
+"""One training step (forward + backward + AdamW) of trex vs transformers' DeepseekV4ForCausalLM,
+and trex eager vs trex compiled (trex.parallel.plan.apply_compile: each block, the mHC head and the
+fused LM head + loss).
 
 Same tiny config, same weights, CPU, fp32, batch 1, at several sequence lengths. Each
-(implementation, length) runs in a fresh subprocess so peak memory (Linux VmHWM) is its own.
-Writes a markdown table between markers in docs/benchmarks.md.
+(implementation, length) runs in a fresh subprocess so peak memory (Linux VmHWM) is its own. For
+trex it also counts the host syncs of one step (trex.syncs.SyncCounter) and, compiled, the graphs
+torch.compile built. Writes markdown tables between markers in docs/benchmarks.md.
 
-    .venv/bin/python bench/model_step.py                 # S = 512 ... 8192
-    .venv/bin/python bench/model_step.py --seqs 256 --no-write
+    .venv/bin/python bench/model_step.py                 # S = 512 ... 8192, compiled at 512/2048/4096
+    .venv/bin/python bench/model_step.py --seqs 256 --compiled-seqs 256 --no-write
 """
 
 from __future__ import annotations
@@ -48,14 +51,19 @@ def _status_kib(field: str) -> int:
 
 
 def run_one(impl: str, seq: int, ckpt: str, steps: int) -> dict:
-    """Runs in a subprocess: load, warm up, time `steps` training steps, report peak memory."""
+    """Runs in a subprocess: load, warm up (compiling, for trex-compiled), time `steps` training steps,
+    report peak memory, and for trex the host syncs of one step and the compiled graphs."""
     import torch
 
     torch.manual_seed(0)
-    if impl == "trex":
+    if impl.startswith("trex"):
         from trex.models import load_pretrained
 
         model = load_pretrained(ckpt, dtype=torch.float32, device="cpu")
+        if impl == "trex-compiled":
+            from trex.parallel.plan import apply_compile
+
+            apply_compile(model)
     else:
         from transformers import DeepseekV4ForCausalLM
 
@@ -69,20 +77,33 @@ def run_one(impl: str, seq: int, ckpt: str, steps: int) -> dict:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return loss
 
-    step()  # warm-up (allocates optimizer state)
+    t_warm = time.perf_counter()
+    step().item()  # warm-up (allocates optimizer state; compiles)
+    warm_s = time.perf_counter() - t_warm
+    extra = {}
+    if impl == "trex":
+        from trex.syncs import SyncCounter
+
+        with SyncCounter() as syncs:
+            step()
+        extra["syncs_per_step"] = syncs.count
+    if impl == "trex-compiled":
+        from torch._dynamo.utils import counters
+
+        extra.update(graphs=counters["stats"]["unique_graphs"], compile_s=warm_s)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak to the current resident set
     base = _status_kib("VmRSS")
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        step()
+        step().item()
         times.append(time.perf_counter() - t0)
     peak = _status_kib("VmHWM")
     return {"impl": impl, "seq": seq, "step_s": min(times), "tokens_per_s": seq / min(times),
-            "peak_step_bytes": (peak - base) * 1024}
+            "peak_step_bytes": (peak - base) * 1024, **extra}
 
 
 def measure(impl: str, seq: int, ckpt: str, steps: int) -> dict:
@@ -122,6 +143,29 @@ def table(results: dict, seqs: list[int], steps: int) -> str:
     return "\n".join(lines)
 
 
+def compiled_table(results: dict, seqs: list[int]) -> str:
+    lines = [
+        "Same config and machine, the same run. Compiled: torch.compile (Inductor) of each block, the mHC "
+        "head and the fused LM head + loss; compile time is the warm-up step's. Syncs: host reads inside one "
+        "eager step (forward, backward, AdamW), counted by trex.syncs.SyncCounter.",
+        "",
+        "| S | eager tok/s | compiled tok/s | compiled / eager | eager peak MiB | compiled peak MiB | graphs "
+        "| compile s | host syncs per step |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in seqs:
+        e, c = results.get(("trex", s), {}), results.get(("trex-compiled", s), {})
+        if "tokens_per_s" not in e or "tokens_per_s" not in c:
+            lines.append(f"| {s} | {e.get('tokens_per_s', 0):.0f} | {c.get('error', '-')} | - | - | - | - | - | "
+                         f"{e.get('syncs_per_step', '-')} |")
+            continue
+        lines.append(f"| {s} | {e['tokens_per_s']:.0f} | {c['tokens_per_s']:.0f} | "
+                     f"{c['tokens_per_s'] / e['tokens_per_s']:.2f}x | {e['peak_step_bytes'] / 2**20:.0f} | "
+                     f"{c['peak_step_bytes'] / 2**20:.0f} | {c['graphs']} | {c['compile_s']:.0f} | "
+                     f"{e['syncs_per_step']} |")
+    return "\n".join(lines)
+
+
 def write_section(text: str) -> None:
     path = os.path.join(ROOT, "docs", "benchmarks.md")
     doc = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
@@ -142,6 +186,7 @@ def write_section(text: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--compiled-seqs", type=int, nargs="*", default=[512, 2048, 4096])
     # steady state: the first steps of a fresh process page-fault their freshly mapped tensors (glibc
     # raises its mmap threshold as blocks are freed); the minimum over 4 timed steps, for both models
     parser.add_argument("--steps", type=int, default=4)
@@ -158,13 +203,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as ckpt:
         random_hf_model(hf_config(**BENCH_CONFIG), seed=0).save_pretrained(ckpt)
         results = {}
-        for seq in args.seqs:
-            for impl in ("trex", "hf"):
-                if impl == "hf" and seq > REFERENCE_MAX_SEQ:
+        for seq in sorted(set(args.seqs) | set(args.compiled_seqs)):
+            for impl in ("trex", "trex-compiled", "hf"):
+                if (impl == "hf" and (seq > REFERENCE_MAX_SEQ or seq not in args.seqs)
+                        or impl == "trex-compiled" and seq not in args.compiled_seqs):
                     continue
                 results[(impl, seq)] = r = measure(impl, seq, ckpt, args.steps)
                 print(json.dumps(r), flush=True)
     text = table(results, args.seqs, args.steps)
+    if args.compiled_seqs:
+        text += "\n\n### Eager vs compiled\n\n" + compiled_table(results, args.compiled_seqs)
     print(text)
     if not args.no_write:
         write_section(text)

@@ -20,6 +20,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.fsdp import FSDPModule
 
 from trex import device
@@ -49,10 +50,11 @@ class SavedBytes:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, torch.nn.Parameter):
-            ptr = t.untyped_storage().data_ptr()
+            data = t.elem if isinstance(t, AsyncCollectiveTensor) else t  # expert parallelism's exchanged rows
+            ptr = data.untyped_storage().data_ptr()
             if ptr not in self.seen:
                 self.seen.add(ptr)
-                self.total += t.untyped_storage().nbytes()
+                self.total += data.untyped_storage().nbytes()
         return t
 
 

@@ -86,9 +86,15 @@ def fp16_step(model, opt, scaler, guard, x, step, inject=None):
         model.weight.grad.view(-1)[0] = inject
     scaler.unscale_(model.parameters())
     norm = clip_grad_norm(model.parameters(), 1.0)
-    if guard.check(loss, norm, step):
-        opt.step()
+    finite = guard.finite(loss, norm)
+    opt.step(apply=finite.all())  # on the device: a non-finite step changes nothing
+    guard.record(*finite.tolist(), step)
     opt.zero_grad(set_to_none=True)
+
+
+def check(guard, loss, norm, step):
+    """The guard's two halves back to back, as the loop runs them around its one read."""
+    return guard.record(*StepGuard.finite(loss, norm).tolist(), step)
 
 
 def test_injected_inf_and_nan_skip_the_step_and_leave_weights_unchanged():
@@ -101,6 +107,7 @@ def test_injected_inf_and_nan_skip_the_step_and_leave_weights_unchanged():
     before = model.weight.detach().clone()
     fp16_step(model, opt, scaler, guard, x, 0, inject=float("inf"))
     assert torch.equal(model.weight, before) and scaler.scale_value == 512.0
+    assert opt.state[model.weight]["step"] == 0 and not opt.state[model.weight]["exp_avg"].any()
     assert guard.skipped_total == 1 and guard.consecutive == 0  # the scaler can still back off
     assert "loss scale 1024 -> 512" in guard.last_reason
     fp16_step(model, opt, scaler, guard, x, 1, inject=float("nan"))
@@ -114,12 +121,12 @@ def test_consecutive_non_finite_losses_stop_the_run():
     guard = StepGuard(max_consecutive=3)
     ok = torch.tensor(1.0)
     nan = torch.tensor(float("nan"))
-    assert not guard.check(nan, ok, 10)
-    assert guard.check(ok, ok, 11) and guard.consecutive == 0  # a good step resets the run of skips
-    assert not guard.check(ok, torch.tensor(float("inf")), 12)
-    assert not guard.check(nan, ok, 13)
+    assert not check(guard, nan, ok, 10)
+    assert check(guard, ok, ok, 11) and guard.consecutive == 0  # a good step resets the run of skips
+    assert not check(guard, ok, torch.tensor(float("inf")), 12)
+    assert not check(guard, nan, ok, 13)
     with pytest.raises(NonFiniteError, match=r"step 14: non-finite loss: 3 consecutive steps skipped"):
-        guard.check(nan, ok, 14)
+        check(guard, nan, ok, 14)
     assert guard.skipped_total == 4
 
 
@@ -127,11 +134,11 @@ def test_fp16_overflow_at_min_scale_counts_toward_the_limit():
     scaler = DynamicLossScaler(init_scale=4.0, min_scale=1.0)
     guard = StepGuard(max_consecutive=2, scaler=scaler)
     ok, inf = torch.tensor(1.0), torch.tensor(float("inf"))
-    assert not guard.check(ok, inf, 0) and not guard.check(ok, inf, 1)  # 4 -> 2 -> 1: remediable
+    assert not check(guard, ok, inf, 0) and not check(guard, ok, inf, 1)  # 4 -> 2 -> 1: remediable
     assert guard.consecutive == 0 and scaler.scale_value == 1.0
-    assert not guard.check(ok, inf, 2)
+    assert not check(guard, ok, inf, 2)
     with pytest.raises(NonFiniteError, match="max_consecutive_skips = 2"):
-        guard.check(ok, inf, 3)
+        check(guard, ok, inf, 3)
     state = guard.state_dict()
     resumed = StepGuard(max_consecutive=2, scaler=DynamicLossScaler(init_scale=4.0))
     resumed.load_state_dict(state)

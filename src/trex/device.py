@@ -138,6 +138,14 @@ class Device:
             os.environ["HCCL_DETERMINISTIC"] = "true" if enabled else "false"
 
     # ---- capabilities -------------------------------------------------------------------
+    def compiles(self) -> bool:
+        """Whether torch.compile has a backend for this device type: Inductor knows how to generate
+        its kernels (built in for CPU, CUDA, XPU; a vendor plugin registers its own, as Ascend's does)."""
+        from torch._inductor.codegen.common import get_scheduling_for_device, init_backend_registration
+
+        init_backend_registration()
+        return get_scheduling_for_device(self.type) is not None
+
     def capabilities(self) -> Capabilities:
         return _capabilities(self.type, self.index)
 

@@ -3,7 +3,9 @@
     fn = kernels.get("rms_norm", device_type)
 
 returns the fast path registered for that device type when there is one and it is enabled,
-else the reference. ``TREX_KERNELS=reference`` forces the references everywhere (fidelity
+else the vendor-neutral default registered for every device type (``ANY``), else the reference.
+A new device type (a vendor plugin, the test suite's virtual device) therefore gets the
+vendor-neutral paths with no registration, and overrides what it has faster. ``TREX_KERNELS=reference`` forces the references everywhere (fidelity
 runs, debugging). Each fast path has an equivalence test against its reference
 (tests/test_kernels.py). Vendor plugins register their kernels with ``register``.
 """
@@ -22,10 +24,12 @@ _REFERENCE: dict[str, Callable] = {
     "sparse_attention": _sparse_attention.reference,
 }
 _FAST: dict[tuple[str, str], Callable] = {}
+ANY = "*"  # the device type of a vendor-neutral default
 
 
 def register(op: str, device_type: str, fn: Callable) -> None:
-    """Register ``fn`` as the fast path of ``op`` on ``device_type`` ("cuda", "npu", "cpu", ...)."""
+    """Register ``fn`` as the fast path of ``op`` on ``device_type`` ("cuda", "npu", "cpu", ...;
+    ``ANY`` for every device type without a registration of its own)."""
     if op not in _REFERENCE:
         raise KeyError(f"unknown kernel op {op!r}; known ops: {sorted(_REFERENCE)}")
     _FAST[(op, device_type)] = fn
@@ -35,7 +39,7 @@ def get(op: str, device_type: str) -> Callable:
     if op not in _REFERENCE:
         raise KeyError(f"unknown kernel op {op!r}; known ops: {sorted(_REFERENCE)}")
     if os.environ.get("TREX_KERNELS", "auto") != "reference":
-        fast = _FAST.get((op, device_type))
+        fast = _FAST.get((op, device_type)) or _FAST.get((op, ANY))
         if fast is not None:
             return fast
     return _REFERENCE[op]
@@ -49,12 +53,13 @@ def fast_paths() -> dict[tuple[str, str], Callable]:
     return dict(_FAST)
 
 
-# Vendor-neutral fused ops from PyTorch itself.
+# Vendor-neutral fast paths, from PyTorch's own fused operators and plain PyTorch.
 from trex.kernels import fused as _fused  # noqa: E402
 
-for _device_type in ("cuda", "npu", "xpu"):
-    register("grouped_mm", _device_type, _fused.grouped_mm)
-    register("rms_norm", _device_type, _fused.rms_norm)
-# A hand-written backward in plain PyTorch: faster and leaner than autograd's on every device.
-for _device_type in ("cpu", "cuda", "npu", "xpu"):
-    register("sparse_attention", _device_type, _sparse_attention.fused_backward)
+# grouped matmul with device-side offsets (no host sync), on every device
+register("grouped_mm", ANY, _fused.grouped_mm)
+# F.rms_norm fuses on accelerators; on CPU the reference's three ops are as fast
+register("rms_norm", ANY, _fused.rms_norm)
+register("rms_norm", "cpu", reference.rms_norm)
+# a hand-written backward in plain PyTorch: faster and leaner than autograd's on every device
+register("sparse_attention", ANY, _sparse_attention.fused_backward)

@@ -77,6 +77,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 class WindowLayout:
     """Compression windows of rate m that lie wholly inside one document.
 
+    N = S // m, a static bound (windows are disjoint runs of m tokens), so shapes never depend on
+    where documents start; rows with fewer windows are padded and ``valid`` masks them.
     starts: [B, N] index of each window's first token (_BIG where padded); valid: [B, N];
     pos: [B, N] position of the first token within its document (RoPE position of the entry);
     has_prev: [B, N] whether the previous window of the same document exists (CSA overlap);
@@ -141,9 +143,11 @@ class SeqContext:
             "compress": rope_inv_freq(rd, cfg.compress_rope_theta, cfg.rope_scaling).to(dev),
         }
         self.rope = {kind: self.rope_at(self.pos, kind) for kind in self._inv_freq}
-        self._layouts: dict[int, WindowLayout] = {}
-        self.moe_stats: list[MoEStats] = []
-        self.recording = True  # off once the forward returns: a checkpoint's recompute adds no stats
+        # every layout a layer will ask for, built before the first block: blocks only read the context
+        # (a compiled block then sees the same context structure in every call, and never recompiles)
+        rates = {cfg.compress_rate(t) for t in (*cfg.layer_types, cfg.mtp_layer_type)} - {0}
+        self._layouts = {m: self._build_layout(m) for m in sorted(rates)}
+        self.recording = True  # off once the forward returns: a checkpoint's recompute keeps no MoE stats
 
     def rope_at(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [*positions.shape, rd/2] in fp32."""
@@ -151,8 +155,6 @@ class SeqContext:
         return angles.cos(), angles.sin()
 
     def layout(self, m: int) -> WindowLayout:
-        if m not in self._layouts:
-            self._layouts[m] = self._build_layout(m)
         return self._layouts[m]
 
     def _build_layout(self, m: int) -> WindowLayout:
@@ -164,7 +166,7 @@ class SeqContext:
             # a window starts at a multiple of m within its document and stays inside it
             whole = self.pos[:, m - 1:] == self.pos[:, : S - m + 1] + (m - 1)
             is_start[:, : S - m + 1] = (self.pos[:, : S - m + 1] % m == 0) & whole
-        n = int(is_start.sum(dim=1).max()) if S else 0
+        n = S // m  # a static bound: windows are disjoint runs of m tokens (no host read of the count)
         order = torch.where(is_start, arange, arange + S).sort(dim=1).values[:, :n]
         valid = order < S
         starts = torch.where(valid, order, torch.full_like(order, _BIG))
@@ -581,8 +583,51 @@ class SharedExpert(nn.Module):
         return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
 
 
+def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """idx [T, k] expert ids -> [E] long rows per expert, on the device (``bincount`` reads its
+    input's maximum back to the host on accelerators; a scatter-add does not)."""
+    flat = idx.reshape(-1)
+    return flat.new_zeros(n_experts).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+@dataclass
+class ExpertSort:
+    """The (token, expert) pairs of a routed batch, sorted by expert: ``order`` [T*k] positions into
+    the flattened [T, k] choices, ``token`` [T*k] the token of each sorted row, ``counts`` [E] rows
+    per expert (long, on the device)."""
+
+    order: torch.Tensor
+    token: torch.Tensor
+    counts: torch.Tensor
+
+
+def sort_by_expert(idx: torch.Tensor, n_experts: int) -> ExpertSort:
+    """Sort the choices idx [T, k] by expert (stable: tokens keep their order within an expert)."""
+    order = idx.reshape(-1).argsort(stable=True)
+    return ExpertSort(order, order // idx.shape[1], expert_counts(idx, n_experts))
+
+
+def expert_ffn(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+               row_weights: torch.Tensor, limit: float) -> torch.Tensor:
+    """The routed experts on rows sorted by expert: xs [R, d], counts [E] rows per expert (device
+    tensor), w1/w3 [E, I, d], w2 [E, d, I], row_weights [R] each row's routing weight, applied to the
+    fp32 SwiGLU output before w2 (as the official code does) -> [R, d]. Grouped matmuls over device-side
+    offsets: no host read."""
+    offsets = counts.cumsum(0).to(torch.int32)
+    mm = kernels.get("grouped_mm", xs.device.type)
+    h = clamped_swiglu(mm(xs, w1, offsets), mm(xs, w3, offsets), limit)
+    return mm((h * row_weights[:, None].float()).to(xs.dtype), w2, offsets)
+
+
+def combine(y: torch.Tensor, token: torch.Tensor, T: int) -> torch.Tensor:
+    """Sum the sorted rows' outputs y [R, d] back into their tokens -> [T, d]."""
+    return y.new_zeros(T, y.shape[1]).index_add_(0, token, y)
+
+
 class Experts(nn.Module):
-    """E routed experts stacked as w1, w3: [E, I, d] and w2: [E, d, I]."""
+    """E routed experts stacked as w1, w3: [E, I, d] and w2: [E, d, I]. The forward is the dispatch
+    every layout shares: sort by expert, grouped SwiGLU, combine; expert parallelism
+    (trex.parallel.expert_parallel) moves the sorted rows between the sort and the FFN."""
 
     def __init__(self, n: int, dim: int, inter: int, limit: float):
         super().__init__()
@@ -593,16 +638,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [T, d]; idx, weights: [T, k] -> sum_k weights * expert_idx(x): [T, d]."""
-        T, k = idx.shape
-        flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)
-        token = order // k
-        counts = torch.bincount(flat, minlength=self.w1.shape[0]).tolist()
-        mm = kernels.get("grouped_mm", x.device.type)
-        xs = x[token]
-        h = clamped_swiglu(mm(xs, self.w1, counts), mm(xs, self.w3, counts), self.limit)
-        h = (h * weights.reshape(-1)[order, None].float()).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token, mm(h, self.w2, counts))
+        sort = sort_by_expert(idx, self.w1.shape[0])
+        y = expert_ffn(x[sort.token], sort.counts, self.w1, self.w2, self.w3, weights.reshape(-1)[sort.order],
+                       self.limit)
+        return combine(y, sort.token, x.shape[0])
 
 
 class Gate(nn.Module):
@@ -641,6 +680,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, mlp_type: str, name: str):
         super().__init__()
         self.name = name
+        self.routing: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (counts, balance loss)
         self.gate = Gate(cfg, hashed=mlp_type == HASH_MOE)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
         self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
@@ -651,13 +691,17 @@ class MoE(nn.Module):
         flat = x.reshape(-1, d)
         weights, idx, scores = self.gate(flat, ctx.input_ids)
         y = self.experts(flat, idx, weights) + self.shared_experts(flat)
-        E = scores.shape[-1]
-        counts = torch.bincount(idx.reshape(-1), minlength=E).detach()
-        stats = MoEStats(self.name, counts, self._balance_loss(scores, idx, B, S) if self.training
-                         and not self.gate.hashed else None)  # computed on recompute too: same saved tensors
-        if ctx.recording:
-            ctx.moe_stats.append(stats)
+        balance = self._balance_loss(scores, idx, B, S) if self.training and not self.gate.hashed else None
+        if ctx.recording:  # kept for the model to collect (take_stats) once its forward is done; a recompute
+            # in backward (activation checkpointing) keeps nothing, or its graph would outlive the step
+            self.routing = (expert_counts(idx, scores.shape[-1]), balance)
         return y.view(B, S, d)
+
+    def take_stats(self) -> MoEStats:
+        """This layer's MoEStats from its last forward (and forget them)."""
+        counts, balance = self.routing
+        self.routing = None
+        return MoEStats(self.name, counts, balance)
 
     @staticmethod
     def _balance_loss(scores: torch.Tensor, idx: torch.Tensor, B: int, S: int) -> torch.Tensor:
@@ -889,7 +933,8 @@ class DeepseekV4(nn.Module):
         if cache is not None:
             cache.pos = ctx.pos[:, -1] + 1
             ctx.recording = False
-            return ModelOutput(logits=self.logits(self.norm(self.hc_head(X[:, -1:]))), moe_stats=ctx.moe_stats)
+            return ModelOutput(logits=self.logits(self.norm(self.hc_head(X[:, -1:]))),
+                               moe_stats=[layer.ffn.take_stats() for layer in self.layers])
         if targets is not None and len(targets) > 1 + len(self.mtp):
             raise ValueError(f"targets: at most one [B, S] tensor per head (1 + {len(self.mtp)} MTP), "
                              f"got {len(targets)}")
@@ -897,7 +942,7 @@ class DeepseekV4(nn.Module):
 
         def nll(h: torch.Tensor, logits: torch.Tensor | None, tgt: torch.Tensor) -> torch.Tensor:
             """One head's per-token NLL: from its logits, or fused with the head when there are none."""
-            return token_nll(logits, tgt) if logits is not None else head_nll(h, self.head.weight, tgt)
+            return token_nll(logits, tgt) if logits is not None else self.head_nll(h, tgt)
 
         mtp_losses = []
         h = self.norm(self.hc_head(X))
@@ -920,10 +965,15 @@ class DeepseekV4(nn.Module):
                     mtp_losses.append(loss)
         if mtp_losses:
             out.mtp_loss = torch.stack(mtp_losses).mean()
-        out.moe_stats = ctx.moe_stats
+        out.moe_stats = [block.ffn.take_stats() for block in [*self.layers, *self.mtp]]
         ctx.recording = False  # activation checkpointing re-runs blocks in backward with this ctx
         return out
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """LM head in fp32: [B, S, d] -> [B, S, V]."""
         return linear_fp32(h, self.head.weight)
+
+    def head_nll(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The LM head fused with the loss: h [B, S, d], targets [B, S] -> fp32 per-token NLL [B, S]
+        (0 where IGNORE_INDEX), with no [B, S, V] logits (``trex.models.cross_entropy.head_nll``)."""
+        return head_nll(h, self.head.weight, targets)

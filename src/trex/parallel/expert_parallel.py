@@ -3,24 +3,28 @@
 Each rank keeps E/ep whole experts: the stacked w1/w2/w3 become DTensors sharded on dim 0 over the
 ep mesh, so their names and global shapes are unchanged (checkpoints reshard across layouts). A
 forward sends every (token, expert) pair to the rank owning the expert with one variable-size
-all-to-all, runs the local experts as grouped matmuls, and brings the results back with a second
-all-to-all; autograd runs the same exchanges in reverse.
+all-to-all, runs the local experts with the model's own grouped FFN, and brings the results back
+with a second all-to-all; autograd runs the same exchanges in reverse.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from trex import kernels
-from trex.models.deepseek_v4 import Experts, clamped_swiglu
+from trex.models.deepseek_v4 import Experts, combine, expert_ffn, sort_by_expert
 
 
 class ExpertParallelExperts(Experts):
-    """Experts whose parameters are DTensors Shard(0) over ``ep_mesh``; same names as Experts."""
+    """Experts whose parameters are DTensors Shard(0) over ``ep_mesh``; same names as Experts.
+
+    The dispatch is the model's own (``sort_by_expert``, ``expert_ffn``, ``combine``); between the
+    sort and the FFN the sorted rows, and their routing weights, travel to the rank that owns their
+    expert, and the FFN's output travels back. The only host read is the all-to-all split sizes, once
+    per layer forward (a variable-size all-to-all needs them on the host)."""
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [T, d] local tokens; idx, weights: [T, k] global expert ids -> [T, d]."""
@@ -28,30 +32,29 @@ class ExpertParallelExperts(Experts):
         ep = self.ep_mesh.size()
         w1, w2, w3 = (w.to_local() for w in (self.w1, self.w2, self.w3))
         n_local = w1.shape[0]
-        T, k = idx.shape
-        flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)
-        token = order // k
-        per_expert = torch.bincount(flat, minlength=n_local * ep)  # [E], sorted rows go to owner e // n_local
-        recv_per_expert = torch.empty_like(per_expert)
-        dist.all_to_all_single(recv_per_expert, per_expert, group=group)  # [ep sources x n_local experts]
-        send = per_expert.view(ep, n_local).sum(dim=1).tolist()
+        sort = sort_by_expert(idx, n_local * ep)  # sorted rows go to the owner of expert e: rank e // n_local
+        recv_per_expert = torch.empty_like(sort.counts)
+        dist.all_to_all_single(recv_per_expert, sort.counts, group=group)  # [ep sources x n_local experts]
         recv_table = recv_per_expert.view(ep, n_local)
-        recv = recv_table.sum(dim=1).tolist()
+        sizes = torch.cat([sort.counts.view(ep, n_local).sum(dim=1), recv_table.sum(dim=1)]).tolist()  # the sync
+        send, recv = sizes[:ep], sizes[ep:]
 
-        xs = x[token]
-        received = dist_fn.all_to_all_single(xs.new_empty(sum(recv), x.shape[1]), xs, recv, send, group=group)
+        received = _exchange(x[sort.token], recv, send, group)
+        received_weights = _exchange(weights.reshape(-1)[sort.order], recv, send, group)
         # rows arrive grouped by source rank, then by local expert: regroup by local expert
-        local_expert = torch.repeat_interleave(torch.arange(n_local, device=x.device).repeat(ep), recv_table.reshape(-1))
+        local_expert = torch.repeat_interleave(torch.arange(n_local, device=x.device).repeat(ep),
+                                               recv_table.reshape(-1), output_size=sum(recv))
         regroup = local_expert.argsort(stable=True)
-        counts = torch.bincount(local_expert, minlength=n_local).tolist()
-        mm = kernels.get("grouped_mm", x.device.type)
-        xg = received[regroup]
-        h = clamped_swiglu(mm(xg, w1, counts), mm(xg, w3, counts), self.limit).to(x.dtype)
-        y = torch.empty_like(received).index_copy(0, regroup, mm(h, w2, counts))
-        back = dist_fn.all_to_all_single(y.new_empty(sum(send), x.shape[1]), y, send, recv, group=group)
-        back = back * weights.reshape(-1)[order, None].to(back.dtype)
-        return torch.zeros_like(x).index_add_(0, token, back)
+        y = expert_ffn(received[regroup], recv_table.sum(dim=0), w1, w2, w3, received_weights[regroup], self.limit)
+        y = torch.empty_like(received).index_copy(0, regroup, y)
+        back = _exchange(y, send, recv, group)
+        return combine(back, sort.token, x.shape[0])
+
+
+def _exchange(x: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group) -> torch.Tensor:
+    """Variable-size all-to-all of x's rows, differentiable (backward runs the reverse exchange) and
+    traceable by torch.compile. Eager, the result is an AsyncCollectiveTensor: it waits at first use."""
+    return funcol.all_to_all_single(x, out_sizes, in_sizes, group)
 
 
 def shard_experts(model: nn.Module, ep_mesh) -> list[nn.Parameter]:

@@ -1,5 +1,5 @@
-"""Apply the parallel plan to an unchanged DeepseekV4: activation checkpointing, expert parallel,
-then FSDP2 per block (and the root) over the data-parallel mesh.
+"""Apply the parallel plan to an unchanged DeepseekV4: activation checkpointing, compiled blocks,
+expert parallel, then FSDP2 per block (and the root) over the data-parallel mesh.
 
 Gradients are summed, not averaged, across ranks (``set_gradient_divide_factor(1.0)``): the loop
 divides every loss by the global number of targets, so a step at any layout computes the same
@@ -139,12 +139,28 @@ def apply_activation_checkpointing(model: DeepseekV4, mode: str) -> None:
         _recompute(block if mode == "full" else block.hc_attn, block)
 
 
+def apply_compile(model: DeepseekV4, fullgraph: bool = True) -> None:
+    """torch.compile each block's forward (main and MTP blocks), the final mHC head and the fused LM
+    head + loss, the torchtitan way: per block, so blocks of one kind share a compiled graph and
+    compile time does not grow with depth. Instance attributes are replaced (as activation
+    checkpointing does), so parameter names, hooks (FSDP2's gathers run outside the graphs) and
+    checkpoints do not change. ``fullgraph``: fail on any graph break; expert parallelism passes
+    False, since its one host read of the all-to-all split sizes per layer breaks the graph there."""
+    for block in [*model.layers, *model.mtp]:
+        block.forward = torch.compile(block.forward, fullgraph=fullgraph)
+    model.hc_head.forward = torch.compile(model.hc_head.forward, fullgraph=fullgraph)
+    model.head_nll = torch.compile(model.head_nll, fullgraph=fullgraph)
+
+
 def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
                       activation_checkpointing: str = "none", reduce_every_micro_batch: bool = False,
-                      ) -> list[nn.Parameter]:
+                      compile: bool = False) -> list[nn.Parameter]:
     """Returns the expert-parallel parameters. Expects the parameters in fp32 (the master weights).
-    ``reduce_every_micro_batch``: see :func:`sync_gradients`."""
+    ``reduce_every_micro_batch``: see :func:`sync_gradients`. Order: activation checkpointing,
+    compile (:func:`apply_compile`), expert parallelism, FSDP2."""
     apply_activation_checkpointing(model, activation_checkpointing)
+    if compile:
+        apply_compile(model, fullgraph=par.ep == 1)
     model.__dict__[_REDUCE_EVERY] = reduce_every_micro_batch
     if not par.distributed:
         cast_for_compute(model, policy.compute_dtype)

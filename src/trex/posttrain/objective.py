@@ -5,7 +5,7 @@ clipping, optimizer, router-bias update, checkpoints, fidelity signals, metrics.
 step it asks the mode's :class:`Objective` for the gradients::
 
     result = objective.step(model, step, scaler)   # forward + backward; grads in .grad (scaled)
-    ... unscale, clip, guard.check(result.loss, grad_norm), optimizer.step(), router bias ...
+    ... unscale, clip, guard.finite(result.loss, grad_norm), optimizer.step(apply=...), router bias ...
     objective.evaluate(model)                       # held-out metrics, now and then
     objective.state_dict() / load_state_dict(d)     # data position, RNG: what resume needs
 
@@ -40,10 +40,12 @@ class StepResult:
 
     loss: torch.Tensor
     """Scalar objective loss of the step over all ranks (detached): the guard's loss and the "loss" metric."""
-    tokens: int
-    """Tokens processed this step on all ranks (throughput and MFU)."""
-    metrics: dict[str, float] = field(default_factory=dict)
-    """Extra metrics (mtp_loss, reward_margin, kl, ...) for metrics.jsonl and TensorBoard."""
+    tokens: int | torch.Tensor
+    """Tokens processed this step on all ranks (throughput and MFU); a 0-d tensor stays on the device
+    until the loop's one read of the step's scalars."""
+    metrics: dict[str, float | torch.Tensor] = field(default_factory=dict)
+    """Extra metrics (mtp_loss, reward_margin, kl, ...) for metrics.jsonl and TensorBoard; 0-d tensors
+    are read with the loss, once per step."""
     moe_stats: list = field(default_factory=list)
     """MoEStats of the trained model's forwards, for the router-bias update."""
 

@@ -26,8 +26,9 @@ def targets_for(labels: torch.Tensor, doc_ids: torch.Tensor, shift: int) -> torc
     return shift_labels(labels, shift, doc_ids)
 
 
-def _count(targets: torch.Tensor) -> int:
-    return int((targets != IGNORE_INDEX).sum())
+def _count(targets: torch.Tensor) -> torch.Tensor:
+    """Labelled targets, a 0-d long tensor on the targets' device (no host read)."""
+    return (targets != IGNORE_INDEX).sum()
 
 
 def balance_term(moe_stats: list, alpha: float, micro_batches: int, world: int) -> torch.Tensor | None:
@@ -49,11 +50,14 @@ def evaluate_loss(model: DeepseekV4, loader, batches: int, device: torch.device,
         b = next(loader).to(device)
         targets = targets_for(b.labels, b.doc_ids, 1)
         out = model(b.input_ids, doc_ids=b.doc_ids, targets=[targets], return_logits=False)
-        total += out.token_nll[0].sum().item()
-        count += _count(targets)
+        total = total + out.token_nll[0].sum().double()
+        count = count + _count(targets)
     model.train(was_training)
+    sums = torch.stack([torch.as_tensor(total, dtype=torch.float64, device=device),
+                        torch.as_tensor(count, dtype=torch.float64, device=device)])
     if par is not None and par.distributed:
-        total, count = par.all_reduce_sum(torch.tensor([total, float(count)], dtype=torch.float64)).tolist()
+        sums = par.all_reduce_sum(sums)
+    total, count = sums.tolist()  # one read for the whole evaluation
     return total / max(count, 1)
 
 
@@ -64,15 +68,16 @@ def accumulate_gradients(model: DeepseekV4, micro: list, cfg_train, scaler: Dyna
     The LM and MTP cross-entropies are summed over tokens and divided by the number of targets in
     the whole step (all micro-batches of all ranks; ranks sum their gradients), so any split of a
     batch gives the same gradient. The balance loss is averaged over micro-batches and ranks.
-    Returns this rank's share of the (lm loss, mtp loss) and its MoE stats.
+    Returns this rank's share of the (lm loss, mtp loss) and its MoE stats. No host read: the
+    target counts stay on the device (all-reduced there).
     """
     world = par.world_size if par is not None else 1
     shifts = [1] + [j + 2 for j in range(model.cfg.num_nextn_predict_layers)]
     targets = [[targets_for(b.labels, b.doc_ids, s) for s in shifts] for b in micro]
-    counts = torch.tensor([sum(_count(t[i]) for t in targets) for i in range(len(shifts))])
+    counts = torch.stack([sum(_count(t[i]) for t in targets) for i in range(len(shifts))])
     if par is not None:
         counts = par.all_reduce_sum(counts)
-    counts = counts.clamp(min=1).tolist()
+    counts = counts.clamp(min=1).unbind(0)
     device = micro[0].input_ids.device
     lm_total = torch.zeros((), device=device)
     mtp_total = torch.zeros((), device=device)
@@ -113,8 +118,7 @@ class SFTObjective(Objective):
         lm, mtp, stats = accumulate_gradients(model, micro, ctx.recipe.train, scaler, ctx.par)
         tokens = sum(b.n_tokens for b in micro)
         totals = ctx.par.all_reduce_sum(torch.stack([lm, mtp, lm.new_tensor(tokens)]))
-        return StepResult(loss=totals[0], tokens=int(totals[2]), metrics={"mtp_loss": totals[1].item()},
-                          moe_stats=stats)
+        return StepResult(loss=totals[0], tokens=totals[2], metrics={"mtp_loss": totals[1]}, moe_stats=stats)
 
     def evaluate(self, model: DeepseekV4) -> dict[str, float]:
         if self.eval_loader is None:

@@ -299,8 +299,8 @@ def _allocate_optimizer_state(state: RunState, index) -> dict[str, dict[str, tor
         dtype, shape = entry.properties.dtype, tuple(entry.size)
         if shape == tuple(p.shape):
             out.setdefault(name, {})[leaf] = torch.zeros_like(p, dtype=dtype, requires_grad=False)
-        elif shape == ():
-            out.setdefault(name, {})[leaf] = torch.zeros((), dtype=dtype)
+        elif shape == ():  # AdamW's step count, on the parameter's device like the optimizer keeps it
+            out.setdefault(name, {})[leaf] = torch.zeros((), dtype=dtype, device=p.device)
         else:
             raise ValueError(f"checkpoint optimizer state {key[6:]} has shape {list(shape)}; parameter {name} "
                              f"has shape {list(p.shape)}")

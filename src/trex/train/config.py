@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from trex.data.config import DataConfig
 from trex.fidelity.signals import FidelitySection
@@ -77,6 +78,14 @@ class TrainSection:
     """Also evaluate the starting model before step 1 (``summary.json`` ``eval["0"]``; not on resume)."""
     progress: bool = True
     """Show a live progress bar when the output is a terminal."""
+    compile: bool | Literal["auto"] = "auto"
+    """torch.compile each block and the head + loss (trex.parallel.plan.apply_compile); "auto": on
+    accelerators that torch.compile has a backend for, off on CPU, where the compiled step is not
+    faster (docs/benchmarks.md)."""
+
+    def compile_on(self, dev) -> bool:
+        """Whether this run compiles on ``dev`` (a trex.device.Device)."""
+        return (dev.is_accelerator and dev.compiles()) if self.compile == "auto" else self.compile
 
     def __post_init__(self) -> None:
         if self.mode not in TRAIN_MODES:

@@ -1,12 +1,13 @@
 """The training loop: full-parameter training of a DeepSeek-V4 model in any `[train] mode`.
 
 One loop serves every mode; what differs is the mode's Objective (trex.posttrain): SFT/CPT
-next-token loss, DPO, GRPO, distillation. One step, as in the algorithm:
+next-token loss, DPO, GRPO, distillation. One step, as in the algorithm (trex.train.step):
 
     objective.step: forward and backward of the step's micro-batches (gradients in .grad, scaled)
     unscale (fp16), measure and clip the global grad norm
     if loss and norm are finite: optimizer step, then the aux-loss-free router bias update
-    else: skip the step and count it (N consecutive skips stop the run)
+    else: leave every state unchanged (decided on the device, no host wait)
+    one host read of the step's scalars; count a skipped step (N consecutive skips stop the run)
     advance the LR schedule; log; objective.evaluate now and then
 
 Everything a run writes lands in its run directory (see trex.train.run_dir).
@@ -35,15 +36,16 @@ from trex.models.flops import flops_per_token
 from trex.parallel.load import load_sharded
 from trex.parallel.mesh import init_parallel
 from trex.parallel.plan import apply_parallelism
-from trex.parallel.preflight import collective_context, preflight
+from trex.parallel.preflight import preflight
 from trex.posttrain import Objective, TrainContext, build_objective
 from trex.posttrain.objective import reshard
 from trex.posttrain.sft import accumulate_gradients
 from trex.train.checkpointing import Checkpointer, RunState
 from trex.train.config import TrainRecipe
-from trex.train.moe_balance import freeze_indexer, sum_expert_counts, update_router_bias
-from trex.train.optim import build_optimizer, clip_grad_norm
+from trex.train.moe_balance import freeze_indexer
+from trex.train.optim import build_optimizer
 from trex.train.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy, StepGuard
+from trex.train.step import read_scalars, train_step
 from trex.train.progress import StepProgress
 from trex.train.run_dir import RunDir
 from trex.train.schedule import build_scheduler
@@ -114,6 +116,32 @@ def fidelity_recorder(recipe: TrainRecipe, objective: Objective, run_path: str, 
     return FidelityRecorder(section, run_path, objective.probe_batch(section.probe_rows), device)
 
 
+class CompiledGraphs:
+    """How many graphs torch.compile built (blocks of one kind share one): after the first step of the
+    run and in all. A recompile-free run has the same count from the first step on, whatever the
+    packing of later micro-batches."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.start = self._count() if enabled else 0
+        self.first_step: int | None = None
+
+    @staticmethod
+    def _count() -> int:
+        from torch._dynamo.utils import counters
+
+        return counters["stats"]["unique_graphs"]
+
+    def after_step(self) -> None:
+        if self.enabled and self.first_step is None:
+            self.first_step = self._count() - self.start
+
+    def summary(self) -> dict:
+        if not self.enabled:
+            return {"enabled": False}
+        return {"enabled": True, "graphs_after_first_step": self.first_step, "graphs": self._count() - self.start}
+
+
 # ---- the loop ---------------------------------------------------------------------------------------
 def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Tokenizer | None = None) -> TrainResult:
     """Run ``recipe``; ``model``/``tokenizer`` continue from a previous stage instead of [model]/[data]."""
@@ -124,6 +152,7 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
     layout = recipe.parallel
     par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev)
     dev.manual_seed(cfg_train.seed)  # the same on every rank: identical initial weights
+    compiled = cfg_train.compile_on(dev)
     policy = PrecisionPolicy.resolve(recipe.precision.dtype, dev)
     run = RunDir(cfg_train.out, enabled=par.is_main)
     run.save_config(recipe)
@@ -136,7 +165,8 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
         # master weights) and let FSDP cast to the compute dtype
         m.to(dtype=torch.float32 if par.distributed else policy.param_dtype).train()
         frozen.extend(freeze_indexer(m) if cfg_train.freeze_indexer else [])
-        apply_parallelism(m, par, policy, layout.activation_checkpointing, layout.reduce_every_micro_batch)
+        apply_parallelism(m, par, policy, layout.activation_checkpointing, layout.reduce_every_micro_batch,
+                          compile=compiled)
 
     if model is None and recipe.model.path and par.distributed:
         model = load_sharded(recipe.model.path, prepare, dev.torch_device)  # each rank reads its shards
@@ -163,6 +193,7 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
     resumed = ckpt.resume()
 
     status, events, last, evals = "completed", [], {}, {}
+    graphs = CompiledGraphs(compiled)
     if cfg_train.eval_at_start and not resumed:
         evals[0] = objective.evaluate(model)
         reshard(model)
@@ -173,40 +204,28 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
     ckpt.install_signal_handlers()
     try:
         for step in range(resumed.step if resumed else 0, cfg_train.steps):
-            dev.synchronize()
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # the previous step ended with a host read: the device is idle
             dev.reset_peak_memory()
-            with collective_context(par, step, "forward/backward (FSDP all-gather/reduce-scatter, MoE all-to-all) "
-                                               "and loss all-reduce"):
-                result = objective.step(model, step, guard.scaler)
-            with collective_context(par, step, "gradient sync and norm"):
-                guard.scaler.unscale_(params)
-                fidelity.record_grad_norms(step + 1, model)  # unscaled, before clipping
-                grad_norm = clip_grad_norm(params, recipe.optim.grad_clip)
-            applied = guard.check(result.loss, grad_norm, step)
-            if applied:
-                with collective_context(par, step, "optimizer step (Muon gathers) and router-bias all-reduce"):
-                    optimizer.step()
-                    reduce = par.all_reduce_sum if par.distributed else None
-                    loads = update_router_bias(model, result.moe_stats, cfg_train.bias_gamma, reduce) \
-                        if cfg_train.bias_gamma else sum_expert_counts(result.moe_stats)
-            else:
-                events.append(guard.last_reason)
-                loads = sum_expert_counts(result.moe_stats)
-            optimizer.zero_grad(set_to_none=True)
+            out = train_step(model, objective, optimizer, params, guard, step, grad_clip=recipe.optim.grad_clip,
+                             bias_gamma=cfg_train.bias_gamma, par=par, fidelity=fidelity)
             lr = optimizer.param_groups[0]["lr"]
             with warnings.catch_warnings():  # a skipped step still advances the schedule
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
                 scheduler.step()
-
-            dev.synchronize()
+            imbalance = {f"expert_imbalance/{k}": v.max() / v.mean().clamp(min=1e-9) for k, v in out.loads.items()}
+            result = out.result
+            read = read_scalars({"loss": result.loss, **result.metrics, "grad_norm": out.grad_norm,
+                                 "tokens": result.tokens, "loss_ok": out.finite[0], "norm_ok": out.finite[1],
+                                 **imbalance})  # the step's one host read: it waits for the step to finish
             dt = time.perf_counter() - t0
-            tokens_seen += result.tokens
-            imbalance = {k: (v.max() / v.mean().clamp(min=1e-9)).item() for k, v in loads.items()}
+            if not guard.record(bool(read.pop("loss_ok")), bool(read.pop("norm_ok")), step):
+                events.append(guard.last_reason)
+            step_tokens = int(read.pop("tokens"))
+            tokens_seen += step_tokens
+            imbalance = {k.split("/", 1)[1]: read.pop(k) for k in imbalance}
             last = {
-                "loss": result.loss.item(), **result.metrics, "grad_norm": grad_norm.item(), "lr": lr,
-                "tokens_per_s": result.tokens / dt,
-                "mfu": (result.tokens / dt * flops / (peak * par.world_size)) if peak else None,
+                **read, "lr": lr, "tokens_per_s": step_tokens / dt,
+                "mfu": (step_tokens / dt * flops / (peak * par.world_size)) if peak else None,
                 "mem_peak_bytes": dev.max_memory_allocated(), "loss_scale": guard.scaler.scale_value,
                 "skipped_steps": guard.skipped_total, "expert_imbalance_max": max(imbalance.values(), default=1.0),
                 "step_time_s": dt, "tokens": tokens_seen,
@@ -220,6 +239,7 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
                 run.log(step + 1, last, {f"expert_imbalance/{k}": v for k, v in imbalance.items()})
             fidelity.record_probe(step + 1, model)  # the fixed probe batch after the update
             reshard(model)  # after no-grad forwards (evaluation, probe): FSDP's root must not stay gathered
+            graphs.after_step()
             progress.update(step + 1, last)
             stop = ckpt.after_step(step + 1, {"tokens": tokens_seen})  # saves when due, or on SIGTERM/SIGINT
             if stop:
@@ -255,6 +275,7 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
         "precision": policy.to_dict(),
         "device": device_layer.environment_report(dev),
         "frozen_parameters": len(frozen),
+        "compile": graphs.summary(),
         "flops_per_token": flops,
         "peak_flops": peak,
         "peak_flops_source": peak_source,

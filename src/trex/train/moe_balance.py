@@ -38,13 +38,16 @@ def sum_expert_counts(stats: Sequence[MoEStats]) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def update_router_bias(model: nn.Module, stats: Sequence[MoEStats], gamma: float,
-                       reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                       reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       apply: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Apply b_i += gamma * sign(mean_load - load_i) to each score-routed layer's gate bias.
 
     ``stats``: the ``out.moe_stats`` of every micro-batch of the step, concatenated. ``reduce``
     (optional) receives all layers' counts stacked as one [L, E] fp32 tensor and returns the sum
-    over ranks (e.g. an all-reduce), so the update is identical on every rank. Returns the step's
-    counts per layer (after ``reduce``), hash layers included, for load metrics.
+    over ranks (e.g. an all-reduce), so the update is identical on every rank. ``apply`` (0-d bool on
+    the device, optional): where False the biases stay as they are (a skipped step), with no host
+    read. Returns the step's counts per layer (after ``reduce``), hash layers included, for load
+    metrics.
     """
     totals = sum_expert_counts(stats)
     if not totals:
@@ -65,7 +68,8 @@ def update_router_bias(model: nn.Module, stats: Sequence[MoEStats], gamma: float
         if bias.shape != load.shape:
             raise ValueError(f"{layer}.ffn.gate.bias has shape {tuple(bias.shape)} but the layer's expert counts "
                              f"have shape {tuple(load.shape)}")
-        bias.add_(torch.sign(load.mean() - load).to(device=bias.device, dtype=bias.dtype), alpha=gamma)
+        step = torch.sign(load.mean() - load).to(device=bias.device, dtype=bias.dtype)
+        bias.add_(step if apply is None else torch.where(apply, step, 0), alpha=gamma)
     return counts
 
 

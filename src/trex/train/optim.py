@@ -29,6 +29,7 @@ from typing import Iterable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
 from torch import nn
 
 from trex import device as trex_device
@@ -116,10 +117,12 @@ def hybrid_newton_schulz(x: torch.Tensor, schedule: Sequence[tuple[float, float,
     return (X.mT if tall else X).float()
 
 
-def momentum_direction(grad: torch.Tensor, momentum: torch.Tensor, mu: float, nesterov: bool) -> torch.Tensor:
-    """M <- mu * M + G in place; returns mu * M + G (Nesterov) or M. Elementwise: shard-local."""
+def momentum_direction(grad: torch.Tensor, momentum: torch.Tensor, mu: float, nesterov: bool,
+                       apply: torch.Tensor | None = None) -> torch.Tensor:
+    """M <- mu * M + G in place; returns mu * M + G (Nesterov) or M. Elementwise: shard-local.
+    ``apply`` (0-d bool, on the device): where False, M is left as it was (``grad`` must then be 0)."""
     g = grad.float()
-    momentum.mul_(mu).add_(g)
+    momentum.mul_(mu if apply is None else torch.where(apply, mu, 1.0)).add_(g)
     return momentum * mu + g if nesterov else momentum.clone()
 
 
@@ -254,35 +257,48 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's, except that state tensors keep their saved dtype (fp32 master and moments):
-        torch would cast them to the parameter dtype, losing the master weights of bf16 parameters."""
+        torch would cast them to the parameter dtype, losing the master weights of bf16 parameters.
+        Every state tensor, AdamW's step count included, goes to the parameter's device."""
         super().load_state_dict(state_dict)
         params = [p for group in self.param_groups for p in group["params"]]
         for index, saved in state_dict["state"].items():
             p = params[index]
             for key, value in saved.items():
-                if isinstance(value, torch.Tensor) and key != "step":
+                if isinstance(value, torch.Tensor):
                     self.state[p][key] = value.to(device=p.device, copy=True)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, apply: torch.Tensor | None = None):
+        """One update of every parameter with a gradient. ``apply`` (0-d bool on the parameters'
+        device) makes the step conditional without a host read: where it is False, parameters,
+        masters, moments and step counts keep their values exactly (non-finite gradients included),
+        so a skipped step costs no synchronisation."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for i, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                master = self._master(p, state)
-                if group["algorithm"] == "muon":
-                    update = self._muon_update(group, i, p, state)
-                else:
-                    update = self._adamw_update(group, p, state)
-                master.mul_(1.0 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
-                if master is not p:
-                    p.copy_(master)
+        with implicit_replication():  # the 0-d ``apply`` and step tensors meet DTensor state as replicated
+            for group in self.param_groups:
+                for i, p in enumerate(group["params"]):
+                    if p.grad is not None:
+                        self._update(group, i, p, apply)
         return loss
+
+    def _update(self, group: dict, i: int, p: torch.Tensor, apply: torch.Tensor | None) -> None:
+        state = self.state[p]
+        master = self._master(p, state)
+        grad = p.grad if apply is None else torch.where(apply, p.grad, 0)
+        if group["algorithm"] == "muon":
+            update = self._muon_update(group, i, p, grad, state, apply)
+        else:
+            update = self._adamw_update(group, p, grad, state, apply)
+        decay = 1.0 - group["lr"] * group["weight_decay"]
+        if apply is None:
+            master.mul_(decay).add_(update, alpha=-group["lr"])
+        else:
+            master.mul_(torch.where(apply, decay, 1.0)).add_(torch.where(apply, update, 0), alpha=-group["lr"])
+        if master is not p:
+            p.copy_(master)
 
     @staticmethod
     def _master(p: torch.Tensor, state: dict) -> torch.Tensor:
@@ -293,13 +309,14 @@ class MuonAdamW(torch.optim.Optimizer):
         return state["master"]
 
     @staticmethod
-    def _muon_update(group: dict, i: int, p: torch.Tensor, state: dict) -> torch.Tensor:
+    def _muon_update(group: dict, i: int, p: torch.Tensor, grad: torch.Tensor, state: dict,
+                     apply: torch.Tensor | None) -> torch.Tensor:
         """The momentum is updated shard-locally; the orthogonalization sees each logical matrix whole:
         a sharded 2-D parameter is gathered, and a stack of experts sharded on dim 0 already holds
         whole matrices. The result is re-sharded like the parameter."""
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-        direction = momentum_direction(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
+        direction = momentum_direction(grad, state["momentum_buffer"], group["momentum"], group["nesterov"], apply)
 
         def orthogonalize(d: torch.Tensor) -> torch.Tensor:
             return orthogonalized_update(d, group["row_blocks"][i], group["update_rms"], group["ns_schedule"],
@@ -315,17 +332,25 @@ class MuonAdamW(torch.optim.Optimizer):
         return distribute_tensor(full, direction.device_mesh, direction.placements, src_data_rank=None)
 
     @staticmethod
-    def _adamw_update(group: dict, p: torch.Tensor, state: dict) -> torch.Tensor:
+    def _adamw_update(group: dict, p: torch.Tensor, grad: torch.Tensor, state: dict,
+                      apply: torch.Tensor | None) -> torch.Tensor:
+        """The step count lives on the parameter's device and the bias corrections are computed there
+        (in fp64, as a host float would be): no host read."""
         if "step" not in state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
         beta1, beta2 = group["betas"]
-        g = p.grad.float()
-        state["step"] += 1
-        t = float(state["step"])
-        state["exp_avg"].lerp_(g, 1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        g = grad.float()
+        if apply is None:
+            state["step"] += 1
+            state["exp_avg"].lerp_(g, 1 - beta1)
+            state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        else:
+            state["step"] += apply.float()
+            state["exp_avg"].lerp_(g, torch.where(apply, 1 - beta1, 0.0))
+            state["exp_avg_sq"].mul_(torch.where(apply, beta2, 1.0)).addcmul_(g, g, value=1 - beta2)
+        t = state["step"].double().clamp(min=1)  # >= 1: a first step that is skipped divides by no zero
         denom = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt_().add_(group["eps"])
         return state["exp_avg"] / (1 - beta1**t) / denom
 
@@ -409,9 +434,9 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
         norm = torch.linalg.vector_norm(g.float())
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
     total = torch.stack(squares).sum().sqrt()
-    if max_norm > 0:
-        coef = min(1.0, max_norm / (float(total) + 1e-6))  # one host sync; nan stays nan and skips the step
-        if coef < 1.0:
+    if max_norm > 0:  # on the device, no host read; a non-finite norm makes every gradient nan: the step skips
+        coef = (max_norm / (total.double() + 1e-6)).clamp(max=1.0)  # fp64, as a host float would be
+        with implicit_replication():  # gradients on different meshes (FSDP, expert shards): one at a time
             for g in grads:
                 g.mul_(coef)
     return total

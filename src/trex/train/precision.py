@@ -183,13 +183,17 @@ class NonFiniteError(RuntimeError):
 
 
 class StepGuard:
-    """Decides each step whether to apply the update, and counts skipped steps.
+    """Decides each step whether the update counts, and counts skipped steps, in two halves so that
+    the step itself never waits for the host:
 
-    ``check(loss, grad_norm, step)`` returns True when the loss and the global grad norm (taken
-    after unscaling) are finite; the loop then calls ``optimizer.step()``. It always updates the
-    loss scaler. After ``max_consecutive`` skips in a row that the scaler cannot remedy it raises
-    `NonFiniteError`. In distributed runs pass the all-reduced loss and the global norm, so every
-    rank decides the same.
+    * ``finite(loss, grad_norm)`` (on the device, inside the step): [2] bool, whether the loss and
+      the global grad norm (after unscaling) are finite; the optimizer and the router-bias update
+      take ``.all()`` as their ``apply`` flag and leave every state unchanged where it is False.
+    * ``record(loss_ok, norm_ok, step)`` (on the host, after the step's one read of its scalars):
+      counts the skip, updates the loss scaler, and after ``max_consecutive`` skips in a row that the
+      scaler cannot remedy raises `NonFiniteError`. Returns whether the step was applied.
+
+    In distributed runs pass the all-reduced loss and the global norm, so every rank decides the same.
     """
 
     def __init__(self, max_consecutive: int, scaler: DynamicLossScaler | None = None):
@@ -199,10 +203,13 @@ class StepGuard:
         self.consecutive = 0
         self.last_reason = ""
 
-    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor, step: int) -> bool:
-        """One host sync. Returns True to take the optimizer step, False to skip it."""
-        loss_ok, norm_ok = (bool(v) for v in torch.stack([loss.detach().float().isfinite().all(),
-                                                          grad_norm.detach().float().isfinite().all()]).tolist())
+    @staticmethod
+    def finite(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """[2] bool on the device: (loss finite, grad norm finite). No host read."""
+        return torch.stack([loss.detach().float().isfinite().all(), grad_norm.detach().float().isfinite().all()])
+
+    def record(self, loss_ok: bool, norm_ok: bool, step: int) -> bool:
+        """The host half, with the flags ``finite`` computed for step ``step`` (0-based)."""
         remediable = loss_ok and not norm_ok and self.scaler.can_back_off()
         scale_before = self.scaler.scale_value
         self.scaler.update(found_inf=not norm_ok)

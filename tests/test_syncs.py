@@ -1,0 +1,82 @@
+"""The training step never waits for the host: a SyncCounter around every step of a real run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trex.data.arithmetic import ArithmeticTask, generate, sft_records
+from trex.data.records import write_jsonl
+from trex.recipe import load
+from trex.syncs import SyncCounter
+from trex.train import loop
+from trex.train.config import TrainRecipe
+
+
+def test_counter_sees_every_kind_of_host_read():
+    x = torch.arange(6.0)
+    with SyncCounter() as s:
+        y = (x * 2).sum()  # device work only
+    assert s.count == 0
+    with SyncCounter() as s:
+        y.item()
+        x.tolist()
+        int(y)
+        bool(y > 0)
+        x[x > 2]  # boolean-mask indexing: a data-dependent shape
+        torch.nonzero(x)
+        torch.bincount(x.long())
+        torch.repeat_interleave(torch.arange(3), torch.tensor([1, 2, 3]))
+    kinds = [what for what, _ in s.events]
+    assert kinds == ["item", "tolist", "__int__", "__bool__", "boolean-mask indexing", "nonzero", "bincount",
+                     "repeat_interleave without output_size"], s.report()
+    with SyncCounter() as s:
+        torch.repeat_interleave(torch.arange(3), torch.tensor([1, 2, 3]), output_size=6)  # size given: no read
+    assert s.count == 0
+
+
+@pytest.fixture(scope="module")
+def sft_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    train_p, _ = generate(ArithmeticTask(digits=2, n_train=200, n_eval=20))
+    write_jsonl(d / "sft.jsonl", sft_records(train_p))
+    return d / "sft.jsonl"
+
+
+def _syncs_per_step(monkeypatch, sft_file, out, *extra) -> list[SyncCounter]:
+    counters = []
+    real = loop.train_step
+
+    def counted(*args, **kwargs):
+        with SyncCounter() as s:
+            result = real(*args, **kwargs)
+        counters.append(s)
+        return result
+
+    monkeypatch.setattr(loop, "train_step", counted)
+    recipe = load(TrainRecipe, overrides=[
+        f'data.paths=["{sft_file}"]', 'data.tokenizer="compact"', "data.seq_len=64", "data.micro_batch_size=2",
+        "train.steps=2", "train.grad_accum=2", f'train.out="{out}"', "train.progress=false", "fidelity.every=0",
+        'model.overrides={sliding_window=16}', "train.bias_gamma=0.001", *extra])
+    loop.train(recipe)
+    return counters
+
+
+@pytest.mark.parametrize("extra", [
+    (),  # fp32, Muon + AdamW, packed rows (documents change inside a row), the aux-loss-free bias update
+    ('parallel.activation_checkpointing="full"', 'precision.dtype="bf16"', 'optim.name="adamw"'),
+], ids=["fp32-muon", "bf16-adamw-recompute"])
+def test_training_step_has_no_host_sync(monkeypatch, sft_file, tmp_path, extra):
+    """Every layer type (sliding, CSA with the indexer, HCA), hash and score MoE, MTP, clipping, the
+    guard, the optimizer and the router-bias update: zero host reads from forward to the update."""
+    counters = _syncs_per_step(monkeypatch, sft_file, tmp_path / "run", *extra)
+    assert len(counters) == 2
+    for s in counters:
+        assert s.count == 0, "host syncs inside the training step:\n" + s.report()
+
+
+def test_reference_kernels_are_caught(monkeypatch, sft_file, tmp_path):
+    """The counter fails on a regression: the host-offset grouped-matmul oracle reads once per matmul."""
+    monkeypatch.setenv("TREX_KERNELS", "reference")
+    counters = _syncs_per_step(monkeypatch, sft_file, tmp_path / "ref")
+    assert counters[0].count > 0 and all("grouped_mm" in where for _, where in counters[0].events)
