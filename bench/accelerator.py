@@ -16,6 +16,7 @@ model FLOPs (trex.models.flops) per second over the hardware profile's peak for 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -104,10 +105,10 @@ def measure_step(device: str, dtype: str, seq: int, compiled: bool, steps: int, 
     t0 = time.perf_counter()
     one(0)
     warm_s = time.perf_counter() - t0
-    syncs = None
-    if not compiled:  # the counter's dispatch modes and compiled graphs do not mix; eager runs the same code
-        with SyncCounter() as syncs:
-            train_step(model, objective, optimizer, params, guard, 1, grad_clip=1.0, bias_gamma=1e-3, par=Parallel())
+    # host syncs of step 1, eager only: the counter's dispatch modes and compiled graphs do not mix
+    syncs = SyncCounter() if not compiled else contextlib.nullcontext()
+    with syncs:
+        train_step(model, objective, optimizer, params, guard, 1, grad_clip=1.0, bias_gamma=1e-3, par=Parallel())
     dev.synchronize()
     dev.reset_peak_memory()
     times = []
@@ -125,7 +126,7 @@ def measure_step(device: str, dtype: str, seq: int, compiled: bool, steps: int, 
               "tokens_per_s": seq / best, "model_tflops_per_s": seq / best * flops / 1e12,
               "mfu": seq / best * flops / peak if peak else None, "peak_flops_source": profile.name if profile else None,
               "peak_memory_gib": dev.max_memory_allocated() / 2**30, "warmup_s": warm_s,
-              "syncs_per_step": syncs.count if syncs else None, "loss": loss,
+              "syncs_per_step": None if compiled else syncs.count, "loss": loss,
               "params_billion": sum(p.numel() for p in model.parameters()) / 1e9}
     if compiled:
         from torch._dynamo.utils import counters
@@ -182,10 +183,12 @@ def report_main(args) -> None:
         parts += [f"(b) V4-Flash-shaped step (hidden 4096, 64 x 512 heads, expert width 2048, vocab 129,280; "
                   f"4 layers, 8 experts top 6; {r0['params_billion']:.2f} B parameters), {r0['dtype']}, S = "
                   f"{r0['seq']}, batch 1, Muon + AdamW, the fastest of the timed steps:", "", *_step_table(results), ""]
-    fid = os.path.join(d, "fidelity.txt")
-    if os.path.exists(fid):
-        parts += ["(c) `recipes/fidelity_default.toml`, device bf16 vs the CPU fp32 golden file, profile `vendor`:",
-                  "", "```", *open(fid).read().strip().splitlines()[-30:], "```", ""]
+    for name, what in (("fidelity.txt", "device bf16 vs the CPU fp32 golden file"),
+                       ("fidelity-same-precision.txt", "device bf16 vs CPU bf16 (the device alone)")):
+        path = os.path.join(d, name)
+        if os.path.exists(path):
+            parts += [f"(c) `recipes/fidelity_default.toml`, {what}, profile `vendor`:", "", "```",
+                      *open(path).read().strip().splitlines()[-30:], "```", ""]
     parts.append(MARK_END)
     section = "\n".join(parts)
     if args.no_write:

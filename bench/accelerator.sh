@@ -3,7 +3,8 @@
 #   (a) the test suite's fast tests with the device selected (TREX_DEVICE), and the FlexAttention
 #       backward against the reference (FlexAttention has no CPU backward, so only here);
 #   (b) a V4-Flash-shaped training step, eager vs compiled, in bf16, with MFU (bench/accelerator.py);
-#   (c) recipes/fidelity_default.toml on the device in bf16 against its CPU fp32 golden file, profile vendor;
+#   (c) recipes/fidelity_default.toml on the device in bf16 against its CPU fp32 golden file, and against
+#       the same recipe on CPU in bf16 (the device's own difference), profile vendor;
 # then writes every figure into docs/benchmarks.md (bench/accelerator.py report).
 #
 #   bash bench/accelerator.sh                   # the device torch.accelerator finds
@@ -35,12 +36,17 @@ echo "== (b) V4-Flash-shaped step, eager vs compiled, bf16"
 timeout 300 "$PYTHON" bench/accelerator.py step --device "$DEVICE" --dtype bf16 --out "$OUT/step.json" \
   || failed=$((failed + 1))
 
-echo "== (c) fidelity: $DEVICE bf16 vs CPU fp32 golden"
-timeout 120 "$PYTHON" -m trex train recipes/fidelity_default.toml --out "$OUT/fidelity-run" \
-  --set train.device=\""$DEVICE"\" --set precision.dtype=\"bf16\" > "$OUT/fidelity-train.txt" 2>&1 \
-  || failed=$((failed + 1))
-"$PYTHON" -m trex fidelity compare "$OUT/fidelity-run" fidelity/golden/default_cpu_fp32.json --profile vendor \
-  2>&1 | tee "$OUT/fidelity.txt"
+echo "== (c) fidelity: $DEVICE bf16 vs the CPU fp32 golden file, and vs CPU bf16 (the device alone)"
+for where in "$DEVICE" cpu; do
+  timeout 150 "$PYTHON" -m trex train recipes/fidelity_default.toml --out "$OUT/fidelity-$where-bf16" \
+    --set train.device=\""$where"\" --set precision.dtype=\"bf16\" > "$OUT/fidelity-$where-bf16.txt" 2>&1 \
+    || failed=$((failed + 1))
+done
+"$PYTHON" -m trex fidelity compare "$OUT/fidelity-$DEVICE-bf16" fidelity/golden/default_cpu_fp32.json \
+  --profile vendor 2>&1 | tee "$OUT/fidelity.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || failed=$((failed + 1))
+"$PYTHON" -m trex fidelity compare "$OUT/fidelity-$DEVICE-bf16" "$OUT/fidelity-cpu-bf16" \
+  --profile vendor 2>&1 | tee "$OUT/fidelity-same-precision.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed=$((failed + 1))
 
 "$PYTHON" bench/accelerator.py report "$OUT" > /dev/null && echo "figures written to docs/benchmarks.md"

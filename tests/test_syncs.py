@@ -80,3 +80,30 @@ def test_reference_kernels_are_caught(monkeypatch, sft_file, tmp_path):
     monkeypatch.setenv("TREX_KERNELS", "reference")
     counters = _syncs_per_step(monkeypatch, sft_file, tmp_path / "ref")
     assert counters[0].count > 0 and all("grouped_mm" in where for _, where in counters[0].events)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [1, 2])
+def test_distributed_step_syncs_only_for_expert_parallel_split_sizes(sft_file, tmp_path, ep):
+    """Two FSDP2 ranks: no host read without expert parallelism; with it, exactly one per MoE layer
+    forward (the all-to-all split sizes), in expert_parallel.py, and nothing else."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    grad_accum = 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(here, "syncs_worker.py"), str(tmp_path), str(sft_file), "parallel.dp_shard=2",
+           f"parallel.ep={ep}", f"train.grad_accum={grad_accum}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(result["steps"]) == 2
+        for events in result["steps"]:
+            expected = 0 if ep == 1 else result["moe_layers"] * grad_accum
+            assert len(events) == expected, events
+            assert all(what == "tolist" and "expert_parallel.py" in where for what, where in events), events

@@ -2,7 +2,8 @@
 
 Everything else asks this module for the device, the process-group backend, memory readings,
 RNG state and capabilities. Detection order: an explicit override (argument or ``TREX_DEVICE``),
-then ``torch.accelerator`` (CUDA, XPU, and Ascend NPU once ``torch_npu`` is imported), then CPU.
+then ``torch.accelerator`` (CUDA, XPU, Ascend NPU once ``torch_npu`` is imported, any PrivateUse1
+device whose plugin ``TREX_DEVICE_PLUGINS`` names), then CPU.
 
 Device *names* with an index ("cuda:0", "npu:3") are used throughout, never bare integers:
 integer ids route tensors to CUDA on some stacks and crash elsewhere.
@@ -26,11 +27,19 @@ _FALLBACK_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl", "xpu": "xccl
 
 
 def _import_vendor_plugins() -> None:
-    """Import out-of-tree device plugins so that torch.accelerator can see them."""
+    """Import out-of-tree device plugins so that torch.accelerator can see them: Ascend's torch_npu when
+    installed (it registers "npu" and HCCL), and every module named in ``TREX_DEVICE_PLUGINS``
+    (comma-separated; e.g. ``trex_vdev``, the test suite's virtual accelerator, docs/device.md), which
+    must import cleanly: a plugin asked for by name that fails is an error, not a CPU run."""
     try:  # Ascend: registers the "npu" device type and the HCCL backend.
         importlib.import_module("torch_npu")
     except Exception:  # noqa: BLE001 - absent or broken plugin means no NPU
         pass
+    for name in filter(None, (n.strip() for n in os.environ.get("TREX_DEVICE_PLUGINS", "").split(","))):
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise RuntimeError(f"TREX_DEVICE_PLUGINS names {name!r}, which does not import: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -242,23 +251,32 @@ def _capabilities(dev_type: str, index: int) -> Capabilities:
         return Capabilities(bf16=bf16, bf16_fast=bf16, fp16=True, fp8=(major, minor) >= (8, 9))
     if dev_type == "npu":  # Ascend 910B/910C: bf16 and fp16 cube units, no fp8 matmul
         return Capabilities(bf16=True, bf16_fast=True, fp16=True, fp8=False)
-    return Capabilities(bf16=True, bf16_fast=True, fp16=True, fp8=False)
+    # any other device type (a new vendor's plugin): what its device module says, and bf16 timed
+    module = torch.get_device_module(dev_type)
+    bf16 = bool(getattr(module, "is_bf16_supported", lambda: True)())
+    name = f"{dev_type}:{index}"
+    fast = bf16 and measure_cpu_bf16_speedup(device=name) >= 0.5
+    return Capabilities(bf16=bf16, bf16_fast=fast, fp16=True, fp8=False)
 
 
-def measure_cpu_bf16_speedup(n: int = 256, repeats: int = 3) -> float:
-    """fp32 matmul time / bf16 matmul time on this CPU (>1 means bf16 is faster).
+def measure_cpu_bf16_speedup(n: int = 256, repeats: int = 3, device: str = "cpu") -> float:
+    """fp32 matmul time / bf16 matmul time on ``device`` (>1 means bf16 is faster): the CPU, or a
+    device type trex has no facts about.
 
     CPU flags are not enough: some CPUs report AVX512-BF16 while torch's bf16 GEMM still
     runs far slower than fp32, so this times both.
     """
+    sync = (lambda: None) if device == "cpu" else torch.get_device_module(device.split(":")[0]).synchronize
 
     def best(dtype: torch.dtype) -> float:
-        a = torch.randn(n, n).to(dtype)
+        a = torch.randn(n, n, device=device).to(dtype)
         a @ a  # warm-up
         times = []
         for _ in range(repeats):
+            sync()
             t0 = time.perf_counter()
             a @ a
+            sync()
             times.append(time.perf_counter() - t0)
         return min(times)
 

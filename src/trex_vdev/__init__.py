@@ -137,6 +137,7 @@ def register() -> None:
         lib_aten = torch.library.Library("aten", "IMPL")  # noqa: TOR901
         _tensor.register_kernels(lib_aten)
         _tensor.register_serialization()
+        _tensor.patch_fake_tensor()
         from trex_vdev import _autocast
 
         _autocast.register(lib, lib_aten)

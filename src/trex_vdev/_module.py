@@ -225,8 +225,54 @@ def empty_cache() -> None:
 
 
 # ---- streams: one synchronous default stream ------------------------------------------------------
-def current_stream(device: Any = None) -> torch.Stream:
-    return torch.Stream(device=torch.device(DEVICE_TYPE, _index(device)))
+# Every vdev op runs synchronously, so streams and events only need the API of torch.cuda's
+# (FSDP2's device handle calls ``Stream(priority=...)``, ``wait_stream``, ``record_event``,
+# ``wait_event``, ``Event().record()``, ``event.synchronize()``). They are ``torch.Stream`` /
+# ``torch.Event`` subclasses, so the generic C++ methods accept them; all report index 0.
+class Event(torch.Event):
+    """A vdev event (``torch.cuda.Event``'s signature). Always complete: vdev work is synchronous."""
+
+    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+                device: Any = None):
+        return super().__new__(cls, device=torch.device(DEVICE_TYPE, _index(device)),
+                               enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
+class Stream(torch.Stream):
+    """A vdev stream (``torch.cuda.Stream``'s signature); work on it runs synchronously."""
+
+    def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any):
+        return super().__new__(cls, device=torch.device(DEVICE_TYPE, _index(device)), priority=priority)
+
+    def record_event(self, event: Any = None) -> Event:
+        event = Event() if event is None else event
+        event.record(self)
+        return event
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def current_stream(device: Any = None) -> Stream:
+    return Stream(device)
 
 
 default_stream = current_stream
@@ -243,6 +289,9 @@ class stream:
 
     def __exit__(self, *exc):
         return False
+
+
+StreamContext = stream
 
 
 def set_stream(stream: Any) -> None:

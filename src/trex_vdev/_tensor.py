@@ -85,7 +85,7 @@ def _normalize_device(dev: Any) -> torch.device:
 # Bytes of the distinct CPU storages held by live VDevTensors, per device index. A storage
 # shared by several wrappers (views, detach, .data) is counted once.
 _mem_lock = threading.RLock()
-_storage_refs: dict[tuple[int, int], list[int]] = {}  # (index, data_ptr) -> [nbytes, refcount]
+_storage_refs: dict[tuple[int, int], list[int]] = {}  # (index, StorageImpl) -> [nbytes, refcount]
 _allocated: dict[int, int] = {}
 _peak: dict[int, int] = {}
 
@@ -95,7 +95,7 @@ def _acquire(index: int, inner: torch.Tensor) -> tuple[int, int] | None:
     nbytes = st.nbytes()
     if nbytes == 0:
         return None
-    key = (index, st.data_ptr())
+    key = (index, st._cdata)  # the StorageImpl: its address survives storage resizes
     with _mem_lock:
         entry = _storage_refs.get(key)
         if entry is None:
@@ -259,6 +259,14 @@ class VDevTensor(torch.Tensor):
         # A real (CPU) address, so that aliasing checks based on data_ptr() keep working.
         return self._vdev_cpu.data_ptr()
 
+    def untyped_storage(self):
+        # The CPU storage holding the data (shared by all views), not the wrapper's own storage,
+        # which has no data: torch refuses data_ptr()/resize_()/copy_() on it ("invalid python
+        # storage"). FSDP2 frees and reallocates its unsharded parameters with
+        # ``t.untyped_storage().resize_(0)`` / ``.resize_(n)``; resizing the CPU storage in place
+        # does that for every view. Its ``.device`` is cpu.
+        return self._vdev_cpu.untyped_storage()
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         with torch._C.DisableTorchFunctionSubclass():
@@ -353,7 +361,7 @@ def _sync_metadata(w: VDevTensor) -> None:
         torch._C._set_meta_in_tls_dispatch_include(True)
         try:
             aten.set_.source_Storage_storage_offset(
-                w, w.untyped_storage(), inner.storage_offset(), inner.shape, inner.stride()
+                w, _TensorBase.untyped_storage(w), inner.storage_offset(), inner.shape, inner.stride()
             )
         finally:
             torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
@@ -429,7 +437,7 @@ def _sync_after_write(t: VDevTensor) -> None:
     lease = t.__dict__.get("_vdev_lease")
     if lease is not None and not _is_tracing(inner):
         nbytes = inner.untyped_storage().nbytes()
-        if (lease.key is None) != (nbytes == 0) or (lease.key is not None and lease.key[1] != inner.untyped_storage().data_ptr()):
+        if (lease.key is None) != (nbytes == 0) or (lease.key is not None and lease.key[1] != inner.untyped_storage()._cdata):
             _retrack(t)
 
 
@@ -511,8 +519,39 @@ EXPLICIT_PRIVATEUSE1_OPS = (
 )
 
 
+def _meta_args(args, kwargs) -> bool:
+    """True when the op reached PrivateUse1 with meta tensors and no vdev tensor.
+
+    That happens under FakeTensorMode (DTensor's sharding propagation, torch.compile): a
+    FakeTensor of device vdev is a meta tensor whose backend key is PrivateUse1, and a view of it
+    made by a meta kernel inherits that key set, so ``FakeTensor.__new__`` detaching it
+    (``Tensor._make_subclass``) lands here with a plain meta tensor. A real backend would have
+    run a CompositeExplicitAutograd kernel; unwrapping it and calling the op again would land here
+    again (infinite recursion)."""
+    meta = False
+    for t in _iter_tensors((args, kwargs)):
+        if isinstance(t, VDevTensor):
+            return False
+        if t.device.type == "meta":
+            meta = True
+    return meta
+
+
+def _run_on_meta(op, args, kwargs):
+    """Run ``op`` with the Meta backend bit included (what FakeTensorMode does in its kernel
+    invocations): the Meta kernel, or the composite one, computes the meta result."""
+    prev = torch._C._meta_in_tls_dispatch_include()
+    torch._C._set_meta_in_tls_dispatch_include(True)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        torch._C._set_meta_in_tls_dispatch_include(prev)
+
+
 def _explicit_kernel(op):
     def kernel(*args, **kwargs):
+        if _meta_args(args, kwargs):
+            return _run_on_meta(op, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return dispatch(op, args, kwargs)
 
@@ -582,5 +621,44 @@ def register_serialization() -> None:
 
 def privateuse1_fallback(op, *args, **kwargs):
     """Boxed fallback for the PrivateUse1 key: factories and ops reached without the Python key."""
+    if _meta_args(args, kwargs):
+        return _run_on_meta(op, args, kwargs)
     with torch._C.DisableTorchFunctionSubclass():
         return dispatch(op, args, kwargs)
+
+
+def patch_fake_tensor() -> None:
+    """Let ``FakeTensor(..., device="vdev")`` be constructed from a meta tensor with PrivateUse1 keys.
+
+    ``FakeTensor.__new__`` calls ``Tensor._make_subclass(cls, elem, device_for_backend_keys=vdev)``,
+    which detaches ``elem`` through the dispatcher. Under FakeTensorMode (DTensor's sharding
+    propagation, torch.compile) ``elem`` is often the meta output of a view of a vdev FakeTensor,
+    and a view inherits its base's key set, PrivateUse1 included: the detach then reaches this
+    package's Python ``detach`` kernel, and ``_make_subclass`` refuses its result ("already
+    associated to a python object"; a Python kernel cannot return a tensor without one). With a
+    C++ backend (CUDA) the detach runs a C++ kernel. The wrapper below includes the Meta key for the
+    construction, as FakeTensorMode does around its own kernel calls, so that detach runs the
+    C++ Meta kernel. Only constructions whose ``elem`` carries PrivateUse1 are affected."""
+    from torch._subclasses import fake_tensor
+
+    cls = fake_tensor.FakeTensor
+    original = cls.__dict__["__new__"]
+    original = getattr(original, "__func__", original)
+    if getattr(original, "_trex_vdev", False):
+        return
+    pu1 = torch._C.DispatchKey.PrivateUse1
+
+    def __new__(cls, *args, **kwargs):
+        elem = args[1] if len(args) > 1 else kwargs.get("elem")
+        if isinstance(elem, torch.Tensor) and torch._C._dispatch_keys(elem).has(pu1):
+            prev = torch._C._meta_in_tls_dispatch_include()
+            torch._C._set_meta_in_tls_dispatch_include(True)
+            try:
+                return original(cls, *args, **kwargs)
+            finally:
+                torch._C._set_meta_in_tls_dispatch_include(prev)
+        return original(cls, *args, **kwargs)
+
+    __new__._trex_vdev = True
+    __new__.__wrapped__ = original
+    cls.__new__ = staticmethod(__new__)
