@@ -94,3 +94,15 @@ def test_sparse_attention_is_registered_with_its_reference(monkeypatch):
     assert kernels.get("sparse_attention", "cpu") is sparse_attention.fused_backward
     monkeypatch.setenv("TREX_KERNELS", "reference")
     assert kernels.get("sparse_attention", "cpu") is sparse_attention.reference
+
+
+def test_kernel_choice_per_op(monkeypatch):
+    from trex.kernels import flex_attention
+
+    monkeypatch.setenv("TREX_KERNELS", "sparse_attention=flex, grouped_mm=reference")
+    assert kernels.get("sparse_attention", "cuda") is flex_attention.flex_sparse_attention
+    assert kernels.get("grouped_mm", "cuda") is reference.grouped_mm
+    assert kernels.get("rms_norm", "cuda") is fused.rms_norm  # not named: the usual choice
+    monkeypatch.setenv("TREX_KERNELS", "sparse_attention=fast")
+    with pytest.raises(ValueError, match="sparse_attention=flex"):
+        kernels.get("sparse_attention", "cpu")

@@ -5,13 +5,19 @@
 returns the fast path registered for that device type when there is one and it is enabled,
 else the vendor-neutral default registered for every device type (``ANY``), else the reference.
 A new device type (a vendor plugin, the test suite's virtual device) therefore gets the
-vendor-neutral paths with no registration, and overrides what it has faster. ``TREX_KERNELS=reference`` forces the references everywhere (fidelity
-runs, debugging). Each fast path has an equivalence test against its reference
-(tests/test_kernels.py). Vendor plugins register their kernels with ``register``.
+vendor-neutral paths with no registration, and overrides what it has faster.
+
+``TREX_KERNELS`` chooses: ``auto`` (the default, as above); ``reference`` (the references everywhere:
+fidelity runs, debugging); or per op, comma-separated ``op=impl`` with impl ``reference``, ``auto``
+or a named alternative (``sparse_attention=flex``: FlexAttention, trex.kernels.flex_attention).
+Each fast path and alternative has an equivalence test against its reference
+(tests/test_kernels.py, tests/test_flex_attention.py). Vendor plugins register their kernels with
+``register``.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 
@@ -25,6 +31,10 @@ _REFERENCE: dict[str, Callable] = {
 }
 _FAST: dict[tuple[str, str], Callable] = {}
 ANY = "*"  # the device type of a vendor-neutral default
+# opt-in implementations, imported when chosen: (op, name) -> "module:function"
+_ALTERNATIVES: dict[tuple[str, str], str] = {
+    ("sparse_attention", "flex"): "trex.kernels.flex_attention:flex_sparse_attention",
+}
 
 
 def register(op: str, device_type: str, fn: Callable) -> None:
@@ -35,14 +45,33 @@ def register(op: str, device_type: str, fn: Callable) -> None:
     _FAST[(op, device_type)] = fn
 
 
+def choice(op: str) -> str:
+    """What ``TREX_KERNELS`` chooses for ``op``: "auto", "reference" or an alternative's name."""
+    setting = os.environ.get("TREX_KERNELS", "auto").strip()
+    if setting in ("auto", "reference"):
+        return setting
+    for item in filter(None, (part.strip() for part in setting.split(","))):
+        name, _, impl = item.partition("=")
+        if name not in _REFERENCE or not impl or (impl not in ("auto", "reference")
+                                                  and (name, impl) not in _ALTERNATIVES):
+            options = sorted({"auto", "reference", *(f"{o}={a}" for o, a in _ALTERNATIVES)})
+            raise ValueError(f"TREX_KERNELS={setting!r}: {item!r} is not a choice; use auto, reference, or "
+                             f"op=impl with op in {sorted(_REFERENCE)} and impl auto, reference or one of {options}")
+        if name == op:
+            return impl
+    return "auto"
+
+
 def get(op: str, device_type: str) -> Callable:
     if op not in _REFERENCE:
         raise KeyError(f"unknown kernel op {op!r}; known ops: {sorted(_REFERENCE)}")
-    if os.environ.get("TREX_KERNELS", "auto") != "reference":
-        fast = _FAST.get((op, device_type)) or _FAST.get((op, ANY))
-        if fast is not None:
-            return fast
-    return _REFERENCE[op]
+    chosen = choice(op)
+    if chosen == "reference":
+        return _REFERENCE[op]
+    if chosen != "auto":
+        module, _, fn = _ALTERNATIVES[(op, chosen)].partition(":")
+        return getattr(importlib.import_module(module), fn)
+    return _FAST.get((op, device_type)) or _FAST.get((op, ANY)) or _REFERENCE[op]
 
 
 def reference_of(op: str) -> Callable:
