@@ -49,15 +49,54 @@ emits CPU code); ``torch.distributed`` with gloo (collectives unwrap to CPU, see
 DDP works); ``torch.accelerator.synchronize/memory_*/empty_cache/get_memory_info/device_count``
 (routed to ``torch.vdev``; ``TREX_VDEV_PATCH_ACCELERATOR=0`` opts out).
 
+Several processes, one device index each (``TREX_VDEV_COUNT=n``, rank r on ``vdev:r``, what trex
+picks from ``LOCAL_RANK``): DTensor and FSDP2 (``fully_shard``) over gloo work. Checked with trex's
+2-process ``parallel.dp_shard=2`` SFT run (Muon, grad accumulation, MTP, MoE): losses, MTP losses
+and grad norms bitwise equal to the same run on CPU (tests/test_vdev_plugin.py). What that needs
+from the plugin, each found by the run failing without it:
+- FakeTensors of device vdev (DTensor's sharding propagation runs every op on them): a view's meta
+  tensor inherits the PrivateUse1 key, so ``FakeTensor.__new__`` detaching it reached this
+  package's Python ``detach`` kernel (infinite recursion, then "already associated to a python
+  object"). ``FakeTensor.__new__`` is wrapped to include the Meta key while it builds such a
+  tensor (what FakeTensorMode does around its own kernels), and the PrivateUse1 kernels run the
+  Meta kernel for meta tensors instead of unwrapping them (``_tensor.patch_fake_tensor``).
+- ``torch.vdev.Stream``/``Event``/``stream``/``current_stream`` with ``torch.cuda``'s signatures
+  (subclasses of ``torch.Stream``/``torch.Event``; everything is synchronous, so waits are no-ops
+  and ``Event.synchronize()`` returns at once).
+- FSDP2 frees its all-gather buffers with ``t.untyped_storage().resize_(0)`` and reallocates them
+  with ``.resize_(n)``: on a vdev storage (the wrapper's, holding no data) a ``resize_`` that does
+  not grow it is accepted and does nothing; the memory stays allocated, so ``memory_allocated``
+  does not show FSDP2's frees (``torch.UntypedStorage.resize_`` is wrapped for vdev storages only).
+- Backward on vdev:1: see below (autograd multithreading is off).
+- ``t.new_tensor(data)`` takes ``t``'s device (C++ would ask the device guard, which says 0).
+- Another tensor subclass among an op's arguments (a DTensor in ``torch.where(vdev_mask, dtensor,
+  0)``) gets the op first: ``__torch_dispatch__`` returns ``NotImplemented``.
+
 Does not work / differs:
-- One device really. ``TREX_VDEV_COUNT=n`` makes ``device_count()`` n, but autograd has a worker
-  queue for vdev:0 only (backward on vdev:1 asserts unless
-  ``torch.autograd.set_multithreading_enabled(False)``) and streams always report index 0.
-- ``untyped_storage().data_ptr()`` of a vdev tensor (so ``safetensors.torch.save`` of vdev tensors:
-  call ``.cpu()`` first), ``Tensor.set_(storage)``, ``torch.UntypedStorage(..., device="vdev")``
-  (segfaults in PyTorch), ``torch.load(map_location="vdev")`` (refused with a message: load to
-  CPU, then ``.to("vdev")``/``load_state_dict``), pinned memory (``pin_memory()`` raises),
-  ``torch.Event`` synchronize/elapsed_time, sparse/quantized layouts.
+- One device really: ``TREX_VDEV_COUNT=n`` makes ``device_count()`` n and tensors carry their
+  index (mixing indices raises), but all indices are the same CPU memory. PyTorch's Python
+  PrivateUse1 device guard is a stub (``deviceCount()`` 1, current device always 0, no-op
+  ``setDevice``), hence:
+  - the autograd engine has a worker queue for vdev:0 only, and a backward on vdev:1 hits an
+    internal assert in engine.cpp. ``register()`` calls
+    ``torch.autograd.set_multithreading_enabled(False)``, so backward runs on the calling thread
+    (as a CPU backward does) for every index. The setting is thread-local: a backward on vdev:1
+    in another thread needs that call in that thread;
+  - where C++ fills in a missing index it gets 0, whatever ``torch.vdev.set_device`` said:
+    ``torch.tensor(x, device="vdev")``, ``cpu_t.to("vdev")`` land on vdev:0. Pass the index
+    (``vdev:1``), as trex does; Python-level factories (``torch.zeros(..., device="vdev")``) do
+    use the current device;
+  - streams and events always report index 0.
+- ``untyped_storage()`` of a vdev tensor is the wrapper's, which holds no data: its ``data_ptr()``
+  raises (so ``safetensors.torch.save`` of vdev tensors: call ``.cpu()`` first), growing it raises,
+  shrinking it is a no-op (see FSDP2 above). ``Tensor.set_(storage)``,
+  ``torch.UntypedStorage(..., device="vdev")`` (segfaults in PyTorch),
+  ``torch.load(map_location="vdev")`` (refused with a message: load to CPU, then
+  ``.to("vdev")``/``load_state_dict``), pinned memory (``pin_memory()`` raises),
+  ``torch.Event(device="vdev")`` synchronize/elapsed_time (``torch.vdev.Event`` synchronizes),
+  sparse/quantized layouts.
+- trex computes in bf16 on an accelerator by default (``precision`` auto) and in fp32 on CPU: to
+  compare a trex run on vdev with the CPU run, pin ``precision.dtype`` (and ``optim.ns_dtype``).
 - Ops called on vdev tensors under ``torch._C._DisableTorchDispatch()``/``no_dispatch()`` hit a
   PyTorch assert ("func != nullptr") unless they are in ``EXPLICIT_PRIVATEUSE1_OPS``.
 - Composite ops that branch on the device: ``scaled_dot_product_attention`` takes the math path on
@@ -138,6 +177,7 @@ def register() -> None:
         _tensor.register_kernels(lib_aten)
         _tensor.register_serialization()
         _tensor.patch_fake_tensor()
+        _tensor.patch_storage_resize()
         from trex_vdev import _autocast
 
         _autocast.register(lib, lib_aten)
@@ -152,6 +192,11 @@ def register() -> None:
             from trex_vdev import _accel
 
             _accel.patch()
+        # The Python device guard reports deviceCount() == 1 (a PyTorch stub), so the autograd
+        # engine makes a worker queue for vdev:0 only and a backward on vdev:1 hits an internal
+        # assert. Without multithreading the engine runs the backward on the calling thread, like
+        # a CPU backward, for every index (the setting is thread-local: this thread's).
+        torch.autograd.set_multithreading_enabled(False)
         _keep_alive.extend([hooks, guard, lib, lib_aten])
         _registered = True
 

@@ -5,7 +5,9 @@ No process-group backend of its own is needed. A c10d collective is a dispatcher
 like any other op, which hands gloo the CPU tensors underneath (in place, so the vdev tensors see
 the result) and passes the Work object through, so ``async_op=True`` + ``wait()`` work too.
 Checked with two processes: all_reduce, broadcast, all_gather(_into_tensor), reduce_scatter_tensor,
-all_to_all_single, barrier, async all_reduce, and DistributedDataParallel (same weights as on CPU).
+all_to_all_single, barrier, async all_reduce, and DistributedDataParallel (same weights as on CPU);
+DTensor and FSDP2 (``fully_shard``) too, through trex's 2-process ``dp_shard=2`` run (what they
+need from the plugin besides collectives is listed in the package docstring).
 
 What ``setup()`` adds is the registration a device plugin is expected to make
 (``Backend.default_device_backend_map`` is documented as the place where "3rd-party devices can

@@ -3,7 +3,9 @@
 It mirrors the parts of ``torch.cuda`` / ``torch.npu`` that device-agnostic code calls.
 RNG functions act on the CPU default generator: vdev has no generator of its own, so a seeded
 run on vdev draws exactly the numbers a seeded CPU run draws (and seeding vdev seeds CPU).
-Memory functions report the bytes of the CPU storages held by live vdev tensors.
+Memory functions report the bytes of the CPU storages held by live vdev tensors. Streams and
+events (``Stream``, ``Event``, ``stream``, ``current_stream``) have torch.cuda's signatures and do
+nothing: every vdev op runs synchronously.
 """
 
 from __future__ import annotations

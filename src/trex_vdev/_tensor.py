@@ -30,7 +30,13 @@ Pitfalls handled here (each found by a failing comparison with CPU):
 - ``.data =`` (a C++ setter that consults ``__torch_function__``) must swap the CPU data too;
 - ZeroTensors (no data) are materialised; ``tolist``/``__format__``/``data_ptr``/``numpy``/
   ``__reduce_ex__``/``__deepcopy__`` are redefined because torch's versions read the wrapper's
-  empty storage or reject subclasses.
+  empty storage or reject subclasses;
+- meta tensors carrying the PrivateUse1 key (views of vdev FakeTensors) run the Meta kernel in the
+  PrivateUse1 kernels instead of recursing, and ``FakeTensor.__new__`` builds them with the Meta
+  key included (``patch_fake_tensor``);
+- another tensor subclass among the arguments (DTensor) gets ``NotImplemented`` and goes first;
+- ``new_tensor`` passes its own device (C++ would take index 0 from the stub device guard);
+- ``UntypedStorage.resize_`` on a vdev storage that does not grow is a no-op (FSDP2's frees).
 """
 
 from __future__ import annotations
@@ -259,16 +265,19 @@ class VDevTensor(torch.Tensor):
         # A real (CPU) address, so that aliasing checks based on data_ptr() keep working.
         return self._vdev_cpu.data_ptr()
 
-    def untyped_storage(self):
-        # The CPU storage holding the data (shared by all views), not the wrapper's own storage,
-        # which has no data: torch refuses data_ptr()/resize_()/copy_() on it ("invalid python
-        # storage"). FSDP2 frees and reallocates its unsharded parameters with
-        # ``t.untyped_storage().resize_(0)`` / ``.resize_(n)``; resizing the CPU storage in place
-        # does that for every view. Its ``.device`` is cpu.
-        return self._vdev_cpu.untyped_storage()
+    def new_tensor(self, data, *args, **kwargs):
+        # C++ fills in the device of ``t.new_tensor(data)`` from the device guard, and the Python
+        # PrivateUse1 guard of PyTorch always answers index 0: vdev:1 tensors made vdev:0 ones.
+        if kwargs.get("device") is None:
+            kwargs["device"] = self.device
+        return torch.Tensor.new_tensor(self, data, *args, **kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if any(not issubclass(t, VDevTensor) for t in types):
+            # Another tensor subclass is among the arguments (a DTensor, in ``torch.where(mask,
+            # dtensor, 0)``): let it handle the op first; it calls it again with vdev tensors.
+            return NotImplemented
         with torch._C.DisableTorchFunctionSubclass():
             return dispatch(func, args, kwargs or {})
 
@@ -662,3 +671,34 @@ def patch_fake_tensor() -> None:
     __new__._trex_vdev = True
     __new__.__wrapped__ = original
     cls.__new__ = staticmethod(__new__)
+
+
+def patch_storage_resize() -> None:
+    """Accept ``resize_`` on the storage of a vdev tensor when it does not grow it, as a no-op.
+
+    The storage of a vdev tensor is the wrapper's own, which holds no data (its data is the CPU
+    tensor's storage), and torch refuses ``resize_`` on it ("invalid python storage"). FSDP2 frees
+    and reallocates its all-gather buffers with ``t.untyped_storage().resize_(0)`` and
+    ``.resize_(n)`` (``torch.distributed.fsdp._fully_shard._fsdp_param.free_storage`` /
+    ``alloc_storage``), and writes them in full before reading them again; keeping the memory is a
+    valid outcome of both (the contents of a reallocated storage are undefined anyway). Growing a
+    vdev storage raises. ``untyped_storage()`` itself is left alone: torch's tracing (Dynamo's
+    meta converter, functionalization) identifies a wrapper by its own storage."""
+    cls = torch.UntypedStorage
+    original = cls.resize_
+    if getattr(original, "_trex_vdev", False):
+        return
+
+    def resize_(self, size):
+        if self.device.type == DEVICE_TYPE:
+            if size <= self.nbytes():
+                return self
+            raise NotImplementedError(
+                f"trex_vdev: cannot grow the storage of a vdev tensor ({self.nbytes()} -> {size} bytes)"
+            )
+        return original(self, size)
+
+    resize_._trex_vdev = True
+    resize_.__wrapped__ = original
+    resize_.__doc__ = original.__doc__
+    cls.resize_ = resize_
