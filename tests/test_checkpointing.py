@@ -254,3 +254,42 @@ def test_async_save_round_trips_bf16_parameters_and_fp32_optimizer_state(tmp_pat
     assert b.scheduler.last_epoch == 2 and all(g["lr"] == want_lr for g in b.optimizer.param_groups)
     _step(b, 2)  # the same step from the restored state lands on the same weights
     assert all(torch.equal(b.model.state_dict()[k], v) for k, v in a.model.state_dict().items())
+
+
+def test_resume_auto_when_every_checkpoint_is_corrupt_is_an_error_not_a_fresh_start(recipe_file, tmp_path):
+    out = tmp_path / "run"
+    train(_recipe(recipe_file, out, "train.steps=4", "checkpoint.save_every=2"))
+    for step_dir in (out / "checkpoints").iterdir():
+        os.remove(step_dir / "manifest.json")
+    with pytest.warns(RuntimeWarning, match="skipping checkpoint"):
+        with pytest.raises(ValueError, match=r"none of the 2 checkpoints .* verifies .*--resume"):
+            train(_recipe(recipe_file, out, "train.steps=6", 'checkpoint.resume="auto"'))
+
+
+def _steps(path) -> list[int]:
+    return [json.loads(line)["step"] for line in open(path) if line.strip()]
+
+
+def test_resume_after_a_kill_keeps_each_step_once_in_metrics_and_signals(recipe_file, tmp_path):
+    """Steps logged after the last checkpoint and before a kill are dropped on resume: the resumed
+    values replace them, in metrics.jsonl and in the fidelity signal files."""
+    out = tmp_path / "run"
+    train(_recipe(recipe_file, out, "train.steps=6", "checkpoint.save_every=3", "fidelity.every=1"))
+    shutil.rmtree(out / "checkpoints" / "step_6")  # killed after logging steps 4-6, before the step-6 save
+    train(_recipe(recipe_file, out, "train.steps=6", "checkpoint.save_every=3", "fidelity.every=1",
+                  'checkpoint.resume="auto"'))
+    for name in ("metrics.jsonl", "grad_norms.jsonl", "probe.jsonl"):
+        assert _steps(out / name) == [1, 2, 3, 4, 5, 6], name
+
+
+def test_a_second_run_into_the_same_directory_refuses_or_overwrites(recipe_file, tmp_path):
+    out = tmp_path / "run"
+    train(_recipe(recipe_file, out, "train.steps=4", "checkpoint.save_every=2"))
+    with pytest.raises(ValueError, match=r"already holds a run \(metrics.jsonl, checkpoints step_2, step_4\): "
+                                         r"pass --resume auto"):
+        train(_recipe(recipe_file, out, "train.steps=3"))
+    assert _steps(out / "metrics.jsonl") == [1, 2, 3, 4]  # untouched by the refused run
+    train(_recipe(recipe_file, out, "train.steps=3", "train.overwrite=true"))
+    assert _steps(out / "metrics.jsonl") == [1, 2, 3]
+    assert not (out / "checkpoints" / "step_4").exists()  # the earlier run's checkpoints went with it
+    assert len(os.listdir(out / "tensorboard")) == 1

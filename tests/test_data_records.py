@@ -1,6 +1,7 @@
 """Reading JSONL/Parquet and the bad-record policies (fail / skip / truncate)."""
 
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -139,3 +140,26 @@ def test_directory_and_missing_paths(tmp_path):
     assert len(docs) == 2
     with pytest.raises(FileNotFoundError, match="matches no file"):
         build_documents(cfg_for(tmp_path / "nope*.jsonl", "fail"), TOK, BadRecordPolicy("fail"))
+
+
+def _write_many(path: str) -> None:
+    from trex.data.records import write_jsonl
+
+    for i in range(300):
+        write_jsonl(path, [{"i": i, "text": "x" * 2000}])
+
+
+def test_processes_writing_the_same_file_at_once_all_succeed(tmp_path):
+    """Every rank of a job generates the same data files: no writer may lose its temp file to another."""
+    import multiprocessing
+
+    path = str(tmp_path / "sft.jsonl")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_write_many, args=(path,)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert json.loads(open(path).readline())["text"] == "x" * 2000
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]

@@ -106,6 +106,8 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(arithmetic_files,
     summary = json.loads((tmp_path / "nan" / "summary.json").read_text())
     assert summary["skipped_steps"] == 2 and summary["status"].startswith("stopped")
     assert len(summary["nonfinite_events"]) == 2
+    # numbered as metrics.jsonl numbers steps (from 1)
+    assert [e.split(":")[0] for e in summary["nonfinite_events"]] == ["step 1", "step 2"]
     assert torch.equal(model.embed.weight, before)  # no update was applied
 
 
@@ -175,3 +177,39 @@ def test_eval_at_start_scores_the_starting_model_once(arithmetic_files, tmp_path
     assert end < start  # the run learned from the model scored at step 0
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert rows[0]["step"] == 0 and rows[0]["eval_loss"] == start
+
+
+@pytest.mark.parametrize("setting, expected", [
+    ('data.paths=["/nonexistent/*.jsonl"]', "data path '/nonexistent/*.jsonl' matches no file"),
+    ('train.out="/proc/trex-run"', "/proc/trex-run"),  # a run directory that cannot be made
+])
+def test_cli_reports_file_errors_in_one_line(capsys, setting, expected):
+    code = main(["train", "recipes/fidelity_default.toml", "--set", setting, "--set", "train.progress=false"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("trex train:")]
+    assert code == 2 and "Traceback" not in err and len(lines) == 1 and expected in lines[0], err[-2000:]
+
+
+def test_cli_non_finite_stop_is_one_line_with_its_own_exit_code(arithmetic_files, tmp_path, capsys):
+    args = ["train", "recipes/fidelity_default.toml", "--set", f'data.paths=["{arithmetic_files}/sft.jsonl"]',
+            "--set", 'data.bad_record_policy="skip"', "--set", "optim.lr=1e30", "--set", 'optim.name="adamw"',
+            "--set", "precision.max_consecutive_skips=1", "--set", "train.steps=8", "--set", "optim.grad_clip=0",
+            "--set", "fidelity.every=0", "--out", str(tmp_path / "nan")]
+    code = main(args)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("trex train:")]
+    assert code == 3 and "Traceback" not in err and len(lines) == 1 and "consecutive steps skipped" in lines[0], err
+
+
+def test_resume_decisions_reach_the_terminal_and_the_run_log(arithmetic_files, tmp_path, capsys):
+    out = tmp_path / "run"
+    base = ["train", "recipes/fidelity_default.toml", "--set", f'data.paths=["{arithmetic_files}/sft.jsonl"]',
+            "--set", 'data.bad_record_policy="skip"', "--set", "fidelity.every=0", "--set", "schedule.warmup_steps=0",
+            "--out", str(out), "--save-every", "2", "--resume", "auto"]
+    assert main([*base, "--steps", "2"]) == 0
+    assert "trex: resume = auto: no checkpoint in" in capsys.readouterr().err
+    assert main([*base, "--steps", "4"]) == 0
+    err = capsys.readouterr().err
+    assert f"trex: resumed from {out}/checkpoints/step_2 at step 2" in err
+    log = (out / "train.log").read_text()
+    assert "starting from step 1" in log and "resumed from" in log

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from trex import logs
+
+    logs.to_terminal()
     return args.func(args)
 
 

@@ -33,6 +33,7 @@ from trex.recipe import require_positive
 
 GRAD_NORMS_FILE = "grad_norms.jsonl"
 PROBE_FILE = "probe.jsonl"
+SIGNAL_FILES = (GRAD_NORMS_FILE, PROBE_FILE)  # one JSON line per recorded step
 
 
 @dataclass

@@ -376,7 +376,13 @@ class Checkpointer:
             return None
         path = find_resume(self.directory) if spec == "auto" else spec
         if path is None:
-            log.info("resume = auto: no complete checkpoint in %s, starting fresh", self.directory)
+            found = [p for _, p in list_checkpoints(self.directory)]
+            if found:  # a run that had checkpoints never restarts from scratch on its own
+                raise ValueError(f"checkpoint.resume = auto: none of the {len(found)} checkpoints in {self.directory} "
+                                 f"verifies ({', '.join(os.path.basename(p) for p in found)}; `trex ckpt verify "
+                                 "PATH` says why); to start this run again from step 1, move them away or pass "
+                                 "--resume \"\"")
+            log.info("resume = auto: no checkpoint in %s yet, starting from step 1", self.directory)
             return None
         if spec != "auto":
             report = _from_rank0(verify_checkpoint(path).to_dict() if _rank_world()[0] == 0 else None)

@@ -19,6 +19,8 @@ def register(sub) -> None:
     p.add_argument("--save-every", type=int, help="checkpoint every N steps and at the end (checkpoint.save_every)")
     p.add_argument("--resume", metavar="auto|PATH",
                    help="resume from the newest checkpoint that verifies, or from PATH (checkpoint.resume)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier run in the run directory instead of refusing (train.overwrite)")
     p.add_argument("--dry-run", action="store_true",
                    help="build the full model on the meta device under a fake process group and print per-rank memory")
     p.add_argument("--world-size", type=int, default=0, help="ranks for --dry-run")
@@ -46,6 +48,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_job(args: argparse.Namespace) -> int:
     from trex.recipe import RecipeError, load
+    from trex.train.precision import NonFiniteError
 
     try:
         if args.recipe is None:
@@ -68,9 +71,10 @@ def _run_job(args: argparse.Namespace) -> int:
         overrides = list(args.overrides)
         for flag, key in ((args.out, "train.out"), (args.steps, "train.steps"), (args.seed, "train.seed"),
                           (args.device, "train.device"), (args.save_every, "checkpoint.save_every"),
-                          (args.resume, "checkpoint.resume")):
+                          (args.resume, "checkpoint.resume"), (args.overwrite or None, "train.overwrite")):
             if flag is not None:
-                overrides.append(f"{key}={flag!r}" if isinstance(flag, str) else f"{key}={flag}")
+                value = repr(flag) if isinstance(flag, str) else str(flag).lower() if isinstance(flag, bool) else flag
+                overrides.append(f"{key}={value}")
         recipe = load(TrainRecipe, args.recipe, overrides)
         if args.dry_run:
             from trex.parallel.dry_run import dry_run, format_report
@@ -86,9 +90,23 @@ def _run_job(args: argparse.Namespace) -> int:
     except (RecipeError, ValueError) as e:  # config, data and checkpoint errors name their source
         print(f"trex train: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a data path that matches nothing, an unwritable or full disk: the path and why
+        print(f"trex train: {os_error_line(e)}", file=sys.stderr)
+        return 2
+    except NonFiniteError as e:
+        print(f"trex train: {e} (summary.json and loss.png written)", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("trex train: interrupted; summary.json and loss.png written", file=sys.stderr)
         return 130
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for an OSError: trex's own message, or "PATH: reason" for one from the system."""
+    if e.filename is None:
+        return str(e)
+    target = f"{e.filename} -> {e.filename2}" if e.filename2 else str(e.filename)
+    return f"{target}: {e.strerror or e}"
 
 
 def _bench_data(args: argparse.Namespace) -> int:

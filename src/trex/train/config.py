@@ -78,6 +78,9 @@ class TrainSection:
     """Also evaluate the starting model before step 1 (``summary.json`` ``eval["0"]``; not on resume)."""
     progress: bool = True
     """Show a live progress bar when the output is a terminal."""
+    overwrite: bool = False
+    """Replace an earlier run in ``out`` (its metrics, signals, TensorBoard events and checkpoints)
+    instead of refusing to start; a resumed run continues it instead."""
     compile: bool | Literal["auto"] = "auto"
     """torch.compile each block and the head + loss (trex.parallel.plan.apply_compile); "auto": on
     accelerators that torch.compile has a backend for, off on CPU, where the compiled step is not

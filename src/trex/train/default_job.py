@@ -80,6 +80,7 @@ def _stage(job: DefaultJob, name: str, paths: list[str], eval_paths: list[str], 
         optim=OptimConfig(name=job.optimizer, lr=job.lr, weight_decay=0.0),
         schedule=ScheduleConfig(warmup_steps=max(1, steps // 10), decay="cosine", min_lr_ratio=0.1),
         train=TrainSection(steps=steps, seed=job.seed, out=os.path.join(job.out, name), device=job.device,
+                           overwrite=True,  # the default job replaces its own earlier output
                            eval_every=max(1, steps // 4), log_every=1, progress=job.progress),
         eval=EvalSection(paths=eval_paths, batches=2),
     )

@@ -29,7 +29,7 @@ from trex import device as device_layer
 from trex import recipe as recipe_io
 from trex.data import load_tokenizer
 from trex.data.tokenizer import Tokenizer, compact_tokenizer
-from trex.fidelity.signals import FidelityRecorder
+from trex.fidelity.signals import SIGNAL_FILES, FidelityRecorder
 from trex.hardware import profile_for_device_name
 from trex.models import DeepseekV4, build_model, get_preset, load_pretrained
 from trex.models.flops import flops_per_token
@@ -47,7 +47,7 @@ from trex.train.optim import build_optimizer
 from trex.train.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy, StepGuard
 from trex.train.step import read_scalars, train_step
 from trex.train.progress import StepProgress
-from trex.train.run_dir import RunDir
+from trex.train.run_dir import METRICS_FILE, RunDir
 from trex.train.schedule import build_scheduler
 
 __all__ = ["TrainResult", "train", "accumulate_gradients", "model_for", "tokenizer_for"]
@@ -155,7 +155,6 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
     compiled = cfg_train.compile_on(dev)
     policy = PrecisionPolicy.resolve(recipe.precision.dtype, dev)
     run = RunDir(cfg_train.out, enabled=par.is_main)
-    run.save_config(recipe)
 
     tokenizer = tokenizer or tokenizer_for(recipe.data.tokenizer)
     frozen: list[str] = []
@@ -191,6 +190,9 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
     ckpt = Checkpointer(recipe.checkpoint, cfg_train.out, RunState(model, optimizer, scheduler, guard, objective, dev),
                         config=recipe_io.to_dict(recipe), precision=policy.to_dict())
     resumed = ckpt.resume()
+    run.begin(resumed.step if resumed else None, cfg_train.overwrite, [METRICS_FILE, *SIGNAL_FILES],
+              ckpt.directory)
+    run.save_config(recipe)
 
     status, events, last, evals = "completed", [], {}, {}
     graphs = CompiledGraphs(compiled)
@@ -218,7 +220,7 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
                                  "tokens": result.tokens, "loss_ok": out.finite[0], "norm_ok": out.finite[1],
                                  **imbalance})  # the step's one host read: it waits for the step to finish
             dt = time.perf_counter() - t0
-            if not guard.record(bool(read.pop("loss_ok")), bool(read.pop("norm_ok")), step):
+            if not guard.record(bool(read.pop("loss_ok")), bool(read.pop("norm_ok")), step + 1):
                 events.append(guard.last_reason)
             step_tokens = int(read.pop("tokens"))
             tokens_seen += step_tokens

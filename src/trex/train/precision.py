@@ -209,7 +209,8 @@ class StepGuard:
         return torch.stack([loss.detach().float().isfinite().all(), grad_norm.detach().float().isfinite().all()])
 
     def record(self, loss_ok: bool, norm_ok: bool, step: int) -> bool:
-        """The host half, with the flags ``finite`` computed for step ``step`` (0-based)."""
+        """The host half, with the flags ``finite`` computed for step ``step`` (1-based, as metrics
+        number steps)."""
         remediable = loss_ok and not norm_ok and self.scaler.can_back_off()
         scale_before = self.scaler.scale_value
         self.scaler.update(found_inf=not norm_ok)

@@ -1,4 +1,5 @@
-"""A run directory: config.toml, metrics.jsonl, TensorBoard events, summary.json and loss.png.
+"""A run directory: config.toml, metrics.jsonl, TensorBoard events, summary.json, loss.png and
+train.log (every trex message of the run, trex.logs).
 
 Only rank 0 writes. Every file that is rewritten (summary, plot, config) is written to a temporary
 name and renamed, so a crash never leaves a half-written file; metrics.jsonl is appended line by
@@ -10,9 +11,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from typing import Any
 
+from trex import logs
 from trex import recipe as recipe_io
+
+
+METRICS_FILE = "metrics.jsonl"
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -28,11 +34,44 @@ class RunDir:
         self.enabled = enabled
         self._metrics = None
         self._tb = None
+        self._log = None
+        self._purge_step: int | None = None
         if enabled:
             os.makedirs(path, exist_ok=True)
+            self._log = logs.to_file(self.file("train.log"))
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
+
+    def begin(self, resumed_step: int | None, overwrite: bool, step_files: list[str], checkpoints: str) -> None:
+        """Make the directory hold this run only, before its first step; every rank checks, rank 0 writes.
+
+        ``step_files`` (names in the directory) hold one JSON line per step, ``checkpoints`` is the run's
+        checkpoint directory. Resumed at step K: lines past K (written after the checkpoint, before a
+        kill) are dropped and TensorBoard purges its events past K, so each step appears once. A fresh
+        run into a directory that holds an earlier run raises ValueError naming the choices, or with
+        ``overwrite`` removes the earlier run's files and checkpoints first."""
+        if resumed_step is not None:
+            if self.enabled:
+                for name in step_files:
+                    _keep_steps_up_to(self.file(name), resumed_step)
+            self._purge_step = resumed_step + 1
+            return
+        earlier = [n for n in step_files if os.path.exists(self.file(n)) and os.path.getsize(self.file(n))]
+        old_ckpts = sorted(n for n in (os.listdir(checkpoints) if os.path.isdir(checkpoints) else [])
+                           if n.startswith("step_"))
+        if not earlier and not old_ckpts:
+            return
+        if not overwrite:
+            what = ", ".join(earlier + ([f"checkpoints {', '.join(old_ckpts)}"] if old_ckpts else []))
+            raise ValueError(f"{self.path} already holds a run ({what}): pass --resume auto to continue it, "
+                             "--overwrite (train.overwrite) to replace it, or another --out")
+        if self.enabled:
+            for name in [*step_files, "summary.json", "loss.png"]:
+                if os.path.exists(self.file(name)):
+                    os.remove(self.file(name))
+            for path in [self.file("tensorboard"), *(os.path.join(checkpoints, n) for n in old_ckpts)]:
+                shutil.rmtree(path, ignore_errors=True)
 
     def save_config(self, config: Any) -> None:
         if self.enabled:
@@ -43,10 +82,10 @@ class RunDir:
         if not self.enabled:
             return
         if self._metrics is None:
-            self._metrics = open(self.file("metrics.jsonl"), "a")
+            self._metrics = open(self.file(METRICS_FILE), "a")
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(self.file("tensorboard"))
+            self._tb = SummaryWriter(self.file("tensorboard"), purge_step=self._purge_step)
         record = {"step": step, **metrics}
         self._metrics.write(json.dumps(record, default=_json_default) + "\n")
         self._metrics.flush()
@@ -60,14 +99,14 @@ class RunDir:
 
     def plot_loss(self) -> None:
         """loss.png: training loss (and eval loss when logged) against step."""
-        if not self.enabled or not os.path.exists(self.file("metrics.jsonl")):
+        if not self.enabled or not os.path.exists(self.file(METRICS_FILE)):
             return
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        rows = [json.loads(line) for line in open(self.file("metrics.jsonl")) if line.strip()]
+        rows = [json.loads(line) for line in open(self.file(METRICS_FILE)) if line.strip()]
         fig, ax = plt.subplots(figsize=(7, 4))
         for key, style in (("loss", "-"), ("eval_loss", "o-")):
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
@@ -88,6 +127,20 @@ class RunDir:
             self._metrics.close()
             self._tb.close()
             self._metrics = self._tb = None
+        if self._log is not None:
+            logs.remove(self._log)
+            self._log = None
+
+
+def _keep_steps_up_to(path: str, step: int) -> None:
+    """Rewrite a JSON-lines file keeping the lines whose "step" is <= ``step`` (atomically)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(kept) < len(lines):
+        _atomic_write_text(path, "".join(kept))
 
 
 def _json_default(value: Any) -> Any:

@@ -1,0 +1,72 @@
+"""How trex's library messages reach the user.
+
+Policy: modules log through ``logging.getLogger(__name__)`` (all under "trex"); they never print,
+except the CLI's own results and the progress bar. :func:`to_terminal` (called by the CLI) sends
+INFO and above to stderr as ``trex: message`` and ``trex: warning: message``; under torchrun, ranks
+other than 0 show warnings and errors only, as ``trex[rank 3]: ...``. ``TREX_LOG_LEVEL`` (DEBUG,
+INFO, WARNING, ERROR) changes the level. A run also writes every message, with a timestamp, to its
+run directory's ``train.log`` (:func:`to_file`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+LOGGER = logging.getLogger("trex")
+_TERMINAL = "_trex_terminal"
+
+
+class _Format(logging.Formatter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = "" if record.levelno < logging.WARNING else f"{record.levelname.lower()}: "
+        return f"{self.prefix}: {level}{record.getMessage()}"
+
+
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (a redirected or captured stderr included)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def to_terminal() -> None:
+    """Show trex's messages on stderr (idempotent)."""
+    if any(getattr(h, _TERMINAL, False) for h in LOGGER.handlers):
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    handler = _Stderr()
+    setattr(handler, _TERMINAL, True)
+    handler.setFormatter(_Format("trex" if rank == 0 else f"trex[rank {rank}]"))
+    level = os.environ.get("TREX_LOG_LEVEL", "INFO").upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ValueError(f"TREX_LOG_LEVEL={level!r}: expected DEBUG, INFO, WARNING or ERROR")
+    handler.setLevel(level if rank == 0 else max(logging.WARNING, logging.getLevelName(level)))
+    LOGGER.addHandler(handler)
+    LOGGER.setLevel(min(LOGGER.getEffectiveLevel(), logging.getLevelName(level)))
+    LOGGER.propagate = False
+
+
+def to_file(path: str) -> logging.Handler:
+    """Also write every trex message (DEBUG up) to ``path``; returns the handler, for ``remove``."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    LOGGER.addHandler(handler)
+    if LOGGER.level == logging.NOTSET or LOGGER.level > logging.INFO:
+        LOGGER.setLevel(logging.INFO)
+    return handler
+
+
+def remove(handler: logging.Handler) -> None:
+    LOGGER.removeHandler(handler)
+    handler.close()
