@@ -163,3 +163,19 @@ def test_processes_writing_the_same_file_at_once_all_succeed(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0]
     assert json.loads(open(path).readline())["text"] == "x" * 2000
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+
+
+def test_other_files_in_a_data_directory_are_counted_and_named(tmp_path, caplog):
+    from trex.data.records import resolve_paths
+
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "x"}])
+    (tmp_path / "notes.txt").write_text("not data")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "table.csv").write_text("a,b")
+    (tmp_path / ".a.jsonl.123.tmp").write_text("")  # a writer's hidden temp file is not reported
+    with caplog.at_level("WARNING", logger="trex"):
+        files = resolve_paths([str(tmp_path)])
+    assert [f.name for f, _ in files] == ["a.jsonl"]
+    assert len(caplog.records) == 1
+    message = caplog.records[0].getMessage()
+    assert "2 file(s) skipped" in message and "notes.txt" in message and "sub/table.csv" in message

@@ -54,7 +54,6 @@ def to_terminal() -> None:
     handler.setLevel(level if rank == 0 else max(logging.WARNING, logging.getLevelName(level)))
     LOGGER.addHandler(handler)
     LOGGER.setLevel(min(LOGGER.getEffectiveLevel(), logging.getLevelName(level)))
-    LOGGER.propagate = False
 
 
 def to_file(path: str) -> logging.Handler:

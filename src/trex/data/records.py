@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Iterator
 
 from trex.data.chat import RecordError
+
+log = logging.getLogger(__name__)
 
 SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
@@ -95,7 +98,12 @@ def resolve_paths(patterns: list[str], fmt: str = "auto") -> list[tuple[Path, st
         pattern = os.path.expandvars(pattern)
         p = Path(pattern)
         if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.suffix in SUFFIXES and f.is_file())
+            found = sorted(f for f in p.rglob("*") if f.is_file())
+            files = [f for f in found if f.suffix in SUFFIXES]
+            others = [f for f in found if f.suffix not in SUFFIXES and not f.name.startswith(".")]
+            if others:  # counted and named, never dropped in silence (hidden files are not data)
+                log.warning("%s: %d file(s) skipped, not .jsonl/.json/.parquet: %s%s", p, len(others),
+                            ", ".join(str(f.relative_to(p)) for f in others[:5]), " ..." if len(others) > 5 else "")
         elif p.is_file():
             files = [p]
         else:
