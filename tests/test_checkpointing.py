@@ -293,3 +293,20 @@ def test_a_second_run_into_the_same_directory_refuses_or_overwrites(recipe_file,
     assert _steps(out / "metrics.jsonl") == [1, 2, 3]
     assert not (out / "checkpoints" / "step_4").exists()  # the earlier run's checkpoints went with it
     assert len(os.listdir(out / "tensorboard")) == 1
+
+
+def test_checkpoint_index_cannot_plant_attributes(tmp_path):
+    """The index unpickler builds allowed classes only, and sets only their dataclass fields."""
+    import pickle
+
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    from trex.train.ckpt_manifest import DCP_INDEX, read_dcp_index
+
+    meta = dcp_metadata.Metadata(state_dict_metadata={})
+    (tmp_path / DCP_INDEX).write_bytes(pickle.dumps(meta))
+    assert read_dcp_index(str(tmp_path)).state_dict_metadata == {}
+    meta.planted = "code path"  # BUILD would set it on the object inside the trainer
+    (tmp_path / DCP_INDEX).write_bytes(pickle.dumps(meta))
+    with pytest.raises(ValueError, match="not a readable checkpoint index .*sets other than its fields"):
+        read_dcp_index(str(tmp_path))

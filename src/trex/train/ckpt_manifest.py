@@ -21,6 +21,7 @@ read by DCP with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -64,7 +65,29 @@ _ALLOWED_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), (
                     ("pathlib", "WindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
 
 
-class _IndexUnpickler(pickle.Unpickler):
+class _IndexUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can be checked
+    """Builds only allowed classes (``find_class``), and sets on an object only the fields of its
+    dataclass (``BUILD``): a rewritten index cannot call other code or plant attributes."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def load_build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]
+        fields = {f.name for f in dataclasses.fields(inst)} if dataclasses.is_dataclass(inst) else set()
+        own_setstate = type(inst).__dict__.get("__setstate__") is not None and type(inst).__module__ == dcp_metadata.__name__
+        if isinstance(state, tuple) and len(state) == 2 and state[0] is None:
+            state = state[1]  # (no dict state, slot state)
+        if isinstance(state, dict):
+            ok = bool(fields) and set(state) <= fields
+        else:
+            ok = own_setstate and isinstance(state, tuple) and len(state) <= len(fields)
+        if not ok:
+            raise pickle.UnpicklingError(f"state {type(state).__name__} for {type(inst).__name__} sets other than "
+                                         "its fields")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
+
     def find_class(self, module: str, name: str):
         allowed = (module, name) in _ALLOWED_GLOBALS
         allowed |= module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
