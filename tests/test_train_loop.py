@@ -213,3 +213,23 @@ def test_resume_decisions_reach_the_terminal_and_the_run_log(arithmetic_files, t
     assert f"trex: resumed from {out}/checkpoints/step_2 at step 2" in err
     log = (out / "train.log").read_text()
     assert "starting from step 1" in log and "resumed from" in log
+
+
+def test_checkpoint_directory_is_checked_before_step_1(arithmetic_files, tmp_path, capsys, monkeypatch):
+    base = ["train", "recipes/fidelity_default.toml", "--set", f'data.paths=["{arithmetic_files}/sft.jsonl"]',
+            "--set", 'data.bad_record_policy="skip"', "--set", "fidelity.every=0", "--save-every", "1000"]
+    code = main([*base, "--out", str(tmp_path / "a"), "--set", 'checkpoint.dir="/proc/no-such/ckpts"'])
+    err = capsys.readouterr().err
+    line = [x for x in err.splitlines() if x.startswith("trex train:")]
+    assert code == 2 and line == [line[0]] and "/proc/no-such/ckpts: checkpoint directory cannot be written" in line[0]
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()  # failed before step 1
+
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    code = main([*base, "--out", str(tmp_path / "b")])
+    line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("trex train:")]
+    assert code == 2 and "GiB free, one checkpoint of this run needs up to" in line[0], line
+    assert not (tmp_path / "b" / "metrics.jsonl").exists()

@@ -21,6 +21,7 @@ steps and the checkpoint is published when the next save starts or the run ends.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -368,6 +369,28 @@ class Checkpointer:
         self._pending: PendingSave | None = None
         self._signal: int = 0
         self._previous: dict[int, Any] = {}
+
+    def check_writable(self) -> None:
+        """Before step 1, when the run will save: the checkpoint directory can be made and written, and
+        its file system has room for one checkpoint (parameters as stored plus up to two fp32 moments
+        and an fp32 master per parameter, this rank's shards). Raises OSError naming the directory."""
+        if not self.enabled:
+            return
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            probe = os.path.join(self.directory, f".write-test-{os.getpid()}")
+            with open(probe, "wb") as f:
+                f.write(b"0")
+            os.remove(probe)
+        except OSError as e:
+            raise OSError(e.errno, f"checkpoint directory cannot be written ({e.strerror}); set checkpoint.dir "
+                                   "or train.out", self.directory) from None
+        params = [p.to_local() if hasattr(p, "to_local") else p for p in self.state.model.parameters()]
+        need = sum(p.numel() * (p.element_size() + 12) for p in params)
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise OSError(errno.ENOSPC, f"{free / 2**30:.2f} GiB free, one checkpoint of this run needs up to "
+                                        f"{need / 2**30:.2f} GiB; free space or set checkpoint.dir", self.directory)
 
     def resume(self) -> Resumed | None:
         """Load the checkpoint ``section.resume`` names; None when starting fresh."""

@@ -189,6 +189,7 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
 
     ckpt = Checkpointer(recipe.checkpoint, cfg_train.out, RunState(model, optimizer, scheduler, guard, objective, dev),
                         config=recipe_io.to_dict(recipe), precision=policy.to_dict())
+    ckpt.check_writable()  # a run that will save finds out now, not at its first save
     resumed = ckpt.resume()
     run.begin(resumed.step if resumed else None, cfg_train.overwrite, [METRICS_FILE, *SIGNAL_FILES],
               ckpt.directory)
