@@ -78,15 +78,7 @@ def measure_step(device: str, dtype: str, seq: int, compiled: bool, steps: int, 
     model = build_model(cfg, device=dev.torch_device, dtype=torch.float32, seed=0).train()
     cast_for_compute(model, policy.compute_dtype)
     if compiled:
-        if backend == "inductor":
-            apply_compile(model)
-        else:  # the CPU check: dynamo and the graphs without Inductor's code generation
-            real = torch.compile
-            torch.compile = lambda fn, **kw: real(fn, backend=backend, **kw)
-            try:
-                apply_compile(model)
-            finally:
-                torch.compile = real
+        apply_compile(model, backend=backend)  # "eager" (the CPU check): the graphs without code generation
     optimizer = build_optimizer(model, OptimConfig(lr=1e-4), dev)
     params = [p for p in model.parameters() if p.requires_grad]
     guard = StepGuard(3)

@@ -81,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from trex import logs
 
-    logs.to_terminal()
+    try:
+        logs.to_terminal()
+    except ValueError as e:  # TREX_LOG_LEVEL
+        print(f"trex: {e}", file=sys.stderr)
+        return 2
     return args.func(args)
 
 

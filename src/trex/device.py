@@ -39,7 +39,7 @@ def _import_vendor_plugins() -> None:
         try:
             importlib.import_module(name)
         except ImportError as e:
-            raise RuntimeError(f"TREX_DEVICE_PLUGINS names {name!r}, which does not import: {e}") from None
+            raise ValueError(f"TREX_DEVICE_PLUGINS names {name!r}, which does not import: {e}") from None
 
 
 @dataclass(frozen=True)

@@ -139,17 +139,19 @@ def apply_activation_checkpointing(model: DeepseekV4, mode: str) -> None:
         _recompute(block if mode == "full" else block.hc_attn, block)
 
 
-def apply_compile(model: DeepseekV4, fullgraph: bool = True) -> None:
+def apply_compile(model: DeepseekV4, fullgraph: bool = True, backend: str = "inductor") -> None:
     """torch.compile each block's forward (main and MTP blocks), the final mHC head and the fused LM
     head + loss, the torchtitan way: per block, so blocks of one kind share a compiled graph and
     compile time does not grow with depth. Instance attributes are replaced (as activation
     checkpointing does), so parameter names, hooks (FSDP2's gathers run outside the graphs) and
     checkpoints do not change. ``fullgraph``: fail on any graph break; expert parallelism passes
-    False, since its one host read of the all-to-all split sizes per layer breaks the graph there."""
+    False, since its one host read of the all-to-all split sizes per layer breaks the graph there.
+    ``backend``: torch.compile's (``eager`` traces the graphs without generating code, for checks)."""
+    compile_ = functools.partial(torch.compile, fullgraph=fullgraph, backend=backend)
     for block in [*model.layers, *model.mtp]:
-        block.forward = torch.compile(block.forward, fullgraph=fullgraph)
-    model.hc_head.forward = torch.compile(model.hc_head.forward, fullgraph=fullgraph)
-    model.head_nll = torch.compile(model.head_nll, fullgraph=fullgraph)
+        block.forward = compile_(block.forward)
+    model.hc_head.forward = compile_(model.hc_head.forward)
+    model.head_nll = compile_(model.head_nll)
 
 
 def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,

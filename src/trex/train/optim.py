@@ -436,7 +436,10 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
     total = torch.stack(squares).sum().sqrt()
     if max_norm > 0:  # on the device, no host read; a non-finite norm makes every gradient nan: the step skips
         coef = (max_norm / (total.double() + 1e-6)).clamp(max=1.0)  # fp64, as a host float would be
-        with implicit_replication():  # gradients on different meshes (FSDP, expert shards): one at a time
-            for g in grads:
-                g.mul_(coef)
+        if not any(isinstance(g, DTensor) for g in grads):
+            torch._foreach_mul_(grads, coef)
+        else:
+            with implicit_replication():  # gradients on different meshes (FSDP, expert shards): one at a time
+                for g in grads:
+                    g.mul_(coef)
     return total
