@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Multi-node trex training under SLURM: one torchrun per node, c10d rendezvous on the first node.
+# Multi-node trex training under SLURM: one `trex launch` (torchrun) per node, c10d rendezvous on the
+# first node. A preemption (SIGTERM) saves a checkpoint and the step exits 143; a failed rank's own
+# exit code (2 user error, 3 non-finite, 4 a rank stopped answering) is the step's exit code.
 #
 #   sbatch --nodes=8 --gpus-per-node=8 scripts/slurm_train.sh recipes/deepseek_v4_flash_sft.toml --resume auto
 #
@@ -15,7 +17,7 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 PORT=${PORT:-29500}
 
-srun --kill-on-bad-exit=1 .venv/bin/python -m torch.distributed.run \
+srun --kill-on-bad-exit=1 .venv/bin/trex launch \
     --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node "$NPROC_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$PORT" --rdzv-id "$SLURM_JOB_ID" \
-    -m trex train "$RECIPE" "$@"
+    train "$RECIPE" "$@"

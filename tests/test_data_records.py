@@ -9,7 +9,7 @@ import pytest
 
 from trex.data import BadRecordError, DataConfig, build_loader, compact_tokenizer
 from trex.data.documents import build_documents
-from trex.data.records import BadRecordPolicy, write_jsonl
+from trex.data.records import BadRecordPolicy, SkipCounter, write_jsonl
 
 TOK = compact_tokenizer()
 
@@ -179,3 +179,8 @@ def test_other_files_in_a_data_directory_are_counted_and_named(tmp_path, caplog)
     assert len(caplog.records) == 1
     message = caplog.records[0].getMessage()
     assert "2 file(s) skipped" in message and "notes.txt" in message and "sub/table.csv" in message
+    counter = SkipCounter()
+    resolve_paths([str(tmp_path)], counter=counter)
+    summary = counter.as_dict()  # what summary.json's "data" section reports
+    assert summary["files_skipped"] == 2 and sorted(os.path.basename(f) for f in summary["files_skipped_first"]) == [
+        "notes.txt", "table.csv"]

@@ -97,3 +97,11 @@ def test_environment_report_has_what_doctor_prints():
     for key in ("device", "device_count", "backend", "torch", "torch_npu", "cann", "capabilities", "default_dtype"):
         assert key in report
     assert report["backend"] == "gloo" and report["torch"] == torch.__version__
+
+
+def test_flight_recorder_env_names_each_backends_own_variables():
+    assert device.Device("cpu", 0).flight_recorder_env("/run/flight_recorder/rank_") == {}  # gloo has none
+    for dev_type, prefix in (("cuda", "TORCH_NCCL"), ("npu", "TORCH_HCCL")):
+        env = device.Device(dev_type, 0).flight_recorder_env("/run/flight_recorder/rank_", entries=500)
+        assert env == {f"{prefix}_TRACE_BUFFER_SIZE": "500", f"{prefix}_DUMP_ON_TIMEOUT": "1",
+                       f"{prefix}_DEBUG_INFO_TEMP_FILE": "/run/flight_recorder/rank_"}

@@ -14,7 +14,7 @@ import sys
 
 # Modules that add subcommands through register(subparsers).
 COMMAND_MODULES: tuple[str, ...] = ("trex.train.cli", "trex.audit.cli", "trex.doctor", "trex.checkpoint.cli",
-                                    "trex.plan.cli", "trex.fidelity.cli")
+                                    "trex.plan.cli", "trex.fidelity.cli", "trex.launch")
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:  # torchrun's flags, parsed by torchrun's own parser
+        from trex.launch import launch
+
+        return launch(argv[1:])
     args = build_parser().parse_args(argv)
     from trex import logs
 

@@ -24,6 +24,9 @@ import torch.distributed as dist
 
 # Backends by device type, used only when torch cannot tell us (see `Device.backend`).
 _FALLBACK_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl", "xpu": "xccl"}
+# The environment prefix of each backend's flight recorder (a ring buffer of recent collectives that
+# the backend's own watchdog dumps, one file per rank, when a collective times out).
+_FLIGHT_RECORDERS = {"nccl": "TORCH_NCCL", "hccl": "TORCH_HCCL"}
 
 
 def _import_vendor_plugins() -> None:
@@ -90,6 +93,16 @@ class Device:
             return dist.get_default_backend_for_device(self.type)
         except (RuntimeError, ValueError, AttributeError):
             return _FALLBACK_BACKENDS.get(self.type, "gloo")
+
+    def flight_recorder_env(self, dump_prefix: str, entries: int = 2000) -> dict[str, str]:
+        """Environment that turns on the backend's flight recorder: the last ``entries`` collectives,
+        dumped to ``dump_prefix<rank>`` when a collective times out. Set it before the process group
+        starts; empty where the backend has none (gloo)."""
+        prefix = _FLIGHT_RECORDERS.get(self.backend())
+        if prefix is None:
+            return {}
+        return {f"{prefix}_TRACE_BUFFER_SIZE": str(entries), f"{prefix}_DUMP_ON_TIMEOUT": "1",
+                f"{prefix}_DEBUG_INFO_TEMP_FILE": dump_prefix}
 
     # ---- timing and memory --------------------------------------------------------------
     def synchronize(self) -> None:

@@ -70,7 +70,7 @@ def build_documents(cfg: DataConfig, tokenizer: Tokenizer, policy: BadRecordPoli
     encoded: list[tuple[np.ndarray, np.ndarray]] = []
     chunk: list[tuple[Record, list[Segment]]] = []
     n_read = 0
-    for record in iter_records(cfg.paths, cfg.format):
+    for record in iter_records(cfg.paths, cfg.format, policy.counter):
         n_read += 1
         try:
             chunk.append((record, record_segments(record, cfg)))

@@ -126,7 +126,7 @@ def read_pairs(cfg: DataConfig, tokenizer: Tokenizer, policy: BadRecordPolicy) -
     cfg.validate()
     usable: list[tuple[Record, list[list]]] = []
     n_read = 0
-    for record in iter_records(cfg.paths, cfg.format):
+    for record in iter_records(cfg.paths, cfg.format, policy.counter):
         n_read += 1
         try:
             usable.append((record, pair_segments(record, cfg)))

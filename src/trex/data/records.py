@@ -48,6 +48,8 @@ class SkipCounter:
     skipped: Counter = field(default_factory=Counter)
     truncated: int = 0
     first_seen: dict[str, str] = field(default_factory=dict)
+    files_skipped: list[str] = field(default_factory=list)
+    """Files of a data directory that are not data (other suffixes), by path."""
 
     def skip(self, reason: str, where: str) -> None:
         self.skipped[reason] += 1
@@ -60,7 +62,8 @@ class SkipCounter:
     def as_dict(self) -> dict:
         """For summary.json: {"skipped": total, "skipped_by_reason": {...}, "truncated": n, "first_seen": {...}}."""
         return {"skipped": sum(self.skipped.values()), "skipped_by_reason": dict(sorted(self.skipped.items())),
-                "truncated": self.truncated, "first_seen": dict(sorted(self.first_seen.items()))}
+                "truncated": self.truncated, "first_seen": dict(sorted(self.first_seen.items())),
+                "files_skipped": len(self.files_skipped), "files_skipped_first": self.files_skipped[:5]}
 
 
 @dataclass
@@ -89,10 +92,12 @@ class BadRecordPolicy:
         return False
 
 
-def resolve_paths(patterns: list[str], fmt: str = "auto") -> list[tuple[Path, str]]:
+def resolve_paths(patterns: list[str], fmt: str = "auto",
+                  counter: SkipCounter | None = None) -> list[tuple[Path, str]]:
     """Expand files, directories and globs into ``(path, format)`` in a stable order.
 
-    Environment variables in a pattern are expanded (``/data/$RANK/*.jsonl`` for per-rank data)."""
+    Environment variables in a pattern are expanded (``/data/$RANK/*.jsonl`` for per-rank data).
+    Files of a directory with other suffixes are warned about and recorded in ``counter``."""
     out: list[tuple[Path, str]] = []
     for pattern in patterns:
         pattern = os.path.expandvars(pattern)
@@ -104,6 +109,8 @@ def resolve_paths(patterns: list[str], fmt: str = "auto") -> list[tuple[Path, st
             if others:  # counted and named, never dropped in silence (hidden files are not data)
                 log.warning("%s: %d file(s) skipped, not .jsonl/.json/.parquet: %s%s", p, len(others),
                             ", ".join(str(f.relative_to(p)) for f in others[:5]), " ..." if len(others) > 5 else "")
+                if counter is not None:
+                    counter.files_skipped.extend(str(f) for f in others)
         elif p.is_file():
             files = [p]
         else:
@@ -160,9 +167,10 @@ def _parquet_records(path: Path) -> Iterator[Record]:
             yield Record(data, str(path), row)
 
 
-def iter_records(patterns: list[str], fmt: str = "auto") -> Iterator[Record]:
-    """Every record of every file in order, unreadable ones included (``data`` is a RecordError)."""
-    for path, kind in resolve_paths(patterns, fmt):
+def iter_records(patterns: list[str], fmt: str = "auto", counter: SkipCounter | None = None) -> Iterator[Record]:
+    """Every record of every file in order, unreadable ones included (``data`` is a RecordError);
+    files that are not data go to ``counter`` (see `resolve_paths`)."""
+    for path, kind in resolve_paths(patterns, fmt, counter):
         yield from (_jsonl_records if kind == "jsonl" else _parquet_records)(path)
 
 

@@ -70,13 +70,20 @@ def resolve_layout(dp_replicate: int, dp_shard: int, ep: int, world_size: int) -
 
 
 def init_parallel(dp_replicate: int, dp_shard: int, ep: int, timeout_s: int,
-                  dev: device_layer.Device, world_size: int | None = None) -> Parallel:
-    """Join the process group (torchrun's environment) and build the mesh; a no-op for one process."""
+                  dev: device_layer.Device, world_size: int | None = None, trace_dir: str | None = None) -> Parallel:
+    """Join the process group (torchrun's environment) and build the mesh; a no-op for one process.
+    With ``trace_dir``, a backend with a flight recorder dumps each rank's last collectives there
+    (``rank_<r>``) when one times out; variables already set in the environment win."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     replicate, shard, ep = resolve_layout(dp_replicate, dp_shard, ep, world_size)
     if world_size == 1:
         return Parallel()
     if not dist.is_initialized():
+        recorder = dev.flight_recorder_env(os.path.join(trace_dir, "rank_")) if trace_dir else {}
+        if recorder:
+            os.makedirs(trace_dir, exist_ok=True)
+        for key, value in recorder.items():
+            os.environ.setdefault(key, value)
         dist.init_process_group(backend=dev.backend(), timeout=timedelta(seconds=timeout_s))
     mesh = init_device_mesh(dev.type, (replicate, shard // ep, ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
     mesh["efsdp", "ep"]._flatten("dp_shard")

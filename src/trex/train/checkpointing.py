@@ -21,6 +21,7 @@ steps and the checkpoint is published when the next save starts or the run ends.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -31,11 +32,12 @@ import signal
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from safetensors.torch import load_file, save_file
 
 import trex
@@ -175,7 +177,8 @@ class PendingSave:
 
     def finalize(self) -> str:
         if self.future is not None:
-            self.future.result()
+            with _write_errors(self.tmp, self.step):
+                self.future.result()
         rank, _ = _rank_world()
         mine = [n for n in os.listdir(self.tmp) if n.startswith(f"__{rank}_")] + [rng_file(rank)]
         if rank == 0:
@@ -191,6 +194,25 @@ class PendingSave:
             prune(self.directory, self.keep_last)
         _barrier()
         return final
+
+
+@contextlib.contextmanager
+def _write_errors(tmp: str, step: int) -> Iterator[None]:
+    """A failed tensor write (a full disk, a quota or file-size limit, an I/O error) as one OSError
+    naming the checkpoint, the cause and the free space; DCP wraps each rank's error in a
+    CheckpointException (a BaseException), and torch's file writer reports a short write as a
+    RuntimeError. The partial directory is removed (never published; the room goes back)."""
+    try:
+        yield
+    except CheckpointException as e:
+        causes = [exc for exc, _ in e.failures.values()]
+        cause = next((exc for exc in causes if isinstance(exc, OSError)), causes[0] if causes else e)
+        reason = getattr(cause, "strerror", None) or str(cause).strip().splitlines()[-1]
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(os.path.dirname(tmp)).free / 2**30
+        raise OSError(getattr(cause, "errno", None) or errno.EIO,
+                      f"the checkpoint of step {step} could not be written ({reason}; {free:.2f} GiB free); "
+                      "nothing was published: free space or set checkpoint.dir", tmp) from None
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -247,7 +269,8 @@ def save_checkpoint(directory: str, step: int, state: RunState, *, config: dict 
         if async_save:
             pending.future = dcp.async_save(tensors, storage_writer=writer, process_group=_async_process_group())
             return pending
-        dcp.save(tensors, storage_writer=writer)
+        with _write_errors(tmp, step):
+            dcp.save(tensors, storage_writer=writer)
     pending.finalize()
     return pending
 
@@ -417,13 +440,26 @@ class Checkpointer:
         return resumed
 
     # -- signals: the handler only records the signal; the loop saves after the step it is in --
-    def install_signal_handlers(self) -> None:
+    @contextlib.contextmanager
+    def signals(self) -> Iterator[None]:
+        """SIGTERM / SIGINT are recorded (the loop saves and stops after its step) for the whole block,
+        the summary and plot written after the loop included. Once a stop signal has arrived the
+        process ignores further SIGTERMs: torchrun and schedulers send follow-up ones, and the default
+        handler (which Python itself restores at exit) would kill the rank while it writes its last
+        files or shuts down; SIGKILL still stops it."""
         if not self.enabled:
+            yield
             return
         try:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         except ValueError:  # not the main thread: leave signals alone
+            self._previous.clear()
+        try:
+            yield
+        finally:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, signal.SIG_IGN if self._signal and sig == signal.SIGTERM else handler)
             self._previous.clear()
 
     def _on_signal(self, signum: int, frame) -> None:
@@ -467,11 +503,8 @@ class Checkpointer:
         self._publish_pending()
 
     def close(self) -> None:
-        """Publish a pending save and restore the previous signal handlers."""
+        """Publish a pending save."""
         self._publish_pending()
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
 
     def _publish_pending(self) -> None:
         if self._pending is not None:

@@ -148,7 +148,11 @@ class ParallelSection:
     gradients accumulate (grad_accum reduce-scatters per step). Off: one reduce-scatter after the
     last micro-batch, and FSDP2 keeps the stage's gradients unsharded in between (see trex plan)."""
     timeout_s: int = 1800
-    """Collective timeout in seconds."""
+    """Collective timeout in seconds: how long a rank waits in one collective before the backend
+    gives up (long enough for a first step that compiles on a large cluster)."""
+    heartbeat_timeout_s: float = 300
+    """Seconds after which a rank that sends no heartbeat, or is stuck at one place of the loop while
+    the others moved on, is named and the job stops (exit 4); 0: off. See trex.parallel.watchdog."""
 
     def __post_init__(self) -> None:
         if self.activation_checkpointing not in ("none", "full", "selective"):
@@ -156,6 +160,8 @@ class ParallelSection:
                              f"got {self.activation_checkpointing!r}")
         if self.dp_replicate < 1 or self.ep < 1 or (self.dp_shard < 1 and self.dp_shard != -1):
             raise ValueError("parallel: dp_replicate and ep must be >= 1 and dp_shard >= 1 or -1")
+        if self.timeout_s <= 0 or self.heartbeat_timeout_s < 0:
+            raise ValueError("parallel: timeout_s must be > 0 and heartbeat_timeout_s >= 0 (0: no heartbeat)")
 
     def world_size(self, available: int) -> int:
         """Ranks the layout needs given ``available`` ranks (resolving dp_shard = -1)."""

@@ -30,7 +30,7 @@ from trex.data.records import write_jsonl
 from trex.data.tokenizer import Tokenizer, compact_tokenizer
 from trex.generate import greedy_generate
 from trex.models import DeepseekV4
-from trex.train.config import EvalSection, ModelSection, TrainRecipe, TrainSection
+from trex.train.config import EvalSection, ModelSection, ParallelSection, TrainRecipe, TrainSection
 from trex.train.loop import train
 from trex.train.optim import OptimConfig
 from trex.train.schedule import ScheduleConfig
@@ -83,6 +83,7 @@ def _stage(job: DefaultJob, name: str, paths: list[str], eval_paths: list[str], 
                            overwrite=True,  # the default job replaces its own earlier output
                            eval_every=max(1, steps // 4), log_every=1, progress=job.progress),
         eval=EvalSection(paths=eval_paths, batches=2),
+        parallel=ParallelSection(timeout_s=300, heartbeat_timeout_s=30),  # steps of a tenth of a second
     )
 
 

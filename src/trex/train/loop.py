@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import time
@@ -35,6 +36,7 @@ from trex.models import DeepseekV4, build_model, get_preset, load_pretrained
 from trex.models.flops import flops_per_token
 from trex.parallel.load import load_sharded
 from trex.parallel.mesh import init_parallel
+from trex.parallel.watchdog import Heartbeat
 from trex.parallel.plan import apply_parallelism
 from trex.parallel.preflight import preflight
 from trex.posttrain import Objective, TrainContext, build_objective
@@ -145,16 +147,26 @@ class CompiledGraphs:
 # ---- the loop ---------------------------------------------------------------------------------------
 def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Tokenizer | None = None) -> TrainResult:
     """Run ``recipe``; ``model``/``tokenizer`` continue from a previous stage instead of [model]/[data]."""
+    with Heartbeat(recipe.parallel.heartbeat_timeout_s) as heartbeat:
+        return _train(recipe, model, tokenizer, heartbeat)
+
+
+def _train(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer | None,
+           heartbeat: Heartbeat) -> TrainResult:
     t_start = time.perf_counter()
     cfg_train = recipe.train
     dev = device_layer.detect(cfg_train.device or None)
     dev.set_current()
     layout = recipe.parallel
-    par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev)
+    par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev,
+                        trace_dir=os.path.join(cfg_train.out, "flight_recorder"))
+    heartbeat.start()
     dev.manual_seed(cfg_train.seed)  # the same on every rank: identical initial weights
     compiled = cfg_train.compile_on(dev)
     policy = PrecisionPolicy.resolve(recipe.precision.dtype, dev)
     run = RunDir(cfg_train.out, enabled=par.is_main)
+    heartbeat.on_lost = lambda message: run.write_summary({"status": f"stopped: {message}",
+                                                           "steps_completed": scheduler.last_epoch})
 
     tokenizer = tokenizer or tokenizer_for(recipe.data.tokenizer)
     frozen: list[str] = []
@@ -191,8 +203,9 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
                         config=recipe_io.to_dict(recipe), precision=policy.to_dict())
     ckpt.check_writable()  # a run that will save finds out now, not at its first save
     resumed = ckpt.resume()
-    run.begin(resumed.step if resumed else None, cfg_train.overwrite, [METRICS_FILE, *SIGNAL_FILES],
-              ckpt.directory)
+    # --resume auto before the run's first save continues it from step 0: what it logged is trained again
+    start = resumed.step if resumed else (0 if recipe.checkpoint.resume == "auto" else None)
+    run.begin(start, cfg_train.overwrite, [METRICS_FILE, *SIGNAL_FILES], ckpt.directory)
     run.save_config(recipe)
 
     status, events, last, evals = "completed", [], {}, {}
@@ -204,94 +217,99 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
             run.log(0, evals[0], {})
     tokens_seen = resumed.loop.get("tokens", 0) if resumed else 0
     progress = StepProgress(cfg_train.steps, enabled=cfg_train.progress and par.is_main)
-    ckpt.install_signal_handlers()
-    try:
-        for step in range(resumed.step if resumed else 0, cfg_train.steps):
-            t0 = time.perf_counter()  # the previous step ended with a host read: the device is idle
-            dev.reset_peak_memory()
-            out = train_step(model, objective, optimizer, params, guard, step, grad_clip=recipe.optim.grad_clip,
-                             bias_gamma=cfg_train.bias_gamma, par=par, fidelity=fidelity)
-            lr = optimizer.param_groups[0]["lr"]
-            with warnings.catch_warnings():  # a skipped step still advances the schedule
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
-                scheduler.step()
-            imbalance = {f"expert_imbalance/{k}": v.max() / v.mean().clamp(min=1e-9) for k, v in out.loads.items()}
-            result = out.result
-            read = read_scalars({"loss": result.loss, **result.metrics, "grad_norm": out.grad_norm,
-                                 "tokens": result.tokens, "loss_ok": out.finite[0], "norm_ok": out.finite[1],
-                                 **imbalance})  # the step's one host read: it waits for the step to finish
-            dt = time.perf_counter() - t0
-            if not guard.record(bool(read.pop("loss_ok")), bool(read.pop("norm_ok")), step + 1):
-                events.append(guard.last_reason)
-            step_tokens = int(read.pop("tokens"))
-            tokens_seen += step_tokens
-            imbalance = {k.split("/", 1)[1]: read.pop(k) for k in imbalance}
-            last = {
-                **read, "lr": lr, "tokens_per_s": step_tokens / dt,
-                "mfu": (step_tokens / dt * flops / (peak * par.world_size)) if peak else None,
-                "mem_peak_bytes": dev.max_memory_allocated(), "loss_scale": guard.scaler.scale_value,
-                "skipped_steps": guard.skipped_total, "expert_imbalance_max": max(imbalance.values(), default=1.0),
-                "step_time_s": dt, "tokens": tokens_seen,
-            }
-            held_out = objective.evaluate(model) if cfg_train.eval_every and (step + 1) % cfg_train.eval_every == 0 \
-                else {}
-            if held_out:
-                last.update(held_out)
-                evals[step + 1] = held_out
-            if (step + 1) % cfg_train.log_every == 0 or step + 1 == cfg_train.steps or held_out:
-                run.log(step + 1, last, {f"expert_imbalance/{k}": v for k, v in imbalance.items()})
-            fidelity.record_probe(step + 1, model)  # the fixed probe batch after the update
-            reshard(model)  # after no-grad forwards (evaluation, probe): FSDP's root must not stay gathered
-            graphs.after_step()
-            progress.update(step + 1, last)
-            stop = ckpt.after_step(step + 1, {"tokens": tokens_seen})  # saves when due, or on SIGTERM/SIGINT
-            if stop:
-                status = "terminated" if stop == signal.SIGTERM else "interrupted"
-                break
-        if status == "completed":
-            ckpt.finish(scheduler.last_epoch, {"tokens": tokens_seen})
-    except KeyboardInterrupt:
-        status = "interrupted"
-    except NonFiniteError as e:
-        events.append(guard.last_reason)
-        status = f"stopped: {e}"
-    finally:
-        progress.close()
-        ckpt.close()
+    with ckpt.signals():  # until the summary is written; after a stop signal, until exit
+        try:
+            for step in range(resumed.step if resumed else 0, cfg_train.steps):
+                heartbeat.at(step + 1, "step")
+                t0 = time.perf_counter()  # the previous step ended with a host read: the device is idle
+                dev.reset_peak_memory()
+                out = train_step(model, objective, optimizer, params, guard, step, grad_clip=recipe.optim.grad_clip,
+                                 bias_gamma=cfg_train.bias_gamma, par=par, fidelity=fidelity)
+                lr = optimizer.param_groups[0]["lr"]
+                with warnings.catch_warnings():  # a skipped step still advances the schedule
+                    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
+                    scheduler.step()
+                imbalance = {f"expert_imbalance/{k}": v.max() / v.mean().clamp(min=1e-9) for k, v in out.loads.items()}
+                result = out.result
+                read = read_scalars({"loss": result.loss, **result.metrics, "grad_norm": out.grad_norm,
+                                     "tokens": result.tokens, "loss_ok": out.finite[0], "norm_ok": out.finite[1],
+                                     **imbalance})  # the step's one host read: it waits for the step to finish
+                dt = time.perf_counter() - t0
+                if not guard.record(bool(read.pop("loss_ok")), bool(read.pop("norm_ok")), step + 1):
+                    events.append(guard.last_reason)
+                step_tokens = int(read.pop("tokens"))
+                tokens_seen += step_tokens
+                imbalance = {k.split("/", 1)[1]: read.pop(k) for k in imbalance}
+                last = {
+                    **read, "lr": lr, "tokens_per_s": step_tokens / dt,
+                    "mfu": (step_tokens / dt * flops / (peak * par.world_size)) if peak else None,
+                    "mem_peak_bytes": dev.max_memory_allocated(), "loss_scale": guard.scaler.scale_value,
+                    "skipped_steps": guard.skipped_total, "expert_imbalance_max": max(imbalance.values(), default=1.0),
+                    "step_time_s": dt, "tokens": tokens_seen,
+                }
+                due = cfg_train.eval_every and (step + 1) % cfg_train.eval_every == 0
+                heartbeat.at(step + 1, "evaluate")
+                held_out = objective.evaluate(model) if due else {}
+                if held_out:
+                    last.update(held_out)
+                    evals[step + 1] = held_out
+                if (step + 1) % cfg_train.log_every == 0 or step + 1 == cfg_train.steps or held_out:
+                    run.log(step + 1, last, {f"expert_imbalance/{k}": v for k, v in imbalance.items()})
+                fidelity.record_probe(step + 1, model)  # the fixed probe batch after the update
+                reshard(model)  # after no-grad forwards (evaluation, probe): FSDP's root must not stay gathered
+                graphs.after_step()
+                progress.update(step + 1, last)
+                heartbeat.at(step + 1, "checkpoint")
+                stop = ckpt.after_step(step + 1, {"tokens": tokens_seen})  # saves when due, or on SIGTERM/SIGINT
+                if stop:
+                    status = "terminated" if stop == signal.SIGTERM else "interrupted"
+                    break
+            if status == "completed":
+                heartbeat.at(scheduler.last_epoch, "checkpoint")
+                ckpt.finish(scheduler.last_epoch, {"tokens": tokens_seen})
+        except KeyboardInterrupt:
+            status = "interrupted"
+        except NonFiniteError as e:
+            events.append(guard.last_reason)
+            status = f"stopped: {e}"
+        finally:
+            progress.close()
+            ckpt.close()
 
-    if status == "completed":
-        held_out = objective.evaluate(model)
-        if held_out:
-            evals["final"] = held_out
-    summary = {
-        "status": status,
-        "mode": cfg_train.mode,
-        "steps_completed": scheduler.last_epoch,
-        "tokens": tokens_seen,
-        "wall_time_s": time.perf_counter() - t_start,
-        "final": last,
-        "eval": evals,
-        "eval_loss": {at: m["eval_loss"] for at, m in evals.items() if "eval_loss" in m},
-        "skipped_steps": guard.skipped_total,
-        "nonfinite_events": events,
-        "data": objective.summary(),
-        "precision": policy.to_dict(),
-        "device": device_layer.environment_report(dev),
-        "frozen_parameters": len(frozen),
-        "compile": graphs.summary(),
-        "flops_per_token": flops,
-        "peak_flops": peak,
-        "peak_flops_source": peak_source,
-        "parallel": {"world_size": par.world_size, "dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard,
-                     "ep": par.ep, "activation_checkpointing": layout.activation_checkpointing},
-    }
-    run.write_summary(summary)
-    run.plot_loss()
-    run.close()
-    if status.startswith("stopped"):
-        raise NonFiniteError(status)
-    if status == "interrupted":
-        raise KeyboardInterrupt
-    if status == "terminated":
-        raise SystemExit(128 + signal.SIGTERM)  # saved a checkpoint, then exits as SIGTERM would
-    return TrainResult(model=model, tokenizer=tokenizer, summary=summary, run_dir=run.path)
+        heartbeat.at(scheduler.last_epoch, "summary")
+        if status == "completed":
+            held_out = objective.evaluate(model)
+            if held_out:
+                evals["final"] = held_out
+        summary = {
+            "status": status,
+            "mode": cfg_train.mode,
+            "steps_completed": scheduler.last_epoch,
+            "tokens": tokens_seen,
+            "wall_time_s": time.perf_counter() - t_start,
+            "final": last,
+            "eval": evals,
+            "eval_loss": {at: m["eval_loss"] for at, m in evals.items() if "eval_loss" in m},
+            "skipped_steps": guard.skipped_total,
+            "nonfinite_events": events,
+            "data": objective.summary(),
+            "precision": policy.to_dict(),
+            "device": device_layer.environment_report(dev),
+            "frozen_parameters": len(frozen),
+            "compile": graphs.summary(),
+            "flops_per_token": flops,
+            "peak_flops": peak,
+            "peak_flops_source": peak_source,
+            "parallel": {"world_size": par.world_size, "dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard,
+                         "ep": par.ep, "activation_checkpointing": layout.activation_checkpointing},
+        }
+        run.write_summary(summary)
+        run.plot_loss()
+        run.close()
+        if status.startswith("stopped"):
+            raise NonFiniteError(status)
+        if status == "interrupted":
+            raise KeyboardInterrupt
+        if status == "terminated":
+            raise SystemExit(128 + signal.SIGTERM)  # saved a checkpoint, then exits as SIGTERM would
+        return TrainResult(model=model, tokenizer=tokenizer, summary=summary, run_dir=run.path)

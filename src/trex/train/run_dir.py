@@ -9,6 +9,7 @@ line and flushed, so it is complete up to the last logged step.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -16,6 +17,8 @@ from typing import Any
 
 from trex import logs
 from trex import recipe as recipe_io
+
+log = logging.getLogger(__name__)
 
 
 METRICS_FILE = "metrics.jsonl"
@@ -48,13 +51,17 @@ class RunDir:
 
         ``step_files`` (names in the directory) hold one JSON line per step, ``checkpoints`` is the run's
         checkpoint directory. Resumed at step K: lines past K (written after the checkpoint, before a
-        kill) are dropped and TensorBoard purges its events past K, so each step appears once. A fresh
+        kill) are dropped, with a warning, and TensorBoard purges its events past K, so each step appears
+        once; K = 0 continues a run that was stopped before its first checkpoint (all its steps). A fresh
         run into a directory that holds an earlier run raises ValueError naming the choices, or with
         ``overwrite`` removes the earlier run's files and checkpoints first."""
         if resumed_step is not None:
             if self.enabled:
-                for name in step_files:
-                    _keep_steps_up_to(self.file(name), resumed_step)
+                keep = resumed_step if resumed_step else -1  # from step 0 the start-of-run evaluation reruns too
+                dropped = max(_keep_steps_up_to(self.file(name), keep) for name in step_files)
+                if dropped:
+                    log.warning("%s: the steps after %d were logged but no checkpoint holds them: they are "
+                                "trained again (%d logged lines replaced)", self.path, resumed_step, dropped)
             self._purge_step = resumed_step + 1
             return
         earlier = [n for n in step_files if os.path.exists(self.file(n)) and os.path.getsize(self.file(n))]
@@ -132,15 +139,17 @@ class RunDir:
             self._log = None
 
 
-def _keep_steps_up_to(path: str, step: int) -> None:
-    """Rewrite a JSON-lines file keeping the lines whose "step" is <= ``step`` (atomically)."""
+def _keep_steps_up_to(path: str, step: int) -> int:
+    """Rewrite a JSON-lines file keeping the lines whose "step" is <= ``step`` (atomically); returns
+    how many lines were dropped."""
     if not os.path.exists(path):
-        return
+        return 0
     with open(path) as f:
         lines = [line for line in f if line.strip()]
     kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
     if len(kept) < len(lines):
         _atomic_write_text(path, "".join(kept))
+    return len(lines) - len(kept)
 
 
 def _json_default(value: Any) -> Any:

@@ -1,0 +1,34 @@
+"""trex launch: torchrun's own flags and launcher, with exit codes that say why the job ended."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from trex.launch import SHUTDOWN_TIMEOUT_S, first_failure, torchrun_args
+
+
+def test_the_first_positional_is_the_trex_command_and_flags_are_torchruns(monkeypatch):
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    args = torchrun_args(["--nproc-per-node", "2", "--master-port", "29511", "train", "r.toml", "--set", "a.b=1"])
+    assert (args.module, args.training_script, args.training_script_args) == (
+        True, "trex", ["train", "r.toml", "--set", "a.b=1"])
+    assert args.nproc_per_node == "2" and args.master_port == 29511
+    assert args.shutdown_timeout == SHUTDOWN_TIMEOUT_S  # a rank stopped mid-save may finish it
+    assert torchrun_args(["--shutdown-timeout", "7", "train"]).shutdown_timeout == 7
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "9")
+    assert torchrun_args(["train"]).shutdown_timeout is None  # torch reads its own variable
+
+
+def _failure(code, at):
+    return SimpleNamespace(exitcode=code, timestamp=at)
+
+
+def test_the_failure_that_explains_the_job_wins_over_earlier_collateral_ones():
+    # rank 1 was SIGKILLed by the launcher after rank 0 reported it lost (exit 4) in the same second
+    assert first_failure({0: _failure(4, 100), 1: _failure(-9, 100)})[0] == 0
+    assert first_failure({0: _failure(-9, 99), 1: _failure(4, 100)})[0] == 1
+    # no trex code: torch's earliest failure (a killed rank, before the peer that lost it)
+    assert first_failure({0: _failure(1, 101), 1: _failure(-9, 100)})[0] == 1
+    # rank 1 was killed; the launcher then stopped rank 0 with SIGTERM, in the same second
+    assert first_failure({0: _failure(-15, 100), 1: _failure(-9, 100)})[0] == 1
+    assert first_failure({0: _failure(-15, 100), 1: _failure(-15, 100)})[0] == 0

@@ -1,0 +1,67 @@
+"""The heartbeat's verdict: which rank is silent or stuck, named only after the timeout."""
+
+from __future__ import annotations
+
+import pytest
+
+from trex.parallel.watchdog import Seen, find_lost
+
+
+def _seen(beat_at=0.0, place_at=0.0, step=5, phase="step"):
+    return Seen(beat=1, step=step, phase=phase, beat_at=beat_at, place_at=place_at)
+
+
+def test_a_silent_rank_is_named_only_after_the_timeout():
+    seen = {0: _seen(beat_at=100.0, place_at=100.0), 1: _seen(beat_at=91.0, place_at=91.0, step=4)}
+    assert find_lost(seen, now=100.0, timeout_s=10) is None
+    verdict = find_lost(seen, now=101.5, timeout_s=10)
+    assert verdict.startswith("rank 1 stopped answering") and "step 4" in verdict and "phase step" in verdict
+
+
+def test_a_stuck_rank_is_the_one_behind_not_the_ones_waiting_for_it():
+    # rank 2 has been evaluating step 7 for 30 s; ranks 0 and 1 are (waiting) in the checkpoint phase
+    seen = {0: _seen(beat_at=99, place_at=75, step=7, phase="checkpoint"),
+            1: _seen(beat_at=99, place_at=75, step=7, phase="checkpoint"),
+            2: _seen(beat_at=99, place_at=70, step=7, phase="evaluate")}
+    verdict = find_lost(seen, now=100.0, timeout_s=20)
+    assert verdict.startswith("rank 2 is stuck: at step 7, phase evaluate for 30 s") and "ranks 0, 1" in verdict
+    assert find_lost(seen, now=100.0, timeout_s=40) is None
+
+
+@pytest.mark.parametrize("phase", ["setup", "summary"])
+def test_phases_that_run_at_different_speeds_are_not_judged_stuck(phase):
+    seen = {0: _seen(beat_at=99, place_at=0, step=0, phase=phase), 1: _seen(beat_at=99, place_at=99, step=3)}
+    assert find_lost(seen, now=100.0, timeout_s=10) is None
+
+
+def test_ranks_at_the_same_place_for_long_are_not_stuck_and_done_ranks_are_ignored():
+    # a long evaluation on every rank; rank 2 has finished (its heartbeat stopped, by design)
+    seen = {0: _seen(beat_at=99, place_at=0, phase="evaluate"), 1: _seen(beat_at=99, place_at=0, phase="evaluate"),
+            2: _seen(beat_at=0, place_at=0, step=9, phase="done")}
+    assert find_lost(seen, now=100.0, timeout_s=10) is None
+
+
+def test_silence_is_reported_before_being_stuck_and_the_lowest_rank_first():
+    seen = {0: _seen(beat_at=99, place_at=99, step=6), 1: _seen(beat_at=50, place_at=50),
+            2: _seen(beat_at=40, place_at=40)}
+    assert find_lost(seen, now=100.0, timeout_s=10).startswith("rank 1 stopped answering")
+
+
+@pytest.mark.slow
+def test_two_ranks_a_finished_rank_is_not_lost_and_a_stuck_one_is_named():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_distributed import ROOT, _free_port
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           f"--master-port={_free_port()}", os.path.join(ROOT, "tests", "heartbeat_worker.py")],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    for row in rows:
+        assert row["finished"] is None
+        assert f"rank {row['rank']}: rank 1 is stuck: at step 1, phase step" in row["stuck"]
