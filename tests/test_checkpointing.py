@@ -92,6 +92,12 @@ def test_verify_catches_truncation_and_a_flipped_byte_and_resume_skips_them(reci
     assert "sha256 differs" in " ".join(verify_checkpoint(ckpts / "step_6").problems)
     assert "truncated" in " ".join(verify_checkpoint(ckpts / "step_4").problems)
     assert "no manifest.json" in " ".join(verify_checkpoint(ckpts / "step_8").problems)
+    edited = ckpts / "step_2_edited"  # a byte of the manifest itself, where it still parses
+    shutil.copytree(ckpts / "step_2", edited)
+    text = (edited / "manifest.json").read_text()
+    (edited / "manifest.json").write_text(text.replace('"created": "2', '"created": "3', 1))
+    assert "digest does not match" in " ".join(verify_checkpoint(edited).problems)
+    shutil.rmtree(edited)
     capsys.readouterr()
     assert main(["ckpt", "verify", str(ckpts / "step_6")]) == 1
     assert "FAILED" in capsys.readouterr().out

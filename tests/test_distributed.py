@@ -139,3 +139,19 @@ def test_checkpoint_saved_at_2_processes_resumes_at_1_through_trex_train(data, t
     assert sorted(got) == [4, 5, 6]
     for step in (4, 5, 6):
         assert abs(got[step] - expected[step - 1]) <= 1e-5 * abs(expected[step - 1]), step
+
+
+def test_the_default_job_runs_on_two_ranks(tmp_path):
+    """`torchrun --nproc-per-node 2 -m trex train`, a newcomer's first multi-process try: both stages,
+    the model export from the sharded SFT model, and one voice on the console."""
+    from trex.models import load_pretrained
+
+    proc = torchrun(2, ["train", "--steps", "14", "--out", str(tmp_path / "job")], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "job" / "summary.json").read_text())
+    assert proc.stdout.count("exact match on 200 held-out problems") == 1  # rank 0 speaks for the job
+    assert proc.stderr.count("[3/4] SFT") == 1
+    model = load_pretrained(summary["model"])  # written by rank 0 from the gathered shards
+    assert sum(p.numel() for p in model.parameters()) > 0
+    assert [json.loads(line)["step"] for line in open(tmp_path / "job" / "sft" / "metrics.jsonl")] == list(
+        range(1, 9))

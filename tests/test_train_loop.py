@@ -116,7 +116,7 @@ def test_interrupt_still_writes_summary_and_plot(arithmetic_files, tmp_path, mon
 
     calls = {"n": 0}
 
-    def interrupt(self, step, metrics):
+    def interrupt(self, step, metrics, evaluated=False):
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt
@@ -215,7 +215,7 @@ def test_resume_decisions_reach_the_terminal_and_the_run_log(arithmetic_files, t
     assert "starting from step 1" in log and "resumed from" in log
 
 
-def test_checkpoint_directory_is_checked_before_step_1(arithmetic_files, tmp_path, capsys, monkeypatch):
+def test_checkpoint_and_run_directories_are_checked_before_step_1(arithmetic_files, tmp_path, capsys, monkeypatch):
     base = ["train", "recipes/fidelity_default.toml", "--set", f'data.paths=["{arithmetic_files}/sft.jsonl"]',
             "--set", 'data.bad_record_policy="skip"', "--set", "fidelity.every=0", "--save-every", "1000"]
     code = main([*base, "--out", str(tmp_path / "a"), "--set", 'checkpoint.dir="/proc/no-such/ckpts"'])
@@ -233,3 +233,22 @@ def test_checkpoint_directory_is_checked_before_step_1(arithmetic_files, tmp_pat
     line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("trex train:")]
     assert code == 2 and "GiB free, one checkpoint of this run needs up to" in line[0], line
     assert not (tmp_path / "b" / "metrics.jsonl").exists()
+    code = main([*base, "--out", str(tmp_path / "c"), "--save-every", "0"])  # no checkpoints: the logs still need room
+    line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("trex train:")]
+    assert code == 2 and f"{tmp_path / 'c'}: run directory: 0.0 MiB free" in line[0], line
+    assert not (tmp_path / "c" / "metrics.jsonl").exists()
+
+
+def test_progress_without_a_terminal_prints_at_log_every_evaluations_and_the_end_on_rank_0_only(capsys):
+    from trex.train.progress import StepProgress
+
+    metrics = {"loss": 1.0, "grad_norm": 2.0, "lr": 1e-3, "tokens_per_s": 100.0}
+    shown = StepProgress(10, every=3)
+    for step in range(1, 11):
+        shown.update(step, {**metrics, **({"eval_loss": 0.5} if step == 4 else {})}, evaluated=step == 4)
+    quiet = StepProgress(10, enabled=False, every=1)  # another rank
+    for step in range(1, 11):
+        quiet.update(step, metrics)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[1] for line in lines] == ["3/10", "4/10", "6/10", "9/10", "10/10"]
+    assert "eval 0.5000" in lines[1]

@@ -117,6 +117,7 @@ def _recompute(module: nn.Module, block: nn.Module) -> None:
 
 
 _REDUCE_EVERY = "_trex_reduce_every_micro_batch"
+_APPLIED = "_trex_parallel_plan"  # (plan, expert parameters) of a model already sharded
 
 
 def sync_gradients(model: nn.Module, micro_batch: int, micro_batches: int) -> None:
@@ -159,7 +160,21 @@ def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
                       compile: bool = False) -> list[nn.Parameter]:
     """Returns the expert-parallel parameters. Expects the parameters in fp32 (the master weights).
     ``reduce_every_micro_batch``: see :func:`sync_gradients`. Order: activation checkpointing,
-    compile (:func:`apply_compile`), expert parallelism, FSDP2."""
+    compile (:func:`apply_compile`), expert parallelism, FSDP2.
+
+    A sharded model handed to a later stage (the default job's SFT after its CPT) keeps its plan:
+    applying the same one again changes nothing, a different one is a ValueError."""
+    plan = {"world_size": par.world_size, "dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "ep": par.ep,
+            "activation_checkpointing": activation_checkpointing, "compile": compile,
+            "param_dtype": str(policy.compute_dtype), "reduce_dtype": str(policy.reduce_dtype)}
+    if par.distributed and isinstance(model, FSDPModule):
+        applied, experts = model.__dict__[_APPLIED]
+        if applied != plan:
+            changed = {k: (applied[k], plan[k]) for k in plan if applied[k] != plan[k]}
+            raise ValueError(f"the model is already sharded for another plan; a later stage must keep it "
+                             f"(changed: {changed})")
+        model.__dict__[_REDUCE_EVERY] = reduce_every_micro_batch
+        return experts
     apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
         apply_compile(model, fullgraph=par.ep == 1)
@@ -184,4 +199,5 @@ def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+    model.__dict__[_APPLIED] = (plan, experts)
     return experts

@@ -42,7 +42,8 @@ from safetensors.torch import load_file, save_file
 
 import trex
 from trex.train.ckpt_manifest import (DCP_INDEX, FORMAT, MANIFEST, RNG_DIR, TRAINER_STATE, SafeFileSystemReader,
-                                      describe_files, read_dcp_index, rng_file, tensor_table, verify_checkpoint)
+                                      describe_files, manifest_digest, read_dcp_index, rng_file, tensor_table,
+                                      verify_checkpoint)
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -187,6 +188,7 @@ class PendingSave:
         final = os.path.join(self.directory, f"step_{self.step}")
         if rank == 0:
             manifest = {**self.manifest, "files": files, "tensors": tensor_table(read_dcp_index(self.tmp))}
+            manifest["digest"] = manifest_digest(manifest)
             _write_json(os.path.join(self.tmp, MANIFEST), manifest)
             if os.path.exists(final):  # a re-save of the same step after a resume from an older one
                 shutil.rmtree(final)

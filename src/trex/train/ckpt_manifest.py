@@ -161,6 +161,13 @@ class VerifyReport:
         return dict(self.__dict__)
 
 
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's canonical JSON without its own ``digest`` field: a changed byte of
+    the manifest (which checks every other file) is caught too."""
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def verify_checkpoint(path: str) -> VerifyReport:
     """Completeness and checksums of checkpoint directory ``path`` against its manifest."""
     report = VerifyReport(str(path))
@@ -177,6 +184,9 @@ def verify_checkpoint(path: str) -> VerifyReport:
         report.step, report.world, report.trex_version = int(manifest["step"]), manifest["world"], manifest["trex_version"]
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         report.problems.append(f"{MANIFEST} is malformed: {e!r}")
+        return report
+    if "digest" in manifest and manifest["digest"] != manifest_digest(manifest):  # absent: written by an earlier trex
+        report.problems.append(f"{MANIFEST}: its digest does not match its content (corrupted or edited)")
         return report
     if manifest.get("format") != FORMAT:
         report.problems.append(f"{MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT!r}")

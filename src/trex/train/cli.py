@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -84,8 +85,9 @@ def _run_job(args: argparse.Namespace) -> int:
             print(format_report(dry_run(recipe, args.world_size)))
             return 0
         result = train(recipe)
-        print(f"{result.summary['status']}: {result.summary['steps_completed']} steps, "
-              f"final loss {result.summary['final'].get('loss', float('nan')):.4f}; {result.run_dir}/summary.json")
+        if int(os.environ.get("RANK", "0")) == 0:  # rank 0 speaks for the job
+            print(f"{result.summary['status']}: {result.summary['steps_completed']} steps, "
+                  f"final loss {result.summary['final'].get('loss', float('nan')):.4f}; {result.run_dir}/summary.json")
         return 0
     except (RecipeError, ValueError) as e:  # config, data and checkpoint errors name their source
         print(f"trex train: {e}", file=sys.stderr)

@@ -22,6 +22,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
 from trex.checkpoint.save import save_pretrained
 from trex.data.arithmetic import ArithmeticTask, cpt_records, eval_prompts, generate, sft_records
 from trex.data.chat import completion_answer, render_prompt
@@ -29,7 +33,7 @@ from trex.data.config import DataConfig
 from trex.data.records import write_jsonl
 from trex.data.tokenizer import Tokenizer, compact_tokenizer
 from trex.generate import greedy_generate
-from trex.models import DeepseekV4
+from trex.models import DeepseekV4, build_model
 from trex.train.config import EvalSection, ModelSection, ParallelSection, TrainRecipe, TrainSection
 from trex.train.loop import train
 from trex.train.optim import OptimConfig
@@ -48,7 +52,7 @@ class DefaultJob:
     seq_len: int = 64
     """Tokens per packed row."""
     micro_batch_size: int = 32
-    """Rows per step."""
+    """Rows per step, across all ranks (each of W ranks reads micro_batch_size / W; W must divide it)."""
     cpt_steps: int = 150
     """Continued-pretraining steps on raw text."""
     sft_steps: int = 400
@@ -73,10 +77,14 @@ class DefaultJob:
 
 
 def _stage(job: DefaultJob, name: str, paths: list[str], eval_paths: list[str], mode: str, steps: int) -> TrainRecipe:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if job.micro_batch_size % world:
+        raise ValueError(f"micro_batch_size = {job.micro_batch_size} rows per step cannot be split over {world} ranks; "
+                         "use a world size that divides it or --set micro_batch_size=N")
     return TrainRecipe(
         model=job.model,
         data=DataConfig(paths=paths, mode=mode, tokenizer="compact", seq_len=job.seq_len,
-                        micro_batch_size=job.micro_batch_size, seed=job.seed),
+                        micro_batch_size=job.micro_batch_size // world, seed=job.seed),
         optim=OptimConfig(name=job.optimizer, lr=job.lr, weight_decay=0.0),
         schedule=ScheduleConfig(warmup_steps=max(1, steps // 10), decay="cosine", min_lr_ratio=0.1),
         train=TrainSection(steps=steps, seed=job.seed, out=os.path.join(job.out, name), device=job.device,
@@ -102,12 +110,30 @@ def exact_match(model: DeepseekV4, tokenizer: Tokenizer, prompts: list[tuple[lis
 
 def export_model(model: DeepseekV4, path: str) -> str:
     """Write ``model`` to ``path`` in the HF layout (fp32) for recipes to start from (atomically:
-    the checkpoint writer fills a temporary directory, then renames it over ``path``)."""
-    save_pretrained(model, path, layout="hf", dtype="fp32", overwrite=True)
+    the checkpoint writer fills a temporary directory, then renames it over ``path``). A sharded
+    model is gathered to rank 0 (torch's full state dict, on the host), which writes it; every rank
+    calls this and returns when the copy is on disk."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        save_pretrained(model, path, layout="hf", dtype="fp32", overwrite=True)
+        return path
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        plain = build_model(model.cfg, device="cpu", dtype=torch.float32)
+        plain.load_state_dict(full)
+        save_pretrained(plain, path, layout="hf", dtype="fp32", overwrite=True)
+    dist.barrier()
     return path
 
 
 def run_default_job(job: DefaultJob) -> dict:
+    """Generate the data, run CPT then SFT, measure held-out exact match before and after, export
+    the model; rank 0 speaks and writes the job's summary.json (every rank runs the job)."""
+    main = int(os.environ.get("RANK", "0")) == 0
+
+    def say(*args, **kwargs) -> None:
+        if main:
+            print(*args, **kwargs)
+
     t0 = time.perf_counter()
     data_dir = os.path.join(job.out, "data")
     os.makedirs(data_dir, exist_ok=True)
@@ -122,16 +148,16 @@ def run_default_job(job: DefaultJob) -> dict:
     prompts = eval_prompts(held_out)
     tokenizer = compact_tokenizer()
 
-    print(f"[1/4] continued pretraining: {job.cpt_steps} steps on {len(train_problems)} problems as text",
+    say(f"[1/4] continued pretraining: {job.cpt_steps} steps on {len(train_problems)} problems as text",
           file=sys.stderr)
     cpt = train(_stage(job, "cpt", [files["cpt"]], [], "cpt", job.cpt_steps), tokenizer=tokenizer)
-    print("[2/4] held-out exact match after continued pretraining", file=sys.stderr)
+    say("[2/4] held-out exact match after continued pretraining", file=sys.stderr)
     before, _ = exact_match(cpt.model, tokenizer, prompts)
-    print(f"      exact match before SFT: {100 * before:.1f}%", file=sys.stderr)
-    print(f"[3/4] SFT: {job.sft_steps} steps on chat conversations", file=sys.stderr)
+    say(f"      exact match before SFT: {100 * before:.1f}%", file=sys.stderr)
+    say(f"[3/4] SFT: {job.sft_steps} steps on chat conversations", file=sys.stderr)
     sft = train(_stage(job, "sft", [files["sft"]], [files["heldout"]], "sft", job.sft_steps),
                 model=cpt.model, tokenizer=tokenizer)
-    print("[4/4] held-out exact match after SFT", file=sys.stderr)
+    say("[4/4] held-out exact match after SFT", file=sys.stderr)
     after, rows = exact_match(sft.model, tokenizer, prompts)
     model_dir = export_model(sft.model, os.path.join(job.out, "model"))
     summary = {
@@ -147,10 +173,11 @@ def run_default_job(job: DefaultJob) -> dict:
         "wall_time_s": time.perf_counter() - t0,
         "examples": rows[:10],
     }
-    tmp = os.path.join(job.out, "summary.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(summary, f, indent=2)
-    os.replace(tmp, os.path.join(job.out, "summary.json"))
-    print(f"exact match on {len(prompts)} held-out problems: before SFT {100 * before:.1f}%, "
+    if main:
+        tmp = os.path.join(job.out, "summary.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(summary, f, indent=2)
+        os.replace(tmp, os.path.join(job.out, "summary.json"))
+    say(f"exact match on {len(prompts)} held-out problems: before SFT {100 * before:.1f}%, "
           f"after SFT {100 * after:.1f}%  ({summary['wall_time_s']:.0f}s; {job.out}/summary.json)")
     return summary

@@ -205,6 +205,7 @@ def _train(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer |
     resumed = ckpt.resume()
     # --resume auto before the run's first save continues it from step 0: what it logged is trained again
     start = resumed.step if resumed else (0 if recipe.checkpoint.resume == "auto" else None)
+    run.check_room(cfg_train.steps)
     run.begin(start, cfg_train.overwrite, [METRICS_FILE, *SIGNAL_FILES], ckpt.directory)
     run.save_config(recipe)
 
@@ -216,7 +217,7 @@ def _train(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer |
         if evals[0]:
             run.log(0, evals[0], {})
     tokens_seen = resumed.loop.get("tokens", 0) if resumed else 0
-    progress = StepProgress(cfg_train.steps, enabled=cfg_train.progress and par.is_main)
+    progress = StepProgress(cfg_train.steps, enabled=cfg_train.progress and par.is_main, every=cfg_train.log_every)
     with ckpt.signals():  # until the summary is written; after a stop signal, until exit
         try:
             for step in range(resumed.step if resumed else 0, cfg_train.steps):
@@ -258,7 +259,7 @@ def _train(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer |
                 fidelity.record_probe(step + 1, model)  # the fixed probe batch after the update
                 reshard(model)  # after no-grad forwards (evaluation, probe): FSDP's root must not stay gathered
                 graphs.after_step()
-                progress.update(step + 1, last)
+                progress.update(step + 1, last, evaluated=bool(held_out))
                 heartbeat.at(step + 1, "checkpoint")
                 stop = ckpt.after_step(step + 1, {"tokens": tokens_seen})  # saves when due, or on SIGTERM/SIGINT
                 if stop:

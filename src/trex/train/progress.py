@@ -22,12 +22,17 @@ def format_metrics(m: dict) -> str:
 
 
 class StepProgress:
-    def __init__(self, total: int, enabled: bool = True, label: str = "train"):
+    """A live bar on a terminal; elsewhere one line every ``every`` steps (the run's log_every), at
+    the last step, and at every step with a held-out evaluation. Silent when not ``enabled`` (ranks
+    other than 0, ``train.progress = false``)."""
+
+    def __init__(self, total: int, enabled: bool = True, label: str = "train", every: int = 1):
         self.total = total
         self.label = label
+        self.enabled = enabled
         self.console = Console(stderr=True)
         self.live = enabled and self.console.is_terminal
-        self.every = max(1, total // 10)
+        self.every = max(1, every)
         self.start = time.perf_counter()
         self._bar = None
         if self.live:
@@ -37,11 +42,13 @@ class StepProgress:
             self._task = self._bar.add_task(label, total=total, metrics="")
             self._bar.start()
 
-    def update(self, step: int, metrics: dict) -> None:
+    def update(self, step: int, metrics: dict, evaluated: bool = False) -> None:
+        if not self.enabled:
+            return
         text = format_metrics(metrics)
         if self._bar is not None:
             self._bar.update(self._task, completed=step, metrics=text)
-        elif step % self.every == 0 or step == self.total:
+        elif step % self.every == 0 or step == self.total or evaluated:
             elapsed = time.perf_counter() - self.start
             eta = elapsed / step * (self.total - step)
             print(f"{self.label} {step}/{self.total}  {text}  eta {eta:.0f}s", file=sys.stderr, flush=True)

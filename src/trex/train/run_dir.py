@@ -8,6 +8,7 @@ line and flushed, so it is complete up to the last logged step.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -45,6 +46,18 @@ class RunDir:
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
+
+    def check_room(self, steps: int) -> None:
+        """Before step 1: the run directory's file system has room for what the run logs (a margin of
+        64 MiB for the plot, logs and TensorBoard, plus 16 KiB per step for metrics, fidelity signals
+        and events); raises OSError naming the directory."""
+        if not self.enabled:
+            return
+        need = 64 * 2**20 + 16 * 2**10 * steps
+        free = shutil.disk_usage(self.path).free
+        if free < need:
+            raise OSError(errno.ENOSPC, f"run directory: {free / 2**20:.1f} MiB free, the run's logs need up to "
+                                        f"{need / 2**20:.1f} MiB; free space or set train.out", self.path)
 
     def begin(self, resumed_step: int | None, overwrite: bool, step_files: list[str], checkpoints: str) -> None:
         """Make the directory hold this run only, before its first step; every rank checks, rank 0 writes.
