@@ -152,8 +152,13 @@ def test_epochs_reshuffle_deterministically(data_file):
 def test_too_few_rows_is_a_clear_error(tmp_path):
     path = tmp_path / "tiny.jsonl"
     write_jsonl(path, [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}])
-    with pytest.raises(ValueError, match="only 1 packed rows"):
+    with pytest.raises(ValueError, match=r"^data.paths = \[.*tiny.jsonl'\]: 1 packed rows of 48 tokens, but one step "
+                                         r"takes 2 \(data.micro_batch_size = 1 x 2 ranks\)"):
         loader_for(path, world=2, batch=1)
+    cfg = DataConfig(paths=[str(path)], tokenizer="compact", seq_len=32, micro_batch_size=4)
+    with pytest.raises(ValueError, match=r"^fidelity.probe_paths = .*\(fidelity.probe_rows = 4 x 1 rank\); add "
+                                         r"records or lower fidelity.probe_rows"):  # names the setting to change
+        build_loader(cfg, 0, 1, compact_tokenizer(), paths_key="fidelity.probe_paths", batch_key="fidelity.probe_rows")
 
 
 def test_padding_rows_from_synthetic_documents():

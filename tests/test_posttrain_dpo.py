@@ -72,6 +72,10 @@ def test_pairs_encode_both_forms_and_bad_records_follow_the_policy(tmp_path):
     assert torch.equal(batch.input_ids[0, :len(pairs.tokens[2])], torch.from_numpy(pairs.tokens[2]).long())
     with pytest.raises(BadRecordError, match=rf"{path}:2: bad record \(missing_rejected\)"):
         read_pairs(_cfg(path, "fail"), tok, BadRecordPolicy("fail"))
+    sft = tmp_path / "sft.jsonl"  # SFT data given to DPO: the error says what a preference record is
+    write_jsonl(sft, [{"messages": [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"}]}])
+    with pytest.raises(BadRecordError, match=r"sft.jsonl:1: .*no 'chosen' or 'rejected' field.*SFT data\?"):
+        read_pairs(_cfg(sft, "fail"), tok, BadRecordPolicy("fail"))
 
 
 @pytest.fixture(scope="module")

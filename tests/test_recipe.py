@@ -45,8 +45,9 @@ def test_unknown_key_suggests_the_closest(tmp_path):
     path.write_text("[optim]\nlearning_rate = 1\n")
     with pytest.raises(RecipeError, match=r"r.toml: unknown key `optim.learning_rate`"):
         load(Recipe, str(path))
-    with pytest.raises(RecipeError, match=r"unknown key `train.step`; did you mean `train.steps`\?"):
-        load(Recipe, overrides=["train.step=3"])
+    with pytest.raises(RecipeError,
+                       match=r"^--set train.step=3: unknown key `train.step`; did you mean `train.steps`\?"):
+        load(Recipe, str(path), overrides=["train.step=3"])  # blamed on the override, not the file
     with pytest.raises(RecipeError, match=r"unknown key `optimizer`; did you mean `optim`\?"):
         load(Recipe, overrides=["optimizer.lr=3"])
 

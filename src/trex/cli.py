@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import signal
 import sys
 
 # Modules that add subcommands through register(subparsers).
@@ -85,13 +87,22 @@ def main(argv: list[str] | None = None) -> int:
         return launch(argv[1:])
     args = build_parser().parse_args(argv)
     from trex import logs
+    from trex.device import DeviceUnavailable
 
     try:
         logs.to_terminal()
     except ValueError as e:  # TREX_LOG_LEVEL
         print(f"trex: {e}", file=sys.stderr)
         return 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except DeviceUnavailable as e:
+        print(f"trex: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `trex ... | head`: the reader left; stop quietly, as SIGPIPE would
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's final flush of stdout must not fail again
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

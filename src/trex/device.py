@@ -45,6 +45,10 @@ def _import_vendor_plugins() -> None:
             raise ValueError(f"TREX_DEVICE_PLUGINS names {name!r}, which does not import: {e}") from None
 
 
+class DeviceUnavailable(RuntimeError):
+    """A device was asked for (``--device``, ``TREX_DEVICE``) that this machine does not have."""
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What the device does well. ``bf16_fast`` is measured on CPU, not assumed from CPU flags."""
@@ -194,7 +198,7 @@ def detect(override: str | None = None) -> Device:
     if spec:
         dev_type, _, idx = spec.partition(":")
         if dev_type != "cpu" and not _type_available(dev_type):
-            raise RuntimeError(
+            raise DeviceUnavailable(
                 f"device {spec!r} was requested (TREX_DEVICE or --device) but torch sees no "
                 f"{dev_type!r} device; available: {available_types()}"
             )

@@ -49,8 +49,25 @@ def load(cls: type[T], path: str | None = None, overrides: list[str] | None = No
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise RecipeError(f"override {item!r}: expected section.key=value")
+        _check_key(cls, key.strip().split("."), f"--set {item}")
         _set_path(raw, key.strip().split("."), _parse_value(value.strip()))
     return from_dict(cls, raw, source)
+
+
+def _check_key(cls: type, parts: list[str], where: str) -> None:
+    """An override's dotted key must name a field (down to a table-valued one, whose keys are free);
+    the error names the override, not the recipe file, and suggests the closest key."""
+    for depth, part in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in fields:
+            prefix = "".join(f"{p}." for p in parts[:depth])
+            close = difflib.get_close_matches(part, list(fields), n=1)
+            hint = f"; did you mean `{prefix}{close[0]}`?" if close else f"; valid keys: {sorted(fields)}"
+            raise RecipeError(f"{where}: unknown key `{prefix}{part}`{hint}")
+        hint = typing.get_type_hints(cls)[part]
+        if not dataclasses.is_dataclass(hint):
+            return
+        cls = hint
 
 
 def from_dict(cls: type[T], raw: dict, source: str = "<dict>", prefix: str = "") -> T:

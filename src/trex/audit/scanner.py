@@ -56,7 +56,7 @@ def iter_files(paths: Iterable[str], config: AuditConfig) -> Iterator[str]:
                 yield os.path.normpath(root)
             continue
         if not os.path.isdir(root):
-            raise FileNotFoundError(f"trex audit: {root!r} is neither a file nor a directory")
+            raise FileNotFoundError(f"{root!r} is neither a file nor a directory")
         for directory, dirnames, filenames in os.walk(root, followlinks=True):
             st = os.stat(directory)
             if (st.st_dev, st.st_ino) in seen_dirs:

@@ -55,7 +55,8 @@ def write_checkpoint(path: str, groups: list[list[PlannedTensor]], config: dict,
     ``path`` atomically; returns the shard file names."""
     path = os.path.abspath(path)
     if os.path.exists(path) and not overwrite and (not os.path.isdir(path) or os.listdir(path)):
-        raise CheckpointError(f"{path}: already exists; choose a new directory or pass overwrite=True")
+        raise CheckpointError(f"{path}: already exists; choose a new directory, or replace it with --overwrite "
+                              "(overwrite=True from Python)")
     names = [t.name for g in groups for t in g]
     dup = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) != len(names) else []
     if dup:

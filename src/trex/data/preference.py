@@ -80,7 +80,11 @@ def _prompt_messages(data: dict, cfg: DataConfig) -> list[dict]:
     messages = data[cfg.messages_field]
     validate_conversation(messages, require_assistant=False)
     if messages[-1]["role"] not in ("user", "tool"):
-        raise RecordError("bad_prompt", f"{cfg.messages_field} ends with a {messages[-1]['role']} message; "
+        if not any(key in data for key in RESPONSES):
+            raise RecordError("missing_chosen", f"no 'chosen' or 'rejected' field, and {cfg.messages_field} is a whole "
+                                                "conversation (SFT data?): a preference record is a prompt ending with "
+                                                "a user turn plus 'chosen' and 'rejected' responses")
+        raise RecordError("bad_prompt", f"{cfg.messages_field} ends with a {messages[-1]['role']!r} message; "
                                         "expected the prompt to end with a user or tool message")
     return messages
 

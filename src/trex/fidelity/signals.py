@@ -145,7 +145,9 @@ class FidelityRecorder:
             paths = section.probe_paths or recipe.eval.paths or recipe.data.paths
             cfg = dataclasses.replace(recipe.data, paths=list(paths), shuffle=False,
                                       micro_batch_size=section.probe_rows)
-            probe = next(build_loader(cfg, rank=0, world_size=1, tokenizer=tokenizer))
+            key = "fidelity.probe_paths" if section.probe_paths else "eval.paths" if recipe.eval.paths else "data.paths"
+            probe = next(build_loader(cfg, rank=0, world_size=1, tokenizer=tokenizer, paths_key=key,
+                                      batch_key="fidelity.probe_rows"))
         return cls(section, run_path, probe, device)
 
     def due(self, step: int) -> bool:

@@ -110,7 +110,7 @@ class SFTObjective(Objective):
         if recipe.eval.paths:
             held_out = dataclasses.replace(recipe.data, paths=list(recipe.eval.paths), shuffle=False)
             self.eval_loader = build_loader(held_out, rank=par.rank, world_size=par.world_size,
-                                            tokenizer=ctx.tokenizer)
+                                            tokenizer=ctx.tokenizer, paths_key="eval.paths")
 
     def step(self, model: DeepseekV4, step: int, scaler) -> StepResult:
         ctx = self.ctx
