@@ -252,3 +252,13 @@ def test_progress_without_a_terminal_prints_at_log_every_evaluations_and_the_end
     lines = capsys.readouterr().err.splitlines()
     assert [line.split()[1] for line in lines] == ["3/10", "4/10", "6/10", "9/10", "10/10"]
     assert "eval 0.5000" in lines[1]
+
+
+def test_mfu_above_100_percent_is_warned_once_with_the_peak_it_used(arithmetic_files, tmp_path, monkeypatch, caplog):
+    from trex.train import loop
+
+    monkeypatch.setattr(loop, "peak_flops", lambda dev, policy: (1.0, "a peak far too low"))
+    with caplog.at_level("WARNING", logger="trex"):
+        train(_recipe(arithmetic_files, tmp_path / "mfu", "train.steps=3", "train.eval_every=0"))
+    warned = [r.getMessage() for r in caplog.records if "MFU" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("step 1: MFU") and "a peak far too low" in warned[0]

@@ -314,6 +314,48 @@ def measure_matmul_flops(device: Device, dtype: torch.dtype = torch.float32, n: 
     return 2 * n**3 / best
 
 
+def cached_peak_flops(device: Device, dtype: torch.dtype, cache_dir: str | None = None) -> tuple[float, str]:
+    """A stable MFU denominator where no hardware profile applies: the best dense-matmul rate this
+    machine has shown for ``dtype`` at this thread count, kept in ``<cache_dir>/peak_flops.json``
+    (default ``$TREX_CACHE_DIR`` or ``~/.cache/trex``). Each call measures (best of 5 at n=512)
+    and keeps the maximum, so a measurement taken while the machine was busy is not the
+    denominator for long. Returns (FLOP/s, where it came from)."""
+    import json
+    import platform
+
+    cache_dir = cache_dir or os.environ.get("TREX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                             "trex")
+    path = os.path.join(cache_dir, "peak_flops.json")
+    key = f"{platform.machine()} {platform.processor() or _cpu_model()} | {device.type} {str(dtype)} | " \
+          f"{torch.get_num_threads()} threads | torch {torch.__version__}"
+    try:
+        with open(path) as f:
+            cache = json.load(f)
+    except (OSError, ValueError):
+        cache = {}
+    measured = measure_matmul_flops(device, dtype, n=512, repeats=5)
+    best = max(measured, float(cache.get(key, 0.0)))
+    if best > cache.get(key, 0.0):
+        cache[key] = best
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(cache, f, indent=1)
+            os.replace(tmp, path)
+        except OSError:  # a read-only home: the measurement still serves this run
+            pass
+    return best, f"best measured {str(dtype).replace('torch.', '')} matmul on this machine ({path})"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
+    except OSError:
+        return "cpu"
+
+
 # ---- environment report -------------------------------------------------------------------------
 def _version(module: str) -> str | None:
     try:

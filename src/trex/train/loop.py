@@ -25,6 +25,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from trex import device as device_layer
 from trex import recipe as recipe_io
@@ -95,11 +96,15 @@ def check_vocab(model: DeepseekV4, tokenizer: Tokenizer) -> None:
 
 
 def peak_flops(dev: device_layer.Device, policy: PrecisionPolicy) -> tuple[float | None, str]:
-    """The MFU denominator: measured on CPU, from the hardware profiles on accelerators."""
+    """The MFU denominator: from the hardware profiles on accelerators; on CPU the best matmul rate
+    this machine has shown (`trex.device.cached_peak_flops`), rank 0's value on every rank."""
     dtype = str(policy.compute_dtype).replace("torch.", "").replace("bfloat16", "bf16").replace(
         "float16", "fp16").replace("float32", "fp32")
     if not dev.is_accelerator:
-        return device_layer.measure_matmul_flops(dev, policy.compute_dtype, n=512), f"measured {dtype} matmul"
+        found = [device_layer.cached_peak_flops(dev, policy.compute_dtype)]
+        if dist.is_initialized():
+            dist.broadcast_object_list(found, src=0)
+        return found[0]
     name = device_layer.environment_report(dev).get("device_name", dev.type)
     profile = profile_for_device_name(name)
     if profile is None:
@@ -210,6 +215,7 @@ def _train(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer |
     run.save_config(recipe)
 
     status, events, last, evals = "completed", [], {}, {}
+    mfu_warned = False
     graphs = CompiledGraphs(compiled)
     if cfg_train.eval_at_start and not resumed:
         evals[0] = objective.evaluate(model)
@@ -248,6 +254,11 @@ def _train(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer |
                     "skipped_steps": guard.skipped_total, "expert_imbalance_max": max(imbalance.values(), default=1.0),
                     "step_time_s": dt, "tokens": tokens_seen,
                 }
+                if (last["mfu"] or 0) > 1 and not mfu_warned:
+                    mfu_warned = True
+                    log.warning("step %d: MFU %.0f%% is above 100%%: the peak (%.3g FLOP/s, %s) is too low for "
+                                "this machine; MFU is not meaningful here", step + 1, 100 * last["mfu"], peak,
+                                peak_source)
                 due = cfg_train.eval_every and (step + 1) % cfg_train.eval_every == 0
                 heartbeat.at(step + 1, "evaluate")
                 held_out = objective.evaluate(model) if due else {}
