@@ -262,3 +262,8 @@ def test_mfu_above_100_percent_is_warned_once_with_the_peak_it_used(arithmetic_f
         train(_recipe(arithmetic_files, tmp_path / "mfu", "train.steps=3", "train.eval_every=0"))
     warned = [r.getMessage() for r in caplog.records if "MFU" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith("step 1: MFU") and "a peak far too low" in warned[0]
+
+
+def test_a_model_path_with_no_model_says_what_belongs_there(arithmetic_files, tmp_path):
+    with pytest.raises(ValueError, match=r"model.path = '.*nowhere': no model there \(expected config.json"):
+        train(_recipe(arithmetic_files, tmp_path / "run", f'model.path="{tmp_path}/nowhere"'))

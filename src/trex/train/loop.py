@@ -160,6 +160,10 @@ def _train(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer |
            heartbeat: Heartbeat) -> TrainResult:
     t_start = time.perf_counter()
     cfg_train = recipe.train
+    if recipe.model.path and not os.path.isfile(os.path.join(recipe.model.path, "config.json")):
+        raise ValueError(f"model.path = {recipe.model.path!r}: no model there (expected config.json and safetensors: "
+                         "the model/ of an earlier trex train job, or `trex ckpt export` output); if the recipe "
+                         "starts from another run's model, its header says which command makes it")
     dev = device_layer.detect(cfg_train.device or None)
     dev.set_current()
     layout = recipe.parallel
