@@ -121,7 +121,7 @@ def test_resume_from_a_path_that_does_not_verify_is_an_error(recipe_file, tmp_pa
         train(_recipe(recipe_file, out, "train.steps=3", f'checkpoint.resume="{out}/checkpoints/step_3"'))
 
 
-def test_export_then_load_pretrained_gives_identical_logits(recipe_file, tmp_path):
+def test_export_then_load_pretrained_gives_identical_logits(recipe_file, tmp_path, capsys):
     out = tmp_path / "run"
     result = train(_recipe(recipe_file, out, "train.steps=3", "checkpoint.save_every=3"))
     ids = torch.randint(0, result.model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -129,14 +129,16 @@ def test_export_then_load_pretrained_gives_identical_logits(recipe_file, tmp_pat
         want = result.model.eval()(ids).logits
     biases = [n for n, _ in result.model.named_buffers() if n.endswith("gate.bias")]
     assert any(result.model.get_buffer(n).abs().sum() > 0 for n in biases)  # the router bias did move
-    for layout in ("hf", "official"):
-        exported = tmp_path / layout
-        assert main(["ckpt", "export", str(out / "checkpoints" / "step_3"), str(exported), "--layout", layout,
-                     "--dtype", "fp32"]) == 0
+    for layout, source in (("hf", out / "checkpoints" / "step_3"), ("official", out / "checkpoints")):
+        exported = tmp_path / layout  # a run's checkpoints directory stands for its newest checkpoint
+        assert main(["ckpt", "export", str(source), str(exported), "--layout", layout, "--dtype", "fp32"]) == 0
         model = load_pretrained(str(exported), dtype=torch.float32)
         with torch.no_grad():
             assert torch.equal(model.eval()(ids).logits, want), layout
         assert all(torch.equal(model.get_buffer(n), result.model.get_buffer(n)) for n in biases), layout
+    capsys.readouterr()
+    assert main(["ckpt", "inspect", str(out / "checkpoints" / "step_3")]) == 2  # a training checkpoint
+    assert "`trex ckpt export" in capsys.readouterr().err
 
 
 class _Position:

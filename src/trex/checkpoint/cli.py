@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 
 # Modules that add ``trex ckpt`` subcommands through register(ckpt_subparsers).
@@ -65,10 +66,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from trex.checkpoint.errors import CheckpointError
     from trex.checkpoint.inspect import format_report, inspect_checkpoint
 
+    if os.path.exists(os.path.join(args.path, ".metadata")) or os.path.isdir(os.path.join(args.path, "checkpoints")) \
+            or os.path.basename(os.path.normpath(args.path)) == "checkpoints":
+        print(f"trex ckpt inspect: {args.path} is a training checkpoint (DCP) or holds them: `trex ckpt verify "
+              f"{args.path}` checks it, and `trex ckpt export {args.path} OUT` writes its model as safetensors, "
+              "which inspect reads", file=sys.stderr)
+        return 2
     try:
         report = inspect_checkpoint(args.path, layout=args.layout)
     except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"trex ckpt inspect: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.format == "json" else format_report(report))
     return 1 if report["problems"] else 0

@@ -9,6 +9,7 @@ tensors (a stacked expert tensor and its partner), never the whole model.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 from collections import OrderedDict
@@ -22,7 +23,9 @@ from trex.checkpoint.writer import write_checkpoint
 from trex.models.config import ModelConfig
 from trex.models.loading import build_model
 from trex.models.naming import LAYOUTS
-from trex.train.ckpt_manifest import TRAINER_STATE, SafeFileSystemReader, verify_checkpoint
+from trex.train.ckpt_manifest import MANIFEST, TRAINER_STATE, SafeFileSystemReader, verify_checkpoint
+
+log = logging.getLogger(__name__)
 
 
 class _TensorSource:
@@ -50,8 +53,17 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
                       max_shard_size: int | str = "5GB", overwrite: bool = False) -> list[str]:
     """Write the model of training checkpoint ``path`` to ``out``; returns the shard names.
 
-    The checkpoint must verify. layout, dtype, quantize, max_shard_size: as `save_pretrained`.
+    The checkpoint must verify; a run's checkpoint directory (``runs/x/checkpoints``) stands for its
+    newest checkpoint that verifies. layout, dtype, quantize, max_shard_size: as `save_pretrained`.
     """
+    from trex.train.checkpointing import find_resume, list_checkpoints
+
+    if not os.path.exists(os.path.join(path, MANIFEST)) and list_checkpoints(path):
+        newest = find_resume(path)
+        if newest is None:
+            raise ValueError(f"{path}: none of its checkpoints verifies (`trex ckpt verify {path}` says why)")
+        log.info("exporting %s, the newest checkpoint in %s that verifies", newest, path)
+        path = newest
     report = verify_checkpoint(path)
     if not report.ok:
         raise ValueError(f"{path}: does not verify: " + "; ".join(report.problems))
