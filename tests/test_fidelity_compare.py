@@ -252,3 +252,23 @@ def test_layer_groups_follow_blocks_and_submodules():
     assert layer_group("layers.0.attn_norm.weight") == "layers.0.norm"
     assert layer_group("mtp.0.e_proj.weight") == "mtp.0.proj"
     assert layer_group("hc_head.base") == "hc_head"
+
+
+def test_the_plotted_band_agrees_with_the_verdict(tmp_path):
+    """The plot draws the run's EMA inside the band at exactly the steps the band check accepts."""
+    from trex.fidelity.report import band_series
+
+    ref = load_signals(str(write_run(tmp_path / "ref", CURVE)))
+    noisy = [v * (1 + (0.02 if i % 2 else -0.02)) for i, v in enumerate(CURVE)]  # raw curve zig-zags
+    drift = [v * (1 + 0.01 * max(0, i - 9)) for i, v in enumerate(CURVE)]
+    profile = get_profile("precision").with_overrides({"loss_band_rel": 0.03, "loss_mean_rel_err": 1.0,
+                                                       "final_loss_rel_delta": 1.0})
+    for name, losses in (("noisy", noisy), ("drift", drift)):
+        result = compare(load_signals(str(write_run(tmp_path / name, losses))), ref, profile)
+        s = band_series(result)
+        outside = [step for step, lo, run, hi in zip(result.steps, s["lo"], s["run"], s["hi"]) if not lo <= run <= hi]
+        band_ok = next(c for c in result.checks if c.measure == "loss_band_rel").status == "PASS"
+        assert band_ok == (not outside) == (name == "noisy"), name  # one of each
+        assert (outside[0] if outside else None) == result.first_step_outside_band, name
+        raw_outside = any(not lo <= raw <= hi for lo, raw, hi in zip(s["lo"], result.curves["run"], s["hi"]))
+        assert raw_outside or name != "noisy"  # the raw curve leaves the band where the EMA does not

@@ -45,9 +45,22 @@ def write_json(result: Comparison, path: str) -> None:
     _atomic_replace(tmp, path)
 
 
+def band_series(result: Comparison) -> dict[str, list[float]]:
+    """What the top panel draws against what the verdict checks: the band (``lo``, ``hi``) around the
+    reference's EMA, and the run's EMA (``run``), which stays inside it exactly when the band check
+    passes (the raw curves are drawn faded behind, for reading individual steps)."""
+    band = result.profile.thresholds.get("loss_band_rel")
+    ref, run = result.curves["ema_ref"], result.curves["ema_run"]
+    if band is None:
+        return {"ref": ref, "run": run}
+    # the check is |ema_run - ema_ref| / |ema_ref| <= band (trex.fidelity.compare), hence |ema_ref| here
+    return {"ref": ref, "run": run, "lo": [v - band * abs(v) for v in ref], "hi": [v + band * abs(v) for v in ref]}
+
+
 def plot(result: Comparison, path: str) -> None:
-    """Top: reference and run loss, the EMA of the reference with the profile's band. Bottom: the
-    per-step relative error with the mean-error threshold."""
+    """Top: the reference's and the run's EMA (the curves the verdict compares) with the profile's
+    band around the reference's, over the raw curves, faded. Bottom: the per-step relative error with
+    the mean-error threshold."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -55,13 +68,15 @@ def plot(result: Comparison, path: str) -> None:
 
     steps, curves = result.steps, result.curves
     band = result.profile.thresholds.get("loss_band_rel")
+    series = band_series(result)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    top.plot(steps, curves["ref"], "-", color="0.4", lw=1, label="reference")
-    top.plot(steps, curves["run"], "-", color="tab:blue", lw=1, label="run")
+    top.plot(steps, curves["ref"], "-", color="0.4", lw=0.6, alpha=0.35, label="reference (raw)")
+    top.plot(steps, curves["run"], "-", color="tab:blue", lw=0.6, alpha=0.35, label="run (raw)")
+    top.plot(steps, series["ref"], "-", color="0.2", lw=1.5, label=f"reference EMA {result.profile.ema:g}")
+    top.plot(steps, series["run"], "-", color="tab:blue", lw=1.5, label=f"run EMA {result.profile.ema:g}")
     if band is not None:
-        lo = [v * (1 - band) for v in curves["ema_ref"]]
-        hi = [v * (1 + band) for v in curves["ema_ref"]]
-        top.fill_between(steps, lo, hi, color="tab:green", alpha=0.25, label=f"band ±{band:g} (EMA {result.profile.ema:g})")
+        top.fill_between(steps, series["lo"], series["hi"], color="tab:green", alpha=0.25,
+                         label=f"band ±{band:g} around the reference EMA")
     if result.first_step_outside_band is not None:
         top.axvline(result.first_step_outside_band, color="tab:red", ls="--", lw=1, label="first step outside")
     top.set_ylabel(result.metric)
