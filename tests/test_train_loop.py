@@ -213,6 +213,9 @@ def test_resume_decisions_reach_the_terminal_and_the_run_log(arithmetic_files, t
     assert f"trex: resumed from {out}/checkpoints/step_2 at step 2" in err
     log = (out / "train.log").read_text()
     assert "starting from step 1" in log and "resumed from" in log
+    # the optimizer's group table is in train.log; the terminal gets its one-line summary
+    assert "optimizer groups:" in log and "layers.*.ffn.experts.w1" in log
+    assert "trex: optimizer: 7 groups" in err and "layers.*" not in err
 
 
 def test_checkpoint_and_run_directories_are_checked_before_step_1(arithmetic_files, tmp_path, capsys, monkeypatch):

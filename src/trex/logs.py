@@ -61,8 +61,7 @@ def to_file(path: str) -> logging.Handler:
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     LOGGER.addHandler(handler)
-    if LOGGER.level == logging.NOTSET or LOGGER.level > logging.INFO:
-        LOGGER.setLevel(logging.INFO)
+    LOGGER.setLevel(logging.DEBUG)  # the terminal handler keeps its own level
     return handler
 
 

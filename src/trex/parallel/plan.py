@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 from torch import nn
@@ -182,6 +183,12 @@ def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
     if not par.distributed:
         cast_for_compute(model, policy.compute_dtype)
         return []
+    # FSDP2 warns, once per module and rank, that a wrapped module returned a view: an in-place op on it
+    # would skip the pre-backward hook. trex never modifies a block's or the model's output in place
+    # (the losses are out-of-place; tests/test_gradient_sync.py checks sharded gradients against one
+    # process), so the warning says nothing about trex and is filtered here, once.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor",
+                            category=UserWarning)
     mp = MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=policy.reduce_dtype)
     experts = shard_experts(model, par.ep_mesh) if par.ep > 1 else []
     if experts:  # expert shards are further sharded over the ranks that hold the same experts

@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -195,8 +194,9 @@ def _train(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer |
         model = model if model is not None else model_for(recipe, tokenizer, dev, policy)
         prepare(model)
     optimizer = build_optimizer(model, recipe.optim, dev)
-    if par.is_main:
-        print(optimizer.describe_groups(), file=sys.stderr)
+    head, _, groups = optimizer.describe_groups().partition("\n")
+    log.info("%s (the groups: train.log, or TREX_LOG_LEVEL=DEBUG)", head)
+    log.debug("optimizer groups:\n%s", groups)
     scheduler = build_scheduler(optimizer, recipe.schedule, cfg_train.steps)
     guard = StepGuard(recipe.precision.max_consecutive_skips, DynamicLossScaler.from_config(recipe.precision, policy))
     # built before resume: a reference taken from the student is the initial policy
