@@ -148,6 +148,9 @@ def test_default_job_pipeline_on_a_short_schedule(tmp_path):
     for stage in ("cpt", "sft"):
         assert (out / stage / "summary.json").exists() and (out / stage / "loss.png").exists()
     assert (out / "data" / "heldout.jsonl").exists()
+    # the SFT stage's recorded recipe reproduces it: it starts from the CPT model on disk
+    sft_recipe = load(TrainRecipe, str(out / "sft" / "config.toml"))
+    assert sft_recipe.model.path == str(out / "cpt" / "model") and (out / "cpt" / "model" / "config.json").exists()
 
 
 @pytest.mark.parametrize("name", ["deepseek_v4_flash_sft", "deepseek_v4_pro_sft"])

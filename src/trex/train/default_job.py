@@ -10,7 +10,8 @@ generated at run time:
 
 It uses the compact character tokenizer (printable ASCII plus the V4 special tokens) and the same
 chat-encoding code as any SFT run. Each stage is an ordinary training run with its own run
-directory; the job's own summary.json holds the accuracies before and after SFT.
+directory and recipe (config.toml): SFT starts from the CPT model exported to cpt/model. The job's
+own summary.json holds the accuracies before and after SFT.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from trex.train.schedule import ScheduleConfig
 @dataclass
 class DefaultJob:
     out: str = "runs/default"
-    """Job directory: data/, cpt/ and sft/ run directories, model/ (the final SFT model), summary.json."""
+    """Job directory: data/, cpt/ and sft/ run directories (cpt/model: the model SFT starts from), model/
+    (the final SFT model), summary.json."""
     task: ArithmeticTask = field(default_factory=lambda: ArithmeticTask(digits=2, ops="+-", n_train=6000,
                                                                         n_eval=200, problems_per_text=6))
     """The generated arithmetic task."""
@@ -76,13 +78,14 @@ class DefaultJob:
         self.sft_steps = max(1, total - self.cpt_steps)
 
 
-def _stage(job: DefaultJob, name: str, paths: list[str], eval_paths: list[str], mode: str, steps: int) -> TrainRecipe:
+def _stage(job: DefaultJob, name: str, paths: list[str], eval_paths: list[str], mode: str, steps: int,
+           model: ModelSection | None = None) -> TrainRecipe:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if job.micro_batch_size % world:
         raise ValueError(f"micro_batch_size = {job.micro_batch_size} rows per step cannot be split over {world} ranks; "
                          "use a world size that divides it or --set micro_batch_size=N")
     return TrainRecipe(
-        model=job.model,
+        model=model or job.model,
         data=DataConfig(paths=paths, mode=mode, tokenizer="compact", seq_len=job.seq_len,
                         micro_batch_size=job.micro_batch_size // world, seed=job.seed),
         optim=OptimConfig(name=job.optimizer, lr=job.lr, weight_decay=0.0),
@@ -155,8 +158,10 @@ def run_default_job(job: DefaultJob) -> dict:
     before, _ = exact_match(cpt.model, tokenizer, prompts)
     say(f"      exact match before SFT: {100 * before:.1f}%", file=sys.stderr)
     say(f"[3/4] SFT: {job.sft_steps} steps on chat conversations", file=sys.stderr)
-    sft = train(_stage(job, "sft", [files["sft"]], [files["heldout"]], "sft", job.sft_steps),
-                model=cpt.model, tokenizer=tokenizer)
+    # SFT starts from the CPT model on disk, so that sft/config.toml alone reproduces the stage
+    cpt_model = export_model(cpt.model, os.path.join(job.out, "cpt", "model"))
+    sft = train(_stage(job, "sft", [files["sft"]], [files["heldout"]], "sft", job.sft_steps,
+                       ModelSection(path=cpt_model)), tokenizer=tokenizer)
     say("[4/4] held-out exact match after SFT", file=sys.stderr)
     after, rows = exact_match(sft.model, tokenizer, prompts)
     model_dir = export_model(sft.model, os.path.join(job.out, "model"))
