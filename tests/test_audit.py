@@ -249,3 +249,17 @@ def test_docs_list_every_rule():
     text = (Path(__file__).parents[1] / "docs" / "audit.md").read_text()
     for rule in RULES.values():
         assert f"| {rule.id} | {rule.name} | {rule.category} | {rule.severity.label} |" in text, rule.id
+
+
+def test_a_package_importing_itself_is_not_lock_in(tmp_path):
+    """Auditing liger_kernel's own source: its imports of liger_kernel are not findings; its triton
+    kernels still are."""
+    pkg = tmp_path / "liger_kernel"
+    (pkg / "ops").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from liger_kernel.ops import rms_norm\n")
+    (pkg / "ops" / "__init__.py").write_text("")
+    (pkg / "ops" / "rms_norm.py").write_text("import triton\nfrom liger_kernel.ops.utils import ensure\n")
+    (tmp_path / "user.py").write_text("import liger_kernel\n")  # a user of the package: lock-in
+    findings = run_audit([str(tmp_path)]).findings
+    located = sorted((os.path.relpath(f.path, tmp_path), f.rule.id) for f in findings)
+    assert located == [("liger_kernel/ops/rms_norm.py", "TRX301"), ("user.py", "TRX301")], located

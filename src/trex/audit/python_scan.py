@@ -10,6 +10,7 @@ reported at info level: they fall back elsewhere.
 from __future__ import annotations
 
 import ast
+import os
 
 from trex.audit import file_scan, rules
 from trex.audit.model import Effort, Finding, Severity
@@ -19,10 +20,23 @@ _IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseExcept
 
 def scan_python(path: str, tree: ast.AST, lines: list[str], allow_modules: frozenset[str] = frozenset(),
                 is_setup_script: bool = False) -> tuple[list[Finding], int]:
-    """Findings of one parsed file, and how many were dropped because their module is allowlisted."""
-    visitor = _Visitor(path, lines, allow_modules, is_setup_script)
+    """Findings of one parsed file, and how many were dropped because their module is allowlisted.
+    A package importing its own modules is not lock-in: the top-level package the file belongs to
+    (`own_package`) is allowed, so auditing liger_kernel's source does not count liger_kernel."""
+    own = own_package(path)
+    visitor = _Visitor(path, lines, allow_modules | ({own} if own else set()), is_setup_script)
     visitor.visit(tree)
     return visitor.findings, visitor.allowlisted
+
+
+def own_package(path: str) -> str | None:
+    """The top-level package of ``path``: the outermost of the unbroken chain of directories with an
+    ``__init__.py`` that hold it (None for a file outside any package)."""
+    directory, top = os.path.dirname(os.path.abspath(path)), None
+    while os.path.isfile(os.path.join(directory, "__init__.py")):
+        top = os.path.basename(directory)
+        directory = os.path.dirname(directory)
+    return top
 
 
 def _is_int(node: ast.AST) -> bool:
