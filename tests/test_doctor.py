@@ -40,6 +40,10 @@ def test_text_report_lists_every_section(single_process, capsys):
     out = capsys.readouterr().out
     for needle in ("device: cpu", "bf16:", "fp16:", "fp8:", "skipped", "torchrun"):
         assert needle in out
+    # the precision lines agree with the capabilities: a kernel that is not fast here is not called ok
+    assert not device.detect("cpu").capabilities().fp8
+    fp8_line = next(line.strip() for line in out.splitlines() if line.strip().startswith("fp8: "))
+    assert fp8_line.startswith(("fp8: computes correctly but slowly", "fp8: unsupported")), fp8_line
 
 
 def test_precision_probe_reports_an_unsupported_kernel(monkeypatch):

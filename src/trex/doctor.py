@@ -217,9 +217,12 @@ def to_text(report: dict) -> str:
     out += [f"  {k:>16}: {v}" for k, v in report["environment"].items()]
     out.append("precision (matmul measured on the device)")
     for name, probe in report["precision"].items():
-        if probe["supported"]:
-            out.append(f"  {name:>16}: ok, rel. error {probe['rel_error']:.2e}, "
-                       f"{probe['speedup_vs_fp32']:.2f}x fp32 speed" + ("" if probe["fast"] else " (slow)"))
+        if probe["supported"] and probe["fast"]:
+            out.append(f"  {name:>16}: ok and fast, rel. error {probe['rel_error']:.2e}, "
+                       f"{probe['speedup_vs_fp32']:.2f}x fp32 speed")
+        elif probe["supported"]:  # computes, but emulated or slow: the capabilities above say False
+            out.append(f"  {name:>16}: computes correctly but slowly (rel. error {probe['rel_error']:.2e}, "
+                       f"{probe['speedup_vs_fp32']:.2f}x fp32 speed): not a capability of this device")
         else:
             out.append(f"  {name:>16}: unsupported ({probe['error']})")
     dist_report = report["distributed"]
