@@ -53,7 +53,8 @@ def test_training_resume_export_fidelity_and_generation_on_a_virtual_accelerator
     _train(cpu, {"TREX_DEVICE": "cpu"}, 6)
     _train(vdev, VDEV, 3)  # stops after step 3 with a checkpoint ...
     resumed = _train(vdev, VDEV, 6, "--resume", "auto")  # ... and a second process goes on from it
-    assert "train 4/6" in resumed.stderr and "train 1/6" not in resumed.stderr  # it went on from step 3
+    assert "checkpoints/step_3 at step 3" in resumed.stderr  # it went on from step 3
+    assert [r["step"] for r in _rows(vdev)] == [1, 2, 3, 4, 5, 6]  # each step once
 
     summary = json.loads((vdev / "summary.json").read_text())
     assert summary["device"]["device_type"] == "vdev" and summary["steps_completed"] == 6
