@@ -1,6 +1,7 @@
 """Run under torchrun (2 ranks, gloo) by tests/test_watchdog.py; prints one JSON line per rank."""
 
 import json
+import sys
 import time
 
 import torch.distributed as dist
@@ -30,5 +31,6 @@ with Heartbeat(1.0, interval_s=0.1, exit=lambda m: None) as stuck:
         time.sleep(0.05)
 verdicts["stuck"] = stuck.verdict
 dist.barrier()
-print(json.dumps({"rank": rank, **verdicts}), flush=True)
+sys.stdout.write(json.dumps({"rank": rank, **verdicts}) + "\n")  # one write: the ranks share the pipe (python -u)
+sys.stdout.flush()
 dist.destroy_process_group()

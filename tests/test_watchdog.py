@@ -41,6 +41,13 @@ def test_ranks_at_the_same_place_for_long_are_not_stuck_and_done_ranks_are_ignor
     assert find_lost(seen, now=100.0, timeout_s=10) is None
 
 
+def test_a_rank_that_stops_is_named_silent_even_though_its_place_went_stale_first():
+    # SIGSTOP at step 6: its place last changed at t=90, its last beat at t=95; the other rank moved on
+    seen = {0: _seen(beat_at=95, place_at=90, step=6), 1: _seen(beat_at=100, place_at=99, step=7)}
+    assert find_lost(seen, now=100.5, timeout_s=10) is None  # not "stuck" while its beat fades
+    assert find_lost(seen, now=105.0, timeout_s=10).startswith("rank 0 stopped answering")
+
+
 def test_silence_is_reported_before_being_stuck_and_the_lowest_rank_first():
     seen = {0: _seen(beat_at=99, place_at=99, step=6), 1: _seen(beat_at=50, place_at=50),
             2: _seen(beat_at=40, place_at=40)}

@@ -65,8 +65,8 @@ class Seen:
 def find_lost(seen: dict[int, Seen], now: float, timeout_s: float) -> str | None:
     """The verdict on a job's ranks, or None when every rank is answering and moving.
 
-    A rank is lost when its beat is ``timeout_s`` old, or when it has been at the same place for
-    ``timeout_s`` while another rank is past that place. Silent ranks are reported before stuck ones
+    A rank is lost when its beat is ``timeout_s`` old, or when, still beating, it has been at the
+    same place for ``timeout_s`` while another rank is past that place. Silent ranks are reported before stuck ones
     (a silent rank also stops moving); among several, the lowest rank is named."""
     active = {r: s for r, s in seen.items() if s.phase != "done"}
     for rank, s in sorted(active.items()):
@@ -75,7 +75,8 @@ def find_lost(seen: dict[int, Seen], now: float, timeout_s: float) -> str | None
                     f"(last seen at step {s.step}, phase {s.phase})")
     ahead = max((s.place for s in active.values()), default=(0, 0))
     for rank, s in sorted(active.items()):
-        if s.phase in _JUDGED and s.place < ahead and now - s.place_at >= timeout_s:
+        fresh = now - s.beat_at < timeout_s / 2  # a rank going silent is judged silent, not stuck
+        if fresh and s.phase in _JUDGED and s.place < ahead and now - s.place_at >= timeout_s:
             others = sorted(r for r, o in active.items() if o.place > s.place)
             return (f"rank {rank} is stuck: at step {s.step}, phase {s.phase} for {now - s.place_at:.0f} s while "
                     f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} moved on")
