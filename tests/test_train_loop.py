@@ -153,19 +153,6 @@ def test_default_job_pipeline_on_a_short_schedule(tmp_path):
     assert sft_recipe.model.path == str(out / "cpt" / "model") and (out / "cpt" / "model" / "config.json").exists()
 
 
-@pytest.mark.parametrize("name", ["deepseek_v4_flash_sft", "deepseek_v4_pro_sft"])
-def test_shipped_cluster_recipes_load_and_describe_a_consistent_layout(name):
-    from trex.models import get_preset
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    recipe = load(TrainRecipe, os.path.join(root, "recipes", f"{name}.toml"))
-    preset = get_preset("deepseek-v4-flash" if "flash" in name else "deepseek-v4-pro")
-    assert recipe.precision.dtype == "bf16" and recipe.optim.name == "muon" and recipe.data.seq_len == 4096
-    assert recipe.train.mtp_weight > 0
-    p = recipe.parallel
-    assert preset.n_routed_experts % p.ep == 0 and p.world_size(64 if "flash" in name else 512) % p.ep == 0
-
-
 def test_layout_that_does_not_match_the_world_size_is_refused(arithmetic_files, tmp_path):
     with pytest.raises(ValueError, match=r"dp_shard \(4\) = 4 ranks, but the run has 1"):
         train(_recipe(arithmetic_files, tmp_path / "p", "parallel.dp_shard=4"))

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from trex import atomic
+
 # Backends by device type, used only when torch cannot tell us (see `Device.backend`).
 _FALLBACK_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl", "xpu": "xccl"}
 # The environment prefix of each backend's flight recorder (a ring buffer of recent collectives that
@@ -339,10 +341,7 @@ def cached_peak_flops(device: Device, dtype: torch.dtype, cache_dir: str | None 
         cache[key] = best
         try:
             os.makedirs(cache_dir, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(cache, f, indent=1)
-            os.replace(tmp, path)
+            atomic.write_json(path, cache, indent=1)
         except OSError:  # a read-only home: the measurement still serves this run
             pass
     return best, f"best measured {str(dtype).replace('torch.', '')} matmul on this machine ({path})"

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import tomllib
 import types
 import typing
 from typing import Any, TypeVar
 
 import tomli_w
+
+from trex import atomic
 
 T = TypeVar("T")
 
@@ -102,10 +103,7 @@ def to_dict(obj: Any) -> dict:
 
 def save(obj: Any, path: str) -> None:
     """Write the resolved recipe atomically as TOML."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        tomli_w.dump(to_dict(obj), f)
-    os.replace(tmp, path)
+    atomic.write_text(path, tomli_w.dumps(to_dict(obj)))
 
 
 # ---- helpers ------------------------------------------------------------------------------------

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 
+from trex import atomic
 from trex.audit import reports, sarif
 from trex.audit.config import AuditConfig, find_config, load_config, parse_fail_on
 from trex.audit.scanner import run_audit
@@ -44,7 +43,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         return 2
     report = FORMATS[args.format](result)
     if args.output:
-        _write_atomic(args.output, report + "\n")
+        atomic.write_text(args.output, report + "\n")
     else:
         print(report)
     worst = result.worst()
@@ -60,13 +59,3 @@ def _config(args: argparse.Namespace) -> AuditConfig:
     return load_config(path)
 
 
-def _write_atomic(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".trex-audit-")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

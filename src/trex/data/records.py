@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from trex import atomic
 from trex.data.chat import RecordError
 
 log = logging.getLogger(__name__)
@@ -178,9 +179,4 @@ def write_jsonl(path: str | Path, records: list[dict]) -> None:
     """Write one JSON object per line, atomically (temp file in the same folder, then rename). The
     temp name is the writer's own (process id), so processes writing the same file at once (every
     rank of a job generating its data) each rename a complete file and none loses its temp file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    atomic.write_text(path, "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records))

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import string
-import tempfile
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
+from trex import atomic
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -78,15 +79,8 @@ class Tokenizer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write tokenizer.json atomically (temp file, then rename)."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        os.close(fd)
-        try:
+        with atomic.replacing(path) as tmp:
             self.backend.save(tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
 
 def deepseek_v4_tokenizer_path() -> Path:

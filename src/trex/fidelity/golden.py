@@ -3,12 +3,12 @@ fingerprints, the resolved recipe and the environment it ran in), loadable by `l
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 
 import torch
 
+from trex import atomic
 import trex
 from trex.fidelity.runs import GOLDEN_FORMAT, FidelityInputError, load_signals
 
@@ -36,10 +36,7 @@ def export(run_path: str, out_path: str) -> dict:
                                                        "precision", "parallel") if k in signals.summary},
     }
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = f"{out_path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(golden, f, indent=1)
-    os.replace(tmp, out_path)
+    atomic.write_json(out_path, golden, indent=1)
     return golden
 
 

@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from trex import atomic
 from trex.fidelity.compare import compare
 from trex.fidelity.profiles import get_profile
 from trex.fidelity.report import write_all
@@ -207,7 +208,4 @@ def markdown(report: dict) -> str:
 def _write_reports(report: dict, out: str) -> None:
     os.makedirs(out, exist_ok=True)
     for name, text in (("matrix.json", json.dumps(report, indent=2)), ("matrix.md", markdown(report) + "\n")):
-        tmp = os.path.join(out, f"{name}.tmp")
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, os.path.join(out, name))
+        atomic.write_text(os.path.join(out, name), text)

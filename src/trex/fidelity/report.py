@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
+from trex import atomic
 from trex.fidelity.compare import Comparison
 
 
@@ -34,15 +34,8 @@ def table(result: Comparison) -> str:
     return "\n".join(lines)
 
 
-def _atomic_replace(tmp: str, path: str) -> None:
-    os.replace(tmp, path)
-
-
 def write_json(result: Comparison, path: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(result.to_dict(), f, indent=2)
-    _atomic_replace(tmp, path)
+    atomic.write_json(path, result.to_dict())
 
 
 def band_series(result: Comparison) -> dict[str, list[float]]:
@@ -92,11 +85,9 @@ def plot(result: Comparison, path: str) -> None:
     bottom.set_xlabel("step")
     bottom.grid(alpha=0.3)
     fig.tight_layout()
-    root, ext = os.path.splitext(path)
-    tmp = f"{root}.tmp{ext}"
-    fig.savefig(tmp, dpi=100)
+    with atomic.replacing(path, suffix=os.path.splitext(path)[1]) as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
-    _atomic_replace(tmp, path)
 
 
 def write_all(result: Comparison, out_dir: str, name: str) -> dict[str, str]:

@@ -8,12 +8,16 @@ import json
 import os
 import sys
 
+from trex import atomic
 from trex.hardware import HardwareProfile, load_profiles
 from trex.models.config import PRESETS, ConfigError, ModelConfig, get_preset
+from trex.plan import annotate
 from trex.plan.layout import Layout, PlanError, parse_layout
 from trex.plan.planner import make_plan, search
 from trex.plan.report import plan_dict, plan_table, search_table
 from trex.plan.timing import TimeAssumptions
+
+DEFAULT_SEQ = 4096
 
 
 def register(sub) -> None:
@@ -38,6 +42,8 @@ def register(sub) -> None:
     p.add_argument("--search", action="store_true", help="rank every fitting layout by step time")
     p.add_argument("--top", type=int, default=15, help="rows of the --search table")
     p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--annotate", action="store_true",
+                   help="rewrite the recipe's planned lines ('#   512 x h200-sxm: ...') with fresh plans")
     p.set_defaults(func=_run)
 
 
@@ -62,29 +68,60 @@ def resolve_hardware(name: str | None) -> HardwareProfile:
     return profiles[name]
 
 
+def recipe_inputs(path: str, devices: int | None) -> tuple[str | None, Layout, int, str | None]:
+    """The model spec, layout, sequence length and compute dtype a training recipe asks for; a
+    ``dp_shard = -1`` recipe takes its shard size from ``devices``."""
+    from trex import recipe as recipe_io
+    from trex.train.config import TrainRecipe
+
+    r = recipe_io.load(TrainRecipe, path)
+    par = r.parallel
+    if par.dp_shard == -1 and not devices:
+        raise PlanError(f"{path}: [parallel] dp_shard = -1 takes every rank; say how many with --devices")
+    shard = par.dp_shard if par.dp_shard != -1 else devices // par.dp_replicate
+    layout = Layout(dp_shard=shard, dp_replicate=par.dp_replicate, ep=par.ep,
+                    micro_batch=r.data.micro_batch_size, grad_accum=r.train.grad_accum,
+                    recompute=par.activation_checkpointing, optimizer=r.optim.name,
+                    reduce_every_micro_batch=par.reduce_every_micro_batch)
+    has_checkpoint = bool(r.model.path) and os.path.exists(r.model.path)
+    model_spec = r.model.path if has_checkpoint or not r.model.preset else r.model.preset
+    return model_spec, layout, r.data.seq_len, (r.precision.dtype if r.precision.dtype != "auto" else None)
+
+
+def plan_recipe(path: str, devices: int, hardware: str, assume: TimeAssumptions = TimeAssumptions()):
+    """The plan of a recipe's own layout on ``devices`` x ``hardware``."""
+    spec, layout, seq, dtype = recipe_inputs(path, devices)
+    if layout.devices != devices:
+        raise PlanError(f"{path}: its layout {layout.describe()} uses {layout.devices} devices, not {devices}")
+    assume = dataclasses.replace(assume, dtype=dtype or assume.dtype)
+    return make_plan(resolve_model(spec), layout, seq, resolve_hardware(hardware), assume)
+
+
+def _annotate(path: str) -> int:
+    text = open(path, encoding="utf-8").read()
+    found = annotate.targets(text)
+    if not found:
+        raise PlanError(f"{path}: no planned lines to annotate (a comment line '#   512 x h200-sxm:' names "
+                        "a cluster the recipe is meant for)")
+    plans = {t.line: plan_recipe(path, t.devices, t.hardware) for t in found}
+    new = annotate.rewrite(text, {i: annotate.verdict(p) for i, p in plans.items()})
+    if new != text:
+        atomic.write_text(path, new)
+    for t in found:
+        print(f"{path}:{t.line + 1}: {t.devices} x {t.hardware}: {annotate.verdict(plans[t.line])}")
+    return 0 if all(p.fits for p in plans.values()) else 1
+
+
 def _inputs(args: argparse.Namespace) -> tuple[ModelConfig, Layout, int, str]:
     base, model_spec, seq, dtype = Layout(dp_shard=1), args.model, args.seq, args.dtype
     if args.recipe:
-        from trex import recipe as recipe_io
-        from trex.train.config import TrainRecipe
-
-        r = recipe_io.load(TrainRecipe, args.recipe)
-        par = r.parallel
-        if par.dp_shard == -1 and not args.devices:
-            raise PlanError(f"{args.recipe}: [parallel] dp_shard = -1 takes every rank; say how many with --devices")
-        shard = par.dp_shard if par.dp_shard != -1 else args.devices // par.dp_replicate
-        base = Layout(dp_shard=shard, dp_replicate=par.dp_replicate, ep=par.ep,
-                      micro_batch=r.data.micro_batch_size, grad_accum=r.train.grad_accum,
-                      recompute=par.activation_checkpointing, optimizer=r.optim.name,
-                      reduce_every_micro_batch=par.reduce_every_micro_batch)
-        has_checkpoint = bool(r.model.path) and os.path.exists(r.model.path)
-        model_spec = model_spec or (r.model.path if has_checkpoint or not r.model.preset else r.model.preset)
-        seq = seq or r.data.seq_len
-        dtype = dtype or (r.precision.dtype if r.precision.dtype != "auto" else None)
+        spec, base, recipe_seq, recipe_dtype = recipe_inputs(args.recipe, args.devices)
+        model_spec, seq, dtype = model_spec or spec, seq or recipe_seq, dtype or recipe_dtype
     if model_spec is None:
         raise PlanError("give a recipe or --model")
     if seq is None:
-        raise PlanError("give a recipe or --seq")
+        seq = DEFAULT_SEQ
+        print(f"note: no recipe or --seq: planning {seq}-token sequences", file=sys.stderr)
     if not args.recipe and args.devices:
         base = dataclasses.replace(base, dp_shard=args.devices)
     changes = {k: v for k, v in (("recompute", args.recompute), ("optimizer", args.optimizer)) if v}
@@ -109,6 +146,10 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"{p.name:18s} {p.unit:4s} {p.peak_tflops.get('bf16', 0):7.1f} TFLOP/s bf16 "
                       f"{p.memory_gib:5g} GiB  {p.source}")
             return 0
+        if args.annotate:
+            if not args.recipe:
+                raise PlanError("--annotate rewrites a recipe's planned lines: give the recipe")
+            return _annotate(args.recipe)
         cfg, layout, seq, dtype = _inputs(args)
         hw = resolve_hardware(args.hardware)
         assume = TimeAssumptions(compute_efficiency=args.efficiency, fsdp_overlap=args.fsdp_overlap,
@@ -122,6 +163,16 @@ def _run(args: argparse.Namespace) -> int:
             else:
                 print(search_table(plans, args.top))
             return 0 if plans else 1
+        if not (args.recipe or args.layout or args.search):
+            # a model and a device count only: plan the fastest layout that fits rather than ep=1
+            plans = search(cfg, layout.devices, seq, layout.global_batch_tokens(seq), hw, assume,
+                           optimizer=layout.optimizer)
+            if not plans:
+                print(search_table(plans, 1))
+                return 1
+            print(f"note: no recipe or --layout: the fastest of {len(plans)} layouts that fit "
+                  f"(--search ranks them, --layout picks one)", file=sys.stderr)
+            layout = plans[0].layout
         plan = make_plan(cfg, layout, seq, hw, assume)
         print(json.dumps(plan_dict(plan), indent=2) if args.format == "json" else plan_table(plan))
         return 0 if plan.fits else 1

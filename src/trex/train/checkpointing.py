@@ -40,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from safetensors.torch import load_file, save_file
 
+from trex import atomic
 import trex
 from trex.train.ckpt_manifest import (DCP_INDEX, FORMAT, MANIFEST, RNG_DIR, TRAINER_STATE, SafeFileSystemReader,
                                       describe_files, manifest_digest, read_dcp_index, rng_file, tensor_table,
@@ -218,12 +219,7 @@ def _write_errors(tmp: str, step: int) -> Iterator[None]:
 
 
 def _write_json(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic.write_json(path, obj, indent=1, fsync=True)
 
 
 _ASYNC_GROUP = None

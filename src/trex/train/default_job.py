@@ -17,7 +17,6 @@ own summary.json holds the accuracies before and after SFT.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from trex import atomic
 from trex.checkpoint.save import save_pretrained
 from trex.data.arithmetic import ArithmeticTask, cpt_records, eval_prompts, generate, sft_records
 from trex.data.chat import completion_answer, render_prompt
@@ -179,10 +179,7 @@ def run_default_job(job: DefaultJob) -> dict:
         "examples": rows[:10],
     }
     if main:
-        tmp = os.path.join(job.out, "summary.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(summary, f, indent=2)
-        os.replace(tmp, os.path.join(job.out, "summary.json"))
+        atomic.write_json(os.path.join(job.out, "summary.json"), summary)
     say(f"exact match on {len(prompts)} held-out problems: before SFT {100 * before:.1f}%, "
           f"after SFT {100 * after:.1f}%  ({summary['wall_time_s']:.0f}s; {job.out}/summary.json)")
     return summary

@@ -16,20 +16,13 @@ import os
 import shutil
 from typing import Any
 
-from trex import logs
+from trex import atomic, logs
 from trex import recipe as recipe_io
 
 log = logging.getLogger(__name__)
 
 
 METRICS_FILE = "metrics.jsonl"
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 class RunDir:
@@ -115,7 +108,7 @@ class RunDir:
 
     def write_summary(self, summary: dict) -> None:
         if self.enabled:
-            _atomic_write_text(self.file("summary.json"), json.dumps(summary, indent=2, default=_json_default))
+            atomic.write_json(self.file("summary.json"), summary, default=_json_default)
 
     def plot_loss(self) -> None:
         """loss.png: training loss (and eval loss when logged) against step."""
@@ -137,10 +130,9 @@ class RunDir:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        tmp = self.file("loss.tmp.png")
-        fig.savefig(tmp, dpi=100)
+        with atomic.replacing(self.file("loss.png"), suffix=".png") as tmp:
+            fig.savefig(tmp, dpi=100)
         plt.close(fig)
-        os.replace(tmp, self.file("loss.png"))
 
     def close(self) -> None:
         if self._metrics is not None:
@@ -161,7 +153,7 @@ def _keep_steps_up_to(path: str, step: int) -> int:
         lines = [line for line in f if line.strip()]
     kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
     if len(kept) < len(lines):
-        _atomic_write_text(path, "".join(kept))
+        atomic.write_text(path, "".join(kept))
     return len(lines) - len(kept)
 
 

@@ -1,0 +1,48 @@
+"""Atomic file writes: a reader sees the old file or the whole new one, never part of either.
+
+``replacing(path)`` yields a temporary path in the same folder, unique to the call (so processes
+writing one file at once, every rank of a job, each publish a complete file), and renames it over
+``path`` when the block ends without error; on any error the temporary file is removed and the
+error propagates. ``write_text`` and ``write_json`` are the common cases; ``fsync=True`` makes the
+bytes durable before the rename (checkpoint manifests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[str]:
+    """Yield a temporary path to write; it becomes ``path`` when the block succeeds. ``suffix``
+    keeps an extension that a writer reads the format from (``".png"`` for matplotlib)."""
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                               prefix=f".{os.path.basename(path)}.", suffix=suffix)
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text(path: str | os.PathLike, text: str, fsync: bool = False) -> None:
+    with replacing(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+
+
+def write_json(path: str | os.PathLike, obj: Any, indent: int = 2, fsync: bool = False,
+               default: Any = None) -> None:
+    write_text(path, json.dumps(obj, indent=indent, default=default), fsync=fsync)
