@@ -183,7 +183,7 @@ def report_main(args) -> None:
                       *open(path).read().strip().splitlines()[-30:], "```", ""]
     parts.append(MARK_END)
     section = "\n".join(parts)
-    if args.no_write:
+    if not args.write:
         print(section)
         return
     path = os.path.join(ROOT, "docs", "benchmarks.md")
@@ -211,7 +211,7 @@ def main() -> None:
     step.add_argument("--out", required=True)
     report = sub.add_parser("report", help="write the figures of a bench/accelerator.sh output folder")
     report.add_argument("dir")
-    report.add_argument("--no-write", action="store_true")
+    report.add_argument("--write", action="store_true", help="put the figures into docs/benchmarks.md (default: print them)")
     args = parser.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "src"))
     (step_main if args.cmd == "step" else report_main)(args)

@@ -49,6 +49,6 @@ done
   --profile vendor 2>&1 | tee "$OUT/fidelity-same-precision.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed=$((failed + 1))
 
-"$PYTHON" bench/accelerator.py report "$OUT" > /dev/null && echo "figures written to docs/benchmarks.md"
+"$PYTHON" bench/accelerator.py report "$OUT" --write > /dev/null && echo "figures written to docs/benchmarks.md"
 echo "accelerator check: $failed part(s) failed"
 exit "$failed"

@@ -1,12 +1,12 @@
 """How fast `trex audit` scans a large tree: 10,000 synthetic files, one process, one core.
 
 Writes the files to a temporary directory (100 packages x 100 files: portable modules, copies
-of the CUDA-bound fixture modules, requirements files), scans them with the audit, and records
-files/s and the findings count in docs/benchmarks.md between the audit-bench markers (the rest
-of that file is left alone).
+of the CUDA-bound fixture modules, requirements files), scans them with the audit, and prints
+files/s and the findings count; --write records them in docs/benchmarks.md between the
+audit-bench markers (the rest of that file is left alone).
 
-    .venv/bin/python bench/audit_speed.py            # 10,000 files
-    .venv/bin/python bench/audit_speed.py --files 2000 --no-write
+    .venv/bin/python bench/audit_speed.py --write    # 10,000 files, recorded in docs/benchmarks.md
+    .venv/bin/python bench/audit_speed.py --files 2000   # printed only
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def update_docs(section: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=10_000)
-    parser.add_argument("--no-write", action="store_true", help="print only, leave docs/benchmarks.md alone")
+    parser.add_argument("--write", action="store_true", help="record the figures in docs/benchmarks.md (default: print)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="trex-audit-bench-") as tmp:
         root = Path(tmp)
@@ -129,7 +129,7 @@ def main() -> int:
         f"generating the tree took {generated:.1f} s (not counted). Target: 10,000 files in under 60 s on one core.",
     ]
     print("\n".join(lines))
-    if not args.no_write:
+    if args.write:
         update_docs("\n".join(lines))
     return 0 if result.seconds < 60 or args.files != 10_000 else 1
 

@@ -5,10 +5,10 @@ fused LM head + loss).
 Same tiny config, same weights, CPU, fp32, batch 1, at several sequence lengths. Each
 (implementation, length) runs in a fresh subprocess so peak memory (Linux VmHWM) is its own. For
 trex it also counts the host syncs of one step (trex.syncs.SyncCounter) and, compiled, the graphs
-torch.compile built. Writes markdown tables between markers in docs/benchmarks.md.
+torch.compile built. Prints markdown tables; --write puts them between markers in docs/benchmarks.md.
 
-    .venv/bin/python bench/model_step.py                 # S = 512 ... 8192, compiled at 512/2048/4096
-    .venv/bin/python bench/model_step.py --seqs 256 --compiled-seqs 256 --no-write
+    .venv/bin/python bench/model_step.py --write         # S = 512 ... 8192, compiled at 512/2048/4096
+    .venv/bin/python bench/model_step.py --seqs 256 --compiled-seqs 256   # printed only
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def main() -> None:
     # steady state: the first steps of a fresh process page-fault their freshly mapped tensors (glibc
     # raises its mmap threshold as blocks are freed); the minimum over 4 timed steps, for both models
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--write", action="store_true", help="put the tables into docs/benchmarks.md (default: print)")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -220,7 +220,7 @@ def main() -> None:
     if args.compiled_seqs:
         text += "\n\n### Eager vs compiled\n\n" + compiled_table(results, args.compiled_seqs)
     print(text)
-    if not args.no_write:
+    if args.write:
         write_section(text)
 
 

@@ -35,9 +35,12 @@ def test_step_measurement_and_report_on_cpu(tmp_path):
     assert eager["mfu"] is None  # no hardware profile for a CPU
     (tmp_path / "tests.txt").write_text("....\n4 passed in 1.0s\n")
     (tmp_path / "fidelity.txt").write_text("verdict: PASS\n")
-    report = subprocess.run([sys.executable, SCRIPT, "report", str(tmp_path), "--no-write"], capture_output=True,
+    doc = os.path.join(ROOT, "docs", "benchmarks.md")
+    before = open(doc).read()
+    report = subprocess.run([sys.executable, SCRIPT, "report", str(tmp_path)], capture_output=True,
                             text=True, cwd=ROOT)
     assert report.returncode == 0, report.stderr
+    assert open(doc).read() == before  # printed, not written, without --write
     text = report.stdout
     assert text.startswith("<!-- accelerator-bench:begin -->") and text.rstrip().endswith("<!-- accelerator-bench:end -->")
     assert "`4 passed in 1.0s`" in text and "verdict: PASS" in text
