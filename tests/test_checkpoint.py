@@ -323,6 +323,20 @@ def test_cli_convert_and_inspect(model, tmp_path, capsys):
     assert sum(report["shards"].values()) == sum(os.path.getsize(f) for f in glob.glob(str(tmp_path / "q" / "*.safetensors")))
 
 
+def test_cli_convert_refuses_an_existing_destination_before_reading_anything(model, tmp_path, capsys, monkeypatch):
+    from trex.checkpoint import reader
+    from trex.cli import main
+
+    save_pretrained(model, tmp_path / "hf", layout="hf", dtype="fp32")
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "keep.txt").write_text("mine")
+    monkeypatch.setattr(reader.CheckpointReader, "__init__", lambda *a, **k: pytest.fail("read the source"))
+    assert main(["ckpt", "convert", str(tmp_path / "hf"), str(tmp_path / "dst"), "--layout", "hf"]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().count("\n") == 0 and "already exists" in err and "--overwrite" in err
+    assert "writing" not in out + err and (tmp_path / "dst" / "keep.txt").read_text() == "mine"
+
+
 def test_cli_inspect_reports_missing_and_unexpected(model, tmp_path, capsys):
     from safetensors.torch import save_file
 

@@ -9,7 +9,7 @@ import pytest
 
 from trex.data import BadRecordError, DataConfig, build_loader, compact_tokenizer
 from trex.data.documents import build_documents
-from trex.data.records import BadRecordPolicy, SkipCounter, write_jsonl
+from trex.data.records import BadRecordPolicy, SkipCounter, describe_skips, write_jsonl
 
 TOK = compact_tokenizer()
 
@@ -75,6 +75,10 @@ def test_skip_counts_every_reason(fixture_file):
     assert summary["skipped_by_reason"] == want
     assert summary["skipped"] == sum(want.values()) and summary["truncated"] == 0
     assert summary["first_seen"]["malformed_json"] == f"{fixture_file}:3"
+    line = describe_skips(summary)
+    assert line.startswith(f"skipped {sum(want.values())} bad records: ")
+    assert f"{want['malformed_json']} malformed_json (first {fixture_file}:3)" in line
+    assert describe_skips(BadRecordPolicy("skip").counter.as_dict()) is None  # nothing left out: no line
 
 
 def test_truncate_cuts_long_documents_and_skips_the_rest(fixture_file):

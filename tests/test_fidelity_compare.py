@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -272,3 +273,14 @@ def test_the_plotted_band_agrees_with_the_verdict(tmp_path):
         assert (outside[0] if outside else None) == result.first_step_outside_band, name
         raw_outside = any(not lo <= raw <= hi for lo, raw, hi in zip(s["lo"], result.curves["run"], s["hi"]))
         assert raw_outside or name != "noisy"  # the raw curve leaves the band where the EMA does not
+
+
+def test_the_matrix_refuses_an_out_that_holds_a_matrix_before_training(tmp_path, capsys, monkeypatch):
+    from trex.fidelity import matrix
+
+    monkeypatch.setattr(matrix, "_run_inline", lambda *a: pytest.fail("trained into a used directory"))
+    (tmp_path / "m" / "control-fp32").mkdir(parents=True)
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "fidelity_default.toml")
+    assert main(["fidelity", "matrix", recipe, "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a matrix (control-fp32)" in err and "--overwrite" in err and "--resume" not in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -153,6 +154,18 @@ def test_default_job_pipeline_on_a_short_schedule(tmp_path):
     assert sft_recipe.model.path == str(out / "cpt" / "model") and (out / "cpt" / "model" / "config.json").exists()
 
 
+def test_the_cli_names_the_skipped_records_on_the_console(arithmetic_files, tmp_path, capsys):
+    from trex import recipe as recipe_io
+
+    path = tmp_path / "r.toml"
+    recipe_io.save(_recipe(arithmetic_files, tmp_path / "run", "train.steps=2", "train.eval_every=0"), str(path))
+    assert main(["train", str(path)]) == 0
+    err = capsys.readouterr().err
+    sft = arithmetic_files / "sft.jsonl"
+    assert "trex train: data: skipped 2 bad records: " in err
+    assert f"1 malformed_json (first {sft}:401)" in err and f"(first {sft}:402)" in err
+
+
 def test_layout_that_does_not_match_the_world_size_is_refused(arithmetic_files, tmp_path):
     with pytest.raises(ValueError, match=r"dp_shard \(4\) = 4 ranks, but the run has 1"):
         train(_recipe(arithmetic_files, tmp_path / "p", "parallel.dp_shard=4"))
@@ -245,6 +258,30 @@ def test_progress_without_a_terminal_prints_at_log_every_evaluations_and_the_end
     lines = capsys.readouterr().err.splitlines()
     assert [line.split()[1] for line in lines] == ["3/10", "4/10", "6/10", "9/10", "10/10"]
     assert "eval 0.5000" in lines[1]
+
+
+@pytest.mark.parametrize("width", [60, 80, 120, 200])
+def test_the_live_bar_keeps_step_elapsed_and_eta_whole_at_any_width(width):
+    import io
+
+    from rich.console import Console
+
+    from trex.train.progress import StepProgress
+
+    out = io.StringIO()
+    console = Console(file=out, width=width, force_terminal=True, color_system=None)
+    bar = StepProgress(1500, console=console)
+    bar.update(37, {"loss": 2.3456, "grad_norm": 12.5, "lr": 2e-5, "tokens_per_s": 123456.0, "mfu": 0.312,
+                    "eval_loss": 2.5})
+    bar._bar.refresh()
+    bar.close()
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue()).replace("\r", "\n")
+    line = [x for x in text.splitlines() if "37/1500" in x][-1]
+    assert "…" not in line and len(line.rstrip()) <= width
+    assert "train" in line and "eta" in line and "loss 2.3456" in line
+    assert line.count("0:00:") + line.count("-:--:--") == 2  # elapsed and remaining, both whole
+    if width >= 160:
+        assert "mfu 31.2%" in line  # room for every metric
 
 
 def test_mfu_above_100_percent_is_warned_once_with_the_peak_it_used(arithmetic_files, tmp_path, monkeypatch, caplog):

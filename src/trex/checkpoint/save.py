@@ -15,7 +15,7 @@ import torch
 
 from trex.checkpoint.layouts import SAVE_DTYPES, TrexTensor, plan_outputs, quantization_config
 from trex.checkpoint.safetensors_io import PlannedTensor
-from trex.checkpoint.writer import write_checkpoint
+from trex.checkpoint.writer import check_destination, write_checkpoint
 
 if TYPE_CHECKING:  # trex.models imports this module: import it lazily at run time
     from trex.models.config import ModelConfig
@@ -32,6 +32,7 @@ def save_pretrained(model: torch.nn.Module, path: str, layout: str = "hf", dtype
     per-expert tensors). dtype: "bf16" or "fp32" for unquantised tensors. quantize: None, "fp8"
     or "fp8+fp4experts" (reference formats, power-of-two scales). Returns the shard names.
     """
+    check_destination(path, overwrite)
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     tensors = [TrexTensor(k, tuple(v.shape), v.dtype, _getter(v)) for k, v in _ordered(state)]
     return _write(tensors, model.cfg, path, layout, dtype, quantize, max_shard_size, overwrite, progress)
@@ -44,6 +45,7 @@ def convert(src: str, dst: str, layout: str = "hf", dtype: str = "bf16", quantiz
     from trex.checkpoint.reader import CheckpointReader
     from trex.models.loading import build_model
 
+    check_destination(dst, overwrite)
     reader = CheckpointReader(src, src_layout)
     model = build_model(reader.config, device="meta")
     meta = {**dict(model.named_parameters()), **dict(model.named_buffers())}

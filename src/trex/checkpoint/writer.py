@@ -48,15 +48,21 @@ def assign_shards(groups: list[list[PlannedTensor]], max_bytes: int) -> list[lis
     return shards
 
 
+def check_destination(path: str, overwrite: bool) -> None:
+    """Raise CheckpointError if ``path`` holds anything and ``overwrite`` is off: checked before any
+    reading, converting or progress bar, and again by the writer."""
+    if os.path.exists(path) and not overwrite and (not os.path.isdir(path) or os.listdir(path)):
+        raise CheckpointError(f"{os.path.abspath(path)}: already exists; choose a new directory, or replace it "
+                              "with --overwrite (overwrite=True from Python)")
+
+
 def write_checkpoint(path: str, groups: list[list[PlannedTensor]], config: dict, max_shard_size: int | str = "5GB",
                      overwrite: bool = False, on_written: Callable[[PlannedTensor], None] | None = None,
                      metadata: dict[str, str] | None = None) -> list[str]:
     """Write ``groups`` as ``model-0000i-of-0000n.safetensors`` + index + ``config.json`` into
     ``path`` atomically; returns the shard file names."""
     path = os.path.abspath(path)
-    if os.path.exists(path) and not overwrite and (not os.path.isdir(path) or os.listdir(path)):
-        raise CheckpointError(f"{path}: already exists; choose a new directory, or replace it with --overwrite "
-                              "(overwrite=True from Python)")
+    check_destination(path, overwrite)
     names = [t.name for g in groups for t in g]
     dup = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) != len(names) else []
     if dup:

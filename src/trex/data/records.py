@@ -67,6 +67,21 @@ class SkipCounter:
                 "files_skipped": len(self.files_skipped), "files_skipped_first": self.files_skipped[:5]}
 
 
+def describe_skips(data: dict) -> str | None:
+    """One console line of what a run's data left out or cut, from the ``SkipCounter.as_dict`` keys
+    of its summary.json ``data`` (absent keys count as none), or None when nothing was."""
+    parts = []
+    first = data.get("first_seen", {})
+    if data.get("skipped"):
+        reasons = ", ".join(f"{n} {r} (first {first.get(r, '?')})" for r, n in data["skipped_by_reason"].items())
+        parts.append(f"skipped {data['skipped']} bad records: {reasons}")
+    if data.get("truncated"):
+        parts.append(f"truncated {data['truncated']} records to seq_len (first {first.get('truncated', '?')})")
+    if data.get("files_skipped"):
+        parts.append(f"ignored {data['files_skipped']} files that are not data (first {data['files_skipped_first'][0]})")
+    return "; ".join(parts) or None
+
+
 @dataclass
 class BadRecordPolicy:
     """Applies ``policy`` (fail | skip | truncate) to bad records, counting into ``counter``."""

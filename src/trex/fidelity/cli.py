@@ -36,6 +36,7 @@ def register(sub) -> None:
     m.add_argument("--only", action="append", default=[], metavar="VARIANT", help="run only these variants")
     m.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a recipe value for every variant; repeatable")
+    m.add_argument("--overwrite", action="store_true", help="replace what --out holds (default: refuse)")
     m.set_defaults(func=_matrix)
 
     pr = fid.add_parser("profiles", help="print the tolerance profiles, their thresholds and rationale")
@@ -84,7 +85,8 @@ def _matrix(args: argparse.Namespace) -> int:
     from trex.recipe import RecipeError
 
     try:
-        report = run_matrix(args.recipe, args.out, steps=args.steps, only=args.only, overrides=args.overrides)
+        report = run_matrix(args.recipe, args.out, steps=args.steps, only=args.only, overrides=args.overrides,
+                            overwrite=args.overwrite)
     except (RecipeError, ValueError) as e:
         print(f"trex fidelity matrix: {e}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,7 +115,9 @@ def _run_stop_and_resume(recipe_path: str, out: str, overrides: list[str], steps
 
 
 def run_matrix(recipe_path: str, out: str, steps: int | None = None, only: list[str] | None = None,
-               overrides: list[str] | None = None) -> dict:
+               overrides: list[str] | None = None, overwrite: bool = False) -> dict:
+    """Train the control and each chosen variant under ``out`` and compare them. A non-empty ``out``
+    is refused (ValueError) unless ``overwrite``, which removes it first."""
     from trex.recipe import load
     from trex.train.config import TrainRecipe
 
@@ -132,6 +135,11 @@ def run_matrix(recipe_path: str, out: str, steps: int | None = None, only: list[
     if unknown:
         raise ValueError(f"--only {sorted(unknown)}: unknown variant; choose from {[v.name for v in variants(2, 1)]}")
 
+    if os.path.isdir(out) and os.listdir(out):
+        if not overwrite:
+            held = ", ".join(sorted(os.listdir(out))[:4])
+            raise ValueError(f"{out} already holds a matrix ({held}): choose another --out, or --overwrite to replace it")
+        shutil.rmtree(out)
     control_dir = os.path.join(out, "control-fp32")
     print(f"[control] fp32, one process, {steps} steps -> {control_dir}", file=sys.stderr)
     _run_inline(recipe_path, control_dir, [*base, *CONTROL])

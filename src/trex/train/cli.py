@@ -67,6 +67,7 @@ def _run_job(args: argparse.Namespace) -> int:
             run_default_job(job)
             return 0
         from trex.train.config import TrainRecipe
+        from trex.data.records import describe_skips
         from trex.train.loop import train
 
         overrides = list(args.overrides)
@@ -86,6 +87,9 @@ def _run_job(args: argparse.Namespace) -> int:
             return 0
         result = train(recipe)
         if int(os.environ.get("RANK", "0")) == 0:  # rank 0 speaks for the job
+            left_out = describe_skips(result.summary.get("data", {}))
+            if left_out:
+                print(f"trex train: data: {left_out} (summary.json: data)", file=sys.stderr)
             print(f"{result.summary['status']}: {result.summary['steps_completed']} steps, "
                   f"final loss {result.summary['final'].get('loss', float('nan')):.4f}; {result.run_dir}/summary.json")
         return 0
