@@ -138,11 +138,16 @@ def test_cli_rejects_unknown_keys_with_a_suggestion(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_default_job_pipeline_on_a_short_schedule(tmp_path):
+def test_default_job_pipeline_on_a_short_schedule(tmp_path, capfd):
     out = tmp_path / "job"
     code = main(["train", "--out", str(out), "--set", "cpt_steps=4", "--set", "sft_steps=4",
-                 "--set", "task.n_train=300", "--set", "task.n_eval=100", "--set", "micro_batch_size=8", "--set", "progress=false"])
+                 "--set", "task.n_train=300", "--set", "task.n_eval=100", "--set", "micro_batch_size=8"])
     assert code == 0
+    console = capfd.readouterr()
+    lines = (console.out + console.err).splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("train 1/"))
+    # at most ~30 lines before training starts (an upper bound: every stdout line counts as before)
+    assert first <= 30, "\n".join(lines[:first])
     summary = json.loads((out / "summary.json").read_text())
     assert 0.0 <= summary["exact_match_before_sft"] <= 1.0 and 0.0 <= summary["exact_match_after_sft"] <= 1.0
     assert summary["held_out_problems"] == 100 and len(summary["examples"]) == 10
