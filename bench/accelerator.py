@@ -67,7 +67,7 @@ def measure_step(device: str, dtype: str, seq: int, compiled: bool, steps: int, 
     from trex.syncs import SyncCounter
     from trex.train.config import TrainSection
     from trex.train.optim import OptimConfig, build_optimizer
-    from trex.train.precision import PrecisionPolicy, StepGuard
+    from trex.precision import PrecisionPolicy, StepGuard
     from trex.train.step import train_step
 
     dev = device_layer.detect(device)

@@ -57,7 +57,7 @@ def run_one(impl: str, seq: int, ckpt: str, steps: int) -> dict:
 
     torch.manual_seed(0)
     if impl.startswith("trex"):
-        from trex.models import load_pretrained
+        from trex.checkpoint import load_pretrained
 
         model = load_pretrained(ckpt, dtype=torch.float32, device="cpu")
         if impl == "trex-compiled":

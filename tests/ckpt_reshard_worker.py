@@ -23,9 +23,9 @@ from trex.models import build_model
 from trex.models.config import tiny
 from trex.models.deepseek_v4 import shift_labels
 from trex.parallel.mesh import shutdown_distributed
-from trex.train.checkpointing import RunState, load_checkpoint, save_checkpoint
+from trex.checkpoint.training import RunState, load_checkpoint, save_checkpoint
 from trex.train.optim import OptimConfig, build_optimizer, clip_grad_norm
-from trex.train.precision import StepGuard
+from trex.precision import StepGuard
 from trex.train.schedule import ScheduleConfig, build_scheduler
 
 ROWS, SEQ = 4, 16

@@ -45,8 +45,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trex.data.arithmetic import ArithmeticTask, generate, sft_records
 from trex.data.records import write_jsonl
-from trex.train.checkpointing import list_checkpoints
-from trex.train.ckpt_manifest import MANIFEST, SafeFileSystemReader, verify_checkpoint
+from trex.checkpoint.training import list_checkpoints
+from trex.checkpoint.manifest import MANIFEST, SafeFileSystemReader, verify_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, SAVE_EVERY = 12, 4
@@ -527,7 +527,7 @@ def full_disk(lab: Lab, rng: random.Random) -> str:
     # no room up front: refused before step 1, naming the directory
     out2 = lab.new_out("no-room")
     usage = shutil.disk_usage(lab.root)
-    with mock.patch("trex.train.checkpointing.shutil.disk_usage", return_value=usage._replace(free=1024)):
+    with mock.patch("trex.checkpoint.training.shutil.disk_usage", return_value=usage._replace(free=1024)):
         code2, err2 = _cli("train", lab.recipe, "--out", out2)
     check(code2 == 2 and "checkpoints" in err2 and "free" in err2 and not os.path.exists(
         os.path.join(out2, "metrics.jsonl")), f"no room: exit {code2}: {err2[-500:]}")

@@ -30,7 +30,7 @@ from trex.parallel.mesh import init_parallel, shutdown_distributed
 from trex.parallel.plan import apply_parallelism
 from trex.train.moe_balance import freeze_indexer
 from trex.train.optim import OptimConfig, build_optimizer
-from trex.train.precision import PrecisionPolicy
+from trex.precision import PrecisionPolicy
 
 
 def status(field: str) -> int:

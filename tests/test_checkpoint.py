@@ -15,9 +15,10 @@ from trex.checkpoint.errors import CheckpointError
 from trex.checkpoint.reader import CheckpointReader
 from trex.checkpoint.safetensors_io import SafetensorsFile
 from trex.checkpoint.save import convert
-from trex.models import build_model, load_pretrained, save_pretrained
+from trex.models import build_model
+from trex.checkpoint import load_pretrained, save_pretrained
 from trex.models.config import tiny
-from trex.models.naming import Target, hf_name, official_name, trex_targets
+from trex.checkpoint.naming import Target, hf_name, official_name, trex_targets
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ SCRIPT = textwrap.dedent(
     import json, sys, torch
     from trex import device
     from trex.checkpoint.save import convert
-    from trex.models import build_model, load_pretrained, save_pretrained
+    from trex.models import build_model
+    from trex.checkpoint import load_pretrained, save_pretrained
     from trex.models.config import tiny
 
     tmp = sys.argv[1]

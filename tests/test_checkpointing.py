@@ -15,10 +15,10 @@ import torch
 from trex.cli import main
 from trex.data.arithmetic import ArithmeticTask, generate, sft_records
 from trex.data.records import write_jsonl
-from trex.models import load_pretrained
+from trex.checkpoint import load_pretrained
 from trex.recipe import load
-from trex.train.checkpointing import find_resume, list_checkpoints
-from trex.train.ckpt_manifest import verify_checkpoint
+from trex.checkpoint.training import find_resume, list_checkpoints
+from trex.checkpoint.manifest import verify_checkpoint
 from trex.train.config import TrainRecipe
 from trex.train.loop import train
 
@@ -156,9 +156,9 @@ def _bf16_state():
     from trex import device
     from trex.models import build_model
     from trex.models.config import tiny
-    from trex.train.checkpointing import RunState
+    from trex.checkpoint.training import RunState
     from trex.train.optim import OptimConfig, build_optimizer
-    from trex.train.precision import StepGuard
+    from trex.precision import StepGuard
     from trex.train.schedule import ScheduleConfig, build_scheduler
 
     model = build_model(tiny(), seed=0).to(torch.bfloat16)
@@ -177,7 +177,7 @@ def _step(state, seed):
 
 
 def test_async_save_round_trips_bf16_parameters_and_fp32_optimizer_state(tmp_path):
-    from trex.train.checkpointing import load_checkpoint, save_checkpoint
+    from trex.checkpoint.training import load_checkpoint, save_checkpoint
     from trex.train.schedule import ScheduleConfig, lr_multiplier
 
     a = _bf16_state()
@@ -258,7 +258,7 @@ def test_checkpoint_index_cannot_plant_attributes(tmp_path):
 
     from torch.distributed.checkpoint import metadata as dcp_metadata
 
-    from trex.train.ckpt_manifest import DCP_INDEX, read_dcp_index
+    from trex.checkpoint.manifest import DCP_INDEX, read_dcp_index
 
     meta = dcp_metadata.Metadata(state_dict_metadata={})
     (tmp_path / DCP_INDEX).write_bytes(pickle.dumps(meta))

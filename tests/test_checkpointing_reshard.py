@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from trex.train.ckpt_manifest import verify_checkpoint
+from trex.checkpoint.manifest import verify_checkpoint
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ckpt_reshard_worker.py")
 

@@ -96,7 +96,8 @@ def test_uneven_data_is_caught_by_the_preflight_check(data, tmp_path):
 
 
 def test_sharded_load_from_a_checkpoint_matches_one_process(data, tmp_path):
-    from trex.models import build_model, save_pretrained
+    from trex.models import build_model
+    from trex.checkpoint import save_pretrained
     from trex.models.config import tiny
 
     ckpt = tmp_path / "ckpt"
@@ -144,7 +145,7 @@ def test_checkpoint_saved_at_2_processes_resumes_at_1_through_trex_train(data, t
 def test_the_default_job_runs_on_two_ranks(tmp_path):
     """`torchrun --nproc-per-node 2 -m trex train`, a newcomer's first multi-process try: both stages,
     the model export from the sharded SFT model, and one voice on the console."""
-    from trex.models import load_pretrained
+    from trex.checkpoint import load_pretrained
 
     proc = torchrun(2, ["train", "--steps", "14", "--out", str(tmp_path / "job")], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -152,7 +152,8 @@ def sandbox(path: str) -> dict:
 def assets(tmp_path_factory):
     """What the placeholders name, built once: a tiny HF checkpoint and a short fidelity run."""
     d = tmp_path_factory.mktemp("doc-assets")
-    from trex.models import build_model, save_pretrained
+    from trex.models import build_model
+    from trex.checkpoint import save_pretrained
     from trex.models.config import tiny
 
     save_pretrained(build_model(tiny(), seed=0), d / "hf_tiny", layout="hf", dtype="fp32")

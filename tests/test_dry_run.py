@@ -7,7 +7,7 @@ import os
 import pytest
 
 from trex.models import count_parameters, get_preset
-from trex.parallel.dry_run import dry_run
+from trex.train.dry_run import dry_run
 from trex.recipe import load
 from trex.train.config import TrainRecipe
 

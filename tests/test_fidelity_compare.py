@@ -14,7 +14,7 @@ from trex.fidelity.compare import compare, position_kl
 from trex.fidelity.golden import export
 from trex.fidelity.profiles import PROFILES, get_profile, parse_overrides
 from trex.fidelity.runs import FidelityInputError, load_signals
-from trex.fidelity.signals import layer_group
+from trex.train.signals import layer_group
 
 GROUPS = ("embed", "layers.0.attn", "layers.0.ffn", "head")
 

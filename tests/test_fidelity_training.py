@@ -13,7 +13,7 @@ from trex.fidelity.compare import compare
 from trex.fidelity.golden import DEFAULT_DATA_FILES, write_default_data
 from trex.fidelity.profiles import get_profile
 from trex.fidelity.runs import load_signals
-from trex.fidelity.signals import grad_norms_by_group, layer_group, probe_positions
+from trex.train.signals import grad_norms_by_group, layer_group, probe_positions
 from trex.models import build_model
 from trex.models.config import tiny
 from trex.models.deepseek_v4 import IGNORE_INDEX

@@ -1,6 +1,6 @@
 import torch
 
-from trex.generate import greedy_generate
+from trex.rollout.generate import greedy_generate
 from trex.models import build_model
 from trex.models.config import tiny
 

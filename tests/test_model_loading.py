@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_oracle import hf_config, random_hf_model
-from trex.models import CheckpointError, load_pretrained
+from trex.checkpoint import CheckpointError, load_pretrained
 
 
 @pytest.fixture()

@@ -1,7 +1,7 @@
 """Parity with the reference no one here wrote: transformers 5.23 DeepseekV4ForCausalLM.
 
 Random-weight tiny models in several configurations are saved with ``save_pretrained`` and
-loaded with ``trex.models.load_pretrained``; logits, loss and every parameter's gradient must
+loaded with ``trex.checkpoint.load_pretrained``; logits, loss and every parameter's gradient must
 match (MTP, which transformers does not implement, is excluded).
 """
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hf_oracle import hf_config, random_hf_model
-from trex.models import load_pretrained
-from trex.models.naming import to_trex
+from trex.checkpoint import load_pretrained
+from trex.checkpoint.naming import to_trex
 
 S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 

@@ -7,7 +7,7 @@ import torch
 
 from trex import device
 from trex.train.optim import OptimConfig, build_optimizer, clip_grad_norm
-from trex.train.precision import DynamicLossScaler, NonFiniteError, PrecisionConfig, PrecisionPolicy, StepGuard
+from trex.precision import DynamicLossScaler, NonFiniteError, PrecisionConfig, PrecisionPolicy, StepGuard
 
 
 def fake_caps(monkeypatch, **caps):

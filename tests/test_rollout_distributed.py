@@ -54,7 +54,7 @@ def _worker(out: str, ep: int) -> None:
     from trex.parallel.mesh import init_parallel
     from trex.parallel.plan import apply_parallelism
     from trex.rollout import SamplingParams, sample
-    from trex.train.precision import PrecisionPolicy
+    from trex.precision import PrecisionPolicy
 
     dev = device.detect()
     par = init_parallel(1, 2, ep, 600, dev)  # generous: CI machines may be busy

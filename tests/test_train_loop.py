@@ -19,7 +19,7 @@ from trex.models.config import tiny
 from trex.recipe import load
 from trex.train.config import TrainRecipe, TrainSection
 from trex.train.loop import accumulate_gradients, train
-from trex.train.precision import DynamicLossScaler, NonFiniteError
+from trex.precision import DynamicLossScaler, NonFiniteError
 
 
 def _batch(ids, labels, docs):

@@ -39,8 +39,8 @@ def _rows(out):
 GENERATE = """
 import json, sys, torch
 from trex import device
-from trex.generate import greedy_generate
-from trex.models import load_pretrained
+from trex.rollout.generate import greedy_generate
+from trex.checkpoint import load_pretrained
 dev = device.detect()
 model = load_pretrained(sys.argv[1], dtype=torch.float32, device=dev.name).eval()
 prompts = [[5, 9, 17, 3], [7, 7, 2], [11, 4, 30, 8, 1]]

@@ -19,7 +19,7 @@ from trex.data.arithmetic import fresh_problems, generate, mistake_records, prom
 from trex.data.chat import completion_answer, render_prompt
 from trex.data.records import write_jsonl
 from trex.data.tokenizer import compact_tokenizer
-from trex.models import load_pretrained
+from trex.checkpoint import load_pretrained
 from trex.rollout import SamplingParams, sample
 from trex.train.default_job import DefaultJob
 

@@ -7,14 +7,12 @@ from collections import Counter
 
 from trex.checkpoint.reader import CheckpointReader
 from trex.checkpoint.safetensors_io import DTYPE_NAMES
+from trex.models import build_model, count_parameters
 
 
 def inspect_checkpoint(path: str, layout: str = "auto") -> dict:
     """layout, dtypes, quantisation, tensor count, total/active parameters of the config,
     missing and unexpected keys versus the config, and shard sizes in bytes."""
-    from trex.models.loading import build_model
-    from trex.models.params import count_parameters
-
     reader = CheckpointReader(path, layout)
     model = build_model(reader.config, device="meta")
     expected = {k: tuple(v.shape) for k, v in [*model.named_parameters(), *model.named_buffers()]}

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from trex.checkpoint import quant
+from trex.checkpoint.naming import hf_name, official_name, scale_name
 from trex.checkpoint.safetensors_io import PlannedTensor
 
 QUANTIZE_MODES = (None, "fp8", "fp8+fp4experts")
@@ -58,8 +59,6 @@ def codec_for(key: str, quantize: str | None) -> str:
 def plan_outputs(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, quantize: str | None
                  ) -> list[list[PlannedTensor]]:
     """Groups of tensors to write for ``layout`` ("official" or "hf"), in the order given."""
-    from trex.models.naming import hf_name, official_name  # trex.models imports this package
-
     by_key = {t.key: t for t in tensors}
     groups: list[list[PlannedTensor]] = []
     for t in tensors:
@@ -96,7 +95,6 @@ def _plain_dtype(t: TrexTensor, dtype: torch.dtype) -> torch.dtype:
 def _encode(name: str, shape: tuple[int, ...], dtype: torch.dtype, codec: str, layout: str,
             produce: Callable[[], torch.Tensor]) -> list[PlannedTensor]:
     """The weight (cast, or quantised plus its scale) as planned tensors."""
-    from trex.models.naming import scale_name
 
     if codec == "plain":
         return [PlannedTensor(name, dtype, tuple(shape), lambda: produce().to(dtype))]

@@ -22,7 +22,7 @@ from trex.checkpoint import quant
 from trex.checkpoint.errors import CheckpointError
 from trex.checkpoint.safetensors_io import SafetensorsFile
 from trex.models.config import ModelConfig
-from trex.models.naming import LAYOUTS, Target, detect_layout, scale_candidates, trex_targets
+from trex.checkpoint.naming import LAYOUTS, Target, detect_layout, scale_candidates, trex_targets
 
 Region = tuple[tuple[int, int], ...]
 """Per dim [start, stop) of a tensor's full (unsharded) shape."""

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from trex.checkpoint.layouts import SAVE_DTYPES, TrexTensor, plan_outputs, quantization_config
+from trex.checkpoint.naming import LAYOUTS
+from trex.checkpoint.reader import CheckpointReader
 from trex.checkpoint.safetensors_io import PlannedTensor
 from trex.checkpoint.writer import check_destination, write_checkpoint
-
-if TYPE_CHECKING:  # trex.models imports this module: import it lazily at run time
-    from trex.models.config import ModelConfig
+from trex.models import build_model
+from trex.models.config import CSA, HASH_MOE, HCA, ModelConfig
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -42,9 +42,6 @@ def convert(src: str, dst: str, layout: str = "hf", dtype: str = "bf16", quantiz
             max_shard_size: int | str = "5GB", src_layout: str = "auto", overwrite: bool = False,
             progress: bool = False) -> list[str]:
     """Convert checkpoint directory ``src`` (any layout/precision) to ``dst``, tensor by tensor."""
-    from trex.checkpoint.reader import CheckpointReader
-    from trex.models.loading import build_model
-
     check_destination(dst, overwrite)
     reader = CheckpointReader(src, src_layout)
     model = build_model(reader.config, device="meta")
@@ -83,10 +80,8 @@ def _ordered(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     return sorted(state.items(), key=rank)
 
 
-def _write(tensors: list[TrexTensor], cfg: "ModelConfig", path: str, layout: str, dtype: str,
+def _write(tensors: list[TrexTensor], cfg: ModelConfig, path: str, layout: str, dtype: str,
            quantize: str | None, max_shard_size: int | str, overwrite: bool, progress: bool) -> list[str]:
-    from trex.models.naming import LAYOUTS
-
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if dtype not in SAVE_DTYPES:
@@ -108,12 +103,10 @@ def _write(tensors: list[TrexTensor], cfg: "ModelConfig", path: str, layout: str
         return write_checkpoint(path, groups, config, max_shard_size, overwrite, on_written=advance)
 
 
-def checkpoint_config(cfg: "ModelConfig", layout: str, dtype: str, quantize: str | None) -> dict:
+def checkpoint_config(cfg: ModelConfig, layout: str, dtype: str, quantize: str | None) -> dict:
     """config.json for a saved checkpoint: transformers' fields for "hf"; for "official", the
     released checkpoints' fields (legacy ``compress_ratios`` with the MTP entry,
     ``num_hash_layers``, flat ``rope_scaling``). Both read back to ``cfg``."""
-    from trex.models.config import CSA, HASH_MOE, HCA, ModelConfig
-
     out = cfg.to_hf_dict()
     out["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
     qcfg = quantization_config(quantize)

@@ -1,4 +1,4 @@
-"""``trex ckpt verify DIR`` and ``trex ckpt export DIR OUT``: training checkpoints (trex.train.checkpointing)."""
+"""``trex ckpt verify DIR`` and ``trex ckpt export DIR OUT``: training checkpoints (trex.checkpoint.training)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def register(sub) -> None:
 def _cmd_verify(args: argparse.Namespace) -> int:
     import os
 
-    from trex.train.checkpointing import list_checkpoints
-    from trex.train.ckpt_manifest import MANIFEST, verify_checkpoint
+    from trex.checkpoint.training import list_checkpoints
+    from trex.checkpoint.manifest import MANIFEST, verify_checkpoint
 
     paths = [args.dir]
     if not os.path.exists(os.path.join(args.dir, MANIFEST)) and list_checkpoints(args.dir):
@@ -44,7 +44,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from trex.checkpoint.errors import CheckpointError
-    from trex.train.ckpt_export import export_checkpoint
+    from trex.checkpoint.export import export_checkpoint
 
     try:
         files = export_checkpoint(args.dir, args.out, layout=args.layout, dtype=args.dtype, quantize=args.quantize,

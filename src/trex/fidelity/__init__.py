@@ -1,7 +1,7 @@
-"""Convergence fidelity: record gradient and logit signals during training, compare a run with a
-reference under a tolerance profile, store golden references, and run a recipe's variant matrix.
+"""Convergence fidelity tools: compare a run with a reference under a tolerance profile, store
+golden references, and run a recipe's variant matrix. The signals they read are recorded by the
+training loop (trex.train.signals).
 
-    signals   the [fidelity] recipe section and the recorder the training loop calls
     runs      reading a run directory or a golden file into aligned per-step signals
     profiles  tolerance profiles (bitwise, layout, precision, vendor) with their rationale
     compare   the measures and the verdict

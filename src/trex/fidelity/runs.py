@@ -14,7 +14,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 
-from trex.fidelity.signals import GRAD_NORMS_FILE, PROBE_FILE
+from trex.train.signals import GRAD_NORMS_FILE, PROBE_FILE
 
 GOLDEN_FORMAT = "trex-fidelity-golden/1"
 

@@ -18,7 +18,7 @@ class ParamCount:
 
 
 def count_parameters(cfg: ModelConfig) -> ParamCount:
-    from trex.models.loading import build_model
+    from trex.models.build import build_model
 
     model = build_model(cfg, device="meta")
     total = mtp = 0

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from trex.models import DeepseekV4
 from trex.parallel.expert_parallel import shard_experts
 from trex.parallel.mesh import Parallel
-from trex.train.precision import PrecisionPolicy
+from trex.precision import PrecisionPolicy
 
 
 class ComputeCast:

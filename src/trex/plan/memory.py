@@ -1,6 +1,6 @@
 """Memory per device for one layout: persistent state, the step's peak, headroom.
 
-State follows what trex keeps (docs/optimizers.md, trex.train.precision, trex.parallel.plan):
+State follows what trex keeps (docs/optimizers.md, trex.precision, trex.parallel.plan):
 fp32 parameters, which are the master weights (FSDP2's mixed precision, and ComputeCast on one
 process, cast them to the compute dtype per block), fp32 gradients, Muon one fp32 momentum per
 parameter and AdamW two fp32 moments. FSDP shards all of it over dp_shard (experts: ep x
@@ -151,7 +151,7 @@ def memory(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, b:
     elif layout.grad_accum > 1:
         # micro-batches before the last skip the reduce-scatter (no-sync), so FSDP2 accumulates
         # *unsharded* gradients of the whole stage (experts: this rank's ep share), upcast to the
-        # fp32 reduce dtype (trex.train.precision); one process keeps its fp32 gradients
+        # fp32 reduce dtype (trex.precision); one process keeps its fp32 gradients
         unsharded = (facts.trainable - facts.experts + facts.experts / layout.ep) / layout.pp
         accumulated = 4 * unsharded if layout.dp_shard > 1 else 4 * trainable
     if layout.optimizer == "muon":  # momentum direction, X, X X^T products on the largest local matrix

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from trex.models.config import ModelConfig
 
-# Module types, first match wins (names follow the official checkpoint, see trex.models.naming).
+# Module types, first match wins (names follow the official checkpoint, see trex.checkpoint.naming).
 MODULE_TYPES = (
     ("embedding", r"^embed\."),
     ("lm_head", r"^head\."),

@@ -14,13 +14,13 @@ from __future__ import annotations
 import importlib
 
 from trex.posttrain.objective import Objective, StepResult, TrainContext, load_frozen, token_logprobs
-from trex.train.config import TRAIN_MODES
+TRAIN_MODES = ("sft", "dpo", "grpo", "distill")  # the modules above, by `[train] mode`
 
-__all__ = ["Objective", "StepResult", "TrainContext", "build_objective", "load_frozen", "token_logprobs"]
+__all__ = ["TRAIN_MODES", "Objective", "StepResult", "TrainContext", "build_objective", "load_frozen", "token_logprobs"]
 
 
 def build_objective(mode: str, ctx: TrainContext) -> Objective:
-    """The objective of ``mode`` (one of trex.train.config.TRAIN_MODES) for this run."""
+    """The objective of ``mode`` (one of TRAIN_MODES) for this run."""
     if mode not in TRAIN_MODES:
         raise ValueError(f"train.mode = {mode!r}; expected one of {', '.join(TRAIN_MODES)}")
     try:

@@ -25,13 +25,14 @@ from torch.distributed.fsdp import FSDPModule
 from trex import device as device_layer
 from trex.data.loader import Batch
 from trex.data.tokenizer import Tokenizer
-from trex.models import DeepseekV4, build_model, load_pretrained
+from trex.models import DeepseekV4, build_model
+from trex.checkpoint import load_pretrained
 from trex.models.cross_entropy import token_nll
 from trex.models.deepseek_v4 import shift_labels
 from trex.parallel.load import load_sharded
 from trex.parallel.mesh import Parallel
 from trex.parallel.plan import apply_parallelism
-from trex.train.precision import PrecisionPolicy
+from trex.precision import PrecisionPolicy
 
 
 @dataclass

@@ -18,7 +18,7 @@ from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
 from trex.parallel.mesh import Parallel
 from trex.parallel.plan import sync_gradients
 from trex.posttrain.objective import Objective, StepResult, TrainContext
-from trex.train.precision import DynamicLossScaler
+from trex.precision import DynamicLossScaler
 
 
 def targets_for(labels: torch.Tensor, doc_ids: torch.Tensor, shift: int) -> torch.Tensor:

@@ -1,1 +1,2 @@
-"""Training: optimizers, LR schedules, precision policy, MoE load balancing and the training loop."""
+"""Training: the loop, its recipe, optimizers, LR schedules, MoE load balancing, the run directory,
+the fidelity signals it records, and `trex train` (with --dry-run)."""

@@ -49,7 +49,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_job(args: argparse.Namespace) -> int:
     from trex.recipe import RecipeError, load
-    from trex.train.precision import NonFiniteError
+    from trex.precision import NonFiniteError
 
     try:
         if args.recipe is None:
@@ -79,7 +79,7 @@ def _run_job(args: argparse.Namespace) -> int:
                 overrides.append(f"{key}={value}")
         recipe = load(TrainRecipe, args.recipe, overrides)
         if args.dry_run:
-            from trex.parallel.dry_run import dry_run, format_report
+            from trex.train.dry_run import dry_run, format_report
 
             if args.world_size < 1:
                 raise ValueError("--dry-run needs --world-size N")

@@ -4,11 +4,11 @@
     [data]       trex.data.DataConfig
     [optim]      trex.train.optim.OptimConfig
     [schedule]   trex.train.schedule.ScheduleConfig
-    [precision]  trex.train.precision.PrecisionConfig
+    [precision]  trex.precision.PrecisionConfig
     [train]      mode, steps, batch, losses, logging, evaluation
     [eval]       held-out data for the periodic evaluation loss
     [parallel]   the device mesh: data-parallel replicate / shard and expert-parallel sizes
-    [checkpoint] trex.train.checkpointing.CheckpointSection: sharded checkpoints and resume
+    [checkpoint] trex.checkpoint.training.CheckpointSection: sharded checkpoints and resume
     [dpo]        beta, label smoothing, reference model (train.mode = "dpo")
     [sampling]   generation settings of on-policy modes (grpo, distill)
     [grpo]       GRPO with verifiable rewards (train.mode = "grpo")
@@ -20,15 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trex.checkpoint.training import CheckpointSection
 from trex.data.config import DataConfig
-from trex.fidelity.signals import FidelitySection
+from trex.posttrain import TRAIN_MODES
+from trex.precision import PrecisionConfig
 from trex.recipe import require_positive
-from trex.train.checkpointing import CheckpointSection
 from trex.train.optim import OptimConfig
-from trex.train.precision import PrecisionConfig
 from trex.train.schedule import ScheduleConfig
+from trex.train.signals import FidelitySection
 
-TRAIN_MODES = ("sft", "dpo", "grpo", "distill")
 
 
 @dataclass

@@ -33,7 +33,7 @@ from trex.data.chat import completion_answer, render_prompt
 from trex.data.config import DataConfig
 from trex.data.records import write_jsonl
 from trex.data.tokenizer import Tokenizer, compact_tokenizer
-from trex.generate import greedy_generate
+from trex.rollout.generate import greedy_generate
 from trex.models import DeepseekV4, build_model
 from trex.train.config import EvalSection, ModelSection, ParallelSection, TrainRecipe, TrainSection
 from trex.train.loop import train

@@ -30,9 +30,10 @@ from trex import device as device_layer
 from trex import recipe as recipe_io
 from trex.data import load_tokenizer
 from trex.data.tokenizer import Tokenizer, compact_tokenizer
-from trex.fidelity.signals import SIGNAL_FILES, FidelityRecorder
+from trex.train.signals import SIGNAL_FILES, FidelityRecorder
 from trex.hardware import profile_for_device_name
-from trex.models import DeepseekV4, build_model, get_preset, load_pretrained
+from trex.models import DeepseekV4, build_model, get_preset
+from trex.checkpoint import load_pretrained
 from trex.models.flops import flops_per_token
 from trex.parallel.load import load_sharded
 from trex.parallel.mesh import init_parallel
@@ -42,11 +43,11 @@ from trex.parallel.preflight import preflight
 from trex.posttrain import Objective, TrainContext, build_objective
 from trex.posttrain.objective import reshard
 from trex.posttrain.sft import accumulate_gradients
-from trex.train.checkpointing import Checkpointer, RunState
+from trex.checkpoint.training import Checkpointer, RunState
 from trex.train.config import TrainRecipe
 from trex.train.moe_balance import freeze_indexer
 from trex.train.optim import build_optimizer
-from trex.train.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy, StepGuard
+from trex.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy, StepGuard
 from trex.train.step import read_scalars, train_step
 from trex.train.progress import StepProgress
 from trex.train.run_dir import METRICS_FILE, RunDir

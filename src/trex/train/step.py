@@ -11,7 +11,7 @@ The step returns device tensors; :func:`read_scalars` then reads everything the 
 guard needs in ONE device-to-host transfer (the step's logging point). Exceptions, documented where
 they happen: expert parallelism reads the all-to-all split sizes once per MoE layer forward
 (trex.parallel.expert_parallel), and fidelity recording, on the steps it is due, reads its
-per-group gradient norms (trex.fidelity.signals).
+per-group gradient norms (trex.train.signals).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from trex.parallel.preflight import collective_context
 from trex.posttrain.objective import Objective, StepResult
 from trex.train.moe_balance import sum_expert_counts, update_router_bias
 from trex.train.optim import clip_grad_norm
-from trex.train.precision import StepGuard
+from trex.precision import StepGuard
 
 
 @dataclass

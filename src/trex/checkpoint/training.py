@@ -9,7 +9,7 @@ Model parameters and buffers (router biases, hash tables) and the optimizer stat
 moments, momentum buffers) go through DCP, so each rank writes its own shards and a checkpoint
 saved at one layout loads at another (DTensor parameters are resharded on load). The rest of the
 run's position (LR schedule, step guard and loss scaler, data loader, step) is JSON; RNG states are
-one safetensors file per rank. The file layout and the manifest are in `trex.train.ckpt_manifest`.
+one safetensors file per rank. The file layout and the manifest are in `trex.checkpoint.manifest`.
 
 A save is atomic: everything is written to ``<dir>/.tmp.step_<N>``, the manifest last, then the
 directory is renamed to ``<dir>/step_<N>``. With ``async_save`` the tensor writes overlap the next
@@ -42,7 +42,7 @@ from safetensors.torch import load_file, save_file
 
 from trex import atomic
 import trex
-from trex.train.ckpt_manifest import (DCP_INDEX, FORMAT, MANIFEST, RNG_DIR, TRAINER_STATE, SafeFileSystemReader,
+from trex.checkpoint.manifest import (DCP_INDEX, FORMAT, MANIFEST, RNG_DIR, TRAINER_STATE, SafeFileSystemReader,
                                       describe_files, manifest_digest, read_dcp_index, rng_file, tensor_table,
                                       verify_checkpoint)
 

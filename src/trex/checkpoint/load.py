@@ -1,4 +1,4 @@
-"""Build models from presets or config files and load DeepSeek-V4 checkpoints.
+"""Load DeepSeek-V4 checkpoints into a trex model.
 
 Loading streams tensor by tensor (``trex.checkpoint.reader``): every shard header is checked
 against the model first (missing shards, truncated files, shapes, FP8/FP4 scales: all problems
@@ -12,41 +12,20 @@ only its own region.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
+from trex import device as device_layer
 from trex.checkpoint.errors import CheckpointError
-from trex.models.config import ModelConfig
-from trex.models.deepseek_v4 import DeepseekV4
-
-if TYPE_CHECKING:  # trex.checkpoint imports trex.models: import it lazily at run time
-    from trex.checkpoint.reader import CheckpointReader
-    from trex.checkpoint.sharding import ShardFn
-
-__all__ = ["CheckpointError", "build_model", "load_pretrained"]
+from trex.checkpoint.reader import CheckpointReader
+from trex.checkpoint.sharding import ShardFn, default_placements, local_region
+from trex.models import DeepseekV4, build_model
 
 log = logging.getLogger(__name__)
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                seed: int | None = None) -> DeepseekV4:
-    """A freshly initialised model. device="meta" builds the structure without memory."""
-    with torch.device(device):
-        model = DeepseekV4(cfg) if seed is None else _seeded(cfg, seed)
-    if dtype is not None:
-        model.to(dtype=dtype)
-    return model
-
-
-def _seeded(cfg: ModelConfig, seed: int) -> DeepseekV4:
-    model = DeepseekV4(cfg)
-    model.init_weights(seed=seed)
-    return model
-
-
 def load_pretrained(path: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
-                    mesh=None, layout: str = "auto", shard_fn: "ShardFn | None" = None,
+                    mesh=None, layout: str = "auto", shard_fn: ShardFn | None = None,
                     placements_fn=None) -> DeepseekV4:
     """Load a directory with ``config.json`` and safetensors weights in any DeepSeek-V4 layout.
 
@@ -59,10 +38,6 @@ def load_pretrained(path: str, dtype: torch.dtype | None = None, device: str | t
     with ``placements_fn(key, shape)`` (default: Shard(0) where rows >= ranks, else Replicate),
     each rank reading only its local shard.
     """
-    from trex import device as device_layer
-    from trex.checkpoint.reader import CheckpointReader
-    from trex.checkpoint.sharding import default_placements, local_region
-
     reader = CheckpointReader(path, layout)
     cfg = reader.config
     dev = device_layer.detect(str(device) if device is not None else None)
@@ -91,7 +66,7 @@ def load_pretrained(path: str, dtype: torch.dtype | None = None, device: str | t
     return model
 
 
-def _load_local(model: DeepseekV4, key: str, meta: torch.Tensor, reader: "CheckpointReader", shard_fn: "ShardFn",
+def _load_local(model: DeepseekV4, key: str, meta: torch.Tensor, reader: CheckpointReader, shard_fn: ShardFn,
                 device: torch.device, dtype: torch.dtype, mesh, placements_fn) -> None:
     """Replace parameter/buffer ``key`` by its local region (a DTensor when ``mesh`` is set)."""
     shape = tuple(meta.shape)

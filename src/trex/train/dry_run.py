@@ -22,7 +22,7 @@ from trex.parallel.plan import apply_parallelism
 from trex.train.config import TrainRecipe
 from trex.train.moe_balance import freeze_indexer
 from trex.train.optim import build_optimizer
-from trex.train.precision import PrecisionPolicy
+from trex.precision import PrecisionPolicy
 
 
 def model_config(recipe: TrainRecipe) -> ModelConfig:

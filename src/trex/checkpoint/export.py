@@ -21,9 +21,9 @@ from trex.checkpoint.layouts import SAVE_DTYPES, TrexTensor, plan_outputs
 from trex.checkpoint.save import checkpoint_config
 from trex.checkpoint.writer import write_checkpoint
 from trex.models.config import ModelConfig
-from trex.models.loading import build_model
-from trex.models.naming import LAYOUTS
-from trex.train.ckpt_manifest import MANIFEST, TRAINER_STATE, SafeFileSystemReader, verify_checkpoint
+from trex.models.build import build_model
+from trex.checkpoint.naming import LAYOUTS
+from trex.checkpoint.manifest import MANIFEST, TRAINER_STATE, SafeFileSystemReader, verify_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
     The checkpoint must verify; a run's checkpoint directory (``runs/x/checkpoints``) stands for its
     newest checkpoint that verifies. layout, dtype, quantize, max_shard_size: as `save_pretrained`.
     """
-    from trex.train.checkpointing import find_resume, list_checkpoints
+    from trex.checkpoint.training import find_resume, list_checkpoints
 
     if not os.path.exists(os.path.join(path, MANIFEST)) and list_checkpoints(path):
         newest = find_resume(path)
