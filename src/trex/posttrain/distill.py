@@ -22,15 +22,13 @@ from __future__ import annotations
 import torch
 
 from trex.data.loader import Batch
-from trex.models import DeepseekV4
-from trex.parallel.plan import sync_gradients
+from trex.models import DeepseekV4, evaluating
 from trex.posttrain.distill_loss import reverse_kl
 from trex.posttrain.grpo_loss import token_entropy
-from trex.posttrain.objective import Objective, StepResult, TrainContext, load_frozen
+from trex.posttrain.objective import Objective, StepResult, TrainContext, backward_micro_batches, load_frozen
 from trex.posttrain.on_policy import (PromptOrder, Rollouts, exact_match_by_set, generator_state, load_eval_sets,
                                       load_prompts, probe_batch, rank_generator, roll_out, sampling_params,
                                       set_generator_state)
-from trex.posttrain.sft import balance_term
 
 EVAL_SEED = 1234  # held-out samples are drawn with the same seed at every evaluation
 
@@ -80,20 +78,20 @@ class DistillObjective(Objective):
         slices = r.micro_batches(cfg.micro_batch_size)
         sums = torch.zeros(3 + len(self.teachers), dtype=torch.float64, device=device)
         loss_total = torch.zeros((), dtype=torch.float64, device=device)
-        stats = []
-        for i, s in enumerate(slices):
-            sync_gradients(model, i, len(slices))
+
+        def loss_of(s):
             ids, docs, mask = r.input_ids[s], r.doc_ids[s], r.mask[s]
             teacher_logits = self._teacher_logits(ids, docs, mask)
             out = model(ids, doc_ids=docs)
             z = out.logits[mask]
             total, per_teacher = reverse_kl(z, teacher_logits, self.weights, cfg.chunk)
             loss = total.sum() / max(n_tok, 1)
-            balance = balance_term(out.moe_stats, ctx.recipe.train.balance_alpha, len(slices), ctx.par.world_size)
-            scaler.scale(loss if balance is None else loss + balance).backward()
-            stats.extend(out.moe_stats)
-            loss_total += loss.detach().double()
-            sums += self._sums(z, ids, mask, r.sampler_logp[s], per_teacher)
+            loss_total.add_(loss.detach().double())
+            sums.add_(self._sums(z, ids, mask, r.sampler_logp[s], per_teacher))
+            return loss, out
+
+        stats = backward_micro_batches(model, slices, loss_of, scaler, ctx.recipe.train.balance_alpha,
+                                       ctx.par.world_size)
         sums = ctx.par.all_reduce_sum(torch.cat([sums, loss_total[None]]))
         totals = sums.tolist()
         tokens = max(totals[0], 1.0)
@@ -111,15 +109,13 @@ class DistillObjective(Objective):
         ctx, par = self.ctx, self.ctx.par
         mine = self.eval_prompts[par.rank::par.world_size]
         r = self._rollouts(model, mine, rank_generator(EVAL_SEED, par))
-        was_training = model.training
-        model.eval()
         sums = torch.zeros(1 + len(self.teachers), dtype=torch.float64, device=ctx.dev.torch_device)
-        for s in r.micro_batches(self.cfg.micro_batch_size):
-            ids, docs, mask = r.input_ids[s], r.doc_ids[s], r.mask[s]
-            _, per_teacher = reverse_kl(model(ids, doc_ids=docs).logits[mask], self._teacher_logits(ids, docs, mask),
-                                        self.weights, self.cfg.chunk)
-            sums += torch.cat([mask.sum().double()[None], per_teacher.sum(dim=1).double()])
-        model.train(was_training)
+        with evaluating(model):
+            for s in r.micro_batches(self.cfg.micro_batch_size):
+                ids, docs, mask = r.input_ids[s], r.doc_ids[s], r.mask[s]
+                _, per_teacher = reverse_kl(model(ids, doc_ids=docs).logits[mask],
+                                            self._teacher_logits(ids, docs, mask), self.weights, self.cfg.chunk)
+                sums += torch.cat([mask.sum().double()[None], per_teacher.sum(dim=1).double()])
         totals = par.all_reduce_sum(sums).tolist()
         per = [v / max(totals[0], 1.0) for v in totals[1:]]
         metrics = {"eval_reverse_kl": sum(w * v for w, v in zip(self.weights, per)),

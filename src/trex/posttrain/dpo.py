@@ -27,12 +27,11 @@ import torch.nn.functional as F
 from trex.data.loader import Batch, count_loss_tokens
 from trex.data.preference import PairBatch, PairLoader, PreferencePairs, collate, read_pairs, sweep
 from trex.data.records import BadRecordPolicy
-from trex.models import DeepseekV4
+from trex.models import DeepseekV4, evaluating
 from trex.models.deepseek_v4 import IGNORE_INDEX, ModelOutput
-from trex.parallel.plan import sync_gradients
-from trex.posttrain.objective import (Objective, StepResult, TrainContext, load_frozen, mtp_anchor,
+from trex.posttrain.objective import (Objective, StepResult, TrainContext, backward_micro_batches, load_frozen,
+                                      mtp_anchor,
                                       next_token_nll, reshard)
-from trex.posttrain.sft import balance_term
 
 
 @dataclass
@@ -103,13 +102,11 @@ class DPOObjective(Objective):
         """fp32 [N, 2]: (chosen, rejected) sequence log-probs of every pair under ``model``."""
         par, dev = self.ctx.par, self.ctx.dev
         table = torch.zeros(len(pairs), 2, dtype=torch.float32, device=dev.torch_device)
-        was_training = model.training
-        model.eval()
-        for index, b in self._sweep(pairs):
-            logps, _ = sequence_logprobs(model, b)
-            if len(index):
-                table[torch.from_numpy(index).to(table.device)] = logps.view(2, -1).T
-        model.train(was_training)
+        with evaluating(model):
+            for index, b in self._sweep(pairs):
+                logps, _ = sequence_logprobs(model, b)
+                if len(index):
+                    table[torch.from_numpy(index).to(table.device)] = logps.view(2, -1).T
         reshard(model)
         return par.all_reduce_sum(table)
 
@@ -133,18 +130,15 @@ class DPOObjective(Objective):
         micro = [next(self.loader).to(ctx.dev.torch_device) for _ in range(ctx.recipe.train.grad_accum)]
         pairs = sum(len(b.index) for b in micro) * ctx.par.world_size
         sums = torch.zeros(5, dtype=torch.float64, device=ctx.dev.torch_device)
-        stats = []
-        for i, b in enumerate(micro):
-            sync_gradients(model, i, len(micro))
+
+        def loss_of(b):
             policy, out = sequence_logprobs(model, b, all_heads=True)
             terms = self._terms(policy, self._reference(b, "train"), b)
-            loss = terms.losses.sum() / pairs + mtp_anchor(out)
-            balance = balance_term(out.moe_stats, ctx.recipe.train.balance_alpha, len(micro), ctx.par.world_size)
-            if balance is not None:
-                loss = loss + balance
-            scaler.scale(loss).backward()
-            sums += _sums(terms, b.n_tokens)
-            stats.extend(out.moe_stats)
+            sums.add_(_sums(terms, b.n_tokens))
+            return terms.losses.sum() / pairs + mtp_anchor(out), out
+
+        stats = backward_micro_batches(model, micro, loss_of, scaler, ctx.recipe.train.balance_alpha,
+                                       ctx.par.world_size)
         sums = ctx.par.all_reduce_sum(sums)
         mean = (sums[:4] / pairs).tolist()
         return StepResult(loss=(sums[0] / pairs).float(), tokens=int(sums[4]), moe_stats=stats,
@@ -159,17 +153,15 @@ class DPOObjective(Objective):
             return {}
         ctx = self.ctx
         sums = torch.zeros(7, dtype=torch.float64, device=ctx.dev.torch_device)
-        was_training = model.training
-        model.eval()
-        for index, b in self._sweep(self.held_out):
-            policy, _ = sequence_logprobs(model, b)
-            ref = self._reference(b, "eval")
-            n = len(b.index)
-            terms = self._terms(policy, ref, b)
-            prefers = torch.stack([(policy[:n] > policy[n:]).sum(), (ref[:n] > ref[n:]).sum()]).double()
-            if len(index):
-                sums += torch.cat([_sums(terms, b.n_tokens), prefers])
-        model.train(was_training)
+        with evaluating(model):
+            for index, b in self._sweep(self.held_out):
+                policy, _ = sequence_logprobs(model, b)
+                ref = self._reference(b, "eval")
+                n = len(b.index)
+                terms = self._terms(policy, ref, b)
+                prefers = torch.stack([(policy[:n] > policy[n:]).sum(), (ref[:n] > ref[n:]).sum()]).double()
+                if len(index):
+                    sums += torch.cat([_sums(terms, b.n_tokens), prefers])
         loss, chosen, rejected, accuracy, _, prefers, ref_prefers = (
             ctx.par.all_reduce_sum(sums) / len(self.held_out)).tolist()
         return {"eval_loss": loss, "eval_accuracy": accuracy, "eval_reward_margin": chosen - rejected,

@@ -25,15 +25,14 @@ import torch
 
 from trex.data.loader import Batch
 from trex.models import DeepseekV4
-from trex.parallel.plan import sync_gradients
 from trex.posttrain.grpo_loss import group_advantages, policy_loss, token_entropy, token_weights
-from trex.posttrain.objective import (Objective, StepResult, TrainContext, load_frozen, next_token_logprobs,
+from trex.posttrain.objective import (Objective, StepResult, TrainContext, backward_micro_batches, load_frozen,
+                                      next_token_logprobs,
                                       token_logprobs)
 from trex.posttrain.on_policy import (PromptOrder, Rollouts, completions, exact_match_by_set, generator_state,
                                       load_eval_sets, load_prompts, probe_batch, rank_uniforms, roll_out,
                                       sampling_params, set_generator_state)
 from trex.posttrain.rewards import RewardSet
-from trex.posttrain.sft import balance_term
 
 
 @dataclass
@@ -113,9 +112,8 @@ class GRPOObjective(Objective):
         n_seq, n_tok = batch.counts
         slices = r.micro_batches(cfg.micro_batch_size)
         sums = torch.zeros(8, dtype=torch.float64, device=device)
-        stats = []
-        for i, s in enumerate(slices):
-            sync_gradients(model, i, len(slices))
+
+        def loss_of(s):
             ids, docs, mask = r.input_ids[s], r.doc_ids[s], r.mask[s]
             out = model(ids, doc_ids=docs)
             logp = next_token_logprobs(out.logits, ids, docs)
@@ -125,16 +123,14 @@ class GRPOObjective(Objective):
             weights = token_weights(loss_mask, cfg.aggregation, n_seq, n_tok, self.sampling.max_new_tokens)
             pl = policy_loss(logp, batch.old_logp[s], batch.advantages[s], weights, loss_mask, cfg.eps_low,
                              cfg.eps_high, batch.ref_logp[s] if batch.ref_logp is not None else None, cfg.kl_coef)
-            loss = pl.loss
-            balance = balance_term(out.moe_stats, ctx.recipe.train.balance_alpha, len(slices), ctx.par.world_size)
-            if balance is not None:
-                loss = loss + balance
-            scaler.scale(loss).backward()
-            stats.extend(out.moe_stats)
             diff = (logp.detach() - r.sampler_logp[s]).abs()[mask]
-            sums += torch.stack([
+            sums.add_(torch.stack([
                 pl.loss.detach(), pl.kl_sum, pl.clipped, token_entropy(out.logits[mask]).sum(), diff.sum(),
-                mask.sum(), (docs != 0).sum(), diff.max() if diff.numel() else diff.new_zeros(())]).double()
+                mask.sum(), (docs != 0).sum(), diff.max() if diff.numel() else diff.new_zeros(())]).double())
+            return pl.loss, out
+
+        stats = backward_micro_batches(model, slices, loss_of, scaler, ctx.recipe.train.balance_alpha,
+                                       ctx.par.world_size)
         max_diff = sums[7].clone()
         sums[7] = 0
         sums = ctx.par.all_reduce_sum(sums)

@@ -17,7 +17,8 @@ sharded like the student).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -31,7 +32,7 @@ from trex.models.cross_entropy import token_nll
 from trex.models.deepseek_v4 import shift_labels
 from trex.parallel.load import load_sharded
 from trex.parallel.mesh import Parallel
-from trex.parallel.plan import apply_parallelism
+from trex.parallel.plan import apply_parallelism, sync_gradients
 from trex.precision import PrecisionPolicy
 
 
@@ -99,6 +100,39 @@ class Objective:
 
 
 # ---- log-probabilities ------------------------------------------------------------------------------
+Part = TypeVar("Part")
+
+
+def balance_term(moe_stats: list, alpha: float, micro_batches: int, world: int) -> torch.Tensor | None:
+    """``alpha`` x the sequence-wise balance losses of one forward, averaged over the step's
+    micro-batches and ranks; None when the forward produced none."""
+    balance = [s.balance_loss for s in moe_stats if s.balance_loss is not None]
+    if not balance:
+        return None
+    return alpha * torch.stack(balance).sum() / (micro_batches * world)
+
+
+def backward_micro_batches(model: DeepseekV4, parts: Sequence[Part],
+                           loss_of: Callable[[Part], tuple[torch.Tensor, Any]], scaler, balance_alpha: float,
+                           world_size: int) -> list:
+    """The micro-batch loop of every objective's step. For each of ``parts`` in order: gradient
+    synchronisation on the last one only (trex.parallel.plan.sync_gradients); the objective's
+    ``loss_of(part) -> (loss, out)``, a 0-d loss already normalised over the whole step and the
+    forward's ModelOutput; plus ``balance_alpha`` x its sequence-wise balance losses (averaged over
+    micro-batches and ranks); backward of the sum scaled by ``scaler``. Gradients accumulate in
+    ``.grad``. Returns the MoE stats of every forward, for the router-bias update."""
+    stats = []
+    for i, part in enumerate(parts):
+        sync_gradients(model, i, len(parts))
+        loss, out = loss_of(part)
+        balance = balance_term(out.moe_stats, balance_alpha, len(parts), world_size)
+        if balance is not None:
+            loss = loss + balance
+        scaler.scale(loss).backward()
+        stats.extend(out.moe_stats)
+    return stats
+
+
 def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
                         doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [B, S]: entry t is log p(input_ids[t+1] | input_ids[..t]) under log_softmax(logits[t]).

@@ -13,11 +13,10 @@ import dataclasses
 import torch
 
 from trex.data import build_loader
-from trex.models import DeepseekV4
+from trex.models import DeepseekV4, evaluating
 from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
 from trex.parallel.mesh import Parallel
-from trex.parallel.plan import sync_gradients
-from trex.posttrain.objective import Objective, StepResult, TrainContext
+from trex.posttrain.objective import Objective, StepResult, TrainContext, backward_micro_batches
 from trex.precision import DynamicLossScaler
 
 
@@ -31,28 +30,17 @@ def _count(targets: torch.Tensor) -> torch.Tensor:
     return (targets != IGNORE_INDEX).sum()
 
 
-def balance_term(moe_stats: list, alpha: float, micro_batches: int, world: int) -> torch.Tensor | None:
-    """``alpha`` x the sequence-wise balance losses of one forward, averaged over the step's
-    micro-batches and ranks; None when the forward produced none."""
-    balance = [s.balance_loss for s in moe_stats if s.balance_loss is not None]
-    if not balance:
-        return None
-    return alpha * torch.stack(balance).sum() / (micro_batches * world)
-
-
 @torch.no_grad()
 def evaluate_loss(model: DeepseekV4, loader, batches: int, device: torch.device, par: Parallel | None = None) -> float:
     """Token-weighted next-token loss over ``batches`` held-out micro-batches (of every rank)."""
-    was_training = model.training
-    model.eval()
     total, count = 0.0, 0
-    for _ in range(batches):
-        b = next(loader).to(device)
-        targets = targets_for(b.labels, b.doc_ids, 1)
-        out = model(b.input_ids, doc_ids=b.doc_ids, targets=[targets], return_logits=False)
-        total = total + out.token_nll[0].sum().double()
-        count = count + _count(targets)
-    model.train(was_training)
+    with evaluating(model):
+        for _ in range(batches):
+            b = next(loader).to(device)
+            targets = targets_for(b.labels, b.doc_ids, 1)
+            out = model(b.input_ids, doc_ids=b.doc_ids, targets=[targets], return_logits=False)
+            total = total + out.token_nll[0].sum().double()
+            count = count + _count(targets)
     sums = torch.stack([torch.as_tensor(total, dtype=torch.float64, device=device),
                         torch.as_tensor(count, dtype=torch.float64, device=device)])
     if par is not None and par.distributed:
@@ -81,21 +69,18 @@ def accumulate_gradients(model: DeepseekV4, micro: list, cfg_train, scaler: Dyna
     device = micro[0].input_ids.device
     lm_total = torch.zeros((), device=device)
     mtp_total = torch.zeros((), device=device)
-    stats = []
-    for i, (b, tgt) in enumerate(zip(micro, targets)):
-        sync_gradients(model, i, len(micro))
+
+    def loss_of(part):
+        b, tgt = part
         out = model(b.input_ids, doc_ids=b.doc_ids, targets=tgt, return_logits=False)  # no [B, S, V] logits
         lm = out.token_nll[0].sum() / counts[0]
         mtp = sum((nll.sum() / c for nll, c in zip(out.token_nll[1:], counts[1:])),
                   torch.zeros((), device=device)) / max(1, len(tgt) - 1)
-        loss = lm + cfg_train.mtp_weight * mtp
-        balance = balance_term(out.moe_stats, cfg_train.balance_alpha, len(micro), world)
-        if balance is not None:
-            loss = loss + balance
-        scaler.scale(loss).backward()
-        lm_total += lm.detach()
-        mtp_total += mtp.detach()
-        stats.extend(out.moe_stats)
+        lm_total.add_(lm.detach())
+        mtp_total.add_(mtp.detach())
+        return lm + cfg_train.mtp_weight * mtp, out
+
+    stats = backward_micro_batches(model, list(zip(micro, targets)), loss_of, scaler, cfg_train.balance_alpha, world)
     return lm_total, mtp_total, stats
 
 

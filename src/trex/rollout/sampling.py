@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from trex.models import evaluating
 from trex.models.deepseek_v4 import DecodeCache
 
 
@@ -159,26 +160,24 @@ def sample(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
     if uniforms is not None and tuple(uniforms.shape) != (len(prompts), params.max_new_tokens):
         raise ValueError(f"sample: uniforms of shape {tuple(uniforms.shape)}; expected "
                          f"[{len(prompts)} prompts, {params.max_new_tokens} max_new_tokens]")
-    was_training = model.training
-    model.eval()
     device = model.embed.weight.device
     out = Samples([list(p) for p in prompts], [], [], [])
     n_batches = _agree_max(-(-len(prompts) // batch_size), device)
-    for b in range(n_batches):
-        chunk = prompts[b * batch_size:(b + 1) * batch_size]
-        real = bool(chunk)
-        rows = chunk if real else [[pad_id]]
-        done = torch.full((len(rows),), not real, dtype=torch.bool, device=device)
-        u = None
-        if uniforms is not None:
-            u = uniforms[b * batch_size:(b + 1) * batch_size] if real else uniforms.new_zeros(1, params.max_new_tokens)
-        tokens, logprobs, finished = _sample_batch(model, rows, params, pad_id, generator, u, done, use_cache)
-        if not real:
-            continue
-        for toks, lps, fin in zip(tokens.tolist(), logprobs.tolist(), finished.tolist()):
-            n = next((i + 1 for i, t in enumerate(toks) if t in params.stop_ids), len(toks))
-            out.completion_ids.append(toks[:n])
-            out.logprobs.append(lps[:n])
-            out.finished.append(fin)
-    model.train(was_training)
+    with evaluating(model):
+        for b in range(n_batches):
+            chunk = prompts[b * batch_size:(b + 1) * batch_size]
+            real = bool(chunk)
+            rows = chunk if real else [[pad_id]]
+            done = torch.full((len(rows),), not real, dtype=torch.bool, device=device)
+            u = None
+            if uniforms is not None:
+                u = uniforms[b * batch_size:(b + 1) * batch_size] if real else uniforms.new_zeros(1, params.max_new_tokens)
+            tokens, logprobs, finished = _sample_batch(model, rows, params, pad_id, generator, u, done, use_cache)
+            if not real:
+                continue
+            for toks, lps, fin in zip(tokens.tolist(), logprobs.tolist(), finished.tolist()):
+                n = next((i + 1 for i, t in enumerate(toks) if t in params.stop_ids), len(toks))
+                out.completion_ids.append(toks[:n])
+                out.logprobs.append(lps[:n])
+                out.finished.append(fin)
     return out

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trex.models import evaluating
 from trex.models.cross_entropy import token_nll
 from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
 from trex.recipe import require_positive
@@ -166,11 +167,9 @@ class FidelityRecorder:
         """Call at the end of step ``step`` (after the optimizer update)."""
         if not self.due(step):
             return
-        was_training = model.training
-        model.eval()
         batch = self.probe
-        logits = model(batch.input_ids, doc_ids=batch.doc_ids).logits.float()
-        model.train(was_training)
+        with evaluating(model):
+            logits = model(batch.input_ids, doc_ids=batch.doc_ids).logits.float()
         targets = shift_labels(batch.labels, 1, batch.doc_ids)
         loss = token_nll(logits, targets).sum().item()
         count = int((targets != IGNORE_INDEX).sum())
