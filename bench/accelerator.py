@@ -66,7 +66,7 @@ def measure_step(device: str, dtype: str, seq: int, compiled: bool, steps: int, 
     from trex.parallel.plan import apply_compile, cast_for_compute
     from trex.syncs import SyncCounter
     from trex.train.config import TrainSection
-    from trex.train.optim import OptimConfig, build_optimizer
+    from trex.train.optim import OptimSection, build_optimizer
     from trex.precision import PrecisionPolicy, StepGuard
     from trex.train.step import train_step
 
@@ -79,7 +79,7 @@ def measure_step(device: str, dtype: str, seq: int, compiled: bool, steps: int, 
     cast_for_compute(model, policy.compute_dtype)
     if compiled:
         apply_compile(model, backend=backend)  # "eager" (the CPU check): the graphs without code generation
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-4), dev)
+    optimizer = build_optimizer(model, OptimSection(lr=1e-4), dev)
     params = [p for p in model.parameters() if p.requires_grad]
     guard = StepGuard(3)
     gen = torch.Generator().manual_seed(0)

@@ -24,9 +24,9 @@ from trex.models.config import tiny
 from trex.models.deepseek_v4 import shift_labels
 from trex.parallel.mesh import shutdown_distributed
 from trex.checkpoint.training import RunState, load_checkpoint, save_checkpoint
-from trex.train.optim import OptimConfig, build_optimizer, clip_grad_norm
+from trex.train.optim import OptimSection, build_optimizer, clip_grad_norm
 from trex.precision import StepGuard
-from trex.train.schedule import ScheduleConfig, build_scheduler
+from trex.train.schedule import ScheduleSection, build_scheduler
 
 ROWS, SEQ = 4, 16
 
@@ -66,8 +66,8 @@ def run(mode: str, directory: str, out: str) -> None:
     for layer in [*model.layers, *model.mtp]:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = build_optimizer(model, OptimConfig(lr=3e-3))
-    scheduler = build_scheduler(optimizer, ScheduleConfig(warmup_steps=2), 6)
+    optimizer = build_optimizer(model, OptimSection(lr=3e-3))
+    scheduler = build_scheduler(optimizer, ScheduleSection(warmup_steps=2), 6)
     data = StepCounter()
     state = RunState(model, optimizer, scheduler, StepGuard(3), data, device.detect("cpu"))
 

@@ -29,7 +29,7 @@ from trex.models.config import tiny
 from trex.parallel.mesh import init_parallel, shutdown_distributed
 from trex.parallel.plan import apply_parallelism
 from trex.train.moe_balance import freeze_indexer
-from trex.train.optim import OptimConfig, build_optimizer
+from trex.train.optim import OptimSection, build_optimizer
 from trex.precision import PrecisionPolicy
 
 
@@ -68,7 +68,7 @@ def run_case(case: dict, dev) -> dict:
     torch.backends.mkldnn.enabled = case.get("dtype", "fp32") == "fp32"
     policy = PrecisionPolicy.resolve(case.get("dtype", "fp32"), dev)
     apply_parallelism(model, par, policy, case.get("recompute", "none"))
-    opt = build_optimizer(model, OptimConfig(name="muon"))
+    opt = build_optimizer(model, OptimSection(name="muon"))
     grad_accum = case.get("grad_accum", 1)
     ids = torch.randint(0, cfg.vocab_size, (grad_accum, S), generator=torch.Generator().manual_seed(par.rank))
 

@@ -157,13 +157,13 @@ def _bf16_state():
     from trex.models import build_model
     from trex.models.config import tiny
     from trex.checkpoint.training import RunState
-    from trex.train.optim import OptimConfig, build_optimizer
+    from trex.train.optim import OptimSection, build_optimizer
     from trex.precision import StepGuard
-    from trex.train.schedule import ScheduleConfig, build_scheduler
+    from trex.train.schedule import ScheduleSection, build_scheduler
 
     model = build_model(tiny(), seed=0).to(torch.bfloat16)
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
-    return RunState(model, optimizer, build_scheduler(optimizer, ScheduleConfig(warmup_steps=2), 10), StepGuard(3),
+    optimizer = build_optimizer(model, OptimSection(lr=1e-2))
+    return RunState(model, optimizer, build_scheduler(optimizer, ScheduleSection(warmup_steps=2), 10), StepGuard(3),
                     _Position(), device.detect("cpu"))
 
 
@@ -178,7 +178,7 @@ def _step(state, seed):
 
 def test_async_save_round_trips_bf16_parameters_and_fp32_optimizer_state(tmp_path):
     from trex.checkpoint.training import load_checkpoint, save_checkpoint
-    from trex.train.schedule import ScheduleConfig, lr_multiplier
+    from trex.train.schedule import ScheduleSection, lr_multiplier
 
     a = _bf16_state()
     for seed in range(2):
@@ -195,7 +195,7 @@ def test_async_save_round_trips_bf16_parameters_and_fp32_optimizer_state(tmp_pat
     assert all(torch.equal(b.model.state_dict()[k], v) for k, v in expected.items())
     masters = [s["master"] for s in b.optimizer.state.values() if "master" in s]
     assert masters and all(m.dtype == torch.float32 for m in masters)
-    want_lr = 1e-2 * lr_multiplier(2, 10, ScheduleConfig(warmup_steps=2))
+    want_lr = 1e-2 * lr_multiplier(2, 10, ScheduleSection(warmup_steps=2))
     assert b.scheduler.last_epoch == 2 and all(g["lr"] == want_lr for g in b.optimizer.param_groups)
     _step(b, 2)  # the same step from the restored state lands on the same weights
     assert all(torch.equal(b.model.state_dict()[k], v) for k, v in a.model.state_dict().items())

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from trex.data import DataConfig, build_loader, compact_tokenizer
+from trex.data import DataSection, build_loader, compact_tokenizer
 from trex.data.arithmetic import (ArithmeticTask, Problem, cpt_records, eval_prompts, fresh_problems, generate,
                                   mistake_records, sft_records)
 from trex.data.chat import render_prompt
@@ -86,7 +86,7 @@ def test_task_flows_through_the_pipeline(tmp_path, mode):
     train, _ = generate(ArithmeticTask(n_train=200, n_eval=10))
     records = cpt_records(train, 8) if mode == "cpt" else sft_records(train)
     write_jsonl(tmp_path / "train.jsonl", records)
-    cfg = DataConfig(paths=[str(tmp_path / "train.jsonl")], mode=mode, tokenizer="compact", seq_len=128,
+    cfg = DataSection(paths=[str(tmp_path / "train.jsonl")], mode=mode, tokenizer="compact", seq_len=128,
                      micro_batch_size=4)
     tok = compact_tokenizer()
     loader = build_loader(cfg, 0, 1, tok)

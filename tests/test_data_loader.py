@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from trex.data import DataConfig, build_loader, compact_tokenizer
+from trex.data import DataSection, build_loader, compact_tokenizer
 from trex.data.documents import Documents
 from trex.data.packing import IGNORE_INDEX, PackedRows, pack
 from trex.data.records import write_jsonl
@@ -28,7 +28,7 @@ def data_file(tmp_path_factory):
 
 
 def loader_for(path, rank=0, world=1, batch=2, seed=0):
-    cfg = DataConfig(paths=[str(path)], tokenizer="compact", seq_len=SEQ, micro_batch_size=batch, seed=seed)
+    cfg = DataSection(paths=[str(path)], tokenizer="compact", seq_len=SEQ, micro_batch_size=batch, seed=seed)
     return build_loader(cfg, rank, world, TOK)
 
 
@@ -155,7 +155,7 @@ def test_too_few_rows_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"^data.paths = \[.*tiny.jsonl'\]: 1 packed rows of 48 tokens, but one step "
                                          r"takes 2 \(data.micro_batch_size = 1 x 2 ranks\)"):
         loader_for(path, world=2, batch=1)
-    cfg = DataConfig(paths=[str(path)], tokenizer="compact", seq_len=32, micro_batch_size=4)
+    cfg = DataSection(paths=[str(path)], tokenizer="compact", seq_len=32, micro_batch_size=4)
     with pytest.raises(ValueError, match=r"^fidelity.probe_paths = .*\(fidelity.probe_rows = 4 x 1 rank\); add "
                                          r"records or lower fidelity.probe_rows"):  # names the setting to change
         build_loader(cfg, 0, 1, compact_tokenizer(), paths_key="fidelity.probe_paths", batch_key="fidelity.probe_rows")
@@ -175,7 +175,7 @@ def test_padding_rows_from_synthetic_documents():
 def test_bench_reports_rates_and_headroom(data_file):
     from trex.data.bench import bench_data
 
-    cfg = DataConfig(paths=[str(data_file)], tokenizer="compact", seq_len=SEQ, micro_batch_size=2)
+    cfg = DataSection(paths=[str(data_file)], tokenizer="compact", seq_len=SEQ, micro_batch_size=2)
     result = bench_data(cfg, TOK, n_batches=30)  # more than one epoch
     report = result.report(step_tokens_per_s=result.iter_tokens_per_s / 4)
     assert report["headroom"] == pytest.approx(4.0)

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trex.data import BadRecordError, DataConfig, build_loader, compact_tokenizer
+from trex.data import BadRecordError, DataSection, build_loader, compact_tokenizer
 from trex.data.documents import build_documents
 from trex.data.records import BadRecordPolicy, SkipCounter, describe_skips, write_jsonl
 
@@ -48,7 +48,7 @@ def fixture_file(tmp_path):
 
 
 def cfg_for(path, policy, **kw):
-    return DataConfig(paths=[str(path)], tokenizer="compact", seq_len=64, bad_record_policy=policy, **kw)
+    return DataSection(paths=[str(path)], tokenizer="compact", seq_len=64, bad_record_policy=policy, **kw)
 
 
 @pytest.mark.parametrize("bad_line", [i for i, (_, reason) in enumerate(LINES) if reason])

@@ -9,11 +9,11 @@ import torch
 from trex.models import build_model
 from trex.models.config import tiny
 from trex.train.moe_balance import freeze_indexer
-from trex.train.optim import (OptimConfig, build_optimizer, classify, clip_grad_norm, hybrid_newton_schulz,
+from trex.train.optim import (OptimSection, build_optimizer, classify, clip_grad_norm, hybrid_newton_schulz,
                               orthogonalized_update)
-from trex.train.schedule import ScheduleConfig, build_scheduler, lr_multiplier
+from trex.train.schedule import ScheduleSection, build_scheduler, lr_multiplier
 
-# The report's hybrid schedule, written out here independently of OptimConfig's defaults.
+# The report's hybrid schedule, written out here independently of OptimSection's defaults.
 PAPER_NS = [(3.4445, -4.7750, 2.0315)] * 8 + [(2.0, -1.5, 0.5)] * 2
 PAPER_NS_SCHEDULE = [(3.4445, -4.7750, 2.0315, 8), (2.0, -1.5, 0.5, 2)]
 
@@ -63,7 +63,7 @@ def test_muon_matches_reference_on_tiny_model():
     cfg = tiny(n_routed_experts=4)
     model = build_model(cfg, seed=0)
     lr, wd = 0.02, 0.1
-    opt = build_optimizer(model, OptimConfig(lr=lr, weight_decay=wd))
+    opt = build_optimizer(model, OptimSection(lr=lr, weight_decay=wd))
     muon = {n: p for n, p, rule, _ in classify(model) if rule.muon}
     ref_W = {n: p.detach().double().clone() for n, p in muon.items()}
     ref_M = {n: torch.zeros_like(w) for n, w in ref_W.items()}
@@ -119,7 +119,7 @@ def test_bad_row_blocks_are_rejected():
 def test_adamw_groups_match_torch_adamw():
     torch.manual_seed(4)
     model = build_model(tiny(), seed=0)
-    cfg = OptimConfig(name="adamw", lr=1e-2, eps=1e-8, decay_gains_and_biases=True)
+    cfg = OptimSection(name="adamw", lr=1e-2, eps=1e-8, decay_gains_and_biases=True)
     ours = build_optimizer(model, cfg)
     twin = copy.deepcopy(model)
     ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -156,7 +156,7 @@ def test_grouping_rules_on_tiny_model():
 def test_optimizer_groups_frozen_params_and_adamw_mode():
     model = build_model(tiny())
     frozen = set(freeze_indexer(model))
-    opt = build_optimizer(model, OptimConfig(weight_decay=0.1))
+    opt = build_optimizer(model, OptimSection(weight_decay=0.1))
     in_opt = {n for g in opt.param_groups for n in g["names"]}
     assert frozen and not (frozen & in_opt)
     by_rule = {g["rule"]: g for g in opt.param_groups}
@@ -168,14 +168,14 @@ def test_optimizer_groups_frozen_params_and_adamw_mode():
     for rule in by_rule:
         assert f"[{rule}]" in text
     assert "layers.*.ffn.experts.w1  x4" in text
-    all_adamw = build_optimizer(build_model(tiny()), OptimConfig(name="adamw"))
+    all_adamw = build_optimizer(build_model(tiny()), OptimSection(name="adamw"))
     assert {g["algorithm"] for g in all_adamw.param_groups} == {"adamw"}
 
 
 def test_bf16_params_keep_fp32_master_across_checkpoint():
     torch.manual_seed(5)
     model = build_model(tiny(), seed=0, dtype=torch.bfloat16)
-    opt = build_optimizer(model, OptimConfig(lr=1e-3))
+    opt = build_optimizer(model, OptimSection(lr=1e-3))
     twin = copy.deepcopy(model)
     grads = [[torch.randn_like(p) for p in model.parameters()] for _ in range(4)]
 
@@ -187,7 +187,7 @@ def test_bf16_params_keep_fp32_master_across_checkpoint():
     for gs in grads[:2]:
         step(model, opt, gs)
     saved = copy.deepcopy(opt.state_dict())
-    resumed = build_optimizer(twin, OptimConfig(lr=1e-3))
+    resumed = build_optimizer(twin, OptimSection(lr=1e-3))
     for p, q in zip(model.parameters(), twin.parameters()):
         q.data.copy_(p.data)
     resumed.load_state_dict(saved)
@@ -214,16 +214,16 @@ def test_clip_grad_norm_reports_norm_and_clips():
 
 def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match="optim.name"):
-        OptimConfig(name="sgd")
+        OptimSection(name="sgd")
     with pytest.raises(ValueError, match="optim.ns_iterations"):
-        OptimConfig(ns_iterations=[8])
+        OptimSection(ns_iterations=[8])
     with pytest.raises(ValueError, match="schedule.decay"):
-        ScheduleConfig(decay="step")
+        ScheduleSection(decay="step")
 
 
 # ---- schedules --------------------------------------------------------------------------------------
 def test_warmup_then_cosine():
-    cfg = ScheduleConfig(warmup_steps=4, decay="cosine", min_lr_ratio=0.1)
+    cfg = ScheduleSection(warmup_steps=4, decay="cosine", min_lr_ratio=0.1)
     T = 14
     f = [lr_multiplier(s, T, cfg) for s in range(T)]
     assert f[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
@@ -234,16 +234,16 @@ def test_warmup_then_cosine():
 
 
 def test_linear_and_constant_decay():
-    lin = ScheduleConfig(warmup_steps=0, decay="linear", min_lr_ratio=0.0)
+    lin = ScheduleSection(warmup_steps=0, decay="linear", min_lr_ratio=0.0)
     assert [lr_multiplier(s, 5, lin) for s in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
-    const = ScheduleConfig(warmup_steps=2, decay="constant")
+    const = ScheduleSection(warmup_steps=2, decay="constant")
     assert [lr_multiplier(s, 5, const) for s in range(5)] == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0])
 
 
 def test_scheduler_drives_every_group():
     model = build_model(tiny())
-    opt = build_optimizer(model, OptimConfig(lr=1e-3))
-    sched = build_scheduler(opt, ScheduleConfig(warmup_steps=2, decay="linear", min_lr_ratio=0.5), total_steps=4)
+    opt = build_optimizer(model, OptimSection(lr=1e-3))
+    sched = build_scheduler(opt, ScheduleSection(warmup_steps=2, decay="linear", min_lr_ratio=0.5), total_steps=4)
     seen = []
     for _ in range(4):
         seen.append({g["lr"] for g in opt.param_groups})
@@ -251,7 +251,7 @@ def test_scheduler_drives_every_group():
         sched.step()
     assert [s.pop() for s in seen] == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])  # peak: last warmup and first decay step
     with pytest.raises(ValueError, match="warmup_steps"):
-        build_scheduler(opt, ScheduleConfig(warmup_steps=10), total_steps=4)
+        build_scheduler(opt, ScheduleSection(warmup_steps=10), total_steps=4)
 
 
 def test_transposing_tall_matrices_does_not_change_the_result():
@@ -270,7 +270,7 @@ def test_transposing_tall_matrices_does_not_change_the_result():
 def test_training_on_one_batch_lowers_the_loss(name):
     torch.manual_seed(7)
     model = build_model(tiny(), seed=0)
-    opt = build_optimizer(model, OptimConfig(name=name, lr=3e-3))
+    opt = build_optimizer(model, OptimSection(name=name, lr=3e-3))
     ids = torch.randint(0, 256, (2, 32))
     losses = []
     for _ in range(8):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from trex.data.arithmetic import ArithmeticTask, generate, preference_records
-from trex.data.config import DataConfig
+from trex.data.config import DataSection
 from trex.data.preference import collate, read_pairs
 from trex.data.records import BadRecordError, BadRecordPolicy, write_jsonl
 from trex.data.tokenizer import compact_tokenizer
@@ -46,7 +46,7 @@ def test_dpo_loss_matches_hand_worked_numbers():
 
 
 def _cfg(path, policy="skip", seq_len=32):
-    return DataConfig(paths=[str(path)], tokenizer="compact", seq_len=seq_len, bad_record_policy=policy)
+    return DataSection(paths=[str(path)], tokenizer="compact", seq_len=seq_len, bad_record_policy=policy)
 
 
 def test_pairs_encode_both_forms_and_bad_records_follow_the_policy(tmp_path):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from trex import device
-from trex.train.optim import OptimConfig, build_optimizer, clip_grad_norm
-from trex.precision import DynamicLossScaler, NonFiniteError, PrecisionConfig, PrecisionPolicy, StepGuard
+from trex.train.optim import OptimSection, build_optimizer, clip_grad_norm
+from trex.precision import DynamicLossScaler, NonFiniteError, PrecisionSection, PrecisionPolicy, StepGuard
 
 
 def fake_caps(monkeypatch, **caps):
@@ -100,7 +100,7 @@ def check(guard, loss, norm, step):
 def test_injected_inf_and_nan_skip_the_step_and_leave_weights_unchanged():
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8, bias=False).to(torch.float16)
-    opt = build_optimizer(model, OptimConfig(name="adamw", lr=1e-2))
+    opt = build_optimizer(model, OptimSection(name="adamw", lr=1e-2))
     scaler = DynamicLossScaler(init_scale=1024.0)
     guard = StepGuard(max_consecutive=3, scaler=scaler)
     x = torch.randn(4, 8, dtype=torch.float16)
@@ -147,10 +147,10 @@ def test_fp16_overflow_at_min_scale_counts_toward_the_limit():
 
 def test_precision_config_validation():
     with pytest.raises(ValueError, match="precision.dtype"):
-        PrecisionConfig(dtype="fp8")
+        PrecisionSection(dtype="fp8")
     with pytest.raises(ValueError, match="precision.backoff_factor"):
-        PrecisionConfig(backoff_factor=1.5)
-    cfg = PrecisionConfig(dtype="fp16", init_scale=128.0)
+        PrecisionSection(backoff_factor=1.5)
+    cfg = PrecisionSection(dtype="fp16", init_scale=128.0)
     scaler = DynamicLossScaler.from_config(cfg, PrecisionPolicy.resolve("fp16", device.Device("cpu")))
     assert scaler.enabled and scaler.scale_value == 128.0
     assert not DynamicLossScaler.from_config(cfg, PrecisionPolicy.resolve("fp32", device.Device("cpu"))).enabled

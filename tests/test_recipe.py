@@ -78,3 +78,19 @@ class Job:
 
 def test_overriding_one_field_keeps_the_sections_other_defaults():
     assert load(Job, overrides=["task.n=7"]).task == Task(digits=3, n=7)
+
+
+def test_docs_training_names_every_recipe_section_and_where_it_is_defined():
+    import dataclasses
+    import os
+    import re
+    import typing
+
+    from trex.train.config import TrainRecipe
+
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "training.md")).read()
+    stated = dict(re.findall(r"^\| `\[(\w+)\]` \|[^|]*\| `([\w.]+)`", doc, re.M))
+    hints = typing.get_type_hints(TrainRecipe)
+    actual = {f.name: f"{hints[f.name].__module__}.{hints[f.name].__name__}" for f in dataclasses.fields(TrainRecipe)}
+    assert stated == actual
+    assert all(name.endswith("Section") for name in actual.values())  # one naming scheme

@@ -29,21 +29,24 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Iterable
+import typing
+from typing import Iterable, Literal
 
 import torch
 
 from trex import device as trex_device
+from trex.recipe import check_choices
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+PrecisionName = Literal["auto", "fp32", "bf16", "fp16"]
+PRECISIONS = typing.get_args(PrecisionName)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
-class PrecisionConfig:
+class PrecisionSection:
     """The ``[precision]`` section of a recipe."""
 
-    dtype: str = "auto"
+    dtype: PrecisionName = "auto"
     """"auto" (bf16 on accelerators with fast bf16, else fp32), "fp32", "bf16" or "fp16"."""
     init_scale: float = 65536.0
     """fp16 only: the initial loss scale."""
@@ -59,8 +62,7 @@ class PrecisionConfig:
     """Stop the run after this many skipped steps in a row (non-finite loss or gradients)."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in PRECISIONS:
-            raise ValueError(f"precision.dtype: expected one of {list(PRECISIONS)}, got {self.dtype!r}")
+        check_choices(self, "precision")
         checks = {
             "init_scale": self.init_scale > 0, "growth_factor": self.growth_factor >= 1.0,
             "growth_interval": self.growth_interval >= 1, "backoff_factor": 0.0 < self.backoff_factor < 1.0,
@@ -136,7 +138,7 @@ class DynamicLossScaler:
         self.clean_steps = 0
 
     @classmethod
-    def from_config(cls, cfg: PrecisionConfig, policy: PrecisionPolicy) -> "DynamicLossScaler":
+    def from_config(cls, cfg: PrecisionSection, policy: PrecisionPolicy) -> "DynamicLossScaler":
         return cls(enabled=policy.loss_scaling, init_scale=cfg.init_scale, growth_factor=cfg.growth_factor,
                    growth_interval=cfg.growth_interval, backoff_factor=cfg.backoff_factor, min_scale=cfg.min_scale)
 

@@ -107,6 +107,18 @@ def save(obj: Any, path: str) -> None:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+def check_choices(section: Any, prefix: str) -> None:
+    """Raise ValueError for the first field typed ``Literal[...]`` whose value is not one of its
+    choices: ``prefix.name = value; expected one of a, b, c``. Sections call it in ``__post_init__``,
+    so one built in Python is checked like one loaded from TOML (where ``from_dict`` checks first)."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        if typing.get_origin(hints[f.name]) is typing.Literal:
+            choices, value = typing.get_args(hints[f.name]), getattr(section, f.name)
+            if value not in choices:
+                raise ValueError(f"{prefix}.{f.name} = {value!r}; expected one of {', '.join(map(str, choices))}")
+
+
 def require_positive(section: Any, prefix: str, names: tuple[str, ...]) -> None:
     """Raise ValueError naming ``prefix.name`` for each of ``names`` whose value is below 1."""
     for name in names:

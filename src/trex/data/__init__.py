@@ -10,18 +10,18 @@
 
 from __future__ import annotations
 
-from trex.data.config import DataConfig
+from trex.data.config import DataSection
 from trex.data.documents import Documents, build_documents
 from trex.data.loader import Batch, PackedLoader
 from trex.data.packing import PackedRows
 from trex.data.records import BadRecordError, BadRecordPolicy
 from trex.data.tokenizer import Tokenizer, compact_tokenizer, load_tokenizer
 
-__all__ = ["DataConfig", "Batch", "PackedLoader", "BadRecordError", "Tokenizer", "Documents",
+__all__ = ["DataSection", "Batch", "PackedLoader", "BadRecordError", "Tokenizer", "Documents",
            "build_loader", "load_tokenizer", "compact_tokenizer"]
 
 
-def build_loader(cfg: DataConfig, rank: int, world_size: int, tokenizer: Tokenizer, *,
+def build_loader(cfg: DataSection, rank: int, world_size: int, tokenizer: Tokenizer, *,
                  paths_key: str = "data.paths", batch_key: str = "data.micro_batch_size") -> PackedLoader:
     """Read, encode and pack ``cfg.paths`` (identically on every rank) and return this rank's loader.
 

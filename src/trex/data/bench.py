@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from trex.data import build_loader
-from trex.data.config import DataConfig
+from trex.data.config import DataSection
 from trex.data.tokenizer import Tokenizer
 
 
@@ -38,7 +38,7 @@ class DataBenchResult:
         return out
 
 
-def bench_data(cfg: DataConfig, tokenizer: Tokenizer, n_batches: int = 200) -> DataBenchResult:
+def bench_data(cfg: DataSection, tokenizer: Tokenizer, n_batches: int = 200) -> DataBenchResult:
     """Build rank 0's loader of a single-rank run, then time ``n_batches`` micro-batches."""
     t0 = time.perf_counter()
     loader = build_loader(cfg, rank=0, world_size=1, tokenizer=tokenizer)

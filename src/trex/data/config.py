@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from trex.recipe import require_positive
+from trex.recipe import check_choices, require_positive
 
-MODES = ("sft", "cpt")
-FORMATS = ("auto", "jsonl", "parquet")
-LOSS_ON = ("assistant", "last_assistant", "all")
-POLICIES = ("fail", "skip", "truncate")
+DataMode = Literal["sft", "cpt"]
+DataFormat = Literal["auto", "jsonl", "parquet"]
+LossOn = Literal["assistant", "last_assistant", "all"]
+BadRecordPolicyName = Literal["fail", "skip", "truncate"]
 
 
 @dataclass
-class DataConfig:
+class DataSection:
     paths: list[str] = field(default_factory=list)
     """Data files, directories (every *.jsonl / *.parquet inside, sorted) or glob patterns."""
 
-    format: str = "auto"
+    format: DataFormat = "auto"
     """auto | jsonl | parquet. auto picks by file extension (.jsonl/.json/.parquet)."""
 
-    mode: str = "sft"
+    mode: DataMode = "sft"
     """sft: each record holds a ``messages`` conversation, encoded in the DeepSeek-V4 chat format.
     cpt: each record holds plain ``text`` (continued pretraining), encoded as BOS text EOS."""
 
@@ -54,12 +55,12 @@ class DataConfig:
     """Thinking mode: drop the reasoning of assistant turns before the last user turn, as the official
     encoder does. Ignored (kept) when the system message defines tools."""
 
-    loss_on: str = "assistant"
+    loss_on: LossOn = "assistant"
     """sft: which tokens carry loss. assistant: every assistant turn (reasoning, answer, tool calls,
     end-of-sentence); last_assistant: only assistant turns after the last user/tool turn; all: every
     token. cpt always trains on every token."""
 
-    bad_record_policy: str = "fail"
+    bad_record_policy: BadRecordPolicyName = "fail"
     """fail: stop with the file and line of the first bad record. skip: drop bad records and count
     them by reason. truncate: like skip, but a document longer than seq_len is cut to seq_len instead
     of dropped."""
@@ -67,15 +68,13 @@ class DataConfig:
     encode_chunk: int = 512
     """Records tokenized per batched tokenizer call (throughput knob, not a semantic one)."""
 
-    def validate(self) -> None:
-        """Raise ValueError naming the field and its allowed values if any field is out of range."""
-        for name, allowed in (("mode", MODES), ("format", FORMATS), ("loss_on", LOSS_ON),
-                              ("bad_record_policy", POLICIES)):
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ValueError(f"data.{name} = {value!r}; expected one of {', '.join(allowed)}")
+    def __post_init__(self) -> None:
+        check_choices(self, "data")
         require_positive(self, "data", ("seq_len", "micro_batch_size", "encode_chunk"))
         if self.seq_len < 2:
             raise ValueError(f"data.seq_len = {self.seq_len}; expected at least 2")
+
+    def validate(self) -> None:
+        """What reading data needs beyond a well-formed section (checked on construction): files."""
         if not self.paths:
             raise ValueError("data.paths is empty; expected at least one data file, directory or glob")

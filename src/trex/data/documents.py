@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trex.data.chat import RecordError, Segment, check_utf8, encode_segments, render_conversation
-from trex.data.config import DataConfig
+from trex.data.config import DataSection
 from trex.data.records import BadRecordPolicy, Record, iter_records
 from trex.data.tokenizer import BOS, EOS, Tokenizer
 
@@ -32,7 +32,7 @@ class Documents:
         return np.diff(self.offsets)
 
 
-def record_segments(record: Record, cfg: DataConfig) -> list[Segment]:
+def record_segments(record: Record, cfg: DataSection) -> list[Segment]:
     """Render one record; raises RecordError if it cannot be used."""
     if isinstance(record.data, RecordError):
         raise record.data
@@ -50,7 +50,7 @@ def record_segments(record: Record, cfg: DataConfig) -> list[Segment]:
                                drop_thinking=cfg.drop_thinking, loss_on=cfg.loss_on)
 
 
-def _encode_chunk(chunk: list[tuple[Record, list[Segment]]], tokenizer: Tokenizer, cfg: DataConfig,
+def _encode_chunk(chunk: list[tuple[Record, list[Segment]]], tokenizer: Tokenizer, cfg: DataSection,
                   policy: BadRecordPolicy, out: list[tuple[np.ndarray, np.ndarray]]) -> None:
     for (record, _), (ids, mask) in zip(chunk, encode_segments([segs for _, segs in chunk], tokenizer)):
         if len(ids) > cfg.seq_len:
@@ -64,7 +64,7 @@ def _encode_chunk(chunk: list[tuple[Record, list[Segment]]], tokenizer: Tokenize
         out.append((ids, mask))
 
 
-def build_documents(cfg: DataConfig, tokenizer: Tokenizer, policy: BadRecordPolicy) -> Documents:
+def build_documents(cfg: DataSection, tokenizer: Tokenizer, policy: BadRecordPolicy) -> Documents:
     """Read, validate, render and tokenize every record of ``cfg.paths``; bad ones go through
     ``policy``. Documents are shuffled with ``cfg.seed`` (if ``cfg.shuffle``) into packing order."""
     encoded: list[tuple[np.ndarray, np.ndarray]] = []

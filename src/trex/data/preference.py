@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from trex.data.chat import RecordError, encode_segments, render_conversation, validate_conversation
-from trex.data.config import DataConfig
+from trex.data.config import DataSection
 from trex.data.records import BadRecordPolicy, Record, SkipCounter, iter_records
 from trex.data.tokenizer import Tokenizer
 
@@ -70,7 +70,7 @@ class PairBatch:
 
 
 # ---- records -> pairs --------------------------------------------------------------------------------
-def _prompt_messages(data: dict, cfg: DataConfig) -> list[dict]:
+def _prompt_messages(data: dict, cfg: DataSection) -> list[dict]:
     if "prompt" in data:
         if not isinstance(data["prompt"], str):
             raise RecordError("bad_prompt", f"prompt is {type(data['prompt']).__name__}; expected a string")
@@ -98,7 +98,7 @@ def _response_messages(value, key: str) -> list[dict]:
                                       "non-empty list of assistant messages")
 
 
-def pair_segments(record: Record, cfg: DataConfig) -> list[list]:
+def pair_segments(record: Record, cfg: DataSection) -> list[list]:
     """[chosen segments, rejected segments] of one record; raises RecordError if it cannot be used."""
     if isinstance(record.data, RecordError):
         raise record.data
@@ -113,7 +113,7 @@ def pair_segments(record: Record, cfg: DataConfig) -> list[list]:
                                 drop_thinking=cfg.drop_thinking, loss_on="last_assistant") for key in RESPONSES]
 
 
-def _fit(record: Record, ids: np.ndarray, mask: np.ndarray, cfg: DataConfig, policy: BadRecordPolicy):
+def _fit(record: Record, ids: np.ndarray, mask: np.ndarray, cfg: DataSection, policy: BadRecordPolicy):
     """The sequence cut to seq_len under ``truncate``; None if the record is dropped."""
     if len(ids) > cfg.seq_len:
         if not policy.too_long(record.path, record.line, len(ids), cfg.seq_len):
@@ -125,7 +125,7 @@ def _fit(record: Record, ids: np.ndarray, mask: np.ndarray, cfg: DataConfig, pol
     return ids, mask
 
 
-def read_pairs(cfg: DataConfig, tokenizer: Tokenizer, policy: BadRecordPolicy) -> PreferencePairs:
+def read_pairs(cfg: DataSection, tokenizer: Tokenizer, policy: BadRecordPolicy) -> PreferencePairs:
     """Read, validate and encode every pair of ``cfg.paths`` in file order (bad records: ``policy``)."""
     cfg.validate()
     usable: list[tuple[Record, list[list]]] = []

@@ -20,6 +20,8 @@ from typing import Iterator
 
 from trex import atomic
 from trex.data.chat import RecordError
+from trex.data.config import BadRecordPolicyName
+from trex.recipe import check_choices
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +87,11 @@ def describe_skips(data: dict) -> str | None:
 @dataclass
 class BadRecordPolicy:
     """Applies ``policy`` (fail | skip | truncate) to bad records, counting into ``counter``."""
-    policy: str
+    policy: BadRecordPolicyName
     counter: SkipCounter = field(default_factory=SkipCounter)
 
     def __post_init__(self):
-        if self.policy not in ("fail", "skip", "truncate"):
-            raise ValueError(f"bad_record_policy = {self.policy!r}; expected fail, skip or truncate")
+        check_choices(self, "data.bad_record_policy")
 
     def reject(self, path: str, line: int, reason: str, detail: str) -> None:
         """Raise under ``fail``, otherwise count the skip."""

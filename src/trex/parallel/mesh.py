@@ -13,11 +13,48 @@ import os
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Literal
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trex import device as device_layer
+from trex.recipe import check_choices
+
+
+@dataclass
+class ParallelSection:
+    dp_replicate: int = 1
+    """Data-parallel replicas (the outer, replicated dimension of HSDP)."""
+    dp_shard: int = -1
+    """Ranks that shard parameters, gradients and optimizer state (FSDP); -1: all ranks not used by
+    dp_replicate."""
+    ep: int = 1
+    """Expert-parallel size: routed experts are split across this many ranks of the shard dimension."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """none | full | selective (recompute mHC and attention)."""
+    reduce_every_micro_batch: bool = False
+    """With grad_accum > 1: reduce-scatter gradients after every micro-batch, so only sharded fp32
+    gradients accumulate (grad_accum reduce-scatters per step). Off: one reduce-scatter after the
+    last micro-batch, and FSDP2 keeps the stage's gradients unsharded in between (see trex plan)."""
+    timeout_s: int = 1800
+    """Collective timeout in seconds: how long a rank waits in one collective before the backend
+    gives up (long enough for a first step that compiles on a large cluster)."""
+    heartbeat_timeout_s: float = 300
+    """Seconds after which a rank that sends no heartbeat, or is stuck at one place of the loop while
+    the others moved on, is named and the job stops (exit 4); 0: off. See trex.parallel.watchdog."""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "parallel")
+        if self.dp_replicate < 1 or self.ep < 1 or (self.dp_shard < 1 and self.dp_shard != -1):
+            raise ValueError("parallel: dp_replicate and ep must be >= 1 and dp_shard >= 1 or -1")
+        if self.timeout_s <= 0 or self.heartbeat_timeout_s < 0:
+            raise ValueError("parallel: timeout_s must be > 0 and heartbeat_timeout_s >= 0 (0: no heartbeat)")
+
+    def world_size(self, available: int) -> int:
+        """Ranks the layout needs given ``available`` ranks (resolving dp_shard = -1)."""
+        shard = available // self.dp_replicate if self.dp_shard == -1 else self.dp_shard
+        return self.dp_replicate * shard
 
 
 @dataclass

@@ -15,9 +15,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from trex.models.config import ModelConfig
+from trex.train.optim import OPTIMIZERS
 
 RECOMPUTE = ("none", "selective", "full")
-OPTIMIZERS = ("muon", "adamw")
 
 
 class PlanError(ValueError):

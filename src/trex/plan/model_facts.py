@@ -28,7 +28,7 @@ MODULE_TYPES = (
     ("mtp_projections", r"\.(e_proj|h_proj)\."),
 )
 INDEXER = ".attn.indexer."
-NS_ITERATIONS = 10  # DeepSeek-V4's hybrid Newton-Schulz: 8 + 2 iterations (trex.train.optim.OptimConfig)
+NS_ITERATIONS = 10  # DeepSeek-V4's hybrid Newton-Schulz: 8 + 2 iterations (trex.train.optim.OptimSection)
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,13 @@ file) when records have answers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from trex.data.loader import Batch
 from trex.models import DeepseekV4, evaluating
+from trex.recipe import require_positive
 from trex.posttrain.distill_loss import reverse_kl
 from trex.posttrain.grpo_loss import token_entropy
 from trex.posttrain.objective import Objective, StepResult, TrainContext, backward_micro_batches, load_frozen
@@ -31,6 +34,45 @@ from trex.posttrain.on_policy import (PromptOrder, Rollouts, exact_match_by_set,
                                       set_generator_state)
 
 EVAL_SEED = 1234  # held-out samples are drawn with the same seed at every evaluation
+
+
+@dataclass
+class TeacherSpec:
+    path: str = ""
+    """Teacher checkpoint directory (same tokenizer/vocabulary as the student)."""
+    weight: float = 1.0
+    """w_i in sum_i w_i KL(student || teacher_i)."""
+
+    def __post_init__(self) -> None:
+        if not self.path or self.weight < 0:
+            raise ValueError(f"distill.teachers: expected {{path = \"...\", weight >= 0}}, got path={self.path!r} "
+                             f"weight={self.weight}")
+
+
+@dataclass
+class DistillSection:
+    """On-policy distillation (trex.posttrain.distill): the student samples, teachers score its tokens."""
+    teachers: list[TeacherSpec] = field(default_factory=list)
+    """Teachers: [{ path = "...", weight = 1.0 }, ...]."""
+    prompts: list[str] = field(default_factory=list)
+    """Prompt files: JSONL records {"prompt": str | "messages": [...], "answer": ... (optional)}."""
+    eval_prompts: list[str] = field(default_factory=list)
+    """Held-out prompt files: reverse KL to each teacher and, with answers, greedy exact match."""
+    eval_limit: int = 0
+    """Held-out prompts evaluated (0: all)."""
+    prompts_per_step: int = 16
+    """Prompts per optimizer step over all ranks."""
+    samples_per_prompt: int = 1
+    """Completions sampled per prompt."""
+    micro_batch_size: int = 32
+    """Completions per training forward."""
+    chunk: int = 1024
+    """Positions per chunk of the full-vocabulary KL (bounds its fp32 memory)."""
+    seed: int = 0
+    """Seeds the prompt order and the sampler."""
+
+    def __post_init__(self) -> None:
+        require_positive(self, "distill", ("prompts_per_step", "samples_per_prompt", "micro_batch_size", "chunk"))
 
 
 class DistillObjective(Objective):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -29,9 +30,37 @@ from trex.data.preference import PairBatch, PairLoader, PreferencePairs, collate
 from trex.data.records import BadRecordPolicy
 from trex.models import DeepseekV4, evaluating
 from trex.models.deepseek_v4 import IGNORE_INDEX, ModelOutput
+from trex.recipe import check_choices
 from trex.posttrain.objective import (Objective, StepResult, TrainContext, backward_micro_batches, load_frozen,
                                       mtp_anchor,
                                       next_token_nll, reshard)
+
+
+@dataclass
+class DPOSection:
+    """The ``[dpo]`` section: direct preference optimisation (``train.mode = "dpo"``, trex.posttrain.dpo)."""
+
+    beta: float = 0.1
+    """Strength of the implicit KL to the reference: rewards are beta * (log pi - log pi_ref)."""
+    label_smoothing: float = 0.0
+    """Conservative DPO: the assumed probability that a pair's preference label is flipped, in [0, 0.5)."""
+    reference: Literal["precompute", "online"] = "precompute"
+    """precompute: the reference's sequence log-probs of every pair once at start; online: a frozen
+    reference model scores each batch (memory for a second model, no start-up pass)."""
+    reference_path: str = ""
+    """The reference model's checkpoint directory; empty: the initial policy."""
+    rpo_alpha: float = 0.0
+    """RPO: add rpo_alpha x the chosen response's mean per-token NLL to each pair's loss, so the
+    chosen answer keeps its likelihood while the margin grows (0: plain DPO)."""
+
+    def __post_init__(self) -> None:
+        if self.rpo_alpha < 0:
+            raise ValueError(f"dpo.rpo_alpha must be >= 0, got {self.rpo_alpha}")
+        if self.beta <= 0:
+            raise ValueError(f"dpo.beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        check_choices(self, "dpo")
 
 
 @dataclass

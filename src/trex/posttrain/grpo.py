@@ -19,13 +19,14 @@ The math is in trex.posttrain.grpo_loss; prompts, sampling and rows in trex.post
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from trex.data.loader import Batch
 from trex.models import DeepseekV4
-from trex.posttrain.grpo_loss import group_advantages, policy_loss, token_entropy, token_weights
+from trex.recipe import check_choices, require_positive
+from trex.posttrain.grpo_loss import Aggregation, group_advantages, policy_loss, token_entropy, token_weights
 from trex.posttrain.objective import (Objective, StepResult, TrainContext, backward_micro_batches, load_frozen,
                                       next_token_logprobs,
                                       token_logprobs)
@@ -33,6 +34,54 @@ from trex.posttrain.on_policy import (PromptOrder, Rollouts, completions, exact_
                                       load_eval_sets, load_prompts, probe_batch, rank_uniforms, roll_out,
                                       sampling_params, set_generator_state)
 from trex.posttrain.rewards import RewardSet
+
+
+@dataclass
+class GRPOSection:
+    """GRPO with verifiable rewards (trex.posttrain.grpo)."""
+    prompts: list[str] = field(default_factory=list)
+    """Prompt files: JSONL records {"prompt": str | "messages": [...], "answer": ...}."""
+    eval_prompts: list[str] = field(default_factory=list)
+    """Held-out prompt files (same format): greedy exact match and reward at each evaluation."""
+    eval_limit: int = 0
+    """Held-out prompts evaluated (0: all)."""
+    prompts_per_step: int = 8
+    """Prompts per optimizer step over all ranks (each rank takes an equal share)."""
+    group_size: int = 8
+    """Completions sampled per prompt (G); advantages are normalised within each group."""
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])
+    """Reward functions: built-in names, trex.rewards entry points or module:function paths."""
+    reward_weights: list[float] = field(default_factory=list)
+    """One weight per reward (empty: all 1)."""
+    scale_by_std: bool = True
+    """Divide advantages by the group's reward std (False: Dr. GRPO)."""
+    eps_low: float = 0.2
+    """Lower clip of the policy ratio: 1 - eps_low."""
+    eps_high: float = 0.2
+    """Upper clip of the policy ratio: 1 + eps_high (DAPO raises it, e.g. 0.28)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the reference model (0: no reference is loaded)."""
+    reference: str = ""
+    """Reference checkpoint directory; empty: a frozen copy of the initial policy."""
+    aggregation: Aggregation = "token"
+    """token (mean over all tokens) | sequence (mean per completion, then over completions) |
+    constant (sum / (max_new_tokens x completions), no length bias)."""
+    mask_truncated: bool = False
+    """Completions cut at max_new_tokens contribute no loss (they still count in the metrics)."""
+    ppo_epochs: int = 1
+    """Optimizer steps per sampled batch (> 1: later steps reuse the batch with the clipped ratio)."""
+    micro_batch_size: int = 32
+    """Completions per training forward."""
+    seed: int = 0
+    """Seeds the prompt order and the sampler."""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "grpo")
+        require_positive(self, "grpo", ("prompts_per_step", "ppo_epochs", "micro_batch_size"))
+        if self.group_size < 2:
+            raise ValueError(f"grpo.group_size must be >= 2, got {self.group_size}")
+        if self.eps_low < 0 or self.eps_high < 0 or self.kl_coef < 0:
+            raise ValueError("grpo: eps_low, eps_high and kl_coef must be >= 0")
 
 
 @dataclass

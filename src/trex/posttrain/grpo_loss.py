@@ -19,11 +19,14 @@ same gradient.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-AGGREGATIONS = ("token", "sequence", "constant")
+Aggregation = Literal["token", "sequence", "constant"]
+AGGREGATIONS = typing.get_args(Aggregation)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True,

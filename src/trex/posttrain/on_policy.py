@@ -28,6 +28,24 @@ from trex.rollout import Samples, SamplingParams, sample
 from trex.rollout.sampling import left_pad
 
 
+@dataclass
+class SamplingSection:
+    """How on-policy modes (grpo, distill) sample completions (trex.rollout.SamplingParams)."""
+    temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    max_new_tokens: int = 64
+    """Longest completion; one cut here is "truncated" (no stop token)."""
+    batch_size: int = 64
+    """Prompts per generation batch."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1 or self.batch_size < 1:
+            raise ValueError("sampling: expected temperature >= 0, 0 < top_p <= 1, max_new_tokens >= 1, "
+                             "batch_size >= 1")
+
+
 @dataclass(frozen=True)
 class Prompt:
     ids: list[int]

@@ -30,15 +30,16 @@ from trex import atomic
 from trex.checkpoint.save import save_pretrained
 from trex.data.arithmetic import ArithmeticTask, cpt_records, eval_prompts, generate, sft_records
 from trex.data.chat import completion_answer, render_prompt
-from trex.data.config import DataConfig
+from trex.data.config import DataSection
 from trex.data.records import write_jsonl
 from trex.data.tokenizer import Tokenizer, compact_tokenizer
 from trex.rollout.generate import greedy_generate
 from trex.models import DeepseekV4, build_model
-from trex.train.config import EvalSection, ModelSection, ParallelSection, TrainRecipe, TrainSection
+from trex.parallel.mesh import ParallelSection
+from trex.train.config import EvalSection, ModelSection, TrainRecipe, TrainSection
 from trex.train.loop import train
-from trex.train.optim import OptimConfig
-from trex.train.schedule import ScheduleConfig
+from trex.train.optim import OptimSection
+from trex.train.schedule import ScheduleSection
 
 
 @dataclass
@@ -86,10 +87,10 @@ def _stage(job: DefaultJob, name: str, paths: list[str], eval_paths: list[str], 
                          "use a world size that divides it or --set micro_batch_size=N")
     return TrainRecipe(
         model=model or job.model,
-        data=DataConfig(paths=paths, mode=mode, tokenizer="compact", seq_len=job.seq_len,
+        data=DataSection(paths=paths, mode=mode, tokenizer="compact", seq_len=job.seq_len,
                         micro_batch_size=job.micro_batch_size // world, seed=job.seed),
-        optim=OptimConfig(name=job.optimizer, lr=job.lr, weight_decay=0.0),
-        schedule=ScheduleConfig(warmup_steps=max(1, steps // 10), decay="cosine", min_lr_ratio=0.1),
+        optim=OptimSection(name=job.optimizer, lr=job.lr, weight_decay=0.0),
+        schedule=ScheduleSection(warmup_steps=max(1, steps // 10), decay="cosine", min_lr_ratio=0.1),
         train=TrainSection(steps=steps, seed=job.seed, out=os.path.join(job.out, name), device=job.device,
                            overwrite=True,  # the default job replaces its own earlier output
                            eval_every=max(1, steps // 4), log_every=1, progress=job.progress),

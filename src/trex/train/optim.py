@@ -25,7 +25,8 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+import typing
+from typing import Iterable, Literal, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -33,17 +34,19 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch import nn
 
 from trex import device as trex_device
+from trex.recipe import check_choices
 from trex.models.deepseek_v4 import Attention, Compressor, Experts, HyperConnection, HyperHead, RMSNorm
 
-OPTIMIZERS = ("muon", "adamw")
+OptimizerName = Literal["muon", "adamw"]
+OPTIMIZERS = typing.get_args(OptimizerName)
 NS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
-class OptimConfig:
+class OptimSection:
     """The ``[optim]`` section of a recipe. Defaults follow DeepSeek-V4 (report §2.4)."""
 
-    name: str = "muon"
+    name: OptimizerName = "muon"
     """"muon" (Muon for matrices, AdamW for the rest, as V4) or "adamw" (AdamW for everything)."""
     lr: float = 2e-5
     """Peak learning rate, shared by the Muon and AdamW groups (Muon's update_rms makes them comparable)."""
@@ -63,7 +66,7 @@ class OptimConfig:
     """Newton-Schulz (a, b, c) stages: X <- a X + b (X X^T) X + c (X X^T)^2 X."""
     ns_iterations: list[int] = field(default_factory=lambda: [8, 2])
     """Iterations of each stage in ns_coefficients (V4: 8 then 2)."""
-    ns_dtype: str = "auto"
+    ns_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """Newton-Schulz matmul dtype: "fp32", "bf16", or "auto" (bf16 on accelerators with fast bf16, else fp32)."""
     update_rms: float = 0.18
     """Muon update scale gamma: O = NS(.) * sqrt(max(n, m)) * update_rms."""
@@ -75,7 +78,7 @@ class OptimConfig:
             if not ok:
                 raise ValueError(f"optim.{fld}: {what}, got {getattr(self, fld)!r}")
 
-        need(self.name in OPTIMIZERS, "name", f"expected one of {list(OPTIMIZERS)}")
+        check_choices(self, "optim")
         need(self.lr > 0, "lr", "expected a positive learning rate")
         need(self.weight_decay >= 0, "weight_decay", "expected >= 0")
         need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", "expected [beta1, beta2] in [0, 1)")
@@ -85,7 +88,6 @@ class OptimConfig:
              f"expected one iteration count per ns_coefficients stage ({len(self.ns_coefficients)})")
         need(all(len(c) == 3 for c in self.ns_coefficients), "ns_coefficients", "expected [a, b, c] triples")
         need(all(isinstance(i, int) and i >= 0 for i in self.ns_iterations), "ns_iterations", "expected integers >= 0")
-        need(self.ns_dtype in ("auto", *NS_DTYPES), "ns_dtype", f"expected one of {['auto', *NS_DTYPES]}")
         need(self.update_rms > 0, "update_rms", "expected > 0")
         need(self.grad_clip >= 0, "grad_clip", "expected >= 0 (0 disables)")
 
@@ -386,7 +388,7 @@ def resolve_ns_dtype(name: str, dev: trex_device.Device) -> str:
     return "bf16" if dev.is_accelerator and dev.capabilities().bf16_fast else "fp32"
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, dev: trex_device.Device | None = None) -> MuonAdamW:
+def build_optimizer(model: nn.Module, cfg: OptimSection, dev: trex_device.Device | None = None) -> MuonAdamW:
     """Group the model's trainable parameters by rule (see `classify`) into one `MuonAdamW`.
 
     ``dev`` resolves ``ns_dtype = "auto"``; by default it is the device of the parameters.

@@ -10,33 +10,35 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-DECAYS = ("cosine", "linear", "constant")
+from trex.recipe import check_choices
+
+Decay = Literal["cosine", "linear", "constant"]
 
 
 @dataclass
-class ScheduleConfig:
+class ScheduleSection:
     """The ``[schedule]`` section of a recipe."""
 
     warmup_steps: int = 0
     """Optimizer steps of linear warmup; step s uses lr * (s + 1) / warmup_steps."""
-    decay: str = "cosine"
+    decay: Decay = "cosine"
     """Shape after warmup: "cosine", "linear" or "constant"."""
     min_lr_ratio: float = 0.1
     """Final lr as a fraction of the peak lr (cosine and linear); V4 pretraining decays to 0.1."""
 
     def __post_init__(self) -> None:
-        if self.decay not in DECAYS:
-            raise ValueError(f"schedule.decay: expected one of {list(DECAYS)}, got {self.decay!r}")
+        check_choices(self, "schedule")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"schedule.warmup_steps: expected an integer >= 0, got {self.warmup_steps!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"schedule.min_lr_ratio: expected a value in [0, 1], got {self.min_lr_ratio!r}")
 
 
-def lr_multiplier(step: int, total_steps: int, cfg: ScheduleConfig) -> float:
+def lr_multiplier(step: int, total_steps: int, cfg: ScheduleSection) -> float:
     """The factor on the peak lr at 0-based optimizer step ``step`` of ``total_steps``."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
@@ -50,7 +52,7 @@ def lr_multiplier(step: int, total_steps: int, cfg: ScheduleConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig,
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleSection,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR over every parameter group; call ``.step()`` once after each optimizer step."""
     if total_steps < 1:
