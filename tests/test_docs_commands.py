@@ -185,11 +185,9 @@ def test_skipped_commands_still_parse():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("doc", DOCS)
+@pytest.mark.parametrize("doc", [d for d in DOCS if any(b.skip is None for b in blocks(d))])
 def test_documented_commands_run(doc, assets, tmp_path):
     runnable = [b for b in blocks(doc) if b.skip is None]
-    if not runnable:
-        pytest.skip(f"{doc}: every block is marked (see test_skipped_commands_still_parse)")
     env = sandbox(str(tmp_path))
     for name in ("hf_tiny", "runs"):
         shutil.copytree(assets / name, tmp_path / name, dirs_exist_ok=True)
