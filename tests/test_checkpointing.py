@@ -173,7 +173,7 @@ def _step(state, seed):
     state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
     state.scheduler.step()
-    state.loader.pos += 1
+    state.data.pos += 1
 
 
 def test_async_save_round_trips_bf16_parameters_and_fp32_optimizer_state(tmp_path):
@@ -191,7 +191,7 @@ def test_async_save_round_trips_bf16_parameters_and_fp32_optimizer_state(tmp_pat
     assert verify_checkpoint(path).ok
 
     b = _bf16_state()
-    assert load_checkpoint(path, b).step == 2 and b.loader.pos == 2
+    assert load_checkpoint(path, b).step == 2 and b.data.pos == 2
     assert all(torch.equal(b.model.state_dict()[k], v) for k, v in expected.items())
     masters = [s["master"] for s in b.optimizer.state.values() if "master" in s]
     assert masters and all(m.dtype == torch.float32 for m in masters)

@@ -77,15 +77,14 @@ class CheckpointSection:
 
 @dataclass
 class RunState:
-    """Everything a checkpoint restores. ``loader`` and ``guard`` need state_dict/load_state_dict."""
+    """Everything a checkpoint restores. ``guard`` and ``data`` need state_dict/load_state_dict."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
     guard: Any
-    loader: Any
+    data: Any  # the objective: data positions and sampler RNG (stored under "loader", the key it always had)
     dev: Any  # trex.device.Device: its RNG states are saved per rank
-    eval_loader: Any = None
 
 
 @dataclass
@@ -249,8 +248,7 @@ def save_checkpoint(directory: str, step: int, state: RunState, *, config: dict 
     save_file(state.dev.get_rng_state(), os.path.join(tmp, rng_file(rank)))
     trainer = {
         "step": step, "loop": loop or {}, "scheduler": state.scheduler.state_dict(),
-        "guard": state.guard.state_dict(), "loader": state.loader.state_dict(),
-        "eval_loader": state.eval_loader.state_dict() if state.eval_loader is not None else None,
+        "guard": state.guard.state_dict(), "loader": state.data.state_dict(),
         "param_groups": _group_records(state.model, state.optimizer), "config": config, "precision": precision,
         "model_config": state.model.cfg.to_hf_dict() if hasattr(state.model, "cfg") else None,
         "world_size": world_size,
@@ -362,9 +360,7 @@ def load_checkpoint(path: str, state: RunState) -> Resumed:
             state.optimizer.state[p] = optim_sd.get(names[id(p)], {})
     state.scheduler.load_state_dict(trainer["scheduler"])
     state.guard.load_state_dict(trainer["guard"])
-    state.loader.load_state_dict(trainer["loader"])
-    if state.eval_loader is not None and trainer.get("eval_loader"):
-        state.eval_loader.load_state_dict(trainer["eval_loader"])
+    state.data.load_state_dict(trainer["loader"])
 
     rank, world_size = _rank_world()
     rng = os.path.join(path, rng_file(rank))

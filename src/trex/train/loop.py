@@ -21,37 +21,38 @@ import os
 import signal
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from trex import device as device_layer
 from trex import recipe as recipe_io
+from trex.checkpoint import load_pretrained
+from trex.checkpoint.training import Checkpointer, RunState
 from trex.data import load_tokenizer
 from trex.data.tokenizer import Tokenizer, compact_tokenizer
-from trex.train.signals import SIGNAL_FILES, FidelityRecorder
 from trex.hardware import profile_for_device_name
 from trex.models import DeepseekV4, build_model, get_preset
-from trex.checkpoint import load_pretrained
 from trex.models.flops import flops_per_token
 from trex.parallel.load import load_sharded
-from trex.parallel.mesh import init_parallel
-from trex.parallel.watchdog import Heartbeat
+from trex.parallel.mesh import Parallel, init_parallel
 from trex.parallel.plan import apply_parallelism
 from trex.parallel.preflight import preflight
+from trex.parallel.watchdog import Heartbeat
 from trex.posttrain import Objective, TrainContext, build_objective
 from trex.posttrain.objective import reshard
 from trex.posttrain.sft import accumulate_gradients
-from trex.checkpoint.training import Checkpointer, RunState
+from trex.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy, StepGuard
 from trex.train.config import TrainRecipe
 from trex.train.moe_balance import freeze_indexer
 from trex.train.optim import build_optimizer
-from trex.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy, StepGuard
-from trex.train.step import read_scalars, train_step
 from trex.train.progress import StepProgress
 from trex.train.run_dir import METRICS_FILE, RunDir
 from trex.train.schedule import build_scheduler
+from trex.train.signals import SIGNAL_FILES, FidelityRecorder
+from trex.train.step import read_scalars, train_step
 
 __all__ = ["TrainResult", "train", "accumulate_gradients", "model_for", "tokenizer_for"]
 
@@ -151,14 +152,62 @@ class CompiledGraphs:
 
 # ---- the loop ---------------------------------------------------------------------------------------
 def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Tokenizer | None = None) -> TrainResult:
-    """Run ``recipe``; ``model``/``tokenizer`` continue from a previous stage instead of [model]/[data]."""
+    """Run ``recipe``; ``model``/``tokenizer`` continue from a previous stage instead of [model]/[data].
+    Set-up, the steps, the summary; the status becomes the exception a CLI maps to its exit code."""
     with Heartbeat(recipe.parallel.heartbeat_timeout_s) as heartbeat:
-        return _train(recipe, model, tokenizer, heartbeat)
+        t_start = time.perf_counter()
+        r = _set_up(recipe, model, tokenizer, heartbeat)
+        _run_steps(r)
+        summary = _summary(r, time.perf_counter() - t_start)
+        r.run_dir.write_summary(summary)
+        r.run_dir.plot_loss()
+        r.run_dir.close()
+        if r.status.startswith("stopped"):
+            raise NonFiniteError(r.status)
+        if r.status == "interrupted":
+            raise KeyboardInterrupt
+        if r.status == "terminated":
+            raise SystemExit(128 + signal.SIGTERM)  # saved a checkpoint, then exits as SIGTERM would
+        return TrainResult(model=r.model, tokenizer=r.tokenizer, summary=summary, run_dir=r.run_dir.path)
 
 
-def _train(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer | None,
-           heartbeat: Heartbeat) -> TrainResult:
-    t_start = time.perf_counter()
+@dataclass
+class _Run:
+    """What a run holds from set-up to summary, and what the steps accumulate."""
+
+    recipe: TrainRecipe
+    dev: device_layer.Device
+    par: Parallel
+    policy: PrecisionPolicy
+    run_dir: RunDir
+    heartbeat: Heartbeat
+    tokenizer: Tokenizer
+    model: DeepseekV4
+    frozen: list[str]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    guard: StepGuard
+    objective: Objective
+    fidelity: FidelityRecorder
+    ckpt: Checkpointer
+    resumed: Any
+    graphs: CompiledGraphs
+    flops: float  # model FLOPs per token (trex.models.flops)
+    peak: float | None  # the MFU denominator per rank, FLOP/s
+    peak_source: str
+    tokens: int = 0
+    status: str = "completed"
+    events: list = field(default_factory=list)  # why steps were skipped
+    last: dict = field(default_factory=dict)  # the last step's metrics
+    evals: dict = field(default_factory=dict)  # held-out metrics by step ("final" at the end)
+    mfu_warned: bool = False
+
+
+def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer | None,
+            heartbeat: Heartbeat) -> _Run:
+    """Device, process group, model (built, loaded or loaded into shards) under the parallel plan,
+    optimizer, schedule, step guard, objective, fidelity recorder, checkpointer (resumed if asked),
+    and the run directory, checked for room before step 1."""
     cfg_train = recipe.train
     if recipe.model.path and not os.path.isfile(os.path.join(recipe.model.path, "config.json")):
         raise ValueError(f"model.path = {recipe.model.path!r}: no model there (expected config.json and safetensors: "
@@ -173,9 +222,8 @@ def _train(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer |
     dev.manual_seed(cfg_train.seed)  # the same on every rank: identical initial weights
     compiled = cfg_train.compile_on(dev)
     policy = PrecisionPolicy.resolve(recipe.precision.dtype, dev)
-    run = RunDir(cfg_train.out, enabled=par.is_main)
-    heartbeat.on_lost = lambda message: run.write_summary({"status": f"stopped: {message}",
-                                                           "steps_completed": scheduler.last_epoch})
+    run_dir = RunDir(cfg_train.out, enabled=par.is_main)
+    heartbeat.on_lost = lambda message: run_dir.write_summary({"status": f"stopped: {message}", "steps_completed": 0})
 
     tokenizer = tokenizer or tokenizer_for(recipe.data.tokenizer)
     frozen: list[str] = []
@@ -199,15 +247,15 @@ def _train(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer |
     log.info("%s (the groups: train.log, or TREX_LOG_LEVEL=DEBUG)", head)
     log.debug("optimizer groups:\n%s", groups)
     scheduler = build_scheduler(optimizer, recipe.schedule, cfg_train.steps)
+    heartbeat.on_lost = lambda message: run_dir.write_summary({"status": f"stopped: {message}",
+                                                               "steps_completed": scheduler.last_epoch})
     guard = StepGuard(recipe.precision.max_consecutive_skips, DynamicLossScaler.from_config(recipe.precision, policy))
     # built before resume: a reference taken from the student is the initial policy
     objective = build_objective(cfg_train.mode, TrainContext(recipe, par, dev, policy, tokenizer, model))
     preflight(par, {"mode": cfg_train.mode, "steps": cfg_train.steps, "grad_accum": cfg_train.grad_accum,
                     **objective.preflight()})
-    params = [p for p in model.parameters() if p.requires_grad]
-    flops = flops_per_token(model.cfg, recipe.data.seq_len).total
     peak, peak_source = peak_flops(dev, policy)
-    fidelity = fidelity_recorder(recipe, objective, run.path, tokenizer, dev.torch_device)  # rank 0 writes
+    fidelity = fidelity_recorder(recipe, objective, run_dir.path, tokenizer, dev.torch_device)  # rank 0 writes
 
     ckpt = Checkpointer(recipe.checkpoint, cfg_train.out, RunState(model, optimizer, scheduler, guard, objective, dev),
                         config=recipe_io.to_dict(recipe), precision=policy.to_dict())
@@ -215,118 +263,125 @@ def _train(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer |
     resumed = ckpt.resume()
     # --resume auto before the run's first save continues it from step 0: what it logged is trained again
     start = resumed.step if resumed else (0 if recipe.checkpoint.resume == "auto" else None)
-    run.check_room(cfg_train.steps)
-    run.begin(start, cfg_train.overwrite, [METRICS_FILE, *SIGNAL_FILES], ckpt.directory)
-    run.save_config(recipe)
+    run_dir.check_room(cfg_train.steps)
+    run_dir.begin(start, cfg_train.overwrite, [METRICS_FILE, *SIGNAL_FILES], ckpt.directory)
+    run_dir.save_config(recipe)
+    return _Run(recipe, dev, par, policy, run_dir, heartbeat, tokenizer, model, frozen, optimizer, scheduler, guard,
+                objective, fidelity, ckpt, resumed, CompiledGraphs(compiled),
+                flops_per_token(model.cfg, recipe.data.seq_len).total, peak, peak_source,
+                tokens=resumed.loop.get("tokens", 0) if resumed else 0)
 
-    status, events, last, evals = "completed", [], {}, {}
-    mfu_warned = False
-    graphs = CompiledGraphs(compiled)
-    if cfg_train.eval_at_start and not resumed:
-        evals[0] = objective.evaluate(model)
-        reshard(model)
-        if evals[0]:
-            run.log(0, evals[0], {})
-    tokens_seen = resumed.loop.get("tokens", 0) if resumed else 0
-    progress = StepProgress(cfg_train.steps, enabled=cfg_train.progress and par.is_main, every=cfg_train.log_every)
-    with ckpt.signals():  # until the summary is written; after a stop signal, until exit
+
+def _run_steps(r: _Run) -> None:
+    """Steps from the resumed one to the last, each as trex.train.step runs it, then the log line,
+    evaluation, fidelity probe and checkpoint. A stop signal, Ctrl-C or too many skipped steps end
+    the loop with their status in ``r.status``."""
+    cfg_train = r.recipe.train
+    if cfg_train.eval_at_start and not r.resumed:
+        r.evals[0] = r.objective.evaluate(r.model)
+        reshard(r.model)
+        if r.evals[0]:
+            r.run_dir.log(0, r.evals[0], {})
+    params = [p for p in r.model.parameters() if p.requires_grad]
+    progress = StepProgress(cfg_train.steps, enabled=cfg_train.progress and r.par.is_main, every=cfg_train.log_every)
+    with r.ckpt.signals():  # until the summary is written; after a stop signal, until exit
         try:
-            for step in range(resumed.step if resumed else 0, cfg_train.steps):
-                heartbeat.at(step + 1, "step")
+            for step in range(r.resumed.step if r.resumed else 0, cfg_train.steps):
+                r.heartbeat.at(step + 1, "step")
                 t0 = time.perf_counter()  # the previous step ended with a host read: the device is idle
-                dev.reset_peak_memory()
-                out = train_step(model, objective, optimizer, params, guard, step, grad_clip=recipe.optim.grad_clip,
-                                 bias_gamma=cfg_train.bias_gamma, par=par, fidelity=fidelity)
-                lr = optimizer.param_groups[0]["lr"]
+                r.dev.reset_peak_memory()
+                out = train_step(r.model, r.objective, r.optimizer, params, r.guard, step,
+                                 grad_clip=r.recipe.optim.grad_clip, bias_gamma=cfg_train.bias_gamma, par=r.par,
+                                 fidelity=r.fidelity)
+                lr = r.optimizer.param_groups[0]["lr"]
                 with warnings.catch_warnings():  # a skipped step still advances the schedule
                     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
-                    scheduler.step()
+                    r.scheduler.step()
                 imbalance = {f"expert_imbalance/{k}": v.max() / v.mean().clamp(min=1e-9) for k, v in out.loads.items()}
                 result = out.result
                 read = read_scalars({"loss": result.loss, **result.metrics, "grad_norm": out.grad_norm,
                                      "tokens": result.tokens, "loss_ok": out.finite[0], "norm_ok": out.finite[1],
                                      **imbalance})  # the step's one host read: it waits for the step to finish
                 dt = time.perf_counter() - t0
-                if not guard.record(bool(read.pop("loss_ok")), bool(read.pop("norm_ok")), step + 1):
-                    events.append(guard.last_reason)
-                step_tokens = int(read.pop("tokens"))
-                tokens_seen += step_tokens
+                if not r.guard.record(bool(read.pop("loss_ok")), bool(read.pop("norm_ok")), step + 1):
+                    r.events.append(r.guard.last_reason)
                 imbalance = {k.split("/", 1)[1]: read.pop(k) for k in imbalance}
-                last = {
-                    **read, "lr": lr, "tokens_per_s": step_tokens / dt,
-                    "mfu": (step_tokens / dt * flops / (peak * par.world_size)) if peak else None,
-                    "mem_peak_bytes": dev.max_memory_allocated(), "loss_scale": guard.scaler.scale_value,
-                    "skipped_steps": guard.skipped_total, "expert_imbalance_max": max(imbalance.values(), default=1.0),
-                    "step_time_s": dt, "tokens": tokens_seen,
-                }
-                if (last["mfu"] or 0) > 1 and not mfu_warned:
-                    mfu_warned = True
-                    log.warning("step %d: MFU %.0f%% is above 100%%: the peak (%.3g FLOP/s, %s) is too low for "
-                                "this machine; MFU is not meaningful here", step + 1, 100 * last["mfu"], peak,
-                                peak_source)
+                r.last = _step_metrics(r, step + 1, read, imbalance, lr, dt)
                 due = cfg_train.eval_every and (step + 1) % cfg_train.eval_every == 0
-                heartbeat.at(step + 1, "evaluate")
-                held_out = objective.evaluate(model) if due else {}
+                r.heartbeat.at(step + 1, "evaluate")
+                held_out = r.objective.evaluate(r.model) if due else {}
                 if held_out:
-                    last.update(held_out)
-                    evals[step + 1] = held_out
+                    r.last.update(held_out)
+                    r.evals[step + 1] = held_out
                 if (step + 1) % cfg_train.log_every == 0 or step + 1 == cfg_train.steps or held_out:
-                    run.log(step + 1, last, {f"expert_imbalance/{k}": v for k, v in imbalance.items()})
-                fidelity.record_probe(step + 1, model)  # the fixed probe batch after the update
-                reshard(model)  # after no-grad forwards (evaluation, probe): FSDP's root must not stay gathered
-                graphs.after_step()
-                progress.update(step + 1, last, evaluated=bool(held_out))
-                heartbeat.at(step + 1, "checkpoint")
-                stop = ckpt.after_step(step + 1, {"tokens": tokens_seen})  # saves when due, or on SIGTERM/SIGINT
+                    r.run_dir.log(step + 1, r.last, {f"expert_imbalance/{k}": v for k, v in imbalance.items()})
+                r.fidelity.record_probe(step + 1, r.model)  # the fixed probe batch after the update
+                reshard(r.model)  # after no-grad forwards (evaluation, probe): FSDP's root must not stay gathered
+                r.graphs.after_step()
+                progress.update(step + 1, r.last, evaluated=bool(held_out))
+                r.heartbeat.at(step + 1, "checkpoint")
+                stop = r.ckpt.after_step(step + 1, {"tokens": r.tokens})  # saves when due, or on SIGTERM/SIGINT
                 if stop:
-                    status = "terminated" if stop == signal.SIGTERM else "interrupted"
+                    r.status = "terminated" if stop == signal.SIGTERM else "interrupted"
                     break
-            if status == "completed":
-                heartbeat.at(scheduler.last_epoch, "checkpoint")
-                ckpt.finish(scheduler.last_epoch, {"tokens": tokens_seen})
+            if r.status == "completed":
+                r.heartbeat.at(r.scheduler.last_epoch, "checkpoint")
+                r.ckpt.finish(r.scheduler.last_epoch, {"tokens": r.tokens})
         except KeyboardInterrupt:
-            status = "interrupted"
+            r.status = "interrupted"
         except NonFiniteError as e:
-            events.append(guard.last_reason)
-            status = f"stopped: {e}"
+            r.events.append(r.guard.last_reason)
+            r.status = f"stopped: {e}"
         finally:
             progress.close()
-            ckpt.close()
-
-        heartbeat.at(scheduler.last_epoch, "summary")
-        if status == "completed":
-            held_out = objective.evaluate(model)
+            r.ckpt.close()
+        r.heartbeat.at(r.scheduler.last_epoch, "summary")
+        if r.status == "completed":
+            held_out = r.objective.evaluate(r.model)
             if held_out:
-                evals["final"] = held_out
-        summary = {
-            "status": status,
-            "mode": cfg_train.mode,
-            "steps_completed": scheduler.last_epoch,
-            "tokens": tokens_seen,
-            "wall_time_s": time.perf_counter() - t_start,
-            "final": last,
-            "eval": evals,
-            "eval_loss": {at: m["eval_loss"] for at, m in evals.items() if "eval_loss" in m},
-            "skipped_steps": guard.skipped_total,
-            "nonfinite_events": events,
-            "data": objective.summary(),
-            "precision": policy.to_dict(),
-            "device": device_layer.environment_report(dev),
-            "frozen_parameters": len(frozen),
-            "compile": graphs.summary(),
-            "flops_per_token": flops,
-            "peak_flops": peak,
-            "peak_flops_source": peak_source,
-            "parallel": {"world_size": par.world_size, "dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard,
-                         "ep": par.ep, "activation_checkpointing": layout.activation_checkpointing},
-        }
-        run.write_summary(summary)
-        run.plot_loss()
-        run.close()
-        if status.startswith("stopped"):
-            raise NonFiniteError(status)
-        if status == "interrupted":
-            raise KeyboardInterrupt
-        if status == "terminated":
-            raise SystemExit(128 + signal.SIGTERM)  # saved a checkpoint, then exits as SIGTERM would
-        return TrainResult(model=model, tokenizer=tokenizer, summary=summary, run_dir=run.path)
+                r.evals["final"] = held_out
+
+
+def _step_metrics(r: _Run, step: int, read: dict, imbalance: dict, lr: float, dt: float) -> dict:
+    """The metrics line of ``step`` from its scalars (``read``, one host read), its wall time ``dt``
+    in seconds and the per-layer expert imbalance; counts the step's tokens into the run."""
+    step_tokens = int(read.pop("tokens"))
+    r.tokens += step_tokens
+    mfu = step_tokens / dt * r.flops / (r.peak * r.par.world_size) if r.peak else None
+    if (mfu or 0) > 1 and not r.mfu_warned:
+        r.mfu_warned = True
+        log.warning("step %d: MFU %.0f%% is above 100%%: the peak (%.3g FLOP/s, %s) is too low for "
+                    "this machine; MFU is not meaningful here", step, 100 * mfu, r.peak, r.peak_source)
+    return {
+        **read, "lr": lr, "tokens_per_s": step_tokens / dt, "mfu": mfu,
+        "mem_peak_bytes": r.dev.max_memory_allocated(), "loss_scale": r.guard.scaler.scale_value,
+        "skipped_steps": r.guard.skipped_total, "expert_imbalance_max": max(imbalance.values(), default=1.0),
+        "step_time_s": dt, "tokens": r.tokens,
+    }
+
+
+def _summary(r: _Run, wall_time_s: float) -> dict:
+    """summary.json: how the run ended, its last metrics and evaluations, and what it ran on."""
+    layout = r.recipe.parallel
+    return {
+        "status": r.status,
+        "mode": r.recipe.train.mode,
+        "steps_completed": r.scheduler.last_epoch,
+        "tokens": r.tokens,
+        "wall_time_s": wall_time_s,
+        "final": r.last,
+        "eval": r.evals,
+        "eval_loss": {at: m["eval_loss"] for at, m in r.evals.items() if "eval_loss" in m},
+        "skipped_steps": r.guard.skipped_total,
+        "nonfinite_events": r.events,
+        "data": r.objective.summary(),
+        "precision": r.policy.to_dict(),
+        "device": device_layer.environment_report(r.dev),
+        "frozen_parameters": len(r.frozen),
+        "compile": r.graphs.summary(),
+        "flops_per_token": r.flops,
+        "peak_flops": r.peak,
+        "peak_flops_source": r.peak_source,
+        "parallel": {"world_size": r.par.world_size, "dp_replicate": r.par.dp_replicate, "dp_shard": r.par.dp_shard,
+                     "ep": r.par.ep, "activation_checkpointing": layout.activation_checkpointing},
+    }
