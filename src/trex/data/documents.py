@@ -12,7 +12,7 @@ import numpy as np
 
 from trex.data.chat import RecordError, Segment, check_utf8, encode_segments, render_conversation
 from trex.data.config import DataSection
-from trex.data.records import BadRecordPolicy, Record, iter_records
+from trex.data.records import BadRecordPolicy, Record
 from trex.data.tokenizer import BOS, EOS, Tokenizer
 
 
@@ -69,24 +69,19 @@ def build_documents(cfg: DataSection, tokenizer: Tokenizer, policy: BadRecordPol
     ``policy``. Documents are shuffled with ``cfg.seed`` (if ``cfg.shuffle``) into packing order."""
     encoded: list[tuple[np.ndarray, np.ndarray]] = []
     chunk: list[tuple[Record, list[Segment]]] = []
-    n_read = 0
-    for record in iter_records(cfg.paths, cfg.format, policy.counter):
-        n_read += 1
-        try:
-            chunk.append((record, record_segments(record, cfg)))
-        except RecordError as err:
-            policy.reject(record.path, record.line, err.reason, err.detail)
+    for record, segments in policy.parsed(cfg, lambda rec: record_segments(rec, cfg)):
+        chunk.append((record, segments))
         if len(chunk) == cfg.encode_chunk:
             _encode_chunk(chunk, tokenizer, cfg, policy, encoded)
             chunk = []
     if chunk:
         _encode_chunk(chunk, tokenizer, cfg, policy, encoded)
     if not encoded:
-        raise ValueError(f"no usable documents in {cfg.paths} ({n_read} records read; "
+        raise ValueError(f"no usable documents in {cfg.paths} ({policy.records_read} records read; "
                          f"skipped: {policy.counter.as_dict()['skipped_by_reason']})")
     order = np.random.default_rng(cfg.seed).permutation(len(encoded)) if cfg.shuffle else range(len(encoded))
     encoded = [encoded[i] for i in order]
     lengths = np.array([len(ids) for ids, _ in encoded], dtype=np.int64)
     return Documents(tokens=np.concatenate([ids for ids, _ in encoded]),
                      loss_mask=np.concatenate([mask for _, mask in encoded]),
-                     offsets=np.concatenate([[0], np.cumsum(lengths)]), records_read=n_read)
+                     offsets=np.concatenate([[0], np.cumsum(lengths)]), records_read=policy.records_read)

@@ -23,7 +23,7 @@ import torch
 
 from trex.data.chat import RecordError, encode_segments, render_conversation, validate_conversation
 from trex.data.config import DataSection
-from trex.data.records import BadRecordPolicy, Record, SkipCounter, iter_records
+from trex.data.records import BadRecordPolicy, Record, SkipCounter
 from trex.data.tokenizer import Tokenizer
 
 RESPONSES = ("chosen", "rejected")
@@ -128,14 +128,7 @@ def _fit(record: Record, ids: np.ndarray, mask: np.ndarray, cfg: DataSection, po
 def read_pairs(cfg: DataSection, tokenizer: Tokenizer, policy: BadRecordPolicy) -> PreferencePairs:
     """Read, validate and encode every pair of ``cfg.paths`` in file order (bad records: ``policy``)."""
     cfg.validate()
-    usable: list[tuple[Record, list[list]]] = []
-    n_read = 0
-    for record in iter_records(cfg.paths, cfg.format, policy.counter):
-        n_read += 1
-        try:
-            usable.append((record, pair_segments(record, cfg)))
-        except RecordError as err:
-            policy.reject(record.path, record.line, err.reason, err.detail)
+    usable: list[tuple[Record, list[list]]] = list(policy.parsed(cfg, lambda rec: pair_segments(rec, cfg)))
     tokens, response = [], []
     for start in range(0, len(usable), cfg.encode_chunk):
         chunk = usable[start:start + cfg.encode_chunk]
@@ -148,9 +141,9 @@ def read_pairs(cfg: DataSection, tokenizer: Tokenizer, policy: BadRecordPolicy) 
                 tokens.append(ids)
                 response.append(mask)
     if not tokens:
-        raise ValueError(f"no usable preference pairs in {cfg.paths} ({n_read} records read; "
+        raise ValueError(f"no usable preference pairs in {cfg.paths} ({policy.records_read} records read; "
                          f"skipped: {policy.counter.as_dict()['skipped_by_reason']})")
-    return PreferencePairs(tokens, response, n_read, policy.counter)
+    return PreferencePairs(tokens, response, policy.records_read, policy.counter)
 
 
 def collate(pairs: PreferencePairs, index: np.ndarray, pad_id: int, length: int) -> PairBatch:

@@ -16,14 +16,15 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 from trex import atomic
 from trex.data.chat import RecordError
-from trex.data.config import BadRecordPolicyName
+from trex.data.config import BadRecordPolicyName, DataSection
 from trex.recipe import check_choices
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
@@ -89,9 +90,22 @@ class BadRecordPolicy:
     """Applies ``policy`` (fail | skip | truncate) to bad records, counting into ``counter``."""
     policy: BadRecordPolicyName
     counter: SkipCounter = field(default_factory=SkipCounter)
+    records_read: int = 0
 
     def __post_init__(self):
         check_choices(self, "data.bad_record_policy")
+
+    def parsed(self, cfg: DataSection, parse: Callable[[Record], T]) -> Iterator[tuple[Record, T]]:
+        """``(record, parse(record))`` for every record of ``cfg.paths`` in file order; a record whose
+        parse raises RecordError goes to :meth:`reject`. ``records_read`` counts them all."""
+        for record in iter_records(cfg.paths, cfg.format, self.counter):
+            self.records_read += 1
+            try:
+                value = parse(record)
+            except RecordError as err:
+                self.reject(record.path, record.line, err.reason, err.detail)
+                continue
+            yield record, value
 
     def reject(self, path: str, line: int, reason: str, detail: str) -> None:
         """Raise under ``fail``, otherwise count the skip."""
@@ -193,6 +207,6 @@ def iter_records(patterns: list[str], fmt: str = "auto", counter: SkipCounter | 
 
 def write_jsonl(path: str | Path, records: list[dict]) -> None:
     """Write one JSON object per line, atomically (temp file in the same folder, then rename). The
-    temp name is the writer's own (process id), so processes writing the same file at once (every
-    rank of a job generating its data) each rename a complete file and none loses its temp file."""
+    temp name is the call's own, so processes writing the same file at once (every rank of a job
+    generating its data) each rename a complete file and none loses its temp file."""
     atomic.write_text(path, "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records))
