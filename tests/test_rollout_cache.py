@@ -14,7 +14,7 @@ import torch
 
 from trex.models import build_model
 from trex.models.config import CSA, HASH_MOE, HCA, MOE, SLIDING, tiny
-from trex.models.deepseek_v4 import DecodeCache
+from trex.models.decode import DecodeCache
 from trex.rollout import SamplingParams, sample
 from trex.rollout.sampling import left_pad
 

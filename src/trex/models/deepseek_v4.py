@@ -15,14 +15,15 @@ scores S x S/4 in bounded chunks without autograd and the attention gathers only
 entries; experts run as grouped matmuls over tokens sorted by expert.
 
 Generation: ``model(ids, doc_ids=docs, cache=DecodeCache(n))`` runs the ordinary forward over the
-prompts and fills the cache; each later call feeds one token per row and attends to the cache
-(``Attention.decode``, ``decode_attention``). The training path does not touch the cache.
+prompts and fills the cache; each later call feeds one token per row and attends to the cache. The
+cache and the decode step live in ``trex.models.decode``; the training path does not touch them.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,9 @@ from trex import kernels
 from trex.kernels.sparse_attention import gather_rows
 from trex.models.cross_entropy import IGNORE_INDEX, head_nll, token_nll
 from trex.models.config import CSA, HASH_MOE, MOE, SLIDING, ModelConfig, YarnScaling
+
+if TYPE_CHECKING:  # the decode cache's module imports this one
+    from trex.models.decode import DecodeCache
 
 _BIG = 1 << 40  # sentinel index for padded compressed entries
 
@@ -182,55 +186,6 @@ class SeqContext:
 
 
 # ==================================================================================================
-# Decode cache: per attention layer the raw K=V of the last W tokens, and per compressor the
-# projections of the tokens its next entry pools plus the entries of windows already closed.
-# Everything belongs to the LAST document of each row (left padding is an earlier document).
-# ==================================================================================================
-@dataclass
-class CompressorCache:
-    """One compressor's state for B rows.
-
-    kv, score: [B, R, width] fp32 wkv / wgate projections of the last R tokens, newest last
-    (R = 2m with overlap: the window that closes next and the one before it; else R = m);
-    entries: [B, cap, c] pooled entries of closed windows; count: [B] how many are filled.
-    """
-
-    kv: torch.Tensor
-    score: torch.Tensor
-    entries: torch.Tensor
-    count: torch.Tensor
-
-
-@dataclass
-class AttentionCache:
-    """window: [B, W, c] RoPE'd K=V of the last W tokens, newest last; compressor state (CSA, HCA) and
-    the indexer's own compressor state (CSA)."""
-
-    window: torch.Tensor
-    compressor: CompressorCache | None = None
-    indexer: CompressorCache | None = None
-
-
-class DecodeCache:
-    """Incremental generation state of a whole model, for at most ``max_new_tokens`` decode steps.
-
-    Empty until a forward with it (the prefill) fills it; ``pos`` [B] is then the position within
-    its document of the next token each row feeds. A plain class (not a dataclass), so FSDP passes
-    the object itself through forward hooks.
-    """
-
-    def __init__(self, max_new_tokens: int):
-        self.max_new_tokens = max_new_tokens
-        self.steps = 0
-        self.pos: torch.Tensor | None = None
-        self.layers: dict[nn.Module, AttentionCache] = {}
-
-    @property
-    def prefilled(self) -> bool:
-        return self.pos is not None
-
-
-# ==================================================================================================
 # Norms and small helpers
 # ==================================================================================================
 class RMSNorm(nn.Module):
@@ -315,43 +270,6 @@ class Compressor(nn.Module):
         cos, sin = layout.rope["compress"]
         return apply_rope(pooled, cos, sin)
 
-    def start_cache(self, x: torch.Tensor, entries: torch.Tensor, layout: WindowLayout,
-                    max_new_tokens: int) -> CompressorCache:
-        """State after a prefill: x [B, S, d], its entries [B, N, c]; keeps the entries the last token
-        sees and room for the windows ``max_new_tokens`` more tokens can close."""
-        B, S, _ = x.shape
-        R = 2 * self.m if self.overlap else self.m
-        recent = x[:, -R:]
-        kv, score = (F.pad(linear_fp32(recent, w.weight), (0, 0, R - recent.shape[1], 0))
-                     for w in (self.wkv, self.wgate))
-        lo, hi = layout.lo[:, -1], layout.hi[:, -1]
-        count = hi - lo
-        cap = int(count.max()) + max_new_tokens // self.m + 1
-        slot = torch.arange(cap, device=x.device)
-        kept = x.new_zeros(B, cap, self.c) if layout.n == 0 else gather_rows(
-            entries, (lo[:, None] + slot).clamp(max=layout.n - 1))
-        kept = kept.masked_fill((slot >= count[:, None])[:, :, None], 0)
-        return CompressorCache(kv, score, kept, count)
-
-    def decode_step(self, x: torch.Tensor, cache: CompressorCache, ctx: SeqContext) -> None:
-        """Push one token (x [B, 1, d] at positions ctx.pos) into ``cache``; rows whose window closes
-        with it append that window's entry, pooled exactly as in training."""
-        B, R = x.shape[0], cache.kv.shape[1]
-        cache.kv = torch.cat([cache.kv[:, 1:], linear_fp32(x, self.wkv.weight)], dim=1)
-        cache.score = torch.cat([cache.score[:, 1:], linear_fp32(x, self.wgate.weight)], dim=1)
-        pos = ctx.pos[:, 0]
-        closing = (pos + 1) % self.m == 0
-        start = (pos + 1 - self.m).clamp(min=0)[:, None]  # position of the closing window's first token
-        ones = torch.ones_like(start, dtype=torch.bool)
-        layout = WindowLayout(self.m, torch.full_like(start, R - self.m), ones, start, start >= self.m,
-                              start, start + 1)
-        layout.rope = {"compress": ctx.rope_at(start, "compress")}
-        entry = self.pool(cache.kv, cache.score, layout, x.dtype)[:, 0]
-        rows = torch.arange(B, device=x.device)
-        slot = cache.count.clamp(max=cache.entries.shape[1] - 1)
-        cache.entries[rows, slot] = torch.where(closing[:, None], entry, cache.entries[rows, slot])
-        cache.count = cache.count + closing.long()
-
 
 class Indexer(nn.Module):
     """Lightning indexer: I[t, s] = sum_h w[t, h] * relu(q[t, h] . K[s]); keeps the top-k entries.
@@ -384,15 +302,6 @@ class Indexer(nn.Module):
             idx.append(top_idx)
             valid.append(top_valid)
         return torch.cat(idx, dim=1), torch.cat(valid, dim=1)
-
-    @torch.no_grad()
-    def decode(self, x: torch.Tensor, qr: torch.Tensor, ctx: SeqContext, cache: CompressorCache):
-        """One token per row (x [B, 1, d]): update the indexer's keys, return (idx, valid) [B, 1, k]."""
-        self.compressor.decode_step(x, cache, ctx)
-        q, w = self._query(x, qr, ctx)
-        cap = cache.entries.shape[1]
-        visible = (torch.arange(cap, device=x.device) < cache.count[:, None])[:, None]
-        return self._select(q, w, cache.entries.float(), visible, min(self.topk, cap))
 
     def _query(self, x: torch.Tensor, qr: torch.Tensor, ctx: SeqContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Indexer queries [B, S, H_I, c_I] and head weights [B, S, H_I], fp32."""
@@ -427,35 +336,6 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, scal
     return fn(q, kv, sink, scale, window, doc, compressed, comp_mask, comp_idx)
 
 
-def decode_attention(
-    q: torch.Tensor,
-    window: torch.Tensor,
-    window_valid: torch.Tensor,
-    sink: torch.Tensor,
-    scale: float,
-    compressed: torch.Tensor | None = None,
-    comp_mask: torch.Tensor | None = None,
-    comp_idx: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``sparse_attention`` for one query per row against a decode cache.
-
-    q: [B, 1, H, c]; window: [B, W, c] K=V of the last W tokens with window_valid [B, W];
-    compressed: [B, N, c] with comp_mask [B, 1, N] (dense, HCA) or comp_idx, comp_mask [B, 1, k]
-    (sparse, CSA). One softmax with the per-head sink, as in training. Returns [B, 1, H, c].
-    """
-    B, _, H, c = q.shape
-    keys, mask = window, window_valid
-    if compressed is not None:
-        picked = compressed if comp_idx is None else gather_rows(compressed, comp_idx[:, 0])
-        keys = torch.cat([window, picked], dim=1)
-        mask = torch.cat([window_valid, comp_mask[:, 0]], dim=1)
-    logits = ((q[:, 0] @ keys.transpose(1, 2)) * scale).float()  # [B, H, K]
-    logits = logits.masked_fill(~mask[:, None], float("-inf"))
-    logits = torch.cat([logits, sink.float().view(1, H, 1).expand(B, H, 1)], dim=-1)
-    probs = logits.softmax(dim=-1)[..., :-1].to(q.dtype)
-    return (probs @ keys)[:, None]
-
-
 # ==================================================================================================
 # Attention
 # ==================================================================================================
@@ -481,8 +361,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         """x: [B, S, d] (already attn_norm'ed) -> [B, S, d]."""
-        if ctx.decoding:
-            return self.decode(x, ctx)
+        if ctx.decoding:  # generation: one token per row against the cache (trex.models.decode)
+            from trex.models import decode
+
+            return decode.attention_step(self, x, ctx)
         S = x.shape[1]
         cfg, c = self.cfg, self.head_dim
         qr, q, kv = self._project(x, ctx)
@@ -497,8 +379,10 @@ class Attention(nn.Module):
                 comp_mask = layout.visible(0, S)
         o = sparse_attention(q, kv, self.attn_sink, c**-0.5, cfg.sliding_window, ctx.doc,
                              compressed, comp_mask, comp_idx)
-        if ctx.cache is not None:
-            ctx.cache.layers[self] = self._start_cache(x, kv, compressed, ctx)
+        if ctx.cache is not None:  # a prefill: the layer's decode state
+            from trex.models import decode
+
+            ctx.cache.layers[self] = decode.start_attention(self, x, kv, compressed, ctx)
         return self._output(o, ctx)
 
     def _project(self, x: torch.Tensor, ctx: SeqContext):
@@ -519,41 +403,6 @@ class Attention(nn.Module):
         g = self.cfg.o_groups
         o = torch.einsum("bsgi,goi->bsgo", o.reshape(B, S, g, -1), self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1))
         return self.wo_b(o.flatten(2))
-
-    def _start_cache(self, x: torch.Tensor, kv: torch.Tensor, compressed: torch.Tensor | None,
-                     ctx: SeqContext) -> AttentionCache:
-        """The layer's decode state after a prefill over x [B, S, d] (its kv [B, S, c], entries)."""
-        W, S, n = self.cfg.sliding_window, x.shape[1], ctx.cache.max_new_tokens
-        state = AttentionCache(F.pad(kv[:, -W:], (0, 0, max(0, W - S), 0)))
-        if self.compressor is not None:
-            layout = ctx.layout(self.m)
-            state.compressor = self.compressor.start_cache(x, compressed, layout, n)
-            if self.indexer is not None:
-                with torch.no_grad():
-                    keys = self.indexer.compressor(x, layout)
-                state.indexer = self.indexer.compressor.start_cache(x, keys, layout, n)
-        return state
-
-    def decode(self, x: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
-        """One token per row, x [B, 1, d] at positions ctx.pos, against and into ctx.cache -> [B, 1, d]."""
-        state = ctx.cache.layers[self]
-        qr, q, kv = self._project(x, ctx)
-        state.window = torch.cat([state.window[:, 1:], kv], dim=1)
-        W = state.window.shape[1]
-        window_valid = torch.arange(W, device=x.device) >= W - 1 - ctx.pos  # the row's last pos+1 tokens
-        compressed = comp_mask = comp_idx = None
-        if self.compressor is not None:
-            self.compressor.decode_step(x, state.compressor, ctx)
-            compressed = state.compressor.entries
-            if self.indexer is not None:
-                comp_idx, comp_mask = self.indexer.decode(x, qr, ctx, state.indexer)
-            else:
-                slots = torch.arange(compressed.shape[1], device=x.device)
-                comp_mask = (slots < state.compressor.count[:, None])[:, None]
-        o = decode_attention(q, state.window, window_valid, self.attn_sink, self.head_dim**-0.5,
-                             compressed, comp_mask, comp_idx)
-        return self._output(o, ctx)
-
 
 # ==================================================================================================
 # Mixture of experts

@@ -5,7 +5,7 @@ document (``doc_ids`` 0, the prompt and its completion are document 1), so paddi
 attention or a compression window and every prompt's positions start at 0.
 
 Decoding is incremental: the prompt batch runs once through the ordinary forward, which fills a
-:class:`~trex.models.deepseek_v4.DecodeCache`; every later token is one forward of [B, 1] against it
+:class:`~trex.models.decode.DecodeCache`; every later token is one forward of [B, 1] against it
 (``use_cache=False`` re-runs the whole sequence per token instead, the reference the cache is tested
 against).
 
@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trex.models import evaluating
-from trex.models.deepseek_v4 import DecodeCache
+from trex.models.decode import DecodeCache
 
 
 @dataclass
