@@ -43,8 +43,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trex.data.arithmetic import ArithmeticTask, generate, sft_records
-from trex.data.records import write_jsonl
+from arithmetic_data import write_sft
 from trex.checkpoint.training import list_checkpoints
 from trex.checkpoint.manifest import MANIFEST, SafeFileSystemReader, verify_checkpoint
 
@@ -187,9 +186,7 @@ class Lab:
         self.root = root
         self._refs: dict[int, Reference] = {}
         self._runs = 0
-        problems, held_out = generate(ArithmeticTask(digits=2, n_train=300, n_eval=20))
-        write_jsonl(os.path.join(root, "sft.jsonl"), sft_records(problems))
-        write_jsonl(os.path.join(root, "held_out.jsonl"), sft_records(held_out))
+        write_sft(root, n_train=300, held_out="held_out.jsonl")
         self.recipe = os.path.join(root, "recipe.toml")
         with open(self.recipe, "w") as f:
             f.write(f"""

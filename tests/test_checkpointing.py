@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from trex.cli import main
-from trex.data.arithmetic import ArithmeticTask, generate, sft_records
-from trex.data.records import write_jsonl
+from arithmetic_data import write_sft
 from trex.checkpoint import load_pretrained
 from trex.recipe import load
 from trex.checkpoint.training import find_resume, list_checkpoints
@@ -33,9 +32,7 @@ def _by_step(out) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def recipe_file(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt_data")
-    train_p, held = generate(ArithmeticTask(digits=2, n_train=200, n_eval=20))
-    write_jsonl(d / "sft.jsonl", sft_records(train_p))
-    write_jsonl(d / "held.jsonl", sft_records(held))
+    write_sft(d, n_train=200)
     recipe = d / "recipe.toml"
     recipe.write_text(f"""
 [data]

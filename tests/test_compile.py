@@ -11,8 +11,7 @@ import sys
 import pytest
 import torch
 
-from trex.data.arithmetic import ArithmeticTask, generate, sft_records
-from trex.data.records import write_jsonl
+from arithmetic_data import write_sft
 from trex.models import build_model
 from trex.models.config import tiny
 from trex.models.deepseek_v4 import SeqContext
@@ -52,9 +51,10 @@ def test_every_block_kind_compiles_without_a_graph_break():
 @pytest.fixture(scope="module")
 def sft_file(tmp_path_factory):
     d = tmp_path_factory.mktemp("data")
-    problems, _ = generate(ArithmeticTask(digits=2, n_train=400, n_eval=10))
-    write_jsonl(d / "sft.jsonl", sft_records(problems))
-    return d / "sft.jsonl"
+    return write_sft(d, n_train=400, n_eval=10)[0]
+
+
+STEPS = 6  # the graphs are built in step 1; later steps check reuse and the curve
 
 
 def _settings(sft_file, steps: int) -> list[str]:
@@ -69,7 +69,7 @@ def _curves(out) -> tuple[list[float], list[float]]:
 
 
 def _assert_close(eager, compiled, rel=1e-5):
-    assert len(eager[0]) == len(compiled[0]) == 10
+    assert len(eager[0]) == len(compiled[0]) == STEPS
     for a, b in zip([*eager[0], *eager[1]], [*compiled[0], *compiled[1]]):
         assert abs(a - b) <= rel * abs(a), (eager, compiled)
 
@@ -79,7 +79,7 @@ def test_compiled_training_equals_eager_and_never_recompiles(sft_file, tmp_path)
     curves, summaries = {}, {}
     for compiled in (False, True):
         out = tmp_path / f"compile_{compiled}"
-        recipe = load(TrainRecipe, overrides=[*_settings(sft_file, 10), "data.micro_batch_size=2", f'train.out="{out}"',
+        recipe = load(TrainRecipe, overrides=[*_settings(sft_file, STEPS), "data.micro_batch_size=2", f'train.out="{out}"',
                                               f"train.compile={str(compiled).lower()}"])
         train(recipe)
         curves[compiled] = _curves(out)
@@ -99,7 +99,7 @@ def test_compiled_fsdp_and_expert_parallel_equal_eager(sft_file, tmp_path):
     for compiled in ("false", "true"):
         out = tmp_path / f"compile_{compiled}"
         args = ["train", str(tmp_path / "recipe.toml"), "--out", str(out)]
-        for setting in [*_settings(sft_file, 10), "data.micro_batch_size=1", "parallel.dp_shard=2", "parallel.ep=2",
+        for setting in [*_settings(sft_file, STEPS), "data.micro_batch_size=1", "parallel.dp_shard=2", "parallel.ep=2",
                         f"train.compile={compiled}"]:
             args += ["--set", setting]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trex",

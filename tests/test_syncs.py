@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trex.data.arithmetic import ArithmeticTask, generate, sft_records
-from trex.data.records import write_jsonl
+from arithmetic_data import write_sft
 from trex.recipe import load
 from trex.syncs import SyncCounter
 from trex.train import loop
@@ -38,9 +37,7 @@ def test_counter_sees_every_kind_of_host_read():
 @pytest.fixture(scope="module")
 def sft_file(tmp_path_factory):
     d = tmp_path_factory.mktemp("data")
-    train_p, _ = generate(ArithmeticTask(digits=2, n_train=200, n_eval=20))
-    write_jsonl(d / "sft.jsonl", sft_records(train_p))
-    return d / "sft.jsonl"
+    return write_sft(d, n_train=200)[0]
 
 
 def _syncs_per_step(monkeypatch, sft_file, out, *extra) -> list[SyncCounter]:
