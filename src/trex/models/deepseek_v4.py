@@ -751,19 +751,19 @@ class DeepseekV4(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, cache: DecodeCache | None = None, *,
                 targets: list[torch.Tensor] | None = None, return_logits: bool = True) -> ModelOutput:
-        """input_ids, labels, doc_ids: [B, S]. ``labels`` are aligned with input_ids (the shift happens
-        here, as in Hugging Face); IGNORE_INDEX (-100) marks unlabelled tokens. Tokens of different
-        ``doc_ids`` never attend to each other, share no compression window, and positions restart.
+        """input_ids, doc_ids: [B, S]; tokens of different ``doc_ids`` never attend to each other,
+        share no compression window, and restart positions. One forward serves three callers:
 
-        Training without logits: ``targets`` (one [B, S] per head for the first heads, main then MTP,
-        already shifted: targets[h][t] is what head h predicts at t) fill ``token_nll``; with
-        ``return_logits=False`` the heads run fused with the loss (``head_nll``), and no [B, S, V]
-        logits exist at all.
+          training    ``targets``: one [B, S] per head (main, then MTP), already shifted, fills
+                      ``token_nll``; ``return_logits=False`` fuses each head with its loss (no
+                      [B, S, V] logits exist)
+          HF-style    ``labels`` aligned with input_ids (shifted here; IGNORE_INDEX unlabelled) give
+                      ``loss`` and ``mtp_loss``, as transformers' model does (the parity tests' API)
+          generation  ``cache`` (trex.models.decode.DecodeCache): empty, a prefill that fills it
+                      (generation continues each row's last document); filled, input_ids [B, 1];
+                      logits of the last position only, no MTP, no labels
 
-        Generation (no labels): with an empty ``cache`` this is the prefill, which fills it and whose
-        LAST document in each row is the one generation continues; with a filled cache input_ids is
-        [B, 1], the next token of every row. With a cache, logits are [B, 1, V] for the last position
-        only and MTP does not run."""
+        Generation is a forward, not a method of its own, so FSDP2's hooks see it."""
         if cache is not None:
             if labels is not None:
                 raise ValueError("forward with a decode cache takes no labels (generation only)")
