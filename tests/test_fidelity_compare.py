@@ -284,3 +284,14 @@ def test_the_matrix_refuses_an_out_that_holds_a_matrix_before_training(tmp_path,
     assert main(["fidelity", "matrix", recipe, "--out", str(tmp_path / "m")]) == 2
     err = capsys.readouterr().err
     assert "already holds a matrix (control-fp32)" in err and "--overwrite" in err and "--resume" not in err
+
+
+def test_the_matrix_with_an_out_it_cannot_create_is_one_line(tmp_path, capsys, monkeypatch):
+    from trex.fidelity import matrix
+
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setattr(matrix, "_run_inline", lambda recipe, out, overrides: os.makedirs(out))
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "fidelity_default.toml")
+    assert main(["fidelity", "matrix", recipe, "--out", str(tmp_path / "a_file" / "m")]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("trex fidelity matrix:")]
+    assert len(lines) == 1 and "a_file" in lines[0] and "Not a directory" in lines[0]

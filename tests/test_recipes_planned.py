@@ -75,3 +75,9 @@ def test_a_model_and_a_device_count_alone_plan_the_fastest_layout_that_fits(caps
     out, err = capsys.readouterr()
     assert "FITS" in out and "dp_shard=1024" in out and "4096" in out
     assert "4096-token sequences" in err and "fastest of" in err
+
+
+def test_annotate_of_a_missing_recipe_is_one_line(tmp_path, capsys):
+    assert main(["plan", str(tmp_path / "none.toml"), "--annotate"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"trex plan: {tmp_path / 'none.toml'}: No such file or directory"

@@ -68,3 +68,11 @@ def to_file(path: str) -> logging.Handler:
 def remove(handler: logging.Handler) -> None:
     LOGGER.removeHandler(handler)
     handler.close()
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for an OSError: trex's own message, or "PATH: reason" for one from the system."""
+    if e.filename is None:
+        return str(e)
+    target = f"{e.filename} -> {e.filename2}" if e.filename2 else str(e.filename)
+    return f"{target}: {e.strerror or e}"

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from trex import logs
+
 
 def register(sub) -> None:
     p = sub.add_parser("fidelity", help="convergence fidelity: compare a run with a reference, golden files, matrix")
@@ -89,6 +91,9 @@ def _matrix(args: argparse.Namespace) -> int:
                             overwrite=args.overwrite)
     except (RecipeError, ValueError) as e:
         print(f"trex fidelity matrix: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # an --out that cannot be written
+        print(f"trex fidelity matrix: {logs.os_error_line(e)}", file=sys.stderr)
         return 2
     return 0 if report["verdict"] == "PASS" else 1
 

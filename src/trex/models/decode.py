@@ -1,9 +1,9 @@
 """Generation with the trex model: the decode cache and one decode step of each attention layer.
 
 ``model(ids, doc_ids=docs, cache=DecodeCache(n))`` runs the training forward over the prompts (the
-prefill); ``Attention.forward`` then stores each layer's state with :func:`start_attention`. Each
-later call feeds one token per row, [B, 1], and ``Attention.forward`` hands it to
-:func:`attention_step`: the query attends to the cached window and compressed entries in one
+prefill); ``Attention.forward`` then hands each layer's state to ``cache.prefill``
+(:func:`start_attention`). Each later call feeds one token per row, [B, 1], and ``Attention.forward``
+hands it to ``cache.step`` (:func:`attention_step`), so the model file never imports this one: the query attends to the cached window and compressed entries in one
 softmax with the sink (:func:`decode_attention`), and compressors whose window closes with the
 token append the entry, pooled exactly as in training. Everything cached belongs to the LAST
 document of each row (left padding is an earlier document).
@@ -65,6 +65,15 @@ class DecodeCache:
     @property
     def prefilled(self) -> bool:
         return self.pos is not None
+
+    def prefill(self, attn: Attention, x: torch.Tensor, kv: torch.Tensor, compressed: torch.Tensor | None,
+                ctx: SeqContext) -> None:
+        """Keep ``attn``'s state after the prefill forward over x [B, S, d] (``Attention.forward`` calls it)."""
+        self.layers[attn] = start_attention(attn, x, kv, compressed, ctx)
+
+    def step(self, attn: Attention, x: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        """``attn``'s output for one token per row, x [B, 1, d] (``Attention.forward`` calls it)."""
+        return attention_step(attn, x, ctx)
 
 
 # ---- after the prefill ----------------------------------------------------------------------------

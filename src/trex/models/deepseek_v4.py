@@ -362,9 +362,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         """x: [B, S, d] (already attn_norm'ed) -> [B, S, d]."""
         if ctx.decoding:  # generation: one token per row against the cache (trex.models.decode)
-            from trex.models import decode
-
-            return decode.attention_step(self, x, ctx)
+            return ctx.cache.step(self, x, ctx)
         S = x.shape[1]
         cfg, c = self.cfg, self.head_dim
         qr, q, kv = self._project(x, ctx)
@@ -379,10 +377,8 @@ class Attention(nn.Module):
                 comp_mask = layout.visible(0, S)
         o = sparse_attention(q, kv, self.attn_sink, c**-0.5, cfg.sliding_window, ctx.doc,
                              compressed, comp_mask, comp_idx)
-        if ctx.cache is not None:  # a prefill: the layer's decode state
-            from trex.models import decode
-
-            ctx.cache.layers[self] = decode.start_attention(self, x, kv, compressed, ctx)
+        if ctx.cache is not None:  # a prefill: the cache keeps the layer's decode state
+            ctx.cache.prefill(self, x, kv, compressed, ctx)
         return self._output(o, ctx)
 
     def _project(self, x: torch.Tensor, ctx: SeqContext):

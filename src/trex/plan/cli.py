@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from trex import atomic
+from trex import atomic, logs
 from trex.hardware import HardwareProfile, load_profiles
 from trex.models.config import PRESETS, ConfigError, ModelConfig, get_preset
 from trex.plan import annotate
@@ -178,4 +178,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0 if plan.fits else 1
     except (PlanError, ConfigError, ValueError) as e:
         print(f"trex plan: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a recipe to annotate that is missing or read-only
+        print(f"trex plan: {logs.os_error_line(e)}", file=sys.stderr)
         return 2

@@ -16,10 +16,12 @@ import typing
 from typing import Literal
 
 from trex.posttrain.objective import Objective, StepResult, TrainContext, load_frozen, token_logprobs
+
 TrainMode = Literal["sft", "dpo", "grpo", "distill"]  # the modules above, by `[train] mode`
 TRAIN_MODES = typing.get_args(TrainMode)
 
-__all__ = ["TRAIN_MODES", "TrainMode", "Objective", "StepResult", "TrainContext", "build_objective", "load_frozen", "token_logprobs"]
+__all__ = ["TRAIN_MODES", "Objective", "StepResult", "TrainContext", "TrainMode", "build_objective", "load_frozen",
+           "token_logprobs"]
 
 
 def build_objective(mode: str, ctx: TrainContext) -> Objective:

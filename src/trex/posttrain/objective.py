@@ -16,18 +16,18 @@ sharded like the student).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
 from trex import device as device_layer
+from trex.checkpoint import load_pretrained
 from trex.data.loader import Batch
 from trex.data.tokenizer import Tokenizer
 from trex.models import DeepseekV4, build_model
-from trex.checkpoint import load_pretrained
 from trex.models.cross_entropy import token_nll
 from trex.models.deepseek_v4 import shift_labels
 from trex.parallel.load import load_sharded
@@ -99,7 +99,7 @@ class Objective:
                          "SFT-format records, or fidelity.every = 0")
 
 
-# ---- log-probabilities ------------------------------------------------------------------------------
+# ---- the micro-batch loop ---------------------------------------------------------------------------
 Part = TypeVar("Part")
 
 
@@ -133,6 +133,7 @@ def backward_micro_batches(model: DeepseekV4, parts: Sequence[Part],
     return stats
 
 
+# ---- log-probabilities ------------------------------------------------------------------------------
 def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
                         doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [B, S]: entry t is log p(input_ids[t+1] | input_ids[..t]) under log_softmax(logits[t]).

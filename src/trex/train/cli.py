@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from trex import logs
+
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="train from a TOML recipe (no recipe: the built-in default job)",
@@ -66,8 +68,8 @@ def _run_job(args: argparse.Namespace) -> int:
                 job.device = args.device
             run_default_job(job)
             return 0
-        from trex.train.config import TrainRecipe
         from trex.data.records import describe_skips
+        from trex.train.config import TrainRecipe
         from trex.train.loop import train
 
         overrides = list(args.overrides)
@@ -97,7 +99,7 @@ def _run_job(args: argparse.Namespace) -> int:
         print(f"trex train: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a data path that matches nothing, an unwritable or full disk: the path and why
-        print(f"trex train: {os_error_line(e)}", file=sys.stderr)
+        print(f"trex train: {logs.os_error_line(e)}", file=sys.stderr)
         return 2
     except NonFiniteError as e:
         print(f"trex train: {e} (summary.json and loss.png written)", file=sys.stderr)
@@ -105,14 +107,6 @@ def _run_job(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("trex train: interrupted; summary.json and loss.png written", file=sys.stderr)
         return 130
-
-
-def os_error_line(e: OSError) -> str:
-    """One line for an OSError: trex's own message, or "PATH: reason" for one from the system."""
-    if e.filename is None:
-        return str(e)
-    target = f"{e.filename} -> {e.filename2}" if e.filename2 else str(e.filename)
-    return f"{target}: {e.strerror or e}"
 
 
 def _bench_data(args: argparse.Namespace) -> int:

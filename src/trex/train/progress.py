@@ -58,23 +58,25 @@ class StepProgress:
             self._task = self._bar.add_task(label, total=total, metrics="")
             self._bar.start()
 
-    def _metrics_width(self, metrics: str) -> int:
+    def _metrics_width(self, full: int) -> int:
         """Characters left for the metrics at the console's current width: label, bar, step/total,
         elapsed, "eta", remaining (h:mm:ss each) and a space between take the rest; the bar gives
-        up its width (40 down to 10) before a metric is dropped."""
+        up its width (40 down to 10) before a metric is dropped. ``full``: the length of all metrics."""
         digits = len(str(self.total))
         fixed = len(self.label) + (2 * digits + 1) + 7 + 3 + 7 + 6
         room = self.console.width - 1 - fixed
-        self._bar_column.bar_width = max(10, min(40, room - len(metrics)))
+        self._bar_column.bar_width = max(10, min(40, room - full))
         return max(0, room - self._bar_column.bar_width)
 
     def update(self, step: int, metrics: dict, evaluated: bool = False) -> None:
         if not self.enabled:
             return
-        if self._bar is not None:
-            self._bar.update(self._task, completed=step, metrics=format_metrics(metrics, self._metrics_width(format_metrics(metrics))))
-            return
         text = format_metrics(metrics)
+        if self._bar is not None:
+            width = self._metrics_width(len(text))
+            self._bar.update(self._task, completed=step,
+                             metrics=text if len(text) <= width else format_metrics(metrics, width))
+            return
         if step % self.every == 0 or step == self.total or evaluated:
             elapsed = time.perf_counter() - self.start
             eta = elapsed / step * (self.total - step)
