@@ -173,20 +173,25 @@ def compiled_table(results: dict, seqs: list[int]) -> str:
 
 
 def write_section(text: str) -> None:
-    path = os.path.join(ROOT, "docs", "benchmarks.md")
-    doc = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
     targets = ("Targets (issue: foundation): >= 10x the reference's tokens/s at S=4096, not slower at S=512, "
                "time per token at S=8192 within 1.5x of S=1024, peak memory at S=4096 <= 1/4 of the reference.")
-    section = f"{MARK_BEGIN}\n## Model training step: trex vs transformers (CPU)\n\n" \
-              f"Command: `.venv/bin/python bench/model_step.py`\n\n{text}\n\n{targets}\n{MARK_END}"
-    if MARK_BEGIN in doc:
-        doc = doc[: doc.index(MARK_BEGIN)] + section + doc[doc.index(MARK_END) + len(MARK_END):]
+    write_docs_section(MARK_BEGIN, MARK_END, "## Model training step: trex vs transformers (CPU)\n\n"
+                       f"Command: `.venv/bin/python bench/model_step.py`\n\n{text}\n\n{targets}")
+
+
+def write_docs_section(begin: str, end: str, body: str) -> None:
+    """Put ``body`` between the markers ``begin`` and ``end`` of docs/benchmarks.md (appended the first
+    time), written atomically."""
+    from trex.atomic import write_text
+
+    path = os.path.join(ROOT, "docs", "benchmarks.md")
+    doc = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+    section = f"{begin}\n{body}\n{end}"
+    if begin in doc:
+        doc = doc[: doc.index(begin)] + section + doc[doc.index(end) + len(end):]
     else:
         doc = doc.rstrip("\n") + "\n\n" + section + "\n"
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(doc)
-    os.replace(tmp, path)
+    write_text(path, doc)
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ def test_tiny_model_shards_evenly_across_ranks():
     assert one["parameters_total"] == total
     assert total / 4 <= four["per_rank"]["parameter_elements"] <= total / 4 * 1.05  # FSDP pads a few rows
     assert four["per_rank"]["optimizer_state_bytes"] == 2 * four["per_rank"]["grads_bytes"]  # AdamW: 2 moments
-    assert four["mesh"] == {"dp_replicate": 1, "dp_shard": 4, "efsdp": 2, "ep": 2}
+    assert four["mesh"] == {"dp_replicate": 1, "dp_shard": 4, "efsdp": 2, "ep": 2, "cp": 1}
 
 
 @pytest.mark.slow

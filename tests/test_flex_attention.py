@@ -24,8 +24,8 @@ def model_visibility(doc: torch.Tensor, m: int) -> torch.Tensor:
     new_doc = torch.ones_like(doc, dtype=torch.bool)
     new_doc[:, 1:] = doc[:, 1:] != doc[:, :-1]
     pos = t - torch.where(new_doc, t, torch.zeros_like(t)).cummax(dim=1).values
-    ctx = SimpleNamespace(pos=pos, rope_at=lambda positions, kind: None)
-    return SeqContext._build_layout(ctx, m).visible(0, doc.shape[1])
+    ctx = SimpleNamespace(full_pos=pos, rope_at=lambda positions, kind: None)
+    return SeqContext._build_layout(ctx, m, 1).visible(0, doc.shape[1])
 
 
 def _case(kind: str, m: int = 4, dtype=torch.float32) -> dict:

@@ -115,7 +115,8 @@ def start_compressor(comp: Compressor, x: torch.Tensor, entries: torch.Tensor, l
 def attention_step(attn: Attention, x: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
     """One token per row, x [B, 1, d] at positions ctx.pos, against and into ctx.cache -> [B, 1, d]."""
     state = ctx.cache.layers[attn]
-    qr, q, kv = attn._project(x, ctx)
+    qr, q = attn._query(x, ctx)
+    kv = attn._kv(x, ctx.rope[attn.rope_kind])
     state.window = torch.cat([state.window[:, 1:], kv], dim=1)
     W = state.window.shape[1]
     window_valid = torch.arange(W, device=x.device) >= W - 1 - ctx.pos  # the row's last pos+1 tokens

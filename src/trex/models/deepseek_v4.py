@@ -17,13 +17,19 @@ entries; experts run as grouped matmuls over tokens sorted by expert.
 Generation: ``model(ids, doc_ids=docs, cache=DecodeCache(n))`` runs the ordinary forward over the
 prompts and fills the cache; each later call feeds one token per row and attends to the cache. The
 cache and the decode step live in ``trex.models.decode``; the training path does not touch them.
+
+Context parallelism: with ``model.sequence_shard`` set (a :class:`SequenceShard`, installed by
+``trex.parallel.context_parallel``) each rank of a group of P is given the whole rows and computes
+only its contiguous S/P of every sequence; every layer takes from its neighbours the rows its
+window and compressor need (a halo of its input), gathers the compressed entries of all shards,
+and the per-token losses and balance statistics come back whole on every rank of the group.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -77,16 +83,82 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 # Sequence context: positions within documents and the compressed-window layout, built once per
 # forward and shared by every layer.
 # ==================================================================================================
+class SequenceShard(Protocol):
+    """This rank's part of sequences split over a context-parallel group of ``size`` ranks: rows
+    [rank * S/size, (rank + 1) * S/size) of every row. The model does the arithmetic; the group's two
+    collectives come from trex.parallel.context_parallel, both differentiable (gradients go back to the
+    rows' owners, summed over the group):
+
+      gather(x)             x [B, s, ...] -> [B, size * s, ...]: every rank's x, in rank order
+      exchange(head, tail)  head [B, f, ...], tail [B, b, ...] -> (the previous rank's tail [B, b, ...],
+                            the next rank's head [B, f, ...]); zeros where there is no such rank
+    """
+
+    rank: int
+    size: int
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def exchange(self, head: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def shard_halo(cfg: ModelConfig, layer_type: str) -> tuple[int, int]:
+    """Rows (before, after) a shard of a layer of ``layer_type`` needs from its neighbours' inputs: the
+    sliding window's W - 1 keys before it (and CSA's previous window, m rows), and the m - 1 rows a
+    compression window that starts in the shard reaches into the next one."""
+    m = cfg.compress_rate(layer_type)
+    before = max(cfg.sliding_window - 1, m if layer_type == CSA else 0)
+    return before, max(m - 1, 0)
+
+
+def _shard_unit(cfg: ModelConfig) -> tuple[int, int]:
+    """(tokens a shard must be a multiple of: every compression rate; the longest halo it lends)."""
+    types = (*cfg.layer_types, cfg.mtp_layer_type)
+    unit = math.lcm(*[cfg.compress_rate(t) for t in types if cfg.compress_rate(t)], 1)
+    return unit, max(max(shard_halo(cfg, t)) for t in types)
+
+
+def shardable_length(cfg: ModelConfig, length: int, shards: int) -> int:
+    """The shortest sequence length >= ``length`` that splits into ``shards`` shards (check_shardable)."""
+    if shards == 1:
+        return length
+    unit, halo = _shard_unit(cfg)
+    q = shards * unit
+    return max(q * -(-shards * halo // q), -(-length // q) * q)
+
+
+def check_shardable(cfg: ModelConfig, seq_len: int, shards: int) -> None:
+    """ValueError unless a sequence of ``seq_len`` splits into ``shards`` context-parallel shards: each
+    shard a whole number of every compression window (so entries split evenly), and at least as long
+    as the halo it lends its neighbours. The message names lengths that would work."""
+    if shards == 1:
+        return
+    unit, halo = _shard_unit(cfg)
+    if seq_len % (shards * unit) or seq_len // shards < halo:
+        q = shards * unit
+        least = shardable_length(cfg, 1, shards)
+        near = sorted({max(least, seq_len // q * q), shardable_length(cfg, seq_len, shards)})
+        raise ValueError(f"a sequence of {seq_len} tokens does not split into cp = {shards} shards: each shard "
+                         f"must be a multiple of {unit} tokens (the compression windows) and at least {halo} "
+                         f"(the halo it lends), so seq_len must be a multiple of {q} and >= {least}; "
+                         f"{' or '.join(map(str, near))} would work")
+
+
 @dataclass
 class WindowLayout:
     """Compression windows of rate m that lie wholly inside one document.
 
-    N = S // m, a static bound (windows are disjoint runs of m tokens), so shapes never depend on
-    where documents start; rows with fewer windows are padded and ``valid`` masks them.
+    Entries are grouped by the context-parallel shard their window starts in (one group without
+    context parallelism): ``per_shard`` = S / shards // m entries each, a static bound (windows are
+    disjoint runs of m tokens), so shapes never depend on where documents start; a shard with fewer
+    windows is padded and ``valid`` masks them. N = shards * per_shard (= S // m with one shard).
     starts: [B, N] index of each window's first token (_BIG where padded); valid: [B, N];
     pos: [B, N] position of the first token within its document (RoPE position of the entry);
     has_prev: [B, N] whether the previous window of the same document exists (CSA overlap);
-    lo, hi: [B, S] query t sees entries e with lo[t] <= e < hi[t] (same document, window closed).
+    lo, hi: [B, S] query t sees valid entries e with lo[t] <= e < hi[t] (same document, window closed).
+    canonical: [B, N] with more than one shard, the entries in one shard's order (valid ones by start,
+    then the padding): the indexer ranks them in that order, so that ``topk`` sees exactly the scores it
+    sees in one process and breaks ties (the indexer ties whenever entries score exactly 0) alike.
     """
 
     m: int
@@ -96,51 +168,62 @@ class WindowLayout:
     has_prev: torch.Tensor
     lo: torch.Tensor
     hi: torch.Tensor
+    per_shard: int = 0
+    canonical: torch.Tensor | None = None
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
         return self.starts.shape[1]
 
-    def safe_starts(self) -> torch.Tensor:
-        return torch.where(self.valid, self.starts, torch.zeros_like(self.starts))
-
     def visible(self, t0: int, t1: int) -> torch.Tensor:
         """[B, t1-t0, N] bool: which entries queries t0..t1-1 may attend to."""
         e = torch.arange(self.n, device=self.starts.device)
-        return (e >= self.lo[:, t0:t1, None]) & (e < self.hi[:, t0:t1, None])
+        return (e >= self.lo[:, t0:t1, None]) & (e < self.hi[:, t0:t1, None]) & self.valid[:, None, :]
 
 
 class SeqContext:
     """Per-forward facts shared by all layers: ids, document ids, positions, RoPE tables, layouts.
 
-    With a filled ``cache`` (a decode step) input_ids is [B, 1] and positions come from the cache."""
+    With a filled ``cache`` (a decode step) input_ids is [B, 1] and positions come from the cache.
+    With a ``shard`` (context parallelism; never with a cache) input_ids and doc_ids are the whole
+    rows [B, S] and this rank computes rows t0..t1-1: ``input_ids``, ``doc``, ``pos`` and ``rope``
+    are those rows', ``full_doc`` and the layouts the whole rows'. Without one, t0 = 0 and t1 = S."""
 
     def __init__(self, cfg: ModelConfig, input_ids: torch.Tensor, doc_ids: torch.Tensor | None,
-                 cache: DecodeCache | None = None):
+                 cache: DecodeCache | None = None, shard: SequenceShard | None = None):
         B, S = input_ids.shape
         dev = input_ids.device
         self.cfg = cfg
-        self.input_ids = input_ids
         self.cache = cache
         self.decoding = cache is not None and cache.prefilled
+        self.shard = shard = None if cache is not None or (shard is not None and shard.size == 1) else shard
         arange = torch.arange(S, device=dev)
         if self.decoding:
             if S != 1:
                 raise ValueError(f"a decode step takes input_ids of shape [B, 1], got {tuple(input_ids.shape)}")
-            self.doc = torch.ones(B, 1, dtype=torch.long, device=dev)
-            self.pos = cache.pos[:, None]
+            doc = torch.ones(B, 1, dtype=torch.long, device=dev)
+            pos = cache.pos[:, None]
         elif doc_ids is None:
-            self.doc = torch.zeros(B, S, dtype=torch.long, device=dev)
-            self.pos = arange.expand(B, S)
+            doc = torch.zeros(B, S, dtype=torch.long, device=dev)
+            pos = arange.expand(B, S)
         else:
             if doc_ids.shape != input_ids.shape:
                 raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)}; expected {tuple(input_ids.shape)}")
-            self.doc = doc_ids.long()
+            doc = doc_ids.long()
             new_doc = torch.ones(B, S, dtype=torch.bool, device=dev)
-            new_doc[:, 1:] = self.doc[:, 1:] != self.doc[:, :-1]
+            new_doc[:, 1:] = doc[:, 1:] != doc[:, :-1]
             doc_start = torch.where(new_doc, arange, torch.zeros_like(arange)).cummax(dim=1).values
-            self.pos = arange - doc_start
+            pos = arange - doc_start
+        shards = 1 if shard is None else shard.size
+        if shard is not None:
+            check_shardable(cfg, S, shards)
+        self.seq_len = S
+        self.t0 = 0 if shard is None else shard.rank * (S // shards)
+        self.t1 = S if shard is None else self.t0 + S // shards
+        self.full_doc, self.full_pos = doc, pos
+        self.input_ids = input_ids[:, self.t0:self.t1]
+        self.doc, self.pos = doc[:, self.t0:self.t1], pos[:, self.t0:self.t1]
         rd = cfg.qk_rope_head_dim
         self._inv_freq = {
             "main": rope_inv_freq(rd, cfg.rope_theta, None).to(dev),
@@ -150,7 +233,14 @@ class SeqContext:
         # every layout a layer will ask for, built before the first block: blocks only read the context
         # (a compiled block then sees the same context structure in every call, and never recompiles)
         rates = {cfg.compress_rate(t) for t in (*cfg.layer_types, cfg.mtp_layer_type)} - {0}
-        self._layouts = {m: self._build_layout(m) for m in sorted(rates)}
+        self._layouts = {m: self._build_layout(m, shards) for m in sorted(rates)}
+        # a shard's sliding window also sees the W - 1 rows before it: their document ids and RoPE tables
+        self.window_halo = 0 if shard is None else cfg.sliding_window - 1
+        lo = self.t0 - self.window_halo
+        pad = max(0, -lo)
+        self.window_doc = F.pad(doc[:, max(lo, 0):self.t1], (pad, 0), value=-1)
+        window_pos = F.pad(pos[:, max(lo, 0):self.t1], (pad, 0))
+        self.window_rope = {kind: self.rope_at(window_pos, kind) for kind in self._inv_freq}
         self.recording = True  # off once the forward returns: a checkpoint's recompute keeps no MoE stats
 
     def rope_at(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,27 +251,58 @@ class SeqContext:
     def layout(self, m: int) -> WindowLayout:
         return self._layouts[m]
 
-    def _build_layout(self, m: int) -> WindowLayout:
-        B, S = self.pos.shape
-        dev = self.pos.device
+    # ---- context parallelism (each is the identity without a shard) ----
+    def own_entries(self, layout: WindowLayout) -> slice:
+        """The entries of ``layout`` whose windows start in this rank's rows."""
+        if self.shard is None:
+            return slice(0, layout.n)
+        return slice(self.shard.rank * layout.per_shard, (self.shard.rank + 1) * layout.per_shard)
+
+    def extend(self, x: torch.Tensor, before: int, after: int) -> torch.Tensor:
+        """This rank's rows x [B, s, ...] -> rows t0 - before .. t1 + after - 1 [B, before + s + after, ...],
+        the neighbours' rows exchanged (zeros beyond the sequence)."""
+        if self.shard is None:
+            return x
+        prev_tail, next_head = self.shard.exchange(x[:, :after], x[:, x.shape[1] - before:])
+        return torch.cat((prev_tail, x, next_head), dim=1)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, s, ...] per rank -> [B, shards * s, ...], every rank's in rank order."""
+        return x if self.shard is None else self.shard.gather(x)
+
+    def shard_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, ...] per rank -> the sum over the group's ranks (differentiable)."""
+        return x if self.shard is None else self.shard.gather(x.unsqueeze(1)).sum(dim=1)
+
+    def _build_layout(self, m: int, shards: int) -> WindowLayout:
+        B, S = self.full_pos.shape
+        pos = self.full_pos
+        dev = pos.device
         arange = torch.arange(S, device=dev)
         is_start = torch.zeros(B, S, dtype=torch.bool, device=dev)
         if S >= m:
             # a window starts at a multiple of m within its document and stays inside it
-            whole = self.pos[:, m - 1:] == self.pos[:, : S - m + 1] + (m - 1)
-            is_start[:, : S - m + 1] = (self.pos[:, : S - m + 1] % m == 0) & whole
-        n = S // m  # a static bound: windows are disjoint runs of m tokens (no host read of the count)
-        order = torch.where(is_start, arange, arange + S).sort(dim=1).values[:, :n]
+            whole = pos[:, m - 1:] == pos[:, : S - m + 1] + (m - 1)
+            is_start[:, : S - m + 1] = (pos[:, : S - m + 1] % m == 0) & whole
+        L = S // shards
+        n = L // m  # per shard, a static bound: windows are disjoint runs of m tokens (no host read of the count)
+        key = torch.where(is_start, arange, arange + S)[:, : shards * L].view(B, shards, L)
+        order = key.sort(dim=2).values[:, :, :n]  # [B, shards, n]: each shard's window starts, then padding
         valid = order < S
+        # search keys that keep increasing across shards: a shard's padding sorts at the shard's end
+        shard_end = (torch.arange(shards, device=dev) + 1).view(1, shards, 1) * L
+        start_key = torch.where(valid, order, shard_end).flatten(1).contiguous()
+        end_key = torch.where(valid, order + (m - 1), shard_end + (m - 2)).flatten(1).contiguous()
+        order, valid = order.flatten(1), valid.flatten(1)
         starts = torch.where(valid, order, torch.full_like(order, _BIG))
-        safe = torch.where(valid, order, torch.zeros_like(order))
-        pos = self.pos.gather(1, safe)
-        ends = torch.where(valid, starts + (m - 1), torch.full_like(order, _BIG))
-        doc_start = (arange - self.pos).contiguous()
-        lo = torch.searchsorted(starts.contiguous(), doc_start, right=False)
-        hi = torch.searchsorted(ends.contiguous(), arange.expand(B, S).contiguous(), right=True)
-        layout = WindowLayout(m, starts, valid, pos, valid & (pos >= m), lo, hi)
-        layout.rope = {"compress": self.rope_at(pos, "compress")}
+        entry_pos = pos.gather(1, torch.where(valid, order, torch.zeros_like(order)))
+        doc_start = (arange - pos).contiguous()
+        lo = torch.searchsorted(start_key, doc_start, right=False)
+        hi = torch.searchsorted(end_key, arange.expand(B, S).contiguous(), right=True)
+        layout = WindowLayout(m, starts, valid, entry_pos, valid & (entry_pos >= m), lo, hi, n)
+        if shards > 1:
+            layout.canonical = (~valid).to(torch.uint8).argsort(dim=1, stable=True)
+        layout.rope = {"compress": self.rope_at(entry_pos, "compress")}
         return layout
 
 
@@ -247,27 +368,36 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(m, width))
         self.norm = RMSNorm(c, eps)
 
-    def forward(self, x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
-        """x: [B, S, d] -> entries [B, N, c] (RoPE applied at each window's first position)."""
-        if layout.n == 0:
+    def forward(self, x: torch.Tensor, layout: WindowLayout, first_row: int = 0,
+                entries: slice | None = None) -> torch.Tensor:
+        """x: [B, R, d], rows first_row .. first_row + R - 1 of the sequence -> the ``entries`` of ``layout``
+        (all of them by default) [B, N, c], RoPE applied at each window's first position. x must hold
+        every row those windows pool (and, with overlap, the m rows before each)."""
+        entries = entries or slice(0, layout.n)
+        if entries.stop == entries.start:
             return x.new_zeros(x.shape[0], 0, self.c)
-        return self.pool(linear_fp32(x, self.wkv.weight), linear_fp32(x, self.wgate.weight), layout, x.dtype)
+        return self.pool(linear_fp32(x, self.wkv.weight), linear_fp32(x, self.wgate.weight), layout, x.dtype,
+                         first_row, entries)
 
-    def pool(self, kv: torch.Tensor, score: torch.Tensor, layout: WindowLayout, dtype: torch.dtype) -> torch.Tensor:
-        """kv, score: [B, S, width] fp32 projections -> entries [B, N, c] in ``dtype``."""
+    def pool(self, kv: torch.Tensor, score: torch.Tensor, layout: WindowLayout, dtype: torch.dtype,
+             first_row: int = 0, entries: slice | None = None) -> torch.Tensor:
+        """kv, score: [B, R, width] fp32 projections of rows first_row.. -> entries [B, N, c] in ``dtype``."""
         m, c = self.m, self.c
-        tok = layout.safe_starts()[:, :, None] + torch.arange(m, device=kv.device)  # [B, N, m]
+        entries = entries or slice(0, layout.n)
+        valid = layout.valid[:, entries]
+        first = torch.where(valid, layout.starts[:, entries] - first_row, 0)  # padded entries pool row 0
+        tok = first[:, :, None] + torch.arange(m, device=kv.device)  # [B, N, m]
         kv_cur, score_cur = gather_rows(kv, tok), gather_rows(score, tok) + self.ape.float()
         if self.overlap:
             prev = (tok - m).clamp(min=0)
             kv_prev = gather_rows(kv[..., :c], prev)
             score_prev = gather_rows(score[..., :c], prev) + self.ape[:, :c].float()
-            score_prev = score_prev.masked_fill(~layout.has_prev[:, :, None, None], float("-inf"))
+            score_prev = score_prev.masked_fill(~layout.has_prev[:, entries, None, None], float("-inf"))
             kv_cur = torch.cat((kv_prev, kv_cur[..., c:]), dim=2)
             score_cur = torch.cat((score_prev, score_cur[..., c:]), dim=2)
         pooled = (kv_cur * score_cur.softmax(dim=2)).sum(dim=2)
         pooled = self.norm(pooled.to(dtype))
-        cos, sin = layout.rope["compress"]
+        cos, sin = (t[:, entries] for t in layout.rope["compress"])
         return apply_rope(pooled, cos, sin)
 
 
@@ -288,17 +418,29 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg.hidden_size, self.head_dim, m, overlap=True, eps=cfg.rms_norm_eps)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: SeqContext, layout: WindowLayout):
-        """Returns (idx [B, S, k] long, valid [B, S, k] bool) with k = min(index_topk, N)."""
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: SeqContext, layout: WindowLayout,
+                rows: torch.Tensor | None = None, first_row: int = 0):
+        """x, qr: this rank's rows [B, S, *]; ``rows``: x with its context-parallel halo, rows first_row..
+        of the sequence (x itself by default). Returns (idx [B, S, k] long, valid [B, S, k] bool),
+        k = min(index_topk, N), over the entries of the whole sequence."""
         B, S, _ = x.shape
-        keys = self.compressor(x, layout).float()  # [B, N, c_I]
+        own = self.compressor(x if rows is None else rows, layout, first_row, ctx.own_entries(layout))
+        keys = ctx.gather(own).float()  # [B, N, c_I]
         q, w = self._query(x, qr, ctx)
         k = min(self.topk, layout.n)
         chunk = max(1, self.chunk_elems // max(1, B * self.n_heads * layout.n))
         idx, valid = [], []
+        canonical = layout.canonical
+        if canonical is not None:  # rank the entries in one process's order (see WindowLayout.canonical)
+            keys = gather_rows(keys, canonical)
         for t0 in range(0, S, chunk):
             t1 = min(S, t0 + chunk)
-            top_idx, top_valid = self._select(q[:, t0:t1], w[:, t0:t1], keys, layout.visible(t0, t1), k)
+            visible = layout.visible(ctx.t0 + t0, ctx.t0 + t1)
+            if canonical is not None:
+                visible = visible.gather(2, canonical[:, None, :].expand_as(visible))
+            top_idx, top_valid = self._select(q[:, t0:t1], w[:, t0:t1], keys, visible, k)
+            if canonical is not None:
+                top_idx = canonical.gather(1, top_idx.flatten(1)).view_as(top_idx)
             idx.append(top_idx)
             valid.append(top_valid)
         return torch.cat(idx, dim=1), torch.cat(valid, dim=1)
@@ -339,6 +481,13 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, scal
 # ==================================================================================================
 # Attention
 # ==================================================================================================
+def _pad_rows(x: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """n zero (False) rows before x's rows (dim 1); x itself when n is 0 or x is None."""
+    if x is None or n == 0:
+        return x
+    return torch.cat((x.new_zeros(x.shape[0], n, *x.shape[2:]), x), dim=1)
+
+
 class Attention(nn.Module):
     """Shared-KV MQA with low-rank queries, partial RoPE, sinks and a grouped output projection."""
 
@@ -365,31 +514,41 @@ class Attention(nn.Module):
             return ctx.cache.step(self, x, ctx)
         S = x.shape[1]
         cfg, c = self.cfg, self.head_dim
-        qr, q, kv = self._project(x, ctx)
+        # context parallel: this rank's rows plus the neighbours' rows its window and compressor read
+        # (``before``, ``after``; none without a shard); the window sees the w rows before the shard
+        before, after = shard_halo(cfg, self.layer_type) if ctx.shard is not None else (0, 0)
+        w = ctx.window_halo
+        rows = ctx.extend(x, before, after)  # [B, before + S + after, d]
+        qr, q = self._query(x, ctx)
+        kv = self._kv(rows[:, before - w:before + S], ctx.window_rope[self.rope_kind])  # [B, w + S, c]
 
         compressed = comp_mask = comp_idx = None
         if self.compressor is not None:
             layout = ctx.layout(self.m)
-            compressed = self.compressor(x, layout)
+            first_row = ctx.t0 - before
+            compressed = ctx.gather(self.compressor(rows, layout, first_row, ctx.own_entries(layout)))
             if self.indexer is not None:
-                comp_idx, comp_mask = self.indexer(x, qr, ctx, layout)
+                comp_idx, comp_mask = self.indexer(x, qr, ctx, layout, rows, first_row)
             else:
-                comp_mask = layout.visible(0, S)
-        o = sparse_attention(q, kv, self.attn_sink, c**-0.5, cfg.sliding_window, ctx.doc,
-                             compressed, comp_mask, comp_idx)
+                comp_mask = layout.visible(ctx.t0, ctx.t1)
+        # the w halo rows run as queries too (zeros, no compressed entries) and their outputs are dropped
+        o = sparse_attention(_pad_rows(q, w), kv, self.attn_sink, c**-0.5, cfg.sliding_window, ctx.window_doc,
+                             compressed, _pad_rows(comp_mask, w), _pad_rows(comp_idx, w))[:, w:]
         if ctx.cache is not None:  # a prefill: the cache keeps the layer's decode state
             ctx.cache.prefill(self, x, kv, compressed, ctx)
         return self._output(o, ctx)
 
-    def _project(self, x: torch.Tensor, ctx: SeqContext):
-        """x [B, S, d] -> (qr [B, S, q_lora_rank], q [B, S, H, c], kv [B, S, c]), RoPE'd at ctx.pos."""
+    def _query(self, x: torch.Tensor, ctx: SeqContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, S, d] -> (qr [B, S, q_lora_rank], q [B, S, H, c] RoPE'd at ctx.pos)."""
         B, S, _ = x.shape
         cos, sin = ctx.rope[self.rope_kind]
         qr = self.q_norm(self.wq_a(x))
         q = unweighted_rms_norm(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), self.cfg.rms_norm_eps)
-        q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
-        return qr, q, kv
+        return qr, apply_rope(q, cos[:, :, None], sin[:, :, None])
+
+    def _kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [B, R, d] -> the shared keys/values [B, R, c], RoPE'd by the (cos, sin) tables of its rows."""
+        return apply_rope(self.kv_norm(self.wkv(x)), *rope)
 
     def _output(self, o: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         """Attention output o [B, S, H, c] -> de-rotated, grouped output projection [B, S, d]."""
@@ -536,7 +695,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, d)
         weights, idx, scores = self.gate(flat, ctx.input_ids)
         y = self.experts(flat, idx, weights) + self.shared_experts(flat)
-        balance = self._balance_loss(scores, idx, B, S) if self.training and not self.gate.hashed else None
+        balance = self._balance_loss(scores, idx, B, ctx) if self.training and not self.gate.hashed else None
         if ctx.recording:  # kept for the model to collect (take_stats) once its forward is done; a recompute
             # in backward (activation checkpointing) keeps nothing, or its graph would outlive the step
             self.routing = (expert_counts(idx, scores.shape[-1]), balance)
@@ -549,13 +708,15 @@ class MoE(nn.Module):
         return MoEStats(self.name, counts, balance)
 
     @staticmethod
-    def _balance_loss(scores: torch.Tensor, idx: torch.Tensor, B: int, S: int) -> torch.Tensor:
-        """Sequence-wise balance loss sum_i f_i * P_i averaged over sequences (DeepSeek-V3 form)."""
+    def _balance_loss(scores: torch.Tensor, idx: torch.Tensor, B: int, ctx: SeqContext) -> torch.Tensor:
+        """Sequence-wise balance loss sum_i f_i * P_i averaged over sequences (DeepSeek-V3 form), over
+        whole sequences (a context-parallel group sums its shards' counts and probabilities)."""
         E, k = scores.shape[-1], idx.shape[-1]
-        chosen = torch.zeros_like(scores).scatter_(1, idx, 1.0).view(B, S, E)
-        f = chosen.sum(dim=1) * (E / (k * S))
-        p = (scores / scores.sum(dim=-1, keepdim=True)).view(B, S, E).mean(dim=1)
-        return (f * p).sum(dim=-1).mean()
+        chosen = torch.zeros_like(scores).scatter_(1, idx, 1.0).view(B, -1, E)
+        p = (scores / scores.sum(dim=-1, keepdim=True)).view(B, -1, E)
+        sums = ctx.shard_sum(torch.stack((chosen.sum(dim=1), p.sum(dim=1)), dim=1))  # [B, 2, E]
+        S = ctx.seq_len
+        return (sums[:, 0] * (E / (k * S)) * (sums[:, 1] / S)).sum(dim=-1).mean()
 
 
 # ==================================================================================================
@@ -717,6 +878,7 @@ class DeepseekV4(nn.Module):
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.head = nn.Linear(d, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPBlock(cfg, f"mtp.{j}") for j in range(cfg.num_nextn_predict_layers))
+        self.sequence_shard: SequenceShard | None = None  # context parallelism (trex.parallel.context_parallel)
         self.init_weights()
 
     @torch.no_grad()
@@ -759,7 +921,12 @@ class DeepseekV4(nn.Module):
                       (generation continues each row's last document); filled, input_ids [B, 1];
                       logits of the last position only, no MTP, no labels
 
-        Generation is a forward, not a method of its own, so FSDP2's hooks see it."""
+        Generation is a forward, not a method of its own, so FSDP2's hooks see it.
+
+        With ``self.sequence_shard`` (context parallelism) every rank of the group is given the same
+        whole rows (ids, labels, targets) and computes its shard of them; logits, ``token_nll`` and the
+        losses come back for the whole rows on every rank (gathered over the group; gradients go back
+        to the rows' owners). A generation forward ignores the shard."""
         if cache is not None:
             if labels is not None:
                 raise ValueError("forward with a decode cache takes no labels (generation only)")
@@ -768,8 +935,8 @@ class DeepseekV4(nn.Module):
                 if cache.steps > cache.max_new_tokens:
                     raise ValueError(f"DecodeCache was sized for {cache.max_new_tokens} decode steps; "
                                      f"this is step {cache.steps}")
-        ctx = SeqContext(self.cfg, input_ids, doc_ids, cache)
-        emb = self.embed(input_ids)
+        ctx = SeqContext(self.cfg, input_ids, doc_ids, cache, self.sequence_shard)
+        emb = self.embed(ctx.input_ids)
         # a real copy per stream: batched matmuls over a stride-0 (expanded) operand take a much slower path
         X = emb.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         for layer in self.layers:
@@ -785,19 +952,22 @@ class DeepseekV4(nn.Module):
         out = ModelOutput(logits=None)
 
         def nll(h: torch.Tensor, logits: torch.Tensor | None, tgt: torch.Tensor) -> torch.Tensor:
-            """One head's per-token NLL: from its logits, or fused with the head when there are none."""
-            return token_nll(logits, tgt) if logits is not None else self.head_nll(h, tgt)
+            """One head's per-token NLL of the whole rows' targets [B, S] (this rank's rows computed
+            from its logits, or fused with the head when there are none; then gathered)."""
+            tgt = tgt[:, ctx.t0:ctx.t1]
+            return ctx.gather(token_nll(logits, tgt) if logits is not None else self.head_nll(h, tgt))
 
         mtp_losses = []
         h = self.norm(self.hc_head(X))
         for j in range(1 + len(self.mtp)):  # head 0 is the main one; head j > 0 is MTP module j - 1
             if j > 0:
-                X, h = self.mtp[j - 1](X, self.embed(F.pad(input_ids[:, j:], (0, j), value=0)), ctx)
+                ahead = F.pad(input_ids[:, j:], (0, j), value=0)[:, ctx.t0:ctx.t1]
+                X, h = self.mtp[j - 1](X, self.embed(ahead), ctx)
             logits = self.logits(h) if return_logits else None
             if logits is not None and j == 0:
-                out.logits = logits
+                out.logits = ctx.gather(logits)
             elif logits is not None:
-                out.mtp_logits.append(logits)
+                out.mtp_logits.append(ctx.gather(logits))
             if targets is not None and j < len(targets):
                 out.token_nll.append(nll(h, logits, targets[j]))
             if labels is not None:

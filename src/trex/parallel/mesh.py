@@ -1,9 +1,12 @@
 """Process group and device mesh from the recipe's [parallel] section.
 
-Ranks form a 3-D mesh ("dp_replicate", "efsdp", "ep"): every rank is data parallel (it reads its own
-micro-batches); parameters are sharded over the flattened ("efsdp", "ep") = "dp_shard" dimension
-(FSDP2, replicated over "dp_replicate" as HSDP); routed experts are split over "ep" and their
-shards are FSDP-sharded again over ("dp_replicate", "efsdp"), the ranks that hold the same experts.
+Ranks form a 4-D mesh ("dp_replicate", "efsdp", "ep", "cp"). The ("dp_replicate", "efsdp", "ep")
+ranks are data parallel (each reads its own micro-batches); the "cp" ranks of one data-parallel
+index read the same micro-batch and each computes a contiguous shard of its sequences (context
+parallelism, trex.parallel.context_parallel). Parameters are sharded over the flattened
+("efsdp", "ep", "cp") = "fsdp" dimension (FSDP2, replicated over "dp_replicate" as HSDP); routed
+experts are split over "ep" and their shards are FSDP-sharded again over ("dp_replicate",
+("efsdp", "cp")), the ranks that hold the same experts.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ class ParallelSection:
     dp_replicate."""
     ep: int = 1
     """Expert-parallel size: routed experts are split across this many ranks of the shard dimension."""
+    cp: int = 1
+    """Context-parallel size: each sequence is split into this many contiguous shards, one per rank
+    (those ranks read the same micro-batches). data.seq_len must split evenly (see trex plan)."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """none | full | selective (recompute mHC and attention)."""
     reduce_every_micro_batch: bool = False
@@ -46,15 +52,15 @@ class ParallelSection:
 
     def __post_init__(self) -> None:
         check_choices(self, "parallel")
-        if self.dp_replicate < 1 or self.ep < 1 or (self.dp_shard < 1 and self.dp_shard != -1):
-            raise ValueError("parallel: dp_replicate and ep must be >= 1 and dp_shard >= 1 or -1")
+        if self.dp_replicate < 1 or self.ep < 1 or self.cp < 1 or (self.dp_shard < 1 and self.dp_shard != -1):
+            raise ValueError("parallel: dp_replicate, ep and cp must be >= 1 and dp_shard >= 1 or -1")
         if self.timeout_s <= 0 or self.heartbeat_timeout_s < 0:
             raise ValueError("parallel: timeout_s must be > 0 and heartbeat_timeout_s >= 0 (0: no heartbeat)")
 
     def world_size(self, available: int) -> int:
         """Ranks the layout needs given ``available`` ranks (resolving dp_shard = -1)."""
-        shard = available // self.dp_replicate if self.dp_shard == -1 else self.dp_shard
-        return self.dp_replicate * shard
+        shard = available // (self.dp_replicate * self.cp) if self.dp_shard == -1 else self.dp_shard
+        return self.dp_replicate * shard * self.cp
 
 
 @dataclass
@@ -66,7 +72,18 @@ class Parallel:
     dp_replicate: int = 1
     dp_shard: int = 1
     ep: int = 1
+    cp: int = 1
     mesh: DeviceMesh | None = None
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (the cp ranks of a group share it)."""
+        return self.rank // self.cp
+
+    @property
+    def data_world(self) -> int:
+        """Data-parallel ranks: distinct micro-batches per micro-step (world_size / cp)."""
+        return self.world_size // self.cp
 
     @property
     def distributed(self) -> bool:
@@ -78,14 +95,26 @@ class Parallel:
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        """2-D (dp_replicate, dp_shard) mesh for FSDP2 (HSDP when dp_replicate > 1)."""
-        with warnings.catch_warnings():  # slicing a flattened dim: supported, with a deprecation notice
-            warnings.simplefilter("ignore", UserWarning)
-            return self.mesh["dp_replicate", "dp_shard"]
+        """2-D (dp_replicate, fsdp) mesh for FSDP2 (HSDP when dp_replicate > 1); fsdp = dp_shard x cp."""
+        return self._sliced("dp_replicate", "fsdp")
+
+    @property
+    def expert_dp_mesh(self) -> DeviceMesh:
+        """2-D (dp_replicate, efsdp x cp) mesh: the ranks that hold the same routed experts."""
+        return self._sliced("dp_replicate", "efsdp_cp")
 
     @property
     def ep_mesh(self) -> DeviceMesh:
         return self.mesh["ep"]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh:
+        return self.mesh["cp"]
+
+    def _sliced(self, *names: str) -> DeviceMesh:
+        with warnings.catch_warnings():  # slicing a flattened dim: supported, with a deprecation notice
+            warnings.simplefilter("ignore", UserWarning)
+            return self.mesh[names]
 
     def all_reduce_sum(self, tensor):
         if self.distributed:
@@ -93,26 +122,29 @@ class Parallel:
         return tensor
 
 
-def resolve_layout(dp_replicate: int, dp_shard: int, ep: int, world_size: int) -> tuple[int, int, int]:
-    """Check the layout against the world size; dp_shard = -1 takes the ranks dp_replicate leaves."""
-    if world_size % dp_replicate:
-        raise ValueError(f"parallel.dp_replicate = {dp_replicate} does not divide the world size {world_size}")
-    shard = world_size // dp_replicate if dp_shard == -1 else dp_shard
-    if dp_replicate * shard != world_size:
-        raise ValueError(f"parallel: dp_replicate ({dp_replicate}) x dp_shard ({shard}) = {dp_replicate * shard} "
-                         f"ranks, but the run has {world_size} (torchrun --nproc-per-node x --nnodes)")
+def resolve_layout(dp_replicate: int, dp_shard: int, ep: int, world_size: int, cp: int = 1) -> tuple[int, int, int]:
+    """Check the layout against the world size; dp_shard = -1 takes the ranks dp_replicate and cp leave."""
+    if world_size % (dp_replicate * cp):
+        raise ValueError(f"parallel.dp_replicate x cp = {dp_replicate} x {cp} does not divide the world size "
+                         f"{world_size}")
+    shard = world_size // (dp_replicate * cp) if dp_shard == -1 else dp_shard
+    if dp_replicate * shard * cp != world_size:
+        raise ValueError(f"parallel: dp_replicate ({dp_replicate}) x dp_shard ({shard}) x cp ({cp}) = "
+                         f"{dp_replicate * shard * cp} ranks, but the run has {world_size} "
+                         f"(torchrun --nproc-per-node x --nnodes)")
     if shard % ep:
         raise ValueError(f"parallel.ep = {ep} must divide dp_shard = {shard}")
     return dp_replicate, shard, ep
 
 
 def init_parallel(dp_replicate: int, dp_shard: int, ep: int, timeout_s: int,
-                  dev: device_layer.Device, world_size: int | None = None, trace_dir: str | None = None) -> Parallel:
+                  dev: device_layer.Device, world_size: int | None = None, trace_dir: str | None = None,
+                  cp: int = 1) -> Parallel:
     """Join the process group (torchrun's environment) and build the mesh; a no-op for one process.
     With ``trace_dir``, a backend with a flight recorder dumps each rank's last collectives there
     (``rank_<r>``) when one times out; variables already set in the environment win."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    replicate, shard, ep = resolve_layout(dp_replicate, dp_shard, ep, world_size)
+    replicate, shard, ep = resolve_layout(dp_replicate, dp_shard, ep, world_size, cp)
     if world_size == 1:
         return Parallel()
     if not dist.is_initialized():
@@ -122,9 +154,11 @@ def init_parallel(dp_replicate: int, dp_shard: int, ep: int, timeout_s: int,
         for key, value in recorder.items():
             os.environ.setdefault(key, value)
         dist.init_process_group(backend=dev.backend(), timeout=timedelta(seconds=timeout_s))
-    mesh = init_device_mesh(dev.type, (replicate, shard // ep, ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
-    mesh["efsdp", "ep"]._flatten("dp_shard")
-    return Parallel(dist.get_rank(), world_size, replicate, shard, ep, mesh)
+    mesh = init_device_mesh(dev.type, (replicate, shard // ep, ep, cp),
+                            mesh_dim_names=("dp_replicate", "efsdp", "ep", "cp"))
+    mesh["efsdp", "ep", "cp"]._flatten("fsdp")
+    mesh["efsdp", "cp"]._flatten("efsdp_cp")
+    return Parallel(dist.get_rank(), world_size, replicate, shard, ep, cp, mesh)
 
 
 def shutdown_distributed() -> None:

@@ -1,5 +1,5 @@
 """Apply the parallel plan to an unchanged DeepseekV4: activation checkpointing, compiled blocks,
-expert parallel, then FSDP2 per block (and the root) over the data-parallel mesh.
+context parallel, expert parallel, then FSDP2 per block (and the root) over the data-parallel mesh.
 
 Gradients are summed, not averaged, across ranks (``set_gradient_divide_factor(1.0)``): the loop
 divides every loss by the global number of targets, so a step at any layout computes the same
@@ -25,6 +25,7 @@ from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint
 
 from trex.models import DeepseekV4
+from trex.parallel.context_parallel import apply_context_parallel
 from trex.parallel.expert_parallel import shard_experts
 from trex.parallel.mesh import Parallel
 from trex.precision import PrecisionPolicy
@@ -149,7 +150,13 @@ def apply_compile(model: DeepseekV4, fullgraph: bool = True, backend: str = "ind
     checkpoints do not change. ``fullgraph``: fail on any graph break; expert parallelism passes
     False, since its one host read of the all-to-all split sizes per layer breaks the graph there.
     ``backend``: torch.compile's (``eager`` traces the graphs without generating code, for checks)."""
-    compile_ = functools.partial(torch.compile, fullgraph=fullgraph, backend=backend)
+    # a checkpointed block's forward records its MoE statistics once (SeqContext.recording) and its
+    # recompute in backward records nothing: the side effect is meant not to be replayed
+    no_replay = torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+
+    def compile_(fn):
+        return no_replay(torch.compile(fn, fullgraph=fullgraph, backend=backend))
+
     for block in [*model.layers, *model.mtp]:
         block.forward = compile_(block.forward)
     model.hc_head.forward = compile_(model.hc_head.forward)
@@ -166,6 +173,7 @@ def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
     A sharded model handed to a later stage (the default job's SFT after its CPT) keeps its plan:
     applying the same one again changes nothing, a different one is a ValueError."""
     plan = {"world_size": par.world_size, "dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "ep": par.ep,
+            "cp": par.cp,
             "activation_checkpointing": activation_checkpointing, "compile": compile,
             "param_dtype": str(policy.compute_dtype), "reduce_dtype": str(policy.reduce_dtype)}
     if par.distributed and isinstance(model, FSDPModule):
@@ -190,14 +198,16 @@ def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor",
                             category=UserWarning)
     mp = MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=policy.reduce_dtype)
+    if par.cp > 1:
+        apply_context_parallel(model, par.cp_mesh)
     experts = shard_experts(model, par.ep_mesh) if par.ep > 1 else []
     if experts:  # expert shards are further sharded over the ranks that hold the same experts
-        efsdp = par.mesh["efsdp"].size()
+        efsdp = par.expert_dp_mesh.size(1)
         local_experts = model.cfg.n_routed_experts // par.ep
         # whole experts per rank when they divide evenly, else split every expert's rows (no padding)
         placement = Shard(0) if local_experts % efsdp == 0 else Shard(1)
         for block in [*model.layers, *model.mtp]:
-            fully_shard(block.ffn.experts, mesh=par.mesh["dp_replicate", "efsdp"], mp_policy=mp,
+            fully_shard(block.ffn.experts, mesh=par.expert_dp_mesh, mp_policy=mp,
                         shard_placement_fn=lambda p: placement)
     for block in [*model.layers, *model.mtp]:
         fully_shard(block, mesh=par.dp_mesh, mp_policy=mp)

@@ -11,6 +11,9 @@ Conventions, for one sequence (batch row) of S tokens without document boundarie
       bf16 (cp = 4) and the same tensor at fp32 (cp = 0);
   N   compressed entries floor(S / m); kc the compressed entries a query scores (CSA: the
       indexer's top-k, HCA: all N); K the window keys of a block of W/4 queries (W/4 + W).
+Context parallelism over ``cp`` ranks (``cp`` arguments): S stays the whole sequence; a rank keeps the
+per-token terms of its S / cp rows (its attention kernel also runs the W - 1 window-halo rows as
+queries), the compressed entries of the whole sequence (gathered), and pools only its own windows.
 Weights that trex casts to fp32 inside the forward (mHC fn, norms) are saved as fp32 copies at
 bf16: per-layer constants, not per-token. The router, compressor and LM head go through
 ``linear_fp32``, which keeps weight and input as they are and re-casts in backward.
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 from trex.kernels.sparse_attention import CHUNK_BYTES, DENSE_TOPK_FRACTION
 from trex.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
+from trex.models.deepseek_v4 import shard_halo
 from trex.models.cross_entropy import HEAD_CHUNK_BYTES
 
 F32, I64 = 4, 8
@@ -70,8 +74,16 @@ def compressed_seen(cfg: ModelConfig, layer_type: str, S: int) -> tuple[int, int
     return N, N, False
 
 
-def attention(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
-    """One sequence of S tokens through attn_norm and Attention (compressor included)."""
+def _halo(cfg: ModelConfig, layer_type: str, cp: int) -> tuple[int, int]:
+    """(window-halo query rows, extra input rows) of a context-parallel shard (0, 0 without CP)."""
+    if cp == 1:
+        return 0, 0
+    return cfg.sliding_window - 1, sum(shard_halo(cfg, layer_type))
+
+
+def attention(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1) -> float:
+    """One sequence of S tokens through attn_norm and Attention (compressor included), on one of ``cp``
+    context-parallel ranks."""
     d, H, c, q, W = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.sliding_window
     rd = cfg.qk_rope_head_dim
     K = max(1, W // 4) + W  # window keys per query block of W/4 (the probabilities keep all K)
@@ -89,17 +101,19 @@ def attention(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
         per_seq += b * c * N  # compressed entries
         if gathered:
             per_tok += I64 * kc  # the indexer's top-k (entries are re-gathered in backward)
-        per_seq += compressor(cfg, layer_type, S, b)
+        per_seq += compressor(cfg, layer_type, S, b, cp)
     per_tok += F32 * H * (K + kc + 1)  # softmax output over window, compressed entries and sink
-    return per_tok * S + per_seq
+    window, extra = _halo(cfg, layer_type, cp)
+    return per_tok * (S // cp + window) + b * d * extra + per_seq
 
 
-def compressor(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
-    """One sequence through the attention's Compressor (the indexer's runs under no_grad)."""
+def compressor(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1) -> float:
+    """One sequence through the attention's Compressor (the indexer's runs under no_grad); a
+    context-parallel rank projects its rows and halo and pools its own S / cp rows' windows."""
     m, c = cfg.compress_rate(layer_type), cfg.head_dim
     coff = 2 if layer_type == CSA else 1
-    N = S // m
-    total = S * F32 * 2 * coff * c  # kv and gate scores (fp32; linear_fp32 keeps x as it is, shared)
+    N = S // cp // m
+    total = (S // cp + _halo(cfg, layer_type, cp)[1]) * F32 * 2 * coff * c  # kv and gate scores (fp32; linear_fp32 keeps x as it is, shared)
     total += N * m * F32 * 2 * coff * c  # gathered window slots and their softmax weights
     total += N * m * I64 * (2 if layer_type == CSA else 1)  # slot index (and previous-window index)
     total += N * (1 if layer_type == CSA else 0)  # previous-window mask (bool)
@@ -123,13 +137,13 @@ def moe(cfg: ModelConfig, mlp_type: str, b: int) -> float:
     return per
 
 
-def block(cfg: ModelConfig, layer_type: str, mlp_type: str, S: int, b: int) -> LayerActivations:
+def block(cfg: ModelConfig, layer_type: str, mlp_type: str, S: int, b: int, cp: int = 1) -> LayerActivations:
     balance = F32 * cfg.n_routed_experts if mlp_type != HASH_MOE else 0  # per-sequence expert fractions
-    return LayerActivations(mhc=2 * mhc_site(cfg, b) * S, attention=attention(cfg, layer_type, S, b),
-                            moe=moe(cfg, mlp_type, b) * S + balance)
+    return LayerActivations(mhc=2 * mhc_site(cfg, b) * (S // cp), attention=attention(cfg, layer_type, S, b, cp),
+                            moe=moe(cfg, mlp_type, b) * (S // cp) + balance)
 
 
-def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int) -> float:
+def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1) -> float:
     """Transient bytes while one block runs backward (or is recomputed), on top of what it saved:
     the fp32 gradients of its output and input streams, and sparse attention's entry-gradient buffers
     (kernels.sparse_attention: the score and probability gradients of the compressed entries; over all
@@ -137,15 +151,16 @@ def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int) -> flo
     for gathered top-k, one query chunk's stacked [2H] operands and [T, k, c] per-pick gradients).
     Checked end to end by the full-recompute cases of tests/test_plan_memory_cpu.py, where it shows."""
     n, d, H, c = cfg.hc_mult, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-    total = 2 * F32 * n * d * S
+    total = 2 * F32 * n * d * (S // cp)
     if layer_type != SLIDING:
         _, kc, gathered = compressed_seen(cfg, layer_type, S)
-        total += 2 * F32 * S * H * kc  # dP and dS of the compressed scores
+        queries = S // cp + _halo(cfg, layer_type, cp)[0]
+        total += 2 * F32 * queries * H * kc  # dP and dS of the compressed scores
         if gathered:
-            T = min(S, max(1, CHUNK_BYTES // (kc * c * b)))
+            T = min(queries, max(1, CHUNK_BYTES // (kc * c * b)))
             total += T * (2 * H * (kc + c) * b + kc * c * b)
         if not gathered or b != F32:  # the probabilities as one [S * H, N] operand, or their bf16 cast
-            total += S * H * kc * b
+            total += queries * H * kc * b
     return total
 
 

@@ -78,8 +78,8 @@ def recipe_inputs(path: str, devices: int | None) -> tuple[str | None, Layout, i
     par = r.parallel
     if par.dp_shard == -1 and not devices:
         raise PlanError(f"{path}: [parallel] dp_shard = -1 takes every rank; say how many with --devices")
-    shard = par.dp_shard if par.dp_shard != -1 else devices // par.dp_replicate
-    layout = Layout(dp_shard=shard, dp_replicate=par.dp_replicate, ep=par.ep,
+    shard = par.dp_shard if par.dp_shard != -1 else devices // (par.dp_replicate * par.cp)
+    layout = Layout(dp_shard=shard, dp_replicate=par.dp_replicate, ep=par.ep, cp=par.cp,
                     micro_batch=r.data.micro_batch_size, grad_accum=r.train.grad_accum,
                     recompute=par.activation_checkpointing, optimizer=r.optim.name,
                     reduce_every_micro_batch=par.reduce_every_micro_batch)
@@ -128,7 +128,7 @@ def _inputs(args: argparse.Namespace) -> tuple[ModelConfig, Layout, int, str]:
     if args.offload:
         changes["offload_optimizer"] = True
     layout = parse_layout(args.layout, dataclasses.replace(base, **changes))
-    if args.global_batch_tokens:
+    if args.global_batch_tokens and not args.search:  # a search finds grad_accum for every layout
         rows_per_step = layout.micro_batch * seq * layout.data_parallel
         if args.global_batch_tokens % rows_per_step:
             raise PlanError(f"--global-batch-tokens {args.global_batch_tokens} is not a multiple of micro_batch x "

@@ -1,9 +1,11 @@
 """A training layout: how ranks split a model and its batch, checked against the model.
 
-    devices = dp_replicate x dp_shard x pp
-    dp_shard   ranks sharding parameters, gradients and optimizer state (FSDP / ZeRO-3);
+    devices = dp_replicate x dp_shard x cp x pp
+    dp_shard   data-parallel ranks sharding parameters, gradients and optimizer state (FSDP / ZeRO-3);
+    cp         context parallel: each sequence split over this many ranks, which also shard the
+               parameters (FSDP over dp_shard x cp) and read the same micro-batches;
     ep         routed experts split over this many ranks *inside* the shard group; the expert
-               weights are further FSDP-sharded over dp_shard / ep ranks;
+               weights are further FSDP-sharded over dp_shard x cp / ep ranks;
     pp         pipeline stages, each holding num_hidden_layers / pp blocks (trex train has no
                pipeline parallelism yet: plans with pp > 1 say so);
     global batch tokens = micro_batch x seq_len x grad_accum x dp_replicate x dp_shard.
@@ -15,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from trex.models.config import ModelConfig
+from trex.models.deepseek_v4 import check_shardable
 from trex.train.optim import OPTIMIZERS
 
 RECOMPUTE = ("none", "selective", "full")
@@ -29,6 +32,7 @@ class Layout:
     dp_shard: int
     dp_replicate: int = 1
     ep: int = 1
+    cp: int = 1
     pp: int = 1
     micro_batch: int = 1
     grad_accum: int = 1
@@ -39,7 +43,12 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.pp
+        return self.dp_replicate * self.dp_shard * self.cp * self.pp
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks one parameter is sharded over: dp_shard x cp."""
+        return self.dp_shard * self.cp
 
     @property
     def data_parallel(self) -> int:
@@ -49,7 +58,7 @@ class Layout:
         return self.micro_batch * seq_len * self.grad_accum * self.data_parallel
 
     def describe(self) -> str:
-        parts = [f"dp_shard={self.dp_shard}", f"ep={self.ep}"]
+        parts = [f"dp_shard={self.dp_shard}", f"ep={self.ep}"] + ([f"cp={self.cp}"] if self.cp > 1 else [])
         if self.dp_replicate > 1:
             parts.insert(0, f"dp_replicate={self.dp_replicate}")
         if self.pp > 1:
@@ -63,7 +72,7 @@ class Layout:
 
     def check(self, cfg: ModelConfig, seq_len: int) -> None:
         """Raise PlanError unless the layout divides the model and the sequence is allowed."""
-        for name in ("dp_shard", "dp_replicate", "ep", "pp", "micro_batch", "grad_accum"):
+        for name in ("dp_shard", "dp_replicate", "ep", "cp", "pp", "micro_batch", "grad_accum"):
             if getattr(self, name) < 1:
                 raise PlanError(f"layout: {name} must be >= 1, got {getattr(self, name)}")
         if self.recompute not in RECOMPUTE:
@@ -81,6 +90,10 @@ class Layout:
         if seq_len < 1 or seq_len > cfg.max_position_embeddings:
             raise PlanError(f"sequence length {seq_len} is outside 1..{cfg.max_position_embeddings} "
                             "(the model's max_position_embeddings)")
+        try:
+            check_shardable(cfg, seq_len, self.cp)
+        except ValueError as e:
+            raise PlanError(f"layout: {e}") from None
 
 
 def parse_layout(text: str, base: Layout) -> Layout:

@@ -3,8 +3,9 @@
 State follows what trex keeps (docs/optimizers.md, trex.precision, trex.parallel.plan):
 fp32 parameters, which are the master weights (FSDP2's mixed precision, and ComputeCast on one
 process, cast them to the compute dtype per block), fp32 gradients, Muon one fp32 momentum per
-parameter and AdamW two fp32 moments. FSDP shards all of it over dp_shard (experts: ep x
-dp_shard/ep), pipeline stages over pp.
+parameter and AdamW two fp32 moments. FSDP shards all of it over dp_shard x cp (experts: ep x
+dp_shard x cp / ep), pipeline stages over pp. A context-parallel rank keeps the activations of its
+S / cp rows (trex.plan.activations).
 
 A step's memory peaks at one of two moments, and the breakdown keeps what is alive at each:
   backward   activations at their backward peak, the FSDP working set (`gathered`), the fused
@@ -84,17 +85,18 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
     everything already done. Without recomputation the start is the peak; under full recomputation the
     activations are small and the gradients filling in decide it. ``grads_held``: gradient buffers
     exist before this backward (gradient accumulation), so it adds none."""
-    S, mb = seq_len, layout.micro_batch
+    S, mb, cp = seq_len, layout.micro_batch, layout.cp
+    S_local = S // cp  # a context-parallel rank's rows of each sequence
     main = list(zip(cfg.layer_types, cfg.mlp_layer_types))[: cfg.num_hidden_layers // layout.pp]
     n_mtp = cfg.num_nextn_predict_layers
     blocks = main + [(cfg.mtp_layer_type, "moe")] * n_mtp
-    stream = b * cfg.hc_mult * cfg.hidden_size * S  # a block's input, all a checkpointed block keeps
+    stream = b * cfg.hc_mult * cfg.hidden_size * S_local  # a block's input, all a checkpointed block keeps
     # per block: kept from the forward; recomputed in its backward (by then the block's FFN site, run
     # first in backward, has freed what it kept: only the block's input is left of its own)
     saved, rebuilt, workspace = [], [], []
     for lt, mt in blocks:
-        blk, copies = act.block(cfg, lt, mt, S, b), act.weight_copies(cfg, lt, b)
-        workspace.append(act.backward_workspace(cfg, lt, S, b))
+        blk, copies = act.block(cfg, lt, mt, S, b, cp), act.weight_copies(cfg, lt, b)
+        workspace.append(act.backward_workspace(cfg, lt, S, b, cp))
         if layout.recompute == "none":
             saved.append(blk.total + copies)
             rebuilt.append(0.0)
@@ -109,14 +111,14 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
         """Block j's own bytes while its backward runs."""
         return (saved[j] if layout.recompute == "none" else stream + rebuilt[j]) + workspace[j]
 
-    model_level = act.model_level(cfg, S, b)
-    after_heads = act.model_level(cfg, S, b, heads=False)
+    model_level = act.model_level(cfg, S_local, b)
+    after_heads = act.model_level(cfg, S_local, b, heads=False)
     in_flight = min(layout.pp, layout.grad_accum)  # 1F1B: stage 0 holds pp micro-batches
     others = (in_flight - 1) * mb * (sum(saved) + model_level)
-    tokens = mb * S
+    tokens = mb * S_local
     ep_buffers = 2 * b * tokens * cfg.num_experts_per_tok * cfg.hidden_size if layout.ep > 1 else 0.0
-    grad = [0.0 if grads_held else 4 * n / layout.dp_shard for n in facts.block_trainable]
-    heads_grad = 0.0 if grads_held else 4 * (facts.root - facts.by_type["embedding"]) / layout.dp_shard
+    grad = [0.0 if grads_held else 4 * n / layout.fsdp for n in facts.block_trainable]
+    heads_grad = 0.0 if grads_held else 4 * (facts.root - facts.by_type["embedding"]) / layout.fsdp
 
     moments = [BackwardMoment(mb * (sum(saved) + model_level) + others, act.head_backward_workspace(cfg, tokens), 0.0)]
     L = len(main)
@@ -130,30 +132,30 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
 
 
 def memory(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, b: int) -> MemoryBreakdown:
-    shard = layout.dp_shard * layout.pp
+    shard = layout.fsdp * layout.pp
     stored, trainable = facts.stored / shard, facts.trainable / shard
     if layout.optimizer == "muon":
         state = (4 * facts.muon + 8 * facts.adamw) / shard
     else:
         state = 8 * facts.trainable / shard
     gathered = accumulated = 0.0
-    if layout.dp_shard == 1 and b != 4:
+    if layout.fsdp == 1 and b != 4:
         # one process: ComputeCast's per-block casts are saved by the forward's matmuls for backward
         gathered = b * facts.stored / layout.pp
-    elif layout.dp_shard > 1:
+    elif layout.fsdp > 1:
         # FSDP2: the block in use, the one prefetched and one block of unsharded gradients before its
         # reduce-scatter; the root unit (embedding, heads) is not resharded after forward, so its
         # unsharded copy lives through forward and backward
         block = facts.block_dense + facts.block_experts / layout.ep
-        gathered = b * (3 * block + facts.root * (1 - 1 / layout.dp_shard))
-    if layout.grad_accum > 1 and layout.reduce_every_micro_batch and layout.dp_shard > 1:
+        gathered = b * (3 * block + facts.root * (1 - 1 / layout.fsdp))
+    if layout.grad_accum > 1 and layout.reduce_every_micro_batch and layout.fsdp > 1:
         accumulated = 4 * trainable  # every micro-batch reduce-scatters: the sharded gradients accumulate
     elif layout.grad_accum > 1:
         # micro-batches before the last skip the reduce-scatter (no-sync), so FSDP2 accumulates
         # *unsharded* gradients of the whole stage (experts: this rank's ep share), upcast to the
         # fp32 reduce dtype (trex.precision); one process keeps its fp32 gradients
         unsharded = (facts.trainable - facts.experts + facts.experts / layout.ep) / layout.pp
-        accumulated = 4 * unsharded if layout.dp_shard > 1 else 4 * trainable
+        accumulated = 4 * unsharded if layout.fsdp > 1 else 4 * trainable
     if layout.optimizer == "muon":  # momentum direction, X, X X^T products on the largest local matrix
         local_experts = facts.block_experts / 3 / layout.ep
         workspace = 4 * 4 * max(facts.largest_muon_matrix, local_experts)

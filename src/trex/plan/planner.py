@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from trex.hardware import HardwareProfile
 from trex.models.config import ModelConfig
+from trex.models.deepseek_v4 import check_shardable
 from trex.plan.layout import Layout, PlanError
 from trex.plan.memory import HEADROOM, MemoryBreakdown, memory
 from trex.plan.model_facts import ModelFacts, model_facts
@@ -93,8 +94,9 @@ def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: in
            micro_batches: tuple[int, ...] = (1, 2, 4), recompute: tuple[str, ...] = ("none", "selective", "full"),
            pipeline: tuple[int, ...] = (1,)) -> list[Plan]:
     """Every layout on ``devices`` devices that fits and reaches ``global_batch_tokens`` exactly,
-    fastest first. Shard sizes are the divisors of the device count; ep divides both the shard
-    size and the expert count."""
+    fastest first. cp ranges over the divisors of the device count that split the sequence (see
+    trex.models.deepseek_v4.check_shardable), shard sizes over the divisors of what it leaves; ep
+    divides both the shard size and the expert count."""
     if global_batch_tokens % seq_len:
         raise PlanError(f"global batch of {global_batch_tokens} tokens is not a whole number of "
                         f"{seq_len}-token sequences")
@@ -103,8 +105,9 @@ def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: in
     for pp in pipeline:
         if devices % pp or cfg.num_hidden_layers % pp:
             continue
-        for shard in _divisors(devices // pp):
-            replicate = devices // pp // shard
+        for cp, shard in ((c, s) for c in _context_parallel_sizes(cfg, seq_len, devices // pp)
+                          for s in _divisors(devices // pp // c)):
+            replicate = devices // pp // cp // shard
             for ep in (e for e in _divisors(shard) if cfg.n_routed_experts % e == 0):
                 for mb in micro_batches:
                     rows = global_batch_tokens // seq_len
@@ -113,13 +116,25 @@ def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: in
                     ga = rows // (mb * shard * replicate)
                     reduce_options = (False, True) if ga > 1 and shard > 1 else (False,)
                     for rc, offload, every in itertools.product(recompute, (False, True), reduce_options):
-                        layout = Layout(dp_shard=shard, dp_replicate=replicate, ep=ep, pp=pp, micro_batch=mb,
+                        layout = Layout(dp_shard=shard, dp_replicate=replicate, ep=ep, cp=cp, pp=pp, micro_batch=mb,
                                         grad_accum=ga, recompute=rc, optimizer=optimizer, offload_optimizer=offload,
                                         reduce_every_micro_batch=every)
                         plan = make_plan(cfg, layout, seq_len, hw, assume)
                         if plan.fits:
                             plans.append(plan)
     return sorted(plans, key=lambda p: p.time.total)
+
+
+def _context_parallel_sizes(cfg: ModelConfig, seq_len: int, devices: int) -> list[int]:
+    """The cp sizes a search tries: divisors of ``devices`` that split ``seq_len``."""
+    sizes = []
+    for cp in _divisors(devices):
+        try:
+            check_shardable(cfg, seq_len, cp)
+        except ValueError:
+            continue
+        sizes.append(cp)
+    return sizes
 
 
 def minimum_devices(cfg: ModelConfig, seq_len: int, hw: HardwareProfile, candidates: list[int],

@@ -61,7 +61,7 @@ def plan_table(plan: Plan) -> str:
                  f"TFLOP/s {plan.assumptions.dtype} per {hw.unit})")
     a = plan.assumptions
     lines.append(f"assumptions compute efficiency {a.compute_efficiency:.0%}, FSDP overlap {a.fsdp_overlap:.0%}, "
-                 f"EP overlap {a.ep_overlap:.0%}, links {hw.intra_node_gbps:g}/{hw.inter_node_gbps:g} GB/s "
+                 f"EP overlap {a.ep_overlap:.0%}, CP overlap {a.cp_overlap:.0%}, links {hw.intra_node_gbps:g}/{hw.inter_node_gbps:g} GB/s "
                  f"intra/inter node, {hw.devices_per_node} per node")
     lines += [f"note        {n}" for n in plan.notes]
     return "\n".join(lines)

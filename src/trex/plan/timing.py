@@ -7,7 +7,13 @@ Communication per step and device, ring algorithms (a device moves (g-1)/g of th
          dtype), reduce-scatter of gradients once per step (fp32, trex's reduce dtype), or once
          per micro-batch with ``reduce_every_micro_batch``;
   HSDP   all-reduce of the sharded gradients over dp_replicate;
-  EP     all-to-all dispatch and combine of k copies of every token, forward and backward.
+  EP     all-to-all dispatch and combine of k copies of every token, forward and backward;
+  CP     per layer and micro-batch, forward and backward (and again in a recompute): the halo
+         exchange of the layer's input rows with the neighbours, the all-gather of the compressed
+         entries (and the indexer's keys, forward only), the reduce-scatter of their gradients.
+Context-parallel ranks of one group wait for the busiest: with contiguous shards the last one,
+whose queries see the most compressed entries (HCA attention and the CSA indexer's scores grow with
+the position); its FLOPs per token are the mean over the last S / cp positions.
 A group of g ranks runs at the intra-node bandwidth when it fits in one node, at the
 inter-node bandwidth otherwise. ``fsdp_overlap`` / ``ep_overlap`` of that time hides behind
 compute (never more than the compute itself). Optimizer: the Newton-Schulz FLOPs of Muon split
@@ -19,7 +25,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from trex.hardware import HardwareProfile
-from trex.models.config import ModelConfig
+from trex.models.config import CSA, ModelConfig
+from trex.models.deepseek_v4 import shard_halo
 from trex.models.flops import FlopsPerToken, flops_per_token
 from trex.plan.layout import Layout
 from trex.plan.model_facts import ModelFacts
@@ -41,6 +48,7 @@ class TimeAssumptions:
     compute_efficiency: float = 0.55  # achieved / peak FLOP/s of the model's kernels while computing
     fsdp_overlap: float = 0.9  # share of FSDP traffic hidden behind compute (prefetch)
     ep_overlap: float = 0.5  # share of EP all-to-all hidden behind compute
+    cp_overlap: float = 0.0  # share of CP traffic hidden behind compute (eager trex waits for each)
     dtype: str = "bf16"
 
 
@@ -52,6 +60,7 @@ class StepTime:
     recompute: float
     fsdp_comm: float
     ep_comm: float
+    cp_comm: float
     exposed_comm: float
     bubble: float
     optimizer: float
@@ -77,13 +86,43 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str) ->
     return (f.dense_matmuls + f.attention_core) / 3 - moe_dense + f.indexer
 
 
+def busiest_shard_flops(cfg: ModelConfig, seq_len: int, cp: int) -> float:
+    """Training FLOPs per token of the last of ``cp`` contiguous shards: the mean over its positions
+    (``flops_per_token(S)`` is the mean over positions 0..S-1, so a sum over positions is S times it)."""
+    total = training_flops(cfg, seq_len).total
+    if cp == 1:
+        return total
+    before = seq_len - seq_len // cp
+    return (seq_len * total - before * training_flops(cfg, before).total) / (seq_len - before)
+
+
+def cp_traffic(cfg: ModelConfig, seq_len: int, b: int) -> tuple[float, float]:
+    """Context-parallel bytes per sequence row and pass (forward and backward), for one rank:
+    (halo bytes it sends to its neighbours: each layer's input rows forward, their gradients backward;
+    ring-collective buffer bytes: each compressed layer's entries, all-gathered forward and their
+    gradients reduce-scattered backward, and the CSA indexer's keys, forward only)."""
+    halo = gathered = 0.0
+    for lt in (*cfg.layer_types, *[cfg.mtp_layer_type] * cfg.num_nextn_predict_layers):
+        halo += 2 * b * cfg.hidden_size * sum(shard_halo(cfg, lt))
+        m = cfg.compress_rate(lt)
+        if m:
+            gathered += 2 * b * cfg.head_dim * (seq_len // m)
+            if lt == CSA:
+                gathered += b * cfg.index_head_dim * (seq_len // m)
+    return halo, gathered
+
+
+def _bandwidth(group: int, hw: HardwareProfile, span: int = 1) -> float:
+    """Bytes/s between ranks of a group of ``group`` spaced ``span`` apart: intra-node when it fits."""
+    within_node = group * span <= hw.devices_per_node
+    return (hw.intra_node_gbps if within_node else hw.inter_node_gbps) * 1e9
+
+
 def _group_seconds(nbytes: float, group: int, hw: HardwareProfile, span: int = 1) -> float:
     """A ring collective moving ``nbytes`` in a group of ``group`` ranks spaced ``span`` apart."""
     if group <= 1:
         return 0.0
-    within_node = group * span <= hw.devices_per_node
-    bw = (hw.intra_node_gbps if within_node else hw.inter_node_gbps) * 1e9
-    return nbytes * (group - 1) / group / bw
+    return nbytes * (group - 1) / group / _bandwidth(group, hw, span)
 
 
 def step_time(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, hw: HardwareProfile,
@@ -91,12 +130,11 @@ def step_time(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int,
     tokens_per_device = layout.micro_batch * seq_len * layout.grad_accum * layout.dp_replicate * layout.dp_shard \
         / layout.devices
     rate = hw.peak_flops(assume.dtype) * assume.compute_efficiency
-    model_flops = training_flops(cfg, seq_len).total
-    compute = tokens_per_device * model_flops / rate
+    compute = tokens_per_device * busiest_shard_flops(cfg, seq_len, layout.cp) / rate
     recompute = tokens_per_device * recompute_flops_per_token(cfg, seq_len, layout.recompute) / rate
 
     micro = layout.grad_accum
-    shard, ef = layout.dp_shard, layout.dp_shard // layout.ep
+    shard, ef = layout.fsdp, layout.fsdp // layout.ep
     dense = facts.dense / layout.pp
     experts = facts.experts / layout.pp / layout.ep
     gather = 2 * micro * (_group_seconds(b * dense, shard, hw) + _group_seconds(b * experts, ef, hw, layout.ep))
@@ -107,19 +145,24 @@ def step_time(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int,
 
     layers = cfg.num_hidden_layers // layout.pp + cfg.num_nextn_predict_layers
     a2a_bytes = 4 * b * layout.micro_batch * seq_len * cfg.num_experts_per_tok * cfg.hidden_size * layers * micro
-    ep = _group_seconds(a2a_bytes, layout.ep, hw)
+    ep = _group_seconds(a2a_bytes / layout.cp, layout.ep, hw)
+    cp = 0.0
+    if layout.cp > 1:  # a recompute (selective or full) runs the attention's collectives again
+        passes = micro * layout.micro_batch * (1.5 if layout.recompute != "none" else 1)
+        halo, gathered = cp_traffic(cfg, seq_len, b)
+        cp = passes * (halo / _bandwidth(layout.cp, hw) + _group_seconds(gathered, layout.cp, hw))
 
     busy = compute + recompute
-    hidden = min(busy, assume.fsdp_overlap * fsdp + assume.ep_overlap * ep)
-    exposed = fsdp + ep - hidden
+    hidden = min(busy, assume.fsdp_overlap * fsdp + assume.ep_overlap * ep + assume.cp_overlap * cp)
+    exposed = fsdp + ep + cp - hidden
     bubble = (layout.pp - 1) / layout.grad_accum * busy if layout.pp > 1 else 0.0
 
     optimizer = 0.0
     if layout.optimizer == "muon":
-        optimizer += facts.muon_ns_flops / (layout.dp_shard * layout.pp) / rate
+        optimizer += facts.muon_ns_flops / (layout.fsdp * layout.pp) / rate
     if layout.offload_optimizer:
         state = (4 * facts.muon + 8 * facts.adamw) if layout.optimizer == "muon" else 8 * facts.trainable
         link = hw.host_link_gbps or hw.inter_node_gbps
-        optimizer += 2 * state / (layout.dp_shard * layout.pp) / (link * 1e9)
-    return StepTime(compute=compute, recompute=recompute, fsdp_comm=fsdp, ep_comm=ep, exposed_comm=exposed,
+        optimizer += 2 * state / (layout.fsdp * layout.pp) / (link * 1e9)
+    return StepTime(compute=compute, recompute=recompute, fsdp_comm=fsdp, ep_comm=ep, cp_comm=cp, exposed_comm=exposed,
                     bubble=bubble, optimizer=optimizer)

@@ -88,7 +88,7 @@ class DistillObjective(Objective):
         self.weights = [t.weight for t in self.cfg.teachers]
         self.prompts = load_prompts(self.cfg.prompts, ctx.tokenizer, self.thinking)
         self.eval_sets = load_eval_sets(self.cfg.eval_prompts, ctx.tokenizer, self.thinking, self.cfg.eval_limit,
-                                        par.world_size, "distill")
+                                        par.data_world, "distill")
         self.eval_prompts = [p for prompts in self.eval_sets.values() for p in prompts]
         self.order = PromptOrder(len(self.prompts), self.cfg.prompts_per_step, par, self.cfg.seed, "distill")
         self.generator = rank_generator(self.cfg.seed, par)
@@ -149,7 +149,7 @@ class DistillObjective(Objective):
         if not self.eval_prompts:
             return {}
         ctx, par = self.ctx, self.ctx.par
-        mine = self.eval_prompts[par.rank::par.world_size]
+        mine = self.eval_prompts[par.data_rank::par.data_world]
         r = self._rollouts(model, mine, rank_generator(EVAL_SEED, par))
         sums = torch.zeros(1 + len(self.teachers), dtype=torch.float64, device=ctx.dev.torch_device)
         with evaluating(model):

@@ -99,7 +99,7 @@ class DPOObjective(Objective):
         recipe, par = ctx.recipe, ctx.par
         self.ctx, self.cfg = ctx, recipe.dpo
         self.pairs = read_pairs(recipe.data, ctx.tokenizer, BadRecordPolicy(recipe.data.bad_record_policy))
-        self.loader = PairLoader(self.pairs, recipe.data.micro_batch_size, par.rank, par.world_size,
+        self.loader = PairLoader(self.pairs, recipe.data.micro_batch_size, par.data_rank, par.data_world,
                                  recipe.data.seed, ctx.tokenizer.pad_id, recipe.data.seq_len, recipe.data.shuffle)
         self.held_out: PreferencePairs | None = None
         if recipe.eval.paths:
@@ -120,7 +120,7 @@ class DPOObjective(Objective):
         """(index, batch) over every pair once, this rank's share; an empty share (index []) still
         yields a batch (of pair 0) to run, so sharded ranks make the same forward calls."""
         ctx = self.ctx
-        for index in sweep(len(pairs), ctx.recipe.data.micro_batch_size, ctx.par.rank, ctx.par.world_size):
+        for index in sweep(len(pairs), ctx.recipe.data.micro_batch_size, ctx.par.data_rank, ctx.par.data_world):
             batch = collate(pairs, index if len(index) else np.zeros(1, dtype=np.int64), ctx.tokenizer.pad_id,
                             ctx.recipe.data.seq_len)
             yield index, batch.to(ctx.dev.torch_device)

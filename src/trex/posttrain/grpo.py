@@ -105,7 +105,7 @@ class GRPOObjective(Objective):
             raise ValueError("grpo.prompts is empty; expected JSONL files of {\"prompt\" | \"messages\", \"answer\"}")
         self.prompts = load_prompts(self.cfg.prompts, ctx.tokenizer, self.thinking)
         self.eval_sets = load_eval_sets(self.cfg.eval_prompts, ctx.tokenizer, self.thinking, self.cfg.eval_limit,
-                                        par.world_size, "grpo")
+                                        par.data_world, "grpo")
         self.rewards = RewardSet.load(self.cfg.rewards, self.cfg.reward_weights)
         self.order = PromptOrder(len(self.prompts), self.cfg.prompts_per_step, par, self.cfg.seed, "grpo")
         self.generator = torch.Generator().manual_seed(self.cfg.seed)  # alike on every rank: rank_uniforms

@@ -43,8 +43,9 @@ class StepResult:
     loss: torch.Tensor
     """Scalar objective loss of the step over all ranks (detached): the guard's loss and the "loss" metric."""
     tokens: int | torch.Tensor
-    """Tokens processed this step on all ranks (throughput and MFU); a 0-d tensor stays on the device
-    until the loop's one read of the step's scalars."""
+    """Tokens processed this step, summed over all ranks (throughput and MFU; the ranks of a
+    context-parallel group each count their shared rows, and the loop divides by cp); a 0-d tensor
+    stays on the device until the loop's one read of the step's scalars."""
     metrics: dict[str, float | torch.Tensor] = field(default_factory=dict)
     """Extra metrics (mtp_loss, reward_margin, kl, ...) for metrics.jsonl and TensorBoard; 0-d tensors
     are read with the loss, once per step."""

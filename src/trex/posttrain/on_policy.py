@@ -21,6 +21,7 @@ from trex.data.loader import Batch
 from trex.data.packing import IGNORE_INDEX
 from trex.data.records import BadRecordError, iter_records
 from trex.data.tokenizer import Tokenizer
+from trex.models.deepseek_v4 import shardable_length
 from trex.parallel.mesh import Parallel
 from trex.posttrain.objective import reshard
 from trex.posttrain.rewards import Completion, exact_match
@@ -115,8 +116,9 @@ class PromptOrder:
     The position is all that resume needs."""
 
     def __init__(self, n_prompts: int, per_step: int, par: Parallel, seed: int, where: str):
-        if per_step % par.world_size:
-            raise ValueError(f"{where}.prompts_per_step = {per_step} is not divisible by the {par.world_size} ranks")
+        if per_step % par.data_world:
+            raise ValueError(f"{where}.prompts_per_step = {per_step} is not divisible by the {par.data_world} "
+                             "data-parallel ranks")
         if per_step > n_prompts:
             raise ValueError(f"{where}.prompts_per_step = {per_step} exceeds the {n_prompts} prompts")
         self.n, self.per_step, self.par, self.seed = n_prompts, per_step, par, seed
@@ -129,8 +131,8 @@ class PromptOrder:
         order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
         step = order[self.pos:self.pos + self.per_step]
         self.pos += self.per_step
-        share = self.per_step // self.par.world_size
-        return step[self.par.rank * share:(self.par.rank + 1) * share].tolist()
+        share = self.per_step // self.par.data_world
+        return step[self.par.data_rank * share:(self.par.data_rank + 1) * share].tolist()
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos}
@@ -149,18 +151,19 @@ def set_generator_state(g: torch.Generator, text: str) -> None:
 
 
 def rank_generator(seed: int, par: Parallel) -> torch.Generator:
-    """The sampler's CPU generator: seeded per rank, so ranks draw different samples."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + par.rank)
+    """The sampler's CPU generator: seeded per data-parallel rank, so those draw different samples (and the
+    ranks of a context-parallel group, which share their rows, the same)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + par.data_rank)
 
 
 def rank_uniforms(generator: torch.Generator, rows: int, max_new_tokens: int, par: Parallel) -> torch.Tensor:
     """The sampler's draws for one step: ``[rows, max_new_tokens]`` uniforms for the step's rows over
     all ranks, drawn alike on every rank from a ``generator`` seeded alike, of which this rank keeps
-    its equal block of rows (``[rows / world_size, max_new_tokens]``). A row's completion then
+    its equal block of rows (``[rows / data_world, max_new_tokens]``). A row's completion then
     depends only on its place in the step, not on how the step is split over ranks."""
     every = torch.rand(rows, max_new_tokens, generator=generator)
-    share = rows // par.world_size
-    return every[par.rank * share:(par.rank + 1) * share]
+    share = rows // par.data_world
+    return every[par.data_rank * share:(par.data_rank + 1) * share]
 
 
 @dataclass
@@ -198,7 +201,10 @@ def roll_out(model, prompts: list[list[int]], params: SamplingParams, tokenizer:
                               uniforms=uniforms)
     reshard(model)  # FSDP2 leaves the root gathered after no-grad forwards; the next backward needs it sharded
     rows = [p + c for p, c in zip(samples.prompt_ids, samples.completion_ids)]
-    ids, docs = left_pad(rows, tokenizer.pad_id, device)
+    # under context parallelism the rows must split into the group's shards: padded to such a length
+    shard = getattr(model, "sequence_shard", None)
+    width = shardable_length(model.cfg, max(map(len, rows)), shard.size if shard is not None else 1)
+    ids, docs = left_pad(rows, tokenizer.pad_id, device, width)
     width = ids.shape[1]
     mask = torch.zeros(ids.shape, dtype=torch.bool)
     sampler_logp = torch.zeros(ids.shape, dtype=torch.float32)
@@ -220,7 +226,7 @@ def completions(rollouts: Rollouts, prompts: list[Prompt], thinking: bool) -> li
 def greedy_exact_match(model, prompts: list[Prompt], tokenizer: Tokenizer, thinking: bool, section,
                        par: Parallel, device: torch.device) -> float:
     """Fraction of held-out prompts (every rank a share) whose greedy answer equals ``answer``."""
-    mine = prompts[par.rank::par.world_size]  # non-empty: the objectives check len(prompts) >= world size
+    mine = prompts[par.data_rank::par.data_world]  # non-empty: the objectives check len(prompts) >= data_world
     rolled = roll_out(model, [p.ids for p in mine], sampling_params(section, tokenizer, greedy=True), tokenizer,
                       None, section.batch_size, device)
     correct = sum(exact_match(c) for c in completions(rolled, mine, thinking))

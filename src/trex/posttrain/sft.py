@@ -90,11 +90,11 @@ class SFTObjective(Objective):
     def __init__(self, ctx: TrainContext):
         recipe, par = ctx.recipe, ctx.par
         self.ctx = ctx
-        self.loader = build_loader(recipe.data, rank=par.rank, world_size=par.world_size, tokenizer=ctx.tokenizer)
+        self.loader = build_loader(recipe.data, rank=par.data_rank, world_size=par.data_world, tokenizer=ctx.tokenizer)
         self.eval_loader = None
         if recipe.eval.paths:
             held_out = dataclasses.replace(recipe.data, paths=list(recipe.eval.paths), shuffle=False)
-            self.eval_loader = build_loader(held_out, rank=par.rank, world_size=par.world_size,
+            self.eval_loader = build_loader(held_out, rank=par.data_rank, world_size=par.data_world,
                                             tokenizer=ctx.tokenizer, paths_key="eval.paths")
 
     def step(self, model: DeepseekV4, step: int, scaler) -> StepResult:

@@ -95,9 +95,11 @@ def _agree_max(value: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [B, L], doc_ids [B, L]): prompts right-aligned; padding is document 0, prompts document 1."""
-    width = max(len(p) for p in prompts)
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device,
+             width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, L], doc_ids [B, L]): prompts right-aligned; padding is document 0, prompts document 1.
+    L = the longest prompt, or ``width`` (at least that)."""
+    width = max(width or 0, max(len(p) for p in prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     docs = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):

@@ -35,6 +35,7 @@ from trex.data import load_tokenizer
 from trex.data.tokenizer import Tokenizer, compact_tokenizer
 from trex.hardware import profile_for_device_name
 from trex.models import DeepseekV4, build_model, get_preset
+from trex.models.deepseek_v4 import check_shardable
 from trex.models.flops import flops_per_token
 from trex.parallel.load import load_sharded
 from trex.parallel.mesh import Parallel, init_parallel
@@ -46,6 +47,7 @@ from trex.posttrain.objective import reshard
 from trex.posttrain.sft import accumulate_gradients
 from trex.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy, StepGuard
 from trex.train.config import TrainRecipe
+from trex.train.dry_run import model_config
 from trex.train.moe_balance import freeze_indexer
 from trex.train.optim import build_optimizer
 from trex.train.progress import StepProgress
@@ -217,7 +219,7 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
     dev.set_current()
     layout = recipe.parallel
     par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev,
-                        trace_dir=os.path.join(cfg_train.out, "flight_recorder"))
+                        trace_dir=os.path.join(cfg_train.out, "flight_recorder"), cp=layout.cp)
     heartbeat.start()
     dev.manual_seed(cfg_train.seed)  # the same on every rank: identical initial weights
     compiled = cfg_train.compile_on(dev)
@@ -236,6 +238,11 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
         apply_parallelism(m, par, policy, layout.activation_checkpointing, layout.reduce_every_micro_batch,
                           compile=compiled)
 
+    if layout.cp > 1:  # every row of SFT/CPT and DPO is data.seq_len long
+        try:
+            check_shardable(model.cfg if model is not None else model_config(recipe), recipe.data.seq_len, layout.cp)
+        except ValueError as e:
+            raise ValueError(f"data.seq_len = {recipe.data.seq_len} with parallel.cp = {layout.cp}: {e}") from None
     if model is None and recipe.model.path and par.distributed:
         model = load_sharded(recipe.model.path, prepare, dev.torch_device)  # each rank reads its shards
         check_vocab(model, tokenizer)
@@ -345,7 +352,7 @@ def _run_steps(r: _Run) -> None:
 def _step_metrics(r: _Run, step: int, read: dict, imbalance: dict, lr: float, dt: float) -> dict:
     """The metrics line of ``step`` from its scalars (``read``, one host read), its wall time ``dt``
     in seconds and the per-layer expert imbalance; counts the step's tokens into the run."""
-    step_tokens = int(read.pop("tokens"))
+    step_tokens = int(read.pop("tokens")) // r.par.cp  # a context-parallel group's ranks each count its rows
     r.tokens += step_tokens
     mfu = step_tokens / dt * r.flops / (r.peak * r.par.world_size) if r.peak else None
     if (mfu or 0) > 1 and not r.mfu_warned:
@@ -383,5 +390,5 @@ def _summary(r: _Run, wall_time_s: float) -> dict:
         "peak_flops": r.peak,
         "peak_flops_source": r.peak_source,
         "parallel": {"world_size": r.par.world_size, "dp_replicate": r.par.dp_replicate, "dp_shard": r.par.dp_shard,
-                     "ep": r.par.ep, "activation_checkpointing": layout.activation_checkpointing},
+                     "ep": r.par.ep, "cp": r.par.cp, "activation_checkpointing": layout.activation_checkpointing},
     }

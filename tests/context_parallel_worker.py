@@ -1,0 +1,74 @@
+"""One SFT step's forward and backward of the tiny model at a layout, for tests/test_context_parallel.py.
+
+    torchrun --nproc-per-node N tests/context_parallel_worker.py OUT.pt DP_SHARD EP CP [COMPILED]
+    python tests/context_parallel_worker.py OUT.pt            (one process: the reference)
+
+COMPILED = 1: every block checkpointed (full) and compiled with fullgraph=True (the aot_eager
+backend: the graphs, partitioned for the recompute as Inductor's are, without code generation).
+
+The global batch (ROWS rows of SEQ tokens, packed documents that cross every shard boundary) is the
+same at every layout; each data-parallel rank takes its rows. Rank 0 saves the step's loss, the
+per-token NLL of its rows and every parameter's full gradient.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from trex import device as device_layer
+from trex.data.loader import Batch
+from trex.models import build_model
+from trex.models.config import tiny
+from trex.parallel.mesh import init_parallel, shutdown_distributed
+from trex.parallel.plan import apply_activation_checkpointing, apply_compile, apply_parallelism
+from trex.posttrain.objective import next_token_nll
+from trex.posttrain.sft import accumulate_gradients
+from trex.precision import DynamicLossScaler, PrecisionPolicy
+from trex.train.config import TrainSection
+
+ROWS, SEQ = 4, 64
+# document lengths per row: boundaries inside shards, on shard edges (16, 32, 48) and windows cut by them
+DOCS = [[5, 30, 29], [17, 3, 44], [16, 16, 32], [64]]
+
+
+def global_batch() -> Batch:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (ROWS, SEQ), generator=g)
+    docs = torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(row)]) for row in DOCS])
+    labels = ids.clone()
+    labels[0, :9] = -100  # an unlabelled prompt
+    return Batch(ids, labels, docs, 0, ids.numel())
+
+
+def rows(batch: Batch, index: slice) -> Batch:
+    return Batch(batch.input_ids[index], batch.labels[index], batch.doc_ids[index], 0, batch.input_ids[index].numel())
+
+
+def step(out: str, dp_shard: int = 1, ep: int = 1, cp: int = 1, compiled: int = 0) -> None:
+    dev = device_layer.Device("cpu")
+    par = init_parallel(1, dp_shard, ep, 120, dev, cp=cp)
+    model = build_model(tiny(), seed=0).train()
+    if compiled:  # the plan's order: activation checkpointing, compile, then (below) CP, EP and FSDP2
+        apply_activation_checkpointing(model, "full")
+        apply_compile(model, fullgraph=True, backend="aot_eager")
+    apply_parallelism(model, par, PrecisionPolicy.resolve("fp32", dev))
+    per_rank = ROWS // par.data_world
+    mine = rows(global_batch(), slice(par.data_rank * per_rank, (par.data_rank + 1) * per_rank))
+    lm, mtp, _ = accumulate_gradients(model, [mine], TrainSection(mtp_weight=0.3, balance_alpha=0.01),
+                                      DynamicLossScaler(enabled=False), par)
+    loss = par.all_reduce_sum(torch.stack([lm, mtp]))
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+             for n, p in model.named_parameters() if p.grad is not None}
+    with torch.no_grad():
+        nll = next_token_nll(model, mine.input_ids, mine.doc_ids, heads=2).token_nll
+    if par.rank == 0:
+        torch.save({"loss": loss, "nll": [t[:1] for t in nll], "grads": grads}, out)
+    del model
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    out, *layout = sys.argv[1:]
+    step(out, *map(int, layout))

@@ -1,0 +1,179 @@
+"""Context parallelism: a sequence split over cp ranks computes what one process computes.
+
+The arithmetic (layouts grouped by shard and their canonical order, the split check) is tested in one process;
+the collectives with torchrun on gloo: one SFT step of the tiny model (every layer type, hash and
+score-routed MoE, MTP, packed documents crossing shard boundaries) at cp = 2 and 4 and at FSDP2 +
+EP + cp, against one process; and 20 steps of `trex train` at cp = 2 against one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import context_parallel_worker as worker
+from trex.models.config import tiny
+from trex.models.deepseek_v4 import SeqContext, check_shardable
+from trex.parallel.mesh import ParallelSection, resolve_layout
+from test_distributed import _free_port, torchrun
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---- one process: the arithmetic ------------------------------------------------------------------------
+class _Shard:
+    """A SequenceShard for layout arithmetic only (no collectives are called)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+
+def test_layout_grouped_by_shard_shows_each_query_the_same_windows():
+    batch = worker.global_batch()
+    cfg = tiny()
+    whole = SeqContext(cfg, batch.input_ids, batch.doc_ids)
+    for size in (2, 4):
+        sharded = SeqContext(cfg, batch.input_ids, batch.doc_ids, shard=_Shard(0, size))
+        for m in (4, 8):
+            a, b = whole.layout(m), sharded.layout(m)
+            assert b.n == a.n and b.per_shard * size == b.n
+            seen_a = a.visible(0, worker.SEQ)[..., None] & a.valid[:, None, :, None]
+            # the same window starts seen by every query, wherever the layout keeps them
+            starts_a = torch.where(a.visible(0, worker.SEQ), a.starts[:, None, :], -1).sort(-1).values
+            starts_b = torch.where(b.visible(0, worker.SEQ), b.starts[:, None, :], -1).sort(-1).values
+            assert torch.equal(starts_a, starts_b), (size, m)
+            assert seen_a.any()  # the batch has windows to see
+            # each shard's entries are the windows that start in it
+            L = worker.SEQ // size
+            owner = torch.where(b.valid, b.starts // L, -1)
+            expected = torch.arange(size).repeat_interleave(b.per_shard).expand_as(owner)
+            assert torch.equal(owner[b.valid], expected[b.valid])
+
+
+def test_split_check_names_lengths_that_work():
+    cfg = tiny()  # window 8 (halo 7), compression rates 4 and 8
+    check_shardable(cfg, 64, 4)
+    check_shardable(cfg, 1000, 1)
+    with pytest.raises(ValueError, match=r"multiple of 16 .* 48 or 64 would work"):
+        check_shardable(cfg, 50, 2)
+    with pytest.raises(ValueError, match=r"at least 7"):
+        check_shardable(cfg, 32, 8)  # 4 tokens a shard: shorter than the halo
+
+
+def test_canonical_order_puts_the_entries_as_one_process_does():
+    batch = worker.global_batch()
+    cfg = tiny()
+    whole = SeqContext(cfg, batch.input_ids, batch.doc_ids)
+    assert whole.layout(4).canonical is None
+    for size in (2, 4):
+        sharded = SeqContext(cfg, batch.input_ids, batch.doc_ids, shard=_Shard(1, size))
+        for m in (4, 8):
+            a, b = whole.layout(m), sharded.layout(m)
+            order = b.canonical
+            assert torch.equal(b.starts.gather(1, order), a.starts)  # valid entries by start, then padding
+            for t0, t1 in ((0, 16), (16, 40)):
+                seen = b.visible(t0, t1).gather(2, order[:, None, :].expand(-1, t1 - t0, -1))
+                assert torch.equal(seen, a.visible(t0, t1))
+
+
+def test_layout_sizes_count_cp_ranks():
+    assert ParallelSection(cp=2).world_size(8) == 8
+    assert resolve_layout(1, -1, 2, 8, cp=2) == (1, 4, 2)
+    with pytest.raises(ValueError, match="dp_replicate x cp"):
+        resolve_layout(1, -1, 1, 6, cp=4)
+
+
+# ---- torchrun on gloo: the collectives ------------------------------------------------------------------
+def _gradient_errors(ref: dict, got: dict) -> dict[str, float]:
+    """Each tensor's gradient error ||got - ref|| relative to max(||ref||, the norm it would have at the
+    model's RMS gradient per element): 1e-5 relative for every gradient, and for one that nearly cancels
+    (mHC biases and scales, a norm 1e-3 of the typical size) 1e-5 of the typical size, as fp32 sums of
+    the same terms in another order (over shards, not over the sequence) differ by more than 1e-5 of
+    such a gradient."""
+    total = torch.cat([g.flatten() for g in ref.values()])
+    rms = total.norm() / total.numel() ** 0.5
+    return {name: ((got[name] - g).norm() / torch.maximum(g.norm(), rms * g.numel() ** 0.5)).item()
+            for name, g in ref.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process on the whole batch."""
+    d = tmp_path_factory.mktemp("cp_ref")
+    worker.step(str(d / "one.pt"))
+    return torch.load(d / "one.pt")
+
+
+def _run_worker(tmp_path, nproc: int, dp_shard: int, ep: int, cp: int, compiled: int) -> dict:
+    out = tmp_path / f"cp{cp}_dp{dp_shard}_ep{ep}.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
+           os.path.join(HERE, "context_parallel_worker.py"), str(out), str(dp_shard), str(ep), str(cp), str(compiled)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,dp_shard,ep,cp,compiled", [(2, 1, 1, 2, 0), (4, 1, 1, 4, 0), (4, 2, 2, 2, 0),
+                                                           (2, 1, 1, 2, 1)],
+                         ids=["cp2", "cp4", "fsdp2-ep2-cp2", "cp2-checkpointed-compiled"])
+def test_sharded_sequence_gives_the_losses_and_gradients_of_one_process(tmp_path, reference, nproc, dp_shard, ep, cp,
+                                                                       compiled):
+    one = reference
+    got = _run_worker(tmp_path, nproc, dp_shard, ep, cp, compiled)
+    assert torch.allclose(got["loss"], one["loss"], rtol=1e-5, atol=0)
+    for a, b in zip(one["nll"], got["nll"]):  # every position of a row, gathered from its shards
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert got["grads"].keys() == one["grads"].keys()
+    errors = _gradient_errors(one["grads"], got["grads"])
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-5, f"{worst}: gradient error {errors[worst]:.2e}"
+
+
+@pytest.mark.slow
+def test_twenty_steps_at_cp2_match_one_process(tmp_path):
+    from test_distributed import _losses
+    from trex.data.arithmetic import ArithmeticTask, generate, sft_records
+    from trex.data.records import write_jsonl
+
+    problems, _ = generate(ArithmeticTask(digits=2, n_train=300, n_eval=10))
+    write_jsonl(tmp_path / "sft.jsonl", sft_records(problems))
+    (tmp_path / "recipe.toml").write_text("# everything set on the command line\n")
+    args = ["train", str(tmp_path / "recipe.toml"), "--set", f'data.paths=["{tmp_path}/sft.jsonl"]',
+            "--set", 'data.tokenizer="compact"', "--set", "data.seq_len=64", "--set", "data.micro_batch_size=2",
+            "--set", "train.steps=20", "--set", "optim.lr=3e-3", "--set", "train.progress=false",
+            "--set", "train.balance_alpha=0.01"]
+    runs = {}
+    for name, nproc, extra in (("one", 1, []), ("cp2", 2, ["--set", "parallel.cp=2"])):
+        proc = torchrun(nproc, [*args, "--out", str(tmp_path / name), *extra])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = tmp_path / name
+    compare = subprocess.run([sys.executable, "-m", "trex", "fidelity", "compare", str(runs["cp2"]), str(runs["one"]),
+                              "--profile", "layout"], capture_output=True, text=True, timeout=120)
+    assert compare.returncode == 0, compare.stdout + compare.stderr
+    assert len(_losses(runs["cp2"])) == 20
+    summary = json.loads((runs["cp2"] / "summary.json").read_text())
+    assert summary["parallel"]["cp"] == 2
+    one = [json.loads(line) for line in open(runs["one"] / "metrics.jsonl")]
+    cp2 = [json.loads(line) for line in open(runs["cp2"] / "metrics.jsonl")]
+    assert [m["tokens"] for m in one] == [m["tokens"] for m in cp2]  # a cp group counts its rows once
+
+
+@pytest.mark.slow
+def test_a_sequence_the_layout_cannot_split_fails_before_step_one(tmp_path):
+    (tmp_path / "recipe.toml").write_text("# everything set on the command line\n")
+    cmd = [sys.executable, "-m", "trex", "launch", "--nproc-per-node=2", f"--master-port={_free_port()}", "train",
+           str(tmp_path / "recipe.toml"), "--out", str(tmp_path / "run"), "--set", "parallel.cp=2",
+           "--set", "data.seq_len=100", "--set", "train.steps=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]  # a user error
+    assert "data.seq_len = 100 with parallel.cp = 2" in proc.stderr and "would work" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
