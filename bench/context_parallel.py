@@ -25,17 +25,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_step import BENCH_CONFIG, write_docs_section  # noqa: E402
+from model_step import BENCH_CONFIG, _status_kib, write_docs_section  # noqa: E402
 
 MARK_BEGIN, MARK_END = "<!-- context-parallel-bench:begin -->", "<!-- context-parallel-bench:end -->"
-
-
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
 
 
 def child(seq: int, steps: int, out: str) -> None:
@@ -71,9 +63,9 @@ def child(seq: int, steps: int, out: str) -> None:
         return time.perf_counter() - t0
 
     step()  # warm-up: the first step allocates the gradients
-    before = _kib("VmRSS")
+    before = _status_kib("VmRSS")
     times = sorted(step() for _ in range(steps))
-    result = {"peak_step_kib": _kib("VmHWM") - before, "step_s": times[len(times) // 2]}
+    result = {"peak_step_kib": _status_kib("VmHWM") - before, "step_s": times[len(times) // 2]}
     if world > 1:
         gathered = [None] * world
         dist.all_gather_object(gathered, result)
