@@ -130,11 +130,17 @@ def test_resume_mid_dpo_reproduces_the_losses(pair_files, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_process_fsdp_gives_the_losses_of_one_process(pair_files, tmp_path):
+@pytest.mark.parametrize("layout", ["fsdp2", "cp2"])
+def test_two_process_fsdp_gives_the_losses_of_one_process(pair_files, tmp_path, layout):
+    """2-process FSDP, or a context-parallel pair of ranks splitting every row (seq_len 32: a multiple
+    of cp x 8 and of the window halo), logs the losses and rewards of one process."""
+    seq, split = (24, ["parallel.dp_shard=2"]) if layout == "fsdp2" else (32, ["parallel.dp_shard=1", "parallel.cp=2"])
+
     def args(out, nproc):
+        rows = 4 // nproc if layout == "fsdp2" else 4
         return ["train", str(pair_files / "recipe.toml"), "--out", str(out), "--set", 'train.mode="dpo"',
                 "--set", f'data.paths=["{pair_files}/train.jsonl"]', "--set", 'data.tokenizer="compact"',
-                "--set", "data.seq_len=24", "--set", f"data.micro_batch_size={4 // nproc}", "--set", "train.steps=4",
+                "--set", f"data.seq_len={seq}", "--set", f"data.micro_batch_size={rows}", "--set", "train.steps=4",
                 "--set", "optim.lr=3e-3", "--set", "train.progress=false", "--set", "dpo.beta=0.5",
                 "--set", "fidelity.every=0", "--set", "model.overrides={sliding_window=16}",
                 "--set", f'eval.paths=["{pair_files}/held.jsonl"]']
@@ -146,7 +152,7 @@ def test_two_process_fsdp_gives_the_losses_of_one_process(pair_files, tmp_path):
     sys.path.insert(0, os.path.dirname(__file__))
     from test_distributed import torchrun
 
-    two = torchrun(2, [*args(tmp_path / "two", 2), "--set", "parallel.dp_shard=2"], timeout=400)
+    two = torchrun(2, [*args(tmp_path / "two", 2), *[a for s in split for a in ("--set", s)]], timeout=400)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
     assert len(a) == len(b) == 4

@@ -251,9 +251,12 @@ def test_sft_records_are_prompts_with_their_answer(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_process_grpo_gives_the_samples_and_losses_of_one_process(prompt_files, tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["fsdp2", "cp2"])
+def test_two_process_grpo_gives_the_samples_and_losses_of_one_process(prompt_files, tmp_path, monkeypatch, layout):
     """2-process FSDP (gloo) draws the same completions as one process (each row's draws depend on its
-    place in the step, not its rank) and so logs the same rewards, losses, KL and gradient norms."""
+    place in the step, not its rank) and so logs the same rewards, losses, KL and gradient norms; so
+    does context parallelism (both ranks sample the same rows, each trains on half of every rollout
+    row, padded to a length that splits)."""
     import os
     import subprocess
     import sys
@@ -262,12 +265,17 @@ def test_two_process_grpo_gives_the_samples_and_losses_of_one_process(prompt_fil
     (prompt_files / "recipe.toml").write_text("# everything set on the command line\n")
 
     def args(out, nproc):
+        data_ranks = nproc if layout == "fsdp2" else 1
+        split = [f"parallel.dp_shard={data_ranks}"] + ([f"parallel.cp={nproc}"] if nproc > 1 and layout == "cp2" else [])
+        if layout == "cp2":  # rows padded wider under cp, and the router loads and balance loss count padding
+            # tokens (docs/distributed.md#context-parallelism): compare with both off
+            split += ["train.bias_gamma=0", "train.balance_alpha=0"]
         sets = ['train.mode="grpo"', 'data.tokenizer="compact"', "data.seq_len=32", "train.progress=false",
                 "fidelity.every=0", "optim.lr=1e-2", 'schedule.decay="constant"', SMALL_MODEL, "train.steps=4",
                 f'grpo.prompts=["{prompt_files}/prompts.jsonl"]', f'grpo.eval_prompts=["{prompt_files}/heldout.jsonl"]',
                 'grpo.rewards=["digit_reward:first_digit"]', "grpo.prompts_per_step=4", "grpo.group_size=4",
-                f"grpo.micro_batch_size={8 // nproc}", "grpo.ppo_epochs=2", "grpo.kl_coef=0.05",
-                "sampling.max_new_tokens=2", f"parallel.dp_shard={nproc}"]
+                f"grpo.micro_batch_size={8 // data_ranks}", "grpo.ppo_epochs=2", "grpo.kl_coef=0.05",
+                "sampling.max_new_tokens=2", *split]
         return ["train", str(prompt_files / "recipe.toml"), "--out", str(out), *[a for s in sets for a in ("--set", s)]]
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(prompt_files), os.environ.get("PYTHONPATH", "")]))

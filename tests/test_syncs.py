@@ -80,10 +80,11 @@ def test_reference_kernels_are_caught(monkeypatch, sft_file, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep", [1, 2])
-def test_distributed_step_syncs_only_for_expert_parallel_split_sizes(sft_file, tmp_path, ep):
-    """Two FSDP2 ranks: no host read without expert parallelism; with it, exactly one per MoE layer
-    forward (the all-to-all split sizes), in expert_parallel.py, and nothing else."""
+@pytest.mark.parametrize("ep,cp", [(1, 1), (2, 1), (1, 2)], ids=["fsdp", "fsdp-ep", "cp"])
+def test_distributed_step_syncs_only_for_expert_parallel_split_sizes(sft_file, tmp_path, ep, cp):
+    """Two FSDP2 ranks: no host read without expert parallelism (context parallelism adds none); with
+    it, exactly one per MoE layer forward (the all-to-all split sizes), in expert_parallel.py, and
+    nothing else."""
     import json
     import os
     import subprocess
@@ -92,8 +93,8 @@ def test_distributed_step_syncs_only_for_expert_parallel_split_sizes(sft_file, t
     here = os.path.dirname(os.path.abspath(__file__))
     grad_accum = 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(here, "syncs_worker.py"), str(tmp_path), str(sft_file), "parallel.dp_shard=2",
-           f"parallel.ep={ep}", f"train.grad_accum={grad_accum}"]
+           os.path.join(here, "syncs_worker.py"), str(tmp_path), str(sft_file), f"parallel.dp_shard={2 // cp}",
+           f"parallel.ep={ep}", f"parallel.cp={cp}", f"train.grad_accum={grad_accum}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]

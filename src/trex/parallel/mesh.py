@@ -81,6 +81,11 @@ class Parallel:
         return self.rank // self.cp
 
     @property
+    def cp_rank(self) -> int:
+        """This rank's place in its context-parallel group (0 .. cp - 1)."""
+        return self.rank % self.cp
+
+    @property
     def data_world(self) -> int:
         """Data-parallel ranks: distinct micro-batches per micro-step (world_size / cp)."""
         return self.world_size // self.cp

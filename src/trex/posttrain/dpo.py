@@ -134,7 +134,7 @@ class DPOObjective(Objective):
         with evaluating(model):
             for index, b in self._sweep(pairs):
                 logps, _ = sequence_logprobs(model, b)
-                if len(index):
+                if len(index) and par.cp_rank == 0:  # a context-parallel group's ranks score the same pairs
                     table[torch.from_numpy(index).to(table.device)] = logps.view(2, -1).T
         reshard(model)
         return par.all_reduce_sum(table)
@@ -189,7 +189,7 @@ class DPOObjective(Objective):
                 n = len(b.index)
                 terms = self._terms(policy, ref, b)
                 prefers = torch.stack([(policy[:n] > policy[n:]).sum(), (ref[:n] > ref[n:]).sum()]).double()
-                if len(index):
+                if len(index) and ctx.par.cp_rank == 0:  # once per context-parallel group: divided by pairs
                     sums += torch.cat([_sums(terms, b.n_tokens), prefers])
         loss, chosen, rejected, accuracy, _, prefers, ref_prefers = (
             ctx.par.all_reduce_sum(sums) / len(self.held_out)).tolist()
