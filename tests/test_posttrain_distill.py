@@ -69,24 +69,19 @@ def test_bad_inputs():
 
 # ---- the distill objective through the training loop ---------------------------------------------------
 @pytest.mark.slow
-def test_distill_lowers_the_students_reverse_kl_to_two_teachers(tmp_path):
-    """A smaller student learns from two frozen teachers (peaked random models): the per-token
-    reverse KL on its own samples falls, and held-out metrics are reported per teacher."""
+def _two_teachers_task(tmp_path, steps: int = 8) -> list[str]:
+    """Prompts, two frozen teachers (peaked random models: 2 layers at hidden 64) and the recipe
+    overrides of a smaller student (2 layers at hidden 32) that learns from them on its own samples."""
     import dataclasses
-    import json
 
     from trex.checkpoint.save import save_pretrained
     from trex.data.arithmetic import ArithmeticTask, generate
     from trex.data.records import write_jsonl
     from trex.models import build_model, get_preset
-    from trex.recipe import load
-    from trex.train.config import TrainRecipe
-    from trex.train.loop import train
 
     train_p, held = generate(ArithmeticTask(digits=1, n_train=24, n_eval=4))
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p.question} for p in train_p])
     write_jsonl(tmp_path / "heldout.jsonl", [{"prompt": p.question, "answer": p.answer} for p in held])
-    # teachers: 2 layers at hidden 64; the student: 2 layers at hidden 32
     teacher_cfg = dataclasses.replace(get_preset("tiny"), vocab_size=112, sliding_window=16, num_hidden_layers=2,
                                       layer_types=["sliding_attention", "compressed_sparse_attention"],
                                       mlp_layer_types=["hash_moe", "moe"], num_nextn_predict_layers=0)
@@ -95,16 +90,28 @@ def test_distill_lowers_the_students_reverse_kl_to_two_teachers(tmp_path):
         with torch.no_grad():
             teacher.head.weight.mul_(20.0)  # peaked next-token distributions: something to learn
         save_pretrained(teacher, str(tmp_path / f"teacher{i}"), dtype="fp32")
-    recipe = load(TrainRecipe, overrides=[
-        'train.mode="distill"', 'data.tokenizer="compact"', "data.seq_len=32", f'train.out="{tmp_path}/run"',
-        "train.progress=false", "fidelity.every=0", "optim.lr=1e-2", 'schedule.decay="constant"', "train.steps=8",
-        "train.eval_every=8",
+    return [
+        'train.mode="distill"', 'data.tokenizer="compact"', "data.seq_len=32", "train.progress=false",
+        "fidelity.every=0", "optim.lr=1e-2", 'schedule.decay="constant"', f"train.steps={steps}",
+        f"train.eval_every={steps}",
         'model.overrides={sliding_window=16, hidden_size=32, num_hidden_layers=2, '
         'layer_types=["sliding_attention","compressed_sparse_attention"], mlp_layer_types=["hash_moe","moe"], '
         'num_nextn_predict_layers=0}',
         f'distill.teachers=[{{path="{tmp_path}/teacher0", weight=0.7}}, {{path="{tmp_path}/teacher1", weight=0.3}}]',
         f'distill.prompts=["{tmp_path}/prompts.jsonl"]', f'distill.eval_prompts=["{tmp_path}/heldout.jsonl"]',
-        "distill.prompts_per_step=8", "sampling.max_new_tokens=4"])
+        "distill.prompts_per_step=8", "sampling.max_new_tokens=4"]
+
+
+def test_distill_lowers_the_students_reverse_kl_to_two_teachers(tmp_path):
+    """A smaller student learns from two frozen teachers (peaked random models): the per-token
+    reverse KL on its own samples falls, and held-out metrics are reported per teacher."""
+    import json
+
+    from trex.recipe import load
+    from trex.train.config import TrainRecipe
+    from trex.train.loop import train
+
+    recipe = load(TrainRecipe, overrides=[*_two_teachers_task(tmp_path), f'train.out="{tmp_path}/run"'])
     result = train(recipe)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     first = sum(r["loss"] for r in rows[:2]) / 2
@@ -116,6 +123,41 @@ def test_distill_lowers_the_students_reverse_kl_to_two_teachers(tmp_path):
     final = result.summary["eval"]["final"]
     assert {"eval_reverse_kl", "eval_reverse_kl/teacher0", "eval_reverse_kl/teacher1", "eval_exact_match",
             "eval_exact_match/teacher0", "eval_exact_match/teacher1"} <= set(final)
+
+
+@pytest.mark.slow
+def test_context_parallel_distillation_gives_the_losses_of_one_process(tmp_path):
+    """Two ranks splitting every rollout row (cp = 2; student and teachers alike) log the losses and
+    held-out metrics of one process. The router bias and balance term are off: the rows are padded
+    wider under cp, and both count padding tokens (docs/distributed.md#context-parallelism)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_distributed import torchrun
+
+    (tmp_path / "recipe.toml").write_text("# everything set on the command line\n")
+    sets = [*_two_teachers_task(tmp_path, steps=3), "train.bias_gamma=0", "train.balance_alpha=0"]
+
+    def args(out, extra=()):
+        return ["train", str(tmp_path / "recipe.toml"), "--out", str(out), *[a for s in (*sets, *extra)
+                                                                             for a in ("--set", s)]]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    one = subprocess.run([sys.executable, "-m", "trex", *args(tmp_path / "one")], capture_output=True, text=True,
+                         timeout=400, cwd=root, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = torchrun(2, args(tmp_path / "cp2", ["parallel.dp_shard=1", "parallel.cp=2"]), timeout=400)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = ([json.loads(line) for line in open(tmp_path / n / "metrics.jsonl")] for n in ("one", "cp2"))
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        for key in ("loss", "reverse_kl/teacher0", "reverse_kl/teacher1", "grad_norm"):
+            assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), (x["step"], key)
+    finals = [json.loads((tmp_path / n / "summary.json").read_text())["eval"]["final"] for n in ("one", "cp2")]
+    assert finals[0]["eval_reverse_kl"] == pytest.approx(finals[1]["eval_reverse_kl"], rel=1e-4)
 
 
 @pytest.mark.slow
