@@ -179,7 +179,9 @@ class WindowLayout:
     def visible(self, t0: int, t1: int) -> torch.Tensor:
         """[B, t1-t0, N] bool: which entries queries t0..t1-1 may attend to."""
         e = torch.arange(self.n, device=self.starts.device)
-        return (e >= self.lo[:, t0:t1, None]) & (e < self.hi[:, t0:t1, None]) & self.valid[:, None, :]
+        seen = (e >= self.lo[:, t0:t1, None]) & (e < self.hi[:, t0:t1, None])
+        # padding lies inside [lo, hi) only between shards' entries; with one group it sorts last
+        return seen if self.canonical is None else seen & self.valid[:, None, :]
 
 
 class SeqContext:
@@ -236,11 +238,13 @@ class SeqContext:
         self._layouts = {m: self._build_layout(m, shards) for m in sorted(rates)}
         # a shard's sliding window also sees the W - 1 rows before it: their document ids and RoPE tables
         self.window_halo = 0 if shard is None else cfg.sliding_window - 1
-        lo = self.t0 - self.window_halo
-        pad = max(0, -lo)
-        self.window_doc = F.pad(doc[:, max(lo, 0):self.t1], (pad, 0), value=-1)
-        window_pos = F.pad(pos[:, max(lo, 0):self.t1], (pad, 0))
-        self.window_rope = {kind: self.rope_at(window_pos, kind) for kind in self._inv_freq}
+        self.window_doc, self.window_rope = self.doc, self.rope
+        if shard is not None:
+            lo = self.t0 - self.window_halo
+            pad = max(0, -lo)
+            self.window_doc = F.pad(doc[:, max(lo, 0):self.t1], (pad, 0), value=-1)
+            window_pos = F.pad(pos[:, max(lo, 0):self.t1], (pad, 0))
+            self.window_rope = {kind: self.rope_at(window_pos, kind) for kind in self._inv_freq}
         self.recording = True  # off once the forward returns: a checkpoint's recompute keeps no MoE stats
 
     def rope_at(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
