@@ -12,6 +12,10 @@ Two implementations with the same signature, registered as the op ``sparse_atten
   dense path with a mask (DENSE_TOPK_FRACTION). Vendor-neutral; the default everywhere until a
   vendor registers a fused kernel.
 
+Scores q.k are accumulated and kept in fp32 whatever the compute dtype (``scores_fp32``), as the
+official kernels do: a bf16 run rounds neither the scores nor the softmax. The value sums and the
+backward's matmuls run in the compute dtype.
+
 Shapes: B batch, S queries, H heads, c head dim, W window, N compressed entries, k top-k.
 Sliding-window attention runs on blocks of Q = W/4 queries against the Q + W keys that end with the
 block, so memory is O(S * W), never S x S.
@@ -71,6 +75,15 @@ class WindowBlocks:
         return x.reshape(x.shape[0], self.P, H, x.shape[-1])[:, :S]
 
 
+def scores_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with fp32 accumulation and an fp32 result: [..., M, c] @ [..., c, N] -> fp32 [..., M, N].
+    Below fp32 the operands are widened first (exact: bf16 and fp16 embed in fp32), which a fused
+    vendor kernel does in its registers instead."""
+    if a.dtype.itemsize >= 4:
+        return (a @ b).float()
+    return a.float() @ b.float()
+
+
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x: [B, N, C], index: [B, *rest] -> [B, *rest, C]."""
     B, C = x.shape[0], x.shape[-1]
@@ -101,17 +114,17 @@ def reference(
     B, S, H, c = q.shape
     blk = WindowBlocks.build(doc, window)
     kb = blk.key_blocks(kv, window)
-    local = (blk.query_blocks(q) @ kb.transpose(-1, -2)).view(B, blk.nb, blk.Q, H, blk.K) * scale
+    local = scores_fp32(blk.query_blocks(q), kb.transpose(-1, -2)).view(B, blk.nb, blk.Q, H, blk.K) * scale
     parts = [blk.scores(local.masked_fill(~blk.ok[:, :, :, None, :], float("-inf")), S)]
     if compressed is not None and compressed.shape[1] > 0:
         if comp_idx is None:
-            comp = (q.reshape(B, S * H, c) @ compressed.transpose(1, 2)).view(B, S, H, -1) * scale
+            comp = scores_fp32(q.reshape(B, S * H, c), compressed.transpose(1, 2)).view(B, S, H, -1) * scale
         else:
             gathered = gather_rows(compressed, comp_idx)  # [B, S, k, c]
-            comp = (q @ gathered.transpose(-1, -2)) * scale  # [B, S, H, k]
+            comp = scores_fp32(q, gathered.transpose(-1, -2)) * scale  # [B, S, H, k]
         parts.append(comp.masked_fill(~comp_mask[:, :, None, :], float("-inf")))
     parts.append(sink.float().view(1, 1, H, 1).expand(B, S, H, 1))
-    probs = torch.cat([p.float() for p in parts], dim=-1).softmax(dim=-1).to(q.dtype)
+    probs = torch.cat(parts, dim=-1).softmax(dim=-1).to(q.dtype)
     out = blk.unblock(blk.query_blocks(probs[..., : blk.K]) @ kb, S, H)
     if len(parts) == 3:
         p_comp = probs[..., blk.K : -1]
@@ -130,12 +143,12 @@ class SparseAttention(torch.autograd.Function):
         B, S, H, c = q.shape
         blk = WindowBlocks.build(doc, window)
         kb = blk.key_blocks(kv, window)
-        local = (blk.query_blocks(q) @ kb.transpose(-1, -2)).view(B, blk.nb, blk.Q, H, blk.K)
-        local = local.float().mul_(scale).masked_fill_(~blk.ok[:, :, :, None, :], float("-inf"))
+        local = scores_fp32(blk.query_blocks(q), kb.transpose(-1, -2)).view(B, blk.nb, blk.Q, H, blk.K)
+        local = local.mul_(scale).masked_fill_(~blk.ok[:, :, :, None, :], float("-inf"))
         parts = [blk.scores(local, S)]
         has_comp = compressed is not None and compressed.shape[1] > 0
         if has_comp:
-            comp = _scores(q, compressed, comp_idx).float().mul_(scale)
+            comp = _scores(q, compressed, comp_idx, fp32=True).mul_(scale)
             parts.append(comp.masked_fill_(~comp_mask[:, :, None, :], float("-inf")))
         parts.append(sink.float().view(1, 1, H, 1).expand(B, S, H, 1))
         probs = torch.cat(parts, dim=-1).softmax(dim=-1)
@@ -205,15 +218,17 @@ def _take(compressed: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return compressed.reshape(B * N, c).index_select(0, flat).view(*idx.shape, c)
 
 
-def _scores(x: torch.Tensor, compressed: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
-    """x [B, S, H, c] against the entries [B, N, c] (all of them, or idx [B, S, k]) -> [B, S, H, N|k]."""
+def _scores(x: torch.Tensor, compressed: torch.Tensor, idx: torch.Tensor | None, fp32: bool = False) -> torch.Tensor:
+    """x [B, S, H, c] against the entries [B, N, c] (all of them, or idx [B, S, k]) -> [B, S, H, N|k],
+    in x's dtype, or accumulated and returned in fp32 with ``fp32`` (``scores_fp32``)."""
     B, S, H, c = x.shape
+    mm = scores_fp32 if fp32 else torch.matmul
     if idx is None:
-        return (x.reshape(B, S * H, c) @ compressed.transpose(1, 2)).view(B, S, H, -1)
-    out = x.new_empty(B, S, H, idx.shape[-1])
+        return mm(x.reshape(B, S * H, c), compressed.transpose(1, 2)).view(B, S, H, -1)
+    out = x.new_empty(B, S, H, idx.shape[-1], dtype=torch.float32 if fp32 else x.dtype)
     for t0, t1 in _chunks(S, B * idx.shape[-1] * c * x.element_size()):
         entries = _take(compressed, idx[:, t0:t1]).flatten(0, 1)  # [B*T, k, c]
-        out[:, t0:t1] = torch.bmm(x[:, t0:t1].flatten(0, 1), entries.transpose(1, 2)).unflatten(0, (B, -1))
+        out[:, t0:t1] = mm(x[:, t0:t1].flatten(0, 1), entries.transpose(1, 2)).unflatten(0, (B, -1))
     return out
 
 

@@ -46,6 +46,20 @@ _IGNORED_FIELDS = {
     "rope_scaling", "compress_ratios", "num_hash_layers", "layer_types", "mlp_layer_types",
     "keys_to_ignore_at_inference", "intermediate_size", "num_local_experts", "kv_lora_rank",
 }
+# What ``transformers.PretrainedConfig.to_dict()`` writes for every model (4.x and 5.x): task heads,
+# output switches, generation defaults, serialisation flags. None changes the architecture.
+_GENERIC_FIELDS = {
+    "id2label", "label2id", "problem_type", "finetuning_task", "num_labels", "return_dict", "output_attentions",
+    "output_hidden_states", "output_scores", "return_dict_in_generate", "use_return_dict", "torchscript",
+    "use_bfloat16", "tf_legacy_loss", "pruned_heads", "chunk_size_feed_forward", "is_encoder_decoder",
+    "is_decoder", "add_cross_attention", "cross_attention_hidden_size", "tie_encoder_decoder",
+    "tokenizer_class", "prefix", "task_specific_params", "sep_token_id", "decoder_start_token_id",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
+    "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+}
 
 
 class ConfigError(ValueError):
@@ -182,7 +196,7 @@ class ModelConfig:
         """Build from HF or official config names. Unknown fields are an error naming them."""
         d = {_OFFICIAL_NAMES.get(k, k): v for k, v in raw.items()}
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in d if k not in known and k not in _IGNORED_FIELDS)
+        unknown = sorted(k for k in d if k not in known and k not in _IGNORED_FIELDS | _GENERIC_FIELDS)
         if unknown:
             raise ConfigError(f"{source}: unknown config field(s) {unknown}")
         kw = {k: v for k, v in d.items() if k in known and k not in ("rope_scaling", "layer_types", "mlp_layer_types")}

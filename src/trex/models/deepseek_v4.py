@@ -184,6 +184,19 @@ class WindowLayout:
         return seen if self.canonical is None else seen & self.valid[:, None, :]
 
 
+def segments(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """doc_ids [B, S] -> (segment [B, S] long, position [B, S] long). A document is a run of equal ids:
+    an id that comes back after another one starts a new document (segment numbers 1, 2, ... per row),
+    so masks that compare segments never join two runs that share an id. Positions restart at 0 in
+    each run."""
+    B, S = doc_ids.shape
+    new_doc = torch.ones(B, S, dtype=torch.bool, device=doc_ids.device)
+    new_doc[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    arange = torch.arange(S, device=doc_ids.device)
+    doc_start = torch.where(new_doc, arange, torch.zeros_like(arange)).cummax(dim=1).values
+    return new_doc.long().cumsum(dim=1), arange - doc_start
+
+
 class SeqContext:
     """Per-forward facts shared by all layers: ids, document ids, positions, RoPE tables, layouts.
 
@@ -212,11 +225,7 @@ class SeqContext:
         else:
             if doc_ids.shape != input_ids.shape:
                 raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)}; expected {tuple(input_ids.shape)}")
-            doc = doc_ids.long()
-            new_doc = torch.ones(B, S, dtype=torch.bool, device=dev)
-            new_doc[:, 1:] = doc[:, 1:] != doc[:, :-1]
-            doc_start = torch.where(new_doc, arange, torch.zeros_like(arange)).cummax(dim=1).values
-            pos = arange - doc_start
+            doc, pos = segments(doc_ids)
         shards = 1 if shard is None else shard.size
         if shard is not None:
             check_shardable(cfg, S, shards)
@@ -576,7 +585,12 @@ class MoEStats:
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.float().clamp(max=limit)) * up.float().clamp(-limit, limit)
+    """silu(gate) * up in fp32, gate clamped above and up to [-limit, limit]; ``limit <= 0`` means no
+    clamp (as the official ``Expert`` reads ``swiglu_limit = 0``)."""
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
 
 
 class SharedExpert(nn.Module):
@@ -628,8 +642,9 @@ def expert_ffn(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: tor
 
 
 def combine(y: torch.Tensor, token: torch.Tensor, T: int) -> torch.Tensor:
-    """Sum the sorted rows' outputs y [R, d] back into their tokens -> [T, d]."""
-    return y.new_zeros(T, y.shape[1]).index_add_(0, token, y)
+    """Sum the sorted rows' outputs y [R, d] back into their tokens -> fp32 [T, d] (the official MoE
+    accumulates its experts in fp32; a bf16 sum would round after every expert)."""
+    return y.new_zeros(T, y.shape[1], dtype=torch.float32).index_add_(0, token, y.float())
 
 
 class Experts(nn.Module):
@@ -645,7 +660,7 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n, inter, dim))
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x: [T, d]; idx, weights: [T, k] -> sum_k weights * expert_idx(x): [T, d]."""
+        """x: [T, d]; idx, weights: [T, k] -> sum_k weights * expert_idx(x): fp32 [T, d]."""
         sort = sort_by_expert(idx, self.w1.shape[0])
         y = expert_ffn(x[sort.token], sort.counts, self.w1, self.w2, self.w3, weights.reshape(-1)[sort.order],
                        self.limit)
@@ -698,7 +713,7 @@ class MoE(nn.Module):
         B, S, d = x.shape
         flat = x.reshape(-1, d)
         weights, idx, scores = self.gate(flat, ctx.input_ids)
-        y = self.experts(flat, idx, weights) + self.shared_experts(flat)
+        y = (self.experts(flat, idx, weights) + self.shared_experts(flat).float()).to(x.dtype)  # fp32 sum
         balance = self._balance_loss(scores, idx, B, ctx) if self.training and not self.gate.hashed else None
         if ctx.recording:  # kept for the model to collect (take_stats) once its forward is done; a recompute
             # in backward (activation checkpointing) keeps nothing, or its graph would outlive the step
@@ -864,6 +879,7 @@ def shift_labels(labels: torch.Tensor, shift: int, doc: torch.Tensor | None) -> 
     if shift < S:
         targets[:, : S - shift] = labels[:, shift:]
         if doc is not None:
+            doc = segments(doc)[0]
             crosses = doc[:, shift:] != doc[:, : S - shift]
             targets[:, : S - shift] = targets[:, : S - shift].masked_fill(crosses, IGNORE_INDEX)
     return targets

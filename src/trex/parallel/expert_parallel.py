@@ -27,7 +27,7 @@ class ExpertParallelExperts(Experts):
     per layer forward (a variable-size all-to-all needs them on the host)."""
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x: [T, d] local tokens; idx, weights: [T, k] global expert ids -> [T, d]."""
+        """x: [T, d] local tokens; idx, weights: [T, k] global expert ids -> fp32 [T, d]."""
         group = self.ep_mesh.get_group()
         ep = self.ep_mesh.size()
         w1, w2, w3 = (w.to_local() for w in (self.w1, self.w2, self.w3))

@@ -130,7 +130,7 @@ def moe(cfg: ModelConfig, mlp_type: str, b: int) -> float:
     per += F32 * 2 * E + I64 * k + F32 * (k + 1)  # logits, scores; top-k index; weights and their sum
     per += F32 if mlp_type != HASH_MOE else 0  # balance loss: score sums (and [E] per sequence, in block())
     per += 2 * I64 * k + F32 * k  # sort order and token index of the k copies, gathered weights
-    per += b * d * k * 2  # permuted inputs, expert outputs
+    per += b * d * k + F32 * d * k  # permuted inputs; expert outputs, as the fp32 copies the combine sums
     swiglu = F32 * 5 + F32 + b  # clamped SwiGLU's five fp32 tensors, routed product, w2 input
     per += swiglu * inter * k
     per += (F32 * 5 + b) * inter * cfg.n_shared_experts
