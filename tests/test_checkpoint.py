@@ -10,7 +10,8 @@ import re
 import pytest
 import torch
 
-from trex.checkpoint import quant, writer
+from trex.checkpoint import writer
+from trex.kernels import quantize as quant
 from trex.checkpoint.errors import CheckpointError
 from trex.checkpoint.reader import CheckpointReader
 from trex.checkpoint.safetensors_io import SafetensorsFile

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
-from trex.checkpoint import quant
+from trex.kernels import quantize as quant
 
 
 def e4m3_value(code: int) -> float:
@@ -51,10 +53,13 @@ def nearest_code(x: float, value_of, n_codes: int) -> int:
 
 
 def reference_scale_exponent(amax: float, qmax: float) -> int:
-    """ceil(log2(amax / qmax)) clamped to the e8m0 range; -127 for an all-zero block."""
-    if amax == 0:
-        return -127
-    return max(-127, min(127, math.ceil(math.log2(amax / qmax))))
+    """The official kernels' ``fast_round_scale`` in fp32, written from its definition: amax floored
+    (1e-4 for e4m3, 6 * 2^-126 for e2m1), times fp32(1 / qmax) rounded to fp32, then ceil(log2(.))
+    of that fp32 number, clamped to the e8m0 range."""
+    floor = 1e-4 if qmax == 448.0 else 6 * 2.0**-126
+    r = float(np.float32(max(np.float32(amax), np.float32(floor))) * np.float32(1.0 / qmax))
+    mantissa, exponent = math.frexp(r)  # r = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return max(-127, min(127, exponent - 1 if mantissa == 0.5 else exponent))
 
 
 def _weights(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -157,9 +162,9 @@ def test_representable_values_survive_a_round_trip():
     assert torch.equal(quant.dequantize_fp4(p2, s2, cols=200), dq)
 
 
-def test_all_zero_block_gets_smallest_scale():
+def test_all_zero_block_gets_the_floor_scale():
     q, s = quant.quantize_fp8(torch.zeros(3, 130))
-    assert s.view(torch.uint8).tolist() == [[0, 0]] and not q.float().any()
+    assert s.view(torch.uint8).tolist() == [[127 - 22, 127 - 22]] and not q.float().any()  # 1e-4 / 448 -> 2^-22
 
 
 def test_scale_shape_mismatch_is_reported():
@@ -167,3 +172,63 @@ def test_scale_shape_mismatch_is_reported():
         quant.dequantize_fp8(torch.zeros(130, 200).to(torch.float8_e4m3fn), torch.zeros(1, 2).to(torch.float8_e8m0fnu))
     with pytest.raises(quant.QuantFormatError, match="1x32"):
         quant.dequantize_fp4(torch.zeros(4, 35, dtype=torch.int8), torch.zeros(4, 2, dtype=torch.uint8), cols=70)
+
+
+# ---- fake quantisation: the official act_quant / fp4_act_quant, element by element ---------------
+def _reference_fake(x: torch.Tensor, block: int, qmax: float, value_of, n_codes: int) -> torch.Tensor:
+    """Per block of the last dim: scale 2^e (reference_scale_exponent), x / scale clamped to +-qmax,
+    nearest representable value (ties to the even code), times the scale."""
+    out = torch.empty_like(x)
+    flat, res = x.reshape(-1, x.shape[-1]), out.view(-1, x.shape[-1])
+    for r in range(flat.shape[0]):
+        for b0 in range(0, flat.shape[1], block):
+            vals = flat[r, b0:b0 + block].tolist()
+            s = 2.0 ** reference_scale_exponent(max(abs(v) for v in vals), qmax)
+            for j, v in enumerate(vals):
+                y = max(-qmax, min(qmax, v / s))
+                res[r, b0 + j] = value_of(nearest_code(y, value_of, n_codes)) * s
+    return out
+
+
+@pytest.mark.parametrize("block", [128, 64])
+def test_fake_fp8_activation_quant_matches_the_official_rules(block):
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(3, 256, generator=g) * torch.logspace(-5, 2, 256)).bfloat16()  # some blocks under the floor
+    x[1, :block] = 0.0
+    got = quant.fake_fp8_act(x, block)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.float(), _reference_fake(x.float(), block, 448.0, e4m3_value, 256))
+
+
+def test_fake_fp4_activation_and_weight_quant_match_the_official_rules():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 96, generator=g) * torch.logspace(-3, 1, 96)
+    want = _reference_fake(x, 32, 6.0, e2m1_value, 16)
+    assert torch.equal(quant.fake_fp4_act(x, 32), want)
+    assert torch.equal(quant.fake_fp4_weight(x), want)  # the same 1x32 blocks
+    packed, scale = quant.quantize_fp4(x)  # and the export codec stores exactly these values
+    assert torch.equal(quant.dequantize_fp4(packed, scale, cols=96), want)
+
+
+def test_fake_fp8_weight_is_what_the_export_codec_stores():
+    w = _weights(130, 257, seed=9)
+    q, s = quant.quantize_fp8(w)
+    assert torch.equal(quant.fake_fp8_weight(w), quant.dequantize_fp8(q, s))
+
+
+def test_fake_quant_passes_the_gradient_straight_through():
+    x = torch.randn(2, 128, requires_grad=True)
+    g = torch.randn(2, 128)
+    for fn in (quant.fake_fp8_act, quant.fake_fp4_act, quant.fake_fp8_weight, quant.fake_fp4_weight):
+        (grad,) = torch.autograd.grad((fn(x) * g).sum(), x)
+        assert torch.equal(grad, g), fn.__name__
+
+
+def test_hadamard_is_the_orthonormal_sylvester_transform():
+    n = 16
+    h = torch.tensor([[(-1.0) ** bin(i & j).count("1") for j in range(n)] for i in range(n)]) / math.sqrt(n)
+    x = torch.randn(3, n, dtype=torch.float64)
+    assert torch.allclose(quant.hadamard(x), x @ h.double(), atol=1e-12)
+    assert torch.allclose(quant.hadamard(quant.hadamard(x)), x, atol=1e-12)
+    with pytest.raises(ValueError, match="power-of-two"):
+        quant.hadamard(torch.zeros(3, 12))

@@ -106,3 +106,12 @@ def test_a_config_written_by_pretrained_config_loads_and_architecture_typos_stil
     assert ModelConfig.from_dict(json.loads(path.read_text()), str(path)) == cfg
     with pytest.raises(ConfigError, match=r"unknown config field\(s\) \['n_routed_expert'\]"):
         ModelConfig.from_dict({**hf, "n_routed_expert": 8}, str(path))
+
+
+@pytest.mark.parametrize("field,variant", [("dspark_num_layers", "DSpark speculative-decoding drafter"),
+                                           ("engram_table_size", "Engram memory")])
+def test_later_checkpoint_variants_are_refused_by_name(field, variant):
+    hf = {**tiny().to_hf_dict(), field: 3}
+    with pytest.raises(ConfigError, match=variant) as e:
+        ModelConfig.from_dict(hf, "config.json")
+    assert "mtp" in str(e.value) or "V4.1" in str(e.value)

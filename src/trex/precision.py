@@ -35,6 +35,7 @@ from typing import Iterable, Literal
 import torch
 
 from trex import device as trex_device
+from trex.models.deepseek_v4 import QuantSim
 from trex.recipe import check_choices
 
 PrecisionName = Literal["auto", "fp32", "bf16", "fp16"]
@@ -60,6 +61,11 @@ class PrecisionSection:
     """fp16 only: the scale never drops below this."""
     max_consecutive_skips: int = 10
     """Stop the run after this many skipped steps in a row (non-finite loss or gradients)."""
+    qat: str = "none"
+    """Quantisation-aware training: simulate the served model's quantisation in the forward, with
+    straight-through gradients into the master weights. "none"; "official" (everything the official
+    inference code quantises); or parts joined by "+": experts (FP4 routed experts), linears (FP8
+    weights), activations (FP8 GEMM inputs), kv (FP8 KV), indexer (Hadamard + FP4 indexer q/k)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "precision")
@@ -69,11 +75,24 @@ class PrecisionSection:
             "min_scale": 0 < self.min_scale <= self.init_scale,
             "max_consecutive_skips": self.max_consecutive_skips >= 1,
         }
+        self.quant_sim()  # a bad `qat` fails here, before step 1
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"precision.{bad[0]}: invalid value {getattr(self, bad[0])!r} (need init_scale > 0, "
                              "growth_factor >= 1, growth_interval >= 1, 0 < backoff_factor < 1, "
                              "0 < min_scale <= init_scale, max_consecutive_skips >= 1)")
+
+
+    def quant_sim(self) -> QuantSim:
+        """What ``qat`` asks the model to simulate (trex.models.deepseek_v4.QuantSim)."""
+        if self.qat == "none":
+            return QuantSim()
+        parts = QuantSim.PARTS if self.qat == "official" else tuple(self.qat.split("+"))
+        unknown = [p for p in parts if p not in QuantSim.PARTS]
+        if unknown or not parts:
+            raise ValueError(f"precision.qat: {self.qat!r} is not a choice; use \"none\", \"official\" or parts "
+                             f"joined by \"+\" from {list(QuantSim.PARTS)}")
+        return QuantSim(**{p: True for p in parts})
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trex.checkpoint import quant
+from trex.kernels import quantize as quant
 from trex.checkpoint.naming import hf_name, official_name, scale_name
 from trex.checkpoint.safetensors_io import PlannedTensor
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trex.checkpoint import quant
+from trex.kernels import quantize as quant
 from trex.checkpoint.errors import CheckpointError
 from trex.checkpoint.safetensors_io import SafetensorsFile
 from trex.models.config import ModelConfig

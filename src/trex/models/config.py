@@ -62,6 +62,19 @@ _GENERIC_FIELDS = {
 }
 
 
+# Later checkpoints trex cannot train as they are, recognised by their config fields (vLLM's DSpark
+# loader, public: the drafter's stages sit under ``mtp.N`` while num_nextn_predict_layers stays 1):
+# (field marker, the variant, what trex would need).
+_VARIANTS = (
+    ("dspark_", "a DSpark speculative-decoding drafter checkpoint (DeepSeek-V4-Flash-0731 family)",
+     "its mtp.* tensors are the drafter's stages, not V4 multi-token prediction; trex would need a DSpark "
+     "module to train them. Remove the dspark_* fields and the mtp.* tensors (or set num_nextn_predict_layers "
+     "to 0 and drop mtp.*) to post-train the main model"),
+    ("engram", "a DeepSeek-V4.1 checkpoint with Engram memory tables",
+     "trex implements the V4 (2026-04) architecture; V4.1's Engram memory and attention changes are not in it"),
+)
+
+
 class ConfigError(ValueError):
     """An invalid model configuration; the message names the field."""
 
@@ -195,6 +208,10 @@ class ModelConfig:
     def from_dict(cls, raw: dict, source: str = "<dict>") -> "ModelConfig":
         """Build from HF or official config names. Unknown fields are an error naming them."""
         d = {_OFFICIAL_NAMES.get(k, k): v for k, v in raw.items()}
+        for marker, variant, missing in _VARIANTS:
+            found = sorted(k for k in d if marker in k.lower())
+            if found:
+                raise ConfigError(f"{source}: {variant} (fields {found[:3]}{' ...' if len(found) > 3 else ''}): {missing}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in d if k not in known and k not in _IGNORED_FIELDS | _GENERIC_FIELDS)
         if unknown:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trex.kernels.sparse_attention import gather_rows
+from trex.kernels.sparse_attention import gather_rows, scores_fp32
 from trex.models.deepseek_v4 import Attention, Compressor, Indexer, SeqContext, WindowLayout, linear_fp32
 
 
@@ -186,7 +186,7 @@ def decode_attention(
         picked = compressed if comp_idx is None else gather_rows(compressed, comp_idx[:, 0])
         keys = torch.cat([window, picked], dim=1)
         mask = torch.cat([window_valid, comp_mask[:, 0]], dim=1)
-    logits = ((q[:, 0] @ keys.transpose(1, 2)) * scale).float()  # [B, H, K]
+    logits = scores_fp32(q[:, 0], keys.transpose(1, 2)) * scale  # [B, H, K], fp32 as in training
     logits = logits.masked_fill(~mask[:, None], float("-inf"))
     logits = torch.cat([logits, sink.float().view(1, H, 1).expand(B, H, 1)], dim=-1)
     probs = logits.softmax(dim=-1)[..., :-1].to(q.dtype)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trex import kernels
+from trex.kernels import quantize
 from trex.kernels.sparse_attention import gather_rows
 from trex.models.cross_entropy import IGNORE_INDEX, head_nll, token_nll
 from trex.models.config import CSA, HASH_MOE, MOE, SLIDING, ModelConfig, YarnScaling
@@ -362,6 +363,64 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 # ==================================================================================================
+# The served model's quantisation, simulated in the forward (quantisation-aware training)
+# ==================================================================================================
+@dataclass(frozen=True)
+class QuantSim:
+    """Which quantisations of the official inference code the forward reproduces, each with the
+    official quantiser's rules (trex.kernels.quantize) and a straight-through gradient:
+
+    experts: routed experts' weights through FP4 (e2m1, 1x32 ue8m0 scales), as released;
+    linears: the FP8-stored linears' weights (``QuantLinear``; 128x128 block scales);
+    activations: the inputs of those linears and of the experts through FP8 (1x128 blocks), as the
+        official ``linear`` quantises them before its FP8 / FP4 GEMM (``wo_a``, dequantised to bf16
+        by the official converter, takes its input as it is);
+    kv: the non-RoPE dims of the attention KV and of the main compressor's entries through FP8
+        (blocks of 64);
+    indexer: the indexer's queries and keys rotated by a Hadamard transform and put through FP4
+        (blocks of 32).
+    All off is the unquantised model."""
+
+    experts: bool = False
+    linears: bool = False
+    activations: bool = False
+    kv: bool = False
+    indexer: bool = False
+
+    PARTS = ("experts", "linears", "activations", "kv", "indexer")
+
+    @property
+    def active(self) -> bool:
+        return any(getattr(self, part) for part in self.PARTS)
+
+
+class QuantLinear(nn.Linear):
+    """A linear the released checkpoints store in FP8 (128x128 blocks); with ``quant`` it computes
+    as the official ``linear`` does on such a weight."""
+
+    quant = QuantSim()
+
+    def quantized_weight(self) -> torch.Tensor:
+        return quantize.fake_fp8_weight(self.weight) if self.quant.linears else self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant.activations:
+            x = quantize.fake_fp8_act(x)
+        return F.linear(x, self.quantized_weight())
+
+
+def fake_kv(x: torch.Tensor, rd: int) -> torch.Tensor:
+    """The official KV simulation: the first c - rd dims of x [..., c] through FP8 in blocks of 64,
+    the RoPE dims as they are."""
+    return torch.cat((quantize.fake_fp8_act(x[..., :-rd], 64), x[..., -rd:]), dim=-1)
+
+
+def fake_indexer(x: torch.Tensor) -> torch.Tensor:
+    """The official indexer simulation on queries or keys [..., c_I]: Hadamard, then FP4 in blocks of 32."""
+    return quantize.fake_fp4_act(quantize.hadamard(x), quantize.FP4_BLOCK)
+
+
+# ==================================================================================================
 # Compressor (CSA m=4 with overlapping windows, HCA m'=128 without) and the lightning indexer
 # ==================================================================================================
 class Compressor(nn.Module):
@@ -372,9 +431,11 @@ class Compressor(nn.Module):
     per channel. Projections and pooling run in fp32.
     """
 
-    def __init__(self, dim: int, c: int, m: int, overlap: bool, eps: float):
+    quant = QuantSim()
+
+    def __init__(self, dim: int, c: int, m: int, overlap: bool, eps: float, rotate: bool = False):
         super().__init__()
-        self.c, self.m, self.overlap = c, m, overlap
+        self.c, self.m, self.overlap, self.rotate = c, m, overlap, rotate  # rotate: the indexer's own
         width = 2 * c if overlap else c
         self.wkv = nn.Linear(dim, width, bias=False)
         self.wgate = nn.Linear(dim, width, bias=False)
@@ -411,7 +472,12 @@ class Compressor(nn.Module):
         pooled = (kv_cur * score_cur.softmax(dim=2)).sum(dim=2)
         pooled = self.norm(pooled.to(dtype))
         cos, sin = (t[:, entries] for t in layout.rope["compress"])
-        return apply_rope(pooled, cos, sin)
+        pooled = apply_rope(pooled, cos, sin)
+        if self.rotate and self.quant.indexer:
+            return fake_indexer(pooled)
+        if not self.rotate and self.quant.kv:
+            return fake_kv(pooled, 2 * cos.shape[-1])
+        return pooled
 
 
 class Indexer(nn.Module):
@@ -426,9 +492,10 @@ class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig, m: int):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wq_b = QuantLinear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
-        self.compressor = Compressor(cfg.hidden_size, self.head_dim, m, overlap=True, eps=cfg.rms_norm_eps)
+        self.compressor = Compressor(cfg.hidden_size, self.head_dim, m, overlap=True, eps=cfg.rms_norm_eps,
+                                     rotate=True)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: SeqContext, layout: WindowLayout,
@@ -463,7 +530,8 @@ class Indexer(nn.Module):
         B, S, _ = x.shape
         q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
         cos, sin = ctx.rope["compress"]
-        q = apply_rope(q, cos[:, :, None], sin[:, :, None]).float()
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+        q = (fake_indexer(q) if self.compressor.quant.indexer else q).float()
         w = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
         return q, w
 
@@ -510,13 +578,13 @@ class Attention(nn.Module):
         self.cfg, self.layer_type, self.n_heads, self.head_dim = cfg, layer_type, H, c
         self.m = cfg.compress_rate(layer_type)
         self.rope_kind = "main" if layer_type == SLIDING else "compress"
-        self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.wq_a = QuantLinear(d, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, H * c, bias=False)
-        self.wkv = nn.Linear(d, c, bias=False)
+        self.wq_b = QuantLinear(cfg.q_lora_rank, H * c, bias=False)
+        self.wkv = QuantLinear(d, c, bias=False)
         self.kv_norm = RMSNorm(c, cfg.rms_norm_eps)
-        self.wo_a = nn.Linear(H * c // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
+        self.wo_a = QuantLinear(H * c // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = QuantLinear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(H))
         self.compressor = Compressor(d, c, self.m, layer_type == CSA, cfg.rms_norm_eps) if self.m else None
         self.indexer = Indexer(cfg, self.m) if layer_type == CSA else None
@@ -561,7 +629,8 @@ class Attention(nn.Module):
 
     def _kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [B, R, d] -> the shared keys/values [B, R, c], RoPE'd by the (cos, sin) tables of its rows."""
-        return apply_rope(self.kv_norm(self.wkv(x)), *rope)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), *rope)
+        return fake_kv(kv, self.cfg.qk_rope_head_dim) if self.wkv.quant.kv else kv
 
     def _output(self, o: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         """Attention output o [B, S, H, c] -> de-rotated, grouped output projection [B, S, d]."""
@@ -569,7 +638,8 @@ class Attention(nn.Module):
         cos, sin = ctx.rope[self.rope_kind]
         o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
         g = self.cfg.o_groups
-        o = torch.einsum("bsgi,goi->bsgo", o.reshape(B, S, g, -1), self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1))
+        wo_a = self.wo_a.quantized_weight().view(g, self.cfg.o_lora_rank, -1)
+        o = torch.einsum("bsgi,goi->bsgo", o.reshape(B, S, g, -1), wo_a)
         return self.wo_b(o.flatten(2))
 
 # ==================================================================================================
@@ -597,9 +667,9 @@ class SharedExpert(nn.Module):
     def __init__(self, dim: int, inter: int, limit: float):
         super().__init__()
         self.limit = limit
-        self.w1 = nn.Linear(dim, inter, bias=False)
-        self.w2 = nn.Linear(inter, dim, bias=False)
-        self.w3 = nn.Linear(dim, inter, bias=False)
+        self.w1 = QuantLinear(dim, inter, bias=False)
+        self.w2 = QuantLinear(inter, dim, bias=False)
+        self.w3 = QuantLinear(dim, inter, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
@@ -630,15 +700,19 @@ def sort_by_expert(idx: torch.Tensor, n_experts: int) -> ExpertSort:
 
 
 def expert_ffn(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-               row_weights: torch.Tensor, limit: float) -> torch.Tensor:
+               row_weights: torch.Tensor, limit: float, quant: QuantSim = QuantSim()) -> torch.Tensor:
     """The routed experts on rows sorted by expert: xs [R, d], counts [E] rows per expert (device
     tensor), w1/w3 [E, I, d], w2 [E, d, I], row_weights [R] each row's routing weight, applied to the
     fp32 SwiGLU output before w2 (as the official code does) -> [R, d]. Grouped matmuls over device-side
-    offsets: no host read."""
+    offsets: no host read. ``quant``: FP4 weights and FP8 inputs of both GEMMs, as served."""
     offsets = counts.cumsum(0).to(torch.int32)
     mm = kernels.get("grouped_mm", xs.device.type)
+    if quant.experts:
+        w1, w2, w3 = (quantize.fake_fp4_weight(w) for w in (w1, w2, w3))
+    act = quantize.fake_fp8_act if quant.activations else (lambda t: t)
+    xs = act(xs)
     h = clamped_swiglu(mm(xs, w1, offsets), mm(xs, w3, offsets), limit)
-    return mm((h * row_weights[:, None].float()).to(xs.dtype), w2, offsets)
+    return mm(act((h * row_weights[:, None].float()).to(xs.dtype)), w2, offsets)
 
 
 def combine(y: torch.Tensor, token: torch.Tensor, T: int) -> torch.Tensor:
@@ -652,6 +726,8 @@ class Experts(nn.Module):
     every layout shares: sort by expert, grouped SwiGLU, combine; expert parallelism
     (trex.parallel.expert_parallel) moves the sorted rows between the sort and the FFN."""
 
+    quant = QuantSim()
+
     def __init__(self, n: int, dim: int, inter: int, limit: float):
         super().__init__()
         self.limit = limit
@@ -663,7 +739,7 @@ class Experts(nn.Module):
         """x: [T, d]; idx, weights: [T, k] -> sum_k weights * expert_idx(x): fp32 [T, d]."""
         sort = sort_by_expert(idx, self.w1.shape[0])
         y = expert_ffn(x[sort.token], sort.counts, self.w1, self.w2, self.w3, weights.reshape(-1)[sort.order],
-                       self.limit)
+                       self.limit, self.quant)
         return combine(y, sort.token, x.shape[0])
 
 
@@ -840,8 +916,8 @@ class MTPBlock(Block):
     def __init__(self, cfg: ModelConfig, name: str):
         super().__init__(cfg, cfg.mtp_layer_type, MOE, name)
         d = cfg.hidden_size
-        self.e_proj = nn.Linear(d, d, bias=False)
-        self.h_proj = nn.Linear(d, d, bias=False)
+        self.e_proj = QuantLinear(d, d, bias=False)
+        self.h_proj = QuantLinear(d, d, bias=False)
         self.enorm = RMSNorm(d, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -899,7 +975,16 @@ class DeepseekV4(nn.Module):
         self.head = nn.Linear(d, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPBlock(cfg, f"mtp.{j}") for j in range(cfg.num_nextn_predict_layers))
         self.sequence_shard: SequenceShard | None = None  # context parallelism (trex.parallel.context_parallel)
+        self.quant = QuantSim()  # the served model's quantisation, simulated (set_quant)
         self.init_weights()
+
+    def set_quant(self, quant: QuantSim) -> None:
+        """Simulate ``quant`` in every forward from now on (QuantSim() turns it off). Parameters and
+        their names are unchanged: the fp32 (or compute-dtype) weights stay the masters."""
+        self.quant = quant
+        for module in self.modules():
+            if isinstance(module, (QuantLinear, Compressor, Experts)):
+                module.quant = quant
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:

@@ -195,6 +195,7 @@ def load_frozen(source: str | DeepseekV4, ctx: TrainContext) -> DeepseekV4:
     def prepare(m: DeepseekV4) -> None:
         m.to(dtype=torch.float32 if par.distributed else policy.param_dtype)
         m.requires_grad_(False)
+        m.set_quant(ctx.model.quant)  # the student's simulation: the reference starts equal to it
         apply_parallelism(m, par, policy)
 
     if isinstance(source, str):

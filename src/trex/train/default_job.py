@@ -36,6 +36,7 @@ from trex.data.tokenizer import Tokenizer, compact_tokenizer
 from trex.rollout.generate import greedy_generate
 from trex.models import DeepseekV4, build_model
 from trex.parallel.mesh import ParallelSection
+from trex.precision import PrecisionSection
 from trex.train.config import EvalSection, ModelSection, TrainRecipe, TrainSection
 from trex.train.loop import train
 from trex.train.optim import OptimSection
@@ -68,6 +69,8 @@ class DefaultJob:
     """muon or adamw."""
     seed: int = 0
     """Seeds the data order and the initialisation."""
+    qat: str = "none"
+    """Quantisation-aware training in both stages (``[precision] qat``): "none" or "official"."""
     device: str = ""
     """Device override; empty: the device layer decides."""
     progress: bool = True
@@ -95,6 +98,7 @@ def _stage(job: DefaultJob, name: str, paths: list[str], eval_paths: list[str], 
                            overwrite=True,  # the default job replaces its own earlier output
                            eval_every=max(1, steps // 4), log_every=1, progress=job.progress),
         eval=EvalSection(paths=eval_paths, batches=2),
+        precision=PrecisionSection(qat=job.qat),
         parallel=ParallelSection(timeout_s=300, heartbeat_timeout_s=30),  # steps of a tenth of a second
     )
 

@@ -235,6 +235,7 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
         # master weights) and let FSDP cast to the compute dtype
         m.to(dtype=torch.float32 if par.distributed else policy.param_dtype).train()
         frozen.extend(freeze_indexer(m) if cfg_train.freeze_indexer else [])
+        m.set_quant(recipe.precision.quant_sim())
         apply_parallelism(m, par, policy, layout.activation_checkpointing, layout.reduce_every_micro_batch,
                           compile=compiled)
 

@@ -1,4 +1,5 @@
-"""FP8 and FP4 weight codecs of the DeepSeek-V4 checkpoints (reference §4.3).
+"""FP8 and FP4 quantisation of DeepSeek-V4: the checkpoint codecs (reference §4.3) and the fake
+quantisation of quantisation-aware training, with the official inference kernels' rules.
 
 - FP8 block: ``float8_e4m3fn`` values, one ``ue8m0`` scale per 128x128 block of the last two
   dims: ``W[r, c] = q[r, c] * scale[r // 128, c // 128]``.
@@ -7,10 +8,16 @@
   ``W[r, c] = E2M1[code[r, c]] * scale[r, c // 32]``.
 - ``ue8m0`` (``float8_e8m0fnu``): the byte e means 2^(e - 127); 0xFF is NaN.
 
-Quantisation uses power-of-two scales ``s = 2^ceil(log2(amax / qmax))`` per block (qmax is 448
-for e4m3 and 6 for e2m1), like the reference ``act_quant`` kernels; all-zero blocks get the
-smallest scale 2^-127. Blocks at a dimension's end may be partial (dims need not be multiples
-of the block). Leading dims (stacked experts) are carried through.
+Scales follow the official ``act_quant`` / ``fp4_act_quant`` kernels (``fast_round_scale``): the
+block's amax, floored at 1e-4 (FP8) or 6 * 2^-126 (FP4), times the fp32 constant 1/qmax (qmax is
+448 for e4m3 and 6 for e2m1), rounded up to a power of two by its fp32 bits. Values are divided by
+the scale, clamped to +-qmax and rounded to nearest, ties to even. Weights, activations, KV and the
+checkpoint export all use these rules, so an exported checkpoint dequantises to exactly the weights a
+quantisation-aware run trained against. Blocks at a dimension's end may be partial (dims need not be
+multiples of the block). Leading dims (stacked experts) are carried through.
+
+Fake quantisation (``fake_*``) returns quantise-then-dequantise in the input's dtype with a
+straight-through gradient (the identity), and compiles with ``fullgraph=True``.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 FP8_BLOCK = 128
 FP4_BLOCK = 32
@@ -46,13 +54,18 @@ def decode_e8m0(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(e == 255, torch.full_like(value, math.nan), value)
 
 
-def power_of_two_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """Per-block ``ue8m0`` scale 2^ceil(log2(amax / qmax)), exponent clamped to [-127, 127]."""
-    ratio = amax.double() / qmax
-    mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa * 2^exponent, mantissa in [0.5, 1)
-    ceil_log2 = torch.where(mantissa == 0.5, exponent - 1, exponent)
-    ceil_log2 = torch.where(ratio > 0, ceil_log2, torch.full_like(ceil_log2, -127)).clamp(-127, 127)
-    return (ceil_log2 + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+FP8_AMAX_FLOOR = 1e-4  # the official act_quant's floor on a block's amax
+FP4_AMAX_FLOOR = 6 * 2.0**-126  # fp4_act_quant's
+
+
+def power_of_two_scale(amax: torch.Tensor, qmax: float, floor: float = FP8_AMAX_FLOOR) -> torch.Tensor:
+    """Per-block ``ue8m0`` scale as ``fast_round_scale`` computes it: r = fp32(max(amax, floor)) *
+    fp32(1 / qmax), then 2^ceil(log2(r)) read from r's fp32 bits (exponent, plus one unless the
+    mantissa is zero)."""
+    r = amax.float().clamp(min=floor) * torch.tensor(1.0 / qmax, dtype=torch.float32)
+    bits = r.view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exponent.clamp(-127, 127) + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def _expand(scale: torch.Tensor, rows_block: int, cols_block: int, rows: int, cols: int) -> torch.Tensor:
@@ -153,6 +166,66 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
 def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., R, C] -> (packed int8 [..., R, ceil(C/2)], ue8m0 scale [..., R, ceil(C/32)])."""
     *_, rows, cols = w.shape
-    scale = power_of_two_scale(_block_amax(w, 1, FP4_BLOCK), E2M1_MAX)
+    scale = power_of_two_scale(_block_amax(w, 1, FP4_BLOCK), E2M1_MAX, FP4_AMAX_FLOOR)
     codes = round_to_e2m1(w.float() / _expand(decode_e8m0(scale), 1, FP4_BLOCK, rows, cols))
     return pack_e2m1(codes), scale
+
+
+# ---- fake quantisation (quantisation-aware training) --------------------------------------------
+def straight_through(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y's values with x's gradient (the straight-through estimator: d y / d x taken as 1)."""
+    return x + (y - x).detach()
+
+
+def fake_fp8_weight(w: torch.Tensor) -> torch.Tensor:
+    """w [..., R, C] through FP8 with 128x128 block scales and back, in w's dtype."""
+    q, scale = quantize_fp8(w)
+    return straight_through(w, dequantize_fp8(q, scale, w.dtype))
+
+
+def _e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values within +-6 -> the nearest e2m1 value (ties to even), fp32."""
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)[round_to_e2m1(x).long()]
+
+
+def fake_fp4_weight(w: torch.Tensor) -> torch.Tensor:
+    """w [..., R, C] through FP4 with 1x32 block scales and back, in w's dtype."""
+    *_, rows, cols = w.shape
+    scale = _expand(decode_e8m0(power_of_two_scale(_block_amax(w, 1, FP4_BLOCK), E2M1_MAX, FP4_AMAX_FLOOR)),
+                    1, FP4_BLOCK, rows, cols)
+    return straight_through(w, (_e2m1_round(w.float() / scale) * scale).to(w.dtype))
+
+
+def _row_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """[..., n] -> fp32 [..., ceil(n / block), block], zero-padded."""
+    return F.pad(x.float(), (0, -x.shape[-1] % block)).unflatten(-1, (-1, block))
+
+
+def fake_fp8_act(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """The official ``act_quant(x, block, "ue8m0", inplace=True)``: x [..., n] through e4m3 with one
+    power-of-two scale per ``block`` values of the last dim, and back, in x's dtype."""
+    xb = _row_blocks(x, block)
+    scale = decode_e8m0(power_of_two_scale(xb.abs().amax(-1, keepdim=True), E4M3_MAX))
+    y = (xb / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+    return straight_through(x, y.flatten(-2)[..., : x.shape[-1]].to(x.dtype))
+
+
+def fake_fp4_act(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
+    """The official ``fp4_act_quant(x, block, inplace=True)``: x [..., n] through e2m1 with one
+    power-of-two scale per ``block`` values of the last dim, and back, in x's dtype."""
+    xb = _row_blocks(x, block)
+    scale = decode_e8m0(power_of_two_scale(xb.abs().amax(-1, keepdim=True), E2M1_MAX, FP4_AMAX_FLOOR))
+    y = _e2m1_round((xb / scale).clamp(-E2M1_MAX, E2M1_MAX)) * scale
+    return straight_through(x, y.flatten(-2)[..., : x.shape[-1]].to(x.dtype))
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """The orthonormal Walsh-Hadamard transform of the last dim (a power of two), in Sylvester's
+    natural order, as ``fast_hadamard_transform.hadamard_transform(x, scale=n ** -0.5)``."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"the Hadamard transform needs a power-of-two width, got {n}")
+    h = torch.ones(1, 1, dtype=x.dtype, device=x.device)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (x @ h) * n**-0.5
