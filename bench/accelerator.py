@@ -48,8 +48,8 @@ class _FixedBatch:
         from trex.posttrain.objective import StepResult
         from trex.posttrain.sft import accumulate_gradients
 
-        lm, mtp, stats = accumulate_gradients(model, [self.batch], self.cfg_train, scaler, self.par)
-        return StepResult(loss=lm, tokens=self.batch.n_tokens, metrics={"mtp_loss": mtp}, moe_stats=stats)
+        lm, mtp, aux = accumulate_gradients(model, [self.batch], self.cfg_train, scaler, self.par)
+        return StepResult(loss=lm, tokens=self.batch.n_tokens, metrics={"mtp_loss": mtp}, moe_stats=aux.moe_stats)
 
 
 def measure_step(device: str, dtype: str, seq: int, compiled: bool, steps: int, smoke: bool, backend: str) -> dict:

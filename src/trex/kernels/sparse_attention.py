@@ -148,7 +148,7 @@ class SparseAttention(torch.autograd.Function):
         parts = [blk.scores(local, S)]
         has_comp = compressed is not None and compressed.shape[1] > 0
         if has_comp:
-            comp = _scores(q, compressed, comp_idx, fp32=True).mul_(scale)
+            comp = entry_scores(q, compressed, comp_idx, fp32=True).mul_(scale)
             parts.append(comp.masked_fill_(~comp_mask[:, :, None, :], float("-inf")))
         parts.append(sink.float().view(1, 1, H, 1).expand(B, S, H, 1))
         probs = torch.cat(parts, dim=-1).softmax(dim=-1)
@@ -177,7 +177,7 @@ class SparseAttention(torch.autograd.Function):
         rowsum = (p_local * dp_local).sum(-1, keepdim=True)
         if ctx.has_comp:
             p_comp = probs[..., K:-1]
-            dp_comp = _scores(d_out, compressed, comp_idx).float()
+            dp_comp = entry_scores(d_out, compressed, comp_idx).float()
             rowsum += (p_comp * dp_comp).sum(-1, keepdim=True)
             ds_comp = (p_comp * (dp_comp - rowsum)).to(dtype)
         ds_local = (p_local * (dp_local - rowsum)).to(dtype)
@@ -218,7 +218,7 @@ def _take(compressed: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return compressed.reshape(B * N, c).index_select(0, flat).view(*idx.shape, c)
 
 
-def _scores(x: torch.Tensor, compressed: torch.Tensor, idx: torch.Tensor | None, fp32: bool = False) -> torch.Tensor:
+def entry_scores(x: torch.Tensor, compressed: torch.Tensor, idx: torch.Tensor | None, fp32: bool = False) -> torch.Tensor:
     """x [B, S, H, c] against the entries [B, N, c] (all of them, or idx [B, S, k]) -> [B, S, H, N|k],
     in x's dtype, or accumulated and returned in fp32 with ``fp32`` (``scores_fp32``)."""
     B, S, H, c = x.shape

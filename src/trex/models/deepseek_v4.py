@@ -37,7 +37,7 @@ from torch import nn
 
 from trex import kernels
 from trex.kernels import quantize
-from trex.kernels.sparse_attention import gather_rows
+from trex.kernels.sparse_attention import entry_scores, gather_rows
 from trex.models.cross_entropy import IGNORE_INDEX, head_nll, token_nll
 from trex.models.config import CSA, HASH_MOE, MOE, SLIDING, ModelConfig, YarnScaling
 
@@ -256,6 +256,8 @@ class SeqContext:
             window_pos = F.pad(pos[:, max(lo, 0):self.t1], (pad, 0))
             self.window_rope = {kind: self.rope_at(window_pos, kind) for kind in self._inv_freq}
         self.recording = True  # off once the forward returns: a checkpoint's recompute keeps no MoE stats
+        self.align_indexer = False  # the model's forward sets it: CSA layers keep their indexer alignment
+        self.measure_recall = False  # and this: CSA layers measure how much attention their picks cover
 
     def rope_at(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [*positions.shape, rd/2] in fp32."""
@@ -491,6 +493,8 @@ class Indexer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, m: int):
         super().__init__()
+        self.alignment: torch.Tensor | None = None  # [B, 2] (KL sum, queries) of the last forward
+        self.recall: torch.Tensor | None = None  # [B, 2] (attention mass on the picks, queries), measured
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.wq_b = QuantLinear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
@@ -535,6 +539,49 @@ class Indexer(nn.Module):
         w = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
         return q, w
 
+    def align(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, scale: float, compressed: torch.Tensor,
+              idx: torch.Tensor, valid: torch.Tensor, ctx: SeqContext, layout: WindowLayout,
+              rows: torch.Tensor, first_row: int) -> torch.Tensor:
+        """The KL alignment of the indexer to the main attention on one CSA layer (DeepSeek-V3.2's
+        sparse-stage indexer loss). For query t and its picks j (idx, valid [B, S, k]):
+
+            target p[t, j] = mean over heads h of softmax_j(q[t, h] . entry[j] * scale),
+
+        the main attention's distribution over the picked compressed entries (window keys and the
+        sink left out; no gradient), and the indexer's q[t, j] = softmax_j(I[t, j]) over the same
+        picks; KL(p || q) summed over each query's picks. Only the indexer learns: its inputs x, qr
+        [B, S, *] (and ``rows``, x with its context-parallel halo) are detached. Query chunks are
+        checkpointed, so the [B, T, k, c_I] picked keys live one chunk at a time. Returns [B, 2]:
+        per row the KL summed over queries with at least two valid picks, and their number."""
+        with torch.no_grad():
+            s = entry_scores(q, compressed, idx, fp32=True).mul_(scale).masked_fill_(~valid[:, :, None], float("-inf"))
+            target = torch.nan_to_num(s.softmax(dim=-1), nan=0.0).mean(dim=2)  # [B, S, k]
+        keys = ctx.gather(self.compressor(rows.detach(), layout, first_row, ctx.own_entries(layout))).float()
+        qi, w = self._query(x.detach(), qr.detach(), ctx)
+        B, S = idx.shape[:2]
+        chunk = max(1, self.chunk_elems // max(1, B * self.n_heads * idx.shape[-1]))
+        kl = [torch.utils.checkpoint.checkpoint(_alignment_kl, qi[:, t0:t0 + chunk], w[:, t0:t0 + chunk], keys,
+                                                idx[:, t0:t0 + chunk], valid[:, t0:t0 + chunk],
+                                                target[:, t0:t0 + chunk], use_reentrant=False)
+              for t0 in range(0, S, chunk)]
+        counted = valid.sum(dim=-1) > 1  # one pick: the distributions agree, nothing to learn
+        return torch.stack((torch.cat(kl, dim=1).sum(dim=1), counted.sum(dim=1).float()), dim=1)
+
+    @staticmethod
+    @torch.no_grad()
+    def picked_mass(q: torch.Tensor, scale: float, compressed: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
+                    visible: torch.Tensor) -> torch.Tensor:
+        """How much of the main attention the picks cover: per query, the mean over heads of
+        softmax(q . entry * scale) over all entries the query may see (visible [B, S, N]), summed over
+        the valid picks (1: the top-k holds all of it). Dense over the entries: a measurement, not a
+        training-time path. Returns [B, 2]: per row the summed coverage of queries that see an
+        entry, and their number."""
+        s = entry_scores(q, compressed, None, fp32=True).mul_(scale).masked_fill_(~visible[:, :, None], float("-inf"))
+        p = torch.nan_to_num(s.softmax(dim=-1), nan=0.0).mean(dim=2)  # [B, S, N]
+        covered = (p.gather(2, idx) * valid).sum(dim=-1)
+        seen = visible.any(dim=-1)
+        return torch.stack(((covered * seen).sum(dim=1), seen.sum(dim=1).float()), dim=1)
+
     @staticmethod
     def _select(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, k: int):
         """Top-k entries of I[t, s] for queries q [B, T, H_I, c_I] over keys [B, N, c_I] (visible [B, T, N])."""
@@ -543,6 +590,18 @@ class Indexer(nn.Module):
         scores.masked_fill_(~visible, float("-inf"))
         top = scores.topk(k, dim=-1)
         return top.indices, top.values > float("-inf")
+
+
+def _alignment_kl(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
+                  target: torch.Tensor) -> torch.Tensor:
+    """KL(target || softmax of the index scores) per query over its picks: q [B, T, H_I, c_I], w [B, T, H_I],
+    keys [B, N, c_I], idx, valid, target [B, T, k] -> [B, T]."""
+    picked = gather_rows(keys, idx)  # [B, T, k, c_I]
+    scores = torch.einsum("bthc,btkc->bthk", q, picked).relu()
+    scores = torch.einsum("bthk,bth->btk", scores, w).masked_fill(~valid, float("-inf"))
+    logq = torch.log_softmax(scores, dim=-1)
+    terms = target * (torch.log(target.clamp(min=1e-30)) - logq)
+    return torch.where(valid & (target > 0), terms, 0.0).sum(dim=-1) * (valid.sum(dim=-1) > 1)
 
 
 # ==================================================================================================
@@ -610,6 +669,12 @@ class Attention(nn.Module):
             compressed = ctx.gather(self.compressor(rows, layout, first_row, ctx.own_entries(layout)))
             if self.indexer is not None:
                 comp_idx, comp_mask = self.indexer(x, qr, ctx, layout, rows, first_row)
+                if ctx.align_indexer and ctx.recording:  # collected by the model once its forward is done
+                    self.indexer.alignment = self.indexer.align(x, qr, q, c**-0.5, compressed, comp_idx, comp_mask,
+                                                                ctx, layout, rows, first_row)
+                if ctx.measure_recall:
+                    self.indexer.recall = self.indexer.picked_mass(q, c**-0.5, compressed, comp_idx, comp_mask,
+                                                                   layout.visible(ctx.t0, ctx.t1))
             else:
                 comp_mask = layout.visible(ctx.t0, ctx.t1)
         # the w halo rows run as queries too (zeros, no compressed entries) and their outputs are dropped
@@ -944,6 +1009,8 @@ class ModelOutput:
     loss: torch.Tensor | None = None
     mtp_logits: list[torch.Tensor] = field(default_factory=list)
     mtp_loss: torch.Tensor | None = None
+    indexer_loss: torch.Tensor | None = None  # mean over CSA layers of the indexer alignment (align_indexer)
+    indexer_recall: torch.Tensor | None = None  # mean over CSA layers of the picks' attention mass (measure_recall)
     token_nll: list[torch.Tensor] = field(default_factory=list)
     moe_stats: list[MoEStats] = field(default_factory=list)
 
@@ -976,7 +1043,24 @@ class DeepseekV4(nn.Module):
         self.mtp = nn.ModuleList(MTPBlock(cfg, f"mtp.{j}") for j in range(cfg.num_nextn_predict_layers))
         self.sequence_shard: SequenceShard | None = None  # context parallelism (trex.parallel.context_parallel)
         self.quant = QuantSim()  # the served model's quantisation, simulated (set_quant)
+        self.align_indexer = False  # training forwards also return the indexer alignment loss (Indexer.align)
+        self.measure_recall = False  # forwards also return the indexer's recall (Indexer.picked_mass)
         self.init_weights()
+
+    def _take_indexer(self, ctx: SeqContext, what: str) -> torch.Tensor | None:
+        """The mean over CSA layers (the MTP block's included) of each indexer's ``what`` ("alignment":
+        the KL, "recall": the picks' mass) averaged over the queries of the whole batch (a
+        context-parallel group sums its shards); None when not measured."""
+        parts = []
+        for block in [*self.layers, *self.mtp]:
+            indexer = block.attn.indexer
+            if indexer is not None and getattr(indexer, what) is not None:
+                parts.append(getattr(indexer, what))
+                setattr(indexer, what, None)
+        if not parts:
+            return None
+        sums = ctx.shard_sum(torch.stack(parts, dim=1)).sum(dim=0)  # [layers, 2]
+        return (sums[:, 0] / sums[:, 1].clamp(min=1)).mean()
 
     def set_quant(self, quant: QuantSim) -> None:
         """Simulate ``quant`` in every forward from now on (QuantSim() turns it off). Parameters and
@@ -1041,6 +1125,8 @@ class DeepseekV4(nn.Module):
                     raise ValueError(f"DecodeCache was sized for {cache.max_new_tokens} decode steps; "
                                      f"this is step {cache.steps}")
         ctx = SeqContext(self.cfg, input_ids, doc_ids, cache, self.sequence_shard)
+        ctx.align_indexer = self.align_indexer and self.training and cache is None
+        ctx.measure_recall = self.measure_recall and cache is None
         emb = self.embed(ctx.input_ids)
         # a real copy per stream: batched matmuls over a stride-0 (expanded) operand take a much slower path
         X = emb.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
@@ -1085,6 +1171,8 @@ class DeepseekV4(nn.Module):
         if mtp_losses:
             out.mtp_loss = torch.stack(mtp_losses).mean()
         out.moe_stats = [block.ffn.take_stats() for block in [*self.layers, *self.mtp]]
+        out.indexer_loss = self._take_indexer(ctx, "alignment")
+        out.indexer_recall = self._take_indexer(ctx, "recall")
         ctx.recording = False  # activation checkpointing re-runs blocks in backward with this ctx
         return out
 

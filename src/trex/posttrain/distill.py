@@ -132,7 +132,7 @@ class DistillObjective(Objective):
             sums.add_(self._sums(z, ids, mask, r.sampler_logp[s], per_teacher))
             return loss, out
 
-        stats = backward_micro_batches(model, slices, loss_of, scaler, ctx.recipe.train.balance_alpha,
+        aux = backward_micro_batches(model, slices, loss_of, scaler, ctx.recipe.train,
                                        ctx.par.world_size)
         sums = ctx.par.all_reduce_sum(torch.cat([sums, loss_total[None]]))
         totals = sums.tolist()
@@ -142,7 +142,8 @@ class DistillObjective(Objective):
         metrics = {"entropy": totals[1] / tokens, "logprob_diff": totals[2] / tokens,
                    "response_length": totals[0] / rows[0],
                    **{f"reverse_kl/teacher{i}": v / tokens for i, v in enumerate(totals[3:-1])}}
-        return StepResult(loss=sums[-1].float(), tokens=int(rows[1]), metrics=metrics, moe_stats=stats)
+        return StepResult(loss=sums[-1].float(), tokens=int(rows[1]), metrics=metrics, moe_stats=aux.moe_stats,
+                          indexer_loss=aux.indexer_loss)
 
     @torch.no_grad()
     def evaluate(self, model: DeepseekV4) -> dict[str, float]:

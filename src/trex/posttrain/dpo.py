@@ -166,11 +166,11 @@ class DPOObjective(Objective):
             sums.add_(_sums(terms, b.n_tokens))
             return terms.losses.sum() / pairs + mtp_anchor(out), out
 
-        stats = backward_micro_batches(model, micro, loss_of, scaler, ctx.recipe.train.balance_alpha,
+        aux = backward_micro_batches(model, micro, loss_of, scaler, ctx.recipe.train,
                                        ctx.par.world_size)
         sums = ctx.par.all_reduce_sum(sums)
         mean = (sums[:4] / pairs).tolist()
-        return StepResult(loss=(sums[0] / pairs).float(), tokens=int(sums[4]), moe_stats=stats,
+        return StepResult(loss=(sums[0] / pairs).float(), tokens=int(sums[4]), moe_stats=aux.moe_stats, indexer_loss=aux.indexer_loss,
                           metrics={"reward_chosen": mean[1], "reward_rejected": mean[2],
                                    "reward_margin": mean[1] - mean[2], "accuracy": mean[3]})
 

@@ -178,7 +178,7 @@ class GRPOObjective(Objective):
                 mask.sum(), (docs != 0).sum(), diff.max() if diff.numel() else diff.new_zeros(())]).double())
             return pl.loss, out
 
-        stats = backward_micro_batches(model, slices, loss_of, scaler, ctx.recipe.train.balance_alpha,
+        aux = backward_micro_batches(model, slices, loss_of, scaler, ctx.recipe.train,
                                        ctx.par.world_size)
         max_diff = sums[7].clone()
         sums[7] = 0
@@ -192,7 +192,8 @@ class GRPOObjective(Objective):
                    "entropy": entropy / max(tokens, 1), "response_length": tokens / rows[0],
                    "truncated_frac": rows[1] / rows[0], "logprob_diff": diff / max(tokens, 1),
                    "logprob_diff_max": max_diff.item(), "ppo_epoch": float(step % cfg.ppo_epochs)}
-        return StepResult(loss=sums.new_tensor(loss).float(), tokens=int(seen), metrics=metrics, moe_stats=stats)
+        return StepResult(loss=sums.new_tensor(loss).float(), tokens=int(seen), metrics=metrics, moe_stats=aux.moe_stats,
+                          indexer_loss=aux.indexer_loss)
 
     # ---- evaluation, resume --------------------------------------------------------------------------
     def evaluate(self, model: DeepseekV4) -> dict[str, float]:

@@ -51,6 +51,9 @@ class StepResult:
     are read with the loss, once per step."""
     moe_stats: list = field(default_factory=list)
     """MoEStats of the trained model's forwards, for the router-bias update."""
+    indexer_loss: torch.Tensor | None = None
+    """This rank's indexer alignment loss averaged over the step's forwards (train.indexer_loss > 0),
+    for the ``indexer_loss`` metric (the loop averages it over ranks)."""
 
 
 @dataclass
@@ -113,25 +116,38 @@ def balance_term(moe_stats: list, alpha: float, micro_batches: int, world: int) 
     return alpha * torch.stack(balance).sum() / (micro_batches * world)
 
 
+@dataclass
+class Auxiliary:
+    """What a step's forwards report besides the objective's loss."""
+
+    moe_stats: list
+    """MoEStats of every forward, for the router-bias update."""
+    indexer_loss: torch.Tensor | None
+    """The indexer alignment loss averaged over the forwards (detached), None when off."""
+
+
 def backward_micro_batches(model: DeepseekV4, parts: Sequence[Part],
-                           loss_of: Callable[[Part], tuple[torch.Tensor, Any]], scaler, balance_alpha: float,
-                           world_size: int) -> list:
+                           loss_of: Callable[[Part], tuple[torch.Tensor, Any]], scaler, train,
+                           world_size: int) -> Auxiliary:
     """The micro-batch loop of every objective's step. For each of ``parts`` in order: gradient
     synchronisation on the last one only (trex.parallel.plan.sync_gradients); the objective's
     ``loss_of(part) -> (loss, out)``, a 0-d loss already normalised over the whole step and the
-    forward's ModelOutput; plus ``balance_alpha`` x its sequence-wise balance losses (averaged over
-    micro-batches and ranks); backward of the sum scaled by ``scaler``. Gradients accumulate in
-    ``.grad``. Returns the MoE stats of every forward, for the router-bias update."""
-    stats = []
+    forward's ModelOutput; plus ``train.balance_alpha`` x its sequence-wise balance losses and
+    ``train.indexer_loss`` x its indexer alignment loss (each averaged over micro-batches and ranks);
+    backward of the sum scaled by ``scaler``. Gradients accumulate in ``.grad``."""
+    stats, indexer = [], []
     for i, part in enumerate(parts):
         sync_gradients(model, i, len(parts))
         loss, out = loss_of(part)
-        balance = balance_term(out.moe_stats, balance_alpha, len(parts), world_size)
+        balance = balance_term(out.moe_stats, train.balance_alpha, len(parts), world_size)
         if balance is not None:
             loss = loss + balance
+        if out.indexer_loss is not None:
+            loss = loss + train.indexer_loss * out.indexer_loss / (len(parts) * world_size)
+            indexer.append(out.indexer_loss.detach())
         scaler.scale(loss).backward()
         stats.extend(out.moe_stats)
-    return stats
+    return Auxiliary(stats, torch.stack(indexer).mean() if indexer else None)
 
 
 # ---- log-probabilities ------------------------------------------------------------------------------

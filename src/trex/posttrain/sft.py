@@ -56,7 +56,8 @@ def accumulate_gradients(model: DeepseekV4, micro: list, cfg_train, scaler: Dyna
     The LM and MTP cross-entropies are summed over tokens and divided by the number of targets in
     the whole step (all micro-batches of all ranks; ranks sum their gradients), so any split of a
     batch gives the same gradient. The balance loss is averaged over micro-batches and ranks.
-    Returns this rank's share of the (lm loss, mtp loss) and its MoE stats. No host read: the
+    Returns this rank's share of the (lm loss, mtp loss) and its ``Auxiliary`` (MoE stats, indexer
+    alignment loss). No host read: the
     target counts stay on the device (all-reduced there).
     """
     world = par.world_size if par is not None else 1
@@ -80,8 +81,8 @@ def accumulate_gradients(model: DeepseekV4, micro: list, cfg_train, scaler: Dyna
         mtp_total.add_(mtp.detach())
         return lm + cfg_train.mtp_weight * mtp, out
 
-    stats = backward_micro_batches(model, list(zip(micro, targets)), loss_of, scaler, cfg_train.balance_alpha, world)
-    return lm_total, mtp_total, stats
+    aux = backward_micro_batches(model, list(zip(micro, targets)), loss_of, scaler, cfg_train, world)
+    return lm_total, mtp_total, aux
 
 
 class SFTObjective(Objective):
@@ -100,10 +101,11 @@ class SFTObjective(Objective):
     def step(self, model: DeepseekV4, step: int, scaler) -> StepResult:
         ctx = self.ctx
         micro = [next(self.loader).to(ctx.dev.torch_device) for _ in range(ctx.recipe.train.grad_accum)]
-        lm, mtp, stats = accumulate_gradients(model, micro, ctx.recipe.train, scaler, ctx.par)
+        lm, mtp, aux = accumulate_gradients(model, micro, ctx.recipe.train, scaler, ctx.par)
         tokens = sum(b.n_tokens for b in micro)
         totals = ctx.par.all_reduce_sum(torch.stack([lm, mtp, lm.new_tensor(tokens)]))
-        return StepResult(loss=totals[0], tokens=totals[2], metrics={"mtp_loss": totals[1]}, moe_stats=stats)
+        return StepResult(loss=totals[0], tokens=totals[2], metrics={"mtp_loss": totals[1]}, moe_stats=aux.moe_stats,
+                          indexer_loss=aux.indexer_loss)
 
     def evaluate(self, model: DeepseekV4) -> dict[str, float]:
         if self.eval_loader is None:

@@ -75,6 +75,10 @@ class TrainSection:
     """Speed of the aux-loss-free router bias update after each optimizer step (0 disables)."""
     freeze_indexer: bool = True
     """Keep the lightning indexer fixed (its top-k gets no gradient from the LM loss anyway)."""
+    indexer_loss: float = 0.0
+    """Weight of the indexer alignment loss: the KL from the main attention's distribution over the
+    picked compressed entries to the indexer's, on every CSA layer, indexer inputs detached
+    (trex.models.deepseek_v4.Indexer.align; logged as ``indexer_loss``). Needs freeze_indexer = false."""
     log_every: int = 1
     """Steps between metric lines (metrics.jsonl, TensorBoard, progress bar)."""
     eval_every: int = 0
@@ -98,6 +102,11 @@ class TrainSection:
     def __post_init__(self) -> None:
         check_choices(self, "train")
         require_positive(self, "train", ("steps", "grad_accum", "log_every"))
+        if self.indexer_loss < 0:
+            raise ValueError(f"train.indexer_loss: {self.indexer_loss} is negative; expected a weight >= 0")
+        if self.indexer_loss > 0 and self.freeze_indexer:
+            raise ValueError("train.indexer_loss > 0 trains the indexer, which train.freeze_indexer = true keeps "
+                             "fixed: set train.freeze_indexer = false")
 
 
 @dataclass

@@ -71,6 +71,9 @@ class DefaultJob:
     """Seeds the data order and the initialisation."""
     qat: str = "none"
     """Quantisation-aware training in both stages (``[precision] qat``): "none" or "official"."""
+    indexer_loss: float = 0.0
+    """Weight of the indexer alignment loss in the SFT stage (``[train] indexer_loss``; > 0 trains the
+    indexer)."""
     device: str = ""
     """Device override; empty: the device layer decides."""
     progress: bool = True
@@ -96,7 +99,9 @@ def _stage(job: DefaultJob, name: str, paths: list[str], eval_paths: list[str], 
         schedule=ScheduleSection(warmup_steps=max(1, steps // 10), decay="cosine", min_lr_ratio=0.1),
         train=TrainSection(steps=steps, seed=job.seed, out=os.path.join(job.out, name), device=job.device,
                            overwrite=True,  # the default job replaces its own earlier output
-                           eval_every=max(1, steps // 4), log_every=1, progress=job.progress),
+                           eval_every=max(1, steps // 4), log_every=1, progress=job.progress,
+                           indexer_loss=job.indexer_loss if name == "sft" else 0.0,
+                           freeze_indexer=not (job.indexer_loss > 0 and name == "sft")),
         eval=EvalSection(paths=eval_paths, batches=2),
         precision=PrecisionSection(qat=job.qat),
         parallel=ParallelSection(timeout_s=300, heartbeat_timeout_s=30),  # steps of a tenth of a second

@@ -236,6 +236,7 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
         m.to(dtype=torch.float32 if par.distributed else policy.param_dtype).train()
         frozen.extend(freeze_indexer(m) if cfg_train.freeze_indexer else [])
         m.set_quant(recipe.precision.quant_sim())
+        m.align_indexer = cfg_train.indexer_loss > 0
         apply_parallelism(m, par, policy, layout.activation_checkpointing, layout.reduce_every_micro_batch,
                           compile=compiled)
 
@@ -307,6 +308,8 @@ def _run_steps(r: _Run) -> None:
                     r.scheduler.step()
                 imbalance = {f"expert_imbalance/{k}": v.max() / v.mean().clamp(min=1e-9) for k, v in out.loads.items()}
                 result = out.result
+                if result.indexer_loss is not None:  # a rank's mean -> the mean over ranks
+                    result.metrics["indexer_loss"] = r.par.all_reduce_sum(result.indexer_loss) / r.par.world_size
                 read = read_scalars({"loss": result.loss, **result.metrics, "grad_norm": out.grad_norm,
                                      "tokens": result.tokens, "loss_ok": out.finite[0], "norm_ok": out.finite[1],
                                      **imbalance})  # the step's one host read: it waits for the step to finish
