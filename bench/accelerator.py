@@ -86,7 +86,7 @@ def measure_step(device: str, dtype: str, seq: int, compiled: bool, steps: int, 
     ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=gen)
     docs = torch.zeros_like(ids)
     docs[0, seq // 3:] = 1  # two packed documents
-    batch = Batch(ids, ids.clone(), docs, seq - 2, seq).to(dev.torch_device)
+    batch = Batch(ids, ids.clone(), docs, seq - 2, seq, torch.ones_like(ids, dtype=torch.bool)).to(dev.torch_device)
     objective = _FixedBatch(batch, TrainSection(), Parallel())
 
     def one(step: int):

@@ -39,11 +39,12 @@ def global_batch() -> Batch:
     docs = torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(row)]) for row in DOCS])
     labels = ids.clone()
     labels[0, :9] = -100  # an unlabelled prompt
-    return Batch(ids, labels, docs, 0, ids.numel())
+    return Batch(ids, labels, docs, 0, ids.numel(), torch.ones_like(ids, dtype=torch.bool))
 
 
 def rows(batch: Batch, index: slice) -> Batch:
-    return Batch(batch.input_ids[index], batch.labels[index], batch.doc_ids[index], 0, batch.input_ids[index].numel())
+    return Batch(batch.input_ids[index], batch.labels[index], batch.doc_ids[index], 0, batch.input_ids[index].numel(),
+                 batch.token_mask[index])
 
 
 def step(out: str, dp_shard: int = 1, ep: int = 1, cp: int = 1, compiled: int = 0) -> None:

@@ -138,7 +138,9 @@ def test_context_parallel_distillation_gives_the_losses_of_one_process(tmp_path)
     from test_distributed import torchrun
 
     (tmp_path / "recipe.toml").write_text("# everything set on the command line\n")
-    sets = [*_two_teachers_task(tmp_path, steps=3), "train.bias_gamma=0", "train.balance_alpha=0"]
+    # rows padded wider under cp count in no MoE statistic (token_mask), so the router bias moves as at one
+    # process; the balance term still differs from step 3 at cp = 2 (open: docs/distributed.md)
+    sets = [*_two_teachers_task(tmp_path, steps=3), "train.balance_alpha=0"]
 
     def args(out, extra=()):
         return ["train", str(tmp_path / "recipe.toml"), "--out", str(out), *[a for s in (*sets, *extra)

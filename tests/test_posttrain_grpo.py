@@ -267,9 +267,6 @@ def test_two_process_grpo_gives_the_samples_and_losses_of_one_process(prompt_fil
     def args(out, nproc):
         data_ranks = nproc if layout == "fsdp2" else 1
         split = [f"parallel.dp_shard={data_ranks}"] + ([f"parallel.cp={nproc}"] if nproc > 1 and layout == "cp2" else [])
-        if layout == "cp2":  # rows padded wider under cp, and the router loads and balance loss count padding
-            # tokens (docs/distributed.md#context-parallelism): compare with both off
-            split += ["train.bias_gamma=0", "train.balance_alpha=0"]
         sets = ['train.mode="grpo"', 'data.tokenizer="compact"', "data.seq_len=32", "train.progress=false",
                 "fidelity.every=0", "optim.lr=1e-2", 'schedule.decay="constant"', SMALL_MODEL, "train.steps=4",
                 f'grpo.prompts=["{prompt_files}/prompts.jsonl"]', f'grpo.eval_prompts=["{prompt_files}/heldout.jsonl"]',

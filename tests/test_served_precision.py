@@ -115,3 +115,22 @@ def test_later_checkpoint_variants_are_refused_by_name(field, variant):
     with pytest.raises(ConfigError, match=variant) as e:
         ModelConfig.from_dict(hf, "config.json")
     assert "mtp" in str(e.value) or "V4.1" in str(e.value)
+
+
+def test_padding_counts_in_no_moe_statistic():
+    # one row of 24 real tokens and 8 padding tokens against the same 24 tokens alone
+    model = build_model(tiny(), seed=0).train()
+    g = torch.Generator().manual_seed(3)
+    real = torch.randint(0, 256, (1, 24), generator=g)
+    padded = torch.cat([real, torch.zeros(1, 8, dtype=torch.long)], dim=1)
+    docs = torch.tensor([[0] * 24 + [1] * 8])
+    mask = docs == 0
+    alone = model(real).moe_stats
+    masked = model(padded, doc_ids=docs, token_mask=mask).moe_stats
+    unmasked = model(padded, doc_ids=docs).moe_stats
+    for a, b, c in zip(alone, masked, unmasked):
+        assert torch.equal(a.counts, b.counts), a.layer
+        assert c.counts.sum() == b.counts.sum() * 32 // 24  # without the mask the padding is counted
+        if a.balance_loss is not None:
+            assert torch.allclose(a.balance_loss, b.balance_loss, rtol=1e-5), a.layer
+    assert torch.equal(model(padded, doc_ids=docs, token_mask=mask).logits, model(padded, doc_ids=docs).logits)

@@ -23,7 +23,7 @@ from trex.precision import DynamicLossScaler, NonFiniteError
 
 
 def _batch(ids, labels, docs):
-    return Batch(ids, labels, docs, 0, ids.numel())
+    return Batch(ids, labels, docs, 0, ids.numel(), torch.ones_like(ids, dtype=torch.bool))
 
 
 def test_gradient_accumulation_equals_one_large_batch():

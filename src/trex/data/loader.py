@@ -28,10 +28,11 @@ class Batch:
     doc_ids: torch.Tensor    # long [B, S], document number within each row; padding has its own
     n_loss_tokens: int       # targets the model's next-token loss counts (labels after the in-document shift)
     n_tokens: int            # non-padding tokens
+    token_mask: torch.Tensor  # bool [B, S]: the non-padding tokens (the model's MoE statistics count only these)
 
     def to(self, device) -> "Batch":
         return Batch(self.input_ids.to(device), self.labels.to(device), self.doc_ids.to(device),
-                     self.n_loss_tokens, self.n_tokens)
+                     self.n_loss_tokens, self.n_tokens, self.token_mask.to(device))
 
 
 def count_loss_tokens(labels: np.ndarray, doc_ids: np.ndarray) -> int:
@@ -101,8 +102,10 @@ class PackedLoader:
         index = self._order[start:start + self.micro_batch_size]
         self.rows_consumed += step_rows
         input_ids, labels, doc_ids = self.rows.rows(index)
+        used = torch.from_numpy(np.asarray(self.rows.used(index), dtype=np.int64))
+        mask = torch.arange(input_ids.shape[1])[None, :] < used[:, None]
         return Batch(torch.from_numpy(input_ids), torch.from_numpy(labels), torch.from_numpy(doc_ids),
-                     count_loss_tokens(labels, doc_ids), int(self.rows.used(index).sum()))
+                     count_loss_tokens(labels, doc_ids), int(used.sum()), mask)
 
     def state_dict(self) -> dict:
         """The exact position; the same on every rank. JSON-serialisable."""

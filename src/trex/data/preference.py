@@ -56,8 +56,8 @@ class PreferencePairs:
 @dataclass
 class PairBatch:
     """B pairs as 2B rows of seq_len tokens: rows 0..B-1 chosen, rows B..2B-1 rejected. Rows are padded
-    to the fixed seq_len (as packed SFT rows are), so the MoE statistics, which count padding tokens
-    too, do not depend on how a batch is split over micro-batches and ranks."""
+    to the fixed seq_len (as packed SFT rows are), so shapes do not depend on the pairs; the padding
+    counts in no MoE statistic (the model's ``token_mask``: ``doc_ids == 0``)."""
     index: torch.Tensor      # long [B]: pair numbers
     input_ids: torch.Tensor  # long [2B, seq_len]
     doc_ids: torch.Tensor    # long [2B, seq_len]: 0 on the conversation, 1 on the padding

@@ -257,6 +257,7 @@ class SeqContext:
             self.window_rope = {kind: self.rope_at(window_pos, kind) for kind in self._inv_freq}
         self.recording = True  # off once the forward returns: a checkpoint's recompute keeps no MoE stats
         self.align_indexer = False  # the model's forward sets it: CSA layers keep their indexer alignment
+        self.token_mask: torch.Tensor | None = None  # and this: [B, t1 - t0] the real tokens (MoE statistics)
         self.measure_recall = False  # and this: CSA layers measure how much attention their picks cover
 
     def rope_at(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -740,11 +741,13 @@ class SharedExpert(nn.Module):
         return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
 
 
-def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
+def expert_counts(idx: torch.Tensor, n_experts: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """idx [T, k] expert ids -> [E] long rows per expert, on the device (``bincount`` reads its
-    input's maximum back to the host on accelerators; a scatter-add does not)."""
+    input's maximum back to the host on accelerators; a scatter-add does not); with ``valid`` [T]
+    only the valid tokens' rows."""
     flat = idx.reshape(-1)
-    return flat.new_zeros(n_experts).scatter_add_(0, flat, torch.ones_like(flat))
+    ones = torch.ones_like(flat) if valid is None else valid.long()[:, None].expand_as(idx).reshape(-1)
+    return flat.new_zeros(n_experts).scatter_add_(0, flat, ones)
 
 
 @dataclass
@@ -858,7 +861,8 @@ class MoE(nn.Module):
         balance = self._balance_loss(scores, idx, B, ctx) if self.training and not self.gate.hashed else None
         if ctx.recording:  # kept for the model to collect (take_stats) once its forward is done; a recompute
             # in backward (activation checkpointing) keeps nothing, or its graph would outlive the step
-            self.routing = (expert_counts(idx, scores.shape[-1]), balance)
+            valid = None if ctx.token_mask is None else ctx.token_mask.reshape(-1)
+            self.routing = (expert_counts(idx, scores.shape[-1], valid), balance)
         return y.view(B, S, d)
 
     def take_stats(self) -> MoEStats:
@@ -870,12 +874,19 @@ class MoE(nn.Module):
     @staticmethod
     def _balance_loss(scores: torch.Tensor, idx: torch.Tensor, B: int, ctx: SeqContext) -> torch.Tensor:
         """Sequence-wise balance loss sum_i f_i * P_i averaged over sequences (DeepSeek-V3 form), over
-        whole sequences (a context-parallel group sums its shards' counts and probabilities)."""
+        whole sequences (a context-parallel group sums its shards' counts and probabilities), over a
+        sequence's real tokens (``ctx.token_mask``; all S without one)."""
         E, k = scores.shape[-1], idx.shape[-1]
         chosen = torch.zeros_like(scores).scatter_(1, idx, 1.0).view(B, -1, E)
         p = (scores / scores.sum(dim=-1, keepdim=True)).view(B, -1, E)
-        sums = ctx.shard_sum(torch.stack((chosen.sum(dim=1), p.sum(dim=1)), dim=1))  # [B, 2, E]
-        S = ctx.seq_len
+        if ctx.token_mask is None:
+            sums = ctx.shard_sum(torch.stack((chosen.sum(dim=1), p.sum(dim=1)), dim=1))  # [B, 2, E]
+            S = ctx.seq_len
+        else:
+            w = ctx.token_mask.view(B, -1, 1).float()
+            n = w.sum(dim=1).expand(B, E)
+            sums = ctx.shard_sum(torch.stack(((chosen * w).sum(dim=1), (p * w).sum(dim=1), n), dim=1))  # [B, 3, E]
+            S = sums[:, 2].clamp(min=1)
         return (sums[:, 0] * (E / (k * S)) * (sums[:, 1] / S)).sum(dim=-1).mean()
 
 
@@ -1097,9 +1108,12 @@ class DeepseekV4(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, cache: DecodeCache | None = None, *,
-                targets: list[torch.Tensor] | None = None, return_logits: bool = True) -> ModelOutput:
+                targets: list[torch.Tensor] | None = None, return_logits: bool = True,
+                token_mask: torch.Tensor | None = None) -> ModelOutput:
         """input_ids, doc_ids: [B, S]; tokens of different ``doc_ids`` never attend to each other,
-        share no compression window, and restart positions. One forward serves three callers:
+        share no compression window, and restart positions. ``token_mask`` [B, S] bool (default: all)
+        marks the real tokens: padding still runs, but counts in no MoE statistic (expert loads, the
+        balance loss). One forward serves three callers:
 
           training    ``targets``: one [B, S] per head (main, then MTP), already shifted, fills
                       ``token_nll``; ``return_logits=False`` fuses each head with its loss (no
@@ -1126,6 +1140,10 @@ class DeepseekV4(nn.Module):
                                      f"this is step {cache.steps}")
         ctx = SeqContext(self.cfg, input_ids, doc_ids, cache, self.sequence_shard)
         ctx.align_indexer = self.align_indexer and self.training and cache is None
+        if token_mask is not None and cache is None:
+            if token_mask.shape != input_ids.shape:
+                raise ValueError(f"token_mask has shape {tuple(token_mask.shape)}; expected {tuple(input_ids.shape)}")
+            ctx.token_mask = token_mask[:, ctx.t0:ctx.t1].bool()
         ctx.measure_recall = self.measure_recall and cache is None
         emb = self.embed(ctx.input_ids)
         # a real copy per stream: batched matmuls over a stride-0 (expanded) operand take a much slower path

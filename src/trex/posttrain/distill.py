@@ -124,7 +124,7 @@ class DistillObjective(Objective):
         def loss_of(s):
             ids, docs, mask = r.input_ids[s], r.doc_ids[s], r.mask[s]
             teacher_logits = self._teacher_logits(ids, docs, mask)
-            out = model(ids, doc_ids=docs)
+            out = model(ids, doc_ids=docs, token_mask=docs != 0)  # left padding is document 0
             z = out.logits[mask]
             total, per_teacher = reverse_kl(z, teacher_logits, self.weights, cfg.chunk)
             loss = total.sum() / max(n_tok, 1)

@@ -90,7 +90,7 @@ def sequence_logprobs(model: DeepseekV4, batch: PairBatch, all_heads: bool = Fal
     head runs fused with the loss (no [2B, S, V] logits). ``all_heads``: the MTP heads score their own
     targets too, so that a training step can anchor them (mtp_anchor)."""
     heads = 1 + (model.cfg.num_nextn_predict_layers if all_heads else 0)
-    out = next_token_nll(model, batch.input_ids, batch.doc_ids, heads)
+    out = next_token_nll(model, batch.input_ids, batch.doc_ids, heads, token_mask=batch.doc_ids == 0)
     return (-out.token_nll[0] * batch.scored).sum(-1), out
 
 
@@ -226,7 +226,7 @@ class DPOObjective(Objective):
             labels[row, :len(ids)] = torch.where(mask, ids, IGNORE_INDEX)
             doc_ids[row, :len(ids)] = 0
         return Batch(input_ids, labels, doc_ids, count_loss_tokens(labels.numpy(), doc_ids.numpy()),
-                     int((doc_ids == 0).sum()))
+                     int((doc_ids == 0).sum()), doc_ids == 0)
 
 
 def _sums(terms: DPOTerms, n_tokens: int) -> torch.Tensor:

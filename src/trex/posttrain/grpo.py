@@ -164,7 +164,7 @@ class GRPOObjective(Objective):
 
         def loss_of(s):
             ids, docs, mask = r.input_ids[s], r.doc_ids[s], r.mask[s]
-            out = model(ids, doc_ids=docs)
+            out = model(ids, doc_ids=docs, token_mask=docs != 0)  # left padding is document 0
             logp = next_token_logprobs(out.logits, ids, docs)
             if first_use:
                 batch.old_logp[s] = logp.detach()

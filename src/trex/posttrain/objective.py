@@ -163,12 +163,13 @@ def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
 
 
 def next_token_nll(model: DeepseekV4, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                   heads: int = 1):
+                   heads: int = 1, token_mask: torch.Tensor | None = None):
     """Run ``model`` on ``input_ids`` [B, S] with the LM head fused with the loss (no logits). In the
     returned ModelOutput, ``token_nll[j]`` (fp32 [B, S]) is head j's NLL of token t + 1 + j, 0 where
-    there is none (past the end, across documents); ``heads``: the main head and heads - 1 MTP heads."""
+    there is none (past the end, across documents); ``heads``: the main head and heads - 1 MTP heads;
+    ``token_mask``: the real tokens, for the MoE statistics (the model's forward)."""
     targets = [shift_labels(input_ids, j + 1, doc_ids) for j in range(heads)]
-    return model(input_ids, doc_ids=doc_ids, targets=targets, return_logits=False)
+    return model(input_ids, doc_ids=doc_ids, targets=targets, return_logits=False, token_mask=token_mask)
 
 
 def token_logprobs(model: DeepseekV4, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:

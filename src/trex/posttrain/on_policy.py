@@ -258,4 +258,4 @@ def probe_batch(prompts: list[Prompt], rows: int, seq_len: int, pad_id: int) -> 
         ids[i, :n] = labels[i, :n] = torch.tensor(p.ids[:n])
         docs[i, :n] = 1
     n_loss = int(((labels[:, 1:] != IGNORE_INDEX) & (docs[:, 1:] == docs[:, :-1])).sum())
-    return Batch(ids, labels, docs, n_loss, int((docs != 0).sum()))
+    return Batch(ids, labels, docs, n_loss, int((docs != 0).sum()), docs != 0)

@@ -73,7 +73,8 @@ def accumulate_gradients(model: DeepseekV4, micro: list, cfg_train, scaler: Dyna
 
     def loss_of(part):
         b, tgt = part
-        out = model(b.input_ids, doc_ids=b.doc_ids, targets=tgt, return_logits=False)  # no [B, S, V] logits
+        out = model(b.input_ids, doc_ids=b.doc_ids, targets=tgt, return_logits=False,  # no [B, S, V] logits
+                    token_mask=b.token_mask)
         lm = out.token_nll[0].sum() / counts[0]
         mtp = sum((nll.sum() / c for nll, c in zip(out.token_nll[1:], counts[1:])),
                   torch.zeros((), device=device)) / max(1, len(tgt) - 1)
