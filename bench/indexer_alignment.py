@@ -24,7 +24,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_step import write_docs_section  # noqa: E402
+from model_step import report  # noqa: E402
 
 MARK_BEGIN, MARK_END = "<!-- indexer-alignment-bench:begin -->", "<!-- indexer-alignment-bench:end -->"
 
@@ -83,10 +83,7 @@ def main() -> None:
         kl = "-" if r["final_indexer_kl"] is None else f"{r['final_indexer_kl']:.4f}"
         lines.append(f"| {r['indexer_loss']:g} | {100 * r['recall_before_sft']:.1f}% | "
                      f"{100 * r['recall_after_sft']:.1f}% | {kl} | {100 * r['exact_match']:.1f}% |")
-    body = "\n".join(lines)
-    print(body)
-    if args.write:
-        write_docs_section(MARK_BEGIN, MARK_END, body)
+    report(MARK_BEGIN, MARK_END, lines, args.write)
 
 
 if __name__ == "__main__":

@@ -179,6 +179,14 @@ def write_section(text: str) -> None:
                        f"Command: `.venv/bin/python bench/model_step.py`\n\n{text}\n\n{targets}")
 
 
+def report(begin: str, end: str, lines: list[str], write: bool) -> None:
+    """Print a benchmark's markdown ``lines``; with ``write`` also put them in docs/benchmarks.md."""
+    body = "\n".join(lines)
+    print(body)
+    if write:
+        write_docs_section(begin, end, body)
+
+
 def write_docs_section(begin: str, end: str, body: str) -> None:
     """Put ``body`` between the markers ``begin`` and ``end`` of docs/benchmarks.md (appended the first
     time), written atomically."""

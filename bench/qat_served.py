@@ -23,7 +23,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_step import write_docs_section  # noqa: E402
+from model_step import report  # noqa: E402
 
 MARK_BEGIN, MARK_END = "<!-- qat-served-bench:begin -->", "<!-- qat-served-bench:end -->"
 
@@ -95,10 +95,7 @@ def main() -> None:
     for r in results:
         lines.append(f"| qat = \"{r['qat']}\" | {100 * r['exact_match_trained']:.1f}% | "
                      f"{100 * r['exact_match_served']:.1f}% | {r['logit_gap']:.4f} | {100 * r['top1_agreement']:.1f}% |")
-    body = "\n".join(lines)
-    print(body)
-    if args.write:
-        write_docs_section(MARK_BEGIN, MARK_END, body)
+    report(MARK_BEGIN, MARK_END, lines, args.write)
 
 
 if __name__ == "__main__":
