@@ -118,6 +118,11 @@ class CheckpointReader:
                 if name in located:
                     self.problems.append(f"{file.path}: {name}: also in {located[name].path}")
                 located[name] = file
+        engram = sorted(n for n in located if n.startswith("engram.") or ".engram." in n)
+        if engram:  # a third-party V4.1 checkpoint tool lists `engram.embed.weight` / `.scale` families
+            raise CheckpointError(f"{path}: a DeepSeek-V4.1 checkpoint with Engram memory tables ({engram[0]}, "
+                                  f"{len(engram)} tensor(s)): trex implements the V4 (2026-04) architecture; V4.1's "
+                                  "Engram memory and attention changes are not in it")
         self._check_index(located)
         self.layout = detect_layout(list(located)) if layout == "auto" else layout
         self.sources: dict[str, list[Source]] = {}
