@@ -302,3 +302,15 @@ def test_mfu_above_100_percent_is_warned_once_with_the_peak_it_used(arithmetic_f
 def test_a_model_path_with_no_model_says_what_belongs_there(arithmetic_files, tmp_path):
     with pytest.raises(ValueError, match=r"model.path = '.*nowhere': no model there \(expected config.json"):
         train(_recipe(arithmetic_files, tmp_path / "run", f'model.path="{tmp_path}/nowhere"'))
+
+
+def test_qat_and_the_indexer_loss_reach_the_model_through_the_recipe(arithmetic_files, tmp_path):
+    short = ("train.steps=2", "train.grad_accum=1", "train.eval_every=0")
+    plain = train(_recipe(arithmetic_files, tmp_path / "plain", *short))
+    qat = train(_recipe(arithmetic_files, tmp_path / "qat", *short, 'precision.qat="official"',
+                        "train.indexer_loss=0.1", "train.freeze_indexer=false"))
+    assert qat.model.quant.active and not plain.model.quant.active and qat.model.align_indexer
+    rows = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in ("plain", "qat")}
+    assert all(r["indexer_loss"] > 0 for r in rows["qat"]) and "indexer_loss" not in rows["plain"][0]
+    assert rows["qat"][0]["loss"] != rows["plain"][0]["loss"]  # the same weights, seen through the quantisers
+    assert abs(rows["qat"][0]["loss"] - rows["plain"][0]["loss"]) < 0.05 * rows["plain"][0]["loss"]
