@@ -1,6 +1,7 @@
 """The default job trained with and without quantisation-aware training, then served as released.
 
-Each run is the default job (CPT then SFT on generated arithmetic, same seeds). Its final model is
+Each run is the default job (CPT then SFT on generated arithmetic, same seeds; QAT, when on, in
+the SFT stage: the CPT stage stands for the pretraining that post-training starts from). Its final model is
 exported to the official layout with FP8 linears and FP4 routed experts (unquantised tensors in
 fp32, so only the quantisation differs), loaded back, and run the way the official inference code
 runs it (trex's QuantSim("official"): FP8 GEMM inputs, FP8 KV, the indexer's Hadamard + FP4). On the
@@ -88,7 +89,7 @@ def main() -> None:
     results = [run(qat, args.steps, os.path.join(args.out, qat)) for qat in ("none", "official")]
     print(json.dumps(results, indent=1))
     lines = ["## Quantisation-aware training: the default job served as released (bench/qat_served.py)", "",
-             f"CPU, fp32 masters, {results[0]['steps']} steps (CPT + SFT), same seeds; served = exported "
+             f"CPU, fp32 masters, {results[0]['steps']} steps (CPT + SFT; QAT in SFT), same seeds; served = exported "
              "FP8 linears + FP4 experts, run with the official inference code's quantisation.", "",
              "| run | exact match, trained | exact match, served | logit gap (rel. L2) | top-1 agreement |",
              "|---|---|---|---|---|"]

@@ -70,7 +70,8 @@ class DefaultJob:
     seed: int = 0
     """Seeds the data order and the initialisation."""
     qat: str = "none"
-    """Quantisation-aware training in both stages (``[precision] qat``): "none" or "official"."""
+    """Quantisation-aware training in the SFT stage (``[precision] qat``): "none" or "official". The CPT
+    stage stands for the pretraining a real post-training run starts from, so it trains unquantised."""
     indexer_loss: float = 0.0
     """Weight of the indexer alignment loss in the SFT stage (``[train] indexer_loss``; > 0 trains the
     indexer)."""
@@ -103,7 +104,7 @@ def _stage(job: DefaultJob, name: str, paths: list[str], eval_paths: list[str], 
                            indexer_loss=job.indexer_loss if name == "sft" else 0.0,
                            freeze_indexer=not (job.indexer_loss > 0 and name == "sft")),
         eval=EvalSection(paths=eval_paths, batches=2),
-        precision=PrecisionSection(qat=job.qat),
+        precision=PrecisionSection(qat=job.qat if name == "sft" else "none"),
         parallel=ParallelSection(timeout_s=300, heartbeat_timeout_s=30),  # steps of a tenth of a second
     )
 
