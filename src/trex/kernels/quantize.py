@@ -221,11 +221,13 @@ def fake_fp4_act(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """The orthonormal Walsh-Hadamard transform of the last dim (a power of two), in Sylvester's
-    natural order, as ``fast_hadamard_transform.hadamard_transform(x, scale=n ** -0.5)``."""
+    natural order, as ``fast_hadamard_transform.hadamard_transform(x, scale=n ** -0.5)``: computed in
+    fp32 and rounded to x's dtype once (a bf16 matmul and a bf16 scaling would round twice, and the FP4
+    step after it turns that into different indexer picks)."""
     n = x.shape[-1]
     if n & (n - 1):
         raise ValueError(f"the Hadamard transform needs a power-of-two width, got {n}")
-    h = torch.ones(1, 1, dtype=x.dtype, device=x.device)
+    h = torch.ones(1, 1, dtype=torch.float32, device=x.device)
     while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return (x @ h) * n**-0.5
+    return ((x.float() @ h) * n**-0.5).to(x.dtype)

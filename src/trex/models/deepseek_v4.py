@@ -536,9 +536,10 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
         cos, sin = ctx.rope["compress"]
         q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-        q = (fake_indexer(q) if self.compressor.quant.indexer else q).float()
-        w = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        return q, w
+        scale = self.head_dim**-0.5 * self.n_heads**-0.5
+        if self.compressor.quant.indexer:  # as served: bf16 queries (exact after FP4) and head weights
+            return fake_indexer(q).bfloat16(), self.weights_proj(x).bfloat16() * scale
+        return q.float(), self.weights_proj(x).float() * scale
 
     def align(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, scale: float, compressed: torch.Tensor,
               idx: torch.Tensor, valid: torch.Tensor, ctx: SeqContext, layout: WindowLayout,
@@ -558,7 +559,7 @@ class Indexer(nn.Module):
             s = entry_scores(q, compressed, idx, fp32=True).mul_(scale).masked_fill_(~valid[:, :, None], float("-inf"))
             target = torch.nan_to_num(s.softmax(dim=-1), nan=0.0).mean(dim=2)  # [B, S, k]
         keys = ctx.gather(self.compressor(rows.detach(), layout, first_row, ctx.own_entries(layout))).float()
-        qi, w = self._query(x.detach(), qr.detach(), ctx)
+        qi, w = (t.float() for t in self._query(x.detach(), qr.detach(), ctx))  # the loss in fp32
         B, S = idx.shape[:2]
         chunk = max(1, self.chunk_elems // max(1, B * self.n_heads * idx.shape[-1]))
         kl = [torch.utils.checkpoint.checkpoint(_alignment_kl, qi[:, t0:t0 + chunk], w[:, t0:t0 + chunk], keys,
@@ -585,9 +586,14 @@ class Indexer(nn.Module):
 
     @staticmethod
     def _select(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, k: int):
-        """Top-k entries of I[t, s] for queries q [B, T, H_I, c_I] over keys [B, N, c_I] (visible [B, T, N])."""
-        scores = torch.einsum("bthc,bnc->bthn", q, keys).relu_()
-        scores = torch.einsum("bthn,bth->btn", scores, w)
+        """Top-k entries of I[t, s] for queries q [B, T, H_I, c_I] over keys [B, N, c_I] (visible [B, T, N]),
+        in q's dtype: fp32, or bf16 as the official code scores under the indexer's simulation
+        (``_query``; its einsum, ReLU, head weighting and head sum all round to bf16)."""
+        scores = torch.einsum("bthc,bnc->bthn", q, keys.to(q.dtype)).relu_()
+        if q.dtype == torch.float32:
+            scores = torch.einsum("bthn,bth->btn", scores, w)
+        else:  # the official order: weight each head's scores, then sum the heads
+            scores = (scores * w.unsqueeze(-1)).sum(dim=2)
         scores.masked_fill_(~visible, float("-inf"))
         top = scores.topk(k, dim=-1)
         return top.indices, top.values > float("-inf")
