@@ -3,6 +3,7 @@ synthetic runs written as run directories and golden files."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -49,7 +50,7 @@ def test_identical_runs_pass_every_profile_with_zero_error(tmp_path):
     ref = load_signals(str(write_run(tmp_path / "ref", CURVE)))
     run = load_signals(str(write_run(tmp_path / "run", CURVE)))
     for profile in PROFILES.values():
-        result = compare(run, ref, profile)
+        result = compare(run, ref, dataclasses.replace(profile, min_steps=0))  # migration asks for 1,000 steps
         assert result.passed, (profile.name, [(c.measure, c.value) for c in result.checks])
     values = {c.measure: c.value for c in compare(run, ref, get_profile("bitwise")).checks}
     assert values["loss_mean_rel_err"] == 0 and values["probe_kl"] == 0 and values["layer_grad_norm_rel_err"] == 0
@@ -68,6 +69,36 @@ def test_loss_measures_match_their_definition(tmp_path):
     assert late < 0.005  # then smoothing averages the alternating error out
     assert result.passed
     assert not compare(run, ref, get_profile("layout")).passed  # 1% is far outside a layout change
+
+
+def test_the_migration_standard_judges_the_first_step_the_mean_and_the_length(tmp_path):
+    ref = load_signals(str(write_run(tmp_path / "ref", CURVE)))
+    migration = get_profile("migration")
+
+    def values(losses, name, profile=migration):
+        result = compare(load_signals(str(write_run(tmp_path / name, losses))), ref, profile)
+        return {c.measure: (c.value, c.status) for c in result.checks}, result
+
+    # first step 3.5: 0.4% passes, 0.6% fails (relative: the loss is above 1)
+    v, _ = values([CURVE[0] * 1.004, *CURVE[1:]], "first_ok")
+    assert v["first_loss_err"] == (pytest.approx(0.004), "PASS")
+    v, _ = values([CURVE[0] * 1.006, *CURVE[1:]], "first_bad")
+    assert v["first_loss_err"][1] == "FAIL"
+    # the mean: every step 0.5% high passes, 1.5% fails
+    v, _ = values([x * 1.005 for x in CURVE], "mean_ok")
+    assert v["loss_mean_delta"] == (pytest.approx(0.005), "PASS")
+    v, _ = values([x * 1.015 for x in CURVE], "mean_bad")
+    assert v["loss_mean_delta"][1] == "FAIL"
+    # 20 steps are 980 short of the standard's 1,000, whatever the curves
+    v, result = values(CURVE, "short")
+    assert v["steps_short"] == (980.0, "FAIL") and not result.passed
+    assert compare(load_signals(str(tmp_path / "short")), ref, dataclasses.replace(migration, min_steps=20)).passed
+    # below a loss of 1 the bound is absolute: 0.004 off a loss of 0.2 (2%) passes
+    small = [0.2 + 0.001 * i for i in range(20)]
+    small_ref = load_signals(str(write_run(tmp_path / "small_ref", small)))
+    run = load_signals(str(write_run(tmp_path / "small_run", [small[0] + 0.004, *small[1:]])))
+    check = next(c for c in compare(run, small_ref, migration).checks if c.measure == "first_loss_err")
+    assert check.value == pytest.approx(0.004) and check.status == "PASS"
 
 
 def test_drift_gives_the_first_step_outside_the_band(tmp_path):

@@ -104,8 +104,11 @@ def _profiles(args: argparse.Namespace) -> int:
     for profile in PROFILES.values():
         print(f"== {profile.name}: {profile.use}")
         print(f"   {profile.rationale}")
+        if profile.source:
+            print(f"   source: {profile.source}")
         for measure in MEASURES:
             value = profile.thresholds.get(measure)
             print(f"   {measure:<26} {'off' if value is None else f'{value:g}':>8}")
-        print(f"   EMA weight {profile.ema:g}, layer-norm floor {profile.layer_norm_floor:g} x global norm\n")
+        print(f"   EMA weight {profile.ema:g}, layer-norm floor {profile.layer_norm_floor:g} x global norm"
+              + (f", at least {profile.min_steps} steps" if profile.min_steps else "") + "\n")
     return 0

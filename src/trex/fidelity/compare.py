@@ -204,7 +204,15 @@ def compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str = "l
     outside = [s for s, dev in zip(steps, band) if band_limit is not None and dev > band_limit]
     nonfinite = sum(not math.isfinite(v) for v in run_series.values())
 
+    first = steps[0]
+    mean_a, mean_b = (sum(v) / len(v) for v in (a, b))
     checks = [
+        Check("steps_short", float(max(0, profile.min_steps - len(steps))), t.get("steps_short"),
+              f"{len(steps)} aligned steps; the profile asks for {profile.min_steps}"),
+        Check("first_loss_err", abs(a[0] - b[0]) / max(abs(b[0]), 1.0) if math.isfinite(a[0]) else None,
+              t.get("first_loss_err"), f"step {first}: run {a[0]:.6g}, reference {b[0]:.6g}"),
+        Check("loss_mean_delta", abs(mean_a - mean_b) / max(abs(mean_b), 1.0) if math.isfinite(mean_a) else None,
+              t.get("loss_mean_delta"), f"means over {len(steps)} steps: run {mean_a:.6g}, reference {mean_b:.6g}"),
         Check("missing_steps", float(len(missing) + (0 if allow_prefix else len(not_reached))),
               t.get("missing_steps"), f"{len(missing)} missing inside the run, {len(not_reached)} after its end"
               + (" (prefix run)" if allow_prefix else "")),
