@@ -185,6 +185,28 @@ def test_nonfinite_and_skipped_steps_are_counted(tmp_path):
     assert values["loss_mean_rel_err"][1] == "PASS"  # the other steps are identical
 
 
+def test_nonfinite_steps_are_compared_per_window_of_50_steps(tmp_path):
+    def with_skips(name, at):  # 120 steps; a skipped (non-finite) step at each of ``at``
+        path = write_run(tmp_path / name, [3.0 - 0.01 * i for i in range(120)])
+        rows = [json.loads(line) for line in open(path / "metrics.jsonl")]
+        for r in rows:
+            r["skipped_steps"] = sum(s <= r["step"] for s in at)
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return load_signals(str(path))
+
+    from trex.fidelity.compare import skips_per_window
+
+    ref = with_skips("ref", [60, 70])
+    assert skips_per_window(ref) == {1: 2}
+    same = compare(with_skips("same", [55, 90]), ref, get_profile("precision"))
+    moved = compare(with_skips("moved", [3, 7]), ref, get_profile("layout").with_overrides({"extra_skipped_steps": 0}))
+    v = {c.measure: (c.value, c.status, c.detail) for c in moved.checks}
+    assert v["extra_skipped_steps"][:2] == (0.0, "PASS")  # as many in total ...
+    assert v["nonfinite_window_excess"][:2] == (2.0, "FAIL")  # ... but clustered in steps 1-50
+    assert "steps 1-50: run 2, reference 0" in v["nonfinite_window_excess"][2]
+    assert next(c for c in same.checks if c.measure == "nonfinite_window_excess").value == 0.0
+
+
 def test_overrides_change_one_threshold_and_reject_unknown_names():
     profile = get_profile("layout").with_overrides(parse_overrides(["loss_mean_rel_err=0.5", "probe_kl=off"]))
     assert profile.thresholds["loss_mean_rel_err"] == 0.5 and profile.thresholds["probe_kl"] is None

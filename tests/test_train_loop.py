@@ -106,6 +106,9 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(arithmetic_files,
         train(recipe, model=model)
     summary = json.loads((tmp_path / "nan" / "summary.json").read_text())
     assert summary["skipped_steps"] == 2 and summary["status"].startswith("stopped")
+    health = summary["health"]  # what "no skipped step, no NaN" counts, and the counts
+    assert (health["nonfinite_loss_steps"], health["nonfinite_gradient_steps"], health["clean"]) == (2, 0, False)
+    assert "NaN or infinite" in health["definition"]
     assert len(summary["nonfinite_events"]) == 2
     # numbered as metrics.jsonl numbers steps (from 1)
     assert [e.split(":")[0] for e in summary["nonfinite_events"]] == ["step 1", "step 2"]
@@ -165,7 +168,10 @@ def test_the_cli_names_the_skipped_records_on_the_console(arithmetic_files, tmp_
     path = tmp_path / "r.toml"
     recipe_io.save(_recipe(arithmetic_files, tmp_path / "run", "train.steps=2", "train.eval_every=0"), str(path))
     assert main(["train", str(path)]) == 0
-    err = capsys.readouterr().err
+    console = capsys.readouterr()
+    err = console.err
+    assert "completed: 2 steps, final loss " in console.out
+    assert ", no skipped step, no non-finite loss or gradient; " in console.out  # the run's health, stated
     sft = arithmetic_files / "sft.jsonl"
     assert "trex train: data: skipped 2 bad records: " in err
     assert f"1 malformed_json (first {sft}:401)" in err and f"(first {sft}:402)" in err

@@ -223,6 +223,9 @@ class StepGuard:
         self.skipped_total = 0
         self.consecutive = 0
         self.last_reason = ""
+        # what the skips were (health()): a non-finite loss; finite loss, non-finite gradients; of
+        # those, fp16 overflows the loss scaler answered by backing off
+        self.nonfinite_loss = self.nonfinite_grad = self.overflows = 0
 
     @staticmethod
     def finite(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
@@ -239,6 +242,9 @@ class StepGuard:
             self.consecutive = 0
             return True
         self.skipped_total += 1
+        self.nonfinite_loss += not loss_ok
+        self.nonfinite_grad += loss_ok and not norm_ok
+        self.overflows += remediable
         what = "loss" if not loss_ok else "gradients"
         self.last_reason = f"step {step}: non-finite {what}"
         if remediable:
@@ -253,12 +259,27 @@ class StepGuard:
                 "or use fp32/bf16 if this is fp16 at its minimum loss scale.")
         return False
 
+    def health(self, steps: int) -> dict:
+        """What "no skipped step, no NaN" means for a run of ``steps`` optimizer steps, and its counts."""
+        return {
+            "definition": "a step is non-finite when its loss (summed over all ranks) or its global gradient "
+                          "norm (after loss unscaling) is NaN or infinite; such a step is skipped: no optimizer "
+                          "or router-bias update. Non-finite values inside a step that do not reach the loss or "
+                          "the gradient norm are not seen",
+            "steps": steps, "skipped_steps": self.skipped_total, "nonfinite_loss_steps": self.nonfinite_loss,
+            "nonfinite_gradient_steps": self.nonfinite_grad, "fp16_overflow_steps": self.overflows,
+            "clean": self.skipped_total == 0,
+        }
+
     def state_dict(self) -> dict:
         return {"skipped_total": self.skipped_total, "consecutive": self.consecutive,
-                "scaler": self.scaler.state_dict()}
+                "scaler": self.scaler.state_dict(),
+                "counts": [self.nonfinite_loss, self.nonfinite_grad, self.overflows]}
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped_total = int(state["skipped_total"])
         self.consecutive = int(state["consecutive"])
         self.scaler.load_state_dict(state["scaler"])
+        # checkpoints before the counts existed: every earlier skip counted as a gradient one
+        self.nonfinite_loss, self.nonfinite_grad, self.overflows = state.get("counts", [0, self.skipped_total, 0])
 

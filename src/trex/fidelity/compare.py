@@ -104,6 +104,22 @@ def _skipped(signals: RunSignals) -> int:
     return int(last.get("skipped_steps", signals.summary.get("skipped_steps", 0)) or 0)
 
 
+NONFINITE_WINDOW = 50  # steps per window of the non-finite counts (Ascend msprobe compares per 50 steps)
+
+
+def skips_per_window(signals: RunSignals, window: int = NONFINITE_WINDOW) -> dict[int, int]:
+    """Skipped (non-finite) steps per window of ``window`` steps (window w holds steps w*window+1 ..
+    (w+1)*window), from the cumulative ``skipped_steps`` of the metric lines."""
+    counts: dict[int, int] = {}
+    before = 0
+    for step in signals.steps:
+        total = int(signals.metrics[step].get("skipped_steps", before) or 0)
+        if total > before:
+            counts[(step - 1) // window] = counts.get((step - 1) // window, 0) + total - before
+        before = total
+    return counts
+
+
 def _layer_errors(run: RunSignals, ref: RunSignals, floor: float) -> tuple[dict[str, float], dict[str, float]] | None:
     """Per layer group: (mean over common steps of its per-step relative error, relative error of its
     norm averaged over those steps). A group's reference norm below ``floor`` x the reference's
@@ -244,6 +260,13 @@ def compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str = "l
     checks.append(Check("extra_skipped_steps", float(counts["run"]["skipped_steps"] - counts["reference"]["skipped_steps"]),
                         t.get("extra_skipped_steps"),
                         f"run {counts['run']['skipped_steps']}, reference {counts['reference']['skipped_steps']}"))
+    run_w, ref_w = skips_per_window(run), skips_per_window(ref)
+    excess = {w: run_w.get(w, 0) - ref_w.get(w, 0) for w in run_w}
+    worst = max(excess, key=excess.get) if excess else None
+    checks.append(Check("nonfinite_window_excess", float(max(0, excess[worst])) if excess else 0.0,
+                        t.get("nonfinite_window_excess"),
+                        f"worst window steps {worst * NONFINITE_WINDOW + 1}-{(worst + 1) * NONFINITE_WINDOW}: run "
+                        f"{run_w[worst]}, reference {ref_w.get(worst, 0)}" if excess else "no skipped steps in the run"))
     return Comparison(run=run.source, reference=ref.source, profile=profile, metric=metric, steps=steps,
                       missing_in_run=missing, not_reached=not_reached,
                       first_step_outside_band=outside[0] if outside else None, checks=checks,

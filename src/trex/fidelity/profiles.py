@@ -29,6 +29,8 @@ MEASURES = {
     "probe_loss_rel_err": "max relative error of the probe-batch loss",
     "nonfinite_losses": "non-finite loss values logged by the run",
     "extra_skipped_steps": "skipped optimizer steps of the run minus those of the reference",
+    "nonfinite_window_excess": "max over windows of 50 steps of the run's skipped (non-finite) steps minus the "
+                               "reference's in the same window",
 }
 
 
@@ -74,7 +76,8 @@ BITWISE = Profile(
         "needs deterministic kernels (scatter-add in MoE backward is not, by default)."),
     thresholds={"loss_mean_rel_err": 0.0, "loss_band_rel": 0.0, "final_loss_rel_delta": 0.0,
                 "grad_norm_mean_rel_err": 0.0, "layer_grad_norm_rel_err": 0.0, "probe_kl": 0.0,
-                "probe_loss_rel_err": 0.0, "nonfinite_losses": 0, "missing_steps": 0, "extra_skipped_steps": 0},
+                "probe_loss_rel_err": 0.0, "nonfinite_losses": 0, "missing_steps": 0, "extra_skipped_steps": 0,
+                "nonfinite_window_excess": 0},
 )
 
 LAYOUT = Profile(
@@ -91,7 +94,8 @@ LAYOUT = Profile(
         "a learning rate 20% off gives 3.8% after 8 steps (grad norms 7.6%, worst layer group 49%, probe KL 0.022), failing every check. Thresholds sit between the two."),
     thresholds={"loss_mean_rel_err": 2e-3, "loss_band_rel": 5e-3, "final_loss_rel_delta": 5e-3,
                 "grad_norm_mean_rel_err": 2e-2, "layer_grad_norm_rel_err": 5e-2, "probe_kl": 1e-3,
-                "probe_loss_rel_err": 5e-3, "nonfinite_losses": 0, "missing_steps": 0, "extra_skipped_steps": 0},
+                "probe_loss_rel_err": 5e-3, "nonfinite_losses": 0, "missing_steps": 0, "extra_skipped_steps": 0,
+                "nonfinite_window_excess": 0},
     ema=0.5,
 )
 
@@ -121,7 +125,7 @@ PRECISION = Profile(
     thresholds={"loss_mean_rel_err": 2e-2, "loss_band_rel": 3e-2, "final_loss_rel_delta": 3e-2,
                 "grad_norm_mean_rel_err": 1e-1, "layer_grad_norm_rel_err": 5e-1, "layer_grad_scale_rel_err": 3e-1,
                 "probe_kl": 2e-2, "probe_loss_rel_err": 3e-2, "nonfinite_losses": 0, "missing_steps": 0,
-                "extra_skipped_steps": 3},
+                "extra_skipped_steps": 3, "nonfinite_window_excess": 3},
     ema=0.3,
     layer_norm_floor=0.05,
 )
@@ -139,7 +143,8 @@ VENDOR = Profile(
         "(KL below 0.02 nats)."),
     thresholds={"loss_mean_rel_err": 2e-2, "loss_band_rel": 3e-2, "final_loss_rel_delta": 3e-2,
                 "grad_norm_mean_rel_err": 1e-1, "layer_grad_norm_rel_err": 2e-1, "probe_kl": 2e-2,
-                "probe_loss_rel_err": 3e-2, "nonfinite_losses": 0, "missing_steps": 0, "extra_skipped_steps": 3},
+                "probe_loss_rel_err": 3e-2, "nonfinite_losses": 0, "missing_steps": 0, "extra_skipped_steps": 3,
+                "nonfinite_window_excess": 3},
     ema=0.3,
 )
 
@@ -155,7 +160,7 @@ MIGRATION = Profile(
         "own run-to-run spread, which `--set` can widen to once measured; per-layer and probe checks are "
         "off, as the standard has none."),
     thresholds={"first_loss_err": 5e-3, "loss_mean_delta": 1e-2, "grad_norm_mean_rel_err": 1e-1, "steps_short": 0,
-                "nonfinite_losses": 0, "missing_steps": 0, "extra_skipped_steps": 0},
+                "nonfinite_losses": 0, "missing_steps": 0, "extra_skipped_steps": 0, "nonfinite_window_excess": 0},
     min_steps=1000,
     source="MindSpore model migration guide, accuracy comparison (mindspore.cn, docs/migration_guide)",
 )

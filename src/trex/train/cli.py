@@ -92,8 +92,13 @@ def _run_job(args: argparse.Namespace) -> int:
             left_out = describe_skips(result.summary.get("data", {}))
             if left_out:
                 print(f"trex train: data: {left_out} (summary.json: data)", file=sys.stderr)
+            health = result.summary["health"]
+            skips = ("no skipped step, no non-finite loss or gradient" if health["clean"] else
+                     f"{health['skipped_steps']} skipped steps ({health['nonfinite_loss_steps']} non-finite loss, "
+                     f"{health['nonfinite_gradient_steps']} non-finite gradients)")
             print(f"{result.summary['status']}: {result.summary['steps_completed']} steps, "
-                  f"final loss {result.summary['final'].get('loss', float('nan')):.4f}; {result.run_dir}/summary.json")
+                  f"final loss {result.summary['final'].get('loss', float('nan')):.4f}, {skips}; "
+                  f"{result.run_dir}/summary.json")
         return 0
     except (RecipeError, ValueError) as e:  # config, data and checkpoint errors name their source
         print(f"trex train: {e}", file=sys.stderr)

@@ -384,6 +384,7 @@ def _summary(r: _Run, wall_time_s: float) -> dict:
         "eval": r.evals,
         "eval_loss": {at: m["eval_loss"] for at, m in r.evals.items() if "eval_loss" in m},
         "skipped_steps": r.guard.skipped_total,
+        "health": r.guard.health(r.scheduler.last_epoch),
         "nonfinite_events": r.events,
         "data": r.objective.summary(),
         "precision": r.policy.to_dict(),
