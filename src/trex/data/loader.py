@@ -102,8 +102,8 @@ class PackedLoader:
         index = self._order[start:start + self.micro_batch_size]
         self.rows_consumed += step_rows
         input_ids, labels, doc_ids = self.rows.rows(index)
-        used = torch.from_numpy(np.asarray(self.rows.used(index), dtype=np.int64))
-        mask = torch.arange(input_ids.shape[1])[None, :] < used[:, None]
+        used = np.asarray(self.rows.used(index), dtype=np.int64)  # host arrays: no device read
+        mask = torch.from_numpy(np.arange(input_ids.shape[1])[None, :] < used[:, None])
         return Batch(torch.from_numpy(input_ids), torch.from_numpy(labels), torch.from_numpy(doc_ids),
                      count_loss_tokens(labels, doc_ids), int(used.sum()), mask)
 
