@@ -183,40 +183,41 @@ def fake_fp8_weight(w: torch.Tensor) -> torch.Tensor:
     return straight_through(w, dequantize_fp8(q, scale, w.dtype))
 
 
+def fake_fp4_weight(w: torch.Tensor) -> torch.Tensor:
+    """w [..., R, C] through FP4 with 1x32 block scales and back, in w's dtype (the blocks run along
+    the last dim, as ``fake_fp4_act``'s do)."""
+    return fake_fp4_act(w, FP4_BLOCK)
+
+
 def _e2m1_round(x: torch.Tensor) -> torch.Tensor:
     """fp32 values within +-6 -> the nearest e2m1 value (ties to even), fp32."""
     return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)[round_to_e2m1(x).long()]
 
 
-def fake_fp4_weight(w: torch.Tensor) -> torch.Tensor:
-    """w [..., R, C] through FP4 with 1x32 block scales and back, in w's dtype."""
-    *_, rows, cols = w.shape
-    scale = _expand(decode_e8m0(power_of_two_scale(_block_amax(w, 1, FP4_BLOCK), E2M1_MAX, FP4_AMAX_FLOOR)),
-                    1, FP4_BLOCK, rows, cols)
-    return straight_through(w, (_e2m1_round(w.float() / scale) * scale).to(w.dtype))
+def _e4m3_round(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values within +-448 -> the nearest e4m3 value (ties to even), fp32."""
+    return x.to(torch.float8_e4m3fn).float()
 
 
-def _row_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    """[..., n] -> fp32 [..., ceil(n / block), block], zero-padded."""
-    return F.pad(x.float(), (0, -x.shape[-1] % block)).unflatten(-1, (-1, block))
+def _fake_rows(x: torch.Tensor, block: int, qmax: float, floor: float, round_fn) -> torch.Tensor:
+    """x [..., n] quantised with one power-of-two scale per ``block`` values of the last dim (zero-padded
+    at its end), rounded by ``round_fn``, and back, in x's dtype, with a straight-through gradient."""
+    xb = F.pad(x.float(), (0, -x.shape[-1] % block)).unflatten(-1, (-1, block))
+    scale = decode_e8m0(power_of_two_scale(xb.abs().amax(-1, keepdim=True), qmax, floor))
+    y = round_fn((xb / scale).clamp(-qmax, qmax)) * scale
+    return straight_through(x, y.flatten(-2)[..., : x.shape[-1]].to(x.dtype))
 
 
 def fake_fp8_act(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     """The official ``act_quant(x, block, "ue8m0", inplace=True)``: x [..., n] through e4m3 with one
     power-of-two scale per ``block`` values of the last dim, and back, in x's dtype."""
-    xb = _row_blocks(x, block)
-    scale = decode_e8m0(power_of_two_scale(xb.abs().amax(-1, keepdim=True), E4M3_MAX))
-    y = (xb / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
-    return straight_through(x, y.flatten(-2)[..., : x.shape[-1]].to(x.dtype))
+    return _fake_rows(x, block, E4M3_MAX, FP8_AMAX_FLOOR, _e4m3_round)
 
 
 def fake_fp4_act(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
     """The official ``fp4_act_quant(x, block, inplace=True)``: x [..., n] through e2m1 with one
     power-of-two scale per ``block`` values of the last dim, and back, in x's dtype."""
-    xb = _row_blocks(x, block)
-    scale = decode_e8m0(power_of_two_scale(xb.abs().amax(-1, keepdim=True), E2M1_MAX, FP4_AMAX_FLOOR))
-    y = _e2m1_round((xb / scale).clamp(-E2M1_MAX, E2M1_MAX)) * scale
-    return straight_through(x, y.flatten(-2)[..., : x.shape[-1]].to(x.dtype))
+    return _fake_rows(x, block, E2M1_MAX, FP4_AMAX_FLOOR, _e2m1_round)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
