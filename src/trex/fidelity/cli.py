@@ -1,4 +1,4 @@
-"""`trex fidelity compare | export | matrix | profiles`."""
+"""`trex fidelity compare | export | matrix | ladder | calibrate | profiles`."""
 
 from __future__ import annotations
 
@@ -40,6 +40,21 @@ def register(sub) -> None:
                    help="override a recipe value for every variant; repeatable")
     m.add_argument("--overwrite", action="store_true", help="replace what --out holds (default: refuse)")
     m.set_defaults(func=_matrix)
+
+    la = fid.add_parser("ladder", help="where does a variant depart? forward, backward, optimizer, lr=0, long run; "
+                                       "exit 0 PASS, 1 FAIL, 2 bad input")
+    la.add_argument("recipe", help="recipe TOML file (the reference configuration)")
+    la.add_argument("--variant", action="append", default=[], metavar="SECTION.KEY=VALUE", required=True,
+                    help="what the variant changes; repeatable")
+    la.add_argument("--reference-set", dest="reference", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a recipe value of the reference only; repeatable")
+    la.add_argument("--profile", default="layout", help="the tolerances: bitwise | layout | precision | vendor | "
+                                                        "migration (default: layout)")
+    la.add_argument("--steps", type=int, help="steps of rung 5, the long run (default: the recipe's)")
+    la.add_argument("--lr0-steps", type=int, help="steps of rung 4 at lr = 0 (default: the long run's)")
+    la.add_argument("--out", default="runs/fidelity-ladder", help="report directory (and the rungs' runs)")
+    la.add_argument("--overwrite", action="store_true", help="replace what --out holds (default: refuse)")
+    la.set_defaults(func=_ladder)
 
     pr = fid.add_parser("profiles", help="print the tolerance profiles, their thresholds and rationale")
     pr.set_defaults(func=_profiles)
@@ -98,6 +113,26 @@ def _matrix(args: argparse.Namespace) -> int:
     return 0 if report["verdict"] == "PASS" else 1
 
 
+def _ladder(args: argparse.Namespace) -> int:
+    from trex.fidelity.ladder import markdown, run_ladder
+    from trex.fidelity.profiles import get_profile
+    from trex.recipe import RecipeError
+
+    try:
+        report = run_ladder(args.recipe, args.variant, args.out, get_profile(args.profile),
+                            reference_overrides=args.reference, lr0_steps=args.lr0_steps, steps=args.steps,
+                            overwrite=args.overwrite)
+    except (RecipeError, ValueError) as e:
+        print(f"trex fidelity ladder: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"trex fidelity ladder: {logs.os_error_line(e)}", file=sys.stderr)
+        return 2
+    print(markdown(report))
+    print(f"report: {os.path.join(args.out, 'ladder.json')}  plot: {os.path.join(args.out, 'ladder.png')}")
+    return 0 if report["verdict"] == "PASS" else 1
+
+
 def _profiles(args: argparse.Namespace) -> int:
     from trex.fidelity.profiles import MEASURES, PROFILES
 
@@ -109,6 +144,9 @@ def _profiles(args: argparse.Namespace) -> int:
         for measure in MEASURES:
             value = profile.thresholds.get(measure)
             print(f"   {measure:<26} {'off' if value is None else f'{value:g}':>8}")
+        b = profile.ladder
+        print(f"   ladder rungs 1-3: loss {b.loss:g}, block cosine >= {b.cosine:g}, block max-abs <= {b.max_abs_rel:g} "
+              f"x max|ref|, gradient {b.grad:g}, update {b.update:g}, floor {b.floor:g}")
         print(f"   EMA weight {profile.ema:g}, layer-norm floor {profile.layer_norm_floor:g} x global norm"
               + (f", at least {profile.min_steps} steps" if profile.min_steps else "") + "\n")
     return 0

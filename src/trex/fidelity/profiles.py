@@ -35,6 +35,25 @@ MEASURES = {
 
 
 @dataclass(frozen=True)
+class LadderBounds:
+    """Bounds of the ladder's first three rungs (trex.fidelity.ladder); its rungs 4 and 5 are judged
+    by the profile's thresholds. A block output departs when its cosine with the reference's falls
+    below ``cosine`` or its max-abs error exceeds ``max_abs_rel`` x the reference's max-abs value; a
+    parameter's gradient (rung 2) or update (rung 3) departs when its norm's relative error, or 1 -
+    its cosine, exceeds ``grad`` / ``update``. Norms divide by max(norm, ``floor`` x the reference's
+    global norm), and parameters below that floor are judged by norm alone (their direction is
+    rounding)."""
+
+    loss: float
+    """|loss_variant - loss_reference| / max(|loss_reference|, 1), step 1 (rung 1) and step 2 (rung 3)."""
+    cosine: float
+    max_abs_rel: float
+    grad: float
+    update: float
+    floor: float = 0.0
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     use: str
@@ -50,6 +69,8 @@ class Profile:
     """The comparison must cover at least this many aligned steps (measure ``steps_short``)."""
     source: str = ""
     """Where the thresholds come from, when they are a published standard."""
+    ladder: LadderBounds = LadderBounds(loss=0.0, cosine=1.0, max_abs_rel=0.0, grad=0.0, update=0.0)
+    """Bounds of the ladder's rungs 1-3 (default: exact agreement)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.thresholds) - set(MEASURES)
@@ -97,6 +118,7 @@ LAYOUT = Profile(
                 "probe_loss_rel_err": 5e-3, "nonfinite_losses": 0, "missing_steps": 0, "extra_skipped_steps": 0,
                 "nonfinite_window_excess": 0},
     ema=0.5,
+    ladder=LadderBounds(loss=1e-5, cosine=1 - 1e-6, max_abs_rel=1e-4, grad=1e-3, update=1e-3),
 )
 
 PRECISION = Profile(
@@ -128,6 +150,7 @@ PRECISION = Profile(
                 "extra_skipped_steps": 3, "nonfinite_window_excess": 3},
     ema=0.3,
     layer_norm_floor=0.05,
+    ladder=LadderBounds(loss=5e-3, cosine=0.999, max_abs_rel=0.15, grad=0.05, update=0.05, floor=0.05),
 )
 
 VENDOR = Profile(
@@ -146,6 +169,7 @@ VENDOR = Profile(
                 "probe_loss_rel_err": 3e-2, "nonfinite_losses": 0, "missing_steps": 0, "extra_skipped_steps": 3,
                 "nonfinite_window_excess": 3},
     ema=0.3,
+    ladder=LadderBounds(loss=5e-3, cosine=0.99, max_abs_rel=0.15, grad=0.05, update=0.05, floor=0.05),
 )
 
 MIGRATION = Profile(
@@ -163,6 +187,7 @@ MIGRATION = Profile(
                 "nonfinite_losses": 0, "missing_steps": 0, "extra_skipped_steps": 0, "nonfinite_window_excess": 0},
     min_steps=1000,
     source="MindSpore model migration guide, accuracy comparison (mindspore.cn, docs/migration_guide)",
+    ladder=LadderBounds(loss=5e-3, cosine=0.99, max_abs_rel=0.15, grad=0.05, update=0.05, floor=0.05),
 )
 
 PROFILES = {p.name: p for p in (BITWISE, LAYOUT, PRECISION, VENDOR, MIGRATION)}

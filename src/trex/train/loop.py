@@ -56,7 +56,7 @@ from trex.train.schedule import build_scheduler
 from trex.train.signals import SIGNAL_FILES, FidelityRecorder
 from trex.train.step import read_scalars, train_step
 
-__all__ = ["TrainResult", "train", "accumulate_gradients", "model_for", "tokenizer_for"]
+__all__ = ["TrainResult", "train", "accumulate_gradients", "model_for", "prepare_model", "tokenizer_for"]
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,22 @@ class CompiledGraphs:
         return {"enabled": True, "graphs_after_first_step": self.first_step, "graphs": self._count() - self.start}
 
 
+def prepare_model(m: DeepseekV4, recipe: TrainRecipe, par: Parallel, policy: PrecisionPolicy,
+                  compiled: bool) -> list[str]:
+    """Make a built (or loaded) model the run's student: cast, indexer frozen or aligned, QAT
+    simulation set, the parallel plan applied; returns the names of the frozen parameters. One
+    process holds parameters in the policy's dtype; sharded runs keep fp32 shards (the master
+    weights) and let FSDP cast to the compute dtype."""
+    m.to(dtype=torch.float32 if par.distributed else policy.param_dtype).train()
+    frozen = freeze_indexer(m) if recipe.train.freeze_indexer else []
+    m.set_quant(recipe.precision.quant_sim())
+    m.align_indexer = recipe.train.indexer_loss > 0
+    layout = recipe.parallel
+    apply_parallelism(m, par, policy, layout.activation_checkpointing, layout.reduce_every_micro_batch,
+                      compile=compiled)
+    return frozen
+
+
 # ---- the loop ---------------------------------------------------------------------------------------
 def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Tokenizer | None = None) -> TrainResult:
     """Run ``recipe``; ``model``/``tokenizer`` continue from a previous stage instead of [model]/[data].
@@ -231,14 +247,7 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
     frozen: list[str] = []
 
     def prepare(m: DeepseekV4) -> None:
-        # one process holds parameters in the policy's dtype; sharded runs keep fp32 shards (the
-        # master weights) and let FSDP cast to the compute dtype
-        m.to(dtype=torch.float32 if par.distributed else policy.param_dtype).train()
-        frozen.extend(freeze_indexer(m) if cfg_train.freeze_indexer else [])
-        m.set_quant(recipe.precision.quant_sim())
-        m.align_indexer = cfg_train.indexer_loss > 0
-        apply_parallelism(m, par, policy, layout.activation_checkpointing, layout.reduce_every_micro_batch,
-                          compile=compiled)
+        frozen.extend(prepare_model(m, recipe, par, policy, compiled))
 
     if layout.cp > 1:  # every row of SFT/CPT and DPO is data.seq_len long
         try:

@@ -49,7 +49,8 @@ class OptimSection:
     name: OptimizerName = "muon"
     """"muon" (Muon for matrices, AdamW for the rest, as V4) or "adamw" (AdamW for everything)."""
     lr: float = 2e-5
-    """Peak learning rate, shared by the Muon and AdamW groups (Muon's update_rms makes them comparable)."""
+    """Peak learning rate, shared by the Muon and AdamW groups (Muon's update_rms makes them comparable).
+    0 leaves every weight unchanged (a diagnostic: rung 4 of `trex fidelity ladder`)."""
     weight_decay: float = 0.1
     """Decoupled weight decay: W <- W * (1 - lr * weight_decay) before the update."""
     decay_gains_and_biases: bool = False
@@ -79,7 +80,7 @@ class OptimSection:
                 raise ValueError(f"optim.{fld}: {what}, got {getattr(self, fld)!r}")
 
         check_choices(self, "optim")
-        need(self.lr > 0, "lr", "expected a positive learning rate")
+        need(self.lr >= 0, "lr", "expected a learning rate >= 0")
         need(self.weight_decay >= 0, "weight_decay", "expected >= 0")
         need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", "expected [beta1, beta2] in [0, 1)")
         need(self.eps >= 0, "eps", "expected >= 0")
