@@ -207,6 +207,34 @@ def test_nonfinite_steps_are_compared_per_window_of_50_steps(tmp_path):
     assert next(c for c in same.checks if c.measure == "nonfinite_window_excess").value == 0.0
 
 
+def test_rl_trainer_sampler_parity_is_judged_step_by_step_against_the_reference(tmp_path):
+    def with_parity(name, k3, pearson):
+        path = write_run(tmp_path / name, CURVE)
+        rows = [json.loads(line) for line in open(path / "metrics.jsonl")]
+        for r in rows:
+            r.update({"rollout/k3_kl": k3(r["step"]), "rollout/pearson": pearson(r["step"]),
+                      "rollout/prob_gap_mean": k3(r["step"]) * 10})
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return load_signals(str(path))
+
+    ref = with_parity("ref", lambda s: 1e-5, lambda s: 0.9999)
+    good = compare(with_parity("good", lambda s: 2e-5, lambda s: 0.9995), ref, get_profile("precision"))
+    drift = compare(with_parity("drift", lambda s: 1e-5 if s < 15 else 5e-3, lambda s: 0.98 if s == 7 else 0.9999),
+                    ref, get_profile("precision"))
+    v = {c.measure: (c.value, c.status, c.detail) for c in good.checks}
+    assert v["rollout_k3_kl_excess"][0] == pytest.approx(1e-5) and v["rollout_k3_kl_excess"][1] == "PASS"
+    assert v["rollout_pearson_drop"][0] == pytest.approx(4e-4) and good.passed
+    d = {c.measure: (c.value, c.status, c.detail) for c in drift.checks}
+    assert d["rollout_k3_kl_excess"][1] == "FAIL" and d["rollout_k3_kl_excess"][2].startswith("worst step 15")
+    assert d["rollout_pearson_drop"][0] == pytest.approx(0.0199) and "worst step 7" in d["rollout_pearson_drop"][2]
+    assert d["rollout_prob_gap_excess"][1] == "FAIL" and not drift.passed
+    sft = compare(load_signals(str(write_run(tmp_path / "sft", CURVE))), load_signals(str(tmp_path / "sft")),
+                  get_profile("layout"))
+    assert {c.measure: c.status for c in sft.checks}["rollout_k3_kl_excess"] == "n/a" and sft.passed
+    missing = compare(load_signals(str(tmp_path / "sft")), ref, get_profile("layout"))
+    assert {c.measure: c.status for c in missing.checks}["rollout_k3_kl_excess"] == "FAIL"  # the run lost it
+
+
 def test_overrides_change_one_threshold_and_reject_unknown_names():
     profile = get_profile("layout").with_overrides(parse_overrides(["loss_mean_rel_err=0.5", "probe_kl=off"]))
     assert profile.thresholds["loss_mean_rel_err"] == 0.5 and profile.thresholds["probe_kl"] is None

@@ -120,6 +120,7 @@ def test_distill_lowers_the_students_reverse_kl_to_two_teachers(tmp_path):
     for r in rows:  # the loss is the weighted sum of the per-teacher reverse KLs
         assert r["loss"] == pytest.approx(0.7 * r["reverse_kl/teacher0"] + 0.3 * r["reverse_kl/teacher1"], rel=1e-4)
         assert r["logprob_diff"] < 1e-3
+        assert r["rollout/pearson"] > 0.9999 and r["rollout/prob_gap_max"] < 1e-3
     final = result.summary["eval"]["final"]
     assert {"eval_reverse_kl", "eval_reverse_kl/teacher0", "eval_reverse_kl/teacher1", "eval_exact_match",
             "eval_exact_match/teacher0", "eval_exact_match/teacher1"} <= set(final)

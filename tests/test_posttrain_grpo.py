@@ -189,6 +189,10 @@ def test_grpo_raises_the_reward_and_logs_rl_metrics(prompt_files, tmp_path, monk
     # one update per batch: ratio 1, so nothing is clipped; the trainer recomputes the sampler's log-probs
     assert all(r["clip_frac"] == 0 for r in rows)
     assert max(r["logprob_diff_max"] for r in rows) < 1e-3
+    # trainer-vs-sampler parity: the same model in fp32, so in step to rounding
+    assert min(r["rollout/pearson"] for r in rows) > 0.9999
+    assert max(r["rollout/k3_kl"] for r in rows) < 1e-6
+    assert all(0 <= r["rollout/prob_gap_mean"] <= r["rollout/prob_gap_max"] < 1e-3 for r in rows)
     first = sum(r["reward_mean"] for r in rows[:3]) / 3
     last = sum(r["reward_mean"] for r in rows[-3:]) / 3
     assert last > first + 0.2, (first, last)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from trex.fidelity.profiles import MEASURES, Profile
+from trex.fidelity.profiles import MEASURES, ROLLOUT_MEASURES, Profile
 from trex.fidelity.runs import FidelityInputError, RunSignals, check_reference
 
 _TINY = 1e-12
@@ -30,10 +30,15 @@ class Check:
     """None: the check is off."""
     detail: str = ""
 
+    applies: bool = True
+    """False: the runs carry nothing this measure judges (an RL measure of an SFT run): n/a."""
+
     @property
     def status(self) -> str:
         if self.threshold is None:
             return "off"
+        if not self.applies:
+            return "n/a"
         if self.value is None:
             return "FAIL"
         return "PASS" if self.value <= self.threshold else "FAIL"
@@ -267,9 +272,30 @@ def compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str = "l
                         t.get("nonfinite_window_excess"),
                         f"worst window steps {worst * NONFINITE_WINDOW + 1}-{(worst + 1) * NONFINITE_WINDOW}: run "
                         f"{run_w[worst]}, reference {ref_w.get(worst, 0)}" if excess else "no skipped steps in the run"))
+    checks += _rollout_checks(run, ref, steps, t)
     return Comparison(run=run.source, reference=ref.source, profile=profile, metric=metric, steps=steps,
                       missing_in_run=missing, not_reached=not_reached,
                       first_step_outside_band=outside[0] if outside else None, checks=checks,
                       layer_errors=layers, layer_scale_errors=scales,
                       curves={"ref": b, "run": a, "ema_ref": ema_b, "ema_run": ema_a, "rel_err": rel},
                       counts=counts, probe_top1_agreement=probe[2] if probe else None)
+
+
+def _rollout_checks(run: RunSignals, ref: RunSignals, steps: list[int], t: dict) -> list[Check]:
+    """RL trainer-vs-sampler parity, step by step against the reference (ROLLOUT_MEASURES): the
+    largest excess of the run's mismatch over the reference's at the same step."""
+    checks = []
+    for measure, metric in ROLLOUT_MEASURES.items():
+        a, b = run.series(metric), ref.series(metric)
+        if not b:
+            checks.append(Check(measure, None, t.get(measure), f"the reference logs no {metric}" +
+                                (" (the run does)" if a else ""), applies=False))
+            continue
+        common = [s for s in steps if s in b and math.isfinite(b[s])]
+        sign = -1.0 if metric == "rollout/pearson" else 1.0  # a drop in correlation, a rise in the others
+        excess = [sign * (a[s] - b[s]) if s in a and math.isfinite(a[s]) else math.inf for s in common]
+        worst = max(range(len(excess)), key=excess.__getitem__) if excess else None
+        checks.append(Check(measure, max(0.0, excess[worst]) if excess else None, t.get(measure),
+                            f"worst step {common[worst]}: run {a.get(common[worst], math.nan):.3g}, reference "
+                            f"{b[common[worst]]:.3g}" if excess else f"no common steps with {metric}"))
+    return checks

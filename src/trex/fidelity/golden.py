@@ -13,7 +13,9 @@ import trex
 from trex.fidelity.runs import GOLDEN_FORMAT, FidelityInputError, load_signals
 
 # metrics.jsonl keys a reference keeps (timings, memory and MFU describe the machine, not convergence)
-KEPT_METRICS = ("step", "loss", "mtp_loss", "grad_norm", "lr", "loss_scale", "skipped_steps", "tokens", "eval_loss")
+KEPT_METRICS = ("step", "loss", "mtp_loss", "grad_norm", "lr", "loss_scale", "skipped_steps", "tokens", "eval_loss",
+                "rollout/pearson", "rollout/prob_gap_mean", "rollout/prob_gap_max", "rollout/prob_gap_std",
+                "rollout/k3_kl")
 
 
 def export(run_path: str, out_path: str) -> dict:

@@ -283,7 +283,7 @@ def _loop_rung(number: int, ref: Side, var: Side, profile: Profile, out: str, ov
     result = compare(load_signals(dirs[var.name]), load_signals(dirs[ref.name]), profile)
     rung.report = write_all(result, os.path.join(out, "reports"), f"rung{number}_{tag}")["json"]
     failed = [c for c in result.checks if c.status == "FAIL"]
-    rung.measures = {c.measure: c.value for c in result.checks if c.status != "off"}
+    rung.measures = {c.measure: c.value for c in result.checks if c.status not in ("off", "n/a")}
     rung.status = result.verdict
     if failed:
         worst_group = max(result.layer_errors, key=result.layer_errors.get) if result.layer_errors else None

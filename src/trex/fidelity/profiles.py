@@ -31,7 +31,16 @@ MEASURES = {
     "extra_skipped_steps": "skipped optimizer steps of the run minus those of the reference",
     "nonfinite_window_excess": "max over windows of 50 steps of the run's skipped (non-finite) steps minus the "
                                "reference's in the same window",
+    "rollout_k3_kl_excess": "RL: max over aligned steps of the run's trainer-vs-sampler k3-KL minus the reference's",
+    "rollout_pearson_drop": "RL: max over aligned steps of the reference's trainer-vs-sampler probability "
+                            "correlation minus the run's",
+    "rollout_prob_gap_excess": "RL: max over aligned steps of the run's mean |p_trainer - p_sampler| minus the "
+                               "reference's",
 }
+ROLLOUT_MEASURES = {"rollout_k3_kl_excess": "rollout/k3_kl", "rollout_pearson_drop": "rollout/pearson",
+                    "rollout_prob_gap_excess": "rollout/prob_gap_mean"}
+"""The RL parity measures and the metric each compares (trex.posttrain.rollout_parity); a check
+that does not apply (neither run logs the metric) is reported as n/a."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +107,8 @@ BITWISE = Profile(
     thresholds={"loss_mean_rel_err": 0.0, "loss_band_rel": 0.0, "final_loss_rel_delta": 0.0,
                 "grad_norm_mean_rel_err": 0.0, "layer_grad_norm_rel_err": 0.0, "probe_kl": 0.0,
                 "probe_loss_rel_err": 0.0, "nonfinite_losses": 0, "missing_steps": 0, "extra_skipped_steps": 0,
-                "nonfinite_window_excess": 0},
+                "nonfinite_window_excess": 0,
+                "rollout_k3_kl_excess": 0, "rollout_pearson_drop": 0, "rollout_prob_gap_excess": 0},
 )
 
 LAYOUT = Profile(
@@ -116,7 +126,8 @@ LAYOUT = Profile(
     thresholds={"loss_mean_rel_err": 2e-3, "loss_band_rel": 5e-3, "final_loss_rel_delta": 5e-3,
                 "grad_norm_mean_rel_err": 2e-2, "layer_grad_norm_rel_err": 5e-2, "probe_kl": 1e-3,
                 "probe_loss_rel_err": 5e-3, "nonfinite_losses": 0, "missing_steps": 0, "extra_skipped_steps": 0,
-                "nonfinite_window_excess": 0},
+                "nonfinite_window_excess": 0,
+                "rollout_k3_kl_excess": 1e-4, "rollout_pearson_drop": 1e-3, "rollout_prob_gap_excess": 1e-3},
     ema=0.5,
     ladder=LadderBounds(loss=1e-5, cosine=1 - 1e-6, max_abs_rel=1e-4, grad=1e-3, update=1e-3),
 )
@@ -147,7 +158,8 @@ PRECISION = Profile(
     thresholds={"loss_mean_rel_err": 2e-2, "loss_band_rel": 3e-2, "final_loss_rel_delta": 3e-2,
                 "grad_norm_mean_rel_err": 1e-1, "layer_grad_norm_rel_err": 5e-1, "layer_grad_scale_rel_err": 3e-1,
                 "probe_kl": 2e-2, "probe_loss_rel_err": 3e-2, "nonfinite_losses": 0, "missing_steps": 0,
-                "extra_skipped_steps": 3, "nonfinite_window_excess": 3},
+                "extra_skipped_steps": 3, "nonfinite_window_excess": 3,
+                "rollout_k3_kl_excess": 1e-3, "rollout_pearson_drop": 1e-2, "rollout_prob_gap_excess": 1e-2},
     ema=0.3,
     layer_norm_floor=0.05,
     ladder=LadderBounds(loss=5e-3, cosine=0.999, max_abs_rel=0.15, grad=0.05, update=0.05, floor=0.05),
@@ -167,7 +179,8 @@ VENDOR = Profile(
     thresholds={"loss_mean_rel_err": 2e-2, "loss_band_rel": 3e-2, "final_loss_rel_delta": 3e-2,
                 "grad_norm_mean_rel_err": 1e-1, "layer_grad_norm_rel_err": 2e-1, "probe_kl": 2e-2,
                 "probe_loss_rel_err": 3e-2, "nonfinite_losses": 0, "missing_steps": 0, "extra_skipped_steps": 3,
-                "nonfinite_window_excess": 3},
+                "nonfinite_window_excess": 3,
+                "rollout_k3_kl_excess": 1e-3, "rollout_pearson_drop": 1e-2, "rollout_prob_gap_excess": 1e-2},
     ema=0.3,
     ladder=LadderBounds(loss=5e-3, cosine=0.99, max_abs_rel=0.15, grad=0.05, update=0.05, floor=0.05),
 )

@@ -29,6 +29,7 @@ from trex.recipe import require_positive
 from trex.posttrain.distill_loss import reverse_kl
 from trex.posttrain.grpo_loss import token_entropy
 from trex.posttrain.objective import Objective, StepResult, TrainContext, backward_micro_batches, load_frozen
+from trex.posttrain.rollout_parity import N_MAXIMA, N_SUMS, parity_metrics, parity_sums
 from trex.posttrain.on_policy import (PromptOrder, Rollouts, exact_match_by_set, generator_state, load_eval_sets,
                                       load_prompts, probe_batch, rank_generator, roll_out, sampling_params,
                                       set_generator_state)
@@ -104,12 +105,14 @@ class DistillObjective(Objective):
             return [t(ids, doc_ids=docs).logits[mask] for t in self.teachers]
 
     def _sums(self, z: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, sampler_logp: torch.Tensor,
-              per_teacher: torch.Tensor) -> torch.Tensor:
-        """Per micro-batch: [tokens, entropy, |trainer - sampler| log-prob, KL to each teacher] sums."""
+              per_teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per micro-batch: ([tokens, entropy, KL to each teacher, trainer-vs-sampler parity] sums,
+        the parity maxima)."""
         sampled = ids.roll(-1, dims=1)[mask]  # mask[b, t]: the token at t + 1 was sampled
         logp = torch.log_softmax(z.detach().float(), dim=-1).gather(1, sampled[:, None]).squeeze(1)
-        return torch.cat([torch.stack([mask.sum().float(), token_entropy(z).sum(),
-                                       (logp - sampler_logp[mask]).abs().sum()]), per_teacher.sum(dim=1)]).double()
+        parity, maxima = parity_sums(logp, sampler_logp[mask])
+        return torch.cat([torch.stack([mask.sum().float(), token_entropy(z).sum()]).double(),
+                          per_teacher.sum(dim=1).double(), parity]), maxima
 
     def step(self, model: DeepseekV4, step: int, scaler) -> StepResult:
         ctx, cfg = self.ctx, self.cfg
@@ -118,7 +121,8 @@ class DistillObjective(Objective):
         r = self._rollouts(model, chosen, self.generator)
         n_tok = int(ctx.par.all_reduce_sum(r.mask.sum().double()).item())
         slices = r.micro_batches(cfg.micro_batch_size)
-        sums = torch.zeros(3 + len(self.teachers), dtype=torch.float64, device=device)
+        sums = torch.zeros(2 + len(self.teachers) + N_SUMS, dtype=torch.float64, device=device)
+        maxima = torch.zeros(N_MAXIMA, dtype=torch.float64, device=device)
         loss_total = torch.zeros((), dtype=torch.float64, device=device)
 
         def loss_of(s):
@@ -129,19 +133,24 @@ class DistillObjective(Objective):
             total, per_teacher = reverse_kl(z, teacher_logits, self.weights, cfg.chunk)
             loss = total.sum() / max(n_tok, 1)
             loss_total.add_(loss.detach().double())
-            sums.add_(self._sums(z, ids, mask, r.sampler_logp[s], per_teacher))
+            part, most = self._sums(z, ids, mask, r.sampler_logp[s], per_teacher)
+            sums.add_(part)
+            torch.maximum(maxima, most, out=maxima)
             return loss, out
 
         aux = backward_micro_batches(model, slices, loss_of, scaler, ctx.recipe.train,
                                        ctx.par.world_size)
         sums = ctx.par.all_reduce_sum(torch.cat([sums, loss_total[None]]))
+        if ctx.par.distributed:
+            torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX)
         totals = sums.tolist()
         tokens = max(totals[0], 1.0)
+        k = len(self.teachers)
         rows = ctx.par.all_reduce_sum(torch.tensor([float(r.input_ids.shape[0]), float((r.doc_ids != 0).sum())],
                                                    dtype=torch.float64, device=device)).tolist()
-        metrics = {"entropy": totals[1] / tokens, "logprob_diff": totals[2] / tokens,
-                   "response_length": totals[0] / rows[0],
-                   **{f"reverse_kl/teacher{i}": v / tokens for i, v in enumerate(totals[3:-1])}}
+        metrics = {"entropy": totals[1] / tokens, "response_length": totals[0] / rows[0],
+                   **{f"reverse_kl/teacher{i}": v / tokens for i, v in enumerate(totals[2:2 + k])},
+                   **parity_metrics(totals[2 + k:-1], maxima.tolist())}
         return StepResult(loss=sums[-1].float(), tokens=int(rows[1]), metrics=metrics, moe_stats=aux.moe_stats,
                           indexer_loss=aux.indexer_loss)
 

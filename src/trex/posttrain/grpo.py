@@ -34,6 +34,7 @@ from trex.posttrain.on_policy import (PromptOrder, Rollouts, completions, exact_
                                       load_eval_sets, load_prompts, probe_batch, rank_uniforms, roll_out,
                                       sampling_params, set_generator_state)
 from trex.posttrain.rewards import RewardSet
+from trex.posttrain.rollout_parity import N_MAXIMA, N_SUMS, parity_metrics, parity_sums
 
 
 @dataclass
@@ -160,7 +161,9 @@ class GRPOObjective(Objective):
         device = ctx.dev.torch_device
         n_seq, n_tok = batch.counts
         slices = r.micro_batches(cfg.micro_batch_size)
-        sums = torch.zeros(8, dtype=torch.float64, device=device)
+        sums = torch.zeros(6, dtype=torch.float64, device=device)
+        parity = torch.zeros(N_SUMS, dtype=torch.float64, device=device)
+        maxima = torch.zeros(N_MAXIMA, dtype=torch.float64, device=device)
 
         def loss_of(s):
             ids, docs, mask = r.input_ids[s], r.doc_ids[s], r.mask[s]
@@ -172,26 +175,26 @@ class GRPOObjective(Objective):
             weights = token_weights(loss_mask, cfg.aggregation, n_seq, n_tok, self.sampling.max_new_tokens)
             pl = policy_loss(logp, batch.old_logp[s], batch.advantages[s], weights, loss_mask, cfg.eps_low,
                              cfg.eps_high, batch.ref_logp[s] if batch.ref_logp is not None else None, cfg.kl_coef)
-            diff = (logp.detach() - r.sampler_logp[s]).abs()[mask]
-            sums.add_(torch.stack([
-                pl.loss.detach(), pl.kl_sum, pl.clipped, token_entropy(out.logits[mask]).sum(), diff.sum(),
-                mask.sum(), (docs != 0).sum(), diff.max() if diff.numel() else diff.new_zeros(())]).double())
+            sums.add_(torch.stack([pl.loss.detach(), pl.kl_sum, pl.clipped, token_entropy(out.logits[mask]).sum(),
+                                   mask.sum(), (docs != 0).sum()]).double())
+            part, most = parity_sums(logp[mask], r.sampler_logp[s][mask])
+            parity.add_(part)
+            torch.maximum(maxima, most, out=maxima)
             return pl.loss, out
 
         aux = backward_micro_batches(model, slices, loss_of, scaler, ctx.recipe.train,
                                        ctx.par.world_size)
-        max_diff = sums[7].clone()
-        sums[7] = 0
-        sums = ctx.par.all_reduce_sum(sums)
+        sums = ctx.par.all_reduce_sum(torch.cat([sums, parity]))
         if ctx.par.distributed:
-            torch.distributed.all_reduce(max_diff, op=torch.distributed.ReduceOp.MAX)
-        loss, kl, clipped, entropy, diff, tokens, seen = sums[:7].tolist()
+            torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX)
+        totals = sums.tolist()
+        loss, kl, clipped, entropy, tokens, seen = totals[:6]
         rows = ctx.par.all_reduce_sum(torch.tensor([float(r.input_ids.shape[0]), float((~r.finished).sum())],
                                                    dtype=torch.float64, device=device)).tolist()
         metrics = {**batch.metrics, "kl": kl / max(tokens, 1), "clip_frac": clipped / max(tokens, 1),
                    "entropy": entropy / max(tokens, 1), "response_length": tokens / rows[0],
-                   "truncated_frac": rows[1] / rows[0], "logprob_diff": diff / max(tokens, 1),
-                   "logprob_diff_max": max_diff.item(), "ppo_epoch": float(step % cfg.ppo_epochs)}
+                   "truncated_frac": rows[1] / rows[0], **parity_metrics(totals[6:], maxima.tolist()),
+                   "ppo_epoch": float(step % cfg.ppo_epochs)}
         return StepResult(loss=sums.new_tensor(loss).float(), tokens=int(seen), metrics=metrics, moe_stats=aux.moe_stats,
                           indexer_loss=aux.indexer_loss)
 
