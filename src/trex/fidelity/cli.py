@@ -22,6 +22,9 @@ def register(sub) -> None:
                    help="override one threshold of the profile (VALUE or off); repeatable")
     c.add_argument("--metric", default="loss", help="the metrics.jsonl curve to compare (default: loss)")
     c.add_argument("--prefix", action="store_true", help="the run may stop before the reference ends")
+    c.add_argument("--envelope", choices=("note", "widen"), default="note",
+                   help="with a calibrated reference: note thresholds tighter than its own spread (default), or "
+                        "widen them to it")
     c.add_argument("--out", help="report directory (default: RUN/fidelity, or ./fidelity-report for a file)")
     c.add_argument("--format", choices=("text", "json"), default="text")
     c.set_defaults(func=_compare)
@@ -40,6 +43,21 @@ def register(sub) -> None:
                    help="override a recipe value for every variant; repeatable")
     m.add_argument("--overwrite", action="store_true", help="replace what --out holds (default: refuse)")
     m.set_defaults(func=_matrix)
+
+    ca = fid.add_parser("calibrate", help="train the reference N times with its nondeterminism; write its "
+                                          "run-to-run envelope into a golden file")
+    ca.add_argument("recipe", help="recipe TOML file (the reference configuration)")
+    ca.add_argument("--golden", required=True, help="golden file to write (JSON), with the envelope")
+    ca.add_argument("--runs", type=int, default=3, help="training runs (default 3)")
+    ca.add_argument("--threads", default="1,2", help="intra-op thread counts the runs cycle through (default 1,2)")
+    ca.add_argument("--vary", action="append", default=[], metavar="'SECTION.KEY=VALUE[;...]'",
+                    help="overrides of one run after the first (the runs cycle through them); repeatable")
+    ca.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a recipe value for every run; repeatable")
+    ca.add_argument("--profile", default="layout", help="the profile whose measures are taken (default: layout)")
+    ca.add_argument("--out", default="runs/fidelity-calibration", help="directory of the runs and the report")
+    ca.add_argument("--overwrite", action="store_true", help="replace what --out holds (default: refuse)")
+    ca.set_defaults(func=_calibrate)
 
     la = fid.add_parser("ladder", help="where does a variant depart? forward, backward, optimizer, lr=0, long run; "
                                        "exit 0 PASS, 1 FAIL, 2 bad input")
@@ -69,7 +87,7 @@ def _compare(args: argparse.Namespace) -> int:
     try:
         profile = get_profile(args.profile).with_overrides(parse_overrides(args.overrides))
         run, ref = load_signals(args.run), load_signals(args.reference)
-        result = compare(run, ref, profile, metric=args.metric, allow_prefix=args.prefix)
+        result = compare(run, ref, profile, metric=args.metric, allow_prefix=args.prefix, envelope=args.envelope)
     except ValueError as e:
         print(f"trex fidelity compare: {e}", file=sys.stderr)
         return 2
@@ -111,6 +129,27 @@ def _matrix(args: argparse.Namespace) -> int:
         print(f"trex fidelity matrix: {logs.os_error_line(e)}", file=sys.stderr)
         return 2
     return 0 if report["verdict"] == "PASS" else 1
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from trex.fidelity.calibrate import calibrate, markdown, thread_list, vary_sets
+    from trex.fidelity.profiles import get_profile
+    from trex.recipe import RecipeError, load
+    from trex.train.config import TrainRecipe
+
+    try:
+        load(TrainRecipe, args.recipe, args.overrides)  # a bad recipe is one line, before any run
+        report = calibrate(args.recipe, args.out, args.golden, get_profile(args.profile), runs=args.runs,
+                           threads=thread_list(args.threads), vary=vary_sets(args.vary), overrides=args.overrides,
+                           overwrite=args.overwrite)
+    except (RecipeError, ValueError, RuntimeError) as e:
+        print(f"trex fidelity calibrate: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"trex fidelity calibrate: {logs.os_error_line(e)}", file=sys.stderr)
+        return 2
+    print(markdown(report))
+    return 0
 
 
 def _ladder(args: argparse.Namespace) -> int:

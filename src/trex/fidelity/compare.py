@@ -32,6 +32,8 @@ class Check:
 
     applies: bool = True
     """False: the runs carry nothing this measure judges (an RL measure of an SFT run): n/a."""
+    spread: float | None = None
+    """The reference's own run-to-run spread of this measure (a calibrated golden file), or None."""
 
     @property
     def status(self) -> str:
@@ -63,6 +65,8 @@ class Comparison:
     """ref, run, ema_ref, ema_run, rel_err: per aligned step (for the plot)."""
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
     probe_top1_agreement: float | None = None
+    notes: list[str] = field(default_factory=list)
+    """Thresholds tighter than the reference's calibrated spread."""
 
     @property
     def passed(self) -> bool:
@@ -81,7 +85,8 @@ class Comparison:
                       "missing_in_run": self.missing_in_run, "not_reached": self.not_reached},
             "first_step_outside_band": self.first_step_outside_band,
             "checks": [{"measure": c.measure, "value": c.value, "threshold": c.threshold, "status": c.status,
-                        "detail": c.detail, "meaning": MEASURES[c.measure]} for c in self.checks],
+                        "spread": c.spread, "detail": c.detail, "meaning": MEASURES[c.measure]} for c in self.checks],
+            "notes": self.notes,
             "layer_grad_norm_rel_err": self.layer_errors,
             "layer_grad_scale_rel_err": self.layer_scale_errors,
             "probe_top1_agreement": self.probe_top1_agreement,
@@ -193,13 +198,42 @@ def _probe(run: RunSignals, ref: RunSignals) -> tuple[float, float, float] | Non
     return max(kls), max(loss_errors), agree / max(1, total)
 
 
+ENVELOPE_MODES = ("note", "widen")
+
+
 def compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str = "loss",
-            allow_prefix: bool = False) -> Comparison:
+            allow_prefix: bool = False, envelope: str = "note") -> Comparison:
     """Measure ``run`` against ``ref`` and check every measure against ``profile``.
 
     ``allow_prefix``: the run may stop before the reference (a short re-run of a longer golden run);
-    only the reference steps up to the run's last step must be present.
+    only the reference steps up to the run's last step must be present. When the reference carries
+    a calibrated envelope (trex.fidelity.calibrate), every check records the reference's own spread;
+    ``envelope="note"`` says where a threshold is tighter than it, ``"widen"`` judges by
+    max(threshold, spread).
     """
+    if envelope not in ENVELOPE_MODES:
+        raise FidelityInputError(f"envelope {envelope!r}: expected one of {', '.join(ENVELOPE_MODES)}")
+    result = _compare(run, ref, profile, metric, allow_prefix)
+    bounds = ref.envelope.get("loss", {}) if metric == "loss" else {}
+    if bounds:  # the reference's run-to-run loss envelope, for the plot
+        lo, hi = dict(zip(bounds["steps"], bounds["min"])), dict(zip(bounds["steps"], bounds["max"]))
+        result.curves["envelope_lo"] = [lo.get(s, math.nan) for s in result.steps]
+        result.curves["envelope_hi"] = [hi.get(s, math.nan) for s in result.steps]
+    spread = ref.envelope.get("spread", {}).get(profile.name, {})
+    for check in result.checks:
+        check.spread = spread.get(check.measure)
+        if check.spread is None or check.threshold is None or check.threshold >= check.spread:
+            continue
+        if envelope == "widen":
+            check.detail += f"{'; ' if check.detail else ''}threshold {check.threshold:g} widened to the reference's spread"
+            check.threshold = check.spread
+        else:
+            result.notes.append(f"{check.measure}: the threshold {check.threshold:g} is tighter than the reference's "
+                                f"own spread {check.spread:.3g} (--envelope widen judges by the spread)")
+    return result
+
+
+def _compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str, allow_prefix: bool) -> Comparison:
     for signals in (run, ref):
         if metric not in signals.metric_names():
             raise FidelityInputError(f"{signals.source} logs no `{metric}`; run metrics: {run.metric_names()}, "

@@ -46,6 +46,7 @@ import torch
 from trex import atomic
 from trex import device as device_layer
 from trex.fidelity.compare import compare
+from trex.fidelity.matrix import signal_overrides
 from trex.fidelity.profiles import LadderBounds, Profile
 from trex.fidelity.report import write_all
 from trex.fidelity.runs import load_signals
@@ -305,9 +306,7 @@ def run_ladder(recipe_path: str, variant_overrides: list[str], out: str, profile
     var_over = [*base, *variant_overrides]
     ref_recipe = load(TrainRecipe, recipe_path, ref_over)
     var_recipe = load(TrainRecipe, recipe_path, var_over)
-    every = ref_recipe.fidelity.every
-    signals = [] if 0 < every <= ref_recipe.train.steps // 2 else [f"fidelity.every={max(1, ref_recipe.train.steps // 4)}"]
-    common = [*signals, "checkpoint.save_every=0", 'checkpoint.resume=""', "train.progress=false"]
+    common = [*signal_overrides(ref_recipe), "checkpoint.save_every=0", 'checkpoint.resume=""', "train.progress=false"]
     ref_over, var_over = [*ref_over, *common], [*var_over, *common]
     ref_recipe, var_recipe = load(TrainRecipe, recipe_path, ref_over), load(TrainRecipe, recipe_path, var_over)
     for side, recipe in (("reference", ref_recipe), ("variant", var_recipe)):

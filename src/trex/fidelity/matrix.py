@@ -63,14 +63,23 @@ CONTROL = ['precision.dtype="fp32"', "parallel.dp_replicate=1", "parallel.dp_sha
            "train.progress=false"]
 
 
-def _cli(recipe_path: str, out: str, overrides: list[str]) -> list[str]:
+def signal_overrides(recipe) -> list[str]:
+    """``fidelity.every`` for at least two gradient/probe records in the recipe's steps, when it
+    has fewer (nothing when it has them)."""
+    every, steps = recipe.fidelity.every, recipe.train.steps
+    return [] if 0 < every <= steps // 2 else [f"fidelity.every={max(1, steps // 4)}"]
+
+
+def train_args(recipe_path: str, out: str, overrides: list[str]) -> list[str]:
+    """The arguments after the interpreter of ``trex train RECIPE --out OUT --set ...``."""
     args = ["-m", "trex", "train", recipe_path, "--out", out]
     for item in overrides:
         args += ["--set", item]
     return args
 
 
-def _failure(proc: subprocess.CompletedProcess | subprocess.Popen, stderr: str) -> str:
+def failure_line(proc: subprocess.CompletedProcess | subprocess.Popen, stderr: str) -> str:
+    """The line of a failed child's stderr that says why (its `trex train:` line, else the last)."""
     lines = [line for line in stderr.splitlines() if line.strip()]
     said = [line for line in lines if "trex train:" in line or "Error" in line]
     return (said or lines or [f"exit code {proc.returncode}"])[-1].strip()[:300]
@@ -87,16 +96,16 @@ def _run_inline(recipe_path: str, out: str, overrides: list[str]) -> None:
 def _run_torchrun(recipe_path: str, out: str, overrides: list[str]) -> str | None:
     """None when it trained; else why it could not (the build refuses the layout, a launch failure)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           *_cli(recipe_path, out, overrides)]
+           *train_args(recipe_path, out, overrides)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    return None if proc.returncode == 0 else _failure(proc, proc.stderr)
+    return None if proc.returncode == 0 else failure_line(proc, proc.stderr)
 
 
 def _run_stop_and_resume(recipe_path: str, out: str, overrides: list[str], steps: int) -> str:
     """Train in a child process, SIGTERM it once it has logged half the steps (it saves a checkpoint
     and exits), then resume to the end. Returns a note saying where it stopped."""
     ckpt = [*overrides, f"checkpoint.save_every={steps}", 'checkpoint.resume="auto"']
-    cmd = [sys.executable, *_cli(recipe_path, out, ckpt)]
+    cmd = [sys.executable, *train_args(recipe_path, out, ckpt)]
     metrics = os.path.join(out, "metrics.jsonl")
     child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     while child.poll() is None:
@@ -106,11 +115,11 @@ def _run_stop_and_resume(recipe_path: str, out: str, overrides: list[str], steps
         time.sleep(0.2)
     _, stderr = child.communicate()
     if child.returncode not in (0, 128 + signal.SIGTERM, -signal.SIGTERM):
-        raise RuntimeError(f"first leg: {_failure(child, stderr)}")
+        raise RuntimeError(f"first leg: {failure_line(child, stderr)}")
     stopped = sum(1 for _ in open(metrics)) if os.path.exists(metrics) else 0
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"resume: {_failure(proc, proc.stderr)}")
+        raise RuntimeError(f"resume: {failure_line(proc, proc.stderr)}")
     return f"stopped after step {stopped} of {steps}, resumed"
 
 
@@ -125,9 +134,7 @@ def run_matrix(recipe_path: str, out: str, steps: int | None = None, only: list[
     if steps:
         base.append(f"train.steps={steps}")
     recipe = load(TrainRecipe, recipe_path, base)
-    every = recipe.fidelity.every
-    if not 0 < every <= recipe.train.steps // 2:  # at least two gradient/probe records per run
-        base.append(f"fidelity.every={max(1, recipe.train.steps // 4)}")
+    base += signal_overrides(recipe)
     steps = recipe.train.steps
     chosen = [v for v in variants(recipe.data.micro_batch_size, recipe.train.grad_accum)
               if not only or v.name in only]

@@ -26,10 +26,14 @@ def table(result: Comparison) -> str:
     if result.not_reached:
         lines.append(f"reference steps after the run's end: {len(result.not_reached)}")
     lines.append("")
-    lines.append(f"{'measure':<26} {'value':>11} {'threshold':>11}  status  detail")
+    spread = any(c.spread is not None for c in result.checks)
+    lines.append(f"{'measure':<26} {'value':>11} {'threshold':>11}" + (f" {'ref spread':>11}" if spread else "")
+                 + "  status  detail")
     for c in result.checks:
-        lines.append(f"{c.measure:<26} {_fmt(c.value):>11} {_fmt(c.threshold):>11}  {c.status:<6}  {c.detail}")
+        lines.append(f"{c.measure:<26} {_fmt(c.value):>11} {_fmt(c.threshold):>11}"
+                     + (f" {_fmt(c.spread):>11}" if spread else "") + f"  {c.status:<6}  {c.detail}")
     lines.append("")
+    lines += [f"note: {n}" for n in result.notes]
     lines.append(f"verdict: {result.verdict}")
     return "\n".join(lines)
 
@@ -67,6 +71,9 @@ def plot(result: Comparison, path: str) -> None:
     top.plot(steps, curves["run"], "-", color="tab:blue", lw=0.6, alpha=0.35, label="run (raw)")
     top.plot(steps, series["ref"], "-", color="0.2", lw=1.5, label=f"reference EMA {result.profile.ema:g}")
     top.plot(steps, series["run"], "-", color="tab:blue", lw=1.5, label=f"run EMA {result.profile.ema:g}")
+    if "envelope_lo" in curves:
+        top.fill_between(steps, curves["envelope_lo"], curves["envelope_hi"], color="0.5", alpha=0.3,
+                         label="reference's run-to-run envelope (raw)")
     if band is not None:
         top.fill_between(steps, series["lo"], series["hi"], color="tab:green", alpha=0.25,
                          label=f"band ±{band:g} around the reference EMA")

@@ -14,6 +14,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 
+from trex.fidelity.profiles import MEASURES
 from trex.train.signals import GRAD_NORMS_FILE, PROBE_FILE
 
 GOLDEN_FORMAT = "trex-fidelity-golden/1"
@@ -36,6 +37,9 @@ class RunSignals:
     config: dict = field(default_factory=dict)
     environment: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
+    envelope: dict = field(default_factory=dict)
+    """A calibrated golden file's run-to-run spread (trex.fidelity.calibrate): ``spread`` {profile:
+    {measure: value}}, ``loss`` {steps, min, max}, ``runs``, ``variation``; empty when not calibrated."""
 
     def series(self, name: str) -> dict[int, float]:
         """step -> value of metric ``name`` at the steps that logged it."""
@@ -120,7 +124,29 @@ def read_golden(path: str) -> RunSignals:
     grad_norms = {s: r.get("norms", {}) for s, r in by_step(data.get("grad_norms", []), f"{path}: grad_norms[]").items()}
     return RunSignals(source=path, metrics=metrics, grad_norms=grad_norms,
                       probe=by_step(data.get("probe", []), f"{path}: probe[]"), config=data.get("config", {}),
-                      environment=data.get("environment", {}), summary=data.get("summary", {}))
+                      environment=data.get("environment", {}), summary=data.get("summary", {}),
+                      envelope=_envelope(data.get("envelope", {}), path))
+
+
+def _envelope(envelope, path: str) -> dict:
+    """A golden file's envelope, checked: known measures with numbers >= 0, loss bounds per step."""
+    if not envelope:
+        return {}
+    spread = envelope.get("spread") if isinstance(envelope, dict) else None
+    if not isinstance(spread, dict) or not all(isinstance(v, dict) for v in spread.values()):
+        raise FidelityInputError(f"{path}: envelope: expected a `spread` object of {{profile: {{measure: value}}}}")
+    for profile, measured in spread.items():
+        for measure, value in measured.items():
+            where = f"{path}: envelope.spread.{profile}.{measure}"
+            if measure not in MEASURES:
+                raise FidelityInputError(f"{where}: not a measure; known: {sorted(MEASURES)}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                raise FidelityInputError(f"{where}: expected a number >= 0, got {value!r}")
+    loss = envelope.get("loss", {})
+    if loss and not (isinstance(loss, dict) and len(loss.get("steps", [])) == len(loss.get("min", []))
+                     == len(loss.get("max", []))):
+        raise FidelityInputError(f"{path}: envelope.loss: expected equally long `steps`, `min` and `max` lists")
+    return envelope
 
 
 def load_signals(path: str) -> RunSignals:

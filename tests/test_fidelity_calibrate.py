@@ -1,0 +1,87 @@
+"""Calibration: the reference's own run-to-run spread, measured, stored in the golden file, and
+used by compare (noted where a threshold is tighter, or widened to it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trex.fidelity.calibrate import run_plan, vary_sets
+from trex.fidelity.compare import compare
+from trex.fidelity.profiles import get_profile
+from trex.fidelity.runs import FidelityInputError, load_signals
+from test_fidelity_compare import CURVE, write_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "fidelity_default.toml")
+
+
+def test_the_plan_cycles_threads_and_variations_and_needs_two_runs():
+    plan = run_plan(4, [1, 2], vary_sets(["train.grad_accum=2;data.micro_batch_size=2"]))
+    assert [p["threads"] for p in plan] == [1, 2, 1, 2]
+    assert plan[0]["overrides"] == [] and plan[3]["overrides"] == ["train.grad_accum=2", "data.micro_batch_size=2"]
+    with pytest.raises(ValueError, match="at least 2 runs"):
+        run_plan(1, [1], [])
+
+
+def _golden_with_spread(tmp_path, spread: dict) -> str:
+    from trex.fidelity.golden import export
+
+    path = str(tmp_path / "golden.json")
+    data = export(str(write_run(tmp_path / "ref", CURVE)), path)
+    data["envelope"] = {"spread": spread, "loss": {"steps": [1, 2], "min": [3.4, 3.3], "max": [3.6, 3.5]}}
+    open(path, "w").write(json.dumps(data))
+    return path
+
+
+def test_compare_notes_a_threshold_tighter_than_the_spread_or_widens_it(tmp_path):
+    golden = _golden_with_spread(tmp_path, {"layout": {"loss_mean_rel_err": 0.01, "probe_kl": 0.0}})
+    run = load_signals(str(write_run(tmp_path / "run", [v * 1.005 for v in CURVE])))
+    noted = compare(run, load_signals(golden), get_profile("layout"))
+    check = next(c for c in noted.checks if c.measure == "loss_mean_rel_err")
+    assert check.spread == 0.01 and check.status == "FAIL" and len(noted.notes) == 1
+    assert "tighter than the reference's own spread" in noted.notes[0]
+    assert noted.curves["envelope_lo"][:2] == [3.4, 3.3]
+    widened = compare(run, load_signals(golden), get_profile("layout"), envelope="widen")
+    check = next(c for c in widened.checks if c.measure == "loss_mean_rel_err")
+    assert check.threshold == 0.01 and check.status == "PASS" and "widened" in check.detail
+    other = compare(run, load_signals(golden), get_profile("precision"))  # no spread measured for it
+    assert all(c.spread is None for c in other.checks)
+
+
+@pytest.mark.parametrize("spread, message", [({"layout": {"nonsense": 1.0}}, "not a measure"),
+                                             ({"layout": {"probe_kl": -1}}, "expected a number >= 0"),
+                                             ({"probe_kl": 1.0}, "expected a `spread` object")])
+def test_a_bad_envelope_names_the_key(tmp_path, spread, message):
+    with pytest.raises(FidelityInputError, match=message):
+        load_signals(_golden_with_spread(tmp_path, spread))
+
+
+@pytest.mark.slow
+def test_calibrate_measures_the_spread_of_a_reduction_order_and_compare_uses_it(tmp_path):
+    golden, out = tmp_path / "golden.json", tmp_path / "cal"
+    cmd = [sys.executable, "-m", "trex", "fidelity", "calibrate", RECIPE, "--golden", str(golden), "--out", str(out),
+           "--runs", "2", "--set", "train.steps=4", "--vary", "data.micro_batch_size=2;train.grad_accum=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    envelope = json.load(open(golden))["envelope"]
+    assert envelope["runs"] == 2 and envelope["variation"][1]["threads"] == 2
+    layout = envelope["spread"]["layout"]
+    assert 0 < layout["loss_mean_rel_err"] < 1e-5  # a different summation order: not bitwise, far inside layout
+    assert "| loss_mean_rel_err |" in proc.stdout
+    report = json.load(open(out / "calibration.json"))
+    assert "loss_mean_rel_err" not in report["tighter_than_spread"]
+    lo, hi = envelope["loss"]["min"], envelope["loss"]["max"]
+    assert len(lo) == 4 and all(a <= b for a, b in zip(lo, hi))
+    # the second run against the golden file: bitwise fails, and says the reference itself is not bitwise
+    bitwise = [sys.executable, "-m", "trex", "fidelity", "compare", str(out / "run-1"), str(golden),
+               "--profile", "bitwise"]
+    strict = subprocess.run(bitwise, capture_output=True, text=True, cwd=ROOT)
+    assert strict.returncode == 1 and "tighter than the reference's own spread" in strict.stdout
+    assert subprocess.run([*bitwise, "--envelope", "widen"], capture_output=True, cwd=ROOT).returncode == 0
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)  # --out holds the runs now
+    assert proc.returncode == 2 and "--overwrite" in proc.stderr and proc.stderr.count("\n") == 1
