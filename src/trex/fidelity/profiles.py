@@ -122,7 +122,10 @@ LAYOUT = Profile(
         "anything a real bug produces. Measured on recipes/fidelity_default.toml (20 steps, fp32 CPU): "
         "splitting the batch into 2 micro-batches gives a mean relative loss error of 1.4e-7 after 8 "
         "steps (grad norm 1.1e-6, worst layer group 3.2e-5, probe KL 1e-12); "
-        "a learning rate 20% off gives 3.8% after 8 steps (grad norms 7.6%, worst layer group 49%, probe KL 0.022), failing every check. Thresholds sit between the two."),
+        "a learning rate 20% off gives 3.8% after 8 steps (grad norms 7.6%, worst layer group 49%, probe KL 0.022), failing every check. Thresholds sit between the two. Ladder bounds (rungs 1-3): "
+        "measured 2e-7 (step-1 loss) and 2.5e-5 (worst per-parameter gradient) for the grad-accum split, 0 for "
+        "activation checkpointing; a wrong norm epsilon in one block moves that block's output by 7% of its "
+        "max-abs value, one block's attention rounded to bf16 by 0.1%."),
     thresholds={"loss_mean_rel_err": 2e-3, "loss_band_rel": 5e-3, "final_loss_rel_delta": 5e-3,
                 "grad_norm_mean_rel_err": 2e-2, "layer_grad_norm_rel_err": 5e-2, "probe_kl": 1e-3,
                 "probe_loss_rel_err": 5e-3, "nonfinite_losses": 0, "missing_steps": 0, "extra_skipped_steps": 0,
@@ -154,10 +157,19 @@ PRECISION = Profile(
         "their relative error is dominated by rounding and cancellation. Measured with these rules: bf16 0.13 "
         "(scale) / 0.23 (per step), fp16 0.17 / 0.14. "
         "fp16 overflows that the loss scaler answers are allowed a few "
-        "skipped steps. A doubled learning rate fails (tests/test_fidelity_training.py); see docs/fidelity.md."),
+        "skipped steps. A doubled learning rate fails (tests/test_fidelity_training.py); see docs/fidelity.md. "
+        "Re-measured with `trex fidelity ladder` (20 steps, this version): bf16 agrees with fp32 per step (step-1 "
+        "loss 4e-6, per-parameter step-1 gradients within 0.5%, 20 batches at lr = 0 within 4e-5 in loss), yet "
+        "after 20 steps its probe loss is 3.5% off and its mean grad norm 9.5%: the trajectory amplifies per-step "
+        "differences of that size (an fp32 run with its lr 0.5% off departs by 1.3% and 3.7%). The probe-loss "
+        "bound is 0.05 and the grad-norm bound 0.15 to leave that amplification room; the ladder's first four "
+        "rungs judge the per-step agreement tightly. Ladder bounds (rungs 1-3): the MindSpore first-step loss "
+        "bound 5e-3; block cosine >= 0.999 (measured 0.99996 for bf16; msprobe's op-level 0.99 and NeMo's "
+        "0.987 per block are looser); block max-abs 0.15 x max|ref| (bf16: 0.06 at the logits); per-parameter "
+        "gradient and update 0.05 (bf16: 0.005)."),
     thresholds={"loss_mean_rel_err": 2e-2, "loss_band_rel": 3e-2, "final_loss_rel_delta": 3e-2,
-                "grad_norm_mean_rel_err": 1e-1, "layer_grad_norm_rel_err": 5e-1, "layer_grad_scale_rel_err": 3e-1,
-                "probe_kl": 2e-2, "probe_loss_rel_err": 3e-2, "nonfinite_losses": 0, "missing_steps": 0,
+                "grad_norm_mean_rel_err": 1.5e-1, "layer_grad_norm_rel_err": 5e-1, "layer_grad_scale_rel_err": 3e-1,
+                "probe_kl": 2e-2, "probe_loss_rel_err": 5e-2, "nonfinite_losses": 0, "missing_steps": 0,
                 "extra_skipped_steps": 3, "nonfinite_window_excess": 3,
                 "rollout_k3_kl_excess": 1e-3, "rollout_pearson_drop": 1e-2, "rollout_prob_gap_excess": 1e-2},
     ema=0.3,
@@ -175,7 +187,7 @@ VENDOR = Profile(
         "two vendors the forward loss has been seen to agree within 1% while first-layer gradients "
         "differed by 50-100%, so the global grad norm must agree within 10% on average and every layer "
         "group's gradient norm within 20%, and the logits fingerprint of a fixed probe batch must agree "
-        "(KL below 0.02 nats)."),
+        "(KL below 0.02 nats). Ladder bounds: the precision profile's, with msprobe's block cosine 0.99."),
     thresholds={"loss_mean_rel_err": 2e-2, "loss_band_rel": 3e-2, "final_loss_rel_delta": 3e-2,
                 "grad_norm_mean_rel_err": 1e-1, "layer_grad_norm_rel_err": 2e-1, "probe_kl": 2e-2,
                 "probe_loss_rel_err": 3e-2, "nonfinite_losses": 0, "missing_steps": 0, "extra_skipped_steps": 3,
