@@ -393,10 +393,12 @@ def _said(rung: dict) -> str:
     if rung["status"] == "not run":
         return ""
     if rung["number"] == 1:
-        return (f"loss err {_num(m['loss_err'])}; min block cosine {_num(m['min_block_cosine'])}; "
-                f"max block abs err {_num(m['max_block_abs_rel'])} x max|ref|")
+        return (f"loss err {_num(m['loss_err'])}; worst block 1 - cosine {_num(1 - m['min_block_cosine'])}, "
+                f"max-abs err {_num(m['max_block_abs_rel'])} x max|ref|")
     if rung["number"] in (2, 3):
         loss = f"step-2 loss err {_num(m['loss_err'])}; " if "loss_err" in m else ""
+        if not m.get("worst_parameter_err"):
+            return f"{loss}every parameter's {'gradient' if rung['number'] == 2 else 'update'} exact"
         return f"{loss}worst parameter {m.get('worst_parameter')} ({_num(m.get('worst_parameter_err'))})"
     keys = ("loss_mean_rel_err", "grad_norm_mean_rel_err", "layer_grad_norm_rel_err", "probe_kl")
     return "; ".join(f"{k} {_num(m[k])}" for k in keys if k in m)
@@ -407,7 +409,7 @@ def _where(rung: dict) -> str:
     if not d:
         return ""
     if "block" in d:
-        return f"block {d['block']} (cosine {_num(d['cosine'])}, max-abs {_num(d['max_abs_rel'])} x max|ref|)"
+        return f"block {d['block']} (1 - cosine {_num(1 - d['cosine'])}, max-abs {_num(d['max_abs_rel'])} x max|ref|)"
     if "parameter" in d:
         return (f"parameter {d['parameter']} (group {d['group']}; norm err {_num(d['norm_rel_err'])}, "
                 f"1 - cosine {_num(d['direction_err'])})")
