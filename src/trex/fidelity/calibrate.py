@@ -18,14 +18,13 @@ max(threshold, spread). Output in ``out``: ``run-<k>/`` run directories, ``calib
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
 from trex import atomic
 from trex.fidelity.compare import compare
 from trex.fidelity.golden import export
-from trex.fidelity.matrix import CONTROL, failure_line, signal_overrides, train_args
+from trex.fidelity.matrix import CONTROL, claim_out, failure_line, signal_overrides, train_args
 from trex.fidelity.profiles import MEASURES, PROFILES, Profile
 from trex.fidelity.runs import load_signals
 from trex.recipe import load
@@ -63,12 +62,7 @@ def calibrate(recipe_path: str, out: str, golden: str, profile: Profile, runs: i
               overwrite: bool = False) -> dict:
     """Train the runs, measure the envelope, write the golden file; returns the calibration report."""
     plan = run_plan(runs, threads or [1, 2], vary or [])
-    if os.path.isdir(out) and os.listdir(out):
-        if not overwrite:
-            raise ValueError(f"{out} already holds a calibration ({', '.join(sorted(os.listdir(out))[:4])}): "
-                             "choose another --out, or --overwrite to replace it")
-        shutil.rmtree(out)
-    os.makedirs(out, exist_ok=True)
+    claim_out(out, "a calibration", overwrite)
     settings = [*(c for c in CONTROL if not c.startswith("precision.")), *(overrides or [])]  # one process
     settings += signal_overrides(load(TrainRecipe, recipe_path, settings))
     dirs = []
@@ -80,7 +74,7 @@ def calibrate(recipe_path: str, out: str, golden: str, profile: Profile, runs: i
         proc = subprocess.run([sys.executable, *train_args(recipe_path, run_dir, [*settings, *run["overrides"]])],
                               capture_output=True, text=True, env=env)
         if proc.returncode != 0:
-            raise RuntimeError(f"run {k} failed: {failure_line(proc, proc.stderr)}")
+            raise ValueError(f"run {k} failed: {failure_line(proc, proc.stderr)}")
         dirs.append(run_dir)
     signals = [load_signals(d) for d in dirs]
     env = {**envelope(signals), "runs": len(plan), "variation": plan}

@@ -115,18 +115,27 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _matrix(args: argparse.Namespace) -> int:
-    from trex.fidelity.matrix import run_matrix
+def _user_faults(command: str, call):
+    """``call()``'s result, or None after one line on stderr for a user fault: a bad recipe or value,
+    a path that cannot be written."""
     from trex.recipe import RecipeError
 
     try:
-        report = run_matrix(args.recipe, args.out, steps=args.steps, only=args.only, overrides=args.overrides,
-                            overwrite=args.overwrite)
+        return call()
     except (RecipeError, ValueError) as e:
-        print(f"trex fidelity matrix: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # an --out that cannot be written
-        print(f"trex fidelity matrix: {logs.os_error_line(e)}", file=sys.stderr)
+        message = str(e)
+    except OSError as e:
+        message = logs.os_error_line(e)
+    print(f"trex fidelity {command}: {message}", file=sys.stderr)
+    return None
+
+
+def _matrix(args: argparse.Namespace) -> int:
+    from trex.fidelity.matrix import run_matrix
+
+    report = _user_faults("matrix", lambda: run_matrix(args.recipe, args.out, steps=args.steps, only=args.only,
+                                                       overrides=args.overrides, overwrite=args.overwrite))
+    if report is None:
         return 2
     return 0 if report["verdict"] == "PASS" else 1
 
@@ -134,19 +143,17 @@ def _matrix(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from trex.fidelity.calibrate import calibrate, markdown, thread_list, vary_sets
     from trex.fidelity.profiles import get_profile
-    from trex.recipe import RecipeError, load
+    from trex.recipe import load
     from trex.train.config import TrainRecipe
 
-    try:
+    def call():
         load(TrainRecipe, args.recipe, args.overrides)  # a bad recipe is one line, before any run
-        report = calibrate(args.recipe, args.out, args.golden, get_profile(args.profile), runs=args.runs,
-                           threads=thread_list(args.threads), vary=vary_sets(args.vary), overrides=args.overrides,
-                           overwrite=args.overwrite)
-    except (RecipeError, ValueError, RuntimeError) as e:
-        print(f"trex fidelity calibrate: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"trex fidelity calibrate: {logs.os_error_line(e)}", file=sys.stderr)
+        return calibrate(args.recipe, args.out, args.golden, get_profile(args.profile), runs=args.runs,
+                         threads=thread_list(args.threads), vary=vary_sets(args.vary), overrides=args.overrides,
+                         overwrite=args.overwrite)
+
+    report = _user_faults("calibrate", call)
+    if report is None:
         return 2
     print(markdown(report))
     return 0
@@ -155,17 +162,11 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _ladder(args: argparse.Namespace) -> int:
     from trex.fidelity.ladder import markdown, run_ladder
     from trex.fidelity.profiles import get_profile
-    from trex.recipe import RecipeError
 
-    try:
-        report = run_ladder(args.recipe, args.variant, args.out, get_profile(args.profile),
-                            reference_overrides=args.reference, lr0_steps=args.lr0_steps, steps=args.steps,
-                            overwrite=args.overwrite)
-    except (RecipeError, ValueError) as e:
-        print(f"trex fidelity ladder: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"trex fidelity ladder: {logs.os_error_line(e)}", file=sys.stderr)
+    report = _user_faults("ladder", lambda: run_ladder(
+        args.recipe, args.variant, args.out, get_profile(args.profile), reference_overrides=args.reference,
+        lr0_steps=args.lr0_steps, steps=args.steps, overwrite=args.overwrite))
+    if report is None:
         return 2
     print(markdown(report))
     print(f"report: {os.path.join(args.out, 'ladder.json')}  plot: {os.path.join(args.out, 'ladder.png')}")

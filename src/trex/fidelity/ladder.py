@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ import torch
 from trex import atomic
 from trex import device as device_layer
 from trex.fidelity.compare import compare
-from trex.fidelity.matrix import signal_overrides
+from trex.fidelity.matrix import claim_out, signal_overrides
 from trex.fidelity.profiles import LadderBounds, Profile
 from trex.fidelity.report import write_all
 from trex.fidelity.runs import load_signals
@@ -316,12 +315,7 @@ def run_ladder(recipe_path: str, variant_overrides: list[str], out: str, profile
         except ValueError as e:
             raise ValueError(f"the {side}'s layout needs several processes ({e}); the ladder runs both sides in one "
                              "process: compare layouts across processes with `trex fidelity matrix`") from None
-    if os.path.isdir(out) and os.listdir(out):
-        if not overwrite:
-            raise ValueError(f"{out} already holds a ladder ({', '.join(sorted(os.listdir(out))[:4])}): choose "
-                             "another --out, or --overwrite to replace it")
-        shutil.rmtree(out)
-    os.makedirs(out, exist_ok=True)
+    claim_out(out, "a ladder", overwrite)
     ref, var = Side("reference", ref_recipe), Side("variant", var_recipe, edit)
     bounds = profile.ladder
     rungs = [Rung(i + 1, name) for i, name in enumerate(RUNGS)]

@@ -63,6 +63,17 @@ CONTROL = ['precision.dtype="fp32"', "parallel.dp_replicate=1", "parallel.dp_sha
            "train.progress=false"]
 
 
+def claim_out(out: str, what: str, overwrite: bool) -> None:
+    """Make ``out`` an empty directory for ``what`` ("a matrix"); one that holds files is refused
+    (ValueError naming some of them) unless ``overwrite``, which removes it first."""
+    if os.path.isdir(out) and os.listdir(out):
+        if not overwrite:
+            held = ", ".join(sorted(os.listdir(out))[:4])
+            raise ValueError(f"{out} already holds {what} ({held}): choose another --out, or --overwrite to replace it")
+        shutil.rmtree(out)
+    os.makedirs(out, exist_ok=True)
+
+
 def signal_overrides(recipe) -> list[str]:
     """``fidelity.every`` for at least two gradient/probe records in the recipe's steps, when it
     has fewer (nothing when it has them)."""
@@ -142,11 +153,7 @@ def run_matrix(recipe_path: str, out: str, steps: int | None = None, only: list[
     if unknown:
         raise ValueError(f"--only {sorted(unknown)}: unknown variant; choose from {[v.name for v in variants(2, 1)]}")
 
-    if os.path.isdir(out) and os.listdir(out):
-        if not overwrite:
-            held = ", ".join(sorted(os.listdir(out))[:4])
-            raise ValueError(f"{out} already holds a matrix ({held}): choose another --out, or --overwrite to replace it")
-        shutil.rmtree(out)
+    claim_out(out, "a matrix", overwrite)
     control_dir = os.path.join(out, "control-fp32")
     print(f"[control] fp32, one process, {steps} steps -> {control_dir}", file=sys.stderr)
     _run_inline(recipe_path, control_dir, [*base, *CONTROL])
