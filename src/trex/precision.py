@@ -191,10 +191,12 @@ class DynamicLossScaler:
                 self.clean_steps = 0
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale_value, "clean_steps": self.clean_steps}
+        return {"scale": self.scale_value, "clean_steps": self.clean_steps, "enabled": self.enabled}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.enabled:
+        """Restore the scale; a state saved without loss scaling (a run moving into fp16 from bf16 or
+        fp32) leaves this scaler at its initial scale, and a disabled scaler ignores any state."""
+        if self.enabled and state.get("enabled", True):
             self.scale_value = float(state["scale"])
             self.clean_steps = int(state["clean_steps"])
 

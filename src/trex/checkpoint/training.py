@@ -42,6 +42,7 @@ from safetensors.torch import load_file, save_file
 
 from trex import atomic
 import trex
+from trex.checkpoint import migration
 from trex.checkpoint.manifest import (DCP_INDEX, FORMAT, MANIFEST, RNG_DIR, TRAINER_STATE, SafeFileSystemReader,
                                       describe_files, manifest_digest, read_dcp_index, rng_file, tensor_table,
                                       verify_checkpoint)
@@ -93,6 +94,10 @@ class Resumed:
     path: str
     loop: dict = field(default_factory=dict)
     """Counters the loop saved with the checkpoint (e.g. tokens seen)."""
+    saved: dict = field(default_factory=dict)
+    """The configuration it was written under (trex.checkpoint.migration.saved_configuration)."""
+    versions: dict = field(default_factory=dict)
+    """trex and torch versions of the run that wrote it ({} for older checkpoints)."""
 
 
 # ---- ranks ------------------------------------------------------------------------------------------
@@ -251,7 +256,7 @@ def save_checkpoint(directory: str, step: int, state: RunState, *, config: dict 
         "guard": state.guard.state_dict(), "loader": state.data.state_dict(),
         "param_groups": _group_records(state.model, state.optimizer), "config": config, "precision": precision,
         "model_config": state.model.cfg.to_hf_dict() if hasattr(state.model, "cfg") else None,
-        "world_size": world_size,
+        "world_size": world_size, "device": state.dev.type, "versions": migration.versions(),
     }
     if rank == 0:
         _write_json(os.path.join(tmp, TRAINER_STATE), trainer)
@@ -369,7 +374,8 @@ def load_checkpoint(path: str, state: RunState) -> Resumed:
     else:
         log.warning("%s has no RNG state for rank %d (saved at world size %s): this rank keeps its seeded RNG",
                     path, rank, trainer.get("world_size", "?"))
-    return Resumed(step=int(trainer["step"]), path=path, loop=trainer.get("loop", {}))
+    return Resumed(step=int(trainer["step"]), path=path, loop=trainer.get("loop", {}),
+                   saved=migration.saved_configuration(trainer), versions=trainer.get("versions", {}))
 
 
 # ---- the loop's view -----------------------------------------------------------------------------------

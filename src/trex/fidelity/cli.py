@@ -1,4 +1,4 @@
-"""`trex fidelity compare | export | matrix | ladder | calibrate | profiles`."""
+"""`trex fidelity compare | export | matrix | calibrate | ladder | seam | profiles`."""
 
 from __future__ import annotations
 
@@ -58,6 +58,18 @@ def register(sub) -> None:
     ca.add_argument("--out", default="runs/fidelity-calibration", help="directory of the runs and the report")
     ca.add_argument("--overwrite", action="store_true", help="replace what --out holds (default: refuse)")
     ca.set_defaults(func=_calibrate)
+
+    se = fid.add_parser("seam", help="a run that moved (device, precision, layout): do the steps after the move "
+                                     "converge like the old configuration? exit 0 PASS, 1 FAIL, 2 bad input")
+    se.add_argument("run", help="run directory with migrations.jsonl")
+    se.add_argument("--steps", type=int, default=3, help="steps after the move to judge (default 3)")
+    se.add_argument("--reference", help="run directory or golden file with those steps (default: train a "
+                                        "continuation on the old configuration here)")
+    se.add_argument("--at", type=int, help="the move at this step (default: the last)")
+    se.add_argument("--profile", help="override the profile the move's kind chose")
+    se.add_argument("--envelope", choices=("note", "widen"), default="note",
+                    help="with a calibrated golden reference: note or widen thresholds tighter than its spread")
+    se.set_defaults(func=_seam)
 
     la = fid.add_parser("ladder", help="where does a variant depart? forward, backward, optimizer, lr=0, long run; "
                                        "exit 0 PASS, 1 FAIL, 2 bad input")
@@ -157,6 +169,22 @@ def _calibrate(args: argparse.Namespace) -> int:
         return 2
     print(markdown(report))
     return 0
+
+
+def _seam(args: argparse.Namespace) -> int:
+    from trex.fidelity.report import table
+    from trex.fidelity.seam import seam
+
+    done = _user_faults("seam", lambda: seam(args.run, steps=args.steps, reference=args.reference, at=args.at,
+                                             profile=args.profile, envelope=args.envelope))
+    if done is None:
+        return 2
+    print(table(done["result"]))
+    for note in done["entry"]["notes"]:
+        print(f"note: {note}")
+    print(f"seam at step {done['entry']['step']} ({done['entry']['move']}): {done['entry']['verdict']}; "
+          f"recorded in {os.path.join(args.run, 'seams.json')} and summary.json")
+    return 0 if done["entry"]["verdict"] == "PASS" else 1
 
 
 def _ladder(args: argparse.Namespace) -> int:

@@ -30,6 +30,9 @@ import torch.distributed as dist
 from trex import device as device_layer
 from trex import recipe as recipe_io
 from trex.checkpoint import load_pretrained
+from trex.checkpoint.migration import configuration, migration
+from trex.checkpoint.migration import describe as describe_move
+from trex.checkpoint.migration import record as record_moves
 from trex.checkpoint.training import Checkpointer, RunState
 from trex.data import load_tokenizer
 from trex.data.tokenizer import Tokenizer, compact_tokenizer
@@ -219,6 +222,7 @@ class _Run:
     last: dict = field(default_factory=dict)  # the last step's metrics
     evals: dict = field(default_factory=dict)  # held-out metrics by step ("final" at the end)
     mfu_warned: bool = False
+    moves: list = field(default_factory=list)  # migrations.jsonl: where the run changed device, precision, layout
 
 
 def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer | None,
@@ -284,10 +288,22 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
     run_dir.check_room(cfg_train.steps)
     run_dir.begin(start, cfg_train.overwrite, [METRICS_FILE, *SIGNAL_FILES], ckpt.directory)
     run_dir.save_config(recipe)
+    moves = _record_move(resumed, run_dir, cfg_train.out, configuration(
+        dev.type, policy.name, par.world_size, recipe_io.to_dict(recipe)))
     return _Run(recipe, dev, par, policy, run_dir, heartbeat, tokenizer, model, frozen, optimizer, scheduler, guard,
                 objective, fidelity, ckpt, resumed, CompiledGraphs(compiled),
                 flops_per_token(model.cfg, recipe.data.seq_len).total, peak, peak_source,
-                tokens=resumed.loop.get("tokens", 0) if resumed else 0)
+                tokens=resumed.loop.get("tokens", 0) if resumed else 0, moves=moves)
+
+
+def _record_move(resumed, run_dir: RunDir, out: str, here: dict) -> list[dict]:
+    """Log and record (migrations.jsonl) a resume under another device, precision or layout than the
+    checkpoint was written under; returns the run's moves (rank 0; [] elsewhere)."""
+    move = migration(resumed.saved, here, resumed.step, resumed.path, resumed.versions) if resumed else None
+    if move:
+        log.warning("the run moves: %s; judge the seam with `trex fidelity seam %s` (profile %s)",
+                    describe_move(move), out, move["profile"])
+    return record_moves(run_dir.path, resumed.step if resumed else 0, move) if run_dir.enabled else []
 
 
 def _run_steps(r: _Run) -> None:
@@ -394,6 +410,7 @@ def _summary(r: _Run, wall_time_s: float) -> dict:
         "eval_loss": {at: m["eval_loss"] for at, m in r.evals.items() if "eval_loss" in m},
         "skipped_steps": r.guard.skipped_total,
         "health": r.guard.health(r.scheduler.last_epoch),
+        "migrations": r.moves,
         "nonfinite_events": r.events,
         "data": r.objective.summary(),
         "precision": r.policy.to_dict(),

@@ -1,0 +1,136 @@
+"""A run that moves mid-training: precision (fp32 -> bf16 -> fp32 -> fp16), layout (1 -> 2 -> 4
+processes, EP 1 -> 2 -> 4) and device type (CPU -> the virtual accelerator -> CPU). Each leg resumes
+the last one's checkpoint; the run keeps its step counter and data order, records every move, and
+`trex fidelity seam` judges the steps after a move against a continuation on the old configuration."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trex.checkpoint.migration import migration, record
+from trex.precision import DynamicLossScaler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = "recipes/fidelity_default.toml"
+VDEV = {"TREX_DEVICE_PLUGINS": "trex_vdev"}
+
+
+def _trex(args: list[str], env: dict | None = None, procs: int = 1) -> subprocess.CompletedProcess:
+    launch = [sys.executable] if procs == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                                                   str(procs), "--standalone"]
+    return subprocess.run([*launch, "-m", "trex", *args], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def _leg(out, steps: int, *settings: str, env=None, procs: int = 1):
+    proc = _trex(["train", RECIPE, "--out", str(out), "--resume", "auto", "--set", f"train.steps={steps}",
+                  "--set", "checkpoint.save_every=2", "--set", "checkpoint.keep_last=10", "--set", "fidelity.every=1", "--set", 'optim.ns_dtype="fp32"',
+                  "--set", "train.progress=false", "--set", "schedule.warmup_steps=1", *[a for s in settings for a in ("--set", s)]], env, procs)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _rows(out):
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def _moves(out):
+    return [json.loads(line) for line in open(out / "migrations.jsonl")]
+
+
+def _seam(out, *args, env=None):
+    return _trex(["fidelity", "seam", str(out), "--steps", "2", *args], env)
+
+
+def test_a_move_is_recorded_with_the_profile_of_its_loosest_change(tmp_path):
+    before = {"device": "cuda", "precision": "bf16", "world_size": 8, "dp_replicate": 1, "ep": 8, "cp": 1,
+              "micro_batch_size": 2, "grad_accum": 1}
+    assert migration(before, dict(before), 10, "ckpt") is None
+    layout = migration(before, {**before, "world_size": 4, "ep": 4}, 10, "ckpt")
+    assert layout["changed"] == ["world_size", "ep"] and layout["profile"] == "layout"
+    both = migration(before, {**before, "device": "npu", "precision": "fp32"}, 20, "ckpt")
+    assert both["profile"] == "vendor" and both["changed"] == ["device", "precision"]
+    old = {**before, "device": None}  # a checkpoint that did not record its device type
+    assert migration(old, {**before, "device": "npu"}, 10, "ckpt") is None
+    record(str(tmp_path), 10, layout)
+    record(str(tmp_path), 20, both)
+    assert [m["step"] for m in record(str(tmp_path), 20, None)] == [10]  # resumed at 20 again: that move is undone
+
+
+def test_a_scaler_entering_fp16_starts_from_its_initial_scale():
+    fp16 = DynamicLossScaler(enabled=True, init_scale=1024.0)
+    fp16.load_state_dict(DynamicLossScaler(enabled=False).state_dict())  # a bf16/fp32 checkpoint
+    assert fp16.scale_value == 1024.0
+    grown = DynamicLossScaler(enabled=True, init_scale=8.0)
+    grown.load_state_dict({"scale": 4096.0, "clean_steps": 3, "enabled": True})
+    assert grown.scale_value == 4096.0
+    grown.load_state_dict({"scale": 2.0, "clean_steps": 0})  # checkpoints before the flag
+    assert grown.scale_value == 2.0
+
+
+@pytest.mark.slow
+def test_precision_moves_fp32_bf16_fp32_fp16_continue_the_run_and_pass_their_seams(tmp_path):
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    _leg(straight, 8)
+    _leg(run, 2, 'precision.dtype="fp32"')
+    bf16 = _leg(run, 4, 'precision.dtype="bf16"')
+    assert "the run moves: precision fp32 -> bf16 at step 2" in bf16.stderr
+    _leg(run, 6, 'precision.dtype="fp32"')
+    _leg(run, 8, 'precision.dtype="fp16"')
+    rows, ref = _rows(run), _rows(straight)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert rows[1]["loss"] == ref[1]["loss"]  # before the first move: the same run
+    assert [r["tokens"] for r in rows] == [r["tokens"] for r in ref]  # the same data order throughout
+    assert rows[6]["loss_scale"] == 65536.0  # fp16 starts from its initial scale, not the fp32 run's 1.0
+    moves = _moves(run)
+    assert [(m["step"], m["from"]["precision"], m["to"]["precision"], m["profile"]) for m in moves] == [
+        (2, "fp32", "bf16", "precision"), (4, "bf16", "fp32", "precision"), (6, "fp32", "fp16", "precision")]
+    assert json.load(open(run / "summary.json"))["migrations"] == moves
+    seam = _seam(run, "--at", "2")  # steps 3-4 in bf16 against fp32 continued from step 2
+    assert seam.returncode == 0, seam.stdout[-2000:] + seam.stderr[-2000:]
+    assert "seam at step 2 (precision fp32 -> bf16 at step 2): PASS" in seam.stdout
+    seams = json.load(open(run / "summary.json"))["seams"]
+    assert [(s["step"], s["profile"], s["verdict"], s["steps"]) for s in seams] == [(2, "precision", "PASS", [3, 4])]
+    assert os.path.isfile(seams[0]["plot"])
+    # a seam judged against a wrong reference fails: the straight run's steps 3-4 are fp32, and bitwise is exact
+    strict = _seam(run, "--at", "2", "--reference", str(straight), "--profile", "bitwise")
+    assert strict.returncode == 1 and "FAIL" in strict.stdout
+
+
+@pytest.mark.slow
+def test_layout_moves_one_two_four_processes_with_expert_parallel_changes(tmp_path):
+    run = tmp_path / "run"
+    _leg(run, 2)
+    two = _leg(run, 4, "parallel.dp_shard=2", "parallel.ep=2", "data.micro_batch_size=2", procs=2)
+    assert "world_size 1 -> 2, ep 1 -> 2, micro_batch_size 4 -> 2 at step 2" in two.stderr
+    _leg(run, 6, "parallel.dp_shard=4", "parallel.ep=4", "data.micro_batch_size=1", procs=4)
+    assert [r["step"] for r in _rows(run)] == list(range(1, 7))
+    moves = _moves(run)
+    assert [(m["step"], m["from"]["world_size"], m["to"]["world_size"], m["to"]["ep"]) for m in moves] == [
+        (2, 1, 2, 2), (4, 2, 4, 4)]
+    assert {m["profile"] for m in moves} == {"layout"}
+    seam = _seam(run)  # steps 5-6 on 4 processes against 2 processes continued from step 4
+    assert seam.returncode == 0, seam.stdout[-2000:] + seam.stderr[-2000:]
+    assert "PASS" in seam.stdout.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_device_moves_cpu_virtual_device_cpu(tmp_path):
+    run = tmp_path / "run"
+    _leg(run, 2, 'train.device="cpu"', env=VDEV)
+    _leg(run, 4, 'train.device="vdev"', env=VDEV)
+    _leg(run, 6, 'train.device="cpu"', env=VDEV)
+    moves = _moves(run)
+    assert [(m["step"], m["from"]["device"], m["to"]["device"], m["profile"]) for m in moves] == [
+        (2, "cpu", "vdev", "vendor"), (4, "vdev", "cpu", "vendor")]
+    seam = _seam(run, env=VDEV)  # back on the CPU, against the virtual device continued from step 4
+    assert seam.returncode == 0, seam.stdout[-2000:] + seam.stderr[-2000:]
+    summary = json.load(open(run / "summary.json"))
+    assert summary["seams"][0]["verdict"] == "PASS" and summary["seams"][0]["profile"] == "vendor"
+    missing = _seam(run)  # without the plugin the old device is not here: refused in one line
+    assert missing.returncode == 2 and "pass --reference" in missing.stderr
