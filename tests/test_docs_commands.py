@@ -105,6 +105,10 @@ def check_parses(cmd: str) -> None:
     from trex.launch import torchrun_args
 
     tokens = shlex.split(substitute(cmd).split("<<")[0], comments=True)
+    for i, token in enumerate(tokens):  # `A || test $? -eq 1` (an expected exit code): A is the command
+        if token in ("||", "&&", "|", ";"):
+            tokens = tokens[:i]
+            break
     while tokens and re.match(r"^[A-Z_]+=", tokens[0]):
         tokens.pop(0)
     head, rest = os.path.basename(tokens[0]), tokens[1:]
