@@ -25,7 +25,7 @@ FLOORS = [
     {"parallel"},                         # FSDP2, EP, meshes, sharded loading
     {"posttrain"},                        # objectives: SFT, DPO, GRPO, distillation
     {"train"},                            # the loop, its config, run directory, optimizers
-    {"fidelity", "plan", "audit", "doctor", "launch"},  # tools built on the loop
+    {"fidelity", "plan", "audit", "doctor", "launch", "report"},  # tools built on the loop
     {"cli"},                              # the command line: each package's cli.py registers its subcommands
     {"__main__"},
 ]

@@ -16,7 +16,7 @@ import sys
 
 # Modules that add subcommands through register(subparsers).
 COMMAND_MODULES: tuple[str, ...] = ("trex.train.cli", "trex.audit.cli", "trex.doctor", "trex.checkpoint.cli",
-                                    "trex.plan.cli", "trex.fidelity.cli", "trex.launch")
+                                    "trex.plan.cli", "trex.fidelity.cli", "trex.report.cli", "trex.launch")
 
 
 def _cmd_env(args: argparse.Namespace) -> int:

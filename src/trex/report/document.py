@@ -1,0 +1,251 @@
+"""The portability report as a list of blocks, rendered to Markdown and to one self-contained HTML
+page (trex.report.html). Sections, each from its own input files:
+
+    Summary      one paragraph per target cluster: what moving there costs (the plan's fit, step
+                 time and MFU; the audit's work before the code leaves CUDA; the fidelity verdicts)
+    Audit        lock-in by category and effort, the files that dominate the effort
+    Environments the doctor of each cluster the team ran on: device, versions, precision, collectives
+    Fidelity     matrix, ladder, seam and compare verdicts with their plots
+    Plans        memory per device, fit, step time, tokens/s and MFU per target cluster
+
+Every table and paragraph ends with the file its numbers come from.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+from trex.hardware import load_profiles
+
+GiB = 2 ** 30
+EFFORT_WEIGHT = {"mechanical": 1, "moderate": 5, "rewrite": 20}  # as trex audit ranks files
+
+
+@dataclass
+class Block:
+    kind: str
+    """h1, h2, h3, p, table, img, source."""
+    text: str = ""
+    header: list[str] = field(default_factory=list)
+    rows: list[list[str]] = field(default_factory=list)
+    path: str = ""
+    """img: the PNG; source: the input file."""
+
+
+def _num(x, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    if x == 0 or 1e-3 <= abs(x) < 1e6:
+        return f"{x:.{digits}g}"
+    return f"{x:.2e}"
+
+
+# ---- sections --------------------------------------------------------------------------------------
+def audit_effort(audit: dict) -> dict:
+    """Counts by severity, effort and category of the findings that are not info, and their weight."""
+    blocking = [f for f in audit["findings"] if f["severity"] != "info"]
+    return {"errors": sum(f["severity"] == "error" for f in blocking),
+            "warnings": sum(f["severity"] == "warning" for f in blocking),
+            "effort": Counter(f["effort"] for f in blocking),
+            "weight": sum(EFFORT_WEIGHT.get(f["effort"], 0) for f in blocking),
+            "categories": Counter(f["category"] for f in blocking)}
+
+
+def audit_section(audit: dict) -> list[Block]:
+    s, effort = audit["summary"], audit_effort(audit)
+    categories = sorted({f["category"] for f in audit["findings"]})
+    rows = []
+    for category in categories:
+        found = [f for f in audit["findings"] if f["category"] == category]
+        sev = Counter(f["severity"] for f in found)
+        eff = Counter(f["effort"] for f in found if f["severity"] != "info")
+        rows.append([category, str(sev["error"]), str(sev["warning"]), str(sev["info"]),
+                     *(str(eff[e]) for e in EFFORT_WEIGHT)])
+    files = Counter()
+    for f in audit["findings"]:
+        if f["severity"] != "info":
+            files[f["path"]] += EFFORT_WEIGHT.get(f["effort"], 0)
+    blocks = [Block("h2", "Portability audit"),
+              Block("p", f"{s['findings']} findings in {s['files_scanned']} files ({s['errors']} error, "
+                         f"{s['warnings']} warning, {s['info']} info; {s['suppressed']} suppressed, "
+                         f"{s['allowlisted']} allowlisted). Effort of the error and warning findings: "
+                         f"{effort['weight']} points (mechanical 1, moderate 5, rewrite 20 each).")]
+    if rows:
+        blocks.append(Block("table", header=["category", "error", "warning", "info", *EFFORT_WEIGHT], rows=rows))
+    if files:
+        blocks.append(Block("table", header=["file", "effort points"],
+                            rows=[[f"`{p}`", str(w)] for p, w in files.most_common(8)]))
+    return [*blocks, Block("source", path=audit["source"])]
+
+
+def doctor_section(doctors: list[dict]) -> list[Block]:
+    rows = []
+    for d in doctors:
+        env, prec, coll = d["environment"], d["precision"], d["distributed"]
+        fast = [n for n, p in prec.items() if p.get("supported") and p.get("fast")]
+        collectives = coll.get("skipped") and "not tested (one process)" or (
+            f"{coll.get('backend')} x {coll.get('world_size')}: " + ("correct" if coll.get("ok") else "FAILED"))
+        rows.append([d["label"], f"{env.get('device_name', env['device_type'])} ({env['device_type']} x "
+                                 f"{env.get('device_count')})", env.get("torch", "-"), env.get("backend", "-"),
+                     ", ".join(fast) or "none", collectives, "ok" if d.get("ok") else "NOT OK", f"`{d['source']}`"])
+    return [Block("h2", "Environments"),
+            Block("p", "`trex doctor` on each cluster: the device, the software, which low precisions are "
+                       "supported and fast (measured matmuls), and whether collectives are correct."),
+            Block("table", header=["cluster", "device", "torch", "backend", "fast precisions", "collectives", "doctor",
+                                   "source"], rows=rows)]
+
+
+def _plot(png: str, result: dict, sub: str) -> str:
+    """A plot a result names, as written, or where it lies beside a copied result (``sub`` of its folder)."""
+    return png if os.path.isfile(png) else os.path.join(result["dir"], sub, os.path.basename(png))
+
+
+def _verdict_rows(result: dict) -> tuple[list[str], list[list[str]], list[str]]:
+    """(header, rows, plots) of one fidelity result."""
+    data, kind = result["data"], result["kind"]
+    if kind == "matrix":
+        rows = [[v["variant"], v["profile"], v["verdict"], _num(v.get("loss_mean_rel_err")),
+                 _num(v.get("layer_grad_norm_rel_err")), _num(v.get("probe_kl")), v.get("note", "")]
+                for v in data["variants"]]
+        plots = [_plot(v["plot"], result, "reports") for v in data["variants"] if v.get("plot")]
+        return ["variant", "profile", "verdict", "loss mean rel err", "worst layer grad err", "probe KL", "note"], \
+            rows, plots
+    if kind == "ladder":
+        rows = [[f"{r['number']} {r['name']}", r["status"], _departure(r)] for r in data["rungs"]]
+        return ["rung", "status", "departs at"], rows, [os.path.join(result["dir"], "ladder.png")]
+    if kind == "seams":
+        rows = [[str(s["step"]), s["move"], s["profile"], s["verdict"], ", ".join(s["failed"]) or "-"] for s in data]
+        return ["step", "move", "profile", "verdict", "failed"], rows, [_plot(s["plot"], result, "fidelity")
+                                                                        for s in data if s.get("plot")]
+    rows = [[c["measure"], _num(c["value"]), _num(c["threshold"]), c["status"]] for c in data["checks"]
+            if c["status"] not in ("off", "n/a")]
+    png = os.path.splitext(result["source"])[0] + ".png"
+    return ["measure", "value", "threshold", "status"], rows, [png]
+
+
+def _departure(rung: dict) -> str:
+    d = rung.get("departure") or {}
+    return d.get("block") or d.get("parameter") or ", ".join(d.get("failed", [])) or ""
+
+
+def fidelity_said(result: dict) -> str:
+    """What a fidelity result compared, and its verdict, in a few words."""
+    data, kind = result["data"], result["kind"]
+    if kind == "ladder":
+        what = f"ladder {' '.join(data['variant_overrides']) or '(an edited model)'} ({data['profile']})"
+    elif kind == "matrix":
+        what = f"matrix of {len(data['variants'])} variants on {data['environment'].get('device', '?')}"
+    elif kind == "seams":
+        what = "; ".join(f"seam of {s['move']} ({s['profile']})" for s in data)
+    else:
+        what = f"compare ({data['profile']['name']})"
+    return f"{what}: {fidelity_verdict(result)}"
+
+
+def fidelity_verdict(result: dict) -> str:
+    data, kind = result["data"], result["kind"]
+    if kind == "seams":
+        return "PASS" if all(s["verdict"] == "PASS" for s in data) else "FAIL"
+    return data["verdict"]
+
+
+def fidelity_section(results: list[dict]) -> list[Block]:
+    blocks = [Block("h2", "Convergence fidelity")]
+    titles = {"matrix": "Fidelity matrix", "ladder": "Fidelity ladder", "seams": "Seams of a run that moved",
+              "compare": "Comparison"}
+    for result in results:
+        header, rows, plots = _verdict_rows(result)
+        blocks += [Block("h3", f"{titles[result['kind']]}: {fidelity_verdict(result)}"),
+                   Block("table", header=header, rows=rows)]
+        blocks += [Block("img", path=p) for p in plots if os.path.isfile(p)]
+        blocks.append(Block("source", path=result["source"]))
+    return blocks
+
+
+def plan_row(plan: dict) -> list[str]:
+    hw, m, t = plan["hardware"], plan["memory_bytes"], plan["time_s"]
+    return [hw["name"], str(plan["layout"]["devices"]), "yes" if plan["fits"] else "NO",
+            f"{m['step_peak'] / GiB:.1f} / {plan['usable_bytes'] / GiB:.1f}", _num(t["total"]),
+            _num(plan.get("tokens_per_s_per_device")), f"{100 * plan['mfu']:.1f}%", f"`{plan['source']}`"]
+
+
+def plan_section(plans: list[dict]) -> list[Block]:
+    return [Block("h2", "Plans"),
+            Block("p", "`trex plan` per target cluster: the step's peak memory per device against what is usable, "
+                       "step time, throughput and MFU, from the hardware profile and the model's FLOPs."),
+            Block("table", header=["hardware", "devices", "fits", "step peak / usable GiB", "step s",
+                                   "tokens/s/device", "MFU", "source"], rows=[plan_row(p) for p in plans])]
+
+
+def summary_section(audit: dict | None, doctors: list[dict], fidelity: list[dict], plans: list[dict]) -> list[Block]:
+    """One paragraph per target cluster (a plan), then what the fidelity evidence says."""
+    blocks = [Block("h2", "Summary")]
+    effort = audit_effort(audit) if audit else None
+    if effort:
+        kinds = ", ".join(f"{effort['effort'][e]} {e}" for e in EFFORT_WEIGHT)
+        code = (f"The audit of the training code finds {effort['errors']} error and {effort['warnings']} warning "
+                f"findings, {effort['weight']} effort points ({kinds}) to remove before it runs off CUDA "
+                f"(source: `{audit['source']}`).")
+    else:
+        code = "No audit was given: the cost of the team's own code is not counted."
+    verdicts = [fidelity_said(r) for r in fidelity]
+    evidence = (f"Fidelity evidence: {'; '.join(verdicts)}." if verdicts else
+                "No fidelity evidence was given: nothing shows the loss curve is the same elsewhere.")
+    for plan in plans:
+        there = [d["label"] for d in doctors_on(plan["hardware"]["name"], doctors)]
+        checked = (f" `trex doctor` ran there: {', '.join(there)}." if there else
+                   f" No `trex doctor` report from {plan['hardware']['name']} yet: run it on that cluster first.")
+        hw, m = plan["hardware"], plan["memory_bytes"]
+        fit = (f"fits ({m['step_peak'] / GiB:.1f} of {plan['usable_bytes'] / GiB:.1f} GiB per device at the step's "
+               "peak)" if plan["fits"] else
+               f"does NOT fit ({m['step_peak'] / GiB:.1f} GiB needed, {plan['usable_bytes'] / GiB:.1f} usable per device)")
+        blocks.append(Block("p", f"**Moving to {plan['layout']['devices']} x {hw['name']}**: the plan {fit}, "
+                                 f"{_num(plan['time_s']['total'])} s per step at {100 * plan['mfu']:.1f}% MFU "
+                                 f"(source: `{plan['source']}`). {code} {evidence}{checked}"))
+    if not plans:
+        blocks.append(Block("p", f"No plan was given. {code} {evidence}"))
+    return blocks
+
+
+def doctors_on(hardware: str, doctors: list[dict]) -> list[dict]:
+    """The doctor reports whose device name matches the hardware profile ``hardware``."""
+    profile = load_profiles().get(hardware)
+    names = [m.lower() for m in (profile.match if profile else [])]
+    return [d for d in doctors if any(m in str(d["environment"].get("device_name", "")).lower() for m in names)]
+
+
+def build(title: str, audit: dict | None, doctors: list[dict], fidelity: list[dict], plans: list[dict]) -> list[Block]:
+    blocks = [Block("h1", title), *summary_section(audit, doctors, fidelity, plans)]
+    if audit:
+        blocks += audit_section(audit)
+    if doctors:
+        blocks += doctor_section(doctors)
+    if fidelity:
+        blocks += fidelity_section(fidelity)
+    if plans:
+        blocks += plan_section(plans)
+    return blocks
+
+
+# ---- Markdown ----------------------------------------------------------------------------------------
+def markdown(blocks: list[Block], image_path) -> str:
+    """``image_path(png)``: how the Markdown refers to a plot (a copy next to it)."""
+    out = []
+    for b in blocks:
+        if b.kind in ("h1", "h2", "h3"):
+            out += ["#" * int(b.kind[1]) + " " + b.text, ""]
+        elif b.kind == "p":
+            out += [b.text, ""]
+        elif b.kind == "table":
+            out += ["| " + " | ".join(b.header) + " |", "|" + "---|" * len(b.header)]
+            out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in b.rows]
+            out.append("")
+        elif b.kind == "img":
+            out += [f"![{os.path.basename(b.path)}]({image_path(b.path)})", ""]
+        elif b.kind == "source":
+            out += [f"source: `{b.path}`", ""]
+    return "\n".join(out)
