@@ -94,7 +94,8 @@ def test_precision_moves_fp32_bf16_fp32_fp16_continue_the_run_and_pass_their_sea
     assert json.load(open(run / "summary.json"))["migrations"] == moves
     seam = _seam(run, "--at", "2")  # steps 3-4 in bf16 against fp32 continued from step 2
     assert seam.returncode == 0, seam.stdout[-2000:] + seam.stderr[-2000:]
-    assert "seam at step 2 (precision fp32 -> bf16 at step 2): PASS" in seam.stdout
+    said = "seam at step 2 (precision fp32 -> bf16 at step 2): PASS under precision, steps 3-4"
+    assert said in seam.stderr and said in (run / "train.log").read_text()
     seams = json.load(open(run / "summary.json"))["seams"]
     assert [(s["step"], s["profile"], s["verdict"], s["steps"]) for s in seams] == [(2, "precision", "PASS", [3, 4])]
     assert os.path.isfile(seams[0]["plot"])
@@ -131,7 +132,7 @@ def test_layout_moves_one_two_four_one_processes_agree_with_the_run_that_never_m
     assert {m["profile"] for m in moves} == {"layout"}
     seam = _seam(run, "--at", "4")  # steps 5-6 on 4 processes against 2 processes continued from step 4
     assert seam.returncode == 0, seam.stdout[-2000:] + seam.stderr[-2000:]
-    assert "seam at step 4" in seam.stdout and "PASS" in seam.stdout.splitlines()[-1]
+    assert "seam at step 4 (world_size 2 -> 4" in seam.stderr and "PASS under layout" in seam.stderr
 
 
 @pytest.mark.slow

@@ -182,8 +182,8 @@ def _seam(args: argparse.Namespace) -> int:
     print(table(done["result"]))
     for note in done["entry"]["notes"]:
         print(f"note: {note}")
-    print(f"seam at step {done['entry']['step']} ({done['entry']['move']}): {done['entry']['verdict']}; "
-          f"recorded in {os.path.join(args.run, 'seams.json')} and summary.json")
+    print(f"seams: {os.path.join(args.run, 'seams.json')}  report: {done['entry']['report']}  plot: "
+          f"{done['entry']['plot']}")
     return 0 if done["entry"]["verdict"] == "PASS" else 1
 
 

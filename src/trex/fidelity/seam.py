@@ -13,20 +13,21 @@ profile that fits the change (the move's ``profile``, or ``profile``):
   old cluster, or the calibrated golden file; its envelope is used as in `compare`).
 
 Per-layer and probe checks are switched off when neither side recorded them inside the window
-(``[fidelity] every`` longer than it), and the report says so. The verdict is appended to
-``RUN/seams.json`` and written into ``RUN/summary.json`` (``seams``); the compare report lands in
-``RUN/fidelity/seam_step_<s>.{json,png}``.
+(``[fidelity] every`` longer than it), and the report says so. The verdict is logged (and
+appended to ``RUN/train.log``), kept in ``RUN/seams.json`` and written into ``RUN/summary.json``
+(``seams``); the compare report lands in ``RUN/fidelity/seam_step_<s>.{json,png}``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
 
-from trex import atomic
+from trex import atomic, logs
 from trex.checkpoint.migration import describe, read
 from trex.fidelity.compare import Comparison, compare
 from trex.fidelity.matrix import failure_line, train_args
@@ -35,6 +36,7 @@ from trex.fidelity.report import write_all
 from trex.fidelity.runs import FidelityInputError, RunSignals, load_signals
 
 SEAMS_FILE = "seams.json"
+log = logging.getLogger(__name__)
 WINDOW_SIGNALS = ("layer_grad_norm_rel_err", "layer_grad_scale_rel_err", "probe_kl", "probe_loss_rel_err")
 
 
@@ -119,6 +121,13 @@ def seam(run: str, steps: int = 3, reference: str | None = None, at: int | None 
              "steps": [move["step"] + 1, move["step"] + len(result.steps)], "verdict": result.verdict,
              "failed": [c.measure for c in result.checks if c.status == "FAIL"], "notes": notes + result.notes,
              "report": paths["json"], "plot": paths["png"]}
+    handler = logs.to_file(os.path.join(run, "train.log")) if os.path.isfile(os.path.join(run, "train.log")) else None
+    try:  # the run's log says it too
+        log.info("seam at step %d (%s): %s under %s, steps %d-%d against %s", move["step"], describe(move),
+                 result.verdict, prof.name, entry["steps"][0], entry["steps"][1], ref)
+    finally:
+        if handler is not None:
+            logs.remove(handler)
     seams = [s for s in _read_json(os.path.join(run, SEAMS_FILE), []) if s["step"] != move["step"]] + [entry]
     atomic.write_json(os.path.join(run, SEAMS_FILE), sorted(seams, key=lambda s: s["step"]))
     summary_path = os.path.join(run, "summary.json")
