@@ -261,13 +261,12 @@ def forward_rung(bounds: LadderBounds, loss_ref: float, loss_var: float, out_ref
     return rung
 
 
-def _run_loop(side: Side, recipe: TrainRecipe, out: str) -> str:
-    """Train ``recipe`` with the training loop (the side's edit applied) into ``out``."""
+def _train_side(side: Side, recipe: TrainRecipe) -> None:
+    """Train ``recipe`` with the training loop, the side's edit applied to its model."""
     dev = device_layer.detect(recipe.train.device or None)
     policy = PrecisionPolicy.resolve(recipe.precision.dtype, dev)
     tokenizer = tokenizer_for(recipe.data.tokenizer)
     train(recipe, model=side.model(recipe, dev, policy, tokenizer), tokenizer=tokenizer)
-    return out
 
 
 def _loop_rung(number: int, ref: Side, var: Side, profile: Profile, out: str, overrides: list[str],
@@ -279,7 +278,8 @@ def _loop_rung(number: int, ref: Side, var: Side, profile: Profile, out: str, ov
         run_dir = os.path.join(out, side.name, tag)
         recipe = load(TrainRecipe, recipe_path, [*side_overrides, *overrides, f"train.out={json.dumps(run_dir)}"])
         print(f"[rung {number}: {rung.name}] {side.name}: {recipe.train.steps} steps -> {run_dir}", file=sys.stderr)
-        dirs[side.name] = _run_loop(side, recipe, run_dir)
+        _train_side(side, recipe)
+        dirs[side.name] = run_dir
     result = compare(load_signals(dirs[var.name]), load_signals(dirs[ref.name]), profile)
     rung.report = write_all(result, os.path.join(out, "reports"), f"rung{number}_{tag}")["json"]
     failed = [c for c in result.checks if c.status == "FAIL"]
