@@ -77,4 +77,4 @@ def read_fidelity(path: str) -> dict:
         if isinstance(data, (list, dict)) else None
     if kind is None:
         raise ReportInputError(f"{path}: not a fidelity result; expected {what}")
-    return {"kind": kind, "data": data, "source": path, "dir": os.path.dirname(os.path.abspath(path))}
+    return {"kind": kind, "data": data, "source": path, "dir": os.path.dirname(path)}
