@@ -100,8 +100,10 @@ def doctor_section(doctors: list[dict]) -> list[Block]:
 
 
 def _plot(png: str, result: dict, sub: str) -> str:
-    """A plot a result names, as written, or where it lies beside a copied result (``sub`` of its folder)."""
-    return png if os.path.isfile(png) else os.path.join(result["dir"], sub, os.path.basename(png))
+    """A plot a result names: the one beside the result (``sub`` of its folder) when there is one, so
+    a copied result shows its own copy; else the path as written."""
+    beside = os.path.join(result["dir"], sub, os.path.basename(png))
+    return beside if os.path.isfile(beside) else png
 
 
 def _verdict_rows(result: dict) -> tuple[list[str], list[list[str]], list[str]]:
