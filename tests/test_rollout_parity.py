@@ -31,6 +31,16 @@ def test_parity_metrics_are_the_definitions_and_add_up_over_micro_batches():
     assert m["logprob_diff_max"] == pytest.approx(np.abs(d).max(), rel=1e-12)
 
 
+def test_a_mask_counts_only_the_sampled_tokens():
+    g = torch.Generator().manual_seed(1)
+    trainer, sampler = -torch.rand(2, 8, generator=g) * 3, -torch.rand(2, 8, generator=g) * 3
+    mask = torch.rand(2, 8, generator=g) > 0.4
+    trainer[~mask] = -float("inf")  # what an unsampled position may hold
+    masked = parity_metrics(*(t.tolist() for t in parity_sums(trainer, sampler, mask)))
+    picked = parity_metrics(*(t.tolist() for t in parity_sums(trainer[mask], sampler[mask])))
+    assert masked == pytest.approx(picked, rel=1e-12)
+
+
 def test_identical_log_probs_are_in_perfect_parity_and_constant_ones_are_undefined():
     logp = torch.log(torch.tensor([0.1, 0.5, 0.9]))
     m = parity_metrics(*(t.tolist() for t in parity_sums(logp, logp)))

@@ -39,26 +39,24 @@ def versions() -> dict[str, str]:
     return {"trex": trex.__version__, "torch": torch.__version__}
 
 
+def _layout(recipe: dict, default) -> dict:
+    """The layout part of a configuration, from a recipe as a dict (``default`` for sizes it lacks)."""
+    parallel = recipe.get("parallel") or {}
+    return {**{k: parallel.get(k, default) for k in ("dp_replicate", "ep", "cp")},
+            "micro_batch_size": (recipe.get("data") or {}).get("micro_batch_size"),
+            "grad_accum": (recipe.get("train") or {}).get("grad_accum")}
+
+
 def configuration(device: str, precision: str, world_size: int, recipe: dict) -> dict:
     """What a move is measured over: device type, precision policy name, world size, the layout
     (``recipe``: the recipe as a dict; its [parallel] sizes, micro-batch size and grad-accum split)."""
-    parallel = recipe.get("parallel", {})
-    return {"device": device, "precision": precision, "world_size": int(world_size),
-            **{k: int(parallel.get(k, 1)) for k in ("dp_replicate", "ep", "cp")},
-            "micro_batch_size": recipe.get("data", {}).get("micro_batch_size"),
-            "grad_accum": recipe.get("train", {}).get("grad_accum")}
+    return {"device": device, "precision": precision, "world_size": int(world_size), **_layout(recipe, 1)}
 
 
 def saved_configuration(trainer: dict) -> dict:
     """The configuration a checkpoint's trainer state was written under (None: not recorded)."""
-    recipe = trainer.get("config") or {}
-    parallel = recipe.get("parallel") or {}
-    precision = trainer.get("precision") or {}
-    return {"device": trainer.get("device"), "precision": precision.get("name"),
-            "world_size": trainer.get("world_size"),
-            **{k: parallel.get(k) for k in ("dp_replicate", "ep", "cp")},
-            "micro_batch_size": (recipe.get("data") or {}).get("micro_batch_size"),
-            "grad_accum": (recipe.get("train") or {}).get("grad_accum")}
+    return {"device": trainer.get("device"), "precision": (trainer.get("precision") or {}).get("name"),
+            "world_size": trainer.get("world_size"), **_layout(trainer.get("config") or {}, None)}
 
 
 def migration(before: dict, after: dict, step: int, checkpoint: str, saved_versions: dict | None = None) -> dict | None:

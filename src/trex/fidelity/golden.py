@@ -11,11 +11,11 @@ import torch
 from trex import atomic
 import trex
 from trex.fidelity.runs import GOLDEN_FORMAT, FidelityInputError, load_signals
+from trex.posttrain.rollout_parity import PARITY_METRICS
 
 # metrics.jsonl keys a reference keeps (timings, memory and MFU describe the machine, not convergence)
 KEPT_METRICS = ("step", "loss", "mtp_loss", "grad_norm", "lr", "loss_scale", "skipped_steps", "tokens", "eval_loss",
-                "rollout/pearson", "rollout/prob_gap_mean", "rollout/prob_gap_max", "rollout/prob_gap_std",
-                "rollout/k3_kl")
+                *PARITY_METRICS)
 
 
 def export(run_path: str, out_path: str) -> dict:

@@ -303,9 +303,7 @@ def run_ladder(recipe_path: str, variant_overrides: list[str], out: str, profile
     base = [f"train.steps={steps}"] if steps else []
     ref_over = [*base, *(reference_overrides or [])]
     var_over = [*base, *variant_overrides]
-    ref_recipe = load(TrainRecipe, recipe_path, ref_over)
-    var_recipe = load(TrainRecipe, recipe_path, var_over)
-    common = [*signal_overrides(ref_recipe), "checkpoint.save_every=0", 'checkpoint.resume=""', "train.progress=false"]
+    common = [*signal_overrides(load(TrainRecipe, recipe_path, ref_over)), "checkpoint.save_every=0", 'checkpoint.resume=""', "train.progress=false"]
     ref_over, var_over = [*ref_over, *common], [*var_over, *common]
     ref_recipe, var_recipe = load(TrainRecipe, recipe_path, ref_over), load(TrainRecipe, recipe_path, var_over)
     for side, recipe in (("reference", ref_recipe), ("variant", var_recipe)):

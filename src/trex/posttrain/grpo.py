@@ -177,7 +177,7 @@ class GRPOObjective(Objective):
                              cfg.eps_high, batch.ref_logp[s] if batch.ref_logp is not None else None, cfg.kl_coef)
             sums.add_(torch.stack([pl.loss.detach(), pl.kl_sum, pl.clipped, token_entropy(out.logits[mask]).sum(),
                                    mask.sum(), (docs != 0).sum()]).double())
-            part, most = parity_sums(logp[mask], r.sampler_logp[s][mask])
+            part, most = parity_sums(logp, r.sampler_logp[s], mask)
             parity.add_(part)
             torch.maximum(maxima, most, out=maxima)
             return pl.loss, out

@@ -28,19 +28,26 @@ N_SUMS = 10
 """tokens, sum p_t, sum p_s, sum p_t^2, sum p_s^2, sum p_t p_s, sum gap, sum gap^2, sum k3, sum |l_t - l_s|."""
 N_MAXIMA = 2
 """max |p_t - p_s|, max |l_t - l_s|."""
+PARITY_METRICS = ("rollout/pearson", "rollout/prob_gap_mean", "rollout/prob_gap_max", "rollout/prob_gap_std",
+                  "rollout/k3_kl", "logprob_diff", "logprob_diff_max")
+"""The metrics :func:`parity_metrics` gives, in its order."""
 
 
-def parity_sums(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Over the tokens given (1-D, any device): ([N_SUMS] fp64 sums, [N_MAXIMA] fp64 maxima), on the
-    device (no host read)."""
+def parity_sums(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor,
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Over the tokens given (any shape, any device; ``mask``, of the same shape, marks the sampled
+    tokens, default all): ([N_SUMS] fp64 sums, [N_MAXIMA] fp64 maxima), on the device: masked
+    sums, not indexing, so the shapes stay static and nothing is read on the host."""
     lt, ls = trainer_logp.detach().double(), sampler_logp.detach().double()
+    if mask is not None:  # unsampled positions become equal zeros (no gap, no difference), then uncounted
+        lt, ls = (torch.where(mask, x, torch.zeros_like(x)) for x in (lt, ls))
+    m = torch.ones_like(lt) if mask is None else mask.to(lt.dtype)
     pt, ps = lt.exp(), ls.exp()
     gap = (pt - ps).abs()
     d = lt - ls
     diff = d.abs()
-    sums = torch.stack([torch.tensor(float(lt.numel()), dtype=torch.float64, device=lt.device), pt.sum(), ps.sum(),
-                        (pt * pt).sum(), (ps * ps).sum(), (pt * ps).sum(), gap.sum(), (gap * gap).sum(),
-                        (torch.expm1(d) - d).sum(), diff.sum()])
+    sums = torch.stack([m.sum(), (pt * m).sum(), (ps * m).sum(), (pt * pt * m).sum(), (ps * ps * m).sum(),
+                        (pt * ps * m).sum(), gap.sum(), (gap * gap).sum(), (torch.expm1(d) - d).sum(), diff.sum()])
     zero = lt.new_zeros(())
     maxima = torch.stack([gap.max() if gap.numel() else zero, diff.max() if diff.numel() else zero])
     return sums, maxima
