@@ -268,6 +268,63 @@ def test_existing_destination_is_kept_unless_overwrite(model, tmp_path):
     assert os.listdir(tmp_path) == ["ck"]
 
 
+def test_nothing_is_destroyed_by_a_destination_typo(model, tmp_path, capsys):
+    from trex.cli import main
+
+    src = tmp_path / "src"
+    save_pretrained(model, src, dtype="fp32")
+    before = {f: os.path.getsize(src / f) for f in os.listdir(src)}
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    os.symlink(src, tmp_path / "alias")
+    cases = {  # destination -> what the one line says
+        src: "the destination is the source", tmp_path / "alias": "the destination is the source",
+        src / "bf16": "lies inside the source", tmp_path: "holds the source",
+        tmp_path / "notes": "replaces only a checkpoint directory",
+    }
+    for dst, said in cases.items():
+        capsys.readouterr()
+        assert main(["ckpt", "convert", str(src), str(dst), "--layout", "hf", "--overwrite", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert {f: os.path.getsize(src / f) for f in os.listdir(src)} == before  # still the fp32 source
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+    # a model saved over the checkpoint it was loaded from, or into it, is refused the same way
+    loaded = load_pretrained(str(src), dtype=torch.float32, device="cpu")
+    for dst in (src, src / "sub"):
+        with pytest.raises(CheckpointError, match="source"):
+            save_pretrained(loaded, dst, overwrite=True)
+    save_pretrained(loaded, tmp_path / "trained", overwrite=True)  # beside it is fine
+    # --help says what a conversion is written in when --dtype is not given
+    with pytest.raises(SystemExit):
+        main(["ckpt", "convert", "--help"])
+    assert "default: bf16" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v4-flash", "deepseek-v4-pro"])
+def test_official_config_carries_every_field_of_deepseeks_own(preset):
+    """The released config.json (tests/fixtures/official_config, DeepSeek's files) against what
+    trex writes for the same shape: every key and value, so that serving engines load the export."""
+    from trex.checkpoint.save import checkpoint_config, official_config_fields
+    from trex.models.config import ModelConfig, get_preset
+
+    released = json.loads(open(os.path.join(os.path.dirname(__file__), "fixtures", "official_config",
+                                            f"{preset}.json")).read())
+    fields = official_config_fields()
+    assert sorted(released) == fields["keys"]  # the data file is the released list
+    ours = checkpoint_config(get_preset(preset), "official", "bf16", "fp8+fp4experts")
+    assert set(ours) == set(released) - set(fields["not_written"])
+    for key, value in released.items():
+        if key == "quantization_config":
+            assert value.items() <= ours[key].items()  # trex adds the FP4 expert format
+        elif key not in fields["not_written"]:
+            assert ours[key] == value, key
+    assert ours["hidden_act"] == "silu" and ours["topk_method"] == "noaux_tc"
+    plain = checkpoint_config(get_preset(preset), "official", "bf16", None)
+    assert set(plain) == set(ours) - set(fields["when_quantized"])
+    assert ModelConfig.from_dict(ours) == ModelConfig.from_dict(plain) == get_preset(preset)
+
+
 # ---- sharded loading ----------------------------------------------------------------------------
 def test_rank_reads_only_its_rows_and_experts(model, tmp_path, monkeypatch):
     save_pretrained(model, tmp_path / "off", layout="official", dtype="fp32")

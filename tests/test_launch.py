@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from trex.cli import main
 from trex.launch import SHUTDOWN_TIMEOUT_S, first_failure, torchrun_args
 
 
@@ -32,3 +33,16 @@ def test_the_failure_that_explains_the_job_wins_over_earlier_collateral_ones():
     # rank 1 was killed; the launcher then stopped rank 0 with SIGTERM, in the same second
     assert first_failure({0: _failure(-15, 100), 1: _failure(-9, 100)})[0] == 1
     assert first_failure({0: _failure(-15, 100), 1: _failure(-15, 100)})[0] == 0
+
+
+def test_an_unknown_command_is_refused_before_torchrun_starts(monkeypatch, capsys):
+    import torch.distributed.run
+
+    started = []
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: started.append(args))
+    assert main(["launch", "--nproc-per-node", "1", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "'bogus' is not a trex command" in err and "train" in err and len(err.strip().splitlines()) == 1
+    assert main(["launch", "--nproc-per-node", "1", "launch", "train"]) == 2  # no launch inside a launch
+    assert started == []
+    assert main(["launch", "--nproc-per-node", "1", "train", "r.toml"]) == 0 and len(started) == 1

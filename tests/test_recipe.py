@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -22,6 +23,10 @@ class Train:
     steps: int = 10
     out: str | None = None
     mtp_weight: float = 0.1
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"train.steps must be >= 1, got {self.steps}")
 
 
 @dataclass
@@ -63,6 +68,21 @@ def test_wrong_types_and_bad_syntax_are_named(tmp_path):
     bad.write_text("[train\nsteps = 1\n")
     with pytest.raises(RecipeError, match="bad.toml: invalid TOML"):
         load(Recipe, str(bad))
+
+
+def test_a_bad_override_is_blamed_on_the_override_not_the_recipe_file(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[train]\nsteps = 5\n[optim]\nlr = 0.1\n")
+    for override, said in [('train.steps="ten"', r"`train.steps` must be int"),
+                           ("optim.name=sgd", r"`optim.name` must be one of"),
+                           ("train.steps=0", r"train.steps must be >= 1")]:
+        with pytest.raises(RecipeError) as caught:
+            load(Recipe, str(recipe), overrides=[override])
+        assert str(caught.value).startswith(f"--set {override}: "), caught.value
+        assert re.search(said, str(caught.value)) and "r.toml" not in str(caught.value)
+    recipe.write_text('[train]\nsteps = "five"\n')  # the file's own mistake still names the file
+    with pytest.raises(RecipeError, match=r"r.toml: `train.steps` must be int"):
+        load(Recipe, str(recipe), overrides=["optim.lr=0.2"])
 
 
 @dataclass

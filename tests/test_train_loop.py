@@ -143,14 +143,17 @@ def test_cli_rejects_unknown_keys_with_a_suggestion(tmp_path, capsys):
 @pytest.mark.slow
 def test_default_job_pipeline_on_a_short_schedule(tmp_path, capfd):
     out = tmp_path / "job"
-    code = main(["train", "--out", str(out), "--set", "cpt_steps=4", "--set", "sft_steps=4",
+    code = main(["train", "--out", str(out), "--set", "cpt_steps=12", "--set", "sft_steps=8", "--set", "log_every=5",
                  "--set", "task.n_train=300", "--set", "task.n_eval=100", "--set", "micro_batch_size=8"])
     assert code == 0
     console = capfd.readouterr()
     lines = (console.out + console.err).splitlines()
-    first = next(i for i, line in enumerate(lines) if line.startswith("train 1/"))
+    first = next(i for i, line in enumerate(lines) if line.startswith("train "))
     # at most ~30 lines before training starts (an upper bound: every stdout line counts as before)
     assert first <= 30, "\n".join(lines[:first])
+    # no terminal: a step line at log_every, at each evaluation (SFT: every 8 // 4 steps) and at the end
+    steps = [line.split()[1] for line in lines if re.match(r"^train \d+/\d+ ", line)]
+    assert steps == ["5/12", "10/12", "12/12", "2/8", "4/8", "5/8", "6/8", "8/8"], steps
     summary = json.loads((out / "summary.json").read_text())
     assert 0.0 <= summary["exact_match_before_sft"] <= 1.0 and 0.0 <= summary["exact_match_after_sft"] <= 1.0
     assert summary["held_out_problems"] == 100 and len(summary["examples"]) == 10

@@ -3,7 +3,9 @@
 ``replacing(path)`` yields a temporary path in the same folder, unique to the call (so processes
 writing one file at once, every rank of a job, each publish a complete file), and renames it over
 ``path`` when the block ends without error; on any error the temporary file is removed and the
-error propagates. ``write_text`` and ``write_json`` are the common cases; ``fsync=True`` makes the
+error propagates. The published file has the permissions of any file the process creates (0666
+less the umask, so 0644 under the usual 022), not ``mkstemp``'s private 0600: a teammate or a
+dashboard reads a run's summary and plots like the rest of its directory. ``write_text`` and ``write_json`` are the common cases; ``fsync=True`` makes the
 bytes durable before the rename (checkpoint manifests).
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,9 +24,14 @@ def replacing(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[str]:
     """Yield a temporary path to write; it becomes ``path`` when the block succeeds. ``suffix``
     keeps an extension that a writer reads the format from (``".png"`` for matplotlib)."""
     path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                               prefix=f".{os.path.basename(path)}.", suffix=suffix)
-    os.close(fd)
+    folder, name = os.path.split(os.path.abspath(path))
+    while True:  # O_EXCL: the name is this call's alone; mode 0o666 lets the umask decide, as open() does
+        tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}{suffix}")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            break
+        except FileExistsError:
+            continue
     try:
         yield tmp
         os.replace(tmp, path)

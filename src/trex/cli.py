@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["launch"]:  # torchrun's flags, parsed by torchrun's own parser
         from trex.launch import launch
 
-        return launch(argv[1:])
+        sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+        return launch(argv[1:], commands=set(sub.choices) - {"launch"})
     args = build_parser().parse_args(argv)
     from trex import logs
     from trex.device import DeviceUnavailable

@@ -61,14 +61,21 @@ def first_failure(failures: dict) -> tuple[int, object]:
     return rank, pool[rank]
 
 
-def launch(argv: list[str]) -> int:
-    """Run ``trex launch ARGV``; returns the exit code described above."""
+def launch(argv: list[str], commands: set[str] | None = None) -> int:
+    """Run ``trex launch ARGV``; returns the exit code described above. ``commands``: the trex
+    commands a rank may run; any other is refused in one line (exit 2) before anything starts."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
+    args = torchrun_args(argv)
+    command = args.training_script_args[0]
+    if commands is not None and command not in commands:
+        print(f"trex launch: {command!r} is not a trex command; expected one of {', '.join(sorted(commands))} "
+              "(trex launch [torchrun flags] COMMAND ...)", file=sys.stderr)
+        return 2
     try:
-        run(torchrun_args(argv))
+        run(args)
     except SignalException as e:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the ranks have stopped: a late signal changes nothing
         print(f"trex launch: stopped by signal {e.sigval}; the ranks were told to save and exit", file=sys.stderr)

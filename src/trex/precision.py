@@ -27,7 +27,7 @@ still answer by backing off is counted but does not advance that limit.
 
 from __future__ import annotations
 
-import warnings
+import logging
 from dataclasses import dataclass
 import typing
 from typing import Iterable, Literal
@@ -37,6 +37,8 @@ import torch
 from trex import device as trex_device
 from trex.models.deepseek_v4 import QuantSim
 from trex.recipe import check_choices
+
+log = logging.getLogger(__name__)
 
 PrecisionName = Literal["auto", "fp32", "bf16", "fp16"]
 PRECISIONS = typing.get_args(PrecisionName)
@@ -124,8 +126,8 @@ class PrecisionPolicy:
         elif name == "fp16" and not caps.fp16:
             raise ValueError(f"precision.dtype: fp16 was requested but device {dev.name} has no fp16 support")
         if name == "bf16" and not caps.bf16_fast:
-            warnings.warn(f"precision.dtype = bf16 on {dev.name}, where bf16 matmul measured slower than fp32; "
-                          "the run will be slow (use dtype = \"auto\" or \"fp32\")", RuntimeWarning, stacklevel=2)
+            log.warning("precision.dtype = bf16 on %s, where bf16 matmul measured slower than fp32; the run will be "
+                        "slow (use dtype = \"auto\" or \"fp32\")", dev.name)
         return cls(name=name, param_dtype=torch.float32, compute_dtype=_DTYPES[name], master_dtype=torch.float32,
                    reduce_dtype=torch.float32, loss_scaling=name == "fp16")
 

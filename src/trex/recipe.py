@@ -34,6 +34,7 @@ def load(cls: type[T], path: str | None = None, overrides: list[str] | None = No
     """Build ``cls`` from its defaults (or ``base``), then the TOML file at ``path``, then ``overrides``.
 
     Values merge key by key, so overriding one field of a section keeps that section's other defaults.
+    An error in a value set by an override names the override (``--set train.steps=ten``), not the file.
     """
     raw: dict = _deep_copy(base if base is not None else to_dict(cls()))
     source = "<defaults>"
@@ -46,13 +47,15 @@ def load(cls: type[T], path: str | None = None, overrides: list[str] | None = No
             raise RecipeError(f"{path}: no such recipe file") from None
         except tomllib.TOMLDecodeError as e:
             raise RecipeError(f"{path}: invalid TOML: {e}") from None
+    origins: dict[str, str] = {}
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise RecipeError(f"override {item!r}: expected section.key=value")
         _check_key(cls, key.strip().split("."), f"--set {item}")
         _set_path(raw, key.strip().split("."), _parse_value(value.strip()))
-    return from_dict(cls, raw, source)
+        origins[key.strip()] = f"--set {item}"
+    return from_dict(cls, raw, source, origins=origins)
 
 
 def _check_key(cls: type, parts: list[str], where: str) -> None:
@@ -71,9 +74,23 @@ def _check_key(cls: type, parts: list[str], where: str) -> None:
         cls = hint
 
 
-def from_dict(cls: type[T], raw: dict, source: str = "<dict>", prefix: str = "") -> T:
+def _where(source: str, origins: dict[str, str] | None, key: str) -> str:
+    """What set ``key`` (dotted, maybe with a list index): the ``--set`` override that set it or a
+    table above it, else the recipe file ``source``."""
+    parts = key.split("[", 1)[0].split(".")
+    for n in range(len(parts), 0, -1):
+        if origins and ".".join(parts[:n]) in origins:
+            return origins[".".join(parts[:n])]
+    return source
+
+
+def from_dict(cls: type[T], raw: dict, source: str = "<dict>", prefix: str = "",
+              origins: dict[str, str] | None = None) -> T:
+    """``cls`` from ``raw``, every key and value checked; ``origins`` (dotted key -> the ``--set``
+    that set it) makes an error name the override rather than ``source``."""
     if not isinstance(raw, dict):
-        raise RecipeError(f"{source}: `{prefix.rstrip('.') or 'recipe'}` must be a table, got {raw!r}")
+        raise RecipeError(f"{_where(source, origins, prefix.rstrip('.'))}: `{prefix.rstrip('.') or 'recipe'}` must be a "
+                          f"table, got {raw!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -82,11 +99,13 @@ def from_dict(cls: type[T], raw: dict, source: str = "<dict>", prefix: str = "")
             close = difflib.get_close_matches(key, list(fields), n=1)
             hint = f"; did you mean `{prefix}{close[0]}`?" if close else f"; valid keys: {sorted(fields)}"
             raise RecipeError(f"{source}: unknown key `{prefix}{key}`{hint}")
-        kwargs[key] = _coerce(hints[key], value, source, f"{prefix}{key}")
+        kwargs[key] = _coerce(hints[key], value, source, f"{prefix}{key}", origins)
     try:
         return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise RecipeError(f"{source}: `{prefix.rstrip('.') or cls.__name__}`: {e}") from None
+    except (TypeError, ValueError) as e:  # a section's own check names its key: blame the override that set it
+        named = [k for k in raw if f"{prefix}{k}" in str(e)]
+        where = _where(source, origins, f"{prefix}{named[0]}") if named else source
+        raise RecipeError(f"{where}: `{prefix.rstrip('.') or cls.__name__}`: {e}") from None
 
 
 def to_dict(obj: Any) -> dict:
@@ -127,10 +146,10 @@ def require_positive(section: Any, prefix: str, names: tuple[str, ...]) -> None:
             raise ValueError(f"{prefix}.{name} must be >= 1, got {value}")
 
 
-def _coerce(hint: Any, value: Any, source: str, key: str) -> Any:
+def _coerce(hint: Any, value: Any, source: str, key: str, origins: dict[str, str] | None) -> Any:
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, source, prefix=f"{key}.")
+        return from_dict(hint, value, source, prefix=f"{key}.", origins=origins)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
         if value is None and type(None) in args:
@@ -138,22 +157,23 @@ def _coerce(hint: Any, value: Any, source: str, key: str) -> Any:
         errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
-                return _coerce(arg, value, source, key)
+                return _coerce(arg, value, source, key, origins)
             except RecipeError as e:
                 errors.append(str(e))
         raise RecipeError(errors[0])
     if origin is typing.Literal:
         if value not in typing.get_args(hint):
-            raise RecipeError(f"{source}: `{key}` must be one of {list(typing.get_args(hint))}, got {value!r}")
+            raise RecipeError(f"{_where(source, origins, key)}: `{key}` must be one of {list(typing.get_args(hint))}, "
+                              f"got {value!r}")
         return value
     if origin is list:
         if not isinstance(value, list):
-            raise RecipeError(f"{source}: `{key}` must be a list, got {value!r}")
+            raise RecipeError(f"{_where(source, origins, key)}: `{key}` must be a list, got {value!r}")
         (item,) = typing.get_args(hint) or (Any,)
-        return [_coerce(item, v, source, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [_coerce(item, v, source, f"{key}[{i}]", origins) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise RecipeError(f"{source}: `{key}` must be a table, got {value!r}")
+            raise RecipeError(f"{_where(source, origins, key)}: `{key}` must be a table, got {value!r}")
         return dict(value)
     if hint is Any:
         return value
@@ -162,7 +182,7 @@ def _coerce(hint: Any, value: Any, source: str, key: str) -> Any:
     if hint in (int, float, str, bool):
         if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
             return value
-        raise RecipeError(f"{source}: `{key}` must be {hint.__name__}, got {value!r}")
+        raise RecipeError(f"{_where(source, origins, key)}: `{key}` must be {hint.__name__}, got {value!r}")
     return value
 
 

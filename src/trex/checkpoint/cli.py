@@ -19,7 +19,8 @@ CKPT_COMMAND_MODULES: tuple[str, ...] = ("trex.checkpoint.training_cli",)
 def add_output_arguments(p: argparse.ArgumentParser) -> None:
     """The options of every command that writes safetensors through the weights writer."""
     p.add_argument("--layout", choices=("hf", "official"), required=True)
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of unquantised tensors")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="dtype of unquantised tensors (default: %(default)s; fp32 keeps a full-precision source whole)")
     p.add_argument("--quantize", choices=("fp8", "fp8+fp4experts"), default=None)
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--overwrite", action="store_true", help="replace the output directory if it exists")

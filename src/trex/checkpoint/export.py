@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from trex.checkpoint.layouts import SAVE_DTYPES, TrexTensor, plan_outputs
 from trex.checkpoint.save import checkpoint_config
-from trex.checkpoint.writer import write_checkpoint
+from trex.checkpoint.writer import check_destination, write_checkpoint
 from trex.models.config import ModelConfig
 from trex.models.build import build_model
 from trex.checkpoint.naming import LAYOUTS
@@ -55,9 +55,12 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
 
     The checkpoint must verify; a run's checkpoint directory (``runs/x/checkpoints``) stands for its
     newest checkpoint that verifies. layout, dtype, quantize, max_shard_size: as `save_pretrained`.
+    ``out`` may not be ``path``, lie inside it or hold it (`check_destination`).
     """
     from trex.checkpoint.training import find_resume, list_checkpoints
 
+    sources = (path,)
+    check_destination(out, overwrite, sources)
     if not os.path.exists(os.path.join(path, MANIFEST)) and list_checkpoints(path):
         newest = find_resume(path)
         if newest is None:
@@ -88,4 +91,5 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
             return full if expert is None else full[expert]
         tensors.append(TrexTensor(key, tuple(v.shape), v.dtype, get))
     groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize)
-    return write_checkpoint(out, groups, checkpoint_config(cfg, layout, dtype, quantize), max_shard_size, overwrite)
+    return write_checkpoint(out, groups, checkpoint_config(cfg, layout, dtype, quantize), max_shard_size, overwrite,
+                            sources=sources)

@@ -12,6 +12,7 @@ only its own region.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -36,7 +37,7 @@ def load_pretrained(path: str, dtype: torch.dtype | None = None, device: str | t
     shard_fn(key, full_shape) -> Region: each parameter holds only that region, and only the
     checkpoint bytes overlapping it are read. mesh: a ``DeviceMesh``; parameters become DTensors
     with ``placements_fn(key, shape)`` (default: Shard(0) where rows >= ranks, else Replicate),
-    each rank reading only its local shard.
+    each rank reading only its local shard. The model's ``loaded_from`` is ``path`` (absolute).
     """
     reader = CheckpointReader(path, layout)
     cfg = reader.config
@@ -63,6 +64,7 @@ def load_pretrained(path: str, dtype: torch.dtype | None = None, device: str | t
             _load_local(model, key, meta, reader, shard_fn, dev.torch_device, dtype, mesh, placements_fn)
     if fresh:
         log.warning("%s: no MTP weights in the checkpoint; %d MTP tensors initialised fresh", path, len(fresh))
+    model.loaded_from = os.path.abspath(path)  # save_pretrained refuses to write over its own source
     return model
 
 

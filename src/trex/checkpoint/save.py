@@ -7,6 +7,8 @@ near the largest tensor whatever the checkpoint size.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Callable
 
@@ -31,18 +33,22 @@ def save_pretrained(model: torch.nn.Module, path: str, layout: str = "hf", dtype
     layout: "hf" (transformers module names, fused experts) or "official" (released names,
     per-expert tensors). dtype: "bf16" or "fp32" for unquantised tensors. quantize: None, "fp8"
     or "fp8+fp4experts" (reference formats, power-of-two scales). Returns the shard names.
+    ``path`` may not be (or lie in, or hold) the directory the model was loaded from
+    (``model.loaded_from``, set by `load_pretrained`): save the trained model beside its source.
     """
-    check_destination(path, overwrite)
+    sources = (getattr(model, "loaded_from", None),)
+    check_destination(path, overwrite, sources)
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     tensors = [TrexTensor(k, tuple(v.shape), v.dtype, _getter(v)) for k, v in _ordered(state)]
-    return _write(tensors, model.cfg, path, layout, dtype, quantize, max_shard_size, overwrite, progress)
+    return _write(tensors, model.cfg, path, layout, dtype, quantize, max_shard_size, overwrite, progress, sources)
 
 
 def convert(src: str, dst: str, layout: str = "hf", dtype: str = "bf16", quantize: str | None = None,
             max_shard_size: int | str = "5GB", src_layout: str = "auto", overwrite: bool = False,
             progress: bool = False) -> list[str]:
-    """Convert checkpoint directory ``src`` (any layout/precision) to ``dst``, tensor by tensor."""
-    check_destination(dst, overwrite)
+    """Convert checkpoint directory ``src`` (any layout/precision) to ``dst``, tensor by tensor.
+    ``dst`` is a new directory: never ``src``, inside it or above it (`check_destination`)."""
+    check_destination(dst, overwrite, (src,))
     reader = CheckpointReader(src, src_layout)
     model = build_model(reader.config, device="meta")
     meta = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -54,7 +60,7 @@ def convert(src: str, dst: str, layout: str = "hf", dtype: str = "bf16", quantiz
         read_dtype = v.dtype if not v.dtype.is_floating_point else torch.float32
         tensors.append(TrexTensor(key, tuple(v.shape), read_dtype, _reader_getter(reader, key, tuple(v.shape),
                                                                                   read_dtype)))
-    return _write(tensors, reader.config, dst, layout, dtype, quantize, max_shard_size, overwrite, progress)
+    return _write(tensors, reader.config, dst, layout, dtype, quantize, max_shard_size, overwrite, progress, (src,))
 
 
 def _getter(value: torch.Tensor) -> Callable[[int | None], torch.Tensor]:
@@ -81,7 +87,8 @@ def _ordered(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
 
 
 def _write(tensors: list[TrexTensor], cfg: ModelConfig, path: str, layout: str, dtype: str,
-           quantize: str | None, max_shard_size: int | str, overwrite: bool, progress: bool) -> list[str]:
+           quantize: str | None, max_shard_size: int | str, overwrite: bool, progress: bool,
+           sources: tuple[str | None, ...]) -> list[str]:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if dtype not in SAVE_DTYPES:
@@ -89,7 +96,7 @@ def _write(tensors: list[TrexTensor], cfg: ModelConfig, path: str, layout: str, 
     groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize)
     config = checkpoint_config(cfg, layout, dtype, quantize)
     if not progress:
-        return write_checkpoint(path, groups, config, max_shard_size, overwrite)
+        return write_checkpoint(path, groups, config, max_shard_size, overwrite, sources=sources)
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     total = sum(t.nbytes for g in groups for t in g)
@@ -100,13 +107,21 @@ def _write(tensors: list[TrexTensor], cfg: ModelConfig, path: str, layout: str, 
         def advance(t: PlannedTensor) -> None:
             bar.update(task, advance=t.nbytes)
 
-        return write_checkpoint(path, groups, config, max_shard_size, overwrite, on_written=advance)
+        return write_checkpoint(path, groups, config, max_shard_size, overwrite, on_written=advance, sources=sources)
+
+
+def official_config_fields() -> dict:
+    """What DeepSeek's released config.json carries (``official_config.json``, taken from the files):
+    ``keys``, the ``constants`` trex's config does not model, and what is written only when quantised."""
+    with open(os.path.join(os.path.dirname(__file__), "official_config.json"), encoding="utf-8") as f:
+        return json.load(f)
 
 
 def checkpoint_config(cfg: ModelConfig, layout: str, dtype: str, quantize: str | None) -> dict:
-    """config.json for a saved checkpoint: transformers' fields for "hf"; for "official", the
-    released checkpoints' fields (legacy ``compress_ratios`` with the MTP entry,
-    ``num_hash_layers``, flat ``rope_scaling``). Both read back to ``cfg``."""
+    """config.json for a saved checkpoint: transformers' fields for "hf"; for "official", every field
+    of the released checkpoints' config.json (`official_config_fields`: legacy ``compress_ratios``
+    with the MTP entry, ``num_hash_layers``, flat ``rope_scaling``, and the fields serving engines
+    read such as ``hidden_act`` and ``topk_method``). Both read back to ``cfg``."""
     out = cfg.to_hf_dict()
     out["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
     qcfg = quantization_config(quantize)
@@ -118,14 +133,15 @@ def checkpoint_config(cfg: ModelConfig, layout: str, dtype: str, quantize: str |
         return out
     ratio = {CSA: cfg.compress_rates[CSA], HCA: cfg.compress_rates[HCA]}
     out["compress_ratios"] = [ratio.get(t, 0) for t in cfg.layer_types] + [ratio.get(cfg.mtp_layer_type, 0)]
-    if cfg.compress_rates != ModelConfig().compress_rates:
-        out["compress_rates"] = dict(cfg.compress_rates)
+    if cfg.compress_rates == ModelConfig().compress_rates:
+        del out["compress_rates"]  # the released rates: compress_ratios says them
     n_hash = sum(t == HASH_MOE for t in cfg.mlp_layer_types)
     if cfg.mlp_layer_types == [HASH_MOE] * n_hash + ["moe"] * (cfg.num_hidden_layers - n_hash):
         out["num_hash_layers"] = n_hash
         del out["mlp_layer_types"]
     del out["layer_types"], out["rope_parameters"], out["partial_rotary_factor"]
     out["qk_rope_head_dim"] = cfg.qk_rope_head_dim
+    out.update(official_config_fields()["constants"])
     yarn = cfg.rope_scaling
     if yarn is not None:
         out["rope_scaling"] = {"type": "yarn", "factor": yarn.factor, "beta_fast": yarn.beta_fast,

@@ -294,8 +294,9 @@ def prune(directory: str, keep_last: int) -> None:
 
 
 def find_resume(directory: str) -> str | None:
-    """The newest checkpoint under ``directory`` that verifies; corrupt or partial ones are skipped
-    with a warning. Rank 0 verifies, the others receive its choice."""
+    """The newest checkpoint under ``directory`` that verifies; corrupt or partial ones are skipped,
+    each with a logged warning (``trex: warning: skipping checkpoint ...``). Rank 0 verifies, the
+    others receive its choice."""
     choice = None
     if _rank_world()[0] == 0:
         for _, path in reversed(list_checkpoints(directory)):
@@ -303,7 +304,7 @@ def find_resume(directory: str) -> str | None:
             if report.ok:
                 choice = path
                 break
-            warnings.warn(f"skipping checkpoint {path}: " + "; ".join(report.problems), RuntimeWarning, stacklevel=2)
+            log.warning("skipping checkpoint %s: %s", path, "; ".join(report.problems))
     return _from_rank0(choice)
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from trex.checkpoint.errors import CheckpointError
 from trex.checkpoint.safetensors_io import PlannedTensor, write_safetensors
 
+_CHECKPOINT_MARKERS = ("config.json", "model.safetensors.index.json")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -48,21 +49,43 @@ def assign_shards(groups: list[list[PlannedTensor]], max_bytes: int) -> list[lis
     return shards
 
 
-def check_destination(path: str, overwrite: bool) -> None:
-    """Raise CheckpointError if ``path`` holds anything and ``overwrite`` is off: checked before any
-    reading, converting or progress bar, and again by the writer."""
-    if os.path.exists(path) and not overwrite and (not os.path.isdir(path) or os.listdir(path)):
+def check_destination(path: str, overwrite: bool, sources: tuple[str | None, ...] = ()) -> None:
+    """Raise CheckpointError unless writing ``path`` destroys nothing by accident: checked before any
+    reading, converting or progress bar, and again by the writer.
+
+    - ``path`` must not resolve (symlinks followed) to one of ``sources`` (what is being read: the
+      checkpoint converted or exported, the one a model was loaded from), lie inside one, or hold one.
+    - An existing non-empty ``path`` is replaced only with ``overwrite``, and only when it is a
+      checkpoint directory (it has ``config.json`` or a safetensors index): ``--overwrite`` with a
+      mistyped destination never removes a folder of other things.
+    """
+    dst = os.path.realpath(path)
+    for src in sources:
+        if src is None:
+            continue
+        real = os.path.realpath(src)
+        if dst == real or os.path.commonpath([dst, real]) in (dst, real):
+            how = "is" if dst == real else "lies inside" if os.path.commonpath([dst, real]) == real else "holds"
+            raise CheckpointError(f"{os.path.abspath(path)}: the destination {how} the source {os.path.abspath(src)}; "
+                                  "write to a new directory (the source is read while the copy is written)")
+    if not os.path.lexists(path) or (os.path.isdir(path) and not os.listdir(path)):
+        return
+    if not overwrite:
         raise CheckpointError(f"{os.path.abspath(path)}: already exists; choose a new directory, or replace it "
                               "with --overwrite (overwrite=True from Python)")
+    if not (os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in _CHECKPOINT_MARKERS)):
+        raise CheckpointError(f"{os.path.abspath(path)}: --overwrite replaces only a checkpoint directory (one with "
+                              f"{' or '.join(_CHECKPOINT_MARKERS)}), and this is not one; choose a new directory")
 
 
 def write_checkpoint(path: str, groups: list[list[PlannedTensor]], config: dict, max_shard_size: int | str = "5GB",
                      overwrite: bool = False, on_written: Callable[[PlannedTensor], None] | None = None,
-                     metadata: dict[str, str] | None = None) -> list[str]:
+                     metadata: dict[str, str] | None = None, sources: tuple[str | None, ...] = ()) -> list[str]:
     """Write ``groups`` as ``model-0000i-of-0000n.safetensors`` + index + ``config.json`` into
-    ``path`` atomically; returns the shard file names."""
+    ``path`` atomically; returns the shard file names. ``sources``: directories being read, which
+    ``path`` may not be, lie in or hold (`check_destination`)."""
     path = os.path.abspath(path)
-    check_destination(path, overwrite)
+    check_destination(path, overwrite, sources)
     names = [t.name for g in groups for t in g]
     dup = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) != len(names) else []
     if dup:

@@ -32,7 +32,6 @@ from trex.models import DeepseekV4, evaluating
 from trex.models.deepseek_v4 import IGNORE_INDEX, ModelOutput
 from trex.recipe import check_choices
 from trex.posttrain.objective import (Objective, StepResult, TrainContext, backward_micro_batches, load_frozen,
-                                      mtp_anchor,
                                       next_token_nll, reshard)
 
 
@@ -88,7 +87,7 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
 def sequence_logprobs(model: DeepseekV4, batch: PairBatch, all_heads: bool = False) -> tuple[torch.Tensor, ModelOutput]:
     """fp32 [2B]: each row's log-prob of its response tokens, summed; and the model's output. The LM
     head runs fused with the loss (no [2B, S, V] logits). ``all_heads``: the MTP heads score their own
-    targets too, so that a training step can anchor them (mtp_anchor)."""
+    targets too, so that the training step anchors them (objective.mtp_anchor)."""
     heads = 1 + (model.cfg.num_nextn_predict_layers if all_heads else 0)
     out = next_token_nll(model, batch.input_ids, batch.doc_ids, heads, token_mask=batch.doc_ids == 0)
     return (-out.token_nll[0] * batch.scored).sum(-1), out
@@ -164,7 +163,7 @@ class DPOObjective(Objective):
             policy, out = sequence_logprobs(model, b, all_heads=True)
             terms = self._terms(policy, self._reference(b, "train"), b)
             sums.add_(_sums(terms, b.n_tokens))
-            return terms.losses.sum() / pairs + mtp_anchor(out), out
+            return terms.losses.sum() / pairs, out
 
         aux = backward_micro_batches(model, micro, loss_of, scaler, ctx.recipe.train,
                                        ctx.par.world_size)

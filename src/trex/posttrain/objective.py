@@ -134,11 +134,17 @@ def backward_micro_batches(model: DeepseekV4, parts: Sequence[Part],
     ``loss_of(part) -> (loss, out)``, a 0-d loss already normalised over the whole step and the
     forward's ModelOutput; plus ``train.balance_alpha`` x its sequence-wise balance losses and
     ``train.indexer_loss`` x its indexer alignment loss (each averaged over micro-batches and ranks);
-    backward of the sum scaled by ``scaler``. Gradients accumulate in ``.grad``."""
+    backward of the sum scaled by ``scaler``. Gradients accumulate in ``.grad``.
+
+    Every forward's MTP heads are anchored (`mtp_anchor`), whether or not the objective's loss uses
+    them: an MTP block that ran gets gradient through its MoE balance loss even when its output is
+    ignored (GRPO, distillation, DPO), and under FSDP2 that gradient reaches its sharded parameters
+    without the unit's pre-backward all-gather, which fires only on its outputs."""
     stats, indexer = [], []
     for i, part in enumerate(parts):
         sync_gradients(model, i, len(parts))
         loss, out = loss_of(part)
+        loss = loss + mtp_anchor(out)
         balance = balance_term(out.moe_stats, train.balance_alpha, len(parts), world_size)
         if balance is not None:
             loss = loss + balance
@@ -188,9 +194,9 @@ def reshard(model: torch.nn.Module) -> None:
 
 def mtp_anchor(out) -> torch.Tensor | float:
     """0 x the MTP heads' outputs of a ModelOutput (their logits, or their token NLL when the forward
-    ran without logits). An objective whose loss ignores the MTP heads adds it so every parameter is
-    in the backward graph: FSDP2 fails on a sharded unit that gets no gradient, and one process then
-    updates the same parameters (zero gradients, not none) as a sharded run."""
+    ran without logits). `backward_micro_batches` adds it to every forward's loss so every parameter
+    is in the backward graph: FSDP2 fails on a sharded unit whose outputs get no gradient, and one
+    process then updates the same parameters (zero gradients, not none) as a sharded run."""
     return sum((x.sum() * 0.0 for x in out.mtp_logits or out.token_nll[1:]), 0.0)
 
 

@@ -79,6 +79,9 @@ class DefaultJob:
     """Device override; empty: the device layer decides."""
     progress: bool = True
     """Live progress bars when the output is a terminal."""
+    log_every: int = 10
+    """Steps between metric lines (metrics.jsonl, TensorBoard) and, without a terminal, console lines;
+    evaluations and each stage's last step are always logged."""
 
     def scale_steps(self, total: int) -> None:
         """Spread ``total`` steps over the two stages in the default 3:4 proportion."""
@@ -100,7 +103,7 @@ def _stage(job: DefaultJob, name: str, paths: list[str], eval_paths: list[str], 
         schedule=ScheduleSection(warmup_steps=max(1, steps // 10), decay="cosine", min_lr_ratio=0.1),
         train=TrainSection(steps=steps, seed=job.seed, out=os.path.join(job.out, name), device=job.device,
                            overwrite=True,  # the default job replaces its own earlier output
-                           eval_every=max(1, steps // 4), log_every=1, progress=job.progress,
+                           eval_every=max(1, steps // 4), log_every=job.log_every, progress=job.progress,
                            indexer_loss=job.indexer_loss if name == "sft" else 0.0,
                            freeze_indexer=not (job.indexer_loss > 0 and name == "sft")),
         eval=EvalSection(paths=eval_paths, batches=2),
