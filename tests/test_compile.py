@@ -58,10 +58,16 @@ STEPS = 6  # the graphs are built in step 1; later steps check reuse and the cur
 STEPS_SHARDED = 10  # FSDP + EP: the 10-step schedule whose curves agree within 1e-5 (a 6-step one: 4e-5)
 
 
-def _settings(sft_file, steps: int) -> list[str]:
+# the sharded test's model: what FSDP2 + EP change in a compiled block is the MoE (hash- and score-routed);
+# every attention kind, the MTP block and the heads are compiled and checked in one process
+MOE_PAIR = ('model.overrides={sliding_window=16, num_hidden_layers=2, layer_types=["sliding_attention", '
+            '"sliding_attention"], mlp_layer_types=["hash_moe", "moe"], num_nextn_predict_layers=0}')
+
+
+def _settings(sft_file, steps: int, model: str = "model.overrides={sliding_window=16}") -> list[str]:
     return [f'data.paths=["{sft_file}"]', 'data.tokenizer="compact"', "data.seq_len=64", "train.grad_accum=2",
-            f"train.steps={steps}", "train.progress=false", "fidelity.every=0", "optim.lr=3e-3",
-            'model.overrides={sliding_window=16}', "train.balance_alpha=0.01"]
+            f"train.steps={steps}", "train.progress=false", "fidelity.every=0", "optim.lr=3e-3", model,
+            "train.balance_alpha=0.01"]
 
 
 def _curves(out) -> tuple[list[float], list[float]]:
@@ -80,7 +86,7 @@ def test_compiled_training_equals_eager_and_never_recompiles(sft_file, tmp_path)
     curves, summaries = {}, {}
     for compiled in (False, True):
         out = tmp_path / f"compile_{compiled}"
-        recipe = load(TrainRecipe, overrides=[*_settings(sft_file, STEPS), "data.micro_batch_size=2", f'train.out="{out}"',
+        recipe = load(TrainRecipe, overrides=[*_settings(sft_file, STEPS), "data.micro_batch_size=1", f'train.out="{out}"',
                                               f"train.compile={str(compiled).lower()}"])
         train(recipe)
         curves[compiled] = _curves(out)
@@ -100,7 +106,8 @@ def test_compiled_fsdp_and_expert_parallel_equal_eager(sft_file, tmp_path):
     for compiled in ("false", "true"):
         out = tmp_path / f"compile_{compiled}"
         args = ["train", str(tmp_path / "recipe.toml"), "--out", str(out)]
-        for setting in [*_settings(sft_file, STEPS_SHARDED), "data.micro_batch_size=1", "parallel.dp_shard=2", "parallel.ep=2",
+        for setting in [*_settings(sft_file, STEPS_SHARDED, MOE_PAIR), "data.micro_batch_size=1", "parallel.dp_shard=2",
+                        "parallel.ep=2",
                         f"train.compile={compiled}"]:
             args += ["--set", setting]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trex",

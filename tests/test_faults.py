@@ -14,12 +14,16 @@ import pytest
 
 from faults import FAULTS, Lab
 
+pytestmark = pytest.mark.xdist_group("faults")  # one worker: the lab makes its reference runs once
+
 COVERED_ELSEWHERE = {  # fault -> the test that drives the same outcome through `trex train`
     "truncated checkpoint file": "test_checkpointing.py::test_verify_catches_truncation_and_a_flipped_byte_and_resume_skips_them",
     "flipped bit in a checkpoint file": "test_checkpointing.py::test_verify_catches_truncation_and_a_flipped_byte_and_resume_skips_them",
     "bad data records": "test_train_loop.py::test_the_cli_names_the_skipped_records_on_the_console",
     "non-finite losses": "test_train_loop.py::test_non_finite_steps_are_skipped_counted_and_stop_the_run",
     "non-finite gradients": "test_train_loop.py::test_cli_non_finite_stop_is_one_line_with_its_own_exit_code",
+    # the same SIGKILL of the one process and bitwise resume, at the hardest moment: inside a save
+    "kill -9 of the process": "test_faults.py::test_fault",  # [kill -9 during a checkpoint write]
 }
 
 

@@ -19,6 +19,7 @@ from trex.precision import DynamicLossScaler
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "recipes/fidelity_default.toml"
 VDEV = {"TREX_DEVICE_PLUGINS": "trex_vdev"}
+pytestmark = pytest.mark.xdist_group("migration")  # one worker: the run that never moved is trained once
 
 
 def _trex(args: list[str], env: dict | None = None, procs: int = 1) -> subprocess.CompletedProcess:
@@ -42,6 +43,14 @@ def _rows(out):
 
 def _moves(out):
     return [json.loads(line) for line in open(out / "migrations.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The run that never moved: 8 steps of the recipe on one process, fp32 (both move tests' reference)."""
+    out = tmp_path_factory.mktemp("migration") / "straight"
+    _leg(out, 8)
+    return out
 
 
 def _seam(out, *args, env=None):
@@ -75,9 +84,8 @@ def test_a_scaler_entering_fp16_starts_from_its_initial_scale():
 
 
 @pytest.mark.slow
-def test_precision_moves_fp32_bf16_fp32_fp16_continue_the_run_and_pass_their_seams(tmp_path):
-    run, straight = tmp_path / "run", tmp_path / "straight"
-    _leg(straight, 8)
+def test_precision_moves_fp32_bf16_fp32_fp16_continue_the_run_and_pass_their_seams(tmp_path, straight):
+    run = tmp_path / "run"
     _leg(run, 2, 'precision.dtype="fp32"')
     bf16 = _leg(run, 4, 'precision.dtype="bf16"')
     assert "the run moves: precision fp32 -> bf16 at step 2" in bf16.stderr
@@ -105,13 +113,12 @@ def test_precision_moves_fp32_bf16_fp32_fp16_continue_the_run_and_pass_their_sea
 
 
 @pytest.mark.slow
-def test_layout_moves_one_two_four_one_processes_agree_with_the_run_that_never_moved(tmp_path):
+def test_layout_moves_one_two_four_one_processes_agree_with_the_run_that_never_moved(tmp_path, straight):
     """One process, then 2 FSDP accumulating 2 micro-batches (reduce-scatter every micro-batch), then
     4 FSDP+EP2 with selective activation checkpointing, then one process again, at the same global
     batch: every step's loss is the run's that never moved (DCP reshards parameters and optimizer
     state at each resume, and each layout computes the same step)."""
-    run, straight = tmp_path / "run", tmp_path / "straight"
-    _leg(straight, 8)
+    run = tmp_path / "run"
     _leg(run, 2)
     two = _leg(run, 4, "parallel.dp_shard=2", "data.micro_batch_size=1", "train.grad_accum=2",
                "parallel.reduce_every_micro_batch=true", procs=2)
