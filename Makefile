@@ -2,8 +2,8 @@
 #   make run   set up .venv and run the main job on its built-in default
 #   make test  set up .venv with test dependencies and run the whole suite
 PYTHON ?= python3
-# the suite's processes: one thread each (tests/conftest.py), a module whose tests share an expensive
-# fixture kept on one of them (xdist_group); the slowest tests are listed at the end of every run
+# the suite's processes: one thread each (tests/conftest.py), each test file on one of them, so that a
+# module's fixtures are made once; the slowest tests are listed at the end of every run
 TEST_WORKERS ?= 2
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -29,7 +29,7 @@ run: setup
 	$(BIN)/trex train
 
 test: setup-test
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 bench: setup-test
 	$(BIN)/python bench/model_step.py

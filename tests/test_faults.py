@@ -14,7 +14,6 @@ import pytest
 
 from faults import FAULTS, Lab
 
-pytestmark = pytest.mark.xdist_group("faults")  # one worker: the lab makes its reference runs once
 
 COVERED_ELSEWHERE = {  # fault -> the test that drives the same outcome through `trex train`
     "truncated checkpoint file": "test_checkpointing.py::test_verify_catches_truncation_and_a_flipped_byte_and_resume_skips_them",

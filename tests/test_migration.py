@@ -19,7 +19,6 @@ from trex.precision import DynamicLossScaler
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "recipes/fidelity_default.toml"
 VDEV = {"TREX_DEVICE_PLUGINS": "trex_vdev"}
-pytestmark = pytest.mark.xdist_group("migration")  # one worker: the run that never moved is trained once
 
 
 def _trex(args: list[str], env: dict | None = None, procs: int = 1) -> subprocess.CompletedProcess:

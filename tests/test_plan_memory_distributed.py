@@ -13,7 +13,7 @@ import os
 import pytest
 from plan_memory_worker import SMALL, explain, launch, predicted
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("plan_memory_distributed"),  # one worker: the fixture measures once
+pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux peak-RSS reset")]
 
 NPROC = 2
