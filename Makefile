@@ -3,7 +3,8 @@
 #   make test  set up .venv with test dependencies and run the whole suite
 PYTHON ?= python3
 # the suite's processes: one thread each (tests/conftest.py), each test file on one of them, so that a
-# module's fixtures are made once; the slowest tests are listed at the end of every run
+# module's fixtures are made once, the longest files first (tests/conftest.py); the slowest tests are
+# listed at the end of every run
 TEST_WORKERS ?= 2
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -29,7 +30,7 @@ run: setup
 	$(BIN)/trex train
 
 test: setup-test
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 bench: setup-test
 	$(BIN)/python bench/model_step.py

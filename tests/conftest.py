@@ -12,3 +12,14 @@ else:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # the machine's measured matmul peak (trex.device.cached_peak_flops) is kept out of the user's home
 os.environ.setdefault("TREX_CACHE_DIR", tempfile.mkdtemp(prefix="trex-cache-"))
+
+# The longest test files (`make test` prints the slowest tests), handed out to the workers first (the
+# Makefile's --no-loadscope-reorder keeps this order) so that neither worker is left running one of them
+# at the end while the other idles.
+LONGEST_FIRST = ("test_compile.py", "test_docs_commands.py", "test_faults.py", "test_migration.py",
+                 "test_context_parallel.py", "test_vdev_plugin.py", "test_posttrain_dpo.py", "test_syncs.py")
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest as collected

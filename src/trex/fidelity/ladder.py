@@ -104,7 +104,7 @@ def build_parts(side: Side) -> Parts:
     policy = PrecisionPolicy.resolve(recipe.precision.dtype, dev)
     tokenizer = tokenizer_for(recipe.data.tokenizer)
     model = side.model(recipe, dev, policy, tokenizer)
-    prepare_model(model, recipe, par, policy, recipe.train.compile_on(dev))
+    prepare_model(model, recipe, par, policy, recipe.train.compile_with(dev))
     optimizer = build_optimizer(model, recipe.optim, dev)
     build_scheduler(optimizer, recipe.schedule, recipe.train.steps)  # sets step 1's learning rate
     guard = StepGuard(recipe.precision.max_consecutive_skips, DynamicLossScaler.from_config(recipe.precision, policy))

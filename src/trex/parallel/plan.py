@@ -165,10 +165,11 @@ def apply_compile(model: DeepseekV4, fullgraph: bool = True, backend: str = "ind
 
 def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
                       activation_checkpointing: str = "none", reduce_every_micro_batch: bool = False,
-                      compile: bool = False) -> list[nn.Parameter]:
+                      compile: str | None = None) -> list[nn.Parameter]:
     """Returns the expert-parallel parameters. Expects the parameters in fp32 (the master weights).
-    ``reduce_every_micro_batch``: see :func:`sync_gradients`. Order: activation checkpointing,
-    compile (:func:`apply_compile`), expert parallelism, FSDP2.
+    ``reduce_every_micro_batch``: see :func:`sync_gradients`. ``compile``: the torch.compile backend of
+    the blocks (None: eager). Order: activation checkpointing, compile (:func:`apply_compile`), expert
+    parallelism, FSDP2.
 
     A sharded model handed to a later stage (the default job's SFT after its CPT) keeps its plan:
     applying the same one again changes nothing, a different one is a ValueError."""
@@ -186,7 +187,7 @@ def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
         return experts
     apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
-        apply_compile(model, fullgraph=par.ep == 1)
+        apply_compile(model, fullgraph=par.ep == 1, backend=compile)
     model.__dict__[_REDUCE_EVERY] = reduce_every_micro_batch
     if not par.distributed:
         cast_for_compute(model, policy.compute_dtype)

@@ -21,6 +21,7 @@ check the step peak against measured CPU runs (one process; FSDP and FSDP+EP on 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from itertools import accumulate
 
 from trex.models.config import ModelConfig
 from trex.plan import activations as act
@@ -93,19 +94,18 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
     stream = b * cfg.hc_mult * cfg.hidden_size * S_local  # a block's input, all a checkpointed block keeps
     # per block: kept from the forward; recomputed in its backward (by then the block's FFN site, run
     # first in backward, has freed what it kept: only the block's input is left of its own)
-    saved, rebuilt, workspace = [], [], []
-    for lt, mt in blocks:
+    def kind(lt: str, mt: str) -> tuple[float, float, float]:
+        """(saved, rebuilt, workspace) of a block of attention ``lt`` and FFN ``mt``."""
         blk, copies = act.block(cfg, lt, mt, S, b, cp), act.weight_copies(cfg, lt, b)
-        workspace.append(act.backward_workspace(cfg, lt, S, b, cp))
+        work = act.backward_workspace(cfg, lt, S, b, cp)
         if layout.recompute == "none":
-            saved.append(blk.total + copies)
-            rebuilt.append(0.0)
-        elif layout.recompute == "selective":  # the attention site (hc_attn: mHC + attention) is recomputed;
-            saved.append(stream + blk.mhc / 2 + blk.moe)  # the FFN site's mHC and the MoE are kept
-            rebuilt.append(blk.mhc / 2 + blk.attention + copies)
-        else:
-            saved.append(stream)
-            rebuilt.append(blk.total + copies)
+            return blk.total + copies, 0.0, work
+        if layout.recompute == "selective":  # the attention site (hc_attn: mHC + attention) is recomputed;
+            return stream + blk.mhc / 2 + blk.moe, blk.mhc / 2 + blk.attention + copies, work  # FFN site's mHC, MoE kept
+        return stream, blk.total + copies, work
+
+    kinds = {k: kind(*k) for k in dict.fromkeys(blocks)}  # a few kinds; the search calls this per layout
+    saved, rebuilt, workspace = ([kinds[k][i] for k in blocks] for i in range(3))
 
     def own(j: int) -> float:
         """Block j's own bytes while its backward runs."""
@@ -120,14 +120,16 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
     grad = [0.0 if grads_held else 4 * n / layout.fsdp for n in facts.block_trainable]
     heads_grad = 0.0 if grads_held else 4 * (facts.root - facts.by_type["embedding"]) / layout.fsdp
 
+    before = [0.0, *accumulate(saved)]  # before[i]: what blocks 0..i-1 saved
+    after = [0.0, *accumulate(reversed(grad))][::-1][1:]  # after[j]: gradients of blocks j+1.. (sum(grad[j + 1:]))
     moments = [BackwardMoment(mb * (sum(saved) + model_level) + others, act.head_backward_workspace(cfg, tokens), 0.0)]
     L = len(main)
     for j in reversed(range(L, len(blocks))):  # MTP blocks; the main heads are still alive
-        alive = sum(saved[:j]) + own(j) + model_level
-        moments.append(BackwardMoment(mb * alive + others, ep_buffers, sum(grad[j + 1:])))
+        alive = before[j] + own(j) + model_level
+        moments.append(BackwardMoment(mb * alive + others, ep_buffers, after[j]))
     for i in reversed(range(L)):
-        alive = sum(saved[:i]) + own(i) + after_heads
-        moments.append(BackwardMoment(mb * alive + others, ep_buffers, sum(grad[i + 1:]) + heads_grad))
+        alive = before[i] + own(i) + after_heads
+        moments.append(BackwardMoment(mb * alive + others, ep_buffers, after[i] + heads_grad))
     return max(moments, key=lambda m: m.activations + m.transient + m.gradients)
 
 

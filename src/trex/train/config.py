@@ -34,6 +34,7 @@ from trex.train.optim import OptimSection
 from trex.train.schedule import ScheduleSection
 from trex.train.signals import FidelitySection
 
+CompileBackend = Literal["inductor", "aot_eager", "eager"]
 
 
 @dataclass
@@ -94,10 +95,18 @@ class TrainSection:
     """torch.compile each block and the head + loss (trex.parallel.plan.apply_compile); "auto": on
     accelerators that torch.compile has a backend for, off on CPU, where the compiled step is not
     faster (docs/benchmarks.md)."""
+    compile_backend: CompileBackend = "inductor"
+    """torch.compile's backend when compiling: inductor (generated kernels), aot_eager (the same graphs,
+    forward and backward partitioned as Inductor's, run by eager kernels: tells a lowering or codegen
+    problem from a tracing one) or eager (the captured graphs only)."""
 
     def compile_on(self, dev) -> bool:
         """Whether this run compiles on ``dev`` (a trex.device.Device)."""
         return (dev.is_accelerator and dev.compiles()) if self.compile == "auto" else self.compile
+
+    def compile_with(self, dev) -> str | None:
+        """The torch.compile backend this run compiles its blocks with on ``dev``; None: not compiled."""
+        return self.compile_backend if self.compile_on(dev) else None
 
     def __post_init__(self) -> None:
         check_choices(self, "train")

@@ -134,9 +134,10 @@ class CompiledGraphs:
     run and in all. A recompile-free run has the same count from the first step on, whatever the
     packing of later micro-batches."""
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.start = self._count() if enabled else 0
+    def __init__(self, backend: str | None):
+        self.backend = backend
+        self.enabled = backend is not None
+        self.start = self._count() if self.enabled else 0
         self.first_step: int | None = None
 
     @staticmethod
@@ -152,11 +153,12 @@ class CompiledGraphs:
     def summary(self) -> dict:
         if not self.enabled:
             return {"enabled": False}
-        return {"enabled": True, "graphs_after_first_step": self.first_step, "graphs": self._count() - self.start}
+        return {"enabled": True, "backend": self.backend, "graphs_after_first_step": self.first_step,
+                "graphs": self._count() - self.start}
 
 
 def prepare_model(m: DeepseekV4, recipe: TrainRecipe, par: Parallel, policy: PrecisionPolicy,
-                  compiled: bool) -> list[str]:
+                  compile_backend: str | None) -> list[str]:
     """Make a built (or loaded) model the run's student: cast, indexer frozen or aligned, QAT
     simulation set, the parallel plan applied; returns the names of the frozen parameters. One
     process holds parameters in the policy's dtype; sharded runs keep fp32 shards (the master
@@ -167,7 +169,7 @@ def prepare_model(m: DeepseekV4, recipe: TrainRecipe, par: Parallel, policy: Pre
     m.align_indexer = recipe.train.indexer_loss > 0
     layout = recipe.parallel
     apply_parallelism(m, par, policy, layout.activation_checkpointing, layout.reduce_every_micro_batch,
-                      compile=compiled)
+                      compile=compile_backend)
     return frozen
 
 
@@ -242,7 +244,7 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
                         trace_dir=os.path.join(cfg_train.out, "flight_recorder"), cp=layout.cp)
     heartbeat.start()
     dev.manual_seed(cfg_train.seed)  # the same on every rank: identical initial weights
-    compiled = cfg_train.compile_on(dev)
+    compile_backend = cfg_train.compile_with(dev)
     policy = PrecisionPolicy.resolve(recipe.precision.dtype, dev)
     run_dir = RunDir(cfg_train.out, enabled=par.is_main)
     heartbeat.on_lost = lambda message: run_dir.write_summary({"status": f"stopped: {message}", "steps_completed": 0})
@@ -251,7 +253,7 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
     frozen: list[str] = []
 
     def prepare(m: DeepseekV4) -> None:
-        frozen.extend(prepare_model(m, recipe, par, policy, compiled))
+        frozen.extend(prepare_model(m, recipe, par, policy, compile_backend))
 
     if layout.cp > 1:  # every row of SFT/CPT and DPO is data.seq_len long
         try:
@@ -291,7 +293,7 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
     moves = _record_move(resumed, run_dir, cfg_train.out, configuration(
         dev.type, policy.name, par.world_size, recipe_io.to_dict(recipe)))
     return _Run(recipe, dev, par, policy, run_dir, heartbeat, tokenizer, model, frozen, optimizer, scheduler, guard,
-                objective, fidelity, ckpt, resumed, CompiledGraphs(compiled),
+                objective, fidelity, ckpt, resumed, CompiledGraphs(compile_backend),
                 flops_per_token(model.cfg, recipe.data.seq_len).total, peak, peak_source,
                 tokens=resumed.loop.get("tokens", 0) if resumed else 0, moves=moves)
 
