@@ -63,10 +63,11 @@ def test_packing_invariants(data_file):
         assert [d[0][0] for d in row_docs] == [TOK.bos_id] * len(row_docs)  # every document starts at its BOS
         assert np.all(np.diff(doc_ids[r]) >= 0)
         seen += row_docs
+    spans = [(docs.offsets[d], docs.offsets[d + 1]) for d in rows.order.tolist()]
     want = [(tuple(docs.tokens[a:b].tolist()),
-             tuple(np.where(docs.loss_mask[a:b], docs.tokens[a:b], IGNORE_INDEX).tolist()))
-            for a, b in zip(docs.offsets[:-1], docs.offsets[1:])]
+             tuple(np.where(docs.loss_mask[a:b], docs.tokens[a:b], IGNORE_INDEX).tolist())) for a, b in spans]
     assert seen == want  # each document exactly once, whole, in packing order, labels = masked ids
+    assert sorted(rows.order.tolist()) == list(range(len(docs)))
     assert 0.5 < rows.efficiency <= 1.0
 
 
@@ -164,7 +165,7 @@ def test_too_few_rows_is_a_clear_error(tmp_path):
 def test_padding_rows_from_synthetic_documents():
     docs = Documents(tokens=np.arange(1, 8, dtype=np.int32), loss_mask=np.array([0, 1, 1, 0, 1, 1, 1], bool),
                      offsets=np.array([0, 3, 7]), records_read=2)
-    rows = PackedRows.build(docs, seq_len=5, pad_id=0)
+    rows = PackedRows.build(docs, DataSection(seq_len=5, shuffle=False), pad_id=0)
     ids, labels, doc_ids = rows.rows(np.array([0, 1]))
     assert ids.tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 7, 0]]
     assert labels.tolist() == [[-100, 2, 3, -100, -100], [-100, 5, 6, 7, -100]]

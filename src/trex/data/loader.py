@@ -10,7 +10,6 @@ all that a resumed run needs.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +43,8 @@ class PackedLoader:
     """Deterministic, resumable, rank-sharded iterator of :class:`Batch` over ``rows``."""
 
     def __init__(self, rows: PackedRows, micro_batch_size: int, rank: int, world_size: int,
-                 seed: int, shuffle: bool = True, skips: SkipCounter | None = None):
+                 seed: int, shuffle: bool = True, skips: SkipCounter | None = None, prepared: str = "",
+                 loss_tokens: int | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         step_rows = micro_batch_size * world_size
@@ -58,6 +58,8 @@ class PackedLoader:
         self.seed = seed
         self.shuffle = shuffle
         self.skips = skips if skips is not None else SkipCounter()
+        self.prepared = prepared  # the prepared directory the rows are mapped from ("": built in memory)
+        self._loss_tokens = loss_tokens  # its manifest's count (else counted from the loss mask when asked)
         self.epoch = 0
         self.rows_consumed = 0  # in this epoch, over all ranks
         self._order = self._epoch_order(0)
@@ -68,21 +70,27 @@ class PackedLoader:
         return len(self.rows) // (self.micro_batch_size * self.world_size)
 
     @property
+    def loss_tokens(self) -> int:
+        """Tokens that are training targets, over all documents."""
+        if self._loss_tokens is None:
+            self._loss_tokens = int(self.rows.docs.loss_mask.sum())
+        return self._loss_tokens
+
+    @property
     def fingerprint(self) -> str:
         """Identifies the packed data (document lengths, row layout, seq_len) a position refers to."""
-        h = hashlib.blake2b(digest_size=12)
-        for arr in (self.rows.docs.offsets, self.rows.bounds, np.array([self.rows.seq_len])):
-            h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
-        return h.hexdigest()
+        return self.rows.fingerprint
 
     def summary(self) -> dict:
         """Data facts for summary.json: records, documents, tokens, skips by reason, packing."""
         docs = self.rows.docs
         return {"records_read": docs.records_read, "documents": len(docs),
-                "tokens": int(docs.offsets[-1]), "loss_tokens": int(docs.loss_mask.sum()),
+                "tokens": self.rows.n_tokens, "loss_tokens": self.loss_tokens,
                 "rows": len(self.rows), "seq_len": self.rows.seq_len,
                 "packing_efficiency": round(self.rows.efficiency, 4),
-                "micro_batches_per_epoch": self.micro_batches_per_epoch, **self.skips.as_dict()}
+                "padding_share": round(1 - self.rows.efficiency, 4),
+                "micro_batches_per_epoch": self.micro_batches_per_epoch, "prepared": self.prepared,
+                **self.skips.as_dict()}
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:

@@ -1,4 +1,5 @@
-"""Reading JSONL and Parquet records, each with its file and line, and the bad-record policy.
+"""Reading JSONL, Parquet and Arrow (HF ``datasets`` ``save_to_disk``) records, each with its file and
+line, streamed a batch at a time (a file is never loaded whole), and the bad-record policy.
 
 A bad record is one that cannot become a training document: malformed JSON, invalid UTF-8, a
 missing/unknown role, an empty conversation, a document longer than seq_len, ... The policy decides:
@@ -26,14 +27,16 @@ from trex.recipe import check_choices
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
+HF_DATASET_FILES = ("state.json", "dataset_info.json")  # a directory written by datasets' save_to_disk
 
 
 @dataclass(frozen=True)
 class Record:
-    """One input record; ``line`` is the 1-based JSONL line or Parquet row. ``data`` is a
-    RecordError when the line could not be read (invalid UTF-8, malformed JSON)."""
-    data: dict | RecordError
+    """One input record; ``line`` is the 1-based JSONL line or Parquet/Arrow row. ``data`` is a
+    RecordError when the line could not be read (invalid UTF-8, malformed JSON), or the line's raw
+    bytes when read with ``raw=True`` (see :func:`parsed`)."""
+    data: dict | RecordError | bytes
     path: str
     line: int
 
@@ -133,7 +136,9 @@ def resolve_paths(patterns: list[str], fmt: str = "auto",
     for pattern in patterns:
         pattern = os.path.expandvars(pattern)
         p = Path(pattern)
-        if p.is_dir():
+        if p.is_dir() and all((p / name).is_file() for name in HF_DATASET_FILES):
+            files = _hf_dataset_files(p)
+        elif p.is_dir():
             found = sorted(f for f in p.rglob("*") if f.is_file())
             files = [f for f in found if f.suffix in SUFFIXES]
             others = [f for f in found if f.suffix not in SUFFIXES and not f.name.startswith(".")]
@@ -158,6 +163,20 @@ def resolve_paths(patterns: list[str], fmt: str = "auto",
     return out
 
 
+def _hf_dataset_files(path: Path) -> list[Path]:
+    """The Arrow files of a ``datasets`` ``save_to_disk`` directory, in the order its state.json lists."""
+    try:
+        state = json.loads((path / "state.json").read_text())
+        files = [path / entry["filename"] for entry in state["_data_files"]]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"{path / 'state.json'}: not a datasets save_to_disk state ({err}); expected "
+                         "_data_files with a filename each") from None
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{missing[0]}: listed in {path / 'state.json'} but missing")
+    return files
+
+
 def _parse_json_line(raw: bytes) -> dict | RecordError:
     try:
         text = raw.decode("utf-8")
@@ -172,18 +191,38 @@ def _parse_json_line(raw: bytes) -> dict | RecordError:
     return data
 
 
-def _jsonl_records(path: Path) -> Iterator[Record]:
+def parsed(record: Record) -> Record:
+    """``record`` with raw JSONL bytes parsed (a dict, or a RecordError); other records as they are."""
+    return Record(_parse_json_line(record.data), record.path, record.line) if isinstance(record.data, bytes) else record
+
+
+def _jsonl_records(path: Path, raw: bool = False) -> Iterator[Record]:
     with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            if raw.strip():
-                yield Record(_parse_json_line(raw), str(path), line_no)
+        for line_no, line in enumerate(f, start=1):
+            if line.strip():
+                yield Record(line if raw else _parse_json_line(line), str(path), line_no)
 
 
-def _parquet_records(path: Path) -> Iterator[Record]:
+def _arrow_batches(path: Path):
+    """Record batches of an Arrow IPC stream (what datasets writes) or file, memory-mapped."""
+    import pyarrow as pa
+
+    source = pa.memory_map(str(path))
+    try:
+        reader = pa.ipc.open_stream(source)
+    except pa.ArrowInvalid:
+        source.seek(0)
+        file = pa.ipc.open_file(source)
+        return (file.get_batch(i) for i in range(file.num_record_batches))
+    return iter(reader)
+
+
+def _table_records(path: Path, kind: str) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
     row = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+    batches = pq.ParquetFile(path).iter_batches(batch_size=1024) if kind == "parquet" else _arrow_batches(path)
+    for batch in batches:
         try:
             rows = batch.to_pylist()
         except UnicodeDecodeError:  # find the offending rows one by one
@@ -198,11 +237,13 @@ def _parquet_records(path: Path) -> Iterator[Record]:
             yield Record(data, str(path), row)
 
 
-def iter_records(patterns: list[str], fmt: str = "auto", counter: SkipCounter | None = None) -> Iterator[Record]:
+def iter_records(patterns: list[str], fmt: str = "auto", counter: SkipCounter | None = None,
+                 raw: bool = False) -> Iterator[Record]:
     """Every record of every file in order, unreadable ones included (``data`` is a RecordError);
-    files that are not data go to ``counter`` (see `resolve_paths`)."""
+    files that are not data go to ``counter`` (see `resolve_paths`). ``raw``: JSONL lines stay bytes
+    (parsed later by :func:`parsed`, in whichever process encodes them)."""
     for path, kind in resolve_paths(patterns, fmt, counter):
-        yield from (_jsonl_records if kind == "jsonl" else _parquet_records)(path)
+        yield from _jsonl_records(path, raw) if kind == "jsonl" else _table_records(path, kind)
 
 
 def write_jsonl(path: str | Path, records: list[dict]) -> None:

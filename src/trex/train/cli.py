@@ -29,6 +29,18 @@ def register(sub) -> None:
     p.add_argument("--world-size", type=int, default=0, help="ranks for --dry-run")
     p.set_defaults(func=_run)
 
+    data = sub.add_parser("data", help="prepare a recipe's data once, for every rank to memory-map").add_subparsers(
+        dest="data_command", required=True, metavar="WHAT")
+    d = data.add_parser("prepare", help="read, validate, tokenize and pack a recipe's [data] into a prepared "
+                                        "directory (default: the cache entry trex train looks up)")
+    d.add_argument("recipe", help="recipe TOML file")
+    d.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    d.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="tokenizing processes (default: every core); the result is the same for any number")
+    d.add_argument("--out", help="write this directory (then train with data.prepared = it) instead of the cache")
+    d.add_argument("--format", choices=("text", "json"), default="text", help="json: print the manifest")
+    d.set_defaults(func=_data_prepare)
+
     bench = sub.add_parser("bench", help="benchmarks of a recipe's parts").add_subparsers(
         dest="bench_command", required=True, metavar="WHAT")
     b = bench.add_parser("data", help="data pipeline tokens/s vs the tokens/s the training step consumes")
@@ -112,6 +124,63 @@ def _run_job(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("trex train: interrupted; summary.json and loss.png written", file=sys.stderr)
         return 130
+
+
+def _data_prepare(args: argparse.Namespace) -> int:
+    """Prepare the recipe's data (its [data] section) into --out or the cache; one summary line."""
+    import dataclasses
+    import json
+    import logging
+    import time
+    from pathlib import Path
+
+    from trex.data.prepared import ensure, prepare
+    from trex.data.records import describe_skips
+    from trex.recipe import RecipeError, load
+    from trex.train.config import TrainRecipe
+    from trex.train.loop import tokenizer_for
+
+    last = [0.0]
+
+    def report(progress) -> None:  # a line every 10 s (a prepare of billions of tokens runs for hours)
+        if time.perf_counter() - last[0] >= 10:
+            last[0] = time.perf_counter()
+            print(f"trex data prepare: {progress.line()}", file=sys.stderr, flush=True)
+
+    try:
+        if args.workers < 1:
+            raise ValueError(f"--workers {args.workers}: expected at least 1")
+        recipe = load(TrainRecipe, args.recipe, args.overrides)
+        cfg = dataclasses.replace(recipe.data, prepared="")
+        cfg.validate()
+        tokenizer = tokenizer_for(cfg.tokenizer)
+        if args.out:
+            out = Path(args.out)
+            if out.exists():
+                raise ValueError(f"--out {out}: exists; expected a new directory (remove it to prepare again)")
+            path, manifest, here = out, prepare(cfg, tokenizer, out, args.workers, report), True
+        else:
+            path, manifest, here = ensure(cfg, tokenizer, args.workers, report=report, level=logging.INFO)
+    except (RecipeError, ValueError) as e:
+        print(f"trex data prepare: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"trex data prepare: {logs.os_error_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("trex data prepare: interrupted; nothing was kept", file=sys.stderr)
+        return 130
+    if args.format == "json":
+        print(json.dumps({"path": str(path), "prepared_here": here, **manifest}, indent=2))
+        return 0
+    c, p, t = manifest["counts"], manifest["packing"], manifest["prepared"]
+    left_out = describe_skips(manifest["skips"])
+    print(f"{'prepared' if here else 'already prepared'} {path}: {c['records_read']:,} records -> "
+          f"{c['documents']:,} documents, {c['tokens']:,} tokens, {c['rows']:,} rows of {p['seq_len']} "
+          f"({p['algorithm']} packing {p['efficiency']:.1%}, padding {p['padding_share']:.1%}); "
+          f"{t['seconds']:.1f}s, {c['tokens'] / max(t['seconds'], 1e-9) / 1e6:.2f}M tokens/s on {t['workers']} "
+          f"worker{'s' if t['workers'] > 1 else ''}" + (f"; {left_out}" if left_out else ""))
+    return 0
 
 
 def _bench_data(args: argparse.Namespace) -> int:

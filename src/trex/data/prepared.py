@@ -1,0 +1,413 @@
+"""Prepared data: a recipe's records read, validated, rendered, tokenized and packed once, into files
+that every rank memory-maps.
+
+    trex data prepare RECIPE [--set ...] [--workers N] [--out DIR]
+    trex train RECIPE        # data.prepared = DIR, or the cache entry of the data's content key
+
+A prepared directory holds raw little-endian arrays and a manifest:
+
+    tokens.i32        int32  [T]    document tokens back to back, documents in file order
+    loss_mask.u8      uint8  [T]    1 where the token is a training target
+    doc_offsets.i64   int64  [N+1]  document i is tokens[doc_offsets[i]:doc_offsets[i+1]]
+    order.i64         int64  [N]    the documents in packing order (data.seed's shuffle, then the packer's)
+    bounds.i64        int64  [R+1]  row r holds documents order[bounds[r]:bounds[r+1]]
+    manifest.json     format version, content key, inputs, tokenizer, options, counts, skips by reason,
+                      packing (algorithm, efficiency), every file's dtype, count and size
+
+5 bytes per token and 24 per document. Plain arrays rather than Arrow: a row is a handful of
+``np.memmap`` slices (no per-access decoding), the pages are the page cache's, shared by the ranks of
+a node, and opening reads only the manifest (bench/data_pipeline.py measures both).
+
+The content key hashes the format version, the inputs (path, size, mtime and a sampled digest of each
+file), the tokenizer (a digest of its serialised form), every data option that changes tokens or
+rows, and the packing algorithm; a change to any of them is a new key, never a stale hit. A
+directory is written under a temporary name and renamed when complete, so a killed prepare leaves
+nothing that trains; ``ensure`` lets one process per cache directory prepare (a lock file it keeps
+fresh) while the others wait on the file system, outside any collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from trex import atomic
+from trex.data.config import DataSection
+from trex.data.documents import Documents, EncodedChunk, account, encode_chunk, record_chunks
+from trex.data.packing import PackedRows, plan_rows
+from trex.data.records import BadRecordPolicy, SkipCounter, resolve_paths
+from trex.data.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+FILES = {  # name -> (file, dtype)
+    "tokens": ("tokens.i32", np.dtype("<i4")), "loss_mask": ("loss_mask.u8", np.dtype("u1")),
+    "doc_offsets": ("doc_offsets.i64", np.dtype("<i8")), "order": ("order.i64", np.dtype("<i8")),
+    "bounds": ("bounds.i64", np.dtype("<i8")),
+}
+# the options of [data] that change the tokens or the rows (micro_batch_size and encode_chunk do not)
+KEYED_OPTIONS = ("format", "mode", "messages_field", "text_field", "thinking", "drop_thinking", "loss_on",
+                 "bad_record_policy", "seq_len", "seed", "shuffle", "packing", "pack_window")
+LOCK_STALE_S = 120.0  # a lock not refreshed for this long belongs to a process that died
+SAMPLE_BLOCKS, SAMPLE_BYTES = 16, 1 << 12  # 64 KiB read per input file to key it
+
+
+class PreparedDataError(ValueError):
+    """A prepared directory that cannot be used: names the file and what was expected."""
+
+
+# ---- the content key ------------------------------------------------------------------------------------
+def file_identity(path: Path) -> dict:
+    """Path, size, mtime and a digest of SAMPLE_BLOCKS evenly spaced blocks (first and last included):
+    constant time whatever the file's size, so a start never reads the whole data set to key it."""
+    st = path.stat()
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for k in range(SAMPLE_BLOCKS):
+            f.seek(max(0, st.st_size - SAMPLE_BYTES) * k // (SAMPLE_BLOCKS - 1))
+            h.update(f.read(SAMPLE_BYTES))
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample_digest": h.hexdigest()}
+
+
+def identity(cfg: DataSection, tokenizer: Tokenizer) -> dict:
+    """What the key is made of: format version, inputs, tokenizer, options."""
+    inputs = [{**file_identity(p), "format": kind} for p, kind in resolve_paths(cfg.paths, cfg.format)]
+    tok = hashlib.blake2b(tokenizer.backend.to_str().encode(), digest_size=16).hexdigest()
+    return {"format_version": FORMAT_VERSION, "inputs": inputs, "tokenizer": {"source": tokenizer.source, "digest": tok},
+            "options": {k: getattr(cfg, k) for k in KEYED_OPTIONS}}
+
+
+def content_key(ident: dict) -> str:
+    return hashlib.blake2b(json.dumps(ident, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+def describe_mismatch(want: dict, have: dict) -> str:
+    """The first difference between the identity the recipe asks for and a manifest's."""
+    if have.get("format_version") != want["format_version"]:
+        return f"format version {have.get('format_version')}; this trex reads {want['format_version']}"
+    for k, v in want["options"].items():
+        if have.get("options", {}).get(k) != v:
+            return f"data.{k} = {have.get('options', {}).get(k)!r}; the recipe has {v!r}"
+    if have.get("tokenizer", {}).get("digest") != want["tokenizer"]["digest"]:
+        return f"tokenizer {have.get('tokenizer', {}).get('source')!r}; the recipe's ({want['tokenizer']['source']}) differs"
+    old = {i["path"]: i for i in have.get("inputs", [])}
+    for i in want["inputs"]:
+        if i["path"] not in old:
+            return f"no input {i['path']}"
+        if old.pop(i["path"]) != i:
+            return f"input {i['path']} has changed since (size, mtime or content)"
+    return f"inputs {sorted(old)} are not in the recipe" if old else "a different key"
+
+
+# ---- writing ------------------------------------------------------------------------------------------
+_WORKER: tuple | None = None
+
+
+def _init_worker(tokenizer_json: str, source: str, cfg: DataSection) -> None:
+    global _WORKER
+    os.environ["RAYON_NUM_THREADS"] = "1"  # one core per worker: the workers are the parallelism
+    from tokenizers import Tokenizer as HFTokenizer
+
+    _WORKER = (Tokenizer(HFTokenizer.from_str(tokenizer_json), source), cfg)
+
+
+def _encode_in_worker(records) -> EncodedChunk:
+    tokenizer, cfg = _WORKER
+    return encode_chunk(records, cfg, tokenizer)
+
+
+def encoded_chunks(cfg: DataSection, tokenizer: Tokenizer, counter: SkipCounter, workers: int) -> Iterator[EncodedChunk]:
+    """Every chunk of ``cfg.encode_chunk`` records, encoded, in file order: by this process
+    (``workers`` <= 1) or by a pool with at most 2 chunks per worker in flight (bounded memory). The
+    result does not depend on ``workers``."""
+    chunks = record_chunks(cfg, counter)
+    if workers <= 1:
+        for chunk in chunks:
+            yield encode_chunk(chunk, cfg, tokenizer)
+        return
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # the tokenizer's threads do not survive a fork
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                             initargs=(tokenizer.backend.to_str(), tokenizer.source, cfg)) as pool:
+        window: deque = deque()
+        for chunk in chunks:
+            window.append(pool.submit(_encode_in_worker, chunk))
+            if len(window) >= 2 * workers:
+                yield window.popleft().result()
+        while window:
+            yield window.popleft().result()
+
+
+@dataclass
+class Progress:
+    """Records, documents, tokens and JSONL bytes so far; ``report`` is called with it after each chunk."""
+    total_bytes: int  # of the JSONL inputs (what the ETA is measured against)
+    records: int = 0
+    documents: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    started: float = 0.0
+
+    def line(self) -> str:
+        dt = max(1e-9, time.perf_counter() - self.started)
+        eta = (f", ETA {_duration(dt * (self.total_bytes - self.bytes) / self.bytes)}"
+               if self.bytes and self.total_bytes else "")
+        return (f"{self.records:,} records, {self.tokens / 1e6:,.1f}M tokens: {self.records / dt:,.0f} records/s, "
+                f"{self.tokens / dt / 1e6:,.2f}M tokens/s{eta}")
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
+
+
+def write_prepared(cfg: DataSection, tokenizer: Tokenizer, ident: dict, dest: Path, workers: int = 1,
+                   report: Callable[[Progress], None] | None = None) -> dict:
+    """Prepare ``cfg``'s data into the new directory ``dest`` (its parent must exist); returns the
+    manifest. Bad records go through ``cfg.bad_record_policy`` (under ``fail``: BadRecordError, file and
+    line). Memory holds a few chunks and the document lengths (8 bytes a document)."""
+    policy = BadRecordPolicy(cfg.bad_record_policy)
+    dest.mkdir()
+    total = sum(i["size"] for i in ident["inputs"] if i["format"] == "jsonl")
+    progress = Progress(total_bytes=total, started=time.perf_counter())
+    n_docs, n_tokens, loss_tokens = 0, 0, 0
+    lengths: list[np.ndarray] = []
+    names = {k: dest / FILES[k][0] for k in FILES}
+    with open(names["tokens"], "wb") as tok_f, open(names["loss_mask"], "wb") as mask_f, \
+            open(names["doc_offsets"], "wb") as off_f:
+        off_f.write(np.zeros(1, FILES["doc_offsets"][1]).tobytes())
+        for chunk in encoded_chunks(cfg, tokenizer, policy.counter, workers):
+            account(chunk, policy)
+            tok_f.write(chunk.tokens.astype(FILES["tokens"][1], copy=False).tobytes())
+            mask_f.write(chunk.loss_mask.astype(FILES["loss_mask"][1], copy=False).tobytes())
+            off_f.write((n_tokens + np.cumsum(chunk.lengths)).astype(FILES["doc_offsets"][1]).tobytes())
+            lengths.append(chunk.lengths)
+            n_docs += len(chunk.lengths)
+            n_tokens += int(chunk.lengths.sum())
+            loss_tokens += int(chunk.loss_mask.sum())
+            progress.records, progress.documents, progress.tokens = policy.records_read, n_docs, n_tokens
+            progress.bytes += chunk.n_bytes
+            if report:
+                report(progress)
+        for f in (tok_f, mask_f, off_f):
+            f.flush()
+            os.fsync(f.fileno())
+    if not n_docs:
+        raise ValueError(f"no usable documents in {cfg.paths} ({policy.records_read} records read; "
+                         f"skipped: {policy.counter.as_dict()['skipped_by_reason']})")
+    all_lengths = np.concatenate(lengths)
+    order, bounds = plan_rows(all_lengths, cfg)
+    for name, arr in (("order", order), ("bounds", bounds)):
+        with open(names[name], "wb") as f:
+            f.write(arr.astype(FILES[name][1]).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+    rows = len(bounds) - 1
+    counts = {"records_read": policy.records_read, "documents": n_docs, "tokens": n_tokens,
+              "loss_tokens": loss_tokens, "rows": rows}
+    efficiency = n_tokens / max(1, rows * cfg.seq_len)
+    manifest = {
+        **ident, "key": content_key(ident), "counts": counts, "skips": policy.counter.as_dict(),
+        "packing": {"algorithm": cfg.packing, "window": cfg.pack_window, "seq_len": cfg.seq_len,
+                    "efficiency": round(efficiency, 6), "padding_share": round(1 - efficiency, 6),
+                    "fingerprint": PackedRows.fingerprint_of(all_lengths[order], bounds, cfg.seq_len)},
+        "files": {k: {"file": f, "dtype": dt.str, "count": _count(k, counts),
+                      "bytes": _count(k, counts) * dt.itemsize} for k, (f, dt) in FILES.items()},
+        "prepared": {"seconds": round(time.perf_counter() - progress.started, 3), "workers": workers,
+                     "host": socket.gethostname()},
+    }
+    atomic.write_json(dest / "manifest.json", manifest, fsync=True)
+    return manifest
+
+
+def _count(name: str, counts: dict) -> int:
+    return {"tokens": counts["tokens"], "loss_mask": counts["tokens"], "doc_offsets": counts["documents"] + 1,
+            "order": counts["documents"], "bounds": counts["rows"] + 1}[name]
+
+
+def prepare(cfg: DataSection, tokenizer: Tokenizer, dest: Path, workers: int = 1,
+            report: Callable[[Progress], None] | None = None, ident: dict | None = None) -> dict:
+    """Write ``dest`` whole or not at all: into ``dest``'s sibling temporary directory, renamed when
+    complete; a failure (bad record, full disk, interrupt) removes the temporary directory. Returns the
+    manifest (the existing one when another process published ``dest`` first)."""
+    ident = ident or identity(cfg, tokenizer)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        manifest = write_prepared(cfg, tokenizer, ident, tmp, workers, report)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not (dest / "manifest.json").is_file():
+                raise
+            shutil.rmtree(tmp)  # published by another process meanwhile: the same key, the same data
+            return read_manifest(dest)
+        _fsync_dir(dest.parent)
+        return manifest
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError) and err.errno == 28:  # ENOSPC
+            raise OSError(28, f"no space left while preparing data (nothing was kept; free space or set "
+                              f"data.cache_dir elsewhere)", str(dest)) from None
+        raise
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- reading ------------------------------------------------------------------------------------------
+def read_manifest(path: Path) -> dict:
+    """The manifest of prepared directory ``path``, its format version checked."""
+    file = path / "manifest.json"
+    try:
+        manifest = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise PreparedDataError(f"{path}: not a prepared data directory (no manifest.json); expected the "
+                                f"output of `trex data prepare`") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PreparedDataError(f"{file}: unreadable ({e}); prepare the data again") from None
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise PreparedDataError(f"{file}: written by prepared-data format version {version}; this trex reads "
+                                f"version {FORMAT_VERSION}: prepare the data again")
+    return manifest
+
+
+def open_prepared(path: Path, pad_id: int) -> tuple[PackedRows, dict]:
+    """Memory-map prepared directory ``path``: its rows and manifest. Every file's size is checked
+    against the manifest first (a truncated or missing file is an error naming it)."""
+    manifest = read_manifest(path)
+    arrays = {}
+    for name, (fname, dtype) in FILES.items():
+        spec = manifest["files"].get(name, {})
+        file = path / fname
+        size = file.stat().st_size if file.is_file() else None
+        if size != spec.get("bytes") or spec.get("dtype") != dtype.str:
+            found = "missing" if size is None else f"{size} bytes"
+            raise PreparedDataError(f"{file}: {found}; the manifest expects {spec.get('bytes')} bytes of "
+                                    f"{spec.get('dtype')} (a truncated or partial copy): prepare the data again")
+        count = spec["count"]
+        arrays[name] = np.memmap(file, dtype=dtype, mode="r", shape=(count,)) if count else np.zeros(0, dtype)
+    docs = Documents(arrays["tokens"], arrays["loss_mask"], arrays["doc_offsets"], manifest["counts"]["records_read"])
+    rows = PackedRows(docs, arrays["order"], arrays["bounds"], manifest["packing"]["seq_len"], pad_id,
+                      fingerprint=manifest["packing"]["fingerprint"])
+    return rows, manifest
+
+
+def skips_of(manifest: dict) -> SkipCounter:
+    """The manifest's skips as a SkipCounter (a cache hit reports what preparing left out)."""
+    s = manifest["skips"]
+    counter = SkipCounter(truncated=s["truncated"], first_seen=dict(s["first_seen"]))
+    counter.skipped.update(s["skipped_by_reason"])
+    counter.files_skipped.extend(s["files_skipped_first"][:s["files_skipped"]])
+    return counter
+
+
+# ---- the cache and who prepares -----------------------------------------------------------------------
+def cache_root(cfg: DataSection) -> Path:
+    """data.cache_dir, else $TREX_CACHE_DIR/data, else ~/.cache/trex/data."""
+    if cfg.cache_dir:
+        return Path(os.path.expandvars(os.path.expanduser(cfg.cache_dir)))
+    base = os.environ.get("TREX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "trex")
+    return Path(base) / "data"
+
+
+def _dead_here(owner: str) -> bool:
+    """Whether lock content ``owner`` ("host pid") names a process of this host that no longer runs."""
+    host, _, pid = owner.strip().partition(" ")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _take_lock(lock: Path) -> bool:
+    """Create ``lock`` (host and pid inside) unless a live one exists. A lock is a dead preparer's,
+    and is broken, when its process no longer runs on this host, or when its mtime is older than
+    LOCK_STALE_S (a preparer refreshes it after every chunk)."""
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        try:
+            if _dead_here(lock.read_text()) or time.time() - lock.stat().st_mtime > LOCK_STALE_S:
+                log.warning("%s: breaking a stale lock (%s)", lock, lock.read_text().strip())
+                lock.unlink()
+                return _take_lock(lock)
+        except FileNotFoundError:
+            return _take_lock(lock)
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{socket.gethostname()} {os.getpid()}\n")
+    return True
+
+
+def ensure(cfg: DataSection, tokenizer: Tokenizer, workers: int = 1, poll_s: float = 0.5,
+           report: Callable[[Progress], None] | None = None, level: int = logging.WARNING) -> tuple[Path, dict, bool]:
+    """The prepared directory of ``cfg``: ``data.prepared`` (checked against the recipe), or the cache
+    entry of its content key, prepared here if no process has (returns path, manifest, prepared_here).
+
+    Every rank may call this at once: the first to take ``<key>.lock`` in the cache directory prepares
+    (refreshing the lock as it goes), the others wait for the published directory on the file system.
+    No collective is entered meanwhile, so a long prepare trips no collective timeout. On a shared file
+    system that is one process for the whole job; with node-local cache directories, one per node.
+    Preparing and waiting are logged at ``level`` (a warning inside a job: every rank shows it, and the
+    time belongs before the job, in `trex data prepare`)."""
+    ident = identity(cfg, tokenizer)
+    key = content_key(ident)
+    if cfg.prepared:
+        path = Path(cfg.prepared)
+        manifest = read_manifest(path)
+        if manifest.get("key") != key:
+            raise PreparedDataError(f"data.prepared = {cfg.prepared}: {path / 'manifest.json'} does not match the "
+                                    f"recipe: {describe_mismatch(ident, manifest)}; prepare it again "
+                                    f"(trex data prepare RECIPE --out {cfg.prepared}) or unset data.prepared")
+        return path, manifest, False
+    root = cache_root(cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    path, lock = root / key, root / f"{key}.lock"
+    waited = False
+    while not (path / "manifest.json").is_file():
+        if _take_lock(lock):
+            try:
+                if not (path / "manifest.json").is_file():
+                    for left in root.glob(f".{key}.tmp-*"):  # a dead preparer's (the lock is ours)
+                        shutil.rmtree(left, ignore_errors=True)
+                    def refresh(p: Progress) -> None:
+                        os.utime(lock)
+                        if report:
+                            report(p)
+                    log.log(level, "preparing %s into %s (once: later starts map it)", cfg.paths, path)
+                    return path, prepare(cfg, tokenizer, path, workers, refresh, ident), True
+            finally:
+                lock.unlink(missing_ok=True)
+        if not waited:
+            log.log(level, "waiting for another process to prepare %s (%s)", path, lock)
+            waited = True
+        time.sleep(poll_s)
+    return path, read_manifest(path), False
