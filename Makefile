@@ -30,10 +30,12 @@ run: setup
 	$(BIN)/trex train
 
 test: setup-test
+	$(BIN)/python -m compileall -q -x /fixtures/ src tests  # bytecode every process the tests start would compile again
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 bench: setup-test
 	$(BIN)/python bench/model_step.py
+	$(BIN)/python bench/data_pipeline.py --write
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

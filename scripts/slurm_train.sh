@@ -17,7 +17,19 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 PORT=${PORT:-29500}
 
+# The data, read, tokenized and packed once before any rank starts (trex data prepare, on every core of
+# one node) into DATA_CACHE, which every node must see: on a shared file system one node prepares for
+# all. With node-local disks, point DATA_CACHE at a local path and each node's first rank prepares its
+# own copy at the start of training instead. The --set options of the command line reach both steps.
+DATA_CACHE=${DATA_CACHE:-$PWD/.trex-data-cache}
+SETS=(--set "data.cache_dir=\"$DATA_CACHE\"")
+ARGS=("$@")
+for ((i = 0; i < ${#ARGS[@]}; i++)); do
+    if [[ ${ARGS[i]} == --set ]]; then SETS+=(--set "${ARGS[i + 1]}"); fi
+done
+srun --nodes=1 --ntasks=1 .venv/bin/trex data prepare "$RECIPE" "${SETS[@]}"
+
 srun --kill-on-bad-exit=1 .venv/bin/trex launch \
     --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node "$NPROC_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$PORT" --rdzv-id "$SLURM_JOB_ID" \
-    train "$RECIPE" "$@"
+    train "$RECIPE" "${SETS[@]:0:2}" "$@"

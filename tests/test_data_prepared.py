@@ -125,6 +125,8 @@ def test_a_prepared_directory_that_does_not_fit_is_one_clear_error(data, tmp_pat
     build_loader(dataclasses.replace(data, prepared=str(out)), 0, 1, TOK)  # it fits
     with pytest.raises(PreparedDataError, match=r"data.seq_len = 96; the recipe has 128"):
         build_loader(dataclasses.replace(data, prepared=str(out), seq_len=128), 0, 1, TOK)
+    moved = dataclasses.replace(data, prepared=str(out), paths=[str(tmp_path / "elsewhere.jsonl")])
+    assert build_loader(moved, 0, 1, TOK).prepared == str(out)  # shipped without its raw data: the manifest speaks
     tokens = out / FILES["tokens"][0]
     tokens.write_bytes(tokens.read_bytes()[:-8])
     with pytest.raises(PreparedDataError, match=r"tokens.i32: \d+ bytes; the manifest expects \d+ bytes .* truncated"):

@@ -53,3 +53,12 @@ def write_text(path: str | os.PathLike, text: str, fsync: bool = False) -> None:
 def write_json(path: str | os.PathLike, obj: Any, indent: int = 2, fsync: bool = False,
                default: Any = None) -> None:
     write_text(path, json.dumps(obj, indent=indent, default=default), fsync=fsync)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a directory's entries (a rename into it, a new file) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -15,6 +15,7 @@ import shutil
 import uuid
 from collections.abc import Callable
 
+from trex import atomic
 from trex.checkpoint.errors import CheckpointError
 from trex.checkpoint.safetensors_io import PlannedTensor, write_safetensors
 
@@ -108,7 +109,7 @@ def write_checkpoint(path: str, groups: list[list[PlannedTensor]], config: dict,
         _write_json(os.path.join(tmp, "model.safetensors.index.json"),
                     {"metadata": {"total_size": total}, "weight_map": weight_map})
         _write_json(os.path.join(tmp, "config.json"), config)
-        _fsync_dir(tmp)
+        atomic.fsync_dir(tmp)
         _publish(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -124,14 +125,6 @@ def _write_json(path: str, obj: dict) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _publish(tmp: str, path: str) -> None:
     """Rename the finished ``tmp`` onto ``path``; an existing ``path`` is moved aside first and
     removed only after the new one is in place."""
@@ -140,6 +133,6 @@ def _publish(tmp: str, path: str) -> None:
         old = f"{tmp}.old"
         os.rename(path, old)
     os.rename(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    atomic.fsync_dir(os.path.dirname(path))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)

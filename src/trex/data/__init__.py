@@ -11,12 +11,16 @@ micro-batches.
 
 from __future__ import annotations
 
+import logging
+
 from trex.data.config import DataSection
 from trex.data.documents import Documents
 from trex.data.loader import Batch, PackedLoader
 from trex.data.prepared import PreparedDataError, ensure, open_prepared, skips_of
 from trex.data.records import BadRecordError
 from trex.data.tokenizer import Tokenizer, compact_tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DataSection", "Batch", "PackedLoader", "BadRecordError", "PreparedDataError", "Tokenizer", "Documents",
            "build_loader", "load_tokenizer", "compact_tokenizer"]
@@ -40,5 +44,9 @@ def build_loader(cfg: DataSection, rank: int, world_size: int, tokenizer: Tokeni
         raise ValueError(f"{paths_key} = {list(cfg.paths)}: {len(rows)} packed rows of {cfg.seq_len} tokens, "
                          f"but one step takes {step_rows} ({batch_key} = {cfg.micro_batch_size} x {world_size} "
                          f"rank{'s' if world_size > 1 else ''}); add records or lower {batch_key} or data.seq_len")
+    c, p = manifest["counts"], manifest["packing"]
+    log.info("%s: %s records -> %s documents, %s tokens, %s rows of %d (%s packing %.1f%%, padding %.1f%%) from %s",
+             paths_key, f"{c['records_read']:,}", f"{c['documents']:,}", f"{c['tokens']:,}", f"{c['rows']:,}",
+             p["seq_len"], p["algorithm"], 100 * p["efficiency"], 100 * p["padding_share"], path)
     return PackedLoader(rows, cfg.micro_batch_size, rank, world_size, cfg.seed, cfg.shuffle, skips_of(manifest),
                         prepared=str(path), loss_tokens=manifest["counts"]["loss_tokens"])

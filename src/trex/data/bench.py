@@ -1,7 +1,8 @@
 """How fast the data pipeline runs, for ``trex bench data RECIPE``.
 
-Two phases are timed separately: the one-time build (read, validate, render, tokenize, pack) and the
-per-step iteration (rows -> Batch tensors). The iteration rate is what a training step competes
+Two phases are timed separately: the build (read, validate, render, tokenize and pack into the
+prepared-data cache on a first run; on a later one only mapping the cached files) and the per-step
+iteration (rows -> Batch tensors). The iteration rate is what a training step competes
 with; ``headroom`` = iteration tokens/s over the training step's tokens/s (above 1: data keeps up).
 """
 
@@ -18,7 +19,7 @@ from trex.data.tokenizer import Tokenizer
 @dataclass
 class DataBenchResult:
     build_seconds: float
-    """Wall time to read, encode and pack every record."""
+    """Wall time to prepare every record (or, on a cache hit, to map the prepared files)."""
     build_tokens_per_s: float
     """Document tokens produced per second of build time."""
     batches: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -94,6 +95,11 @@ class DataSection:
         require_positive(self, "data", ("seq_len", "micro_batch_size", "encode_chunk", "pack_window"))
         if self.seq_len < 2:
             raise ValueError(f"data.seq_len = {self.seq_len}; expected at least 2")
+
+    def on_files(self, paths: list[str], **changes) -> "DataSection":
+        """These options on other files (a held-out set, the fidelity probe): their own prepared data,
+        never the directory ``prepared`` names for the training set."""
+        return dataclasses.replace(self, paths=list(paths), prepared="", **changes)
 
     def validate(self) -> None:
         """What reading data needs beyond a well-formed section (checked on construction): files."""

@@ -82,9 +82,11 @@ def file_identity(path: Path) -> dict:
     return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample_digest": h.hexdigest()}
 
 
-def identity(cfg: DataSection, tokenizer: Tokenizer) -> dict:
-    """What the key is made of: format version, inputs, tokenizer, options."""
-    inputs = [{**file_identity(p), "format": kind} for p, kind in resolve_paths(cfg.paths, cfg.format)]
+def identity(cfg: DataSection, tokenizer: Tokenizer, inputs: list[dict] | None = None) -> dict:
+    """What the key is made of: format version, inputs (read from ``cfg.paths`` unless given), tokenizer,
+    options."""
+    if inputs is None:
+        inputs = [{**file_identity(p), "format": kind} for p, kind in resolve_paths(cfg.paths, cfg.format)]
     tok = hashlib.blake2b(tokenizer.backend.to_str().encode(), digest_size=16).hexdigest()
     return {"format_version": FORMAT_VERSION, "inputs": inputs, "tokenizer": {"source": tokenizer.source, "digest": tok},
             "options": {k: getattr(cfg, k) for k in KEYED_OPTIONS}}
@@ -258,7 +260,7 @@ def prepare(cfg: DataSection, tokenizer: Tokenizer, dest: Path, workers: int = 1
                 raise
             shutil.rmtree(tmp)  # published by another process meanwhile: the same key, the same data
             return read_manifest(dest)
-        _fsync_dir(dest.parent)
+        atomic.fsync_dir(dest.parent)
         return manifest
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -266,14 +268,6 @@ def prepare(cfg: DataSection, tokenizer: Tokenizer, dest: Path, workers: int = 1
             raise OSError(28, f"no space left while preparing data (nothing was kept; free space or set "
                               f"data.cache_dir elsewhere)", str(dest)) from None
         raise
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---- reading ------------------------------------------------------------------------------------------
@@ -378,16 +372,22 @@ def ensure(cfg: DataSection, tokenizer: Tokenizer, workers: int = 1, poll_s: flo
     system that is one process for the whole job; with node-local cache directories, one per node.
     Preparing and waiting are logged at ``level`` (a warning inside a job: every rank shows it, and the
     time belongs before the job, in `trex data prepare`)."""
-    ident = identity(cfg, tokenizer)
-    key = content_key(ident)
     if cfg.prepared:
         path = Path(cfg.prepared)
         manifest = read_manifest(path)
-        if manifest.get("key") != key:
+        try:
+            ident = identity(cfg, tokenizer)
+        except FileNotFoundError:  # the raw data stayed where it was prepared: its manifest speaks for it
+            log.warning("data.prepared = %s: the inputs %s are not here; using the prepared copy as its manifest "
+                        "describes them", cfg.prepared, cfg.paths)
+            ident = identity(cfg, tokenizer, inputs=manifest.get("inputs", []))
+        if manifest.get("key") != content_key(ident):
             raise PreparedDataError(f"data.prepared = {cfg.prepared}: {path / 'manifest.json'} does not match the "
                                     f"recipe: {describe_mismatch(ident, manifest)}; prepare it again "
                                     f"(trex data prepare RECIPE --out {cfg.prepared}) or unset data.prepared")
         return path, manifest, False
+    ident = identity(cfg, tokenizer)
+    key = content_key(ident)
     root = cache_root(cfg)
     root.mkdir(parents=True, exist_ok=True)
     path, lock = root / key, root / f"{key}.lock"

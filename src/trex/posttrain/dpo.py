@@ -17,7 +17,6 @@ reference as the original run.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -102,7 +101,7 @@ class DPOObjective(Objective):
                                  recipe.data.seed, ctx.tokenizer.pad_id, recipe.data.seq_len, recipe.data.shuffle)
         self.held_out: PreferencePairs | None = None
         if recipe.eval.paths:
-            held_out_cfg = dataclasses.replace(recipe.data, paths=list(recipe.eval.paths))
+            held_out_cfg = recipe.data.on_files(recipe.eval.paths)
             self.held_out = read_pairs(held_out_cfg, ctx.tokenizer, BadRecordPolicy(recipe.data.bad_record_policy))
         source = self.cfg.reference_path or ctx.model
         self.reference: DeepseekV4 | None = None

@@ -8,7 +8,6 @@ how records are encoded (trex.data).
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -95,7 +94,7 @@ class SFTObjective(Objective):
         self.loader = build_loader(recipe.data, rank=par.data_rank, world_size=par.data_world, tokenizer=ctx.tokenizer)
         self.eval_loader = None
         if recipe.eval.paths:
-            held_out = dataclasses.replace(recipe.data, paths=list(recipe.eval.paths), shuffle=False)
+            held_out = recipe.data.on_files(recipe.eval.paths, shuffle=False)
             self.eval_loader = build_loader(held_out, rank=par.data_rank, world_size=par.data_world,
                                             tokenizer=ctx.tokenizer, paths_key="eval.paths")
 

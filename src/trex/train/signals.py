@@ -20,7 +20,6 @@ when parameters are sharded) and only rank 0 writes.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -144,8 +143,7 @@ class FidelityRecorder:
         probe = None
         if section.every > 0:
             paths = section.probe_paths or recipe.eval.paths or recipe.data.paths
-            cfg = dataclasses.replace(recipe.data, paths=list(paths), shuffle=False,
-                                      micro_batch_size=section.probe_rows)
+            cfg = recipe.data.on_files(paths, shuffle=False, micro_batch_size=section.probe_rows)
             key = "fidelity.probe_paths" if section.probe_paths else "eval.paths" if recipe.eval.paths else "data.paths"
             probe = next(build_loader(cfg, rank=0, world_size=1, tokenizer=tokenizer, paths_key=key,
                                       batch_key="fidelity.probe_rows"))
