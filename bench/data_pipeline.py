@@ -69,8 +69,10 @@ def ceiling(cfg: DataSection, tok, records: list[dict]) -> float:
 
 def train_start(prepared: Path, data: Path, out: Path) -> tuple[float, float]:
     """(seconds, peak RSS MiB) of `trex train` on ``prepared`` to the end of step 1 (a tiny model)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
     (out.parent / "recipe.toml").write_text("# everything set on the command line\n")
     sets = [f'data.paths=["{data}"]', f'data.prepared="{prepared}"', "data.seq_len=4096", "train.steps=1",
+            'data.bad_record_policy="skip"',
             "train.progress=false", "fidelity.every=0", "model.overrides={vocab_size=129280}"]
     cmd = ["/usr/bin/time", "-f", "%M", sys.executable, "-m", "trex", "train", str(out.parent / "recipe.toml"),
            "--out", str(out), *[a for s in sets for a in ("--set", s)]]
