@@ -56,13 +56,28 @@ def test_override_to_missing_accelerator_is_a_clear_error(monkeypatch):
 
 def test_memory_readings_track_allocations():
     dev = device.Device("cpu")
-    dev.reset_peak_memory()
-    before = dev.max_memory_allocated()
+    was_reset = dev.reset_peak_memory()
+    before, peak_before = dev.memory_allocated(), dev.max_memory_allocated()
     block = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, touched
     block += 1
-    assert dev.max_memory_allocated() >= before + 48 * 1024 * 1024
-    assert dev.memory_allocated() > 0
+    assert dev.memory_allocated() >= before + 48 * 1024 * 1024
+    assert dev.max_memory_allocated() >= dev.memory_allocated()
+    if was_reset:  # the peak since the reset, not the process's lifetime peak
+        assert peak_before <= before + 8 * 1024 * 1024
+        assert dev.max_memory_allocated() >= peak_before + 48 * 1024 * 1024
     del block
+
+
+def test_a_refused_peak_reset_is_reported(monkeypatch):
+    real_open = open
+
+    def refuse(path, *args, **kwargs):
+        if str(path) == "/proc/self/clear_refs":
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", refuse)
+    assert device.Device("cpu").reset_peak_memory() is False
 
 
 def test_rng_state_round_trip():

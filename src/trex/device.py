@@ -127,12 +127,14 @@ class Device:
             return int(torch.get_device_module(self.type).max_memory_allocated(self.index))
         return _peak_rss_bytes()
 
-    def reset_peak_memory(self) -> None:
-        """Reset the peak reading. On CPU the kernel's high-water mark is reset where Linux allows."""
+    def reset_peak_memory(self) -> bool:
+        """Reset the peak reading; True when it was reset. On CPU the kernel's high-water mark (VmHWM)
+        is reset where Linux allows (``/proc/self/clear_refs``); where it does not (some containers,
+        gVisor), False, and ``max_memory_allocated`` stays the process's lifetime peak."""
         if self.is_accelerator:
             torch.get_device_module(self.type).reset_peak_memory_stats(self.index)
-        else:
-            _reset_peak_rss()
+            return True
+        return _reset_peak_rss()
 
     def total_memory(self) -> int:
         if self.is_accelerator:
@@ -249,13 +251,16 @@ def _peak_rss_bytes() -> int:
     return kib * 1024 if kib is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _reset_peak_rss() -> None:
-    # Writing "5" to clear_refs resets VmHWM to the current RSS (Linux >= 4.0).
+def _reset_peak_rss() -> bool:
+    # Writing "5" to clear_refs resets VmHWM to the current RSS (Linux >= 4.0). A sandbox may refuse the
+    # write or accept it and do nothing: the reset counts only if the high-water mark came down to RSS.
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
-        pass
+        return False
+    hwm, rss = _read_status_kib("VmHWM"), _read_status_kib("VmRSS")
+    return hwm is not None and rss is not None and hwm <= rss + 1024
 
 
 # ---- capabilities -----------------------------------------------------------------------------
