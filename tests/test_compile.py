@@ -23,11 +23,17 @@ from trex.train.loop import train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The compiled tests' models run 3 Sinkhorn iterations, not V4's 20: dynamo unrolls the loop, so each
+# iteration is the same ops traced and lowered again (a fifth of a block's compile time at 20); 3 keep
+# the loop, its first and later iterations, and its backward.
+SINKHORN = 3
+
+
 def test_every_block_kind_compiles_without_a_graph_break():
     """Sliding + hash MoE, CSA (indexer, top-k), HCA, an MTP block, the mHC head and the fused LM head
     + loss: one graph each under torch._dynamo.explain, the MoE dispatch included."""
     torch.manual_seed(0)
-    cfg = tiny(sliding_window=16)
+    cfg = tiny(sliding_window=16, hc_sinkhorn_iters=SINKHORN)
     model = build_model(cfg, seed=0).train()
     ids = torch.randint(0, cfg.vocab_size, (2, 64))
     docs = torch.zeros_like(ids)
@@ -61,11 +67,12 @@ STEPS_SHARDED = 10  # FSDP + EP: the 10-step schedule whose curves agree within 
 
 # the sharded test's model: what FSDP2 + EP change in a compiled block is the MoE (hash- and score-routed);
 # every attention kind, the MTP block and the heads are compiled and checked in one process
-MOE_PAIR = ('model.overrides={sliding_window=16, num_hidden_layers=2, layer_types=["sliding_attention", '
+MOE_PAIR = (f'model.overrides={{sliding_window=16, hc_sinkhorn_iters={SINKHORN}, num_hidden_layers=2, layer_types=["sliding_attention", '
             '"sliding_attention"], mlp_layer_types=["hash_moe", "moe"], num_nextn_predict_layers=0}')
 
 
-def _settings(sft_file, steps: int, model: str = "model.overrides={sliding_window=16}") -> list[str]:
+def _settings(sft_file, steps: int,
+              model: str = f"model.overrides={{sliding_window=16, hc_sinkhorn_iters={SINKHORN}}}") -> list[str]:
     return [f'data.paths=["{sft_file}"]', 'data.tokenizer="compact"', "data.seq_len=64", "train.grad_accum=2",
             f"train.steps={steps}", "train.progress=false", "fidelity.every=0", "optim.lr=3e-3", model,
             "train.balance_alpha=0.01"]

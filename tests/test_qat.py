@@ -57,7 +57,7 @@ def test_each_part_changes_the_forward_and_trains_through_the_master_weights():
 
 @pytest.mark.slow
 def test_a_csa_block_compiles_without_a_graph_break_under_qat():
-    model = build_model(tiny(), seed=0)
+    model = build_model(tiny(hc_sinkhorn_iters=3), seed=0)  # V4's 20 iterations trace the same ops 20 times
     model.set_quant(OFFICIAL)
     ids = _ids(S=32)
     ctx = SeqContext(model.cfg, ids, None)
