@@ -382,6 +382,12 @@ def _cann_version() -> str | None:
     return "unknown"
 
 
+def identity(report: dict) -> dict:
+    """The device type and name of an :func:`environment_report` (as recorded in a run or a fidelity
+    result): what a portability report matches against a hardware profile. Empty when it states none."""
+    return {k: report[k] for k in ("device_type", "device_name") if report.get(k)}
+
+
 def environment_report(device: Device | None = None) -> dict:
     """What `trex doctor` prints: device, versions, backend and capabilities."""
     device = device or detect()

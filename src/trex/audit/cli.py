@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from trex import atomic
+from trex import atomic, logs
 from trex.audit import reports, sarif
 from trex.audit.config import AuditConfig, find_config, load_config, parse_fail_on
 from trex.audit.scanner import run_audit
@@ -34,7 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
+    """Exit 0 clean, 1 a finding reached --fail-on, 2 a usage fault (a bad path, config or -o)."""
     try:
+        _check_output(args.output)
         config = _config(args)
         fail_on = parse_fail_on(args.fail_on) if args.fail_on is not None else config.fail_on
         result = run_audit(args.paths, config)
@@ -43,11 +46,26 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         return 2
     report = FORMATS[args.format](result)
     if args.output:
-        atomic.write_text(args.output, report + "\n")
+        try:
+            atomic.write_text(args.output, report + "\n")
+        except OSError as exc:
+            print(f"trex audit: -o {logs.os_error_line(exc)}", file=sys.stderr)
+            return 2
     else:
         print(report)
     worst = result.worst()
     return 1 if fail_on is not None and worst is not None and worst >= fail_on else 0
+
+
+def _check_output(path: str | None) -> None:
+    """-o is checked before the scan: its folder must exist and be writable (2, not the findings' 1)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"-o {path}: no such directory {folder}")
+    if not os.access(folder, os.W_OK) or os.path.isdir(path):
+        raise ValueError(f"-o {path}: cannot write there ({'a directory' if os.path.isdir(path) else 'not writable'})")
 
 
 def _config(args: argparse.Namespace) -> AuditConfig:

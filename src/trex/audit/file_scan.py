@@ -94,7 +94,8 @@ def scan_pyproject(path: str, text: str, lines: list[str]) -> list[Finding]:
 
 
 def scan_shell(path: str, lines: list[str]) -> list[Finding]:
-    """Shell scripts and Dockerfiles: NCCL variables, CUDA wheels and CUDA base images."""
+    """Shell scripts and Dockerfiles: NCCL variables, CUDA_VISIBLE_DEVICES, CUDA-only packages that
+    pip/uv/conda install, CUDA wheels and CUDA base images."""
     findings = []
     for number, line in enumerate(lines, 1):
         code = line.split("#", 1)[0] if not line.lstrip().startswith("#") else ""
@@ -102,6 +103,19 @@ def scan_shell(path: str, lines: list[str]) -> list[Finding]:
             continue
         for name in rules.NCCL_ENV_IN_TEXT.findall(code):
             findings.append(_finding("TRX202", path, number, f"{name} only tunes NCCL", None, lines))
+        if rules.VISIBLE_DEVICES_IN_TEXT.search(code):
+            findings.append(_finding("TRX112", path, number, f"{rules.VISIBLE_DEVICES} selects devices on CUDA only",
+                                     None, lines))
+        install = rules.PIP_INSTALL.search(code)
+        if install:  # each requirement of the command, as a requirements file line would be judged
+            for word in install["args"].split():
+                if word in ("&&", "||", ";", "|"):  # the next command
+                    break
+                if word.startswith("-") or word == "\\":
+                    continue
+                for rule_id, message, replacement in requirement_hits(word.strip("'\"")):
+                    if rule_id != "TRX503":  # wheel indexes and local versions are caught for the whole line below
+                        findings.append(_finding(rule_id, path, number, message, replacement, lines))
         if rules.CUDA_BASE_IMAGE.match(code):
             findings.append(_finding("TRX505", path, number, "CUDA base image", None, lines))
         if rules.CUDA_WHEEL_INDEX.search(code) or rules.CUDA_LOCAL_VERSION.search(code):

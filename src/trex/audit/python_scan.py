@@ -216,7 +216,17 @@ class _Visitor(ast.NodeVisitor):
         self.visit_guarded(node.test, node.body, node.orelse)
 
     def visit_IfExp(self, node: ast.IfExp) -> None:
+        polarity, via_cuda = self.guard_polarity(node.test)
+        if via_cuda and self._is_cpu(node.orelse if polarity > 0 else node.body):  # "cuda" if ... else "cpu"
+            self.emit("TRX111", node, "CUDA if torch.cuda says so, else the CPU")
         self.visit_guarded(node.test, [node.body], [node.orelse])
+
+    def _is_cpu(self, node: ast.AST) -> bool:
+        """The CPU as a device: "cpu" or torch.device("cpu")."""
+        if _str(node) == "cpu":
+            return True
+        return (isinstance(node, ast.Call) and self.qualify(node.func) == "torch.device" and len(node.args) == 1
+                and _str(node.args[0]) == "cpu")
 
     # ---- calls --------------------------------------------------------------------------------
     def visit_Call(self, node: ast.Call) -> None:
@@ -327,6 +337,8 @@ class _Visitor(ast.NodeVisitor):
             return
         if rules.NCCL_ENV.fullmatch(text):
             self.emit("TRX202", node, f"{text} only tunes NCCL")
+        elif text == rules.VISIBLE_DEVICES:
+            self.emit("TRX112", node, f"{text} selects devices on CUDA only")
         elif self.no_device_strings:
             return
         elif rules.DEVICE_STRING.fullmatch(text):

@@ -51,6 +51,14 @@ _RULES = [
     Rule("TRX110", "cuda-stream-event", DEVICE, E, MECH,
          "torch.cuda.Stream / Event / stream context",
          "torch.Stream(device) / torch.Event(device) and torch.accelerator.current_stream()"),
+    Rule("TRX111", "cuda-or-cpu", DEVICE, W, MECH,
+         "a device chosen as CUDA, or else the CPU: on an Ascend (or any other accelerator) machine it trains on "
+         "the CPU without a word",
+         'torch.accelerator.current_accelerator() or torch.device("cpu") (the device the machine has)'),
+    Rule("TRX112", "cuda-visible-devices", DEVICE, W, MECH,
+         "CUDA_VISIBLE_DEVICES selects devices on CUDA only",
+         "the device runtime's own variable (ASCEND_RT_VISIBLE_DEVICES on Ascend), or torchrun's LOCAL_RANK with "
+         "torch.accelerator.set_device_index"),
     # ---- collectives --------------------------------------------------------------------
     Rule("TRX201", "nccl-backend", COLLECTIVES, E, MECH,
          "the NCCL process-group backend named in code",
@@ -158,6 +166,10 @@ RANK_NAMES = {"local_rank", "rank", "gpu", "gpu_id", "gpu_idx", "device_id", "cu
 # ---- collectives ----------------------------------------------------------------------------------
 NCCL = "nccl"
 NCCL_ENV = re.compile(r"NCCL_[A-Z0-9_]+")
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+VISIBLE_DEVICES_IN_TEXT = re.compile(r"\bCUDA_VISIBLE_DEVICES\b")
+# pip/uv/conda install commands in shell scripts and Dockerfiles: what follows are requirements
+PIP_INSTALL = re.compile(r"\b(?:pip3?|uv pip|python3? -m pip|conda|mamba)\s+install\s+(?P<args>.*)")
 NCCL_ENV_IN_TEXT = re.compile(r"\b(NCCL_[A-Z0-9_]+)\s*=")  # shell and Dockerfile assignments
 NCCL_ONLY_NAMES = {"PyNcclCommunicator", "ProcessGroupNCCL", "NCCLConfig", "NcclCommunicator", "pynccl",
                    "CudaCommunicator"}

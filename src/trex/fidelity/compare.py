@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from trex import device
 from trex.fidelity.profiles import MEASURES, ROLLOUT_MEASURES, Profile
 from trex.fidelity.runs import FidelityInputError, RunSignals, check_reference
 
@@ -67,6 +68,8 @@ class Comparison:
     probe_top1_agreement: float | None = None
     notes: list[str] = field(default_factory=list)
     """Thresholds tighter than the reference's calibrated spread."""
+    devices: dict[str, dict] = field(default_factory=dict)
+    """run, reference: where each was measured (trex.device.identity), for reports that attribute evidence."""
 
     @property
     def passed(self) -> bool:
@@ -87,6 +90,7 @@ class Comparison:
             "checks": [{"measure": c.measure, "value": c.value, "threshold": c.threshold, "status": c.status,
                         "spread": c.spread, "detail": c.detail, "meaning": MEASURES[c.measure]} for c in self.checks],
             "notes": self.notes,
+            "devices": self.devices,
             "layer_grad_norm_rel_err": self.layer_errors,
             "layer_grad_scale_rel_err": self.layer_scale_errors,
             "probe_top1_agreement": self.probe_top1_agreement,
@@ -214,6 +218,7 @@ def compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str = "l
     if envelope not in ENVELOPE_MODES:
         raise FidelityInputError(f"envelope {envelope!r}: expected one of {', '.join(ENVELOPE_MODES)}")
     result = _compare(run, ref, profile, metric, allow_prefix)
+    result.devices = {"run": device.identity(run.environment), "reference": device.identity(ref.environment)}
     bounds = ref.envelope.get("loss", {}) if metric == "loss" else {}
     if bounds:  # the reference's run-to-run loss envelope, for the plot
         lo, hi = dict(zip(bounds["steps"], bounds["min"])), dict(zip(bounds["steps"], bounds["max"]))

@@ -355,6 +355,8 @@ def run_ladder(recipe_path: str, variant_overrides: list[str], out: str, profile
               "edit": getattr(edit, "__name__", None) if edit else None,
               "verdict": "PASS" if first_failed is None else "FAIL",
               "first_failing_rung": first_failed.number if first_failed else None,
+              "devices": {side: device_layer.identity(device_layer.environment_report(device_layer.detect(r.train.device or None)))
+                          for side, r in (("reference", ref_recipe), ("run", var_recipe))},
               "rungs": [vars(r) for r in rungs]}
     write_reports(report, out)
     return report

@@ -120,7 +120,7 @@ def seam(run: str, steps: int = 3, reference: str | None = None, at: int | None 
     entry = {"step": move["step"], "move": describe(move), "profile": prof.name, "reference": ref,
              "steps": [move["step"] + 1, move["step"] + len(result.steps)], "verdict": result.verdict,
              "failed": [c.measure for c in result.checks if c.status == "FAIL"], "notes": notes + result.notes,
-             "report": paths["json"], "plot": paths["png"]}
+             "report": paths["json"], "plot": paths["png"], "devices": result.devices}
     handler = logs.to_file(os.path.join(run, "train.log")) if os.path.isfile(os.path.join(run, "train.log")) else None
     try:  # the run's log says it too
         log.info("seam at step %d (%s): %s under %s, steps %d-%d against %s", move["step"], describe(move),

@@ -27,6 +27,7 @@ class HardwareProfile:
     inter_node_gbps: float  # per-device network bandwidth across nodes, GB/s
     devices_per_node: int
     match: list[str] = field(default_factory=list)  # substrings of the torch device name
+    device_type: str = ""  # the torch device type it appears as (cuda, npu, ...); "" when not stated
     source: str = ""
     host_memory_gib: float = 0.0  # host (CPU) memory per node; 0: not stated (offload is not checked)
     host_link_gbps: float = 0.0  # per-device one-direction host link (PCIe), GB/s; 0: not stated

@@ -9,8 +9,8 @@ See docs/planning.md. Command line: ``trex plan``.
 
 from trex.plan.layout import Layout, PlanError, parse_layout
 from trex.plan.model_facts import ModelFacts, model_facts
-from trex.plan.planner import Plan, make_plan, minimum_devices, search
+from trex.plan.planner import Plan, make_plan, fewest_devices, search
 from trex.plan.timing import TimeAssumptions
 
-__all__ = ["Layout", "ModelFacts", "Plan", "PlanError", "TimeAssumptions", "make_plan", "minimum_devices",
+__all__ = ["Layout", "ModelFacts", "Plan", "PlanError", "TimeAssumptions", "make_plan", "fewest_devices",
            "model_facts", "parse_layout", "search"]

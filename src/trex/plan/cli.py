@@ -13,7 +13,7 @@ from trex.hardware import HardwareProfile, load_profiles
 from trex.models.config import PRESETS, ConfigError, ModelConfig, get_preset
 from trex.plan import annotate
 from trex.plan.layout import Layout, PlanError, parse_layout
-from trex.plan.planner import make_plan, search
+from trex.plan.planner import fewest_devices, make_plan, no_fit_hint, search
 from trex.plan.report import plan_dict, plan_table, search_table
 from trex.plan.timing import TimeAssumptions
 
@@ -112,7 +112,22 @@ def _annotate(path: str) -> int:
     return 0 if all(p.fits for p in plans.values()) else 1
 
 
-def _inputs(args: argparse.Namespace) -> tuple[ModelConfig, Layout, int, str]:
+def _check_ranges(args: argparse.Namespace) -> None:
+    """Numbers the planner divides by or scales with, against their ranges (one line, exit 2)."""
+    for flag, value, ok, expected in (
+            ("--seq", args.seq, lambda v: v >= 1, "a positive number of tokens"),
+            ("--devices", args.devices, lambda v: v >= 1, "at least 1"),
+            ("--global-batch-tokens", args.global_batch_tokens, lambda v: v >= 1, "a positive number of tokens"),
+            ("--efficiency", args.efficiency, lambda v: 0 < v <= 1, "a share of peak in (0, 1]"),
+            ("--fsdp-overlap", args.fsdp_overlap, lambda v: 0 <= v <= 1, "a share in [0, 1]"),
+            ("--ep-overlap", args.ep_overlap, lambda v: 0 <= v <= 1, "a share in [0, 1]"),
+            ("--top", args.top, lambda v: v >= 1, "at least 1")):
+        if value is not None and not ok(value):
+            raise PlanError(f"{flag} {value:g}: expected {expected}")
+
+
+def _inputs(args: argparse.Namespace) -> tuple[str, ModelConfig, Layout, int, str]:
+    """(model spec, model, layout, sequence length, dtype) from the recipe and the flags."""
     base, model_spec, seq, dtype = Layout(dp_shard=1), args.model, args.seq, args.dtype
     if args.recipe:
         spec, base, recipe_seq, recipe_dtype = recipe_inputs(args.recipe, args.devices)
@@ -136,49 +151,103 @@ def _inputs(args: argparse.Namespace) -> tuple[ModelConfig, Layout, int, str]:
         layout = dataclasses.replace(layout, grad_accum=args.global_batch_tokens // rows_per_step)
     if args.devices and not args.search and layout.devices != args.devices:
         raise PlanError(f"the layout {layout.describe()} uses {layout.devices} devices, not --devices {args.devices}")
-    return resolve_model(model_spec), layout, seq, dtype or "bf16"
+    return model_spec, resolve_model(model_spec), layout, seq, dtype or "bf16"
+
+
+def _emit(args: argparse.Namespace, data, text: str) -> None:
+    print(json.dumps(data, indent=2) if args.format == "json" else text)
+
+
+def _hardware_list(args: argparse.Namespace) -> int:
+    profiles = list(load_profiles().values())
+    _emit(args, [dataclasses.asdict(p) for p in profiles],
+          "\n".join(f"{p.name:18s} {p.unit:4s} {p.peak_tflops.get('bf16', 0):7.1f} TFLOP/s bf16 {p.memory_gib:5g} GiB  "
+                    f"{p.source}" for p in profiles))
+    return 0
+
+
+def _recipe_clusters(args: argparse.Namespace) -> int:
+    """``trex plan RECIPE``: the recipe's own layout on each cluster its header names."""
+    text = open(args.recipe, encoding="utf-8").read()
+    found = annotate.targets(text)
+    if not found:
+        raise PlanError(f"{args.recipe}: give --devices and --hardware, or name the clusters the recipe is for in "
+                        "its header, one line each ('#   512 x h200-sxm:'; --annotate fills in the verdicts)")
+    spec = recipe_inputs(args.recipe, found[0].devices)[0]
+    plans = [(t, plan_recipe(args.recipe, t.devices, t.hardware)) for t in found]
+    _emit(args, [plan_dict(p, spec) for _, p in plans],
+          "\n\n".join(f"== {args.recipe}:{t.line + 1}: {t.devices} x {t.hardware}\n{plan_table(p, spec)}"
+                       for t, p in plans))
+    return 0 if all(p.fits for _, p in plans) else 1
+
+
+def _fewest(args: argparse.Namespace, spec: str, cfg: ModelConfig, layout: Layout, seq: int, hw: HardwareProfile,
+            assume: TimeAssumptions) -> int:
+    """No device count: the fewest devices that fit, and the fastest layout there."""
+    found = fewest_devices(cfg, seq, hw, assume, optimizer=layout.optimizer,
+                           global_batch_tokens=args.global_batch_tokens)
+    if found is None:
+        reason = f"{spec} at {seq:,}-token sequences does not fit on any number of {hw.name} devices the planner tries"
+        _emit(args, {"fits": False, "model": spec, "seq_len": seq, "hardware": hw.name, "reasons": [reason]},
+              f"no device count fits: {reason}")
+        return 1
+    best = found.plans[0]
+    batch = (f"{found.global_batch_tokens:,} tokens per step" if found.global_batch_tokens else
+             "one sequence per device per step; --global-batch-tokens fixes the batch")
+    fewer = f"{found.fewer} do not fit" if found.fewer else "one device fits"
+    said = (f"fewest devices that fit: {found.devices} x {hw.name}; {fewer} ({batch}).\n"
+            f"The fastest of the {len(found.plans)} layouts that fit there:")
+    _emit(args, {**plan_dict(best, spec), "fewest_devices": {
+        "devices": found.devices, "fewer_do_not_fit": found.fewer, "layouts_that_fit": len(found.plans),
+        "global_batch_tokens": found.global_batch_tokens}}, f"{said}\n{plan_table(best, spec)}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    if args.hardware == "list":
+        return _hardware_list(args)
+    _check_ranges(args)
+    if args.annotate:
+        if not args.recipe:
+            raise PlanError("--annotate rewrites a recipe's planned lines: give the recipe")
+        return _annotate(args.recipe)
+    if args.recipe and not args.devices and not args.hardware:
+        return _recipe_clusters(args)
+    spec, cfg, layout, seq, dtype = _inputs(args)
+    hw = resolve_hardware(args.hardware)
+    assume = TimeAssumptions(compute_efficiency=args.efficiency, fsdp_overlap=args.fsdp_overlap,
+                             ep_overlap=args.ep_overlap, dtype=dtype)
+    if not (args.recipe or args.devices or args.layout):
+        return _fewest(args, spec, cfg, layout, seq, hw, assume)
+    if args.search or not (args.recipe or args.layout):
+        # --search, or a model and a device count only: the fastest layout that fits rather than ep=1
+        devices = args.devices or layout.devices
+        batch = args.global_batch_tokens or layout.global_batch_tokens(seq)
+        plans = search(cfg, devices, seq, batch, hw, assume, optimizer=layout.optimizer)
+        if not plans:
+            hint = no_fit_hint(cfg, devices, seq, batch, hw, assume, layout.optimizer)
+            _emit(args, {"fits": False, "model": spec, "devices": devices, "seq_len": seq, "global_batch_tokens": batch,
+                         "hardware": hw.name, "reasons": [hint]}, f"no layout fits: {hint}")
+            return 1
+        if args.search:
+            _emit(args, [plan_dict(p, spec) for p in plans[: args.top]], search_table(plans, args.top))
+            return 0
+        print(f"note: no recipe or --layout: the fastest of {len(plans)} layouts that fit "
+              f"(--search ranks them, --layout picks one)", file=sys.stderr)
+        layout = plans[0].layout
+    plan = make_plan(cfg, layout, seq, hw, assume)
+    _emit(args, plan_dict(plan, spec), plan_table(plan, spec))
+    return 0 if plan.fits else 1
 
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        if args.hardware == "list":
-            for p in load_profiles().values():
-                print(f"{p.name:18s} {p.unit:4s} {p.peak_tflops.get('bf16', 0):7.1f} TFLOP/s bf16 "
-                      f"{p.memory_gib:5g} GiB  {p.source}")
-            return 0
-        if args.annotate:
-            if not args.recipe:
-                raise PlanError("--annotate rewrites a recipe's planned lines: give the recipe")
-            return _annotate(args.recipe)
-        cfg, layout, seq, dtype = _inputs(args)
-        hw = resolve_hardware(args.hardware)
-        assume = TimeAssumptions(compute_efficiency=args.efficiency, fsdp_overlap=args.fsdp_overlap,
-                                 ep_overlap=args.ep_overlap, dtype=dtype)
-        if args.search:
-            devices = args.devices or layout.devices
-            plans = search(cfg, devices, seq, args.global_batch_tokens or layout.global_batch_tokens(seq), hw,
-                           assume, optimizer=layout.optimizer)
-            if args.format == "json":
-                print(json.dumps([plan_dict(p) for p in plans[: args.top]], indent=2))
-            else:
-                print(search_table(plans, args.top))
-            return 0 if plans else 1
-        if not (args.recipe or args.layout or args.search):
-            # a model and a device count only: plan the fastest layout that fits rather than ep=1
-            plans = search(cfg, layout.devices, seq, layout.global_batch_tokens(seq), hw, assume,
-                           optimizer=layout.optimizer)
-            if not plans:
-                print(search_table(plans, 1))
-                return 1
-            print(f"note: no recipe or --layout: the fastest of {len(plans)} layouts that fit "
-                  f"(--search ranks them, --layout picks one)", file=sys.stderr)
-            layout = plans[0].layout
-        plan = make_plan(cfg, layout, seq, hw, assume)
-        print(json.dumps(plan_dict(plan), indent=2) if args.format == "json" else plan_table(plan))
-        return 0 if plan.fits else 1
+        return _plan(args)
     except (PlanError, ConfigError, ValueError) as e:
-        print(f"trex plan: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a recipe to annotate that is missing or read-only
-        print(f"trex plan: {logs.os_error_line(e)}", file=sys.stderr)
-        return 2
+        message = str(e)
+    except OSError as e:  # a recipe that is missing, or read-only under --annotate
+        message = logs.os_error_line(e)
+    if args.format == "json":
+        print(json.dumps({"error": message}))
+    print(f"trex plan: {message}", file=sys.stderr)
+    return 2

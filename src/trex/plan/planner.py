@@ -92,9 +92,9 @@ def _divisors(n: int) -> list[int]:
 def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: int, hw: HardwareProfile,
            assume: TimeAssumptions = TimeAssumptions(), optimizer: str = "muon",
            micro_batches: tuple[int, ...] = (1, 2, 4), recompute: tuple[str, ...] = ("none", "selective", "full"),
-           pipeline: tuple[int, ...] = (1,)) -> list[Plan]:
-    """Every layout on ``devices`` devices that fits and reaches ``global_batch_tokens`` exactly,
-    fastest first. cp ranges over the divisors of the device count that split the sequence (see
+           pipeline: tuple[int, ...] = (1,), fitting_only: bool = True) -> list[Plan]:
+    """Every layout on ``devices`` devices that fits (every one, with ``fitting_only=False``) and
+    reaches ``global_batch_tokens`` exactly, fastest first. cp ranges over the divisors of the device count that split the sequence (see
     trex.models.deepseek_v4.check_shardable), shard sizes over the divisors of what it leaves; ep
     divides both the shard size and the expert count."""
     if global_batch_tokens % seq_len:
@@ -120,9 +120,24 @@ def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: in
                                         grad_accum=ga, recompute=rc, optimizer=optimizer, offload_optimizer=offload,
                                         reduce_every_micro_batch=every)
                         plan = make_plan(cfg, layout, seq_len, hw, assume)
-                        if plan.fits:
+                        if plan.fits or not fitting_only:
                             plans.append(plan)
     return sorted(plans, key=lambda p: p.time.total)
+
+
+def no_fit_hint(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: int, hw: HardwareProfile,
+                assume: TimeAssumptions = TimeAssumptions(), optimizer: str = "muon") -> str:
+    """Why :func:`search` found nothing, naming only what it did not try: the batch does not split over
+    any layout, or the leanest layout it tried needs more memory than the device has."""
+    tried = search(cfg, devices, seq_len, global_batch_tokens, hw, assume, optimizer, fitting_only=False)
+    if not tried:
+        return (f"no layout on {devices} devices reaches {global_batch_tokens:,} tokens per step exactly (its "
+                f"{global_batch_tokens // seq_len:,} sequences must split evenly over the data-parallel ranks): "
+                "change --global-batch-tokens or --devices")
+    lean = min(tried, key=lambda p: p.memory.total)
+    return (f"the leanest layout tried ({lean.layout.describe()}) needs {lean.memory.total / GiB:.1f} GiB per device, "
+            f"{lean.usable_bytes / GiB:.1f} usable; every recompute, offload, micro-batch and shard/ep/cp split was "
+            "tried: add devices (without --devices, trex plan finds the fewest that fit) or shorten the sequence")
 
 
 def _context_parallel_sizes(cfg: ModelConfig, seq_len: int, devices: int) -> list[int]:
@@ -137,13 +152,57 @@ def _context_parallel_sizes(cfg: ModelConfig, seq_len: int, devices: int) -> lis
     return sizes
 
 
-def minimum_devices(cfg: ModelConfig, seq_len: int, hw: HardwareProfile, candidates: list[int],
-                    assume: TimeAssumptions = TimeAssumptions(), **layout_fields) -> int | None:
-    """The smallest device count among ``candidates`` with a fitting fully-sharded layout
-    (dp_shard = devices, ep = the largest divisor of both devices and the expert count)."""
-    for n in sorted(candidates):
-        ep = max(e for e in _divisors(n) if cfg.n_routed_experts % e == 0)
-        layout = dataclasses.replace(Layout(dp_shard=n, ep=ep), **layout_fields)
-        if make_plan(cfg, layout, seq_len, hw, assume).fits:
-            return n
-    return None
+def device_counts(hw: HardwareProfile, limit: int = 1 << 17) -> list[int]:
+    """The device counts a cluster is built from: 1, 2, 4, ... up to one node, then whole nodes."""
+    node = hw.devices_per_node
+    small = [1 << i for i in range(node.bit_length()) if (1 << i) < node]
+    return [*small, *range(node, limit + 1, node)]
+
+
+@dataclass(frozen=True)
+class Fewest:
+    """The answer to "how many devices": the fewest that fit, the most that was tried without a fit
+    (None when one device fits) and the fitting layouts there, fastest first."""
+
+    devices: int
+    fewer: int | None
+    plans: list[Plan]
+    global_batch_tokens: int | None  # None: one sequence per device per step
+
+
+def fewest_devices(cfg: ModelConfig, seq_len: int, hw: HardwareProfile, assume: TimeAssumptions = TimeAssumptions(),
+                   optimizer: str = "muon", global_batch_tokens: int | None = None,
+                   limit: int = 1 << 17) -> Fewest | None:
+    """The fewest devices (of :func:`device_counts`) on which some layout fits, and every layout that
+    fits there, fastest first. A count is tried with its leanest layouts (full recompute, one sequence per micro-batch,
+    offload and every shard/ep/cp split): if none of them fits, no layout does. Memory per device falls
+    as devices are added (every state is sharded over them), so the counts are doubled until one fits,
+    then the counts in between are tried in order. ``global_batch_tokens`` None plans one sequence per device per step; a fixed batch
+    keeps the counts that divide its sequences. None when nothing up to ``limit`` fits."""
+    counts = device_counts(hw, limit)
+    if global_batch_tokens is not None:
+        if global_batch_tokens % seq_len:
+            raise PlanError(f"global batch of {global_batch_tokens} tokens is not a whole number of "
+                            f"{seq_len}-token sequences")
+        counts = [n for n in counts if (global_batch_tokens // seq_len) % n == 0]
+
+    def fitting(n: int, lean: bool) -> list[Plan]:
+        batch = global_batch_tokens or n * seq_len
+        if lean:
+            return search(cfg, n, seq_len, batch, hw, assume, optimizer, micro_batches=(1,), recompute=("full",))
+        return search(cfg, n, seq_len, batch, hw, assume, optimizer)
+
+    lo, hi, step = -1, None, 1  # indices into counts: counts[lo] does not fit, counts[hi] fits
+    while hi is None:
+        i = min(lo + step, len(counts) - 1)
+        if i <= lo:
+            return None
+        if fitting(counts[i], lean=True):
+            hi = i
+        else:
+            lo, step = i, step * 2
+    # between the last count that did not fit and the first that did, ascending: not a bisection, since a
+    # count whose divisors allow no large ep (416 = 2^5 x 13 for 384 experts) can miss where a smaller fits
+    first = next(i for i in range(lo + 1, hi + 1) if i == hi or fitting(counts[i], lean=True))
+    fewer = counts[first - 1] if first > 0 else None
+    return Fewest(counts[first], fewer, fitting(counts[first], lean=False), global_batch_tokens)

@@ -7,19 +7,37 @@ import dataclasses
 from trex.plan.planner import GiB, Plan
 
 
-def plan_dict(plan: Plan) -> dict:
+def no_fit_reasons(plan: Plan) -> list[str]:
+    """Why a plan does not fit, each with its numbers; empty when it fits."""
+    m, out = plan.memory, []
+    if m.total > plan.usable_bytes:
+        out.append(f"needs {m.total / GiB:.1f} GiB per device (weights {m.weights / GiB:.1f}, optimizer state "
+                   f"{m.optimizer / GiB:.1f}, step peak {m.step_peak / GiB:.1f}), {plan.usable_bytes / GiB:.1f} usable")
+    if plan.host_fits is False:
+        per_device = plan.hardware.host_memory_gib / plan.hardware.devices_per_node
+        out.append(f"offloaded optimizer state {m.optimizer_host / GiB:.1f} GiB per device, host memory "
+                   f"{per_device:.1f} GiB per device")
+    return out
+
+
+def plan_dict(plan: Plan, model: str) -> dict:
+    """The plan as JSON; ``model`` is what it was asked for (a preset name or a config path)."""
     f = plan.facts
     return {
-        "layout": {**dataclasses.asdict(plan.layout), "devices": plan.layout.devices},
+        "model": model,
+        "layout": {**dataclasses.asdict(plan.layout), "devices": plan.layout.devices,
+                   "describe": plan.layout.describe()},
         "seq_len": plan.seq_len,
         "global_batch_tokens": plan.global_batch_tokens,
-        "hardware": {"name": plan.hardware.name, "unit": plan.hardware.unit,
+        "hardware": {"name": plan.hardware.name, "unit": plan.hardware.unit, "device_type": plan.hardware.device_type,
+                     "match": plan.hardware.match,
                      "memory_gib": plan.hardware.memory_gib, "source": plan.hardware.source},
         "parameters": {"total": f.total, "active": f.active, "mtp": f.mtp, "trainable": f.trainable,
                        "muon": f.muon, "adamw": f.adamw, "by_type": f.by_type},
         "memory_bytes": plan.memory.as_dict(),
         "usable_bytes": plan.usable_bytes,
         "fits": plan.fits,
+        "reasons": no_fit_reasons(plan),
         "time_s": plan.time.as_dict(),
         "flops_per_token": plan.flops_per_token,
         "tokens_per_s_per_device": plan.tokens_per_s_per_device,
@@ -33,9 +51,10 @@ def _gib(x: float) -> str:
     return f"{x / GiB:8.1f} GiB"
 
 
-def plan_table(plan: Plan) -> str:
+def plan_table(plan: Plan, model: str) -> str:
     f, m, t, hw = plan.facts, plan.memory, plan.time, plan.hardware
     lines = [
+        f"model       {model}",
         f"layout      {plan.layout.describe()}  ({plan.layout.devices} x {hw.name}, one {hw.unit} each)",
         f"batch       {plan.global_batch_tokens:,} tokens per step, sequences of {plan.seq_len}",
         f"parameters  {f.total / 1e9:.1f}B total, {f.active / 1e9:.1f}B active per token, {f.mtp / 1e9:.1f}B MTP; "
@@ -63,13 +82,12 @@ def plan_table(plan: Plan) -> str:
     lines.append(f"assumptions compute efficiency {a.compute_efficiency:.0%}, FSDP overlap {a.fsdp_overlap:.0%}, "
                  f"EP overlap {a.ep_overlap:.0%}, CP overlap {a.cp_overlap:.0%}, links {hw.intra_node_gbps:g}/{hw.inter_node_gbps:g} GB/s "
                  f"intra/inter node, {hw.devices_per_node} per node")
+    lines += [f"does not fit: {r}" for r in no_fit_reasons(plan)]
     lines += [f"note        {n}" for n in plan.notes]
     return "\n".join(lines)
 
 
 def search_table(plans: list[Plan], top: int) -> str:
-    if not plans:
-        return "no layout fits: add devices, shorten the sequence, or allow recompute/offload"
     head = "| rank | layout | memory GiB | step s | tokens/s/device | MFU |"
     rows = [head, "|---|---|---|---|---|---|"]
     for i, p in enumerate(plans[:top], 1):

@@ -17,7 +17,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from trex.hardware import load_profiles
+from trex.device import identity
 
 GiB = 2 ** 30
 EFFORT_WEIGHT = {"mechanical": 1, "moderate": 5, "rewrite": 20}  # as trex audit ranks files
@@ -35,13 +35,24 @@ class Block:
 
 
 def _num(x, digits: int = 3) -> str:
+    """As people read numbers: 1,500 and 26.9 and 0.0123, not 1.5e+03; 2.00e-06 below a thousandth."""
     if x is None:
         return "-"
     if isinstance(x, str):
         return x
-    if x == 0 or 1e-3 <= abs(x) < 1e6:
+    if abs(x) >= 10 ** digits:
+        return f"{x:,.0f}"
+    if x == 0 or abs(x) >= 1e-3:
         return f"{x:.{digits}g}"
     return f"{x:.2e}"
+
+
+def _seconds(x: float) -> str:
+    """A duration as people read it: 8.23 s, 12.5 ms, 18.3 µs."""
+    for scale, unit in ((1, "s"), (1e-3, "ms"), (1e-6, "µs")):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x / 1e-9:.3g} ns"
 
 
 # ---- sections --------------------------------------------------------------------------------------
@@ -161,7 +172,8 @@ def fidelity_section(results: list[dict]) -> list[Block]:
               "compare": "Comparison"}
     for result in results:
         header, rows, plots = _verdict_rows(result)
-        blocks += [Block("h3", f"{titles[result['kind']]}: {fidelity_verdict(result)}"),
+        where = ", ".join(measured_on(result)) or "a device the result does not state"
+        blocks += [Block("h3", f"{titles[result['kind']]} on {where}: {fidelity_verdict(result)}"),
                    Block("table", header=header, rows=rows)]
         blocks += [Block("img", path=p) for p in plots if os.path.isfile(p)]
         blocks.append(Block("source", path=result["source"]))
@@ -170,54 +182,111 @@ def fidelity_section(results: list[dict]) -> list[Block]:
 
 def plan_row(plan: dict) -> list[str]:
     hw, m, t = plan["hardware"], plan["memory_bytes"], plan["time_s"]
-    return [hw["name"], str(plan["layout"]["devices"]), "yes" if plan["fits"] else "NO",
-            f"{m['step_peak'] / GiB:.1f} / {plan['usable_bytes'] / GiB:.1f}", _num(t["total"]),
-            _num(plan.get("tokens_per_s_per_device")), f"{100 * plan['mfu']:.1f}%", f"`{plan['source']}`"]
+    return [plan["model"], f"{plan['layout']['devices']} x {hw['name']}", f"{plan['seq_len']:,}",
+            f"{plan['global_batch_tokens']:,}", plan["layout"]["describe"], "yes" if plan["fits"] else "NO",
+            f"{m['total'] / GiB:.1f} / {plan['usable_bytes'] / GiB:.1f}", _seconds(t["total"]),
+            _num(plan["tokens_per_s_per_device"]), f"{100 * plan['mfu']:.1f}%", f"`{plan['source']}`"]
 
 
 def plan_section(plans: list[dict]) -> list[Block]:
     return [Block("h2", "Plans"),
-            Block("p", "`trex plan` per target cluster: the step's peak memory per device against what is usable, "
-                       "step time, throughput and MFU, from the hardware profile and the model's FLOPs."),
-            Block("table", header=["hardware", "devices", "fits", "step peak / usable GiB", "step s",
-                                   "tokens/s/device", "MFU", "source"], rows=[plan_row(p) for p in plans])]
+            Block("p", "`trex plan` per target cluster: memory per device (weights, optimizer state and the step's "
+                       "peak) against what is usable, step time, throughput and MFU, from the hardware profile and "
+                       "the model's FLOPs."),
+            Block("table", header=["model", "cluster", "sequence", "tokens/step", "layout", "fits",
+                                   "memory / usable GiB", "step time", "tokens/s/device", "MFU", "source"],
+                  rows=[plan_row(p) for p in plans])]
+
+
+def measured_on(result: dict) -> list[str]:
+    """Where a fidelity result was measured: device names (or types, for a CPU) of its runs, in order."""
+    data, kind = result["data"], result["kind"]
+    if kind == "matrix":
+        found = [identity(data.get("environment", {}))]
+    elif kind == "seams":
+        found = [d for s in data for d in s.get("devices", {}).values()]
+    else:
+        found = list(data.get("devices", {}).values())
+    labels = [d.get("device_name") or d.get("device_type") for d in found]
+    return list(dict.fromkeys(x for x in labels if x))
+
+
+def evidence_for(hardware: dict, fidelity: list[dict]) -> str:
+    """The fidelity sentence of one target: the results measured on its hardware, or that there are none."""
+    match = [m.lower() for m in hardware.get("match", [])]
+    here = [r for r in fidelity if any(m in label.lower() for label in measured_on(r) for m in match)]
+    if here:
+        return f"Fidelity evidence from {hardware['name']}: {'; '.join(fidelity_said(r) for r in here)}."
+    elsewhere = [f"{fidelity_said(r)} (on {', '.join(measured_on(r)) or 'a device the result does not state'})"
+                 for r in fidelity]
+    return (f"No fidelity evidence from {hardware['name']} yet" +
+            (f"; what there is was measured elsewhere: {'; '.join(elsewhere)}." if elsewhere else
+             ": nothing shows the loss curve is the same there."))
+
+
+def audit_for(hardware: dict, audit: dict | None) -> str:
+    """The audit sentence of one target: a CUDA target runs the code as it is; others list the work."""
+    if audit is None:
+        return "No audit was given: the cost of the team's own code is not counted."
+    effort, source = audit_effort(audit), f"(source: `{audit['source']}`)"
+    found = f"{effort['errors']} error and {effort['warnings']} warning findings"
+    where = f"on {hardware['name']}" if hardware.get("name") else "off CUDA"
+    if not effort["errors"] + effort["warnings"]:
+        return f"The audit finds nothing to change before the code runs {where} {source}."
+    if hardware.get("device_type") == "cuda":
+        return f"The code runs on CUDA as it is; the audit's {found} are the work before it leaves CUDA {source}."
+    kinds = ", ".join(f"{effort['effort'][e]} {e}" for e in EFFORT_WEIGHT)
+    return f"Before the code runs {where}: {found}, {effort['weight']} effort points ({kinds}) {source}."
+
+
+def doctors_on(hardware: dict, doctors: list[dict]) -> list[dict]:
+    """The doctor reports whose device name matches the plan's hardware (its profile's ``match``)."""
+    names = [m.lower() for m in hardware.get("match", [])]
+    return [d for d in doctors if any(m in str(d["environment"].get("device_name", "")).lower() for m in names)]
+
+
+def target_heading(plan: dict) -> str:
+    return f"{plan['model']} on {plan['layout']['devices']} x {plan['hardware']['name']}, {plan['seq_len']:,}-token sequences"
 
 
 def summary_section(audit: dict | None, doctors: list[dict], fidelity: list[dict], plans: list[dict]) -> list[Block]:
-    """One paragraph per target cluster (a plan), then what the fidelity evidence says."""
+    """One heading and paragraph per target cluster (a plan): its plan, the audit's work and the
+    fidelity evidence from that hardware."""
     blocks = [Block("h2", "Summary")]
-    effort = audit_effort(audit) if audit else None
-    if effort:
-        kinds = ", ".join(f"{effort['effort'][e]} {e}" for e in EFFORT_WEIGHT)
-        code = (f"The audit of the training code finds {effort['errors']} error and {effort['warnings']} warning "
-                f"findings, {effort['weight']} effort points ({kinds}) to remove before it runs off CUDA "
-                f"(source: `{audit['source']}`).")
-    else:
-        code = "No audit was given: the cost of the team's own code is not counted."
-    verdicts = [fidelity_said(r) for r in fidelity]
-    evidence = (f"Fidelity evidence: {'; '.join(verdicts)}." if verdicts else
-                "No fidelity evidence was given: nothing shows the loss curve is the same elsewhere.")
+    headings = Counter(target_heading(p) for p in plans)
     for plan in plans:
-        there = [d["label"] for d in doctors_on(plan["hardware"]["name"], doctors)]
-        checked = (f" `trex doctor` ran there: {', '.join(there)}." if there else
-                   f" No `trex doctor` report from {plan['hardware']['name']} yet: run it on that cluster first.")
         hw, m = plan["hardware"], plan["memory_bytes"]
-        fit = (f"fits ({m['step_peak'] / GiB:.1f} of {plan['usable_bytes'] / GiB:.1f} GiB per device at the step's "
-               "peak)" if plan["fits"] else
-               f"does NOT fit ({m['step_peak'] / GiB:.1f} GiB needed, {plan['usable_bytes'] / GiB:.1f} usable per device)")
-        blocks.append(Block("p", f"**Moving to {plan['layout']['devices']} x {hw['name']}**: the plan {fit}, "
-                                 f"{_num(plan['time_s']['total'])} s per step at {100 * plan['mfu']:.1f}% MFU "
-                                 f"(source: `{plan['source']}`). {code} {evidence}{checked}"))
+        heading = target_heading(plan)
+        if headings[heading] > 1:  # two plans of one model, cluster and sequence: their layouts tell them apart
+            heading = f"{heading}, {plan['layout']['describe']}"
+        there = [d["label"] for d in doctors_on(hw, doctors)]
+        checked = (f" `trex doctor` ran there: {', '.join(there)}." if there else
+                   f" No `trex doctor` report from {hw['name']} yet: run it on that cluster first.")
+        memory = (f"{m['total'] / GiB:.1f} of {plan['usable_bytes'] / GiB:.1f} GiB per device (weights, optimizer "
+                  "state and the step's peak)")
+        fit = f"fits: {memory}" if plan["fits"] else f"does NOT fit: {memory}"
+        blocks += [Block("h3", heading),
+                   Block("p", f"Layout {plan['layout']['describe']}, {plan['global_batch_tokens']:,} tokens per step. "
+                              f"The plan {fit}; {_seconds(plan['time_s']['total'])} per step, "
+                              f"{_num(plan['tokens_per_s_per_device'])} tokens/s per device, "
+                              f"{100 * plan['mfu']:.1f}% MFU (source: `{plan['source']}`). {audit_for(hw, audit)} "
+                              f"{evidence_for(hw, fidelity)}{checked}")]
     if not plans:
-        blocks.append(Block("p", f"No plan was given. {code} {evidence}"))
+        evidence = (f"Fidelity evidence: {'; '.join(fidelity_said(r) for r in fidelity)}." if fidelity else
+                    "No fidelity evidence was given: nothing shows the loss curve is the same elsewhere.")
+        blocks.append(Block("p", f"No plan was given. {audit_for({}, audit)} {evidence}"))
     return blocks
 
 
-def doctors_on(hardware: str, doctors: list[dict]) -> list[dict]:
-    """The doctor reports whose device name matches the hardware profile ``hardware``."""
-    profile = load_profiles().get(hardware)
-    names = [m.lower() for m in (profile.match if profile else [])]
-    return [d for d in doctors if any(m in str(d["environment"].get("device_name", "")).lower() for m in names)]
+def unique_headings(blocks: list[Block]) -> list[Block]:
+    """The second and later of a repeated heading get (2), (3), ...: every heading can be linked to."""
+    seen: Counter = Counter()
+    for b in blocks:
+        if b.kind in ("h1", "h2", "h3"):
+            seen[b.text] += 1
+            if seen[b.text] > 1:
+                b.text = f"{b.text} ({seen[b.text]})"
+    return blocks
 
 
 def build(title: str, audit: dict | None, doctors: list[dict], fidelity: list[dict], plans: list[dict]) -> list[Block]:
@@ -230,7 +299,7 @@ def build(title: str, audit: dict | None, doctors: list[dict], fidelity: list[di
         blocks += fidelity_section(fidelity)
     if plans:
         blocks += plan_section(plans)
-    return blocks
+    return unique_headings(blocks)
 
 
 # ---- Markdown ----------------------------------------------------------------------------------------

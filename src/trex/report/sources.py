@@ -56,7 +56,8 @@ def read_plan(path: str) -> dict:
     data = _load(path, what)
     if isinstance(data, list) and data:
         data = data[0]
-    _need(data, ("hardware", "layout", "fits", "memory_bytes", "usable_bytes", "time_s", "mfu"), path, what)
+    _need(data, ("model", "hardware", "layout", "fits", "memory_bytes", "usable_bytes", "time_s", "mfu",
+                 "seq_len", "global_batch_tokens", "tokens_per_s_per_device"), path, what)
     return {**data, "source": path}
 
 
