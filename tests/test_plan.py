@@ -9,7 +9,8 @@ from trex.cli import main
 from trex.hardware import HardwareProfile, load_profiles
 from trex.models import build_model, count_parameters, get_preset
 from trex.models.config import tiny
-from trex.plan import Layout, PlanError, TimeAssumptions, make_plan, model_facts, parse_layout, search
+from trex.plan import Layout, PlanError, TimeAssumptions, annotate, fewest_devices, make_plan, model_facts, parse_layout, search
+from trex.plan.planner import device_counts
 
 H100 = load_profiles()["h100-sxm"]
 FLASH = get_preset("deepseek-v4-flash")
@@ -111,3 +112,68 @@ def test_cli_plans_a_recipe_and_a_user_hardware_profile(tmp_path, monkeypatch, c
     assert main(["plan", "--model", "deepseek-v4-flash", "--hardware", "big", "--seq", "4096", "--devices", "16",
                  "--layout", "dp_shard=16,ep=16", "--global-batch-tokens", str(16 * 4096 * 2)]) == 0
     assert "ga=2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model, hardware", [("deepseek-v4-flash", "h200-sxm"), ("deepseek-v4-flash", "ascend-910c-die"),
+                                             ("deepseek-v4-pro", "h200-sxm"), ("deepseek-v4-pro", "ascend-910c-die")])
+def test_the_fewest_devices_that_fit_are_found(model, hardware):
+    cfg, hw = get_preset(model), load_profiles()[hardware]
+    found = fewest_devices(cfg, 4096, hw)
+    assert found.plans and all(p.fits and p.layout.devices == found.devices for p in found.plans)
+    assert [p.time.total for p in found.plans] == sorted(p.time.total for p in found.plans)
+    assert found.fewer == max(n for n in device_counts(hw) if n < found.devices)  # the count just below was tried
+    assert not search(cfg, found.fewer, 4096, found.fewer * 4096, hw)  # and no layout fits there
+
+
+def test_how_many_devices_on_the_command_line_as_json(capsys):
+    assert main(["plan", "--model", "deepseek-v4-flash", "--hardware", "h200-sxm", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    fewest = out["fewest_devices"]
+    assert out["fits"] and out["layout"]["devices"] == fewest["devices"] and fewest["fewer_do_not_fit"] < fewest["devices"]
+    assert out["model"] == "deepseek-v4-flash" and fewest["layouts_that_fit"] >= 1 and out["reasons"] == []
+    assert main(["plan", "--model", "deepseek-v4-flash", "--hardware", "h200-sxm"]) == 0
+    said = capsys.readouterr().out
+    assert f"fewest devices that fit: {fewest['devices']} x h200-sxm; {fewest['fewer_do_not_fit']} do not fit" in said
+
+
+def test_json_is_json_whatever_the_answer(capsys):
+    # no layout fits: the reasons name only what the search did not try
+    assert main(["plan", "--model", "deepseek-v4-flash", "--hardware", "h200-sxm", "--devices", "8", "--format",
+                 "json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and "add devices" in out["reasons"][0] and "allow recompute" not in out["reasons"][0]
+    # a batch no layout reaches
+    assert main(["plan", "--model", "tiny", "--hardware", "h200-sxm", "--devices", "6", "--global-batch-tokens",
+                 str(4 * 4096), "--search", "--format", "json"]) == 1  # 4 sequences: dp 1 or 2, cp 6 or 3
+    assert "must split evenly" in json.loads(capsys.readouterr().out)["reasons"][0]
+    # a layout that does not fit states its total against usable
+    assert main(["plan", "--model", "deepseek-v4-pro", "--hardware", "h200-sxm", "--devices", "8", "--layout",
+                 "dp_shard=8,ep=8", "--format", "json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert not out["fits"] and f"needs {out['memory_bytes']['total'] / 2**30:.1f} GiB per device" in out["reasons"][0]
+    # a user fault
+    assert main(["plan", "--model", "nope", "--hardware", "h200-sxm", "--format", "json"]) == 2
+    out, err = capsys.readouterr()
+    assert "not a preset" in json.loads(out)["error"] and err.count("\n") == 1
+    # the hardware list
+    assert main(["plan", "--hardware", "list", "--format", "json"]) == 0
+    profiles = json.loads(capsys.readouterr().out)
+    assert {p["name"] for p in profiles} >= {"h200-sxm", "ascend-910c-die"} and all("source" in p for p in profiles)
+
+
+@pytest.mark.parametrize("flag, value", [("--seq", "0"), ("--efficiency", "0"), ("--efficiency", "-0.5"),
+                                         ("--efficiency", "1.5"), ("--fsdp-overlap", "1.5"), ("--ep-overlap", "-1"),
+                                         ("--devices", "0"), ("--global-batch-tokens", "0"), ("--top", "0")])
+def test_numbers_out_of_range_are_one_line(flag, value, capsys):
+    assert main(["plan", "--model", "deepseek-v4-flash", "--hardware", "h200-sxm", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"trex plan: {flag} ") and "expected" in err and err.count("\n") == 1
+
+
+def test_a_recipe_alone_plans_the_clusters_its_header_names(capsys):
+    recipe = "recipes/deepseek_v4_pro_sft.toml"
+    named = annotate.targets(open(recipe).read())
+    assert main(["plan", recipe, "--format", "json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert [(p["layout"]["devices"], p["hardware"]["name"]) for p in plans] == [(t.devices, t.hardware) for t in named]
+    assert all(p["fits"] for p in plans)

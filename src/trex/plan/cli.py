@@ -134,6 +134,7 @@ def _inputs(args: argparse.Namespace) -> tuple[str, ModelConfig, Layout, int, st
         model_spec, seq, dtype = model_spec or spec, seq or recipe_seq, dtype or recipe_dtype
     if model_spec is None:
         raise PlanError("give a recipe or --model")
+    cfg = resolve_model(model_spec)
     if seq is None:
         seq = DEFAULT_SEQ
         print(f"note: no recipe or --seq: planning {seq}-token sequences", file=sys.stderr)
@@ -151,7 +152,7 @@ def _inputs(args: argparse.Namespace) -> tuple[str, ModelConfig, Layout, int, st
         layout = dataclasses.replace(layout, grad_accum=args.global_batch_tokens // rows_per_step)
     if args.devices and not args.search and layout.devices != args.devices:
         raise PlanError(f"the layout {layout.describe()} uses {layout.devices} devices, not --devices {args.devices}")
-    return model_spec, resolve_model(model_spec), layout, seq, dtype or "bf16"
+    return model_spec, cfg, layout, seq, dtype or "bf16"
 
 
 def _emit(args: argparse.Namespace, data, text: str) -> None:
