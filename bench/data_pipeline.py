@@ -5,7 +5,10 @@
 - the time from `trex train` start to the end of step 1 on a prepared set of 20,000 records and of
   the full set: mapping must not grow with the set;
 - the peak RSS of that process over the same run on 1,000 records (the no-data baseline);
-- packing efficiency at 4096 tokens: next_fit (the default) and best_fit.
+- packing efficiency at 4096 tokens: next_fit (the default) and best_fit;
+- the storage format: the same packed rows served from prepare's memory-mapped arrays and from an
+  Arrow table laid out as HF `datasets` keeps tokenized data (one row per document, list columns),
+  memory-mapped with pyarrow: conversion, open and rows/s.
 
     .venv/bin/python bench/data_pipeline.py                    # 1,000,000 records, about 0.5 B tokens
     .venv/bin/python bench/data_pipeline.py --records 100000 --write   # figures into docs/benchmarks.md
@@ -33,7 +36,7 @@ import numpy as np  # noqa: E402
 from trex.data import DataSection, load_tokenizer  # noqa: E402
 from trex.data.documents import record_segments  # noqa: E402
 from trex.data.packing import pack, pack_best_fit  # noqa: E402
-from trex.data.prepared import prepare  # noqa: E402
+from trex.data.prepared import open_prepared, prepare  # noqa: E402
 from trex.data.records import Record, write_jsonl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +68,81 @@ def ceiling(cfg: DataSection, tok, records: list[dict]) -> float:
     for k in range(0, len(texts), 512):
         tokens += sum(len(e.ids) for e in tok.backend.encode_batch_fast(texts[k:k + 512], add_special_tokens=False))
     return tokens / (time.perf_counter() - start)
+
+
+def _serve(rows, picks: np.ndarray, piece) -> float:
+    """rows/s assembling the packed rows ``picks`` (input ids with -100 where not a target), each
+    document's (tokens, loss mask) from ``piece(d)``: the same loop for every storage."""
+    start = time.perf_counter()
+    for index in picks:
+        for r in index.tolist():
+            row, at = np.zeros(rows.seq_len, dtype=np.int64), 0
+            for d in rows.order[rows.bounds[r]:rows.bounds[r + 1]].tolist():
+                values, keep = piece(d)
+                row[at:at + len(values)] = np.where(keep, values, -100)
+                at += len(values)
+    return picks.size / (time.perf_counter() - start)
+
+
+def arrow_vs_mmap(prepared: Path, batches: int = 300, batch_rows: int = 8) -> dict[str, dict[str, float]]:
+    """Serve the same random packed rows from the prepared arrays (np.memmap) and from an Arrow IPC
+    file of one row per document (input_ids large_list<int32>, loss_mask large_list<uint8>, in
+    record batches of 1,000, as HF datasets stores a tokenized set), memory-mapped: seconds to
+    convert, seconds to open, rows/s through pyarrow's own calls and through numpy views of its buffers."""
+    import pyarrow as pa
+
+    rows, _ = open_prepared(prepared, pad_id=0)
+    docs, out = rows.docs, {}
+    arrow = prepared.parent / "arrow.arrow"
+    start = time.perf_counter()
+    offsets = pa.array(np.asarray(docs.offsets), pa.int64())
+    table = pa.table({"input_ids": pa.LargeListArray.from_arrays(offsets, pa.array(np.asarray(docs.tokens))),
+                      "loss_mask": pa.LargeListArray.from_arrays(offsets, pa.array(np.asarray(docs.loss_mask)))})
+    with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=1000)
+    convert = time.perf_counter() - start
+    del table
+    picks = np.random.default_rng(0).integers(0, len(rows), (batches, batch_rows))
+
+    start = time.perf_counter()
+    mapped, _ = open_prepared(prepared, pad_id=0)
+    opened = time.perf_counter() - start
+    off, tokens, mask = mapped.docs.offsets, mapped.docs.tokens, mapped.docs.loss_mask
+
+    def from_memmap(d):
+        lo, hi = int(off[d]), int(off[d + 1])
+        return tokens[lo:hi], mask[lo:hi]
+
+    out["trex prepare: memory-mapped arrays"] = {"rows": picks.size, "convert_s": 0.0, "open_s": opened,
+                                       "rows_per_s": _serve(rows, picks, from_memmap)}
+
+    start = time.perf_counter()
+    table = pa.ipc.open_file(pa.memory_map(str(arrow))).read_all()  # zero-copy over the mapped file
+    ids, keep = table.column("input_ids"), table.column("loss_mask")
+    opened = time.perf_counter() - start
+
+    def from_take(d):
+        at = pa.array([d])
+        return ids.take(at).combine_chunks().flatten().to_numpy(), keep.take(at).combine_chunks().flatten().to_numpy()
+
+    out["Arrow IPC mapped, pyarrow take"] = {"rows": picks.size, "convert_s": convert, "open_s": opened,
+                                             "rows_per_s": _serve(rows, picks, from_take)}
+
+    start = time.perf_counter()  # the most Arrow can give: numpy views of each record batch's buffers
+    views = [(b.column(0).offsets.to_numpy(), b.column(0).values.to_numpy(), b.column(1).values.to_numpy())
+             for b in pa.ipc.open_file(pa.memory_map(str(arrow))).read_all().to_batches()]
+    firsts = np.cumsum([0] + [len(v[0]) - 1 for v in views])
+    opened = time.perf_counter() - start
+
+    def from_views(d):
+        b = int(np.searchsorted(firsts, d, side="right")) - 1
+        offs, values, flags = views[b]
+        lo, hi = int(offs[d - firsts[b]]), int(offs[d - firsts[b] + 1])
+        return values[lo:hi], flags[lo:hi]
+
+    out["Arrow IPC mapped, numpy views of its buffers"] = {"rows": picks.size, "convert_s": convert, "open_s": opened,
+                                                           "rows_per_s": _serve(rows, picks, from_views)}
+    return out
 
 
 def train_start(prepared: Path, data: Path, out: Path) -> tuple[float, float]:
@@ -112,6 +190,7 @@ def main() -> None:
         best = pack_best_fit(lengths, 4096, DataSection().pack_window)[1]
         efficiency = {"next_fit": lengths.sum() / ((len(pack(lengths, 4096)) - 1) * 4096),
                       "best_fit": lengths.sum() / ((len(best) - 1) * 4096)}
+        formats = arrow_vs_mmap(tmp / "full-w1")
         tokens = json.loads((tmp / "full-w1" / "manifest.json").read_text())["counts"]["tokens"]
         disk = sum(f.stat().st_size for f in (tmp / "full-w1").iterdir())
     rows = [
@@ -131,6 +210,12 @@ def main() -> None:
         f"| packing efficiency at 4096: next_fit / best_fit | {efficiency['next_fit']:.1%} / "
         f"{efficiency['best_fit']:.1%} | |",
     ]
+    mmap_rate = formats["trex prepare: memory-mapped arrays"]["rows_per_s"]
+    rows += ["", f"Storage of the prepared set: the same {formats['trex prepare: memory-mapped arrays']['rows']:,} random packed rows "
+             f"of 4096 tokens, {args.records:,} records.",
+             "", "| format | convert s | open s | rows/s | against memmap |", "|---|---|---|---|---|"]
+    rows += [f"| {name} | {f['convert_s']:.1f} | {f['open_s']:.3f} | {f['rows_per_s']:,.0f} | "
+             f"{f['rows_per_s'] / mmap_rate:.2f}x |" for name, f in formats.items()]
     section = "\n".join([MARK_BEGIN, "## Data pipeline at scale (bench/data_pipeline.py)", "", *rows, MARK_END])
     print(section)
     if args.write:

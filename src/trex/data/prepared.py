@@ -302,7 +302,9 @@ def open_prepared(path: Path, pad_id: int) -> tuple[PackedRows, dict]:
             raise PreparedDataError(f"{file}: {found}; the manifest expects {spec.get('bytes')} bytes of "
                                     f"{spec.get('dtype')} (a truncated or partial copy): prepare the data again")
         count = spec["count"]
-        arrays[name] = np.memmap(file, dtype=dtype, mode="r", shape=(count,)) if count else np.zeros(0, dtype)
+        # a plain ndarray over the mapping: slices of an np.memmap are np.memmap objects, slower to make
+        mapped = np.memmap(file, dtype=dtype, mode="r", shape=(count,)) if count else np.zeros(0, dtype)
+        arrays[name] = np.asarray(mapped)
     docs = Documents(arrays["tokens"], arrays["loss_mask"], arrays["doc_offsets"], manifest["counts"]["records_read"])
     rows = PackedRows(docs, arrays["order"], arrays["bounds"], manifest["packing"]["seq_len"], pad_id,
                       fingerprint=manifest["packing"]["fingerprint"])

@@ -92,9 +92,11 @@ def _divisors(n: int) -> list[int]:
 def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: int, hw: HardwareProfile,
            assume: TimeAssumptions = TimeAssumptions(), optimizer: str = "muon",
            micro_batches: tuple[int, ...] = (1, 2, 4), recompute: tuple[str, ...] = ("none", "selective", "full"),
-           pipeline: tuple[int, ...] = (1,), fitting_only: bool = True) -> list[Plan]:
+           pipeline: tuple[int, ...] = (1,), fitting_only: bool = True,
+           offload: tuple[bool, ...] = (False, True), largest_ep_only: bool = False) -> list[Plan]:
     """Every layout on ``devices`` devices that fits (every one, with ``fitting_only=False``) and
-    reaches ``global_batch_tokens`` exactly, fastest first. cp ranges over the divisors of the device count that split the sequence (see
+    reaches ``global_batch_tokens`` exactly, fastest first; ``offload`` and ``largest_ep_only``
+    narrow the options tried. cp ranges over the divisors of the device count that split the sequence (see
     trex.models.deepseek_v4.check_shardable), shard sizes over the divisors of what it leaves; ep
     divides both the shard size and the expert count."""
     if global_batch_tokens % seq_len:
@@ -108,16 +110,17 @@ def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: in
         for cp, shard in ((c, s) for c in _context_parallel_sizes(cfg, seq_len, devices // pp)
                           for s in _divisors(devices // pp // c)):
             replicate = devices // pp // cp // shard
-            for ep in (e for e in _divisors(shard) if cfg.n_routed_experts % e == 0):
+            eps = [e for e in _divisors(shard) if cfg.n_routed_experts % e == 0]
+            for ep in eps[-1:] if largest_ep_only else eps:
                 for mb in micro_batches:
                     rows = global_batch_tokens // seq_len
                     if rows % (mb * shard * replicate):
                         continue
                     ga = rows // (mb * shard * replicate)
                     reduce_options = (False, True) if ga > 1 and shard > 1 else (False,)
-                    for rc, offload, every in itertools.product(recompute, (False, True), reduce_options):
+                    for rc, off, every in itertools.product(recompute, offload, reduce_options):
                         layout = Layout(dp_shard=shard, dp_replicate=replicate, ep=ep, cp=cp, pp=pp, micro_batch=mb,
-                                        grad_accum=ga, recompute=rc, optimizer=optimizer, offload_optimizer=offload,
+                                        grad_accum=ga, recompute=rc, optimizer=optimizer, offload_optimizer=off,
                                         reduce_every_micro_batch=every)
                         plan = make_plan(cfg, layout, seq_len, hw, assume)
                         if plan.fits or not fitting_only:
@@ -174,11 +177,12 @@ def fewest_devices(cfg: ModelConfig, seq_len: int, hw: HardwareProfile, assume: 
                    optimizer: str = "muon", global_batch_tokens: int | None = None,
                    limit: int = 1 << 17) -> Fewest | None:
     """The fewest devices (of :func:`device_counts`) on which some layout fits, and every layout that
-    fits there, fastest first. A count is tried with its leanest layouts (full recompute, one sequence per micro-batch,
-    offload and every shard/ep/cp split): if none of them fits, no layout does. Memory per device falls
-    as devices are added (every state is sharded over them), so the counts are doubled until one fits,
-    then the counts in between are tried in order. ``global_batch_tokens`` None plans one sequence per device per step; a fixed batch
-    keeps the counts that divide its sequences. None when nothing up to ``limit`` fits."""
+    fits there, fastest first. A count is tried with its leanest layouts (full recompute, one sequence
+    per micro-batch, the widest ep of every shard/cp split, with and without offload): if none fits,
+    no layout does. Memory per device falls as devices are added (every state is sharded over them),
+    so the counts are doubled until one fits, then the counts in between are tried in order.
+    ``global_batch_tokens`` None plans one sequence per device per step; a fixed batch keeps the
+    counts that divide its sequences. None when nothing up to ``limit`` fits."""
     counts = device_counts(hw, limit)
     if global_batch_tokens is not None:
         if global_batch_tokens % seq_len:
@@ -188,8 +192,9 @@ def fewest_devices(cfg: ModelConfig, seq_len: int, hw: HardwareProfile, assume: 
 
     def fitting(n: int, lean: bool) -> list[Plan]:
         batch = global_batch_tokens or n * seq_len
-        if lean:
-            return search(cfg, n, seq_len, batch, hw, assume, optimizer, micro_batches=(1,), recompute=("full",))
+        if lean:  # the least memory: one sequence, full recompute, experts split widest
+            return search(cfg, n, seq_len, batch, hw, assume, optimizer, micro_batches=(1,), recompute=("full",),
+                          largest_ep_only=True)
         return search(cfg, n, seq_len, batch, hw, assume, optimizer)
 
     lo, hi, step = -1, None, 1  # indices into counts: counts[lo] does not fit, counts[hi] fits
