@@ -48,7 +48,7 @@ from trex.checkpoint.training import list_checkpoints
 from trex.checkpoint.manifest import MANIFEST, SafeFileSystemReader, verify_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS, SAVE_EVERY = 12, 4
+STEPS, SAVE_EVERY = 9, 3  # every fault trial: 9 steps, a checkpoint (and an evaluation) every 3
 COMPARED = ("loss", "mtp_loss", "grad_norm", "lr", "loss_scale", "tokens", "skipped_steps", "eval_loss")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
 
@@ -179,8 +179,8 @@ def no_traceback(proc_output: str) -> None:
 
 # ---- the lab: data, recipe, uninterrupted references -----------------------------------------------
 class Lab:
-    """A directory with a small arithmetic SFT data set, a recipe (12 steps, a held-out evaluation every
-    3, a checkpoint every 4) and the uninterrupted reference runs, made on first use."""
+    """A directory with a small arithmetic SFT data set, a recipe (STEPS steps, a held-out evaluation
+    and a checkpoint every SAVE_EVERY) and the uninterrupted reference runs, made on first use."""
 
     def __init__(self, root: str):
         self.root = root
