@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ import pytest
 from trex.data import DataSection, PreparedDataError, build_loader, compact_tokenizer
 from trex.data.documents import build_documents
 from trex.data.packing import PackedRows, pack, pack_best_fit
-from trex.data.prepared import FILES, content_key, ensure, identity, open_prepared, prepare
+from trex.data.prepared import FILES, WORKER_BYTES, auto_workers, content_key, ensure, identity, open_prepared, prepare
 from trex.data.records import BadRecordPolicy, write_jsonl
 
 TOK = compact_tokenizer()
@@ -70,6 +71,37 @@ def test_any_worker_count_writes_the_same_bytes(data, tmp_path):
     for file, _ in FILES.values():
         assert (tmp_path / "one" / file).read_bytes() == (tmp_path / "two" / file).read_bytes(), file
     assert one["counts"] == two["counts"] and one["skips"] == two["skips"] and one["skips"]["skipped"] == 1
+
+
+def test_a_start_that_must_prepare_picks_workers_by_input_size(data, monkeypatch):
+    """data.prepare_workers = 0: one worker per WORKER_BYTES of input, at most the cores this process may
+    use; the tiny set gets one (no pool to start); the manifest records the count used."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert [auto_workers(n) for n in (0, WORKER_BYTES - 1, WORKER_BYTES, 2 * WORKER_BYTES, 100 * WORKER_BYTES)] == [1, 1, 2, 3, 4]
+    loader = build_loader(data, 0, 1, TOK)
+    assert json.loads((Path(loader.prepared) / "manifest.json").read_text())["prepared"]["workers"] == 1
+    with pytest.raises(ValueError, match="data.prepare_workers = -1"):
+        dataclasses.replace(data, prepare_workers=-1)
+
+
+def test_progress_reaches_every_input_whatever_its_format(data, tmp_path):
+    """The ETA is measured in input bytes: a JSONL line counts its length, a Parquet or Arrow row its
+    share of its file, so the progress of JSONL + Parquet + Arrow inputs ends at their total size."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(_records(100, seed=1))
+    pq.write_table(table, tmp_path / "part.parquet", row_group_size=30)
+    with pa.OSFile(str(tmp_path / "part.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table, max_chunksize=30)
+    paths = [data.paths[0], str(tmp_path / "part.parquet"), str(tmp_path / "part.arrow")]
+    seen = []
+    prepare(dataclasses.replace(data, paths=paths, encode_chunk=40), TOK, tmp_path / "mixed",
+            report=lambda p: seen.append((p.bytes, p.total_bytes, p.line())))
+    total = sum(os.path.getsize(p) for p in paths)
+    assert len(seen) == 13 and all(t == total for _, t, _ in seen)  # 300/40 + 100/40 + 100/40 chunks
+    assert all(a < b for (a, _, _), (b, _, _) in zip(seen, seen[1:])) and seen[-1][0] == pytest.approx(total)
+    assert all("ETA" in line for _, _, line in seen)
 
 
 def test_the_cache_hits_and_any_change_is_a_new_key(data, tmp_path):

@@ -85,3 +85,35 @@ def test_calibrate_measures_the_spread_of_a_reduction_order_and_compare_uses_it(
     assert subprocess.run([*bitwise, "--envelope", "widen"], capture_output=True, cwd=ROOT).returncode == 0
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)  # --out holds the runs now
     assert proc.returncode == 2 and "--overwrite" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_calibrations_from_two_machines_merge_into_one_envelope_that_names_its_sources(tmp_path):
+    """Machine B's calibration (the committed golden file, as if calibrated on another device and host,
+    with a wider spread of one measure and wider loss bounds) merged with machine A's: each measure's
+    spread is the larger, named by its machine; the loss bounds span both; compare reads the result."""
+    golden_a = os.path.join(ROOT, "fidelity", "golden", "default_cpu_fp32.json")
+    data = json.load(open(golden_a))
+    b = json.loads(json.dumps(data))
+    b["environment"].update(device_name="virtual accelerator", host="cluster-b")
+    b["envelope"]["spread"]["layout"]["loss_mean_rel_err"] = 10 * data["envelope"]["spread"]["layout"]["loss_mean_rel_err"] + 1e-6
+    b["envelope"]["loss"]["max"] = [v + 0.5 for v in b["envelope"]["loss"]["max"]]
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    merged_path = tmp_path / "merged.json"
+    proc = subprocess.run([sys.executable, "-m", "trex", "fidelity", "calibrate", "--merge", golden_a, "--merge",
+                           str(tmp_path / "b.json"), "--golden", str(merged_path)], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    merged = json.loads(merged_path.read_text())["envelope"]
+    assert merged["spread"]["layout"]["loss_mean_rel_err"] == b["envelope"]["spread"]["layout"]["loss_mean_rel_err"]
+    assert merged["spread_from"]["layout"]["loss_mean_rel_err"] == "virtual accelerator on cluster-b (b.json)"
+    others = [m for m in merged["spread_from"]["layout"] if m != "loss_mean_rel_err"]
+    assert others and all(merged["spread_from"]["layout"][m].endswith("(default_cpu_fp32.json)") for m in others)
+    assert merged["loss"]["max"] == b["envelope"]["loss"]["max"] and merged["loss"]["min"] == data["envelope"]["loss"]["min"]
+    assert merged["runs"] == 2 * data["envelope"]["runs"] and "virtual accelerator on cluster-b" in proc.stdout
+    assert load_signals(str(merged_path)).envelope["spread"] == merged["spread"]  # compare reads it
+    b["config"]["optim"]["lr"] = 1.0
+    (tmp_path / "other.json").write_text(json.dumps(b))
+    other = subprocess.run([sys.executable, "-m", "trex", "fidelity", "calibrate", "--merge", golden_a, "--merge",
+                            str(tmp_path / "other.json"), "--golden", str(tmp_path / "x.json")],
+                           capture_output=True, text=True, cwd=ROOT)
+    assert other.returncode == 2 and "[optim] differs" in other.stderr and other.stderr.count("\n") == 1

@@ -16,7 +16,7 @@ import logging
 from trex.data.config import DataSection
 from trex.data.documents import Documents
 from trex.data.loader import Batch, PackedLoader
-from trex.data.prepared import PreparedDataError, ensure, open_prepared, skips_of
+from trex.data.prepared import PreparedDataError, ensure, every, open_prepared, skips_of
 from trex.data.records import BadRecordError
 from trex.data.tokenizer import Tokenizer, compact_tokenizer, load_tokenizer
 
@@ -37,7 +37,8 @@ def build_loader(cfg: DataSection, rank: int, world_size: int, tokenizer: Tokeni
     (the recipe key that listed the files) and ``batch_key`` (what sets the rows per rank) when the
     files pack into fewer rows than one step takes."""
     cfg.validate()
-    path, _, _ = ensure(cfg, tokenizer)
+    report = every(30.0, lambda line: log.warning("preparing %s: %s", paths_key, line))
+    path, _, _ = ensure(cfg, tokenizer, cfg.prepare_workers, report=report)
     rows, manifest = open_prepared(path, tokenizer.pad_id)
     step_rows = cfg.micro_batch_size * world_size
     if len(rows) < step_rows:

@@ -90,11 +90,18 @@ class DataSection:
     encode_chunk: int = 512
     """Records tokenized per batched tokenizer call (throughput knob, not a semantic one)."""
 
+    prepare_workers: int = 0
+    """Processes that tokenize when a start finds the data unprepared (one process prepares, the others
+    wait). 0: one per 32 MiB of input, up to the cores this process may use (a pool costs about a
+    second to start). Not in the content key: any count writes the same bytes."""
+
     def __post_init__(self) -> None:
         check_choices(self, "data")
         require_positive(self, "data", ("seq_len", "micro_batch_size", "encode_chunk", "pack_window"))
         if self.seq_len < 2:
             raise ValueError(f"data.seq_len = {self.seq_len}; expected at least 2")
+        if self.prepare_workers < 0:
+            raise ValueError(f"data.prepare_workers = {self.prepare_workers}; expected 0 (automatic) or more")
 
     def on_files(self, paths: list[str], **changes) -> "DataSection":
         """These options on other files (a held-out set, the fidelity probe): their own prepared data,

@@ -89,7 +89,7 @@ class EncodedChunk:
     lengths: np.ndarray     # int64 [n]: the chunk's documents, in record order
     events: list[tuple[str, int, str, str]]  # (path, line, reason, detail) in record order; "truncated" or a skip
     n_records: int
-    n_bytes: int  # raw JSONL bytes of the records (0 for Parquet/Arrow rows): the prepare's progress
+    n_bytes: float  # the records' share of their files' bytes (Record.size): the prepare's progress
 
 
 def record_chunks(cfg: DataSection, counter: SkipCounter) -> Iterator[list[Record]]:
@@ -136,7 +136,7 @@ def encode_chunk(records: list[Record], cfg: DataSection, tokenizer: Tokenizer) 
     return EncodedChunk(np.concatenate(docs) if docs else empty,
                         np.concatenate(masks) if masks else empty.astype(bool),
                         np.asarray(lengths, dtype=np.int64), events, len(records),
-                        sum(len(r.data) for r in records if isinstance(r.data, bytes)))
+                        sum(r.size for r in records))
 
 
 def account(chunk: EncodedChunk, policy: BadRecordPolicy) -> None:

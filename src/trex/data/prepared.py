@@ -61,6 +61,7 @@ FILES = {  # name -> (file, dtype)
 # the options of [data] that change the tokens or the rows (micro_batch_size and encode_chunk do not)
 KEYED_OPTIONS = ("format", "mode", "messages_field", "text_field", "thinking", "drop_thinking", "loss_on",
                  "bad_record_policy", "seq_len", "seed", "shuffle", "packing", "pack_window")
+WORKER_BYTES = 32 << 20  # automatic workers: one per this much input
 LOCK_STALE_S = 120.0  # a lock not refreshed for this long belongs to a process that died
 SAMPLE_BLOCKS, SAMPLE_BYTES = 16, 1 << 12  # 64 KiB read per input file to key it
 
@@ -156,12 +157,12 @@ def encoded_chunks(cfg: DataSection, tokenizer: Tokenizer, counter: SkipCounter,
 
 @dataclass
 class Progress:
-    """Records, documents, tokens and JSONL bytes so far; ``report`` is called with it after each chunk."""
-    total_bytes: int  # of the JSONL inputs (what the ETA is measured against)
+    """Records, documents, tokens and input bytes so far; ``report`` is called with it after each chunk."""
+    total_bytes: int  # of every input file (what the ETA is measured against; a table row is its share)
     records: int = 0
     documents: int = 0
     tokens: int = 0
-    bytes: int = 0
+    bytes: float = 0.0
     started: float = 0.0
 
     def line(self) -> str:
@@ -172,6 +173,23 @@ class Progress:
                 f"{self.tokens / dt / 1e6:,.2f}M tokens/s{eta}")
 
 
+def every(seconds: float, emit: Callable[[str], None]) -> Callable[[Progress], None]:
+    """A progress report that calls ``emit`` with the progress line at most once per ``seconds``."""
+    last = [time.perf_counter()]
+
+    def report(progress: Progress) -> None:
+        if time.perf_counter() - last[0] >= seconds:
+            last[0] = time.perf_counter()
+            emit(progress.line())
+    return report
+
+
+def auto_workers(input_bytes: int) -> int:
+    """Workers for ``input_bytes`` of input: one per WORKER_BYTES, at most the cores this process may use."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, 1 + input_bytes // WORKER_BYTES))
+
+
 def _duration(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
@@ -179,12 +197,14 @@ def _duration(seconds: float) -> str:
 
 def write_prepared(cfg: DataSection, tokenizer: Tokenizer, ident: dict, dest: Path, workers: int = 1,
                    report: Callable[[Progress], None] | None = None) -> dict:
-    """Prepare ``cfg``'s data into the new directory ``dest`` (its parent must exist); returns the
-    manifest. Bad records go through ``cfg.bad_record_policy`` (under ``fail``: BadRecordError, file and
-    line). Memory holds a few chunks and the document lengths (8 bytes a document)."""
+    """Prepare ``cfg``'s data into the new directory ``dest`` (its parent must exist) with ``workers``
+    processes (0: :func:`auto_workers`); returns the manifest. Bad records go through
+    ``cfg.bad_record_policy`` (under ``fail``: BadRecordError, file and line). Memory holds a few chunks
+    and the document lengths (8 bytes a document)."""
     policy = BadRecordPolicy(cfg.bad_record_policy)
     dest.mkdir()
-    total = sum(i["size"] for i in ident["inputs"] if i["format"] == "jsonl")
+    total = sum(i["size"] for i in ident["inputs"])
+    workers = workers or auto_workers(total)
     progress = Progress(total_bytes=total, started=time.perf_counter())
     n_docs, n_tokens, loss_tokens = 0, 0, 0
     lengths: list[np.ndarray] = []
@@ -366,7 +386,8 @@ def _take_lock(lock: Path) -> bool:
 def ensure(cfg: DataSection, tokenizer: Tokenizer, workers: int = 1, poll_s: float = 0.5,
            report: Callable[[Progress], None] | None = None, level: int = logging.WARNING) -> tuple[Path, dict, bool]:
     """The prepared directory of ``cfg``: ``data.prepared`` (checked against the recipe), or the cache
-    entry of its content key, prepared here if no process has (returns path, manifest, prepared_here).
+    entry of its content key, prepared here, by ``workers`` processes (0: automatic), if no process has
+    (returns path, manifest, prepared_here).
 
     Every rank may call this at once: the first to take ``<key>.lock`` in the cache directory prepares
     (refreshing the lock as it goes), the others wait for the published directory on the file system.

@@ -35,10 +35,12 @@ HF_DATASET_FILES = ("state.json", "dataset_info.json")  # a directory written by
 class Record:
     """One input record; ``line`` is the 1-based JSONL line or Parquet/Arrow row. ``data`` is a
     RecordError when the line could not be read (invalid UTF-8, malformed JSON), or the line's raw
-    bytes when read with ``raw=True`` (see :func:`parsed`)."""
+    bytes when read with ``raw=True`` (see :func:`parsed`). ``size``: its share of the file's bytes
+    (a JSONL line's length; a table row's file size / rows), so progress over mixed inputs has one unit."""
     data: dict | RecordError | bytes
     path: str
     line: int
+    size: float = 0.0
 
 
 class BadRecordError(ValueError):
@@ -193,14 +195,15 @@ def _parse_json_line(raw: bytes) -> dict | RecordError:
 
 def parsed(record: Record) -> Record:
     """``record`` with raw JSONL bytes parsed (a dict, or a RecordError); other records as they are."""
-    return Record(_parse_json_line(record.data), record.path, record.line) if isinstance(record.data, bytes) else record
+    return (Record(_parse_json_line(record.data), record.path, record.line, record.size)
+            if isinstance(record.data, bytes) else record)
 
 
 def _jsonl_records(path: Path, raw: bool = False) -> Iterator[Record]:
     with open(path, "rb") as f:
         for line_no, line in enumerate(f, start=1):
             if line.strip():
-                yield Record(line if raw else _parse_json_line(line), str(path), line_no)
+                yield Record(line if raw else _parse_json_line(line), str(path), line_no, len(line))
 
 
 def _arrow_batches(path: Path):
@@ -217,10 +220,21 @@ def _arrow_batches(path: Path):
     return iter(reader)
 
 
+def _table_rows(path: Path, kind: str) -> int:
+    """A Parquet or Arrow file's row count, from its metadata (Parquet) or its batches' headers (Arrow,
+    memory-mapped: no data is read)."""
+    import pyarrow.parquet as pq
+
+    if kind == "parquet":
+        return pq.ParquetFile(path).metadata.num_rows
+    return sum(batch.num_rows for batch in _arrow_batches(path))
+
+
 def _table_records(path: Path, kind: str) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
     row = 0
+    size = path.stat().st_size / max(1, _table_rows(path, kind))
     batches = pq.ParquetFile(path).iter_batches(batch_size=1024) if kind == "parquet" else _arrow_batches(path)
     for batch in batches:
         try:
@@ -234,7 +248,7 @@ def _table_records(path: Path, kind: str) -> Iterator[Record]:
                     rows.append(RecordError("invalid_utf8", err.reason))
         for data in rows:
             row += 1
-            yield Record(data, str(path), row)
+            yield Record(data, str(path), row, size)
 
 
 def iter_records(patterns: list[str], fmt: str = "auto", counter: SkipCounter | None = None,

@@ -9,7 +9,8 @@ the largest value of each measure over those comparisons is the reference's own 
 profile: the band measure depends on the profile's EMA). The report shows the chosen profile's.
 
 The envelope (spread, the per-step loss minimum and maximum over the runs, what varied) is written
-into the golden file exported from run 0, and ``trex fidelity compare`` reads it from there: it says
+into the golden file exported from run 0 (``--merge`` joins the envelopes of golden files calibrated
+on several machines into one, naming the machine each spread came from), and ``trex fidelity compare`` reads it from there: it says
 where a threshold is tighter than the spread, and ``--envelope widen`` judges each measure by
 max(threshold, spread). Output in ``out``: ``run-<k>/`` run directories, ``calibration.json`` and
 ``calibration.md`` (per measure: spread, threshold, tighter or not).
@@ -89,6 +90,77 @@ def calibrate(recipe_path: str, out: str, golden: str, profile: Profile, runs: i
     atomic.write_json(os.path.join(out, "calibration.json"), report)
     atomic.write_text(os.path.join(out, "calibration.md"), markdown(report) + "\n")
     return report
+
+
+SAME_SECTIONS = ("model", "data", "optim", "schedule")  # what every merged calibration must share
+
+
+def _machine(golden: dict, path: str) -> str:
+    """A golden file's machine, as a report names it: its device and host, and the file."""
+    env = golden.get("environment", {})
+    device = env.get("device_name") or env.get("device") or env.get("device_type") or "unknown device"
+    host = env.get("host") or ""
+    return f"{device}{f' on {host}' if host else ''} ({os.path.basename(path)})"
+
+
+def merge(goldens: list[str], out: str) -> dict:
+    """One golden file from calibrations made on several machines: the first file's reference run,
+    and an envelope whose spread is, per profile and measure, the largest of the files' (with
+    ``spread_from`` naming the machine it came from) and whose loss bounds span every file's. The
+    files must calibrate the same configuration (model, data, optimizer, schedule; device, precision
+    and layout may differ). Returns the merged golden file's content."""
+    import json
+
+    if len(goldens) < 2:
+        raise ValueError(f"--merge takes at least two calibrated golden files; got {len(goldens)}")
+    loaded = []
+    for path in goldens:
+        signals = load_signals(path)  # validates the file and its envelope
+        if not signals.envelope:
+            raise ValueError(f"{path}: no envelope; make it with `trex fidelity calibrate RECIPE --golden {path}`")
+        with open(path, encoding="utf-8") as f:
+            loaded.append((path, json.load(f)))
+    first_path, first = loaded[0]
+    for path, golden in loaded[1:]:
+        for section in SAME_SECTIONS:
+            if golden.get("config", {}).get(section) != first.get("config", {}).get(section):
+                raise ValueError(f"{path}: its [{section}] differs from {first_path}'s; merge calibrations of one "
+                                 "configuration (device, precision and layout may differ)")
+    spread: dict[str, dict[str, float]] = {}
+    spread_from: dict[str, dict[str, str]] = {}
+    for path, golden in loaded:
+        for profile, measured in golden["envelope"]["spread"].items():
+            for measure, value in measured.items():
+                if value > spread.setdefault(profile, {}).get(measure, -1.0):  # a tie: the first file's
+                    spread[profile][measure] = value
+                    spread_from.setdefault(profile, {})[measure] = _machine(golden, path)
+    bounds = [g["envelope"].get("loss", {}) for _, g in loaded]
+    steps = sorted(set.intersection(*(set(b.get("steps", [])) for b in bounds)))
+    lo = [dict(zip(b["steps"], b["min"])) for b in bounds]
+    hi = [dict(zip(b["steps"], b["max"])) for b in bounds]
+    envelope = {"spread": spread, "spread_from": spread_from,
+                "loss": {"steps": steps, "min": [min(m[t] for m in lo) for t in steps],
+                         "max": [max(m[t] for m in hi) for t in steps]},
+                "runs": sum(g["envelope"].get("runs", 0) for _, g in loaded),
+                "machines": [{"golden": path, "machine": _machine(g, path), "runs": g["envelope"].get("runs"),
+                              "variation": g["envelope"].get("variation")} for path, g in loaded]}
+    merged = {**first, "envelope": envelope}
+    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+    atomic.write_json(out, merged, indent=1)
+    return merged
+
+
+def merge_markdown(merged: dict, profile: Profile) -> str:
+    env = merged["envelope"]
+    lines = [f"# Merged calibration: {len(env['machines'])} machines, {env['runs']} runs", "",
+             *(f"- {m['machine']}: {m['runs']} runs" for m in env["machines"]), "",
+             f"| measure ({profile.name}) | spread | from | profile threshold |", "|---|---|---|---|"]
+    spread, source = env["spread"].get(profile.name, {}), env["spread_from"].get(profile.name, {})
+    for measure in MEASURES:
+        if measure in spread:
+            t = profile.thresholds.get(measure)
+            lines.append(f"| {measure} | {spread[measure]:.3g} | {source[measure]} | {'off' if t is None else f'{t:g}'} |")
+    return "\n".join(lines)
 
 
 def markdown(report: dict) -> str:

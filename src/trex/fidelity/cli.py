@@ -1,4 +1,4 @@
-"""`trex fidelity compare | export | matrix | calibrate | ladder | seam | profiles`."""
+"""`trex fidelity compare | export | matrix | calibrate | record | ladder | seam | profiles`."""
 
 from __future__ import annotations
 
@@ -46,8 +46,11 @@ def register(sub) -> None:
 
     ca = fid.add_parser("calibrate", help="train the reference N times with its nondeterminism; write its "
                                           "run-to-run envelope into a golden file")
-    ca.add_argument("recipe", help="recipe TOML file (the reference configuration)")
+    ca.add_argument("recipe", nargs="?", help="recipe TOML file (the reference configuration)")
     ca.add_argument("--golden", required=True, help="golden file to write (JSON), with the envelope")
+    ca.add_argument("--merge", action="append", default=[], metavar="GOLDEN",
+                    help="instead of training: merge golden files calibrated on other machines into --golden "
+                         "(repeat it; the spread of each measure is the largest, and says which machine it came from)")
     ca.add_argument("--runs", type=int, default=3, help="training runs (default 3)")
     ca.add_argument("--threads", default="1,2", help="intra-op thread counts the runs cycle through (default 1,2)")
     ca.add_argument("--vary", action="append", default=[], metavar="'SECTION.KEY=VALUE[;...]'",
@@ -63,24 +66,46 @@ def register(sub) -> None:
                                      "converge like the old configuration? exit 0 PASS, 1 FAIL, 2 bad input")
     se.add_argument("run", help="run directory with migrations.jsonl")
     se.add_argument("--steps", type=int, default=3, help="steps after the move to judge (default 3)")
-    se.add_argument("--reference", help="run directory or golden file with those steps (default: train a "
-                                        "continuation on the old configuration here)")
+    se.add_argument("--reference", help="run directory, golden file or `trex fidelity record --from-checkpoint` "
+                                        "directory with those steps (default: train a continuation on the old "
+                                        "configuration here)")
     se.add_argument("--at", type=int, help="the move at this step (default: the last)")
     se.add_argument("--profile", help="override the profile the move's kind chose")
     se.add_argument("--envelope", choices=("note", "widen"), default="note",
                     help="with a calibrated golden reference: note or widen thresholds tighter than its spread")
     se.set_defaults(func=_seam)
 
+    rec = fid.add_parser("record", help="record the reference side of the ladder's rungs (statistics, not tensors) "
+                                         "for a ladder on another cluster; run it like trex train (any layout)")
+    rec.add_argument("recipe", help="recipe TOML file (the reference configuration)")
+    rec.add_argument("--out", required=True, help="the record's directory (copy it to the other cluster)")
+    rec.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="override a recipe value; repeatable")
+    rec.add_argument("--steps", type=int, help="steps of the long run (default: the recipe's); with --from-checkpoint: "
+                                               "steps after the checkpoint (default 3)")
+    rec.add_argument("--from-checkpoint", metavar="CHECKPOINT",
+                     help="record a seam's reference instead: the recipe resumed from CHECKPOINT (the one a run moved "
+                          "from) in this job's layout; `trex fidelity seam RUN --reference OUT` judges the move")
+    rec.add_argument("--lr0-steps", type=int, help="steps of the lr = 0 run (default: the long run's)")
+    rec.add_argument("--overwrite", action="store_true", help="replace what --out holds (default: refuse)")
+    rec.set_defaults(func=_record)
+
     la = fid.add_parser("ladder", help="where does a variant depart? forward, backward, optimizer, lr=0, long run; "
                                        "exit 0 PASS, 1 FAIL, 2 bad input")
     la.add_argument("recipe", help="recipe TOML file (the reference configuration)")
-    la.add_argument("--variant", action="append", default=[], metavar="SECTION.KEY=VALUE", required=True,
-                    help="what the variant changes; repeatable")
-    la.add_argument("--reference-set", dest="reference", action="append", default=[], metavar="SECTION.KEY=VALUE",
+    la.add_argument("--reference", help="a `trex fidelity record` directory: climb against it in this job's layout "
+                                        "(any number of processes) instead of running the reference here")
+    la.add_argument("--variant", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="what the variant changes; repeatable (required without --reference)")
+    la.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a recipe value of both sides (with --reference: of this job, e.g. its layout); "
+                         "repeatable")
+    la.add_argument("--reference-set", dest="reference_set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a recipe value of the reference only; repeatable")
     la.add_argument("--profile", default="layout", help="the tolerances: bitwise | layout | precision | vendor | "
                                                         "migration (default: layout)")
-    la.add_argument("--steps", type=int, help="steps of rung 5, the long run (default: the recipe's)")
+    la.add_argument("--steps", type=int, help="steps of rung 5, the long run (default: the recipe's; with --reference: "
+                                              "the record's)")
     la.add_argument("--lr0-steps", type=int, help="steps of rung 4 at lr = 0 (default: the long run's)")
     la.add_argument("--out", default="runs/fidelity-ladder", help="report directory (and the rungs' runs)")
     la.add_argument("--overwrite", action="store_true", help="replace what --out holds (default: refuse)")
@@ -153,10 +178,21 @@ def _matrix(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from trex.fidelity.calibrate import calibrate, markdown, thread_list, vary_sets
+    from trex.fidelity.calibrate import calibrate, markdown, merge, merge_markdown, thread_list, vary_sets
     from trex.fidelity.profiles import get_profile
     from trex.recipe import load
     from trex.train.config import TrainRecipe
+
+    if args.merge or not args.recipe:
+        if args.recipe or not args.merge:
+            print("trex fidelity calibrate: give a RECIPE to calibrate, or --merge GOLDEN (twice or more) to merge; "
+                  "not both", file=sys.stderr)
+            return 2
+        merged = _user_faults("calibrate", lambda: merge(args.merge, args.golden))
+        if merged is None:
+            return 2
+        print(merge_markdown(merged, get_profile(args.profile)))
+        return 0
 
     def call():
         load(TrainRecipe, args.recipe, args.overrides)  # a bad recipe is one line, before any run
@@ -187,17 +223,78 @@ def _seam(args: argparse.Namespace) -> int:
     return 0 if done["entry"]["verdict"] == "PASS" else 1
 
 
+def _main_rank() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _in_job(command: str, call):
+    """``_user_faults`` for a command every rank of a job runs; the process group is left at the end."""
+    from trex.parallel.mesh import shutdown_distributed
+
+    from trex.recipe import RecipeError
+
+    try:
+        if _main_rank():
+            return _user_faults(command, call)
+        try:
+            return call()
+        except (RecipeError, ValueError, OSError):  # rank 0 says it
+            return None
+    finally:
+        shutdown_distributed()
+
+
+def _record(args: argparse.Namespace) -> int:
+    from trex.fidelity.record import record
+
+    if args.from_checkpoint:
+        from trex.fidelity.record import record_continuation
+
+        done = _in_job("record", lambda: record_continuation(args.recipe, args.from_checkpoint, args.out,
+                                                             args.overrides, steps=args.steps or 3,
+                                                             overwrite=args.overwrite))
+        if done is not None and _main_rank():
+            print(f"{args.out}: steps {done['step'] + 1}-{done['step'] + done['steps']} after {done['checkpoint']} on "
+                  f"{done['environment']['device']}: copy it to the run's cluster and run `trex fidelity seam RUN "
+                  f"--reference {args.out}` there")
+        return 2 if done is None else 0
+    done = _in_job("record", lambda: record(args.recipe, args.out, args.overrides, steps=args.steps,
+                                            lr0_steps=args.lr0_steps, overwrite=args.overwrite))
+    if done is None:
+        return 2
+    if _main_rank():
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(args.out) for f in files)
+        print(f"{args.out}: the reference of every rung ({done['model']['parameter_tensors']:,} parameters, "
+              f"{len(done['sets']['blocks'])} blocks, {done['world_size']} ranks on {done['environment']['device']}; "
+              f"{size / 1e6:.1f} MB): copy it to the other cluster and run `trex fidelity ladder RECIPE --reference "
+              f"{args.out}` there")
+    return 0
+
+
 def _ladder(args: argparse.Namespace) -> int:
     from trex.fidelity.ladder import markdown, run_ladder
     from trex.fidelity.profiles import get_profile
 
-    report = _user_faults("ladder", lambda: run_ladder(
-        args.recipe, args.variant, args.out, get_profile(args.profile), reference_overrides=args.reference,
-        lr0_steps=args.lr0_steps, steps=args.steps, overwrite=args.overwrite))
+    if args.reference:
+        from trex.fidelity.record import climb
+
+        report = _in_job("ladder", lambda: climb(args.recipe, args.reference, args.out, get_profile(args.profile),
+                                                 [*args.overrides, *args.variant], overwrite=args.overwrite))
+    else:
+        if not args.variant:
+            print("trex fidelity ladder: --variant SECTION.KEY=VALUE is required without --reference", file=sys.stderr)
+            return 2
+        report = _user_faults("ladder", lambda: run_ladder(
+            args.recipe, [*args.overrides, *args.variant], args.out, get_profile(args.profile),
+            reference_overrides=[*args.overrides, *args.reference_set],
+            lr0_steps=args.lr0_steps, steps=args.steps, overwrite=args.overwrite))
     if report is None:
         return 2
-    print(markdown(report))
-    print(f"report: {os.path.join(args.out, 'ladder.json')}  plot: {os.path.join(args.out, 'ladder.png')}")
+    if _main_rank():
+        print(markdown(report))
+        print(f"report: {os.path.join(args.out, 'ladder.json')}  plot: {os.path.join(args.out, 'ladder.png')}")
     return 0 if report["verdict"] == "PASS" else 1
 
 

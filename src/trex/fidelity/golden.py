@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import socket
 
 import torch
 
@@ -33,7 +34,7 @@ def export(run_path: str, out_path: str) -> dict:
         "config": signals.config,
         "environment": {**signals.environment, "trex": trex.__version__, "torch": torch.__version__,
                         "python": platform.python_version(), "machine": platform.machine(),
-                        "processor": platform.processor()},
+                        "processor": platform.processor(), "host": socket.gethostname()},
         "summary": {k: signals.summary.get(k) for k in ("status", "steps_completed", "tokens", "skipped_steps",
                                                        "precision", "parallel") if k in signals.summary},
     }

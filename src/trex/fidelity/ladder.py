@@ -49,8 +49,11 @@ from trex.fidelity.matrix import claim_out, signal_overrides
 from trex.fidelity.profiles import LadderBounds, Profile
 from trex.fidelity.report import write_all
 from trex.fidelity.runs import load_signals
+from trex.fidelity.sketch import Stats
+from trex.fidelity.sketch import agreement as sketch_agreement
 from trex.models import DeepseekV4, evaluating
-from trex.parallel.mesh import init_parallel, resolve_layout
+from trex.parallel.load import load_sharded
+from trex.parallel.mesh import Parallel, init_parallel, resolve_layout
 from trex.posttrain import TrainContext, build_objective
 from trex.precision import DynamicLossScaler, PrecisionPolicy, StepGuard
 from trex.recipe import load
@@ -82,7 +85,7 @@ class Side:
 
 @dataclass
 class Parts:
-    """A side's student at its initial weights with what one step needs (one process)."""
+    """A side's student at its initial weights with what one step needs (in its layout)."""
 
     recipe: TrainRecipe
     model: DeepseekV4
@@ -91,6 +94,7 @@ class Parts:
     objective: object
     guard: StepGuard
     probe: object
+    par: Parallel
 
 
 def build_parts(side: Side) -> Parts:
@@ -98,20 +102,24 @@ def build_parts(side: Side) -> Parts:
     dev = device_layer.detect(recipe.train.device or None)
     dev.set_current()
     layout = recipe.parallel
-    par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev, world_size=1,
-                        cp=layout.cp)  # a layout of several processes is refused here
+    par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev, cp=layout.cp)
     dev.manual_seed(recipe.train.seed)
     policy = PrecisionPolicy.resolve(recipe.precision.dtype, dev)
     tokenizer = tokenizer_for(recipe.data.tokenizer)
-    model = side.model(recipe, dev, policy, tokenizer)
-    prepare_model(model, recipe, par, policy, recipe.train.compile_with(dev))
+    compile_backend = recipe.train.compile_with(dev)
+    if par.distributed and recipe.model.path and side.edit is None:  # each rank reads its shards
+        model = load_sharded(recipe.model.path, lambda m: prepare_model(m, recipe, par, policy, compile_backend),
+                             dev.torch_device)
+    else:
+        model = side.model(recipe, dev, policy, tokenizer)
+        prepare_model(model, recipe, par, policy, compile_backend)
     optimizer = build_optimizer(model, recipe.optim, dev)
     build_scheduler(optimizer, recipe.schedule, recipe.train.steps)  # sets step 1's learning rate
     guard = StepGuard(recipe.precision.max_consecutive_skips, DynamicLossScaler.from_config(recipe.precision, policy))
     objective = build_objective(recipe.train.mode, TrainContext(recipe, par, dev, policy, tokenizer, model))
     probe = fidelity_recorder(recipe, objective, "", tokenizer, dev.torch_device).probe
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return Parts(recipe, model, params, optimizer, objective, guard, probe)
+    return Parts(recipe, model, params, optimizer, objective, guard, probe, par)
 
 
 # ---- measurements ------------------------------------------------------------------------------------
@@ -159,19 +167,30 @@ def loss_error(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1.0) if math.isfinite(a) else math.inf
 
 
-def tensor_errors(run: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], order: list[str],
-                  bound: float, floor: float) -> list[dict]:
+Tensors = dict[str, torch.Tensor] | Stats  # the tensors themselves, or their statistics (one process or a record)
+
+
+def agree(run: Tensors, ref: Tensors, name: str) -> dict[str, float]:
+    """:func:`agreement` of tensor ``name`` of ``run`` with ``ref``'s (estimated from statistics when
+    they are trex.fidelity.sketch.Stats); the measures of a shape mismatch when ``run`` lacks it."""
+    if name not in run:
+        return agreement(torch.zeros(0), torch.ones(1))
+    return sketch_agreement(run, ref, name) if isinstance(ref, Stats) else agreement(run[name], ref[name])
+
+
+def tensor_errors(run: Tensors, ref: Tensors, order: list[str], bound: float, floor: float) -> list[dict]:
     """Per name in ``order``: norm relative error (divided by max(reference norm, floor x the
     reference's global norm)) and 1 - cosine (judged only above that floor); ``departs`` when either
     exceeds ``bound``, or the tensor is missing on one side."""
-    global_norm = math.sqrt(sum(float(t.double().norm()) ** 2 for t in ref.values()))
+    global_norm = (ref.global_norm() if isinstance(ref, Stats)
+                   else math.sqrt(sum(float(t.double().norm()) ** 2 for t in ref.values())))
     rows = []
     for name in order:
         if name not in run or name not in ref:
             rows.append({"name": name, "group": layer_group(name), "norm_rel_err": math.inf, "direction_err": math.inf,
                          "departs": True, "note": "only in the " + ("reference" if name in ref else "variant")})
             continue
-        m = agreement(run[name], ref[name])
+        m = agree(run, ref, name)
         scale = max(m["ref_norm"], floor * global_norm, _TINY)
         norm_err = abs(m["norm"] - m["ref_norm"]) / scale if math.isfinite(m["norm"]) else math.inf
         direction = 1.0 - m["cosine"] if m["ref_norm"] >= floor * global_norm else 0.0
@@ -192,27 +211,36 @@ def step_one(parts: Parts) -> tuple[float, dict[str, torch.Tensor], list]:
     return float(result.loss), grads, result.moe_stats
 
 
-def step_two_with(parts: Parts, grads: dict[str, torch.Tensor], moe_stats: list) -> tuple[float, dict]:
-    """Load ``grads`` (the reference's step-1 gradients), take this side's optimizer step (clipping,
-    update, router bias), then the step-2 forward: (step-2 loss, per-parameter update on the host)."""
-    model, recipe = parts.model, parts.recipe
-    before = _host(parts.params)
-    params = []
-    for name, p in parts.params:
-        p.grad = grads[name].to(device=p.device, dtype=p.dtype, copy=True) if name in grads else None
-        params.append(p)
-    clip_grad_norm(params, recipe.optim.grad_clip)
+def optimizer_step(parts: Parts, moe_stats: list) -> None:
+    """The optimizer step of step 1 on the gradients in .grad: clipping, update, router bias."""
+    params = [p for _, p in parts.params]
+    clip_grad_norm(params, parts.recipe.optim.grad_clip)
     apply = torch.ones((), dtype=torch.bool, device=params[0].device)
     parts.optimizer.step(apply=apply)
-    if recipe.train.bias_gamma:
-        update_router_bias(model, moe_stats, recipe.train.bias_gamma, None, apply=apply)
+    if parts.recipe.train.bias_gamma:
+        reduce = parts.par.all_reduce_sum if parts.par.distributed else None  # every rank the same update
+        update_router_bias(parts.model, moe_stats, parts.recipe.train.bias_gamma, reduce, apply=apply)
     else:
         sum_expert_counts(moe_stats)
     parts.optimizer.zero_grad(set_to_none=True)
-    update = {n: p.detach().float().cpu() - before[n] for n, p in parts.params}
-    result = parts.objective.step(model, 1, parts.guard.scaler)
+
+
+def step_two_loss(parts: Parts) -> float:
+    """The loss of step 2's forward and backward (the gradients are dropped)."""
+    result = parts.objective.step(parts.model, 1, parts.guard.scaler)
     parts.optimizer.zero_grad(set_to_none=True)
-    return float(result.loss), update
+    return float(result.loss)
+
+
+def step_two_with(parts: Parts, grads: dict[str, torch.Tensor], moe_stats: list) -> tuple[float, dict]:
+    """Load ``grads`` (the reference's step-1 gradients), take this side's optimizer step (clipping,
+    update, router bias), then the step-2 forward: (step-2 loss, per-parameter update on the host)."""
+    before = _host(parts.params)
+    for name, p in parts.params:
+        p.grad = grads[name].to(device=p.device, dtype=p.dtype, copy=True) if name in grads else None
+    optimizer_step(parts, moe_stats)
+    update = {n: p.detach().float().cpu() - before[n] for n, p in parts.params}
+    return step_two_loss(parts), update
 
 
 # ---- the ladder --------------------------------------------------------------------------------------
@@ -231,7 +259,7 @@ class Rung:
     """Rungs 4-5: the compare report's JSON."""
 
 
-def _judge_rows(rung: Rung, rows: list[dict], what: str) -> None:
+def judge_rows(rung: Rung, rows: list[dict], what: str) -> None:
     rung.rows = rows
     departed = [r for r in rows if r["departs"]]
     if departed:
@@ -242,12 +270,12 @@ def _judge_rows(rung: Rung, rows: list[dict], what: str) -> None:
     rung.measures[f"worst_{what}_err"] = max(worst["norm_rel_err"], worst["direction_err"]) if worst else None
 
 
-def forward_rung(bounds: LadderBounds, loss_ref: float, loss_var: float, out_ref: dict, out_var: dict) -> Rung:
+def forward_rung(bounds: LadderBounds, loss_ref: float, loss_var: float, out_ref: Tensors, out_var: Tensors) -> Rung:
     rung = Rung(1, RUNGS[0])
     rung.measures = {"loss_reference": loss_ref, "loss_variant": loss_var, "loss_err": loss_error(loss_var, loss_ref)}
     rows = []
-    for name in out_ref:
-        m = agreement(out_var[name], out_ref[name]) if name in out_var else agreement(torch.zeros(0), out_ref[name])
+    for name in (out_ref.names if isinstance(out_ref, Stats) else out_ref):
+        m = agree(out_var, out_ref, name)
         rows.append({"name": name, "cosine": m["cosine"], "max_abs": m["max_abs"], "max_abs_rel": m["max_abs_rel"],
                      "departs": not (m["cosine"] >= bounds.cosine and m["max_abs_rel"] <= bounds.max_abs_rel)})
     rung.rows = rows
@@ -261,27 +289,23 @@ def forward_rung(bounds: LadderBounds, loss_ref: float, loss_var: float, out_ref
     return rung
 
 
-def _train_side(side: Side, recipe: TrainRecipe) -> None:
+def train_side(side: Side, recipe: TrainRecipe) -> None:
     """Train ``recipe`` with the training loop, the side's edit applied to its model."""
+    if side.edit is None:
+        train(recipe)
+        return
     dev = device_layer.detect(recipe.train.device or None)
     policy = PrecisionPolicy.resolve(recipe.precision.dtype, dev)
     tokenizer = tokenizer_for(recipe.data.tokenizer)
     train(recipe, model=side.model(recipe, dev, policy, tokenizer), tokenizer=tokenizer)
 
 
-def _loop_rung(number: int, ref: Side, var: Side, profile: Profile, out: str, overrides: list[str],
-               recipe_path: str, ref_overrides: list[str], var_overrides: list[str]) -> Rung:
+def judge_loop(number: int, run_dir: str, ref_dir: str, profile: Profile, out: str) -> Rung:
+    """Rung 4 or 5: the run in ``run_dir`` against the reference's in ``ref_dir``, by `compare` under
+    ``profile``; the compare report goes to ``out``/reports."""
     rung = Rung(number, RUNGS[number - 1])
-    tag = "lr0" if number == 4 else "run"
-    dirs = {}
-    for side, side_overrides in ((ref, ref_overrides), (var, var_overrides)):
-        run_dir = os.path.join(out, side.name, tag)
-        recipe = load(TrainRecipe, recipe_path, [*side_overrides, *overrides, f"train.out={json.dumps(run_dir)}"])
-        print(f"[rung {number}: {rung.name}] {side.name}: {recipe.train.steps} steps -> {run_dir}", file=sys.stderr)
-        _train_side(side, recipe)
-        dirs[side.name] = run_dir
-    result = compare(load_signals(dirs[var.name]), load_signals(dirs[ref.name]), profile)
-    rung.report = write_all(result, os.path.join(out, "reports"), f"rung{number}_{tag}")["json"]
+    result = compare(load_signals(run_dir), load_signals(ref_dir), profile)
+    rung.report = write_all(result, os.path.join(out, "reports"), f"rung{number}_{'lr0' if number == 4 else 'run'}")["json"]
     failed = [c for c in result.checks if c.status == "FAIL"]
     rung.measures = {c.measure: c.value for c in result.checks if c.status not in ("off", "n/a")}
     rung.status = result.verdict
@@ -292,6 +316,27 @@ def _loop_rung(number: int, ref: Side, var: Side, profile: Profile, out: str, ov
     return rung
 
 
+def _loop_rung(number: int, ref: Side, var: Side, profile: Profile, out: str, overrides: list[str],
+               recipe_path: str, ref_overrides: list[str], var_overrides: list[str]) -> Rung:
+    tag = "lr0" if number == 4 else "run"
+    dirs = {}
+    for side, side_overrides in ((ref, ref_overrides), (var, var_overrides)):
+        run_dir = os.path.join(out, side.name, tag)
+        recipe = load(TrainRecipe, recipe_path, [*side_overrides, *overrides, f"train.out={json.dumps(run_dir)}"])
+        print(f"[rung {number}: {RUNGS[number - 1]}] {side.name}: {recipe.train.steps} steps -> {run_dir}", file=sys.stderr)
+        train_side(side, recipe)
+        dirs[side.name] = run_dir
+    return judge_loop(number, dirs[var.name], dirs[ref.name], profile, out)
+
+
+def ladder_overrides(recipe_path: str, overrides: list[str], steps: int | None) -> list[str]:
+    """``overrides`` and what every side of a ladder adds: ``steps`` (train.steps), enough fidelity
+    records, no checkpoints, no resume, no progress bar."""
+    over = [*([f"train.steps={steps}"] if steps else []), *overrides]
+    return [*over, *signal_overrides(load(TrainRecipe, recipe_path, over)), "checkpoint.save_every=0",
+            'checkpoint.resume=""', "train.progress=false"]
+
+
 def run_ladder(recipe_path: str, variant_overrides: list[str], out: str, profile: Profile,
                reference_overrides: list[str] | None = None, lr0_steps: int | None = None,
                steps: int | None = None, edit: Callable[[DeepseekV4], None] | None = None,
@@ -300,11 +345,8 @@ def run_ladder(recipe_path: str, variant_overrides: list[str], out: str, profile
     (ValueError) unless ``overwrite``."""
     if not variant_overrides and edit is None:
         raise ValueError("the ladder needs a variant: --variant SECTION.KEY=VALUE (repeatable)")
-    base = [f"train.steps={steps}"] if steps else []
-    ref_over = [*base, *(reference_overrides or [])]
-    var_over = [*base, *variant_overrides]
-    common = [*signal_overrides(load(TrainRecipe, recipe_path, ref_over)), "checkpoint.save_every=0", 'checkpoint.resume=""', "train.progress=false"]
-    ref_over, var_over = [*ref_over, *common], [*var_over, *common]
+    ref_over = ladder_overrides(recipe_path, reference_overrides or [], steps)
+    var_over = ladder_overrides(recipe_path, variant_overrides, steps)
     ref_recipe, var_recipe = load(TrainRecipe, recipe_path, ref_over), load(TrainRecipe, recipe_path, var_over)
     for side, recipe in (("reference", ref_recipe), ("variant", var_recipe)):
         layout = recipe.parallel
@@ -331,7 +373,7 @@ def run_ladder(recipe_path: str, variant_overrides: list[str], out: str, profile
     rungs[0] = forward_rung(bounds, loss_ref, loss_var, out_ref, out_var)
     if rungs[0].status == "PASS":
         backward_order = [n for n, _ in reversed(var_parts.params) if n in grads_ref or n in grads_var]
-        _judge_rows(rungs[1], tensor_errors(grads_var, grads_ref, backward_order, bounds.grad, bounds.floor),
+        judge_rows(rungs[1], tensor_errors(grads_var, grads_ref, backward_order, bounds.grad, bounds.floor),
                     "parameter")
         rungs[1].status = "FAIL" if rungs[1].departure else "PASS"
     if rungs[1].status == "PASS":
@@ -339,7 +381,7 @@ def run_ladder(recipe_path: str, variant_overrides: list[str], out: str, profile
         rung = rungs[2]
         rung.measures = {"loss_reference": loss2_ref, "loss_variant": loss2_var,
                          "loss_err": loss_error(loss2_var, loss2_ref)}
-        _judge_rows(rung, tensor_errors(update_var, update_ref, [n for n, _ in var_parts.params], bounds.update,
+        judge_rows(rung, tensor_errors(update_var, update_ref, [n for n, _ in var_parts.params], bounds.update,
                                         bounds.floor), "parameter")
         rung.status = "PASS" if rung.measures["loss_err"] <= bounds.loss and not rung.departure else "FAIL"
     del var_parts
@@ -347,8 +389,7 @@ def run_ladder(recipe_path: str, variant_overrides: list[str], out: str, profile
     for number, overrides in ((4, ["optim.lr=0", "train.bias_gamma=0",
                                    f"train.steps={lr0_steps or ref_recipe.train.steps}"]), (5, [])):
         if all(r.status == "PASS" for r in rungs[:number - 1]):
-            rungs[number - 1] = _loop_rung(number, ref, var, profile, out, [*common, *overrides], recipe_path,
-                                           [*base, *(reference_overrides or [])], [*base, *variant_overrides])
+            rungs[number - 1] = _loop_rung(number, ref, var, profile, out, overrides, recipe_path, ref_over, var_over)
     first_failed = next((r for r in rungs if r.status == "FAIL"), None)
     report = {"recipe": recipe_path, "profile": profile.name, "bounds": vars(bounds),
               "reference_overrides": reference_overrides or [], "variant_overrides": variant_overrides,

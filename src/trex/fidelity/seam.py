@@ -10,7 +10,8 @@ profile that fits the change (the move's ``profile``, or ``profile``):
   ``RUN/seams/step_<s>/`` (torchrun when the old layout had several processes). When the old device
   type is not here, this is refused with the reason;
 - or ``reference``: a run directory or golden file holding those steps (a continuation made on the
-  old cluster, or the calibrated golden file; its envelope is used as in `compare`).
+  old cluster, or the calibrated golden file; its envelope is used as in `compare`), or a record of
+  `trex fidelity record --from-checkpoint` made on the old cluster from the move's checkpoint.
 
 Per-layer and probe checks are switched off when neither side recorded them inside the window
 (``[fidelity] every`` longer than it), and the report says so. The verdict is logged (and
@@ -113,6 +114,10 @@ def seam(run: str, steps: int = 3, reference: str | None = None, at: int | None 
         raise FidelityInputError(f"{run}: no move at step {at}; moves at steps {[m['step'] for m in moves]}")
     move = chosen[-1]
     prof = get_profile(profile or move["profile"])
+    if reference and os.path.isfile(os.path.join(reference, "record.json")):  # `trex fidelity record --from-checkpoint`
+        from trex.fidelity.record import continuation_of
+
+        reference = continuation_of(reference, move["step"])
     print(f"[seam] {describe(move)}; profile {prof.name}", file=sys.stderr)
     ref = reference or continue_old(run, move, steps)
     result, notes = judge(run, move, steps, ref, prof, envelope)

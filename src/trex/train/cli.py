@@ -131,22 +131,16 @@ def _data_prepare(args: argparse.Namespace) -> int:
     import dataclasses
     import json
     import logging
-    import time
     from pathlib import Path
 
-    from trex.data.prepared import ensure, prepare
+    from trex.data.prepared import ensure, every, prepare
     from trex.data.records import describe_skips
     from trex.recipe import RecipeError, load
     from trex.train.config import TrainRecipe
     from trex.train.loop import tokenizer_for
 
-    last = [0.0]
-
-    def report(progress) -> None:  # a line every 10 s (a prepare of billions of tokens runs for hours)
-        if time.perf_counter() - last[0] >= 10:
-            last[0] = time.perf_counter()
-            print(f"trex data prepare: {progress.line()}", file=sys.stderr, flush=True)
-
+    # a line every 10 s (a prepare of billions of tokens runs for hours)
+    report = every(10.0, lambda line: print(f"trex data prepare: {line}", file=sys.stderr, flush=True))
     try:
         if args.workers < 1:
             raise ValueError(f"--workers {args.workers}: expected at least 1")

@@ -1,0 +1,148 @@
+"""The ladder between two clusters: a reference recorded on one process (statistics, not tensors) and
+climbed against from another process, two ranks with FSDP2 + EP2, and the virtual device, with
+another micro-batch split; the four planted divergences of the one-process ladder found through the
+record at their rung and block; the record's size against its formula, and V4-Pro's estimate."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_fidelity_ladder import bf16_attention_in_layer_2, gradient_bug_in_layer_1, wrong_norm_eps
+
+from trex.fidelity.profiles import get_profile
+from trex.fidelity.record import climb, model_counts, read_record, record, record_bytes
+from trex.models import build_model, get_preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "fidelity_default.toml")
+DATA = os.path.join(ROOT, "fidelity", "data")
+PATHS = [f"data.paths={json.dumps([os.path.join(DATA, 'arithmetic_sft.jsonl')])}",
+         f"fidelity.probe_paths={json.dumps([os.path.join(DATA, 'arithmetic_probe.jsonl')])}"]
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The reference recorded on one CPU process, fp32, 4 rows a micro-batch."""
+    out = tmp_path_factory.mktemp("record") / "ref"
+    record(RECIPE, str(out), PATHS, steps=STEPS)
+    return out
+
+
+def _trex(args: list[str], procs: int = 1, env: dict | None = None) -> subprocess.CompletedProcess:
+    launch = [sys.executable] if procs == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                                                   str(procs), "--standalone"]
+    return subprocess.run([*launch, "-m", "trex", *args], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def _sets(*items: str) -> list[str]:
+    return [a for item in items for a in ("--set", item)]
+
+
+def test_the_record_holds_statistics_whose_size_is_the_formula(reference):
+    manifest, sets = read_record(str(reference))
+    counts = manifest["model"]
+    assert len(sets["weights"].names) == len(sets["grads"].names) == counts["parameter_tensors"]
+    assert len(sets["blocks"].names) == counts["blocks"]
+    with open(reference / "stats.safetensors", "rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+    payload = os.path.getsize(reference / "stats.safetensors") - 8 - header
+    assert payload == record_bytes(counts["parameter_tensors"], counts["blocks"])
+    assert manifest["steps"] == {"lr0": STEPS, "run": STEPS} and manifest["devices"]["device_type"] == "cpu"
+    pro = model_counts(build_model(get_preset("deepseek-v4-pro"), device="meta"))
+    checkpoint = pro["parameters"] // 2  # the smallest a checkpoint can be: every weight in FP4
+    assert record_bytes(pro["parameter_tensors"], pro["blocks"]) <= 0.01 * checkpoint
+
+
+def test_the_same_recipe_climbs_every_rung_exactly(reference, tmp_path):
+    report = climb(RECIPE, str(reference), str(tmp_path / "ladder"), get_profile("layout"), PATHS)
+    assert [r["status"] for r in report["rungs"]] == ["PASS"] * 5
+    assert report["rungs"][0]["measures"]["loss_err"] == 0 and report["rungs"][0]["measures"]["min_block_cosine"] == 1
+    assert report["rungs"][1]["measures"]["worst_parameter_err"] == 0  # equal checksums: exactly equal
+    assert os.path.isfile(tmp_path / "ladder" / "ladder.md")
+
+
+@pytest.mark.parametrize("edit, variant, rung, where", [
+    (wrong_norm_eps, [], 1, ("block", "layers.2")),
+    (bf16_attention_in_layer_2, [], 1, ("block", "layers.2")),
+    (gradient_bug_in_layer_1, [], 2, ("group", "layers.1.")),
+    (None, ["optim.ns_iterations=[5, 2]"], 3, ("parameter", "layers.0.attn.wq_a")),  # the first Muon matrix
+])
+def test_a_planted_divergence_is_found_through_the_record_at_its_rung_and_block(reference, tmp_path, edit, variant,
+                                                                                  rung, where):
+    report = climb(RECIPE, str(reference), str(tmp_path / "ladder"), get_profile("layout"), [*PATHS, *variant],
+                   edit=edit)
+    assert report["first_failing_rung"] == rung
+    departure = report["rungs"][rung - 1]["departure"]
+    key, name = where
+    assert str(departure[key]).startswith(name), departure
+    if rung > 1:
+        assert report["rungs"][0]["measures"]["loss_err"] == 0  # the forward is untouched
+    if rung == 3:
+        assert report["rungs"][1]["measures"]["worst_parameter_err"] == 0  # so are the gradients
+
+
+def test_two_ranks_with_fsdp2_and_ep2_and_two_rows_a_micro_batch_climb_against_the_record(reference, tmp_path):
+    out = tmp_path / "ladder"
+    proc = _trex(["fidelity", "ladder", RECIPE, "--reference", str(reference), "--out", str(out),
+                  *_sets(*PATHS, "parallel.dp_shard=2", "parallel.ep=2", "data.micro_batch_size=2")], procs=2)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((out / "ladder.json").read_text())
+    assert [r["status"] for r in report["rungs"]] == ["PASS"] * 5
+    assert report["layouts"]["run"]["world_size"] == 2 and report["layouts"]["reference"]["world_size"] == 1
+    assert 0 < report["rungs"][1]["measures"]["worst_parameter_err"] < 1e-3  # not bitwise: a reduction order
+
+
+def test_the_virtual_device_accumulating_two_micro_batches_climbs_against_the_record(reference, tmp_path):
+    out = tmp_path / "ladder"
+    proc = _trex(["fidelity", "ladder", RECIPE, "--reference", str(reference), "--out", str(out), "--profile", "vendor",
+                  *_sets(*PATHS, 'train.device="vdev"', "data.micro_batch_size=2", "train.grad_accum=2")],
+                 env={"TREX_DEVICE_PLUGINS": "trex_vdev"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((out / "ladder.json").read_text())
+    assert report["verdict"] == "PASS" and report["devices"]["run"]["device_type"] == "vdev"
+
+
+def test_what_cannot_be_compared_is_one_line(reference, tmp_path):
+    batch = _trex(["fidelity", "ladder", RECIPE, "--reference", str(reference), "--out", str(tmp_path / "a"),
+                   *_sets(*PATHS, "data.micro_batch_size=2")])
+    assert batch.returncode == 2 and batch.stderr.count("\n") == 1 and "rows a step" in batch.stderr
+    missing = _trex(["fidelity", "ladder", RECIPE, "--reference", str(tmp_path / "nothing"), "--out", str(tmp_path / "b")])
+    assert missing.returncode == 2 and "record.json: not found" in missing.stderr and "Traceback" not in missing.stderr
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "record.json").write_text(json.dumps({"format": 99}))
+    old = _trex(["fidelity", "ladder", RECIPE, "--reference", str(tmp_path / "bad"), "--out", str(tmp_path / "c")])
+    assert old.returncode == 2 and "format 99" in old.stderr and old.stderr.count("\n") == 1
+
+
+def test_a_seam_is_judged_against_a_continuation_recorded_from_its_checkpoint(tmp_path):
+    """A run moves at step 4 (one row a micro-batch accumulated 4 times, from 4 rows at once); the old
+    configuration's continuation of step_4 is recorded as if on the other cluster, and the seam is
+    judged against that record; a record of another checkpoint is refused in one line."""
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    common = [*PATHS, "checkpoint.save_every=4", "fidelity.every=1"]
+    first = _trex(["train", RECIPE, "--out", str(run), *_sets(*common, "train.steps=4")])
+    assert first.returncode == 0, first.stderr[-2000:]
+    moved = _trex(["train", RECIPE, "--out", str(run), "--resume", "auto",
+                   *_sets(*common, "train.steps=6", "data.micro_batch_size=1", "train.grad_accum=4")])
+    assert moved.returncode == 0, moved.stderr[-2000:]
+    recorded = _trex(["fidelity", "record", RECIPE, "--from-checkpoint", str(run / "checkpoints" / "step_4"),
+                      "--steps", "2", "--out", str(ref), *_sets(*common)])
+    assert recorded.returncode == 0, recorded.stderr[-2000:]
+    assert "steps 5-6 after" in recorded.stdout
+    seam = _trex(["fidelity", "seam", str(run), "--steps", "2", "--reference", str(ref)])
+    assert seam.returncode == 0, seam.stdout[-2000:] + seam.stderr[-2000:]
+    entry = json.loads((run / "seams.json").read_text())[-1]
+    assert entry["verdict"] == "PASS" and entry["profile"] == "layout" and entry["reference"] == str(ref / "continuation")
+    other = json.loads((ref / "record.json").read_text())
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "record.json").write_text(json.dumps({**other, "step": 2}))
+    wrong = _trex(["fidelity", "seam", str(run), "--steps", "2", "--reference", str(tmp_path / "other")])
+    assert wrong.returncode == 2 and "step 2" in wrong.stderr and wrong.stderr.count("\n") == 1
+    ladder = _trex(["fidelity", "ladder", RECIPE, "--reference", str(ref), "--out", str(tmp_path / "l")])
+    assert ladder.returncode == 2 and "continuation" in ladder.stderr and ladder.stderr.count("\n") == 1
