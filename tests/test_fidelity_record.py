@@ -13,6 +13,7 @@ import sys
 import pytest
 from test_fidelity_ladder import bf16_attention_in_layer_2, gradient_bug_in_layer_1, wrong_norm_eps
 
+from trex.cli import main
 from trex.fidelity.profiles import get_profile
 from trex.fidelity.record import climb, model_counts, read_record, record, record_bytes
 from trex.models import build_model, get_preset
@@ -21,8 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "fidelity_default.toml")
 DATA = os.path.join(ROOT, "fidelity", "data")
 PATHS = [f"data.paths={json.dumps([os.path.join(DATA, 'arithmetic_sft.jsonl')])}",
-         f"fidelity.probe_paths={json.dumps([os.path.join(DATA, 'arithmetic_probe.jsonl')])}"]
-STEPS = 3
+         f"fidelity.probe_paths={json.dumps([os.path.join(DATA, 'arithmetic_probe.jsonl')])}", "schedule.warmup_steps=1"]
+STEPS = 2
 
 
 @pytest.fixture(scope="module")
@@ -108,16 +109,20 @@ def test_the_virtual_device_accumulating_two_micro_batches_climbs_against_the_re
     assert report["verdict"] == "PASS" and report["devices"]["run"]["device_type"] == "vdev"
 
 
-def test_what_cannot_be_compared_is_one_line(reference, tmp_path):
-    batch = _trex(["fidelity", "ladder", RECIPE, "--reference", str(reference), "--out", str(tmp_path / "a"),
-                   *_sets(*PATHS, "data.micro_batch_size=2")])
-    assert batch.returncode == 2 and batch.stderr.count("\n") == 1 and "rows a step" in batch.stderr
-    missing = _trex(["fidelity", "ladder", RECIPE, "--reference", str(tmp_path / "nothing"), "--out", str(tmp_path / "b")])
-    assert missing.returncode == 2 and "record.json: not found" in missing.stderr and "Traceback" not in missing.stderr
+def test_what_cannot_be_compared_is_one_line(reference, tmp_path, capsys):
+    def ladder(ref, out, *settings):
+        code = main(["fidelity", "ladder", RECIPE, "--reference", str(ref), "--out", str(tmp_path / out),
+                     *_sets(*PATHS, *settings)])
+        return code, capsys.readouterr().err
+
+    code, err = ladder(reference, "a", "data.micro_batch_size=2")
+    assert code == 2 and err.count("\n") == 1 and "rows a step" in err and not (tmp_path / "a").exists()
+    code, err = ladder(tmp_path / "nothing", "b")
+    assert code == 2 and "record.json: not found" in err and err.count("\n") == 1
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "record.json").write_text(json.dumps({"format": 99}))
-    old = _trex(["fidelity", "ladder", RECIPE, "--reference", str(tmp_path / "bad"), "--out", str(tmp_path / "c")])
-    assert old.returncode == 2 and "format 99" in old.stderr and old.stderr.count("\n") == 1
+    code, err = ladder(tmp_path / "bad", "c")
+    assert code == 2 and "format 99" in err and err.count("\n") == 1
 
 
 def test_a_seam_is_judged_against_a_continuation_recorded_from_its_checkpoint(tmp_path):

@@ -12,7 +12,7 @@ indexer's top-k of its floor((t+1)/4) entries.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 from trex.models.config import CSA, HCA, SLIDING, ModelConfig
 
@@ -30,7 +30,7 @@ class FlopsPerToken:
 
     @property
     def total(self) -> float:
-        return sum(asdict(self).values())
+        return sum(getattr(self, f.name) for f in fields(self))
 
 
 def _mean_window_keys(S: int, W: int) -> float:
@@ -40,15 +40,23 @@ def _mean_window_keys(S: int, W: int) -> float:
     return (W * (W + 1) / 2 + (S - W) * W) / S
 
 
+def _floor_sum(n: int, m: int) -> int:
+    """sum_{u=1..n} floor(u / m), in closed form: m q (q - 1) / 2 + q (r + 1) for n = q m + r."""
+    q, r = divmod(n, m)
+    return m * q * (q - 1) // 2 + q * (r + 1)
+
+
 def _mean_closed_windows(S: int, m: int) -> float:
     # sum_{t<S} floor((t+1)/m) / S
-    return sum((t + 1) // m for t in range(S)) / S if S < 1 << 16 else (S + 1) / (2 * m)
+    return _floor_sum(S, m) / S if S < 1 << 16 else (S + 1) / (2 * m)
 
 
 def _mean_topk(S: int, m: int, k: int) -> float:
+    # sum_{t<S} min(k, floor((t+1)/m)) / S: floor(u/m) below u = k m, then k
     if S >= 1 << 16:
         return float(k)  # nearly every query has more than k entries
-    return sum(min(k, (t + 1) // m) for t in range(S)) / S
+    below = min(S, k * m - 1)
+    return (_floor_sum(below, m) + k * (S - below)) / S
 
 
 def _layer(cfg: ModelConfig, layer_type: str, S: int) -> tuple[float, float, float, float]:

@@ -22,6 +22,7 @@ over the shard group, and, with offload, the moments crossing the host link twic
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 from trex.hardware import HardwareProfile
@@ -102,13 +103,13 @@ def cp_traffic(cfg: ModelConfig, seq_len: int, b: int) -> tuple[float, float]:
     ring-collective buffer bytes: each compressed layer's entries, all-gathered forward and their
     gradients reduce-scattered backward, and the CSA indexer's keys, forward only)."""
     halo = gathered = 0.0
-    for lt in (*cfg.layer_types, *[cfg.mtp_layer_type] * cfg.num_nextn_predict_layers):
-        halo += 2 * b * cfg.hidden_size * sum(shard_halo(cfg, lt))
+    for lt, n in Counter((*cfg.layer_types, *[cfg.mtp_layer_type] * cfg.num_nextn_predict_layers)).items():
+        halo += n * 2 * b * cfg.hidden_size * sum(shard_halo(cfg, lt))
         m = cfg.compress_rate(lt)
         if m:
-            gathered += 2 * b * cfg.head_dim * (seq_len // m)
+            gathered += n * 2 * b * cfg.head_dim * (seq_len // m)
             if lt == CSA:
-                gathered += b * cfg.index_head_dim * (seq_len // m)
+                gathered += n * b * cfg.index_head_dim * (seq_len // m)
     return halo, gathered
 
 
