@@ -88,10 +88,14 @@ def test_a_planted_divergence_is_found_through_the_record_at_its_rung_and_block(
         assert report["rungs"][1]["measures"]["worst_parameter_err"] == 0  # so are the gradients
 
 
-def test_two_ranks_with_fsdp2_and_ep2_and_two_rows_a_micro_batch_climb_against_the_record(reference, tmp_path):
+@pytest.mark.parametrize("layout", [
+    ["parallel.dp_shard=2", "parallel.ep=2", "data.micro_batch_size=2"],  # two rows each, experts split
+    ["parallel.cp=2"],  # every row split in two: block outputs are sequence shards
+], ids=["fsdp2-ep2", "cp2"])
+def test_two_ranks_climb_against_a_one_process_record(reference, tmp_path, layout):
     out = tmp_path / "ladder"
     proc = _trex(["fidelity", "ladder", RECIPE, "--reference", str(reference), "--out", str(out),
-                  *_sets(*PATHS, "parallel.dp_shard=2", "parallel.ep=2", "data.micro_batch_size=2")], procs=2)
+                  *_sets(*PATHS, *layout)], procs=2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((out / "ladder.json").read_text())
     assert [r["status"] for r in report["rungs"]] == ["PASS"] * 5

@@ -32,7 +32,7 @@ Size: :data:`trex.fidelity.sketch.BYTES_PER_TENSOR` bytes per parameter for each
 and updates, and per block output (:func:`record_bytes`), plus the names in record.json and the two
 run directories (a few KB a step). Each rank hashes its own shards (about 40 bytes of host memory an
 element of one chunk); one all-reduce of the statistics table combines them, and rank 0 writes.
-Context parallelism is refused for now: its block outputs are sequence shards.
+Under context parallelism a block's output is a sequence shard, described at its row offset.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from trex.fidelity.profiles import Profile
 from trex.fidelity.sketch import (BYTES_PER_TENSOR, SAMPLES, SKETCH, WIDTH, Piece, Stats, fill_synthetic, piece_of,
                                   stats_of)
 from trex.models import DeepseekV4
-from trex.parallel.mesh import init_parallel
+from trex.parallel.mesh import Parallel, init_parallel
 from trex.recipe import load
 from trex.train.config import TrainRecipe
 
@@ -131,20 +131,29 @@ def _join(recipe: TrainRecipe) -> None:
     init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev, cp=layout.cp)
 
 
+def _probe_piece(output: torch.Tensor, seq: int, par: Parallel) -> Piece:
+    """A block's output on the probe batch as a piece of the whole [B, seq, ...] output: under context
+    parallelism a rank holds rows cp_rank x seq/cp onwards (counted by the cp group of rank 0);
+    otherwise every rank holds all of it (counted by rank 0)."""
+    if par.cp == 1 or output.dim() < 2 or output.shape[1] == seq:
+        return piece_of(output)
+    offset = (0, par.cp_rank * output.shape[1], *[0] * (output.dim() - 2))
+    return Piece(output, (output.shape[0], seq, *output.shape[2:]), offset, par.data_rank == 0)
+
+
 def measure(recipe: TrainRecipe, edit=None, rms: dict[str, float] | None = None) -> tuple[dict, dict[str, Stats], dict]:
     """Rungs 1-3 of ``recipe`` in its layout (every rank calls it): the losses of steps 1 and 2, the
     statistics of each set, and the facts a comparison needs (rows per step, the data's fingerprint,
     the layout, the device). The optimizer step takes synthetic gradients (sketch.fill_synthetic) of
     the RMS ``rms`` gives per parameter (the record's; by default this side's own gradients')."""
     layout = recipe.parallel
-    if layout.cp > 1:
-        raise ValueError(f"parallel.cp = {layout.cp}: the ladder through a record does not take context parallelism "
-                         "yet (block outputs are sequence shards); record and climb with parallel.cp = 1")
     parts = build_parts(Side("side", recipe, edit))
     dev = device_layer.detect(recipe.train.device or None)
     on = dev.torch_device
+    seq = parts.probe.input_ids.shape[1]
     sets = {"weights": stats_of(parts.params, on),
-            "blocks": stats_of(list(block_outputs(parts.model, parts.probe).items()), on)}
+            "blocks": stats_of([(n, _probe_piece(t, seq, parts.par))
+                                for n, t in block_outputs(parts.model, parts.probe).items()], on)}
     result = parts.objective.step(parts.model, 0, parts.guard.scaler)
     parts.guard.scaler.unscale_([p for _, p in parts.params])
     sets["grads"] = stats_of([(n, p.grad) for n, p in parts.params if p.grad is not None], on)
