@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from trex.cli import main
 from trex.fidelity.calibrate import run_plan, vary_sets
 from trex.fidelity.compare import compare
 from trex.fidelity.profiles import get_profile
@@ -62,32 +61,33 @@ def test_a_bad_envelope_names_the_key(tmp_path, spread, message):
 
 
 @pytest.mark.slow
-def test_calibrate_measures_the_spread_of_a_reduction_order_and_compare_uses_it(tmp_path):
+def test_calibrate_measures_the_spread_of_a_reduction_order_and_compare_uses_it(tmp_path, capsys):
     golden, out = tmp_path / "golden.json", tmp_path / "cal"
-    cmd = [sys.executable, "-m", "trex", "fidelity", "calibrate", RECIPE, "--golden", str(golden), "--out", str(out),
-           "--runs", "2", "--set", "train.steps=4", "--vary", "data.micro_batch_size=2;train.grad_accum=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    cmd = ["fidelity", "calibrate", RECIPE, "--golden", str(golden), "--out", str(out), "--runs", "2",
+           "--set", "train.steps=4", "--vary", "data.micro_batch_size=2;train.grad_accum=2"]
+    assert main(cmd) == 0  # (the runs are `trex train` processes of their own)
+    printed = capsys.readouterr().out
     envelope = json.load(open(golden))["envelope"]
     assert envelope["runs"] == 2 and envelope["variation"][1]["threads"] == 2
     layout = envelope["spread"]["layout"]
     assert 0 < layout["loss_mean_rel_err"] < 1e-5  # a different summation order: not bitwise, far inside layout
-    assert "| loss_mean_rel_err |" in proc.stdout
+    assert "| loss_mean_rel_err |" in printed
     report = json.load(open(out / "calibration.json"))
     assert "loss_mean_rel_err" not in report["tighter_than_spread"]
     lo, hi = envelope["loss"]["min"], envelope["loss"]["max"]
     assert len(lo) == 4 and all(a <= b for a, b in zip(lo, hi))
     # the second run against the golden file: bitwise fails, and says the reference itself is not bitwise
-    bitwise = [sys.executable, "-m", "trex", "fidelity", "compare", str(out / "run-1"), str(golden),
-               "--profile", "bitwise"]
-    strict = subprocess.run(bitwise, capture_output=True, text=True, cwd=ROOT)
-    assert strict.returncode == 1 and "tighter than the reference's own spread" in strict.stdout
-    assert subprocess.run([*bitwise, "--envelope", "widen"], capture_output=True, cwd=ROOT).returncode == 0
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)  # --out holds the runs now
-    assert proc.returncode == 2 and "--overwrite" in proc.stderr and proc.stderr.count("\n") == 1
+    bitwise = ["fidelity", "compare", str(out / "run-1"), str(golden), "--profile", "bitwise",
+               "--out", str(tmp_path / "report")]
+    assert main(bitwise) == 1 and "tighter than the reference's own spread" in capsys.readouterr().out
+    assert main([*bitwise, "--envelope", "widen"]) == 0
+    capsys.readouterr()
+    assert main(cmd) == 2  # --out holds the runs now
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and err.count("\n") == 1
 
 
-def test_calibrations_from_two_machines_merge_into_one_envelope_that_names_its_sources(tmp_path):
+def test_calibrations_from_two_machines_merge_into_one_envelope_that_names_its_sources(tmp_path, capsys):
     """Machine B's calibration (the committed golden file, as if calibrated on another device and host,
     with a wider spread of one measure and wider loss bounds) merged with machine A's: each measure's
     spread is the larger, named by its machine; the loss bounds span both; compare reads the result."""
@@ -99,21 +99,21 @@ def test_calibrations_from_two_machines_merge_into_one_envelope_that_names_its_s
     b["envelope"]["loss"]["max"] = [v + 0.5 for v in b["envelope"]["loss"]["max"]]
     (tmp_path / "b.json").write_text(json.dumps(b))
     merged_path = tmp_path / "merged.json"
-    proc = subprocess.run([sys.executable, "-m", "trex", "fidelity", "calibrate", "--merge", golden_a, "--merge",
-                           str(tmp_path / "b.json"), "--golden", str(merged_path)], capture_output=True, text=True,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
+    capsys.readouterr()
+    assert main(["fidelity", "calibrate", "--merge", golden_a, "--merge", str(tmp_path / "b.json"),
+                 "--golden", str(merged_path)]) == 0
+    printed = capsys.readouterr().out
     merged = json.loads(merged_path.read_text())["envelope"]
     assert merged["spread"]["layout"]["loss_mean_rel_err"] == b["envelope"]["spread"]["layout"]["loss_mean_rel_err"]
     assert merged["spread_from"]["layout"]["loss_mean_rel_err"] == "virtual accelerator on cluster-b (b.json)"
     others = [m for m in merged["spread_from"]["layout"] if m != "loss_mean_rel_err"]
     assert others and all(merged["spread_from"]["layout"][m].endswith("(default_cpu_fp32.json)") for m in others)
     assert merged["loss"]["max"] == b["envelope"]["loss"]["max"] and merged["loss"]["min"] == data["envelope"]["loss"]["min"]
-    assert merged["runs"] == 2 * data["envelope"]["runs"] and "virtual accelerator on cluster-b" in proc.stdout
+    assert merged["runs"] == 2 * data["envelope"]["runs"] and "virtual accelerator on cluster-b" in printed
     assert load_signals(str(merged_path)).envelope["spread"] == merged["spread"]  # compare reads it
     b["config"]["optim"]["lr"] = 1.0
     (tmp_path / "other.json").write_text(json.dumps(b))
-    other = subprocess.run([sys.executable, "-m", "trex", "fidelity", "calibrate", "--merge", golden_a, "--merge",
-                            str(tmp_path / "other.json"), "--golden", str(tmp_path / "x.json")],
-                           capture_output=True, text=True, cwd=ROOT)
-    assert other.returncode == 2 and "[optim] differs" in other.stderr and other.stderr.count("\n") == 1
+    assert main(["fidelity", "calibrate", "--merge", golden_a, "--merge", str(tmp_path / "other.json"),
+                 "--golden", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert "[optim] differs" in err and err.count("\n") == 1

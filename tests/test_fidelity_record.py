@@ -17,6 +17,9 @@ from trex.cli import main
 from trex.fidelity.profiles import get_profile
 from trex.fidelity.record import climb, model_counts, read_record, record, record_bytes
 from trex.models import build_model, get_preset
+from trex.recipe import load
+from trex.train.config import TrainRecipe
+from trex.train.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "fidelity_default.toml")
@@ -66,6 +69,14 @@ def test_the_same_recipe_climbs_every_rung_exactly(reference, tmp_path):
     assert report["rungs"][0]["measures"]["loss_err"] == 0 and report["rungs"][0]["measures"]["min_block_cosine"] == 1
     assert report["rungs"][1]["measures"]["worst_parameter_err"] == 0  # equal checksums: exactly equal
     assert os.path.isfile(tmp_path / "ladder" / "ladder.md")
+
+
+def test_a_candidate_that_starts_from_other_weights_is_named_before_any_block(reference, tmp_path):
+    report = climb(RECIPE, str(reference), str(tmp_path / "ladder"), get_profile("layout"), [*PATHS, "model.init_seed=1"])
+    assert report["first_failing_rung"] == 1
+    departure = report["rungs"][0]["departure"]
+    assert departure["start"] == "embed.weight" and departure["direction_err"] > 0.5  # unrelated random weights
+    assert "the starting weight embed.weight differs" in (tmp_path / "ladder" / "ladder.md").read_text()
 
 
 @pytest.mark.parametrize("edit, variant, rung, where", [
@@ -129,29 +140,29 @@ def test_what_cannot_be_compared_is_one_line(reference, tmp_path, capsys):
     assert code == 2 and "format 99" in err and err.count("\n") == 1
 
 
-def test_a_seam_is_judged_against_a_continuation_recorded_from_its_checkpoint(tmp_path):
+def test_a_seam_is_judged_against_a_continuation_recorded_from_its_checkpoint(tmp_path, capsys):
     """A run moves at step 4 (one row a micro-batch accumulated 4 times, from 4 rows at once); the old
     configuration's continuation of step_4 is recorded as if on the other cluster, and the seam is
     judged against that record; a record of another checkpoint is refused in one line."""
     run, ref = tmp_path / "run", tmp_path / "ref"
-    common = [*PATHS, "checkpoint.save_every=4", "fidelity.every=1"]
-    first = _trex(["train", RECIPE, "--out", str(run), *_sets(*common, "train.steps=4")])
-    assert first.returncode == 0, first.stderr[-2000:]
-    moved = _trex(["train", RECIPE, "--out", str(run), "--resume", "auto",
-                   *_sets(*common, "train.steps=6", "data.micro_batch_size=1", "train.grad_accum=4")])
-    assert moved.returncode == 0, moved.stderr[-2000:]
-    recorded = _trex(["fidelity", "record", RECIPE, "--from-checkpoint", str(run / "checkpoints" / "step_4"),
-                      "--steps", "2", "--out", str(ref), *_sets(*common)])
-    assert recorded.returncode == 0, recorded.stderr[-2000:]
-    assert "steps 5-6 after" in recorded.stdout
-    seam = _trex(["fidelity", "seam", str(run), "--steps", "2", "--reference", str(ref)])
-    assert seam.returncode == 0, seam.stdout[-2000:] + seam.stderr[-2000:]
+    common = [*PATHS, "checkpoint.save_every=4", "fidelity.every=1", f"train.out={json.dumps(str(run))}"]
+    train(load(TrainRecipe, RECIPE, [*common, "train.steps=4"]))
+    train(load(TrainRecipe, RECIPE, [*common, "train.steps=6", 'checkpoint.resume="auto"', "data.micro_batch_size=1",
+                                     "train.grad_accum=4"]))
+    capsys.readouterr()
+    assert main(["fidelity", "record", RECIPE, "--from-checkpoint", str(run / "checkpoints" / "step_4"), "--steps", "2",
+                 "--out", str(ref), *_sets(*PATHS, "fidelity.every=1")]) == 0
+    assert "steps 5-6 after" in capsys.readouterr().out
+    assert main(["fidelity", "seam", str(run), "--steps", "2", "--reference", str(ref)]) == 0
     entry = json.loads((run / "seams.json").read_text())[-1]
     assert entry["verdict"] == "PASS" and entry["profile"] == "layout" and entry["reference"] == str(ref / "continuation")
     other = json.loads((ref / "record.json").read_text())
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "record.json").write_text(json.dumps({**other, "step": 2}))
-    wrong = _trex(["fidelity", "seam", str(run), "--steps", "2", "--reference", str(tmp_path / "other")])
-    assert wrong.returncode == 2 and "step 2" in wrong.stderr and wrong.stderr.count("\n") == 1
-    ladder = _trex(["fidelity", "ladder", RECIPE, "--reference", str(ref), "--out", str(tmp_path / "l")])
-    assert ladder.returncode == 2 and "continuation" in ladder.stderr and ladder.stderr.count("\n") == 1
+    capsys.readouterr()
+    assert main(["fidelity", "seam", str(run), "--steps", "2", "--reference", str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err
+    assert "step 2" in err and err.count("\n") == 1
+    assert main(["fidelity", "ladder", RECIPE, "--reference", str(ref), "--out", str(tmp_path / "l")]) == 2
+    err = capsys.readouterr().err
+    assert "continuation" in err and err.count("\n") == 1

@@ -448,6 +448,9 @@ def _where(rung: dict) -> str:
     if "parameter" in d:
         return (f"parameter {d['parameter']} (group {d['group']}; norm err {_num(d['norm_rel_err'])}, "
                 f"1 - cosine {_num(d['direction_err'])})")
+    if "start" in d:
+        return (f"the starting weight {d['start']} differs from the reference's (norm err {_num(d['norm_rel_err'])}, "
+                f"1 - cosine {_num(d['direction_err'])}): another checkpoint or seed")
     return (f"failed {', '.join(d['failed'])}; worst layer group {d['layer_group']}; "
             f"first step outside the band {d['first_step_outside_band']}")
 
@@ -495,9 +498,9 @@ def plot(report: dict, path: str) -> None:
             ax.semilogy(x, [min(max(e, 1e-18), 1e6) for e in errors], ".", ms=3, label="max(norm err, 1 - cosine)")
             ax.axhline(max(b["grad" if r["number"] == 2 else "update"], 1e-18), color="tab:red", ls="--", lw=0.8)
             ax.set_xlabel("parameter (" + ("backward order" if r["number"] == 2 else "model order") + ")")
-        if r["departure"]:
-            where = [row["name"] for row in rows].index(r["departure"].get("block") or r["departure"]["parameter"])
-            ax.axvline(where, color="tab:red", lw=1, label="first departure")
+        departed = r["departure"] and (r["departure"].get("block") or r["departure"].get("parameter"))
+        if departed:
+            ax.axvline([row["name"] for row in rows].index(departed), color="tab:red", lw=1, label="first departure")
         ax.set_title(f"rung {r['number']} {r['name']}: {r['status']}", fontsize=9)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)

@@ -8,18 +8,20 @@ the tensor:
   weights    the initial parameters (the candidate must start from the same weights)
   forward    the step-1 loss and every block's output on the probe batch
   backward   every parameter's step-1 gradient
-  optimizer  every parameter's update by the optimizer step on those gradients, and the step-2 loss
+  optimizer  every parameter's update by the optimizer step on a synthetic gradient, and the step-2 loss
   lr0, run   the lr = 0 run and the recipe's run, as run directories (REF/lr0, REF/run)
 
 with the environment (`trex doctor`'s report), the layout, the recipe and the data's fingerprint.
 
-`trex fidelity ladder RECIPE --reference REF [--variant ...]` (every rank of the candidate job)
+`trex fidelity ladder RECIPE --reference REF [--set ...]` (every rank of the candidate job)
 measures the same in its own layout and climbs the rungs against the record, naming the first
 departing block or parameter, as the one-process ladder does. Two things differ from it:
 
-* rung 3 (optimizer) compares the update each side makes from its *own* step-1 gradients (the record
-  does not hold the reference's gradients to load), so an update's error is the optimizer's plus the
-  gradient's, which rung 2 has just bounded;
+* rung 3 (optimizer): the record does not hold the reference's gradients to load, so both sides step
+  their optimizer on the same synthetic gradient (trex.fidelity.sketch.fill_synthetic: generated from
+  each element's global index at the RMS of the reference's gradient, identical in every layout
+  without being sent). Each side's own gradient would not do: Adam's first step is about
+  lr x sign(g), so a rounding-sized gradient difference flips signs;
 * cosines are estimated by the sketch (relative error sqrt(2/K) on 1 - cosine) and max-abs errors
   are taken over sampled positions; equal checksums make a tensor exactly equal.
 
@@ -28,9 +30,9 @@ elements by their row-major index in the full tensor, so the sketch of an FSDP2 
 shard sums into the sketch of the whole. The global batch (rows per step) and the data's fingerprint
 must be the record's; the micro-batch split and the world size may differ.
 
-Size: :data:`trex.fidelity.sketch.BYTES_PER_TENSOR` bytes per parameter for each of weights, gradients
-and updates, and per block output (:func:`record_bytes`), plus the names in record.json and the two
-run directories (a few KB a step). Each rank hashes its own shards (about 40 bytes of host memory an
+Size: :data:`trex.fidelity.sketch.BYTES_PER_TENSOR` bytes per parameter tensor for each of weights,
+gradients and updates, and per block output (:func:`record_bytes`), plus the names in record.json
+and the two run directories (a few KB a step). Each rank hashes its own shards (about 40 bytes of host memory an
 element of one chunk); one all-reduce of the statistics table combines them, and rank 0 writes.
 Under context parallelism a block's output is a sequence shard, described at its row offset.
 """
@@ -48,7 +50,7 @@ import torch.distributed as dist
 from trex import atomic
 from trex import device as device_layer
 from trex.fidelity.ladder import (RUNGS, Rung, Side, block_outputs, build_parts, forward_rung, judge_loop, judge_rows,
-                                  ladder_overrides, optimizer_step, step_two_loss, tensor_errors, train_side,
+                                  ladder_overrides, loss_error, optimizer_step, step_two_loss, tensor_errors, train_side,
                                   write_reports)
 from trex.fidelity.matrix import claim_out
 from trex.fidelity.profiles import Profile
@@ -386,8 +388,7 @@ def climb(recipe_path: str, reference: str, out: str, profile: Profile, variant_
         if rungs[1].status == "PASS":
             rung = rungs[2]
             rung.measures = {"loss_reference": ref["losses"]["step2"], "loss_variant": losses["step2"],
-                             "loss_err": abs(losses["step2"] - ref["losses"]["step2"]) / max(abs(ref["losses"]["step2"]), 1.0)
-                             if math.isfinite(losses["step2"]) else math.inf}
+                             "loss_err": loss_error(losses["step2"], ref["losses"]["step2"])}
             judge_rows(rung, tensor_errors(sets["updates"], ref_sets["updates"], ref_sets["updates"].names,
                                            bounds.update, bounds.floor), "parameter")
             rung.status = "PASS" if rung.measures["loss_err"] <= bounds.loss and not rung.departure else "FAIL"

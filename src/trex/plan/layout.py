@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 from trex.models.config import ModelConfig
 from trex.models.deepseek_v4 import check_shardable
-from trex.train.optim import OPTIMIZERS
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -77,6 +76,8 @@ class Layout:
                 raise PlanError(f"layout: {name} must be >= 1, got {getattr(self, name)}")
         if self.recompute not in RECOMPUTE:
             raise PlanError(f"layout: recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}")
+        from trex.train.optim import OPTIMIZERS  # here: it imports DTensor, which a CLI that never plans skips
+
         if self.optimizer not in OPTIMIZERS:
             raise PlanError(f"layout: optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}")
         E, L = cfg.n_routed_experts, cfg.num_hidden_layers
