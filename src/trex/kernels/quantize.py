@@ -220,6 +220,16 @@ def fake_fp4_act(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
     return _fake_rows(x, block, E2M1_MAX, FP4_AMAX_FLOOR, _e2m1_round)
 
 
+def fake_fp4_act_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """The official ``fp4_act_quant(x, block, inplace=True, scale_dtype=float8_e4m3fn)`` (DeepSeek-V4.1's
+    compressed KV): x [..., n] through e2m1 with one e4m3 scale per ``block`` values of the last dim,
+    amax / 6 (amax floored at 6 * 2^-9) rounded to the nearest e4m3, and back, in x's dtype."""
+    xb = F.pad(x.float(), (0, -x.shape[-1] % block)).unflatten(-1, (-1, block))
+    scale = _e4m3_round(xb.abs().amax(-1, keepdim=True).clamp(min=E2M1_MAX * 2.0**-9) / E2M1_MAX)
+    y = _e2m1_round((xb / scale).clamp(-E2M1_MAX, E2M1_MAX)) * scale
+    return straight_through(x, y.flatten(-2)[..., : x.shape[-1]].to(x.dtype))
+
+
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """The orthonormal Walsh-Hadamard transform of the last dim (a power of two), in Sylvester's
     natural order, as ``fast_hadamard_transform.hadamard_transform(x, scale=n ** -0.5)``: computed in

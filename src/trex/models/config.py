@@ -79,6 +79,28 @@ class ConfigError(ValueError):
     """An invalid model configuration; the message names the field."""
 
 
+def need(cond: bool, fld: str, msg: str) -> None:
+    """ConfigError naming config field ``fld`` unless ``cond``."""
+    if not cond:
+        raise ConfigError(f"config field `{fld}`: {msg}")
+
+
+def validate_shared(cfg) -> None:
+    """The checks every V4-family config passes (V4's ModelConfig, V4.1's V41Config): positive sizes,
+    o_groups dividing the heads, k experts of E, a known scoring function."""
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                 "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "n_routed_experts",
+                 "num_experts_per_tok", "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters"):
+        need(isinstance(getattr(cfg, name), int) and getattr(cfg, name) > 0, name,
+             f"must be a positive integer, got {getattr(cfg, name)!r}")
+    need(cfg.num_attention_heads % cfg.o_groups == 0, "o_groups",
+         f"must divide num_attention_heads ({cfg.num_attention_heads}), got {cfg.o_groups}")
+    need(cfg.num_experts_per_tok <= cfg.n_routed_experts, "num_experts_per_tok",
+         f"({cfg.num_experts_per_tok}) exceeds n_routed_experts ({cfg.n_routed_experts})")
+    need(cfg.scoring_func in ("sqrtsoftplus", "sigmoid", "softmax"), "scoring_func",
+         f"unknown scoring function {cfg.scoring_func!r}")
+
+
 @dataclass(frozen=True)
 class YarnScaling:
     """YaRN on compressed layers (no attention scaling: the reference applies no mscale)."""
@@ -141,15 +163,7 @@ class ModelConfig:
 
     # ------------------------------------------------------------------------------------
     def validate(self) -> None:
-        def need(cond: bool, fld: str, msg: str) -> None:
-            if not cond:
-                raise ConfigError(f"config field `{fld}`: {msg}")
-
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                     "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "n_routed_experts",
-                     "num_experts_per_tok", "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) > 0, name,
-                 f"must be a positive integer, got {getattr(self, name)!r}")
+        validate_shared(self)
         n = self.num_hidden_layers
         need(len(self.layer_types) == n, "layer_types",
              f"has {len(self.layer_types)} entries but num_hidden_layers is {n}")
@@ -165,12 +179,6 @@ class ModelConfig:
                  f"needs a positive integer rate for {t!r}, got {self.compress_rates.get(t)!r}")
         need(0 < self.qk_rope_head_dim <= self.head_dim and self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim",
              f"must be even and at most head_dim ({self.head_dim}), got {self.qk_rope_head_dim}")
-        need(self.num_attention_heads % self.o_groups == 0, "o_groups",
-             f"must divide num_attention_heads ({self.num_attention_heads}), got {self.o_groups}")
-        need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
-             f"({self.num_experts_per_tok}) exceeds n_routed_experts ({self.n_routed_experts})")
-        need(self.scoring_func in ("sqrtsoftplus", "sigmoid", "softmax"), "scoring_func",
-             f"unknown scoring function {self.scoring_func!r}")
         if CSA in self.layer_types:
             need(self.qk_rope_head_dim <= self.index_head_dim, "index_head_dim",
                  f"({self.index_head_dim}) must be at least qk_rope_head_dim ({self.qk_rope_head_dim})")
@@ -180,6 +188,10 @@ class ModelConfig:
     def compress_rate(self, layer_type: str) -> int:
         """Compression rate m of a layer type (0 for sliding-only layers)."""
         return 0 if layer_type == SLIDING else self.compress_rates[layer_type]
+
+    def layer_rates(self) -> list[int]:
+        """Every compression rate a forward uses (each layer's, then the MTP layer type's)."""
+        return [self.compress_rate(t) for t in (*self.layer_types, self.mtp_layer_type)]
 
     def to_hf_dict(self) -> dict:
         """A ``config.json`` that transformers' ``DeepseekV4Config`` reads back."""
@@ -253,32 +265,7 @@ class ModelConfig:
         if "qk_rope_head_dim" not in d and d.get("partial_rotary_factor"):
             kw["qk_rope_head_dim"] = int(round(head_dim * d["partial_rotary_factor"]))
 
-        # RoPE: nested HF rope_parameters {"main", "compress"}, a flat rope_scaling, or official names.
-        rp = d.get("rope_parameters") or {}
-        yarn_src = None
-        if isinstance(rp.get("compress"), dict):
-            compress = rp["compress"]
-            kw["compress_rope_theta"] = compress.get("rope_theta", kw.get("compress_rope_theta", 160000.0))
-            if isinstance(rp.get("main"), dict) and "rope_theta" in rp["main"]:
-                kw["rope_theta"] = rp["main"]["rope_theta"]
-            yarn_src = compress if compress.get("rope_type", compress.get("type")) == "yarn" else None
-            if yarn_src is None:
-                kw["rope_scaling"] = None
-        elif d.get("rope_scaling") or rp:
-            src = d.get("rope_scaling") or rp
-            yarn_src = src if src.get("type", src.get("rope_type")) == "yarn" else None
-            if yarn_src is None:
-                kw["rope_scaling"] = None
-        elif "rope_factor" in d:
-            yarn_src = {"factor": d["rope_factor"], "original_max_position_embeddings": d.get("original_seq_len", 65536),
-                        "beta_fast": d.get("beta_fast", 32), "beta_slow": d.get("beta_slow", 1)}
-        if yarn_src is not None:
-            kw["rope_scaling"] = YarnScaling(
-                factor=float(yarn_src.get("factor", 16.0)),
-                original_max_position_embeddings=int(yarn_src.get("original_max_position_embeddings", 65536)),
-                beta_fast=float(yarn_src.get("beta_fast") or 32.0),
-                beta_slow=float(yarn_src.get("beta_slow") or 1.0),
-            )
+        kw.update(rope_fields(d))
         if isinstance(kw.get("eos_token_id"), list):
             kw["eos_token_id"] = kw["eos_token_id"][0]
         try:
@@ -300,6 +287,40 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
         return cls.from_dict(raw, source=path)
+
+
+def rope_fields(d: dict) -> dict:
+    """The RoPE fields of a config dict (HF or official names): nested HF ``rope_parameters``
+    {"main", "compress"}, a flat ``rope_scaling``, or the official ``rope_factor`` / ``original_seq_len``
+    -> the ``rope_theta``, ``compress_rope_theta`` and ``rope_scaling`` (YarnScaling or None) they set."""
+    kw: dict = {}
+    rp = d.get("rope_parameters") or {}
+    yarn_src = None
+    if isinstance(rp.get("compress"), dict):
+        compress = rp["compress"]
+        if "rope_theta" in compress:
+            kw["compress_rope_theta"] = compress["rope_theta"]
+        if isinstance(rp.get("main"), dict) and "rope_theta" in rp["main"]:
+            kw["rope_theta"] = rp["main"]["rope_theta"]
+        yarn_src = compress if compress.get("rope_type", compress.get("type")) == "yarn" else None
+        if yarn_src is None:
+            kw["rope_scaling"] = None
+    elif d.get("rope_scaling") or rp:
+        src = d.get("rope_scaling") or rp
+        yarn_src = src if src.get("type", src.get("rope_type")) == "yarn" else None
+        if yarn_src is None:
+            kw["rope_scaling"] = None
+    elif "rope_factor" in d:
+        yarn_src = {"factor": d["rope_factor"], "original_max_position_embeddings": d.get("original_seq_len", 65536),
+                    "beta_fast": d.get("beta_fast", 32), "beta_slow": d.get("beta_slow", 1)}
+    if yarn_src is not None:
+        kw["rope_scaling"] = YarnScaling(
+            factor=float(yarn_src.get("factor", 16.0)),
+            original_max_position_embeddings=int(yarn_src.get("original_max_position_embeddings", 65536)),
+            beta_fast=float(yarn_src.get("beta_fast") or 32.0),
+            beta_slow=float(yarn_src.get("beta_slow") or 1.0),
+        )
+    return kw
 
 
 def _default_layer_types(n: int) -> list[str]:

@@ -244,7 +244,7 @@ class SeqContext:
         self.rope = {kind: self.rope_at(self.pos, kind) for kind in self._inv_freq}
         # every layout a layer will ask for, built before the first block: blocks only read the context
         # (a compiled block then sees the same context structure in every call, and never recompiles)
-        rates = {cfg.compress_rate(t) for t in (*cfg.layer_types, cfg.mtp_layer_type)} - {0}
+        rates = set(cfg.layer_rates()) - {0}
         self._layouts = {m: self._build_layout(m, shards) for m in sorted(rates)}
         # a shard's sliding window also sees the W - 1 rows before it: their document ids and RoPE tables
         self.window_halo = 0 if shard is None else cfg.sliding_window - 1
@@ -635,23 +635,43 @@ def _pad_rows(x: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return torch.cat((x.new_zeros(x.shape[0], n, *x.shape[2:]), x), dim=1)
 
 
+def add_projections(attn: nn.Module, cfg) -> None:
+    """The projections every V4-family attention has, set on ``attn``: wq_a, q_norm, wq_b (queries
+    through a low-rank ``q_lora_rank``), wkv, kv_norm (one shared K = V head of width c), wo_a (grouped:
+    o_groups x [H c / o_groups -> o_lora_rank]), wo_b, and the per-head ``attn_sink``."""
+    d, H, c = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    attn.cfg, attn.n_heads, attn.head_dim = cfg, H, c
+    attn.wq_a = QuantLinear(d, cfg.q_lora_rank, bias=False)
+    attn.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+    attn.wq_b = QuantLinear(cfg.q_lora_rank, H * c, bias=False)
+    attn.wkv = QuantLinear(d, c, bias=False)
+    attn.kv_norm = RMSNorm(c, cfg.rms_norm_eps)
+    attn.wo_a = QuantLinear(H * c // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+    attn.wo_b = QuantLinear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
+    attn.attn_sink = nn.Parameter(torch.zeros(H))
+
+
+def grouped_output(attn: nn.Module, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Attention output o [B, S, H, c] -> RoPE removed (cos, sin [B, S, rd/2]), the grouped ``wo_a`` (each
+    group of heads to its own o_lora_rank), ``wo_b`` -> [B, S, d]."""
+    B, S = o.shape[:2]
+    o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
+    g = attn.cfg.o_groups
+    wo_a = attn.wo_a.quantized_weight().view(g, attn.cfg.o_lora_rank, -1)
+    o = torch.einsum("bsgi,goi->bsgo", o.reshape(B, S, g, -1), wo_a)
+    return attn.wo_b(o.flatten(2))
+
+
 class Attention(nn.Module):
     """Shared-KV MQA with low-rank queries, partial RoPE, sinks and a grouped output projection."""
 
     def __init__(self, cfg: ModelConfig, layer_type: str):
         super().__init__()
-        d, H, c = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-        self.cfg, self.layer_type, self.n_heads, self.head_dim = cfg, layer_type, H, c
+        d, c = cfg.hidden_size, cfg.head_dim
+        add_projections(self, cfg)
+        self.layer_type = layer_type
         self.m = cfg.compress_rate(layer_type)
         self.rope_kind = "main" if layer_type == SLIDING else "compress"
-        self.wq_a = QuantLinear(d, cfg.q_lora_rank, bias=False)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = QuantLinear(cfg.q_lora_rank, H * c, bias=False)
-        self.wkv = QuantLinear(d, c, bias=False)
-        self.kv_norm = RMSNorm(c, cfg.rms_norm_eps)
-        self.wo_a = QuantLinear(H * c // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
-        self.wo_b = QuantLinear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
-        self.attn_sink = nn.Parameter(torch.zeros(H))
         self.compressor = Compressor(d, c, self.m, layer_type == CSA, cfg.rms_norm_eps) if self.m else None
         self.indexer = Indexer(cfg, self.m) if layer_type == CSA else None
 
@@ -706,13 +726,7 @@ class Attention(nn.Module):
 
     def _output(self, o: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         """Attention output o [B, S, H, c] -> de-rotated, grouped output projection [B, S, d]."""
-        B, S = o.shape[:2]
-        cos, sin = ctx.rope[self.rope_kind]
-        o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
-        g = self.cfg.o_groups
-        wo_a = self.wo_a.quantized_weight().view(g, self.cfg.o_lora_rank, -1)
-        o = torch.einsum("bsgi,goi->bsgo", o.reshape(B, S, g, -1), wo_a)
-        return self.wo_b(o.flatten(2))
+        return grouped_output(self, o, *ctx.rope[self.rope_kind])
 
 # ==================================================================================================
 # Mixture of experts
@@ -942,6 +956,11 @@ class HyperConnection(nn.Module):
 
     def forward(self, X: torch.Tensor, sublayer) -> torch.Tensor:
         """X: [B, S, n, d] -> [B, S, n, d]; sublayer maps [B, S, d] -> [B, S, d]."""
+        pre, post, comb = self.coefficients(X)
+        return self.expand(sublayer(self.collapse(X, pre)), X, post, comb)
+
+    def coefficients(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """X: [B, S, n, d] -> fp32 pre [B, S, n], post [B, S, n], comb [B, S, n, n] (doubly stochastic)."""
         n = self.n
         xf = X.flatten(-2).float()
         mixes = F.linear(unweighted_rms_norm(xf, self.norm_eps), self.fn.float())
@@ -950,10 +969,18 @@ class HyperConnection(nn.Module):
         post = 2 * torch.sigmoid(mixes[..., n : 2 * n] * scale[1] + base[n : 2 * n])
         logits = mixes[..., 2 * n :].unflatten(-1, (n, n)) * scale[2] + base[2 * n :].view(n, n)
         comb = _Sinkhorn.apply(logits.softmax(dim=-1) + self.hc_eps, self.iters, self.hc_eps)
-        y = sublayer((pre.unsqueeze(-1) * X.float()).sum(dim=2).to(X.dtype))
+        return pre, post, comb
+
+    @staticmethod
+    def collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """The sublayer input: the streams X [B, S, n, d] weighted by pre [B, S, n], summed in fp32 -> [B, S, d]."""
+        return (pre.unsqueeze(-1) * X.float()).sum(dim=2).to(X.dtype)
+
+    @staticmethod
+    def expand(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """The streams after a sublayer: post * y + comb^T X, in fp32, cast to X's dtype -> [B, S, n, d]."""
         streams = torch.einsum("bsji,bsjd->bsid", comb, X.float())  # comb^T X
-        mixed = post.unsqueeze(-1) * y.float().unsqueeze(-2) + streams
-        return mixed.to(X.dtype)
+        return (post.unsqueeze(-1) * y.float().unsqueeze(-2) + streams).to(X.dtype)
 
 
 class HyperHead(nn.Module):
@@ -970,7 +997,7 @@ class HyperHead(nn.Module):
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         mixes = F.linear(unweighted_rms_norm(X.flatten(-2).float(), self.norm_eps), self.fn.float())
         pre = torch.sigmoid(mixes * self.scale.float() + self.base.float()) + self.hc_eps
-        return (pre.unsqueeze(-1) * X.float()).sum(dim=2).to(X.dtype)
+        return HyperConnection.collapse(X, pre)
 
 
 # ==================================================================================================
@@ -1045,6 +1072,29 @@ def shift_labels(labels: torch.Tensor, shift: int, doc: torch.Tensor | None) -> 
     return targets
 
 
+@torch.no_grad()
+def init_parameters(model: nn.Module, std: float, seed: int | None, ones: tuple[str, ...] = ()) -> torch.Generator | None:
+    """Normal(0, std) for every matrix of ``model``; ones for norms, mHC scales and the ``ones`` leaf
+    names; zeros for mHC bases, sinks, ``ape`` and the routers' bias. Seeded: draws from a generator
+    made from ``seed`` (returned, for further draws), so the same seed gives the same weights."""
+    gen = None
+    device = next(model.parameters()).device
+    if seed is not None and device.type != "meta":
+        gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("base", "attn_sink", "ape"):
+            p.zero_()
+        elif leaf == "scale" or leaf in ones or (leaf == "weight" and p.dim() == 1):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, std, generator=gen)
+    for module in model.modules():
+        if isinstance(module, Gate) and not module.hashed:
+            module.bias.zero_()
+    return gen
+
+
 class DeepseekV4(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -1091,26 +1141,12 @@ class DeepseekV4(nn.Module):
     def init_weights(self, seed: int | None = None) -> None:
         """Normal(0, initializer_range) for matrices, ones for norms and mHC scales, zeros for biases,
         sinks and ``ape``; a random hash table with k distinct experts per token."""
-        std = self.cfg.initializer_range
-        gen = None
-        if seed is not None and self.embed.weight.device.type != "meta":
-            gen = torch.Generator(device=self.embed.weight.device).manual_seed(seed)
-        for name, p in self.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf in ("base", "attn_sink", "ape"):
-                p.zero_()
-            elif leaf == "scale" or (leaf == "weight" and p.dim() == 1):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std, generator=gen)
+        gen = init_parameters(self, self.cfg.initializer_range, seed)
         for module in self.modules():
-            if isinstance(module, Gate):
-                if module.hashed:
-                    V, E, k = self.cfg.vocab_size, self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
-                    rand = torch.rand(V, E, device=module.tid2eid.device, generator=gen)
-                    module.tid2eid.copy_(rand.argsort(dim=-1)[:, :k])
-                else:
-                    module.bias.zero_()
+            if isinstance(module, Gate) and module.hashed:
+                V, E, k = self.cfg.vocab_size, self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
+                rand = torch.rand(V, E, device=module.tid2eid.device, generator=gen)
+                module.tid2eid.copy_(rand.argsort(dim=-1)[:, :k])
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, cache: DecodeCache | None = None, *,

@@ -1,0 +1,343 @@
+"""DeepSeek-V4.1 (Flash) for training, in plain PyTorch: CSA2 attention, single-pass mHC, Engram.
+
+A file of its own beside ``deepseek_v4``, not a switch inside it: V4.1 changes the data flow between
+blocks (each block's mHC collapse uses the coefficients the previous sublayer computed; layers read
+compressed entries and indexer picks that earlier layers published; Engram writes into the streams
+before two blocks), so a switch would branch most of V4's classes. What V4.1 keeps unchanged is
+imported from ``deepseek_v4``: RoPE, the per-forward context and its window layouts, RMSNorm, the
+MoE (V4.1 has no hash-routed layers), the Sinkhorn mHC coefficients, the sparse attention core, the
+fp32 LM head and the loss plumbing. Parameter names follow the official checkpoint.
+
+Read top to bottom: the shared state layers hand down, the compressor, the indexer and the candidate
+pool, attention, the block, the model. Shapes as in ``deepseek_v4``; N compressed entries of a ratio
+r (S / r), k = min(index_topk, N) picks per query, n_b = ceil(N / candidate_block_size) blocks.
+
+The math follows DeepSeek's official V4.1 ``inference/model.py`` (tests/test_model_v41.py checks the
+logits against that code's outputs); where that code serves one sequence, this model also takes
+packed documents: windows, compression groups, n-grams and the candidate pool stay inside a document.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trex.kernels import quantize
+from trex.kernels.sparse_attention import gather_rows
+from trex.models.config import MOE
+from trex.models.config_v41 import V41Config
+from trex.models.cross_entropy import IGNORE_INDEX, head_nll, token_nll
+from trex.models.deepseek_v4 import (Experts, HyperConnection, ModelOutput, MoE, QuantLinear, QuantSim, RMSNorm,
+                                     SeqContext, WindowLayout, add_projections, apply_rope, grouped_output,
+                                     init_parameters, linear_fp32, shift_labels, sparse_attention)
+from trex.models.engram import Engram, hash_multipliers, ngram_hashes
+
+
+class Shared(NamedTuple):
+    """What a layer hands to the layers after it (the official code's ``shared_attn``), passed as an
+    argument so that a block recomputed in backward (activation checkpointing) reads what it read:
+
+    compressed: [B, N, c] the latest KV source's entries (RoPE'd; its ratio's layers attend over them);
+    keys: [B, N, c_I] the latest KV source's index keys; idx, valid: [B, S, k] the latest index
+    source's picks; blocks: [B, S, n_b] bool, the candidate source's blocks (None without a pool)."""
+
+    compressed: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    idx: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    blocks: torch.Tensor | None = None
+
+
+# ==================================================================================================
+# Compressor: non-overlapping softmax pooling of r tokens (r > 1, fp32), or a plain projection (r = 1)
+# ==================================================================================================
+class Compressor(nn.Module):
+    """Each group of r tokens of a document -> one latent [c], before RoPE: ``norm(sum_j softmax_j(wgate x_j)
+    * wkv x_j)`` with the projections and the pooling in fp32 (r > 1), or ``norm(wkv x)`` in x's dtype
+    (r = 1). No overlap between groups and no ``ape``."""
+
+    def __init__(self, dim: int, c: int, m: int, eps: float):
+        super().__init__()
+        self.m = m
+        self.wkv = nn.Linear(dim, c, bias=False)
+        self.wgate = nn.Linear(dim, c, bias=False) if m > 1 else None
+        self.norm = RMSNorm(c, eps)
+
+    def forward(self, x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
+        """x: [B, S, d] -> latents [B, N, c] in x's dtype (padded entries pool row 0; layout.valid masks them)."""
+        if self.wgate is None:
+            return self.norm(self.wkv(x))
+        first = torch.where(layout.valid, layout.starts, 0)
+        tok = first[:, :, None] + torch.arange(self.m, device=x.device)  # [B, N, m]
+        kv = gather_rows(linear_fp32(x, self.wkv.weight), tok)
+        score = gather_rows(linear_fp32(x, self.wgate.weight), tok)
+        return self.norm((kv * score.softmax(dim=2)).sum(dim=2).to(x.dtype))
+
+
+# ==================================================================================================
+# Indexer: the index keys (KV sources only), the scores, the candidate pool, the top-k picks
+# ==================================================================================================
+class Indexer(nn.Module):
+    """I[t, s] = sum_h relu(q[t, h] . K[s]) * w[t, h] / sqrt(c_I * H_I) over the compressed entries
+    s a query may see; keeps the top-k. Keys come from the KV source's latent (``wk``, ``k_norm``, RoPE
+    at the entry's position). Top-k is not differentiable: the LM loss gives the indexer no gradient,
+    so it runs without autograd, in query chunks that bound the [B, T, H_I, N] scores."""
+
+    chunk_elems = 1 << 21
+    quant = QuantSim()
+
+    def __init__(self, cfg: V41Config, owns_keys: bool, candidate_source: bool, uses_candidates: bool):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.candidate_source, self.uses_candidates = candidate_source, uses_candidates
+        self.pool_blocks, self.block = cfg.candidate_topk_blocks, cfg.candidate_block_size
+        self.wq_b = QuantLinear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        if owns_keys:
+            self.wk = nn.Linear(cfg.head_dim, self.head_dim, bias=False)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    @torch.no_grad()
+    def keys(self, latent: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
+        """latent [B, N, c] -> index keys [B, N, c_I], RoPE'd at the entries' positions."""
+        k = apply_rope(self.k_norm(self.wk(latent)), *layout.rope["compress"])
+        return quantize.fake_fp4_act(k) if self.quant.indexer else k
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, ctx: SeqContext, layout: WindowLayout,
+                blocks: torch.Tensor | None):
+        """x, qr: [B, S, *]; keys [B, N, c_I]; blocks: the candidate source's [B, S, n_b] (used when this
+        layer follows it) -> (idx [B, S, k] long, valid [B, S, k] bool, this layer's blocks or None)."""
+        B, S, _ = x.shape
+        q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
+        q = apply_rope(q, *(t[:, :, None] for t in ctx.rope["compress"]))
+        w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        if self.quant.indexer:  # as served: FP4 queries, bf16 scores
+            q, w, keys = quantize.fake_fp4_act(q).bfloat16(), w.bfloat16(), keys.bfloat16()
+        else:
+            q, w, keys = q.float(), w.float(), keys.float()
+        k = min(self.topk, layout.n)
+        chunk = max(1, self.chunk_elems // max(1, B * self.n_heads * layout.n))
+        idx, valid, picked_blocks = [], [], []
+        for t0 in range(0, S, chunk):
+            t1 = min(S, t0 + chunk)
+            scores = (torch.einsum("bthc,bnc->bthn", q[:, t0:t1], keys).relu_() * w[:, t0:t1, :, None]).sum(dim=2)
+            scores = scores.float().masked_fill_(~layout.visible(t0, t1), float("-inf"))
+            if self.candidate_source:
+                picked_blocks.append(self._pool(scores, layout.hi[:, t0:t1], layout.lo[:, t0:t1]))
+            elif self.uses_candidates:
+                inside = blocks[:, t0:t1].repeat_interleave(self.block, dim=-1)[..., : layout.n]
+                scores.masked_fill_(~inside, float("-inf"))
+            top = scores.topk(k, dim=-1)
+            idx.append(top.indices)
+            valid.append(top.values > float("-inf"))
+        pool = torch.cat(picked_blocks, dim=1) if picked_blocks else None
+        return torch.cat(idx, dim=1), torch.cat(valid, dim=1), pool
+
+    def _pool(self, scores: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+        """The hierarchical candidate pool: scores [B, T, N] -> [B, T, n_b] bool, the ``candidate_topk_blocks``
+        blocks of ``candidate_block_size`` entries with the highest maximum score, the block holding the
+        query's newest visible entry always kept (it may be partly filled), blocks with nothing visible never."""
+        n = scores.shape[-1]
+        per_block = F.pad(scores, (0, -n % self.block), value=float("-inf")).unflatten(-1, (-1, self.block)).amax(-1)
+        newest = torch.where(hi > lo, (hi - 1) // self.block, -1)  # [B, T]
+        nb = per_block.shape[-1]
+        per_block = per_block.masked_fill(torch.arange(nb, device=scores.device) == newest[..., None], float("inf"))
+        top = per_block.topk(min(self.pool_blocks, nb), dim=-1)
+        return torch.zeros_like(per_block, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+
+
+# ==================================================================================================
+# Attention: the sliding window, plus (r > 0) the picked entries of the latest KV source
+# ==================================================================================================
+class Attention(nn.Module):
+    """Shared-KV MQA with low-rank queries (no per-head query norm), partial RoPE, sinks and a grouped
+    output projection; layers with a ratio also attend over the picked compressed entries."""
+
+    def __init__(self, cfg: V41Config, layer: int):
+        super().__init__()
+        d, c = cfg.hidden_size, cfg.head_dim
+        add_projections(self, cfg)
+        self.m = cfg.compress_ratios[layer]
+        self.rope_kind = "compress" if self.m else "main"
+        kv_source = layer in cfg.kv_source_layer_ids
+        self.compressor = Compressor(d, c, self.m, cfg.rms_norm_eps) if kv_source else None
+        pool = cfg.candidate_source_layer_id
+        self.indexer = (Indexer(cfg, kv_source, layer == pool, 0 <= pool < layer)
+                        if layer in cfg.index_source_layer_ids else None)
+
+    def forward(self, x: torch.Tensor, ctx: SeqContext, shared: Shared) -> tuple[torch.Tensor, Shared]:
+        """x: [B, S, d] (already attn_norm'ed) -> ([B, S, d], what the next layers read)."""
+        B, S, _ = x.shape
+        cos, sin = ctx.rope[self.rope_kind]
+        qr = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos[:, :, None], sin[:, :, None])
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        if self.wkv.quant.kv:  # the whole RoPE'd vector through FP8, blocks of 32
+            kv = quantize.fake_fp8_act(kv, 32)
+        if self.m:
+            layout = ctx.layout(self.m)
+            latent = self.compressor(x, layout) if self.compressor is not None else None
+            if self.indexer is not None:
+                keys = self.indexer.keys(latent, layout) if latent is not None else shared.keys
+                idx, valid, blocks = self.indexer(x, qr, keys, ctx, layout, shared.blocks)
+                shared = shared._replace(keys=keys, idx=idx, valid=valid, blocks=shared.blocks if blocks is None else blocks)
+            if latent is not None:
+                compressed = apply_rope(latent, *layout.rope["compress"])
+                if self.wkv.quant.kv:  # FP4 with e4m3 scales, blocks of 16
+                    compressed = quantize.fake_fp4_act_e4m3(compressed, 16)
+                shared = shared._replace(compressed=compressed)
+            o = sparse_attention(q, kv, self.attn_sink, self.head_dim**-0.5, self.cfg.sliding_window, ctx.doc,
+                                 shared.compressed, shared.valid, shared.idx)
+        else:
+            o = sparse_attention(q, kv, self.attn_sink, self.head_dim**-0.5, self.cfg.sliding_window, ctx.doc)
+        return grouped_output(self, o, cos, sin), shared
+
+
+# ==================================================================================================
+# Block and model
+# ==================================================================================================
+class Block(nn.Module):
+    """[Engram ->] attention and MoE, each between an mHC collapse and expand. Single-pass mHC: a
+    sublayer's input is collapsed with the ``pre`` the sublayer before it computed (the previous block's
+    FFN for attention, this block's attention for the FFN); its own ``pre`` goes to the next one."""
+
+    def __init__(self, cfg: V41Config, layer: int, name: str):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.ffn = MoE(cfg, MOE, name)
+        self.hc_attn = HyperConnection(cfg)
+        self.hc_ffn = HyperConnection(cfg)
+        self.engram = None
+        if layer in cfg.engram_layer_ids:
+            j = cfg.engram_layer_ids.index(layer)
+            self.engram_slot = j
+            self.engram = Engram(cfg.engram_num_embeddings[j], (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads,
+                                 cfg.engram_head_dim, cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps)
+
+    def forward(self, X: torch.Tensor, pre: torch.Tensor, shared: Shared, ctx: SeqContext,
+                hashes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, Shared]:
+        """X: [B, S, n, d]; pre: [B, S, n] the previous sublayer's; hashes: [B, S, engram layers, cols]
+        -> (X, this block's FFN pre, shared)."""
+        if self.engram is not None:
+            X = self.engram(X, hashes[:, :, self.engram_slot])
+        attn_pre, post, comb = self.hc_attn.coefficients(X)
+        y, shared = self.attn(self.attn_norm(HyperConnection.collapse(X, pre)), ctx, shared)
+        X = HyperConnection.expand(y, X, post, comb)
+        ffn_pre, post, comb = self.hc_ffn.coefficients(X)
+        y = self.ffn(self.ffn_norm(HyperConnection.collapse(X, attn_pre)), ctx)
+        return HyperConnection.expand(y, X, post, comb), ffn_pre, shared
+
+
+class DeepseekV41(nn.Module):
+    """The V4.1 text model: embed -> n streams -> blocks -> collapse with the last ``pre`` -> norm -> head.
+    The forward's contract is ``DeepseekV4.forward``'s (training targets, HF-style labels), without
+    MTP heads (V4.1's ``mtp.*`` are DSpark drafter stages, not next-token heads) and without a decode
+    cache."""
+
+    def __init__(self, cfg: V41Config):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.embed = nn.Embedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(Block(cfg, i, f"layers.{i}") for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList()
+        self.sequence_shard = None
+        self.quant = QuantSim()
+        layout = cfg.engram_layout() if cfg.engram_layer_ids else None
+        # the Engram hashing's constants: derived from the config, not trained, not in the checkpoint
+        self.register_buffer("engram_token_map", torch.arange(cfg.vocab_size), persistent=False)
+        self.engram_token_map_ready = cfg.engram_compressed_vocab_size == cfg.vocab_size
+        self.register_buffer("engram_multipliers", hash_multipliers(
+            cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_compressed_vocab_size), persistent=False)
+        self.register_buffer("engram_moduli", layout.moduli() if layout else torch.zeros(0, 0, dtype=torch.long),
+                             persistent=False)
+        self.register_buffer("engram_offsets", layout.offsets() if layout else torch.zeros(0, 0, dtype=torch.long),
+                             persistent=False)
+        self.init_weights()
+
+    def set_engram_token_map(self, token_map: list[int], compressed_vocab: int) -> None:
+        """The checkpoint tokenizer's compressed token map (trex.models.engram.compressed_token_map):
+        its size must be the config's ``engram_compressed_vocab_size``, or every hash would differ."""
+        if compressed_vocab != self.cfg.engram_compressed_vocab_size:
+            raise ValueError(f"the tokenizer compresses to {compressed_vocab} ids but the config's "
+                             f"engram_compressed_vocab_size is {self.cfg.engram_compressed_vocab_size}: Engram's "
+                             f"hashes need the checkpoint's own tokenizer")
+        table = torch.zeros(max(self.cfg.vocab_size, len(token_map)), dtype=torch.long)
+        table[: len(token_map)] = torch.tensor(token_map)
+        self.engram_token_map = table.to(self.engram_token_map.device)
+        self.engram_token_map_ready = True
+
+    def set_quant(self, quant: QuantSim) -> None:
+        """Simulate the served rounding points ``quant`` in every forward (QuantSim() turns it off): ``kv``
+        (window KV through FP8 in blocks of 32, compressed KV through FP4 with e4m3 scales in blocks of
+        16), ``indexer`` (its queries and keys through FP4 in blocks of 32, bf16 scores) and ``experts``
+        (FP4 routed experts, 1x32 as V4's)."""
+        if quant.linears or quant.activations:
+            raise ValueError("DeepSeek-V4.1 stores its linears in FP8 with 32x32 blocks; simulating them (QuantSim "
+                             "linears / activations) is not implemented yet")
+        self.quant = quant
+        for module in self.modules():
+            if isinstance(module, (QuantLinear, Indexer, Experts)):
+                module.quant = quant
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """As ``DeepseekV4.init_weights``; Engram's q_weight and k_weight start at ones."""
+        init_parameters(self, self.cfg.initializer_range, seed, ones=("q_weight", "k_weight"))
+
+    def engram_hashes(self, ctx: SeqContext) -> torch.Tensor | None:
+        """[B, S, engram layers, cols] table rows of every position's n-grams (None without Engram)."""
+        if not self.cfg.engram_layer_ids:
+            return None
+        if not self.engram_token_map_ready:
+            raise ValueError("this V4.1 config's Engram hashes ids through its tokenizer's compressed token map "
+                             "(engram_compressed_vocab_size differs from vocab_size): set it with "
+                             "set_engram_token_map (checkpoints load it from their tokenizer.json)")
+        pad = int(self.engram_token_map[self.cfg.engram_pad_token_id])
+        return ngram_hashes(self.engram_token_map[ctx.input_ids], ctx.pos, None, pad,
+                            self.engram_multipliers, self.engram_moduli, self.engram_offsets)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None, cache=None, *, targets: list[torch.Tensor] | None = None,
+                return_logits: bool = True, token_mask: torch.Tensor | None = None) -> ModelOutput:
+        """input_ids, doc_ids, token_mask: [B, S] as ``DeepseekV4.forward``. Engram's n-grams stop at
+        document starts; every token takes part (the official code masks only image spans)."""
+        if cache is not None:
+            raise ValueError("DeepSeek-V4.1 generation (a decode cache) is not implemented yet")
+        if self.sequence_shard is not None:
+            raise ValueError("DeepSeek-V4.1 under context parallelism is not implemented yet")
+        ctx = SeqContext(self.cfg, input_ids, doc_ids)
+        if token_mask is not None:
+            if token_mask.shape != input_ids.shape:
+                raise ValueError(f"token_mask has shape {tuple(token_mask.shape)}; expected {tuple(input_ids.shape)}")
+            ctx.token_mask = token_mask.bool()
+        if targets is not None and len(targets) > 1:
+            raise ValueError(f"targets: DeepSeek-V4.1 has one head, got {len(targets)} target tensors")
+        hashes = self.engram_hashes(ctx)
+        X = self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
+        pre = torch.zeros(*X.shape[:3], device=X.device)
+        pre[..., 0] = 1.0  # the first attention reads stream 0
+        shared = Shared()
+        for layer in self.layers:
+            X, pre, shared = layer(X, pre, shared, ctx, hashes)
+        h = self.norm(HyperConnection.collapse(X, pre))
+        logits = linear_fp32(h, self.head.weight) if return_logits else None
+        out = ModelOutput(logits=logits)
+        if targets:
+            out.token_nll.append(token_nll(logits, targets[0]) if logits is not None
+                                 else head_nll(h, self.head.weight, targets[0]))
+        if labels is not None:
+            shifted = shift_labels(labels, 1, doc_ids)
+            nll = token_nll(logits, shifted) if logits is not None else head_nll(h, self.head.weight, shifted)
+            out.loss = nll.sum() / (shifted != IGNORE_INDEX).sum().clamp(min=1)
+        out.moe_stats = [block.ffn.take_stats() for block in self.layers]
+        ctx.recording = False  # activation checkpointing re-runs blocks in backward with this ctx
+        return out

@@ -1,0 +1,196 @@
+"""Engram (DeepSeek-V4.1): n-gram hash lookups written into the residual streams before a few blocks.
+
+The hashing is defined exactly by DeepSeek's ``inference/engram.py``; this module computes the same
+ids from the same inputs:
+
+- **Token map.** Every id of the checkpoint's tokenizer is decoded on its own and normalised (NFKC,
+  NFD, accents stripped, lower case, runs of whitespace to one space, stripped, a token that is only
+  whitespace kept as one space); ids whose text normalises alike share a compressed id, numbered in
+  order of first appearance. A text with U+FFFD (a partial UTF-8 byte) is keyed by its raw token.
+  The count must equal ``engram_compressed_vocab_size``: every multiplier depends on it.
+- **Multipliers.** Per Engram layer L: ``numpy.random.default_rng(10007 * L).integers(0,
+  (2^63 - 1) // V_c // 2, size=max_ngram)`` times 2 plus 1 (odd, and small enough that id x
+  multiplier never overflows int64).
+- **Hash.** Position t takes the compressed ids of tokens t, t-1, ..., t-(max_ngram-1); a slot before
+  the start of the token's document, or at or past a masked (image) token, holds the pad token's id
+  (blocking is cumulative). ``h = id_0 * mul_0``, then for n = 1 .. max_ngram-1: ``h ^= id_n * mul_n``
+  and the (n+1)-gram's head j takes row ``h % prime[n][j] + offset[n][j]`` of the layer's table.
+- **Primes.** Each (layer, n-gram, head) takes the next prime above the previous one, starting again
+  from ``engram_vocab_size - 1`` for every n-gram, never reusing one (across layers too); offsets are
+  the running sum, so the table has sum(primes) rows (V4.1-Flash: 384,006,168 and 384,016,682).
+
+The lookup: the ``(max_ngram - 1) * n_heads`` rows [.., head_dim] are concatenated and ``wkv`` maps them
+to one key per hc stream and one value shared by the streams; each stream's gate is
+``sigmoid(signed_sqrt(<h * q_weight * k_weight, key> * rsqrt(mean h^2 + eps) * rsqrt(mean key^2 + eps)
+/ sqrt(d)))`` and the stream becomes ``h + gate * value`` (fp32, cast back). No short convolution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_WITNESSES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # deterministic for n < 3.3e24
+
+
+def is_prime(n: int) -> bool:
+    """Miller-Rabin with the first twelve primes as witnesses: exact for every n below 3.3 * 10^24."""
+    if n < 2:
+        return False
+    for p in _WITNESSES:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in _WITNESSES:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class EngramLayout:
+    """The hash tables' bucket layout. primes[l][n][j]: the modulus of layer l's (n+2)-gram head j;
+    offsets: the same shape, where each range starts in the layer's table; rows[l] = sum(primes[l])."""
+
+    layer_ids: tuple[int, ...]
+    max_ngram: int
+    n_heads: int
+    primes: tuple[tuple[tuple[int, ...], ...], ...]
+
+    @classmethod
+    def build(cls, layer_ids: Sequence[int], max_ngram: int, n_heads: int, vocab_size: int) -> "EngramLayout":
+        seen: set[int] = set()
+        primes = []
+        for _ in layer_ids:
+            per_ngram = []
+            for _ in range(max_ngram - 1):
+                sizes, current = [], vocab_size - 1
+                for _ in range(n_heads):
+                    current += 1
+                    while current in seen or not is_prime(current):
+                        current += 1
+                    seen.add(current)
+                    sizes.append(current)
+                per_ngram.append(tuple(sizes))
+            primes.append(tuple(per_ngram))
+        return cls(tuple(layer_ids), max_ngram, n_heads, tuple(primes))
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return tuple(sum(sum(per_ngram) for per_ngram in layer) for layer in self.primes)
+
+    @property
+    def columns(self) -> int:
+        """Hash ids (table rows read) per position and layer."""
+        return (self.max_ngram - 1) * self.n_heads
+
+    def moduli(self) -> torch.Tensor:
+        """[layers, columns] int64: each column's prime."""
+        return torch.tensor([[p for per_ngram in layer for p in per_ngram] for layer in self.primes], dtype=torch.long)
+
+    def offsets(self) -> torch.Tensor:
+        """[layers, columns] int64: where each column's range starts in its layer's table."""
+        m = self.moduli()
+        return m.cumsum(dim=1) - m
+
+
+def hash_multipliers(layer_ids: Sequence[int], max_ngram: int, compressed_vocab: int) -> torch.Tensor:
+    """[layers, max_ngram] int64 odd multipliers (see the module docstring)."""
+    bound = max(1, (np.iinfo(np.int64).max // compressed_vocab) // 2)
+    rows = [np.random.default_rng(10007 * layer).integers(0, bound, size=(max_ngram,), dtype=np.int64) * 2 + 1
+            for layer in layer_ids]
+    return torch.from_numpy(np.stack(rows)) if rows else torch.zeros(0, max_ngram, dtype=torch.long)
+
+
+def _normaliser():
+    """The token map's normalisation, built from the tokenizers library as DeepSeek's code builds it."""
+    from tokenizers import Regex, normalizers
+
+    sentinel = "\ue000"  # keeps a token that is only whitespace as one space through Strip()
+    return normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), sentinel),
+        normalizers.Strip(), normalizers.Replace(sentinel, " "),
+    ])
+
+
+def compressed_token_map(tokenizer) -> tuple[list[int], int]:
+    """A ``tokenizers.Tokenizer`` (the checkpoint's tokenizer.json) -> (compressed id of every token id,
+    the number of compressed ids). Ids run over the whole vocabulary, added tokens included."""
+    normaliser = _normaliser()
+    key_to_new: dict[str, int] = {}
+    lookup = []
+    for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            key = tokenizer.id_to_token(token_id)
+        else:
+            key = normaliser.normalize_str(text) or text
+        lookup.append(key_to_new.setdefault(key, len(key_to_new)))
+    return lookup, len(key_to_new)
+
+
+def ngram_hashes(compressed: torch.Tensor, pos: torch.Tensor, live: torch.Tensor | None, pad_id: int,
+                 multipliers: torch.Tensor, moduli: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Hash ids of the n-grams ending at every position.
+
+    compressed: [B, S] compressed token ids; pos: [B, S] position within its document (look-back
+    stops at the document's start); live: [B, S] bool or None, False for tokens no n-gram may span
+    (image spans); multipliers [L, n_max], moduli and offsets [L, cols] int64 -> [B, S, L, cols] int64."""
+    n_max = multipliers.shape[1]
+    if live is not None:
+        compressed = torch.where(live, compressed, -1)
+    blocked = torch.zeros_like(compressed, dtype=torch.bool)
+    tokens = []
+    for shift in range(n_max):
+        source = F.pad(compressed, (shift, 0), value=-1)[:, : compressed.shape[1]]
+        blocked = blocked | (pos < shift) | (source < 0)
+        tokens.append(torch.where(blocked, pad_id, source))
+    products = torch.stack(tokens, dim=-1).unsqueeze(2) * multipliers  # [B, S, L, n_max]
+    rolling, hashes = products[..., 0], []
+    n_heads = moduli.shape[1] // (n_max - 1)
+    for n in range(1, n_max):
+        rolling = torch.bitwise_xor(rolling, products[..., n])
+        hashes.append(rolling.unsqueeze(-1) % moduli[:, (n - 1) * n_heads:n * n_heads])
+    return torch.cat(hashes, dim=-1) + offsets
+
+
+class Engram(nn.Module):
+    """One layer's table [rows, head_dim], its ``wkv`` [(hc + 1) * d, cols * head_dim] and the gate's
+    q_weight, k_weight [hc, d] (only their product is used)."""
+
+    def __init__(self, rows: int, columns: int, head_dim: int, dim: int, hc: int, eps: float):
+        super().__init__()
+        self.dim, self.hc, self.eps = dim, hc, eps
+        self.embed = nn.Embedding(rows, head_dim)
+        self.wkv = nn.Linear(columns * head_dim, dim * (hc + 1), bias=False)
+        self.q_weight = nn.Parameter(torch.ones(hc, dim))
+        self.k_weight = nn.Parameter(torch.ones(hc, dim))
+
+    def forward(self, X: torch.Tensor, hash_ids: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        """X: [B, S, hc, d]; hash_ids: [B, S, cols]; live: [B, S] (False: the stream passes unchanged)
+        -> [B, S, hc, d] in X's dtype."""
+        rows = self.embed(hash_ids).flatten(-2).to(X.dtype)
+        key, value = self.wkv(rows).split([self.hc * self.dim, self.dim], dim=-1)
+        key = key.float().unflatten(-1, (self.hc, self.dim))
+        h = X.float()
+        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        dot = (h * (self.q_weight.float() * self.k_weight.float()) * key).sum(-1) * rstd * self.dim**-0.5
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        if live is not None:
+            gate = gate.masked_fill(~live.unsqueeze(-1), 0.0)
+        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(X.dtype)
