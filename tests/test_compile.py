@@ -71,6 +71,9 @@ MOE_PAIR = (f'model.overrides={{sliding_window=16, hc_sinkhorn_iters={SINKHORN},
             '"sliding_attention"], mlp_layer_types=["hash_moe", "moe"], num_nextn_predict_layers=0}')
 
 
+NO_MTP = f"model.overrides={{sliding_window=16, hc_sinkhorn_iters={SINKHORN}, num_nextn_predict_layers=0}}"
+
+
 def _settings(sft_file, steps: int,
               model: str = f"model.overrides={{sliding_window=16, hc_sinkhorn_iters={SINKHORN}}}") -> list[str]:
     return [f'data.paths=["{sft_file}"]', 'data.tokenizer="compact"', "data.seq_len=64", "train.grad_accum=2",
@@ -93,13 +96,16 @@ def _assert_close(eager, compiled, steps, rel=1e-5):
 def test_compiled_training_equals_eager_and_never_recompiles(sft_file, tmp_path):
     """Inductor's lowering and fusion of every block kind, forward and backward, against eager. Its C++
     kernels are generated scalar (no SIMD), which skips the vectorised variants and takes 40% less
-    compile time; SIMD code generation is a CPU matter (accelerators generate Triton)."""
+    compile time; SIMD code generation is a CPU matter (accelerators generate Triton). The model has no
+    MTP block: its graph is a sliding block's ops plus projections, norms and an mHC head that the other
+    graphs lower too (its dynamo trace: test_every_block_kind_compiles_without_a_graph_break), and it
+    cost a sixth of the compile time."""
     import torch._inductor.config as inductor_config
 
     curves, summaries = {}, {}
     for compiled in (False, True):
         out = tmp_path / f"compile_{compiled}"
-        recipe = load(TrainRecipe, overrides=[*_settings(sft_file, STEPS), "data.micro_batch_size=1", f'train.out="{out}"',
+        recipe = load(TrainRecipe, overrides=[*_settings(sft_file, STEPS, NO_MTP), "data.micro_batch_size=1", f'train.out="{out}"',
                                               f"train.compile={str(compiled).lower()}"])
         with inductor_config.patch({"cpp.vec_isa_ok": False}):
             train(recipe)
@@ -110,8 +116,8 @@ def test_compiled_training_equals_eager_and_never_recompiles(sft_file, tmp_path)
     graphs = summaries[True]["compile"]
     assert graphs["backend"] == "inductor"
     # every micro-batch packs its conversations differently (document boundaries move): no new graph after
-    # step 1; the blocks of one kind share their graph (3 block kinds, the MTP block, mHC head, LM head + loss)
-    assert graphs["graphs"] == graphs["graphs_after_first_step"] <= 6, graphs
+    # step 1; the blocks of one kind share their graph (3 block kinds, mHC head, LM head + loss)
+    assert graphs["graphs"] == graphs["graphs_after_first_step"] <= 5, graphs
 
 
 @pytest.mark.slow

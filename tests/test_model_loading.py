@@ -54,12 +54,6 @@ def test_unexpected_tensor_is_named(saved):
         load_pretrained(str(saved), dtype=torch.float32, device="cpu")
 
 
-def test_a_v41_engram_checkpoint_is_refused_by_name(saved):
-    _rewrite(saved, lambda t: t.update({"engram.embed.weight": torch.zeros(4, 2), "engram.embed.scale": torch.ones(1)}))
-    with pytest.raises(CheckpointError, match=r"DeepSeek-V4.1 checkpoint with Engram memory tables \(engram.embed"):
-        load_pretrained(str(saved), dtype=torch.float32, device="cpu")
-
-
 def test_index_naming_a_missing_shard(saved):
     (saved / "model.safetensors").rename(saved / "model-00001-of-00002.safetensors")
     index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",

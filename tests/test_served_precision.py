@@ -108,13 +108,16 @@ def test_a_config_written_by_pretrained_config_loads_and_architecture_typos_stil
         ModelConfig.from_dict({**hf, "n_routed_expert": 8}, str(path))
 
 
-@pytest.mark.parametrize("field,variant", [("dspark_num_layers", "DSpark speculative-decoding drafter"),
-                                           ("engram_table_size", "Engram memory")])
-def test_later_checkpoint_variants_are_refused_by_name(field, variant):
-    hf = {**tiny().to_hf_dict(), field: 3}
-    with pytest.raises(ConfigError, match=variant) as e:
-        ModelConfig.from_dict(hf, "config.json")
-    assert "mtp" in str(e.value) or "V4.1" in str(e.value)
+def test_v4_0731_dspark_is_refused_by_name_and_v41_is_recognised():
+    from trex.models.config_v41 import V41Config, config_from_dict, tiny_v41
+
+    hf = {**tiny().to_hf_dict(), "dspark_num_layers": 3}
+    with pytest.raises(ConfigError, match="DSpark speculative-decoding drafter") as e:
+        config_from_dict(hf, "config.json")
+    assert "mtp" in str(e.value)
+    released = {"model_type": "deepseek_v41", "text_config": tiny_v41().to_hf_dict(), "vision_config": {"depth": 32}}
+    assert config_from_dict(released, "config.json") == tiny_v41()
+    assert isinstance(config_from_dict(tiny_v41().to_hf_dict()), V41Config)
 
 
 def test_padding_counts_in_no_moe_statistic():

@@ -88,7 +88,6 @@ def main(argv: list[str] | None = None) -> int:
         return launch(argv[1:], commands=set(sub.choices) - {"launch"})
     args = build_parser().parse_args(argv)
     from trex import logs
-    from trex.device import DeviceUnavailable
 
     try:
         logs.to_terminal()
@@ -97,13 +96,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except DeviceUnavailable as e:
-        print(f"trex: {e}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # `trex ... | head`: the reader left; stop quietly, as SIGPIPE would
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # Python's final flush of stdout must not fail again
         return 128 + signal.SIGPIPE
+    except Exception as e:
+        # only a command that used the device layer can raise its error, so a command that never needs torch
+        # (audit, --help, ...) does not import it to catch one
+        device = sys.modules.get("trex.device")
+        if device is not None and isinstance(e, device.DeviceUnavailable):
+            print(f"trex: {e}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

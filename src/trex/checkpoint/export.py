@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from trex.checkpoint.layouts import SAVE_DTYPES, TrexTensor, plan_outputs
 from trex.checkpoint.save import checkpoint_config
 from trex.checkpoint.writer import check_destination, write_checkpoint
-from trex.models.config import ModelConfig
+from trex.models.config_v41 import config_from_dict
 from trex.models.build import build_model
 from trex.checkpoint.naming import LAYOUTS
 from trex.checkpoint.manifest import MANIFEST, TRAINER_STATE, SafeFileSystemReader, verify_checkpoint
@@ -78,7 +78,7 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
         raw_config = json.load(f).get("model_config")
     if not raw_config:
         raise ValueError(f"{path}/{TRAINER_STATE}: no model_config; this checkpoint cannot be exported")
-    cfg = ModelConfig.from_dict(raw_config, source=f"{path}/{TRAINER_STATE}")
+    cfg = config_from_dict(raw_config, source=f"{path}/{TRAINER_STATE}")
     meta_model = build_model(cfg, device="meta")
     source = _TensorSource(path)
     tensors = []
@@ -90,6 +90,6 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
             full = source.read(key)
             return full if expert is None else full[expert]
         tensors.append(TrexTensor(key, tuple(v.shape), v.dtype, get))
-    groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize)
+    groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, getattr(cfg, "architecture", "deepseek_v4"))
     return write_checkpoint(out, groups, checkpoint_config(cfg, layout, dtype, quantize), max_shard_size, overwrite,
                             sources=sources)

@@ -11,6 +11,10 @@ scales; routed experts are FP8 (``"fp8"``) or packed FP4 with 1x32 scales
 ``weights_proj``, embedding, head, mHC, sinks, ``ape`` and the gate bias are never quantised.
 mHC, ``ape``, sinks and the gate bias stay float32 even in a bf16 save; integer tensors
 (``tid2eid``) are written as they are.
+
+DeepSeek-V4.1 (``arch="deepseek_v41"``) as released: the same linears (``wo_a`` included) and Engram's
+``wkv`` in FP8 with 32x32 blocks, routed experts in FP4, Engram's tables in FP8 with one scale per row
+and 32 columns; the compressor, the indexer's ``wk`` and ``weights_proj`` stay unquantised.
 """
 
 from __future__ import annotations
@@ -30,7 +34,12 @@ SAVE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 _FP8_LINEARS = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.shared_experts\.w[123]"
                           r"|^mtp\.\d+\.(e_proj|h_proj))\.weight$")
+_V41_FP8_LINEARS = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.shared_experts\.w[123]"
+                              r"|\.engram\.wkv)\.weight$")
+_V41_TABLES = re.compile(r"\.engram\.embed\.weight$")
 _STACKED_EXPERTS = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
+# codec -> FP8 block (rows, cols)
+_FP8_BLOCK_OF = {"fp8": (quant.FP8_BLOCK, quant.FP8_BLOCK), "fp8/32": (32, 32), "fp8/1x32": (1, 32)}
 _KEEP_FP32 = re.compile(r"((^|\.)hc_(attn|ffn|head)\.(fn|base|scale)|\.ape|\.attn_sink|\.gate\.bias)$")
 
 
@@ -45,24 +54,27 @@ class TrexTensor:
     get: Callable[[int | None], torch.Tensor]
 
 
-def codec_for(key: str, quantize: str | None) -> str:
-    """plain, fp8 or fp4: how trex tensor ``key`` is stored under ``quantize``."""
+def codec_for(key: str, quantize: str | None, arch: str = "deepseek_v4") -> str:
+    """plain, fp8 (128x128 blocks), fp8/32 (32x32), fp8/1x32 (a scale per row and 32 columns) or fp4:
+    how trex tensor ``key`` of architecture ``arch`` is stored under ``quantize``."""
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
     if quantize is None:
         return "plain"
     if _STACKED_EXPERTS.match(key):
-        return "fp4" if quantize == "fp8+fp4experts" else "fp8"
+        return "fp4" if quantize == "fp8+fp4experts" else "fp8/32" if arch == "deepseek_v41" else "fp8"
+    if arch == "deepseek_v41":
+        return "fp8/32" if _V41_FP8_LINEARS.search(key) else "fp8/1x32" if _V41_TABLES.search(key) else "plain"
     return "fp8" if _FP8_LINEARS.search(key) else "plain"
 
 
-def plan_outputs(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, quantize: str | None
-                 ) -> list[list[PlannedTensor]]:
+def plan_outputs(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, quantize: str | None,
+                 arch: str = "deepseek_v4") -> list[list[PlannedTensor]]:
     """Groups of tensors to write for ``layout`` ("official" or "hf"), in the order given."""
     by_key = {t.key: t for t in tensors}
     groups: list[list[PlannedTensor]] = []
     for t in tensors:
-        codec = codec_for(t.key, quantize)
+        codec = codec_for(t.key, quantize, arch)
         out_dtype = _plain_dtype(t, dtype)
         m = _STACKED_EXPERTS.match(t.key)
         if m and layout == "official":
@@ -99,9 +111,10 @@ def _encode(name: str, shape: tuple[int, ...], dtype: torch.dtype, codec: str, l
     if codec == "plain":
         return [PlannedTensor(name, dtype, tuple(shape), lambda: produce().to(dtype))]
     *lead, rows, cols = shape
-    if codec == "fp8":
-        qshape = (*lead, rows, cols), (*lead, quant.blocks(rows, quant.FP8_BLOCK), quant.blocks(cols, quant.FP8_BLOCK))
-        qdtype, encode = torch.float8_e4m3fn, quant.quantize_fp8
+    if codec in _FP8_BLOCK_OF:
+        block = _FP8_BLOCK_OF[codec]
+        qshape = (*lead, rows, cols), quant.fp8_scale_shape(tuple(shape), block)
+        qdtype, encode = torch.float8_e4m3fn, (lambda w: quant.quantize_fp8(w, block))
     else:
         qshape = (*lead, rows, quant.blocks(cols, 2)), (*lead, rows, quant.blocks(cols, quant.FP4_BLOCK))
         qdtype, encode = torch.int8, quant.quantize_fp4
@@ -118,12 +131,13 @@ def _encode(name: str, shape: tuple[int, ...], dtype: torch.dtype, codec: str, l
             PlannedTensor(scale_name(name, layout), torch.float8_e8m0fnu, qshape[1], scale)]
 
 
-def quantization_config(quantize: str | None) -> dict | None:
+def quantization_config(quantize: str | None, arch: str = "deepseek_v4") -> dict | None:
     """The ``quantization_config`` of config.json for ``quantize`` (None when unquantised)."""
     if quantize is None:
         return None
+    block = 32 if arch == "deepseek_v41" else quant.FP8_BLOCK
     cfg = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
-           "weight_block_size": [quant.FP8_BLOCK, quant.FP8_BLOCK]}
+           "weight_block_size": [block, block]}
     if quantize == "fp8+fp4experts":
         cfg["expert_dtype"] = "fp4"
         cfg["expert_fmt"] = "e2m1"

@@ -1,4 +1,4 @@
-"""Load DeepSeek-V4 checkpoints into a trex model.
+"""Load DeepSeek-V4 and V4.1 checkpoints into a trex model.
 
 Loading streams tensor by tensor (``trex.checkpoint.reader``): every shard header is checked
 against the model first (missing shards, truncated files, shapes, FP8/FP4 scales: all problems
@@ -64,8 +64,31 @@ def load_pretrained(path: str, dtype: torch.dtype | None = None, device: str | t
             _load_local(model, key, meta, reader, shard_fn, dev.torch_device, dtype, mesh, placements_fn)
     if fresh:
         log.warning("%s: no MTP weights in the checkpoint; %d MTP tensors initialised fresh", path, len(fresh))
+    if getattr(model, "engram_hasher", None) is not None:
+        set_engram_tokenizer(model, path)
     model.loaded_from = os.path.abspath(path)  # save_pretrained refuses to write over its own source
     return model
+
+
+def set_engram_tokenizer(model, path: str) -> None:
+    """Give a V4.1 model's Engram hashing the compressed token map of checkpoint ``path``'s tokenizer
+    (``tokenizer.json``, or ``tokenizer/tokenizer.json`` as released); CheckpointError if it needs one
+    and there is none, or if the tokenizer is not the config's."""
+    found = [p for p in (os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer", "tokenizer.json"))
+             if os.path.exists(p)]
+    if not found:
+        if not model.engram_hasher.ready:
+            raise CheckpointError(f"{path}: no tokenizer.json (nor tokenizer/tokenizer.json): DeepSeek-V4.1's Engram "
+                                  "hashes token ids through the checkpoint's own tokenizer")
+        return
+    from tokenizers import Tokenizer
+
+    from trex.models.engram import compressed_token_map
+
+    try:
+        model.set_engram_token_map(*compressed_token_map(Tokenizer.from_file(found[0])))
+    except ValueError as e:
+        raise CheckpointError(f"{found[0]}: {e}") from None
 
 
 def _load_local(model: DeepseekV4, key: str, meta: torch.Tensor, reader: CheckpointReader, shard_fn: ShardFn,

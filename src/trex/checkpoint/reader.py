@@ -1,4 +1,4 @@
-"""Read a DeepSeek-V4 checkpoint directory tensor by tensor, in any layout and precision.
+"""Read a DeepSeek-V4 or V4.1 checkpoint directory tensor by tensor, in any layout and precision.
 
 ``CheckpointReader(path)`` opens every shard header (nothing else), pairs each FP8/FP4 weight
 with its block scale and maps every tensor to the trex key it fills. ``check(expected)``
@@ -7,6 +7,10 @@ truncated files, shapes that disagree with the config and scales that do not fit
 are all reported together, naming file and tensor. ``fill(key, out, region)`` then reads only
 the tensors that overlap ``region`` of the key's full shape and writes them into ``out``,
 dequantised to ``out.dtype``: a rank that owns rows [a, b) of a parameter reads just those.
+
+A V4.1 checkpoint also holds what trex does not train: the vision tower and the DSpark drafter's
+stages (``passthrough``, with their scales); they are checked for nothing but presence and are copied
+as they are when the model is saved in the official layout.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from trex.kernels import quantize as quant
 from trex.checkpoint.errors import CheckpointError
 from trex.checkpoint.safetensors_io import SafetensorsFile
-from trex.models.config import ModelConfig
+from trex.models.config_v41 import PASSTHROUGH, V41Config, config_from_file
 from trex.checkpoint.naming import LAYOUTS, Target, detect_layout, scale_candidates, trex_targets
 
 Region = tuple[tuple[int, int], ...]
@@ -85,7 +89,7 @@ class Source:
 
     @property
     def codec(self) -> str:
-        """plain, fp8 (e4m3 + 128x128 scales) or fp4 (packed e2m1 + 1x32 scales)."""
+        """plain, fp8 (e4m3 + ue8m0 block scales: 128x128, 32x32 or 1x32) or fp4 (packed e2m1 + 1x32 scales)."""
         if self.scale is None:
             return "plain"
         return "fp4" if self.file.tensors[self.name].dtype in (torch.int8, torch.uint8) else "fp8"
@@ -109,7 +113,7 @@ class CheckpointReader:
         if layout not in ("auto", *LAYOUTS):
             raise CheckpointError(f"layout must be auto, {' or '.join(LAYOUTS)}; got {layout!r}")
         self.path = path
-        self.config = ModelConfig.from_file(path)
+        self.config = config_from_file(path)
         self.files = [SafetensorsFile(f) for f in checkpoint_files(path)]
         self.problems: list[str] = []
         located: dict[str, SafetensorsFile] = {}
@@ -118,18 +122,17 @@ class CheckpointReader:
                 if name in located:
                     self.problems.append(f"{file.path}: {name}: also in {located[name].path}")
                 located[name] = file
-        engram = sorted(n for n in located if n.startswith("engram.") or ".engram." in n)
-        if engram:  # a third-party V4.1 checkpoint tool lists `engram.embed.weight` / `.scale` families
-            raise CheckpointError(f"{path}: a DeepSeek-V4.1 checkpoint with Engram memory tables ({engram[0]}, "
-                                  f"{len(engram)} tensor(s)): trex implements the V4 (2026-04) architecture; V4.1's "
-                                  "Engram memory and attention changes are not in it")
         self._check_index(located)
         self.layout = detect_layout(list(located)) if layout == "auto" else layout
         self.sources: dict[str, list[Source]] = {}
         scale_of = {n: c for n in located for c in scale_candidates(n) if c in located and c != n}
         scales = set(scale_of.values())
+        # V4.1's vision tower and DSpark stages: carried through, not loaded (names with their files)
+        self.passthrough: dict[str, SafetensorsFile] = {}
+        if isinstance(self.config, V41Config):
+            self.passthrough = {n: f for n, f in located.items() if PASSTHROUGH.match(n)}
         for name, file in located.items():
-            if name in scales:
+            if name in scales or name in self.passthrough:
                 continue
             scale = scale_of.get(name)
             problem = self._codec_problem(file, name, scale)

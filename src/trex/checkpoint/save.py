@@ -21,6 +21,7 @@ from trex.checkpoint.safetensors_io import PlannedTensor
 from trex.checkpoint.writer import check_destination, write_checkpoint
 from trex.models import build_model
 from trex.models.config import CSA, HASH_MOE, HCA, ModelConfig
+from trex.models.config_v41 import V41Config
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -40,7 +41,9 @@ def save_pretrained(model: torch.nn.Module, path: str, layout: str = "hf", dtype
     check_destination(path, overwrite, sources)
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     tensors = [TrexTensor(k, tuple(v.shape), v.dtype, _getter(v)) for k, v in _ordered(state)]
-    return _write(tensors, model.cfg, path, layout, dtype, quantize, max_shard_size, overwrite, progress, sources)
+    carried = _passthrough(sources[0]) if isinstance(model.cfg, V41Config) and sources[0] else []
+    return _write(tensors, model.cfg, path, layout, dtype, quantize, max_shard_size, overwrite, progress, sources,
+                  carried)
 
 
 def convert(src: str, dst: str, layout: str = "hf", dtype: str = "bf16", quantize: str | None = None,
@@ -60,7 +63,17 @@ def convert(src: str, dst: str, layout: str = "hf", dtype: str = "bf16", quantiz
         read_dtype = v.dtype if not v.dtype.is_floating_point else torch.float32
         tensors.append(TrexTensor(key, tuple(v.shape), read_dtype, _reader_getter(reader, key, tuple(v.shape),
                                                                                   read_dtype)))
-    return _write(tensors, reader.config, dst, layout, dtype, quantize, max_shard_size, overwrite, progress, (src,))
+    return _write(tensors, reader.config, dst, layout, dtype, quantize, max_shard_size, overwrite, progress, (src,),
+                  _passthrough(src, reader))
+
+
+def _passthrough(src: str, reader: CheckpointReader | None = None) -> list[list[PlannedTensor]]:
+    """V4.1's vision tower and DSpark stages of checkpoint ``src``, to be written as they are stored."""
+    if not os.path.isdir(src):
+        return []
+    reader = reader or CheckpointReader(src)
+    return [[PlannedTensor(name, file.tensors[name].dtype, tuple(file.tensors[name].shape),
+                           lambda file=file, name=name: file.read(name))] for name, file in reader.passthrough.items()]
 
 
 def _getter(value: torch.Tensor) -> Callable[[int | None], torch.Tensor]:
@@ -86,14 +99,18 @@ def _ordered(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     return sorted(state.items(), key=rank)
 
 
-def _write(tensors: list[TrexTensor], cfg: ModelConfig, path: str, layout: str, dtype: str,
+def _write(tensors: list[TrexTensor], cfg: ModelConfig | V41Config, path: str, layout: str, dtype: str,
            quantize: str | None, max_shard_size: int | str, overwrite: bool, progress: bool,
-           sources: tuple[str | None, ...]) -> list[str]:
+           sources: tuple[str | None, ...], carried: list[list[PlannedTensor]] = ()) -> list[str]:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(SAVE_DTYPES)}, got {dtype!r}")
-    groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize)
+    arch = getattr(cfg, "architecture", "deepseek_v4")
+    if arch == "deepseek_v41" and layout != "official":
+        raise ValueError("DeepSeek-V4.1 is written in the official layout, which is what its Hugging Face repository "
+                         "holds: transformers has no V4.1 module names to write")
+    groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, arch) + list(carried)
     config = checkpoint_config(cfg, layout, dtype, quantize)
     if not progress:
         return write_checkpoint(path, groups, config, max_shard_size, overwrite, sources=sources)
@@ -124,12 +141,12 @@ def checkpoint_config(cfg: ModelConfig, layout: str, dtype: str, quantize: str |
     read such as ``hidden_act`` and ``topk_method``). Both read back to ``cfg``."""
     out = cfg.to_hf_dict()
     out["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
-    qcfg = quantization_config(quantize)
+    qcfg = quantization_config(quantize, getattr(cfg, "architecture", "deepseek_v4"))
     if qcfg is not None:
         out["quantization_config"] = qcfg
         if quantize == "fp8+fp4experts":
             out["expert_dtype"] = "fp4"
-    if layout == "hf":
+    if layout == "hf" or isinstance(cfg, V41Config):
         return out
     ratio = {CSA: cfg.compress_rates[CSA], HCA: cfg.compress_rates[HCA]}
     out["compress_ratios"] = [ratio.get(t, 0) for t in cfg.layer_types] + [ratio.get(cfg.mtp_layer_type, 0)]

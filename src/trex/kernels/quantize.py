@@ -82,32 +82,47 @@ def _block_amax(w: torch.Tensor, rows_block: int, cols_block: int) -> torch.Tens
     return padded.reshape(*lead, rb, rows_block, cb, cols_block).amax(dim=(-3, -1))
 
 
-# ---- FP8 (e4m3, 128x128 blocks) ---------------------------------------------------------------
+# ---- FP8 (e4m3, block scales) -----------------------------------------------------------------
+FP8_BLOCKS = ((128, 128), (32, 32), (1, 32))  # V4's linears; V4.1's linears; V4.1's Engram table rows
+
+
+def fp8_scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)) -> tuple[int, ...]:
+    """The ue8m0 scale's shape for an FP8 weight [..., R, C] with ``block`` (rows, cols) blocks."""
+    return (*weight_shape[:-2], blocks(weight_shape[-2], block[0]), blocks(weight_shape[-1], block[1]))
+
+
+def fp8_block_of(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """The block (rows, cols) of FP8_BLOCKS whose scale grid has ``scale_shape`` (the first that fits: a
+    weight within one block of either size reads alike), or None."""
+    return next((b for b in FP8_BLOCKS if fp8_scale_shape(weight_shape, b) == tuple(scale_shape)), None)
+
+
 def check_fp8_scale(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> str | None:
-    """None if scale_shape fits an FP8 weight of weight_shape, else what was expected."""
+    """None if scale_shape fits an FP8 weight of weight_shape with one of FP8_BLOCKS, else what was expected."""
     if len(weight_shape) < 2:
         return f"an FP8 weight needs at least 2 dims, got shape {tuple(weight_shape)}"
-    want = (*weight_shape[:-2], blocks(weight_shape[-2], FP8_BLOCK), blocks(weight_shape[-1], FP8_BLOCK))
-    if tuple(scale_shape) != want:
-        return (f"scale shape {tuple(scale_shape)} does not match FP8 weight {tuple(weight_shape)} "
-                f"(expected {want}: one scale per {FP8_BLOCK}x{FP8_BLOCK} block)")
+    if fp8_block_of(weight_shape, scale_shape) is None:
+        wants = " or ".join(f"{fp8_scale_shape(weight_shape, b)} for {b[0]}x{b[1]} blocks" for b in FP8_BLOCKS)
+        return f"scale shape {tuple(scale_shape)} does not match FP8 weight {tuple(weight_shape)} (expected {wants})"
     return None
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """e4m3 weight [..., R, C] and ue8m0 scale [..., ceil(R/128), ceil(C/128)] -> dtype [..., R, C]."""
+    """e4m3 weight [..., R, C] and ue8m0 scale [..., ceil(R/br), ceil(C/bc)] (a block of FP8_BLOCKS, read
+    from the shapes) -> dtype [..., R, C]."""
     problem = check_fp8_scale(tuple(weight.shape), tuple(scale.shape))
     if problem:
         raise QuantFormatError(problem)
     *_, rows, cols = weight.shape
-    return (weight.float() * _expand(decode_e8m0(scale), FP8_BLOCK, FP8_BLOCK, rows, cols)).to(dtype)
+    br, bc = fp8_block_of(tuple(weight.shape), tuple(scale.shape))
+    return (weight.float() * _expand(decode_e8m0(scale), br, bc, rows, cols)).to(dtype)
 
 
-def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., R, C] -> (e4m3 [..., R, C], ue8m0 scale [..., ceil(R/128), ceil(C/128)])."""
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, C] -> (e4m3 [..., R, C], ue8m0 scale [..., ceil(R/br), ceil(C/bc)]) for ``block`` (br, bc)."""
     *_, rows, cols = w.shape
-    scale = power_of_two_scale(_block_amax(w, FP8_BLOCK, FP8_BLOCK), E4M3_MAX)
-    q = (w.float() / _expand(decode_e8m0(scale), FP8_BLOCK, FP8_BLOCK, rows, cols)).clamp(-E4M3_MAX, E4M3_MAX)
+    scale = power_of_two_scale(_block_amax(w, *block), E4M3_MAX)
+    q = (w.float() / _expand(decode_e8m0(scale), *block, rows, cols)).clamp(-E4M3_MAX, E4M3_MAX)
     return q.to(torch.float8_e4m3fn), scale
 
 

@@ -70,8 +70,6 @@ _VARIANTS = (
      "its mtp.* tensors are the drafter's stages, not V4 multi-token prediction; trex would need a DSpark "
      "module to train them. Remove the dspark_* fields and the mtp.* tensors (or set num_nextn_predict_layers "
      "to 0 and drop mtp.*) to post-train the main model"),
-    ("engram", "a DeepSeek-V4.1 checkpoint with Engram memory tables",
-     "trex implements the V4 (2026-04) architecture; V4.1's Engram memory and attention changes are not in it"),
 )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 from trex.models.config import (_GENERIC_FIELDS, MOE, SLIDING, ConfigError, YarnScaling, need, rope_fields,
@@ -41,6 +42,9 @@ _IGNORED_FIELDS = {
     "num_hash_layers", "image_token_id", "vision_config", "partial_rotary_factor", "n_dense_layers",
 }
 _VISION_PREFIX = "vision_"  # official flat names of the vision tower: passed through, not part of the text model
+# checkpoint tensors of a V4.1 checkpoint that trex carries through untrained: the vision tower (``vision.``,
+# ``aligner.``, the image-span embeddings) and the DSpark drafter's stages (``mtp.N.``)
+PASSTHROUGH = re.compile(r"^(mtp\.\d+\.|vision\.|aligner\.|image_(start|end|newline)$)")
 
 
 @dataclass
@@ -229,13 +233,6 @@ class V41Config:
         except (ConfigError, TypeError) as e:
             raise ConfigError(f"{source}: {e}") from None
 
-    @classmethod
-    def from_file(cls, path: str) -> "V41Config":
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        with open(path) as f:
-            return cls.from_dict(json.load(f), source=path)
-
 
 # ---- presets -------------------------------------------------------------------------------------
 def v41_flash() -> V41Config:
@@ -265,3 +262,39 @@ def tiny_v41(**overrides) -> V41Config:
                                     base["engram_vocab_size"])
         base["engram_num_embeddings"] = list(layout.rows)
     return V41Config(**base)
+
+
+# ---- which architecture a config.json describes ---------------------------------------------------
+_V41_MARKERS = ("kv_source_layers", "kv_source_layer_ids", "index_source_layers", "index_source_layer_ids",
+                "engram_layer_ids")
+
+
+def is_v41(raw: dict) -> bool:
+    """Whether a config.json dict describes DeepSeek-V4.1 (its model_type, or its layer-sharing and
+    Engram fields, top level or in ``text_config``)."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    return "deepseek_v41" in (raw.get("model_type"), text.get("model_type")) or any(
+        k in raw or k in text for k in _V41_MARKERS)
+
+
+def config_from_dict(raw: dict, source: str = "<dict>"):
+    """The config of the architecture ``raw`` describes: V41Config for DeepSeek-V4.1, else ModelConfig
+    (DeepSeek-V4, which names the variants it cannot train, such as V4-Flash-0731's DSpark drafter)."""
+    from trex.models.config import ModelConfig
+
+    return V41Config.from_dict(raw, source) if is_v41(raw) else ModelConfig.from_dict(raw, source)
+
+
+def config_from_file(path: str):
+    """``config_from_dict`` of a config.json (or of a directory's); a missing or invalid file is a
+    ConfigError naming it."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+    return config_from_dict(raw, source=path)

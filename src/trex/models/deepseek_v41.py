@@ -33,7 +33,7 @@ from trex.models.cross_entropy import IGNORE_INDEX, head_nll, token_nll
 from trex.models.deepseek_v4 import (Experts, HyperConnection, ModelOutput, MoE, QuantLinear, QuantSim, RMSNorm,
                                      SeqContext, WindowLayout, add_projections, apply_rope, grouped_output,
                                      init_parameters, linear_fp32, shift_labels, sparse_attention)
-from trex.models.engram import Engram, hash_multipliers, ngram_hashes
+from trex.models.engram import Engram, NgramHasher
 
 
 class Shared(NamedTuple):
@@ -251,29 +251,15 @@ class DeepseekV41(nn.Module):
         self.mtp = nn.ModuleList()
         self.sequence_shard = None
         self.quant = QuantSim()
-        layout = cfg.engram_layout() if cfg.engram_layer_ids else None
-        # the Engram hashing's constants: derived from the config, not trained, not in the checkpoint
-        self.register_buffer("engram_token_map", torch.arange(cfg.vocab_size), persistent=False)
-        self.engram_token_map_ready = cfg.engram_compressed_vocab_size == cfg.vocab_size
-        self.register_buffer("engram_multipliers", hash_multipliers(
-            cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_compressed_vocab_size), persistent=False)
-        self.register_buffer("engram_moduli", layout.moduli() if layout else torch.zeros(0, 0, dtype=torch.long),
-                             persistent=False)
-        self.register_buffer("engram_offsets", layout.offsets() if layout else torch.zeros(0, 0, dtype=torch.long),
-                             persistent=False)
+        self.engram_hasher = (NgramHasher(cfg.engram_layout(), cfg.engram_compressed_vocab_size, cfg.vocab_size,
+                                          cfg.engram_pad_token_id) if cfg.engram_layer_ids else None)
         self.init_weights()
 
     def set_engram_token_map(self, token_map: list[int], compressed_vocab: int) -> None:
         """The checkpoint tokenizer's compressed token map (trex.models.engram.compressed_token_map):
         its size must be the config's ``engram_compressed_vocab_size``, or every hash would differ."""
-        if compressed_vocab != self.cfg.engram_compressed_vocab_size:
-            raise ValueError(f"the tokenizer compresses to {compressed_vocab} ids but the config's "
-                             f"engram_compressed_vocab_size is {self.cfg.engram_compressed_vocab_size}: Engram's "
-                             f"hashes need the checkpoint's own tokenizer")
-        table = torch.zeros(max(self.cfg.vocab_size, len(token_map)), dtype=torch.long)
-        table[: len(token_map)] = torch.tensor(token_map)
-        self.engram_token_map = table.to(self.engram_token_map.device)
-        self.engram_token_map_ready = True
+        if self.engram_hasher is not None:
+            self.engram_hasher.set_token_map(token_map, compressed_vocab)
 
     def set_quant(self, quant: QuantSim) -> None:
         """Simulate the served rounding points ``quant`` in every forward (QuantSim() turns it off): ``kv``
@@ -295,15 +281,7 @@ class DeepseekV41(nn.Module):
 
     def engram_hashes(self, ctx: SeqContext) -> torch.Tensor | None:
         """[B, S, engram layers, cols] table rows of every position's n-grams (None without Engram)."""
-        if not self.cfg.engram_layer_ids:
-            return None
-        if not self.engram_token_map_ready:
-            raise ValueError("this V4.1 config's Engram hashes ids through its tokenizer's compressed token map "
-                             "(engram_compressed_vocab_size differs from vocab_size): set it with "
-                             "set_engram_token_map (checkpoints load it from their tokenizer.json)")
-        pad = int(self.engram_token_map[self.cfg.engram_pad_token_id])
-        return ngram_hashes(self.engram_token_map[ctx.input_ids], ctx.pos, None, pad,
-                            self.engram_multipliers, self.engram_moduli, self.engram_offsets)
+        return None if self.engram_hasher is None else self.engram_hasher(ctx.input_ids, ctx.pos)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, cache=None, *, targets: list[torch.Tensor] | None = None,

@@ -169,6 +169,45 @@ def ngram_hashes(compressed: torch.Tensor, pos: torch.Tensor, live: torch.Tensor
     return torch.cat(hashes, dim=-1) + offsets
 
 
+class NgramHasher:
+    """The hashing's constants for a model's Engram layers: derived from the config and the tokenizer, so
+    neither parameters nor buffers (no checkpoint holds them and materialising a model from the meta
+    device leaves them intact); kept on the CPU, with one copy per device they are used on.
+
+    token_map: compressed id of every token id (identity until ``set_token_map``; ``ready`` says whether
+    it is the real one); pad_id: the token that fills look-back slots before a document's start."""
+
+    def __init__(self, layout: EngramLayout, compressed_vocab: int, vocab_size: int, pad_token: int):
+        self.compressed_vocab, self.pad_token = compressed_vocab, pad_token
+        self.multipliers = hash_multipliers(layout.layer_ids, layout.max_ngram, compressed_vocab)
+        self.moduli, self.offsets = layout.moduli(), layout.offsets()
+        self.token_map = torch.arange(vocab_size)
+        self.ready = compressed_vocab == vocab_size  # the identity is the map only when nothing merges
+        self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def set_token_map(self, token_map: Sequence[int], compressed_vocab: int) -> None:
+        if compressed_vocab != self.compressed_vocab:
+            raise ValueError(f"the tokenizer compresses to {compressed_vocab} ids but the config's "
+                             f"engram_compressed_vocab_size is {self.compressed_vocab}: Engram's hashes need the "
+                             f"checkpoint's own tokenizer")
+        table = torch.arange(max(len(self.token_map), len(token_map)))
+        table[: len(token_map)] = torch.tensor(list(token_map))
+        self.token_map, self.ready, self._on = table, True, {}
+
+    def __call__(self, input_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """input_ids, pos (within the document): [B, S] -> [B, S, layers, cols] table rows."""
+        if not self.ready:
+            raise ValueError("this V4.1 config's Engram hashes ids through its tokenizer's compressed token map "
+                             "(engram_compressed_vocab_size differs from vocab_size): set it with "
+                             "set_engram_token_map (a checkpoint's loader reads it from its tokenizer.json)")
+        dev = input_ids.device
+        if dev not in self._on:
+            self._on[dev] = tuple(t.to(dev) for t in (self.token_map, self.multipliers, self.moduli, self.offsets))
+        token_map, multipliers, moduli, offsets = self._on[dev]
+        pad = int(self.token_map[self.pad_token])
+        return ngram_hashes(token_map[input_ids], pos, None, pad, multipliers, moduli, offsets)
+
+
 class Engram(nn.Module):
     """One layer's table [rows, head_dim], its ``wkv`` [(hc + 1) * d, cols * head_dim] and the gate's
     q_weight, k_weight [hc, d] (only their product is used)."""
