@@ -8,6 +8,8 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/hf_oracle.py and other he
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`: two workers share the two cores
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # and so do the trex processes a test starts
+    # Inductor compiles in its own process, not in a pool of one per core beside the other worker's tests
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 else:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # the machine's measured matmul peak (trex.device.cached_peak_flops) is kept out of the user's home

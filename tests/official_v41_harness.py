@@ -6,8 +6,10 @@ dba1be0a40aa45a94ad051997016db3960a90277 into a directory, then
 
     .venv/bin/python tests/official_v41_harness.py --official DIR
 
-rewrites tests/fixtures/v41/*.safetensors (numbers only: the tiny models' weights under the official
-names, the inputs, the official token map and n-gram hashes, and the official logits). Its
+rewrites tests/fixtures/v41/tiny.safetensors (numbers only: the tiny model's weights under the official
+names, the inputs, the official token map and n-gram hashes, the official logits and gradients) and
+tests/fixtures/v41/released/ (the same model as a checkpoint in the released layout, its names, shapes
+and FP8/FP4 formats those of the official module built with FP8 linears and FP4 experts). Its
 ``kernel.py`` (tilelang, GPU only) is replaced by the torch stand-ins below, written for this harness
 from the kernels' contracts; the vision tower is not built (``vision_n_layers = 0``).
 
@@ -281,6 +283,76 @@ def run(module, args, weights: dict[str, torch.Tensor], ids: torch.Tensor, token
         torch.set_default_dtype(torch.float32)
 
 
+def _fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [R, C] -> (e4m3 [R, C], ue8m0 scales [R/br, C/bc], dequantised fp32), the official rule: each
+    block's amax / 448 rounded up to a power of two."""
+    br, bc = block
+    rows, cols = w.shape
+    b = w.float().reshape(rows // br, br, cols // bc, bc)
+    s = _pow2_scale(b.abs().amax(dim=(1, 3), keepdim=True), 448.0, 1e-4)
+    q = (b / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.reshape(rows, cols), s[:, 0, :, 0].to(torch.float8_e8m0fnu), (q.float() * s).reshape(rows, cols)
+
+
+def _fp4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [R, C] -> (int8 [R, C/2]: the e2m1 code of column 2j in the low nibble, 2j+1 in the high one,
+    ue8m0 scales [R, C/32], dequantised fp32)."""
+    rows, cols = w.shape
+    b = w.float().reshape(rows, cols // 32, 32)
+    s = _pow2_scale(b.abs().amax(-1, keepdim=True), 6.0, 6 * 2.0**-126)
+    v = _e2m1((b / s).clamp(-6, 6))
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    code = (v.abs().unsqueeze(-1) == grid).float().argmax(-1) + 8 * torch.signbit(v).long()
+    code = code.reshape(rows, cols)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, s.squeeze(-1).to(torch.float8_e8m0fnu), (v * s).reshape(rows, cols)
+
+
+# as released, unlike the inference module's own dtypes: wo_a FP8 (convert.py dequantises it), the LM head
+# and the compressors bf16 (the module promotes them to fp32)
+_RELEASED_FP8 = (".attn.wo_a.weight",)
+_RELEASED_BF16 = ("head.weight", ".compressor.wkv.weight", ".compressor.wgate.weight")
+
+
+def official_checkpoint(module, args, weights: dict[str, torch.Tensor], wrapped, tok, out: str) -> dict:
+    """A tiny checkpoint in the released V4.1 layout, named and typed by the official module built with
+    FP8 linears and FP4 experts: FP8 e4m3 with 32x32 ue8m0 scales, FP4 routed experts with 1x32 scales,
+    Engram tables FP8 with a scale per row and 32 columns; returns each quantised tensor's intended value."""
+    from safetensors.torch import save_file
+
+    fp8 = module.ModelArgs(**{**vars(args), "dtype": "fp8", "expert_dtype": "fp4"})
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = module.Transformer(fp8, wrapped)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    state = model.state_dict()
+    tensors, intended = {}, {}
+    for name, p in state.items():
+        if name.endswith(".scale"):
+            continue  # written with its weight
+        scale = name[: -len("weight")] + "scale"
+        if name.endswith("engram.embed.weight"):
+            tensors[name], tensors[scale] = weights[name + "@fp8"], weights[scale].to(torch.float8_e8m0fnu)
+            intended[name] = weights[name]
+        elif p.dtype == torch.float8_e4m3fn or name.endswith(_RELEASED_FP8):
+            tensors[name], tensors[scale], intended[name] = _fp8_blocks(weights[name], (32, 32))
+        elif p.dtype == torch.float4_e2m1fn_x2:
+            tensors[name], tensors[scale], intended[name] = _fp4_rows(weights[name])
+        else:  # stored as it is: the test reads its value from the checkpoint
+            tensors[name] = weights[name].to(torch.bfloat16 if name.endswith(_RELEASED_BF16) else p.dtype)
+        if scale in tensors and scale in state:  # the module's own FP8 scale grid: the one written
+            assert tuple(tensors[scale].shape) == tuple(state[scale].shape), (scale, tensors[scale].shape)
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    config = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(fp8).items()}
+    config["model_type"] = "deepseek_v41"
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    tok.save(os.path.join(out, "tokenizer.json"))
+    return intended
+
+
 def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import save_file
 
@@ -315,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     meta["revision"] = "dba1be0a40aa45a94ad051997016db3960a90277"
     meta["tokenizer"] = tok.to_str()
     os.makedirs(opts.out, exist_ok=True)
+    intended = official_checkpoint(module, args, weights, wrapped, tok, os.path.join(opts.out, "released"))
+    tensors.update({f"released.{k}": v.bfloat16() for k, v in intended.items()})  # FP8/FP4 values: exact in bf16
     save_file(tensors, os.path.join(opts.out, "tiny.safetensors"), metadata=meta)
     print(f"wrote {os.path.join(opts.out, 'tiny.safetensors')}: {len(tensors)} tensors, "
           f"{sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20:.2f} MiB")

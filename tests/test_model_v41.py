@@ -149,3 +149,75 @@ def test_gradients_match_autograd_through_the_official_forward(official):
     assert max(e for n, e in error.items() if n not in tables) < 1e-4
     # the official lookup casts the dequantised rows to bf16, so its table gradients are bf16-rounded
     assert max(error[n] for n in tables) < 2**-8
+
+
+RELEASED = os.path.join(os.path.dirname(__file__), "fixtures", "v41", "released")
+
+
+def test_a_released_layout_checkpoint_loads_and_exports_back_byte_for_byte(official, tmp_path):
+    """The tiny model as the released checkpoints store it (names, shapes and FP8/FP4 formats of the
+    official module: 32x32 FP8 linears, FP4 experts, FP8 Engram rows) loads to the values it encodes, and
+    saves back in the official layout byte for byte, config dtypes included."""
+    from trex.checkpoint import load_pretrained, save_pretrained
+
+    tensors, _ = official
+    model = load_pretrained(RELEASED, dtype=torch.float32, device="cpu")
+    with safe_open(os.path.join(RELEASED, "model.safetensors"), "pt") as f:
+        released = {k: f.get_tensor(k) for k in f.keys()}
+    # the quantised tensors' values as the harness encoded them; the others as stored
+    values = {**{k: v for k, v in released.items() if not k.endswith(".scale") and v.dtype not in
+                 (torch.float8_e4m3fn, torch.int8)},
+              **{k[len("released."):]: v for k, v in tensors.items() if k.startswith("released.")}}
+    intended = {}
+    for name, value in values.items():
+        for key, expert, part in to_trex(name, value.float(), layout="official"):
+            if expert is None:
+                intended[key] = part
+            else:
+                intended.setdefault(key, torch.zeros_like(dict(model.named_parameters())[key]))[expert] = part
+    state = model.state_dict()
+    assert set(intended) == set(state)
+    assert all(torch.equal(state[k], intended[k]) for k in state), [k for k in state if not torch.equal(state[k], intended[k])]
+    save_pretrained(model, str(tmp_path / "out"), layout="official", dtype="bf16", quantize="fp8+fp4experts")
+    written = {}
+    for shard in sorted(p for p in os.listdir(tmp_path / "out") if p.endswith(".safetensors")):
+        with safe_open(str(tmp_path / "out" / shard), "pt") as f:
+            written.update({k: f.get_tensor(k) for k in f.keys()})
+    assert set(written) == set(released)
+    differ = [k for k in released if written[k].dtype != released[k].dtype
+              or not torch.equal(written[k].view(torch.uint8), released[k].view(torch.uint8))]
+    assert not differ, differ[:10]
+    with torch.no_grad():  # and it computes: the loaded model's logits are finite and depend on Engram
+        assert torch.isfinite(model(tensors["input_ids"]).logits).all()
+
+
+def test_the_vision_tower_and_dspark_stages_pass_through_unchanged(tmp_path):
+    """Tensors trex does not train (the vision tower, the DSpark drafter's ``mtp.*`` stages, FP8 ones with
+    their scales) are not loaded into the model and are written back as they were stored."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from trex.checkpoint import load_pretrained, save_pretrained
+
+    src = tmp_path / "src"
+    shutil.copytree(RELEASED, src)
+    extra = {"mtp.0.main_proj.weight": torch.randn(64, 192).to(torch.float8_e4m3fn),
+             "mtp.0.main_proj.scale": torch.ones(2, 6).to(torch.float8_e8m0fnu),
+             "mtp.2.markov_head.embed.weight": torch.randn(64, 8).bfloat16(),
+             "vision.blocks.0.attn.qkv.weight": torch.randn(12, 4).bfloat16(), "image_newline": torch.randn(64)}
+    (src / "model.safetensors").rename(src / "model-00001-of-00002.safetensors")
+    save_file(extra, str(src / "model-00002-of-00002.safetensors"))
+    with safe_open(str(src / "model-00001-of-00002.safetensors"), "pt") as f:
+        weight_map = {k: "model-00001-of-00002.safetensors" for k in f.keys()}
+    weight_map.update({k: "model-00002-of-00002.safetensors" for k in extra})
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    model = load_pretrained(str(src), dtype=torch.float32, device="cpu")
+    assert not any(k.startswith(("mtp.", "vision.", "image_")) for k in model.state_dict())
+    save_pretrained(model, str(tmp_path / "out"), layout="official", dtype="bf16", quantize="fp8+fp4experts")
+    written = {}
+    for shard in (p for p in os.listdir(tmp_path / "out") if p.endswith(".safetensors")):
+        with safe_open(str(tmp_path / "out" / shard), "pt") as f:
+            written.update({k: f.get_tensor(k) for k in f.keys()})
+    for k, v in extra.items():
+        assert written[k].dtype == v.dtype and torch.equal(written[k].view(torch.uint8), v.view(torch.uint8)), k

@@ -38,6 +38,7 @@ _V41_FP8_LINEARS = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.index
                               r"|\.engram\.wkv)\.weight$")
 _V41_TABLES = re.compile(r"\.engram\.embed\.weight$")
 _STACKED_EXPERTS = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
+ScaleHint = Callable[[str], "torch.Tensor | None"]
 # codec -> FP8 block (rows, cols)
 _FP8_BLOCK_OF = {"fp8": (quant.FP8_BLOCK, quant.FP8_BLOCK), "fp8/32": (32, 32), "fp8/1x32": (1, 32)}
 _KEEP_FP32 = re.compile(r"((^|\.)hc_(attn|ffn|head)\.(fn|base|scale)|\.ape|\.attn_sink|\.gate\.bias)$")
@@ -69,8 +70,11 @@ def codec_for(key: str, quantize: str | None, arch: str = "deepseek_v4") -> str:
 
 
 def plan_outputs(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, quantize: str | None,
-                 arch: str = "deepseek_v4") -> list[list[PlannedTensor]]:
-    """Groups of tensors to write for ``layout`` ("official" or "hf"), in the order given."""
+                 arch: str = "deepseek_v4", scale_hint: ScaleHint | None = None) -> list[list[PlannedTensor]]:
+    """Groups of tensors to write for ``layout`` ("official" or "hf"), in the order given. ``scale_hint``
+    (a scale's name -> the tensor of that name in the checkpoint the model came from, or None): a
+    quantised weight that this scale still represents exactly is written with it (``quantize_fp8_as``)."""
+
     by_key = {t.key: t for t in tensors}
     groups: list[list[PlannedTensor]] = []
     for t in tensors:
@@ -80,7 +84,7 @@ def plan_outputs(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, qua
         if m and layout == "official":
             for j in range(t.shape[0]):
                 groups.append(_encode(official_name(t.key, j), t.shape[1:], out_dtype, codec, layout,
-                                      lambda t=t, j=j: t.get(j)))
+                                      lambda t=t, j=j: t.get(j), scale_hint))
         elif m and layout == "hf":
             base, which = m.groups()
             if which == "w3":
@@ -91,10 +95,10 @@ def plan_outputs(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, qua
                 produce = lambda t=t, up=up: torch.cat((t.get(None), up.get(None)), dim=1)  # noqa: E731
             else:
                 shape, produce = t.shape, (lambda t=t: t.get(None))
-            groups.append(_encode(hf_name(t.key), shape, out_dtype, codec, layout, produce))
+            groups.append(_encode(hf_name(t.key), shape, out_dtype, codec, layout, produce, scale_hint))
         else:
             name = official_name(t.key) if layout == "official" else hf_name(t.key)
-            groups.append(_encode(name, t.shape, out_dtype, codec, layout, lambda t=t: t.get(None)))
+            groups.append(_encode(name, t.shape, out_dtype, codec, layout, lambda t=t: t.get(None), scale_hint))
     return groups
 
 
@@ -105,7 +109,7 @@ def _plain_dtype(t: TrexTensor, dtype: torch.dtype) -> torch.dtype:
 
 
 def _encode(name: str, shape: tuple[int, ...], dtype: torch.dtype, codec: str, layout: str,
-            produce: Callable[[], torch.Tensor]) -> list[PlannedTensor]:
+            produce: Callable[[], torch.Tensor], scale_hint: ScaleHint | None = None) -> list[PlannedTensor]:
     """The weight (cast, or quantised plus its scale) as planned tensors."""
 
     if codec == "plain":
@@ -114,10 +118,20 @@ def _encode(name: str, shape: tuple[int, ...], dtype: torch.dtype, codec: str, l
     if codec in _FP8_BLOCK_OF:
         block = _FP8_BLOCK_OF[codec]
         qshape = (*lead, rows, cols), quant.fp8_scale_shape(tuple(shape), block)
-        qdtype, encode = torch.float8_e4m3fn, (lambda w: quant.quantize_fp8(w, block))
+        qdtype, fresh, as_given = (torch.float8_e4m3fn, lambda w: quant.quantize_fp8(w, block),
+                                   lambda w, s: quant.quantize_fp8_as(w, s, block))
     else:
         qshape = (*lead, rows, quant.blocks(cols, 2)), (*lead, rows, quant.blocks(cols, quant.FP4_BLOCK))
-        qdtype, encode = torch.int8, quant.quantize_fp4
+        qdtype, fresh, as_given = torch.int8, quant.quantize_fp4, quant.quantize_fp4_as
+
+    def encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hinted = scale_hint(scale_name(name, layout)) if scale_hint is not None else None
+        if hinted is not None and tuple(hinted.shape) == qshape[1] and hinted.dtype == torch.float8_e8m0fnu:
+            kept = as_given(w, hinted)
+            if kept is not None:
+                return kept
+        return fresh(w)
+
     cache: dict[str, torch.Tensor] = {}
 
     def weight() -> torch.Tensor:

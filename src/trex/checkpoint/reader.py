@@ -123,6 +123,7 @@ class CheckpointReader:
                     self.problems.append(f"{file.path}: {name}: also in {located[name].path}")
                 located[name] = file
         self._check_index(located)
+        self.located = located
         self.layout = detect_layout(list(located)) if layout == "auto" else layout
         self.sources: dict[str, list[Source]] = {}
         scale_of = {n: c for n in located for c in scale_candidates(n) if c in located and c != n}
@@ -233,6 +234,11 @@ class CheckpointReader:
         return []
 
     # ---- data ------------------------------------------------------------------------------
+    def stored(self, name: str) -> torch.Tensor | None:
+        """Checkpoint tensor ``name`` as stored (its own dtype, nothing converted), or None if absent."""
+        file = self.located.get(name)
+        return None if file is None else file.read(name)
+
     def fill(self, key: str, full_shape: Sequence[int], out: torch.Tensor, region: Region | None = None) -> None:
         """Write ``region`` (default: all) of trex tensor ``key`` of shape ``full_shape`` into
         ``out`` (shaped like the region), reading only the checkpoint tensors that overlap it."""

@@ -41,9 +41,11 @@ def save_pretrained(model: torch.nn.Module, path: str, layout: str = "hf", dtype
     check_destination(path, overwrite, sources)
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     tensors = [TrexTensor(k, tuple(v.shape), v.dtype, _getter(v)) for k, v in _ordered(state)]
-    carried = _passthrough(sources[0]) if isinstance(model.cfg, V41Config) and sources[0] else []
+    src = sources[0] if sources[0] and os.path.isdir(sources[0]) else None
+    reader = CheckpointReader(src) if src else None
+    carried = _passthrough(reader) if reader and isinstance(model.cfg, V41Config) else []
     return _write(tensors, model.cfg, path, layout, dtype, quantize, max_shard_size, overwrite, progress, sources,
-                  carried)
+                  carried, _scale_hint(reader, layout))
 
 
 def convert(src: str, dst: str, layout: str = "hf", dtype: str = "bf16", quantize: str | None = None,
@@ -64,16 +66,19 @@ def convert(src: str, dst: str, layout: str = "hf", dtype: str = "bf16", quantiz
         tensors.append(TrexTensor(key, tuple(v.shape), read_dtype, _reader_getter(reader, key, tuple(v.shape),
                                                                                   read_dtype)))
     return _write(tensors, reader.config, dst, layout, dtype, quantize, max_shard_size, overwrite, progress, (src,),
-                  _passthrough(src, reader))
+                  _passthrough(reader), _scale_hint(reader, layout))
 
 
-def _passthrough(src: str, reader: CheckpointReader | None = None) -> list[list[PlannedTensor]]:
-    """V4.1's vision tower and DSpark stages of checkpoint ``src``, to be written as they are stored."""
-    if not os.path.isdir(src):
-        return []
-    reader = reader or CheckpointReader(src)
+def _passthrough(reader: CheckpointReader) -> list[list[PlannedTensor]]:
+    """V4.1's vision tower and DSpark stages of the source checkpoint, to be written as they are stored."""
     return [[PlannedTensor(name, file.tensors[name].dtype, tuple(file.tensors[name].shape),
                            lambda file=file, name=name: file.read(name))] for name, file in reader.passthrough.items()]
+
+
+def _scale_hint(reader: CheckpointReader | None, layout: str):
+    """The source's block scales by name when it is stored in ``layout`` (a weight they still represent
+    exactly keeps its scale: an unchanged checkpoint re-exports byte for byte), else None."""
+    return reader.stored if reader is not None and reader.layout == layout else None
 
 
 def _getter(value: torch.Tensor) -> Callable[[int | None], torch.Tensor]:
@@ -101,7 +106,7 @@ def _ordered(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
 
 def _write(tensors: list[TrexTensor], cfg: ModelConfig | V41Config, path: str, layout: str, dtype: str,
            quantize: str | None, max_shard_size: int | str, overwrite: bool, progress: bool,
-           sources: tuple[str | None, ...], carried: list[list[PlannedTensor]] = ()) -> list[str]:
+           sources: tuple[str | None, ...], carried: list[list[PlannedTensor]] = (), scale_hint=None) -> list[str]:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if dtype not in SAVE_DTYPES:
@@ -110,7 +115,7 @@ def _write(tensors: list[TrexTensor], cfg: ModelConfig | V41Config, path: str, l
     if arch == "deepseek_v41" and layout != "official":
         raise ValueError("DeepSeek-V4.1 is written in the official layout, which is what its Hugging Face repository "
                          "holds: transformers has no V4.1 module names to write")
-    groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, arch) + list(carried)
+    groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, arch, scale_hint) + list(carried)
     config = checkpoint_config(cfg, layout, dtype, quantize)
     if not progress:
         return write_checkpoint(path, groups, config, max_shard_size, overwrite, sources=sources)

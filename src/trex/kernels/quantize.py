@@ -126,6 +126,18 @@ def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK
     return q.to(torch.float8_e4m3fn), scale
 
 
+def quantize_fp8_as(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(e4m3 w / scale, scale) when the ue8m0 ``scale`` grid represents w [..., R, C] exactly (every
+    quotient an e4m3 value), else None. Re-exporting a loaded checkpoint this way keeps its bytes: a
+    block whose largest value the official rule could have scaled two ways (224 x s or 448 x s/2) keeps
+    the scale it was stored with."""
+    *_, rows, cols = w.shape
+    x = w.float() / _expand(decode_e8m0(scale), *block, rows, cols)
+    q = x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q, scale) if torch.equal(q.float(), x) else None
+
+
 # ---- FP4 (e2m1, 1x32 blocks, two codes per byte) ------------------------------------------------
 def check_fp4(packed_shape: tuple[int, ...], scale_shape: tuple[int, ...], cols: int) -> str | None:
     """None if packed int8 [..., R, ceil(cols/2)] and scale [..., R, ceil(cols/32)] fit, else why not."""
@@ -184,6 +196,16 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = power_of_two_scale(_block_amax(w, 1, FP4_BLOCK), E2M1_MAX, FP4_AMAX_FLOOR)
     codes = round_to_e2m1(w.float() / _expand(decode_e8m0(scale), 1, FP4_BLOCK, rows, cols))
     return pack_e2m1(codes), scale
+
+
+def quantize_fp4_as(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(packed e2m1 codes of w / scale, scale) when the ue8m0 1x32 ``scale`` represents w [..., R, C]
+    exactly, else None (see ``quantize_fp8_as``)."""
+    *_, rows, cols = w.shape
+    x = w.float() / _expand(decode_e8m0(scale), 1, FP4_BLOCK, rows, cols)
+    codes = round_to_e2m1(x)
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)[codes.long()]
+    return (pack_e2m1(codes), scale) if torch.equal(values, x) else None
 
 
 # ---- fake quantisation (quantisation-aware training) --------------------------------------------

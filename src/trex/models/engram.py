@@ -100,7 +100,8 @@ class EngramLayout:
 
     def moduli(self) -> torch.Tensor:
         """[layers, columns] int64: each column's prime."""
-        return torch.tensor([[p for per_ngram in layer for p in per_ngram] for layer in self.primes], dtype=torch.long)
+        return torch.tensor([[p for per_ngram in layer for p in per_ngram] for layer in self.primes], dtype=torch.long,
+                            device="cpu")
 
     def offsets(self) -> torch.Tensor:
         """[layers, columns] int64: where each column's range starts in its layer's table."""
@@ -113,7 +114,7 @@ def hash_multipliers(layer_ids: Sequence[int], max_ngram: int, compressed_vocab:
     bound = max(1, (np.iinfo(np.int64).max // compressed_vocab) // 2)
     rows = [np.random.default_rng(10007 * layer).integers(0, bound, size=(max_ngram,), dtype=np.int64) * 2 + 1
             for layer in layer_ids]
-    return torch.from_numpy(np.stack(rows)) if rows else torch.zeros(0, max_ngram, dtype=torch.long)
+    return torch.from_numpy(np.stack(rows)) if rows else torch.zeros(0, max_ngram, dtype=torch.long, device="cpu")
 
 
 def _normaliser():
@@ -181,7 +182,7 @@ class NgramHasher:
         self.compressed_vocab, self.pad_token = compressed_vocab, pad_token
         self.multipliers = hash_multipliers(layout.layer_ids, layout.max_ngram, compressed_vocab)
         self.moduli, self.offsets = layout.moduli(), layout.offsets()
-        self.token_map = torch.arange(vocab_size)
+        self.token_map = torch.arange(vocab_size, device="cpu")  # on the CPU even when the model is built on meta
         self.ready = compressed_vocab == vocab_size  # the identity is the map only when nothing merges
         self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
@@ -190,8 +191,8 @@ class NgramHasher:
             raise ValueError(f"the tokenizer compresses to {compressed_vocab} ids but the config's "
                              f"engram_compressed_vocab_size is {self.compressed_vocab}: Engram's hashes need the "
                              f"checkpoint's own tokenizer")
-        table = torch.arange(max(len(self.token_map), len(token_map)))
-        table[: len(token_map)] = torch.tensor(list(token_map))
+        table = torch.arange(max(len(self.token_map), len(token_map)), device="cpu")
+        table[: len(token_map)] = torch.tensor(list(token_map), device="cpu")
         self.token_map, self.ready, self._on = table, True, {}
 
     def __call__(self, input_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

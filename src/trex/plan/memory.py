@@ -122,15 +122,14 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
 
     before = [0.0, *accumulate(saved)]  # before[i]: what blocks 0..i-1 saved
     after = [0.0, *accumulate(reversed(grad))][::-1][1:]  # after[j]: gradients of blocks j+1.. (sum(grad[j + 1:]))
-    moments = [BackwardMoment(mb * (sum(saved) + model_level) + others, act.head_backward_workspace(cfg, tokens), 0.0)]
+    # (activations, transient, gradients) at each moment, as plain tuples: the search calls this per layout
+    moments = [(mb * (sum(saved) + model_level) + others, act.head_backward_workspace(cfg, tokens), 0.0)]
     L = len(main)
     for j in reversed(range(L, len(blocks))):  # MTP blocks; the main heads are still alive
-        alive = before[j] + own(j) + model_level
-        moments.append(BackwardMoment(mb * alive + others, ep_buffers, after[j]))
+        moments.append((mb * (before[j] + own(j) + model_level) + others, ep_buffers, after[j]))
     for i in reversed(range(L)):
-        alive = before[i] + own(i) + after_heads
-        moments.append(BackwardMoment(mb * alive + others, ep_buffers, after[i] + heads_grad))
-    return max(moments, key=lambda m: m.activations + m.transient + m.gradients)
+        moments.append((mb * (before[i] + own(i) + after_heads) + others, ep_buffers, after[i] + heads_grad))
+    return BackwardMoment(*max(moments, key=sum))
 
 
 def memory(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, b: int) -> MemoryBreakdown:
