@@ -275,16 +275,22 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str) -> "ModelConfig":
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such config file") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+        raw, path = read_config_json(path)
         return cls.from_dict(raw, source=path)
+
+
+def read_config_json(path: str) -> tuple[dict, str]:
+    """(the JSON object, its file) of a config.json or of a directory's; a missing or invalid file is a
+    ConfigError naming it."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f), path
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
 
 
 def rope_fields(d: dict) -> dict:

@@ -15,13 +15,11 @@ latest index-source layer. The list's tail past ``num_hidden_layers`` belongs to
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import re
 from dataclasses import dataclass, field
 
-from trex.models.config import (_GENERIC_FIELDS, MOE, SLIDING, ConfigError, YarnScaling, need, rope_fields,
-                                validate_shared)
+from trex.models.config import (_GENERIC_FIELDS, MOE, SLIDING, ConfigError, YarnScaling, need, read_config_json,
+                                rope_fields, validate_shared)
 
 CSA2 = "csa2"  # the layer type of every compressed V4.1 layer; its rate is the layer's own ratio
 
@@ -288,13 +286,5 @@ def config_from_dict(raw: dict, source: str = "<dict>"):
 def config_from_file(path: str):
     """``config_from_dict`` of a config.json (or of a directory's); a missing or invalid file is a
     ConfigError naming it."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+    raw, path = read_config_json(path)
     return config_from_dict(raw, source=path)
