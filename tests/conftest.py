@@ -1,7 +1,9 @@
 import os
+import resource
 import sys
 import tempfile
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/hf_oracle.py and other helpers
@@ -25,3 +27,20 @@ LONGEST_FIRST = ("test_compile.py", "test_docs_commands.py", "test_faults.py", "
 def pytest_collection_modifyitems(items):
     first = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest as collected
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the children it has waited for (the trex and torchrun processes a
+    test starts), user and system."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's CPU seconds (its fixtures' setup included) as the junit property ``cpu_s``: on two
+    cores the suite is CPU-bound, so CPU, not wall time, says what a test costs
+    (``pytest --junitxml=suite.xml``)."""
+    start = _cpu_seconds()
+    yield
+    item.user_properties.append(("cpu_s", round(_cpu_seconds() - start, 1)))
