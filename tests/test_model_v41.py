@@ -221,3 +221,27 @@ def test_the_vision_tower_and_dspark_stages_pass_through_unchanged(tmp_path):
             written.update({k: f.get_tensor(k) for k in f.keys()})
     for k, v in extra.items():
         assert written[k].dtype == v.dtype and torch.equal(written[k].view(torch.uint8), v.view(torch.uint8)), k
+
+
+def test_the_flash_preset_counts_its_backbone_engram_and_drafter():
+    """deepseek-v4.1-flash's counts against the config's arithmetic: Engram 384,006,168 + 384,016,682 rows
+    of 256; the backbone from its parts; the drafter (three window-only stages of 128 experts, the main
+    projection of three target layers, the Markov and confidence heads) from the official module."""
+    from trex.models import count_parameters, get_preset
+
+    cfg = get_preset("deepseek-v4.1-flash")
+    counts = count_parameters(cfg)
+    assert counts.engram == (384_006_168 + 384_016_682) * 256
+    d, V, n, L = 5120, 129280, 4, 40
+    attention = d * 1280 + 1280 + 1280 * 64 * 512 + d * 512 + 512 + 64 * 512 * 1024 + 8 * 1024 * d + 64
+    compressor = {2: 2 * d * 512 + 512, 1: d * 512 + 512}  # KV sources only: layers 2, 8, 14 (ratio 2), 20 (ratio 1)
+    indexer = 1280 * 32 * 128 + d * 32  # wq_b, weights_proj; the KV sources' also wk, k_norm
+    moe = 384 * d + 385 * 3 * d * 2304
+    mhc = 2 * ((2 + n) * n * n * d + (2 + n) * n + 3)
+    engram_other = 24 * 256 * d * 5 + 2 * 4 * d  # wkv, q_weight, k_weight
+    backbone = (2 * V * d + d + L * (attention + moe + mhc + 2 * d) + 3 * compressor[2] + compressor[1]
+                + 8 * indexer + 4 * (512 * 128 + 128) + 2 * engram_other)
+    assert counts.total == backbone + counts.engram
+    assert counts.active == counts.total - counts.engram + 2 * 24 * 256 - L * 378 * 3 * d * 2304
+    stage = attention + 128 * d + 129 * 3 * d * 2304 + mhc + 2 * d
+    assert counts.mtp == 3 * stage + (3 * d * d + d) + (d + 2 * V * 256 + d + 256)

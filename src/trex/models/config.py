@@ -368,7 +368,11 @@ def tiny(**overrides) -> ModelConfig:
 PRESETS = {"deepseek-v4-flash": v4_flash, "deepseek-v4-pro": v4_pro, "tiny": tiny}
 
 
-def get_preset(name: str) -> ModelConfig:
-    if name not in PRESETS:
-        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)} or a config.json path")
-    return PRESETS[name]()
+def get_preset(name: str):
+    """A preset's config: V4's (PRESETS) or V4.1's (``deepseek-v4.1-flash``, ``tiny-v4.1``)."""
+    from trex.models.config_v41 import V41_PRESETS
+
+    presets = {**PRESETS, **V41_PRESETS}
+    if name not in presets:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(presets)} or a config.json path")
+    return presets[name]()

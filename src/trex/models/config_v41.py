@@ -41,8 +41,9 @@ _IGNORED_FIELDS = {
 }
 _VISION_PREFIX = "vision_"  # official flat names of the vision tower: passed through, not part of the text model
 # checkpoint tensors of a V4.1 checkpoint that trex carries through untrained: the vision tower (``vision.``,
-# ``aligner.``, the image-span embeddings) and the DSpark drafter's stages (``mtp.N.``)
-PASSTHROUGH = re.compile(r"^(mtp\.\d+\.|vision\.|aligner\.|image_(start|end|newline)$)")
+# ``aligner.``, the image-span embeddings, each router's bias for image tokens) and the DSpark drafter's
+# stages (``mtp.N.``)
+PASSTHROUGH = re.compile(r"^(mtp\.\d+\.|vision\.|aligner\.|image_(start|end|newline)$)|\.gate\.bias_vl$")
 
 
 @dataclass
@@ -260,6 +261,9 @@ def tiny_v41(**overrides) -> V41Config:
                                     base["engram_vocab_size"])
         base["engram_num_embeddings"] = list(layout.rows)
     return V41Config(**base)
+
+
+V41_PRESETS = {"deepseek-v4.1-flash": v41_flash, "tiny-v4.1": tiny_v41}
 
 
 # ---- which architecture a config.json describes ---------------------------------------------------

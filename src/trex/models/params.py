@@ -5,28 +5,56 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trex.models.config import ModelConfig
+from trex.models.config_v41 import V41Config
 
 
 @dataclass(frozen=True)
 class ParamCount:
     """total: every trained parameter of the main model (embedding and head included, MTP excluded);
-    active: parameters touched per token (k routed experts instead of E); mtp: the MTP modules."""
+    active: parameters touched per token (k routed experts instead of E; Engram's rows read, not its
+    tables); mtp: the MTP modules (V4.1: the DSpark drafter's stages); engram: V4.1's Engram tables
+    (included in total)."""
 
     total: int
     active: int
     mtp: int
+    engram: int = 0
 
 
-def count_parameters(cfg: ModelConfig) -> ParamCount:
+def count_parameters(cfg: ModelConfig | V41Config) -> ParamCount:
     from trex.models.build import build_model
 
     model = build_model(cfg, device="meta")
-    total = mtp = 0
+    total = mtp = engram = 0
     for name, p in model.named_parameters():
         if name.startswith("mtp."):
             mtp += p.numel()
         else:
             total += p.numel()
+            engram += p.numel() if ".engram.embed." in name else 0
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     inactive = cfg.num_hidden_layers * (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
-    return ParamCount(total=total, active=total - inactive, mtp=mtp)
+    if isinstance(cfg, V41Config):
+        rows_read = len(cfg.engram_layer_ids) * (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+        inactive += engram - rows_read * cfg.engram_head_dim
+        mtp = dspark_parameters(cfg)
+    return ParamCount(total=total, active=total - inactive, mtp=mtp, engram=engram)
+
+
+def dspark_parameters(cfg: V41Config) -> int:
+    """Parameters of V4.1's DSpark drafter stages (``mtp.*``; trex carries them through untrained), from
+    the official module's definition: each stage a window-only V4.1 block with ``dspark_n_routed_experts``
+    experts; the first also ``main_proj`` [d, d x targets] and ``main_norm``; the last also ``norm``, the
+    Markov head (``embed``, ``head``: [V, rank] each) and the confidence head ([1, d + rank])."""
+    if not cfg.num_nextn_predict_layers:
+        return 0
+    d, H, c, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
+    attention = (d * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * H * c + d * c + c
+                 + H * c // cfg.o_groups * cfg.o_groups * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * d + H)
+    E, inter = cfg.dspark_n_routed_experts, cfg.moe_intermediate_size
+    moe = E * d + (E + cfg.n_shared_experts) * 3 * d * inter  # router (its bias is not trained), experts, shared
+    mhc = 2 * ((2 + n) * n * n * d + (2 + n) * n + 3)
+    block = attention + moe + mhc + 2 * d  # + attn_norm, ffn_norm
+    first = d * d * len(cfg.dspark_target_layer_ids) + d
+    last = d + 2 * cfg.vocab_size * cfg.dspark_markov_rank + d + cfg.dspark_markov_rank
+    return cfg.num_nextn_predict_layers * block + first + last
