@@ -245,3 +245,29 @@ def test_the_flash_preset_counts_its_backbone_engram_and_drafter():
     assert counts.active == counts.total - counts.engram + 2 * 24 * 256 - L * 378 * 3 * d * 2304
     stage = attention + 128 * d + 129 * 3 * d * 2304 + mhc + 2 * d
     assert counts.mtp == 3 * stage + (3 * d * d + d) + (d + 2 * V * 256 + d + 256)
+
+
+def test_sft_trains_a_v41_model_through_the_training_loop(tmp_path):
+    """`trex train` with model.preset = "tiny-v4.1": Engram hashes through the recipe tokenizer's compressed
+    ids, its tables train with AdamW (embedding-like) and its gate gains as gains; the loss falls."""
+    from arithmetic_data import write_sft
+
+    from trex.recipe import load
+    from trex.train.config import TrainRecipe
+    from trex.train.loop import train
+    from trex.train.optim import classify
+
+    data = write_sft(tmp_path, n_train=200, n_eval=10)[0]
+    out = tmp_path / "run"
+    recipe = load(TrainRecipe, overrides=[f'data.paths=["{data}"]', 'data.tokenizer="compact"', "data.seq_len=64",
+                                          "train.steps=8", "train.progress=false", "fidelity.every=0",
+                                          "optim.lr=3e-3", 'model.preset="tiny-v4.1"', f'train.out="{out}"'])
+    train(recipe)
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps_completed"] == 8
+    model = DeepseekV41(tiny_v41())
+    rules = {name: rule.key for name, _, rule, _ in classify(model)}
+    assert rules["layers.0.engram.embed.weight"] == "embed_head" and rules["layers.3.engram.q_weight"] == "gains_biases"
+    assert rules["layers.1.attn.wo_a.weight"] == "wo_a_groups"

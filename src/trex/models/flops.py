@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from trex.models.config import CSA, HCA, SLIDING, ModelConfig
+from trex.models.config_v41 import V41Config
 
 
 @dataclass(frozen=True)
@@ -84,15 +85,45 @@ def _layer(cfg: ModelConfig, layer_type: str, S: int) -> tuple[float, float, flo
     return dense, routed, attention, indexer
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True, with_mtp: bool = True) -> FlopsPerToken:
-    """Model FLOPs per token for sequences (or packed documents) of ``seq_len`` tokens."""
+def _layer_v41(cfg: V41Config, layer: int, S: int) -> tuple[float, float, float, float]:
+    """``_layer`` for DeepSeek-V4.1's layer ``layer``: no q head norm; the compressor only on KV sources
+    (two projections at ratio > 1, one at ratio 1), the indexer only on index sources (its keys' ``wk``
+    on KV sources), every compressed layer attends to the top-k picks; Engram's ``wkv`` where it is."""
+    d, H, c, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
+    dense = 2 * (2 + n) * n * n * d
+    dense += d * cfg.q_lora_rank + cfg.q_lora_rank * H * c + d * c
+    dense += H * c * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * d
+    dense += cfg.n_routed_experts * d + 3 * cfg.moe_intermediate_size * d * cfg.n_shared_experts
+    if layer in cfg.engram_layer_ids:
+        dense += (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim * d * (n + 1)
+    routed = 3 * cfg.moe_intermediate_size * d * cfg.num_experts_per_tok
+    keys = _mean_window_keys(S, cfg.sliding_window)
+    indexer = 0.0
+    m = cfg.compress_ratios[layer]
+    if m:
+        keys += _mean_topk(S, m, cfg.index_topk)
+        if layer in cfg.kv_source_layer_ids:
+            dense += (2 if m > 1 else 1) * c * d
+        if layer in cfg.index_source_layer_ids:
+            hi, ci = cfg.index_n_heads, cfg.index_head_dim
+            indexer = cfg.q_lora_rank * hi * ci + d * hi + (c * ci if layer in cfg.kv_source_layer_ids else 0)
+            indexer += hi * ci * _mean_closed_windows(S, m)
+    return dense, routed, 2 * H * c * keys, indexer
+
+
+def flops_per_token(cfg: ModelConfig | V41Config, seq_len: int, training: bool = True,
+                    with_mtp: bool = True) -> FlopsPerToken:
+    """Model FLOPs per token for sequences (or packed documents) of ``seq_len`` tokens. V4.1's ``mtp.*``
+    (the DSpark drafter, carried through untrained) count nothing."""
     mult = 3 if training else 1
     dense = routed = attention = indexer = 0.0
-    for layer_type in cfg.layer_types:
-        a, b, c_, i = _layer(cfg, layer_type, seq_len)
+    v41 = isinstance(cfg, V41Config)
+    parts = (_layer_v41(cfg, i, seq_len) if v41 else _layer(cfg, t, seq_len) for i, t in enumerate(cfg.layer_types))
+    for a, b, c_, i in parts:
         dense, routed, attention, indexer = dense + a, routed + b, attention + c_, indexer + i
     d, n = cfg.hidden_size, cfg.hc_mult
-    dense += n * n * d  # final HC head
+    dense += 0 if v41 else n * n * d  # final HC head (V4.1 collapses with the last pre: no matmul)
+    with_mtp = with_mtp and not v41
     head = cfg.vocab_size * d
     mtp = mtp_head = 0.0
     if with_mtp:

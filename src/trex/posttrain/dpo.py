@@ -87,7 +87,7 @@ def sequence_logprobs(model: DeepseekV4, batch: PairBatch, all_heads: bool = Fal
     """fp32 [2B]: each row's log-prob of its response tokens, summed; and the model's output. The LM
     head runs fused with the loss (no [2B, S, V] logits). ``all_heads``: the MTP heads score their own
     targets too, so that the training step anchors them (objective.mtp_anchor)."""
-    heads = 1 + (model.cfg.num_nextn_predict_layers if all_heads else 0)
+    heads = 1 + (len(model.mtp) if all_heads else 0)
     out = next_token_nll(model, batch.input_ids, batch.doc_ids, heads, token_mask=batch.doc_ids == 0)
     return (-out.token_nll[0] * batch.scored).sum(-1), out
 

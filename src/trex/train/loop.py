@@ -38,6 +38,7 @@ from trex.data import load_tokenizer
 from trex.data.tokenizer import Tokenizer, compact_tokenizer
 from trex.hardware import profile_for_device_name
 from trex.models import DeepseekV4, build_model, get_preset
+from trex.models.engram import compressed_token_map
 from trex.models.deepseek_v4 import check_shardable
 from trex.models.flops import flops_per_token
 from trex.parallel.load import load_sharded
@@ -86,11 +87,16 @@ def model_for(recipe: TrainRecipe, tokenizer: Tokenizer, dev: device_layer.Devic
         cfg = get_preset(section.preset)
         overrides = dict(section.overrides)
         overrides.setdefault("vocab_size", -(-tokenizer.vocab_size // 8) * 8)  # a preset fits its tokenizer
+        engram = getattr(cfg, "engram_layer_ids", None) and compressed_token_map(tokenizer.backend)
+        if engram:  # V4.1's Engram hashes through this tokenizer's compressed ids
+            overrides.setdefault("engram_compressed_vocab_size", engram[1])
         try:
             cfg = dataclasses.replace(cfg, **overrides)
         except TypeError as e:
             raise ValueError(f"model.overrides: {e}") from None
         model = build_model(cfg, device=dev.torch_device, dtype=policy.param_dtype, seed=section.init_seed)
+        if engram:
+            model.set_engram_token_map(*engram)
     check_vocab(model, tokenizer)
     return model
 

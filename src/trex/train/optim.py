@@ -36,6 +36,8 @@ from torch import nn
 from trex import device as trex_device
 from trex.recipe import check_choices
 from trex.models.deepseek_v4 import Attention, Compressor, Experts, HyperConnection, HyperHead, RMSNorm
+from trex.models.deepseek_v41 import Attention as AttentionV41
+from trex.models.engram import Engram
 
 OptimizerName = Literal["muon", "adamw"]
 OPTIMIZERS = typing.get_args(OptimizerName)
@@ -181,7 +183,8 @@ RULES = {r.key: r for r in (
     Rule("csa_halves", True, True, "CSA compressor wkv/wgate [2c, d], rows split [0:c] / [c:2c]"),
     Rule("wo_a_groups", True, True, "grouped wo_a [g*o_lora_rank, H*c/g], rows split into g groups"),
     Rule("embed_head", False, True, "embedding and output head"),
-    Rule("gains_biases", False, False, "RMSNorm weights, mHC base/scale, attention sinks, compressor ape"),
+    Rule("gains_biases", False, False, "RMSNorm weights, mHC base/scale, attention sinks, compressor ape, Engram's "
+         "gate gains"),
 )}
 
 
@@ -210,7 +213,7 @@ def _split_linears(model: nn.Module) -> dict[int, tuple[Rule, list[int]]]:
         if isinstance(module, Compressor) and module.overlap:
             for linear in (module.wkv, module.wgate):
                 found[id(linear.weight)] = (RULES["csa_halves"], [module.c, module.c])
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, AttentionV41)):
             found[id(module.wo_a.weight)] = (RULES["wo_a_groups"], [module.cfg.o_lora_rank] * module.cfg.o_groups)
     return found
 
@@ -221,6 +224,8 @@ def _rule_for(model: nn.Module, module: nn.Module, leaf: str, p: nn.Parameter, n
     if isinstance(module, RMSNorm) or (isinstance(module, (HyperConnection, HyperHead)) and leaf in ("base", "scale")):
         return RULES["gains_biases"], []
     if (isinstance(module, Attention) and leaf == "attn_sink") or (isinstance(module, Compressor) and leaf == "ape"):
+        return RULES["gains_biases"], []
+    if isinstance(module, Engram) and leaf in ("q_weight", "k_weight"):  # per-stream channel gains of its gate
         return RULES["gains_biases"], []
     if isinstance(module, HyperConnection) and leaf == "fn":
         return RULES["mhc_fn"], [module.n, module.n, module.n * module.n]
