@@ -68,7 +68,7 @@ def test_the_official_token_map_and_hashes_are_reproduced_exactly(official):
     assert n < len(token_map)  # variants merged: the map is not the identity
     from trex.models.deepseek_v4 import SeqContext
 
-    hashes = model.engram_hashes(SeqContext(model.cfg, ids, None))
+    hashes = model.engram_hashes(ids, SeqContext(model.cfg, ids, None))
     assert torch.equal(hashes, tensors["engram_hashes"])
 
 
@@ -274,10 +274,13 @@ def test_sft_trains_a_v41_model_through_the_training_loop(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp2_and_expert_parallelism_on_two_ranks_give_the_losses_of_one_process(tmp_path):
-    """V4.1 under `torchrun --nproc-per-node 2` with parallel.dp_shard=2 and ep=2 (Engram's tables and the
-    shared entries sharded by FSDP2, experts by EP) against one process accumulating the same 2 x 4
-    sequences: every step's loss and gradient norm within 1e-5."""
+def test_fsdp2_expert_and_context_parallelism_on_two_ranks_give_the_losses_of_one_process(tmp_path):
+    """V4.1 under `torchrun --nproc-per-node 2`, as FSDP2 + EP2 (Engram's tables and the shared entries
+    sharded by FSDP2, experts by EP) and as cp = 2 (each rank half of every packed sequence: the window's
+    halo, compression groups crossing the shard boundary, the gathered entries and index keys, the
+    candidate pool and picks ranked in one process's order, n-grams looking back across the boundary),
+    against one process accumulating the same 2 x 4 sequences: every step's loss and gradient norm within
+    1e-5."""
     import subprocess
     import sys
 
@@ -285,15 +288,18 @@ def test_fsdp2_and_expert_parallelism_on_two_ranks_give_the_losses_of_one_proces
     common = ["train", os.path.join(root, "recipes", "fidelity_default.toml"), "--steps", "3", "--set",
               'model.preset="tiny-v4.1"', "--set", "train.progress=false", "--set", "fidelity.every=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"}
-    runs = {"one": ([sys.executable, "-m", "trex", *common, "--set", "train.grad_accum=2"], tmp_path / "one"),
-            "two": ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trex",
-                     *common, "--set", "parallel.dp_shard=2", "--set", "parallel.ep=2"], tmp_path / "two")}
+    two = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trex"]
+    runs = {"one": [sys.executable, "-m", "trex", *common, "--set", "train.grad_accum=2"],
+            "fsdp2-ep2": [*two, *common, "--set", "parallel.dp_shard=2", "--set", "parallel.ep=2"],
+            "cp2": [*two, *common, "--set", "parallel.cp=2", "--set", "train.grad_accum=2"]}
     rows = {}
-    for name, (cmd, out) in runs.items():
-        proc = subprocess.run([*cmd, "--out", str(out)], cwd=root, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rows[name] = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    assert [r["step"] for r in rows["one"]] == [r["step"] for r in rows["two"]] == [1, 2, 3]
-    for a, b in zip(rows["one"], rows["two"]):
-        for key in ("loss", "grad_norm"):
-            assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a["step"], a[key], b[key])
+    for name, cmd in runs.items():
+        proc = subprocess.run([*cmd, "--out", str(tmp_path / name)], cwd=root, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+        rows[name] = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+    for name in ("fsdp2-ep2", "cp2"):
+        assert [r["step"] for r in rows[name]] == [1, 2, 3], name
+        for a, b in zip(rows["one"], rows[name]):
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (name, key, a["step"], a[key], b[key])

@@ -178,6 +178,11 @@ class V41Config:
     def mlp_layer_types(self) -> list[str]:
         return [MOE] * self.num_hidden_layers  # no hash-routed layers
 
+    def compress_rate(self, layer_type: str) -> int:
+        """The largest ratio of a layer type (0 for window-only): what a context-parallel shard's halo
+        must cover (trex.models.deepseek_v4.shard_halo)."""
+        return 0 if layer_type == SLIDING else max(self.layer_ratios)
+
     def layer_rates(self) -> list[int]:
         """Every compression rate a forward uses (backbone layers, then the MTP layer type's)."""
         return [*self.layer_ratios, 0]

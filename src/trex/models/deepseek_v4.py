@@ -115,7 +115,7 @@ def shard_halo(cfg: ModelConfig, layer_type: str) -> tuple[int, int]:
 def _shard_unit(cfg: ModelConfig) -> tuple[int, int]:
     """(tokens a shard must be a multiple of: every compression rate; the longest halo it lends)."""
     types = set(cfg.layer_types) | {cfg.mtp_layer_type}
-    unit = math.lcm(*[cfg.compress_rate(t) for t in types if cfg.compress_rate(t)], 1)
+    unit = math.lcm(*[r for r in cfg.layer_rates() if r], 1)
     return unit, max(max(shard_halo(cfg, t)) for t in types)
 
 

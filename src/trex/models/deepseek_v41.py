@@ -28,11 +28,11 @@ from torch import nn
 from trex.kernels import quantize
 from trex.kernels.sparse_attention import gather_rows
 from trex.models.config import MOE
-from trex.models.config_v41 import V41Config
+from trex.models.config_v41 import CSA2, V41Config
 from trex.models.cross_entropy import IGNORE_INDEX, head_nll, token_nll
 from trex.models.deepseek_v4 import (Experts, HyperConnection, ModelOutput, MoE, QuantLinear, QuantSim, RMSNorm,
-                                     SeqContext, WindowLayout, add_projections, apply_rope, grouped_output,
-                                     init_parameters, linear_fp32, shift_labels, sparse_attention)
+                                     SeqContext, WindowLayout, _pad_rows, add_projections, apply_rope, grouped_output,
+                                     init_parameters, linear_fp32, shard_halo, shift_labels, sparse_attention)
 from trex.models.engram import Engram, NgramHasher
 
 
@@ -66,11 +66,15 @@ class Compressor(nn.Module):
         self.wgate = nn.Linear(dim, c, bias=False) if m > 1 else None
         self.norm = RMSNorm(c, eps)
 
-    def forward(self, x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
-        """x: [B, S, d] -> latents [B, N, c] in x's dtype (padded entries pool row 0; layout.valid masks them)."""
+    def forward(self, x: torch.Tensor, layout: WindowLayout, first_row: int = 0, entries: slice | None = None
+                ) -> torch.Tensor:
+        """x: [B, R, d], rows first_row .. first_row + R - 1 of the sequence -> the ``entries`` of ``layout``
+        (all by default) as latents [B, N, c] in x's dtype (padded entries pool row 0; layout.valid masks
+        them). At ratio 1 the entries are x's own rows: x holds exactly them."""
         if self.wgate is None:
             return self.norm(self.wkv(x))
-        first = torch.where(layout.valid, layout.starts, 0)
+        entries = entries or slice(0, layout.n)
+        first = torch.where(layout.valid[:, entries], layout.starts[:, entries] - first_row, 0)
         tok = first[:, :, None] + torch.arange(self.m, device=x.device)  # [B, N, m]
         kv = gather_rows(linear_fp32(x, self.wkv.weight), tok)
         score = gather_rows(linear_fp32(x, self.wgate.weight), tok)
@@ -101,9 +105,9 @@ class Indexer(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     @torch.no_grad()
-    def keys(self, latent: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
-        """latent [B, N, c] -> index keys [B, N, c_I], RoPE'd at the entries' positions."""
-        k = apply_rope(self.k_norm(self.wk(latent)), *layout.rope["compress"])
+    def keys(self, latent: torch.Tensor, layout: WindowLayout, entries: slice) -> torch.Tensor:
+        """latent [B, N, c] of ``entries`` -> index keys [B, N, c_I], RoPE'd at the entries' positions."""
+        k = apply_rope(self.k_norm(self.wk(latent)), *(t[:, entries] for t in layout.rope["compress"]))
         return quantize.fake_fp4_act(k) if self.quant.indexer else k
 
     @torch.no_grad()
@@ -122,28 +126,39 @@ class Indexer(nn.Module):
         k = min(self.topk, layout.n)
         chunk = max(1, self.chunk_elems // max(1, B * self.n_heads * layout.n))
         idx, valid, picked_blocks = [], [], []
+        canonical = layout.canonical  # context parallel: rank, pool and pick in one process's entry order
+        if canonical is not None:
+            keys = gather_rows(keys, canonical)
         for t0 in range(0, S, chunk):
             t1 = min(S, t0 + chunk)
+            visible = layout.visible(ctx.t0 + t0, ctx.t0 + t1)
+            if canonical is not None:
+                visible = visible.gather(2, canonical[:, None, :].expand_as(visible))
             scores = (torch.einsum("bthc,bnc->bthn", q[:, t0:t1], keys).relu_() * w[:, t0:t1, :, None]).sum(dim=2)
-            scores = scores.float().masked_fill_(~layout.visible(t0, t1), float("-inf"))
+            scores = scores.float().masked_fill_(~visible, float("-inf"))
             if self.candidate_source:
-                picked_blocks.append(self._pool(scores, layout.hi[:, t0:t1], layout.lo[:, t0:t1]))
+                picked_blocks.append(self._pool(scores, visible))
             elif self.uses_candidates:
                 inside = blocks[:, t0:t1].repeat_interleave(self.block, dim=-1)[..., : layout.n]
                 scores.masked_fill_(~inside, float("-inf"))
             top = scores.topk(k, dim=-1)
-            idx.append(top.indices)
+            picks = top.indices
+            if canonical is not None:
+                picks = canonical.gather(1, picks.flatten(1)).view_as(picks)
+            idx.append(picks)
             valid.append(top.values > float("-inf"))
         pool = torch.cat(picked_blocks, dim=1) if picked_blocks else None
         return torch.cat(idx, dim=1), torch.cat(valid, dim=1), pool
 
-    def _pool(self, scores: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-        """The hierarchical candidate pool: scores [B, T, N] -> [B, T, n_b] bool, the ``candidate_topk_blocks``
-        blocks of ``candidate_block_size`` entries with the highest maximum score, the block holding the
-        query's newest visible entry always kept (it may be partly filled), blocks with nothing visible never."""
+    def _pool(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """The hierarchical candidate pool: scores, visible [B, T, N] -> [B, T, n_b] bool, the
+        ``candidate_topk_blocks`` blocks of ``candidate_block_size`` entries with the highest maximum score,
+        the block holding the query's newest visible entry always kept (it may be partly filled), blocks
+        with nothing visible never."""
         n = scores.shape[-1]
         per_block = F.pad(scores, (0, -n % self.block), value=float("-inf")).unflatten(-1, (-1, self.block)).amax(-1)
-        newest = torch.where(hi > lo, (hi - 1) // self.block, -1)  # [B, T]
+        last = (visible * torch.arange(1, n + 1, device=scores.device)).amax(-1) - 1  # newest visible entry, or -1
+        newest = torch.where(last >= 0, last // self.block, -1)  # [B, T]
         nb = per_block.shape[-1]
         per_block = per_block.masked_fill(torch.arange(nb, device=scores.device) == newest[..., None], float("inf"))
         top = per_block.topk(min(self.pool_blocks, nb), dim=-1)
@@ -170,30 +185,41 @@ class Attention(nn.Module):
                         if layer in cfg.index_source_layer_ids else None)
 
     def forward(self, x: torch.Tensor, ctx: SeqContext, shared: Shared) -> tuple[torch.Tensor, Shared]:
-        """x: [B, S, d] (already attn_norm'ed) -> ([B, S, d], what the next layers read)."""
+        """x: [B, S, d] (already attn_norm'ed; this rank's rows under context parallelism) -> ([B, S, d],
+        what the next layers read). Under context parallelism the window reads the W - 1 rows before the
+        shard, the compressor the rows a group starting in the shard reaches into the next one, and the
+        entries and index keys are gathered from every shard."""
         B, S, _ = x.shape
         cos, sin = ctx.rope[self.rope_kind]
+        w = ctx.window_halo
+        after = shard_halo(self.cfg, CSA2)[1] if ctx.shard is not None and self.compressor is not None else 0
+        rows = ctx.extend(x, w, after)  # [B, w + S + after, d]
         qr = self.q_norm(self.wq_a(x))
         q = apply_rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos[:, :, None], sin[:, :, None])
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        kv = apply_rope(self.kv_norm(self.wkv(rows[:, :w + S])), *ctx.window_rope[self.rope_kind])
         if self.wkv.quant.kv:  # the whole RoPE'd vector through FP8, blocks of 32
             kv = quantize.fake_fp8_act(kv, 32)
         if self.m:
             layout = ctx.layout(self.m)
-            latent = self.compressor(x, layout) if self.compressor is not None else None
+            own = ctx.own_entries(layout)
+            latent = None
+            if self.compressor is not None:
+                latent = self.compressor(x if self.m == 1 else rows, layout, ctx.t0 - w, own)
             if self.indexer is not None:
-                keys = self.indexer.keys(latent, layout) if latent is not None else shared.keys
+                keys = ctx.gather(self.indexer.keys(latent, layout, own)) if latent is not None else shared.keys
                 idx, valid, blocks = self.indexer(x, qr, keys, ctx, layout, shared.blocks)
                 shared = shared._replace(keys=keys, idx=idx, valid=valid, blocks=shared.blocks if blocks is None else blocks)
             if latent is not None:
-                compressed = apply_rope(latent, *layout.rope["compress"])
+                compressed = apply_rope(latent, *(t[:, own] for t in layout.rope["compress"]))
                 if self.wkv.quant.kv:  # FP4 with e4m3 scales, blocks of 16
                     compressed = quantize.fake_fp4_act_e4m3(compressed, 16)
-                shared = shared._replace(compressed=compressed)
-            o = sparse_attention(q, kv, self.attn_sink, self.head_dim**-0.5, self.cfg.sliding_window, ctx.doc,
-                                 shared.compressed, shared.valid, shared.idx)
+                shared = shared._replace(compressed=ctx.gather(compressed))
+            o = sparse_attention(_pad_rows(q, w), kv, self.attn_sink, self.head_dim**-0.5, self.cfg.sliding_window,
+                                 ctx.window_doc, shared.compressed, _pad_rows(shared.valid, w),
+                                 _pad_rows(shared.idx, w))[:, w:]
         else:
-            o = sparse_attention(q, kv, self.attn_sink, self.head_dim**-0.5, self.cfg.sliding_window, ctx.doc)
+            o = sparse_attention(_pad_rows(q, w), kv, self.attn_sink, self.head_dim**-0.5, self.cfg.sliding_window,
+                                 ctx.window_doc)[:, w:]
         return grouped_output(self, o, cos, sin), shared
 
 
@@ -236,9 +262,9 @@ class Block(nn.Module):
 
 class DeepseekV41(nn.Module):
     """The V4.1 text model: embed -> n streams -> blocks -> collapse with the last ``pre`` -> norm -> head.
-    The forward's contract is ``DeepseekV4.forward``'s (training targets, HF-style labels), without
-    MTP heads (V4.1's ``mtp.*`` are DSpark drafter stages, not next-token heads) and without a decode
-    cache."""
+    The forward's contract is ``DeepseekV4.forward``'s (training targets, HF-style labels, context
+    parallelism through ``sequence_shard``), without MTP heads (V4.1's ``mtp.*`` are DSpark drafter
+    stages, not next-token heads) and without a decode cache."""
 
     def __init__(self, cfg: V41Config):
         super().__init__()
@@ -279,9 +305,12 @@ class DeepseekV41(nn.Module):
         """As ``DeepseekV4.init_weights``; Engram's q_weight and k_weight start at ones."""
         init_parameters(self, self.cfg.initializer_range, seed, ones=("q_weight", "k_weight"))
 
-    def engram_hashes(self, ctx: SeqContext) -> torch.Tensor | None:
-        """[B, S, engram layers, cols] table rows of every position's n-grams (None without Engram)."""
-        return None if self.engram_hasher is None else self.engram_hasher(ctx.input_ids, ctx.pos)
+    def engram_hashes(self, input_ids: torch.Tensor, ctx: SeqContext) -> torch.Tensor | None:
+        """[B, rows, engram layers, cols] table rows of the n-grams ending at this rank's rows (None without
+        Engram): hashed over the whole rows ``input_ids`` [B, S], whose look-back crosses shard boundaries."""
+        if self.engram_hasher is None:
+            return None
+        return self.engram_hasher(input_ids, ctx.full_pos)[:, ctx.t0:ctx.t1]
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, cache=None, *, targets: list[torch.Tensor] | None = None,
@@ -290,17 +319,15 @@ class DeepseekV41(nn.Module):
         document starts; every token takes part (the official code masks only image spans)."""
         if cache is not None:
             raise ValueError("DeepSeek-V4.1 generation (a decode cache) is not implemented yet")
-        if self.sequence_shard is not None:
-            raise ValueError("DeepSeek-V4.1 under context parallelism is not implemented yet")
-        ctx = SeqContext(self.cfg, input_ids, doc_ids)
+        ctx = SeqContext(self.cfg, input_ids, doc_ids, None, self.sequence_shard)
         if token_mask is not None:
             if token_mask.shape != input_ids.shape:
                 raise ValueError(f"token_mask has shape {tuple(token_mask.shape)}; expected {tuple(input_ids.shape)}")
-            ctx.token_mask = token_mask.bool()
+            ctx.token_mask = token_mask[:, ctx.t0:ctx.t1].bool()
         if targets is not None and len(targets) > 1:
             raise ValueError(f"targets: DeepSeek-V4.1 has one head, got {len(targets)} target tensors")
-        hashes = self.engram_hashes(ctx)
-        X = self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
+        hashes = self.engram_hashes(input_ids, ctx)
+        X = self.embed(ctx.input_ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         pre = torch.zeros(*X.shape[:3], device=X.device)
         pre[..., 0] = 1.0  # the first attention reads stream 0
         shared = Shared()
@@ -308,14 +335,18 @@ class DeepseekV41(nn.Module):
             X, pre, shared = layer(X, pre, shared, ctx, hashes)
         h = self.norm(HyperConnection.collapse(X, pre))
         logits = linear_fp32(h, self.head.weight) if return_logits else None
-        out = ModelOutput(logits=logits)
+        out = ModelOutput(logits=None if logits is None else ctx.gather(logits))
+
+        def nll(tgt: torch.Tensor) -> torch.Tensor:
+            """Per-token NLL of the whole rows' targets [B, S]: this rank's rows, then gathered."""
+            tgt = tgt[:, ctx.t0:ctx.t1]
+            return ctx.gather(token_nll(logits, tgt) if logits is not None else head_nll(h, self.head.weight, tgt))
+
         if targets:
-            out.token_nll.append(token_nll(logits, targets[0]) if logits is not None
-                                 else head_nll(h, self.head.weight, targets[0]))
+            out.token_nll.append(nll(targets[0]))
         if labels is not None:
             shifted = shift_labels(labels, 1, doc_ids)
-            nll = token_nll(logits, shifted) if logits is not None else head_nll(h, self.head.weight, shifted)
-            out.loss = nll.sum() / (shifted != IGNORE_INDEX).sum().clamp(min=1)
+            out.loss = nll(shifted).sum() / (shifted != IGNORE_INDEX).sum().clamp(min=1)
         out.moe_stats = [block.ffn.take_stats() for block in self.layers]
         ctx.recording = False  # activation checkpointing re-runs blocks in backward with this ctx
         return out
