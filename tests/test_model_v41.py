@@ -20,7 +20,7 @@ from safetensors import safe_open
 from trex.checkpoint.naming import to_trex
 from trex.models.config_v41 import V41Config, tiny_v41
 from trex.models.deepseek_v4 import QuantSim
-from trex.models.deepseek_v41 import DeepseekV41
+from trex.models.deepseek_v41 import DeepseekV41, Shared
 from trex.models.engram import EngramLayout, compressed_token_map, is_prime
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "v41", "tiny.safetensors")
@@ -303,3 +303,28 @@ def test_fsdp2_expert_and_context_parallelism_on_two_ranks_give_the_losses_of_on
         for a, b in zip(rows["one"], rows[name]):
             for key in ("loss", "grad_norm"):
                 assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (name, key, a["step"], a[key], b[key])
+
+
+def test_every_v41_block_kind_compiles_without_a_graph_break():
+    """Window-only + Engram, a ratio-2 KV and index source, a ratio-2 reader, a ratio-2 KV source with
+    Engram, the ratio-1 candidate source, a ratio-1 reader and an index source inside the pool: one graph
+    each under torch._dynamo.explain, with packed documents."""
+    from trex.models.deepseek_v4 import SeqContext
+
+    cfg = tiny_v41(hc_sinkhorn_iters=3)  # the Sinkhorn loop traced 3 times instead of 20: the same ops
+    model = DeepseekV41(cfg)
+    model.init_weights(seed=0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    docs = torch.zeros_like(ids)
+    docs[0, 20:] = 1
+    ctx = SeqContext(cfg, ids, docs)
+    hashes = model.engram_hashes(ids, ctx)
+    X = model.embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous()
+    pre = torch.zeros(2, 48, cfg.hc_mult)
+    pre[..., 0] = 1.0
+    shared = Shared()
+    for i, block in enumerate(model.layers):
+        explained = torch._dynamo.explain(block)(X, pre, shared, ctx, hashes)
+        assert explained.graph_break_count == 0, (i, [b.reason for b in explained.break_reasons])
+        assert explained.graph_count == 1, i
+        X, pre, shared = block(X, pre, shared, ctx, hashes)
