@@ -1072,6 +1072,14 @@ def shift_labels(labels: torch.Tensor, shift: int, doc: torch.Tensor | None) -> 
     return targets
 
 
+def spread_quant(model: nn.Module, quant: QuantSim, kinds: tuple[type, ...]) -> None:
+    """``quant`` on ``model`` and on each of its modules of ``kinds`` (the ones whose forward reads it)."""
+    model.quant = quant
+    for module in model.modules():
+        if isinstance(module, kinds):
+            module.quant = quant
+
+
 @torch.no_grad()
 def init_parameters(model: nn.Module, std: float, seed: int | None, ones: tuple[str, ...] = ()) -> torch.Generator | None:
     """Normal(0, std) for every matrix of ``model``; ones for norms, mHC scales and the ``ones`` leaf
@@ -1132,10 +1140,7 @@ class DeepseekV4(nn.Module):
     def set_quant(self, quant: QuantSim) -> None:
         """Simulate ``quant`` in every forward from now on (QuantSim() turns it off). Parameters and
         their names are unchanged: the fp32 (or compute-dtype) weights stay the masters."""
-        self.quant = quant
-        for module in self.modules():
-            if isinstance(module, (QuantLinear, Compressor, Experts)):
-                module.quant = quant
+        spread_quant(self, quant, (QuantLinear, Compressor, Experts))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:

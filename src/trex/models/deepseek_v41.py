@@ -32,7 +32,8 @@ from trex.models.config_v41 import CSA2, V41Config
 from trex.models.cross_entropy import IGNORE_INDEX, head_nll, token_nll
 from trex.models.deepseek_v4 import (Experts, HyperConnection, ModelOutput, MoE, QuantLinear, QuantSim, RMSNorm,
                                      SeqContext, WindowLayout, _pad_rows, add_projections, apply_rope, grouped_output,
-                                     init_parameters, linear_fp32, shard_halo, shift_labels, sparse_attention)
+                                     init_parameters, linear_fp32, shard_halo, shift_labels, sparse_attention,
+                                     spread_quant)
 from trex.models.engram import Engram, NgramHasher
 
 
@@ -295,10 +296,7 @@ class DeepseekV41(nn.Module):
         if quant.linears or quant.activations:
             raise ValueError("DeepSeek-V4.1 stores its linears in FP8 with 32x32 blocks; simulating them (QuantSim "
                              "linears / activations) is not implemented yet")
-        self.quant = quant
-        for module in self.modules():
-            if isinstance(module, (QuantLinear, Indexer, Experts)):
-                module.quant = quant
+        spread_quant(self, quant, (QuantLinear, Indexer, Experts))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
