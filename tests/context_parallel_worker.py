@@ -71,7 +71,6 @@ def step(out: str, dp_shard: int = 1, ep: int = 1, cp: int = 1, compiled: int = 
     shutdown_distributed()
 
 
-if __name__ == "__main__":  # OUT_PREFIX LAYOUT...: each "dp_shard,ep,cp,compiled", one after the other
-    prefix, *layouts = sys.argv[1:]
-    for layout in layouts:
-        step(f"{prefix}{layout}.pt", *map(int, layout.split(",")))
+if __name__ == "__main__":
+    out, *layout = sys.argv[1:]
+    step(out, *map(int, layout))

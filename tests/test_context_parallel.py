@@ -109,38 +109,31 @@ def reference(tmp_path_factory):
     return torch.load(d / "one.pt")
 
 
-def _run_worker(tmp_path, nproc: int, layouts: list[str]) -> dict[str, dict]:
-    """One launch of ``nproc`` ranks running each layout ("dp_shard,ep,cp,compiled") in turn."""
-    prefix = str(tmp_path / "layout_")
+def _run_worker(tmp_path, nproc: int, dp_shard: int, ep: int, cp: int, compiled: int) -> dict:
+    out = tmp_path / f"cp{cp}_dp{dp_shard}_ep{ep}.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
-           os.path.join(HERE, "context_parallel_worker.py"), prefix, *layouts]
+           os.path.join(HERE, "context_parallel_worker.py"), str(out), str(dp_shard), str(ep), str(cp), str(compiled)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {layout: torch.load(f"{prefix}{layout}.pt") for layout in layouts}
-
-
-# (dp_shard, ep, cp, compiled) by name; the two-rank layouts share a launch. Two four-rank layouts in one
-# launch hung in the second one's set-up (not yet diagnosed), so those launch apart
-LAYOUTS = {"cp2": "1,1,2,0", "cp2-checkpointed-compiled": "1,1,2,1", "cp4": "1,1,4,0", "fsdp2-ep2-cp2": "2,2,2,0"}
+    return torch.load(out)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,names", [(2, ["cp2", "cp2-checkpointed-compiled"]), (4, ["cp4"]),
-                                         (4, ["fsdp2-ep2-cp2"])], ids=["cp2+cp2-checkpointed-compiled", "cp4",
-                                                                        "fsdp2-ep2-cp2"])
-def test_sharded_sequence_gives_the_losses_and_gradients_of_one_process(tmp_path, reference, nproc, names):
+@pytest.mark.parametrize("nproc,dp_shard,ep,cp,compiled", [(2, 1, 1, 2, 0), (4, 1, 1, 4, 0), (4, 2, 2, 2, 0),
+                                                           (2, 1, 1, 2, 1)],
+                         ids=["cp2", "cp4", "fsdp2-ep2-cp2", "cp2-checkpointed-compiled"])
+def test_sharded_sequence_gives_the_losses_and_gradients_of_one_process(tmp_path, reference, nproc, dp_shard, ep, cp,
+                                                                       compiled):
     one = reference
-    results = _run_worker(tmp_path, nproc, [LAYOUTS[name] for name in names])
-    for name in names:
-        got = results[LAYOUTS[name]]
-        assert torch.allclose(got["loss"], one["loss"], rtol=1e-5, atol=0), name
-        for a, b in zip(one["nll"], got["nll"]):  # every position of a row, gathered from its shards
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
-        assert got["grads"].keys() == one["grads"].keys(), name
-        errors = _gradient_errors(one["grads"], got["grads"])
-        worst = max(errors, key=errors.get)
-        assert errors[worst] <= 1e-5, f"{name}: {worst}: gradient error {errors[worst]:.2e}"
+    got = _run_worker(tmp_path, nproc, dp_shard, ep, cp, compiled)
+    assert torch.allclose(got["loss"], one["loss"], rtol=1e-5, atol=0)
+    for a, b in zip(one["nll"], got["nll"]):  # every position of a row, gathered from its shards
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert got["grads"].keys() == one["grads"].keys()
+    errors = _gradient_errors(one["grads"], got["grads"])
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-5, f"{worst}: gradient error {errors[worst]:.2e}"
 
 
 @pytest.mark.slow
