@@ -212,6 +212,15 @@ def test_the_vision_tower_and_dspark_stages_pass_through_unchanged(tmp_path):
         weight_map = {k: "model-00001-of-00002.safetensors" for k in f.keys()}
     weight_map.update({k: "model-00002-of-00002.safetensors" for k in extra})
     (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    from trex.checkpoint.inspect import format_report, inspect_checkpoint
+
+    report = inspect_checkpoint(str(src))
+    assert report["architecture"] == "deepseek_v41" and report["carried_through"] == len(extra)
+    from trex.models.config_v41 import config_from_file
+
+    cfg = config_from_file(str(src))
+    assert report["parameters"]["engram"] == sum(cfg.engram_num_embeddings) * cfg.engram_head_dim
+    assert f"carried:       {len(extra)} tensors" in format_report(report)
     model = load_pretrained(str(src), dtype=torch.float32, device="cpu")
     assert not any(k.startswith(("mtp.", "vision.", "image_")) for k in model.state_dict())
     save_pretrained(model, str(tmp_path / "out"), layout="official", dtype="bf16", quantize="fp8+fp4experts")

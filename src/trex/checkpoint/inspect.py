@@ -21,11 +21,13 @@ def inspect_checkpoint(path: str, layout: str = "auto") -> dict:
     params = count_parameters(reader.config)
     return {
         "path": path,
+        "architecture": getattr(reader.config, "architecture", "deepseek_v4"),
         "layout": reader.layout,
         "quantization": reader.quantized or ["none"],
         "dtypes": dict(sorted(dtypes.items())),
         "tensors": sum(len(f.tensors) for f in reader.files),
-        "parameters": {"total": params.total, "active": params.active, "mtp": params.mtp},
+        "parameters": {"total": params.total, "active": params.active, "mtp": params.mtp, "engram": params.engram},
+        "carried_through": len(reader.passthrough),  # V4.1: vision tower and DSpark stages, kept as stored
         "missing": diagnosis.missing,
         "missing_optional": diagnosis.missing_optional,
         "unexpected": diagnosis.unexpected,
@@ -37,15 +39,21 @@ def inspect_checkpoint(path: str, layout: str = "auto") -> dict:
 def format_report(report: dict) -> str:
     """Human-readable lines for ``inspect_checkpoint``'s result."""
     p = report["parameters"]
+    v41 = report["architecture"] == "deepseek_v41"
+    mtp = (f"carried:       {report['carried_through']} tensors (DSpark stages, vision tower) kept as stored" if v41
+           else f"no MTP:        {len(report['missing_optional'])} tensors" if report["missing_optional"]
+           else "MTP:           present")
     lines = [
         f"path:          {report['path']}",
+        f"architecture:  {report['architecture']}",
         f"layout:        {report['layout']}",
         f"quantization:  {', '.join(report['quantization'])}",
         f"dtypes:        {', '.join(f'{k} x{v}' for k, v in report['dtypes'].items())}",
         f"tensors:       {report['tensors']}",
-        f"parameters:    total {p['total']:,}  active {p['active']:,}  mtp {p['mtp']:,}",
+        f"parameters:    total {p['total']:,}  active {p['active']:,}  "
+        + (f"Engram tables {p['engram']:,}  DSpark drafter {p['mtp']:,}" if v41 else f"mtp {p['mtp']:,}"),
         f"missing:       {len(report['missing'])} {report['missing'][:5]}",
-        f"no MTP:        {len(report['missing_optional'])} tensors" if report["missing_optional"] else "MTP:           present",
+        mtp,
         f"unexpected:    {len(report['unexpected'])} {report['unexpected'][:5]}",
         f"shards:        {len(report['shards'])}, {sum(report['shards'].values()) / 1e9:.3f} GB",
     ]
