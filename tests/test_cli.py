@@ -31,3 +31,22 @@ def test_one_prefix_per_message(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("trex audit: '/no/such/path'") and err.count("trex audit:") == 1
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["audit", "src/trex/fidelity", "--format", "json"], ["fidelity", "profiles"],
+                                  ["ckpt", "convert", "--help"], ["report", "--help"]])
+def test_commands_that_compute_nothing_on_a_device_start_without_torch(argv):
+    """Registering the commands imports no torch (1-2 s of every start): help, the audit and the fidelity
+    profiles answer at once (`trex plan` still imports it: the planner reads the model's and kernels' sizes). The check runs in a fresh interpreter, where nothing has imported torch yet."""
+    code = ("import sys\nfrom trex.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules, file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert proc.stderr.strip().splitlines()[-1] == "False", proc.stderr[-2000:]
+
+
+def test_a_lazy_export_may_not_share_a_submodules_name():
+    from trex.lazy import lazy_exports
+
+    with pytest.raises(ValueError, match="model_facts"):
+        lazy_exports("trex.plan", {"model_facts": "model_facts"})
+    assert lazy_exports("trex.plan", {"Layout": "layout"})("Layout").__name__ == "Layout"

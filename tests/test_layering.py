@@ -17,7 +17,7 @@ SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 # Lowest first. A top-level module (trex/device.py) is its own package.
 FLOORS = [
-    {"__init__", "atomic"},               # ground: the version, atomic writes
+    {"__init__", "atomic", "lazy"},       # ground: the version, atomic writes, lazy package exports
     {"logs", "recipe", "syncs", "device", "hardware"},  # logging, TOML recipes, sync counter, the device layer
     {"kernels"},                          # vendor fast paths behind a registry, each with a reference
     {"models"},                           # DeepSeek-V4: config, presets, the model, FLOPs

@@ -13,7 +13,7 @@ from trex import recipe as recipe_io
 from trex.cli import main
 from trex.models import get_preset
 from trex.plan import annotate
-from trex.plan.cli import plan_recipe
+from trex.plan.command import plan_recipe
 from trex.train.config import TrainRecipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -239,18 +239,10 @@ def to_text(report: dict) -> str:
     return "\n".join(out)
 
 
-def _cmd_doctor(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """``trex doctor`` (its parser lives in trex.cli, which imports this module only to run it)."""
     dev = device_layer.detect(args.device)
     report = doctor_report(dev, args.size_mb, args.iters, args.timeout)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(report, indent=2) if args.format == "json" else to_text(report))
     return 0 if report["ok"] else 1
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("doctor", help="check devices, versions, precision and collectives before launch")
-    p.add_argument("--format", choices=("text", "json"), default="text")
-    p.add_argument("--size-mb", type=float, default=64.0, help="message size for the bandwidth test (MiB)")
-    p.add_argument("--iters", type=int, default=5, help="timed iterations per collective")
-    p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout in seconds")
-    p.set_defaults(func=_cmd_doctor)

@@ -1,9 +1,12 @@
 """Checkpoints on disk: HF and official safetensors layouts with FP8/FP4, streaming convert,
 inspect and load (``load_pretrained``, ``save_pretrained``), and the training state (DCP shards,
-manifest, verify, resume, export: ``trex.checkpoint.training``)."""
+manifest, verify, resume, export: ``trex.checkpoint.training``).
 
-from trex.checkpoint.errors import CheckpointError
-from trex.checkpoint.load import load_pretrained
-from trex.checkpoint.save import save_pretrained
+The names load on first use (trex.lazy): ``trex ckpt --help`` does not import torch.
+"""
+
+from trex.lazy import lazy_exports
 
 __all__ = ["CheckpointError", "load_pretrained", "save_pretrained"]
+__getattr__ = lazy_exports(__name__, {"CheckpointError": "errors", "load_pretrained": "load",
+                                      "save_pretrained": "save"})
