@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from trex_run import trex
 
 from trex.data.arithmetic import ArithmeticTask, generate, sft_records
 from trex.data.records import write_jsonl
@@ -79,9 +80,7 @@ def test_sharded_load_from_a_checkpoint_matches_one_process(data, tmp_path):
     for nproc, extra in ((1, []), (2, ["--set", "parallel.dp_shard=2", "--set", "parallel.ep=2"])):
         out = tmp_path / f"from_ckpt_{nproc}"
         args = _args(data, out, nproc, ["--set", f'model.path="{ckpt}"', "--set", "train.steps=3", *extra])
-        proc = torchrun(nproc, args) if nproc > 1 else subprocess.run(
-            [sys.executable, "-m", "trex", *args], capture_output=True, text=True, timeout=240, cwd=ROOT,
-            env={**os.environ, "TREX_DEVICE": "cpu"})
+        proc = torchrun(nproc, args) if nproc > 1 else trex(args, env={"TREX_DEVICE": "cpu"})
         assert proc.returncode == 0, proc.stderr[-3000:]
         curves[nproc] = _losses(out)
     for a, b in zip(curves[2], curves[1]):

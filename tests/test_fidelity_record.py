@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from test_fidelity_ladder import bf16_attention_in_layer_2, gradient_bug_in_layer_1, wrong_norm_eps
+from trex_run import trex
 
 from trex.cli import main
 from trex.fidelity.profiles import get_profile
@@ -35,13 +34,6 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("record") / "ref"
     record(RECIPE, str(out), PATHS, steps=STEPS)
     return out
-
-
-def _trex(args: list[str], procs: int = 1, env: dict | None = None) -> subprocess.CompletedProcess:
-    launch = [sys.executable] if procs == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                                                   str(procs), "--standalone"]
-    return subprocess.run([*launch, "-m", "trex", *args], capture_output=True, text=True, cwd=ROOT, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def _sets(*items: str) -> list[str]:
@@ -105,8 +97,8 @@ def test_a_planted_divergence_is_found_through_the_record_at_its_rung_and_block(
 ], ids=["fsdp2-ep2", "cp2"])
 def test_two_ranks_climb_against_a_one_process_record(reference, tmp_path, layout):
     out = tmp_path / "ladder"
-    proc = _trex(["fidelity", "ladder", RECIPE, "--reference", str(reference), "--out", str(out),
-                  *_sets(*PATHS, *layout)], procs=2)
+    proc = trex(["fidelity", "ladder", RECIPE, "--reference", str(reference), "--out", str(out),
+                 *_sets(*PATHS, *layout)], procs=2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((out / "ladder.json").read_text())
     assert [r["status"] for r in report["rungs"]] == ["PASS"] * 5
@@ -116,9 +108,9 @@ def test_two_ranks_climb_against_a_one_process_record(reference, tmp_path, layou
 
 def test_the_virtual_device_accumulating_two_micro_batches_climbs_against_the_record(reference, tmp_path):
     out = tmp_path / "ladder"
-    proc = _trex(["fidelity", "ladder", RECIPE, "--reference", str(reference), "--out", str(out), "--profile", "vendor",
-                  *_sets(*PATHS, 'train.device="vdev"', "data.micro_batch_size=2", "train.grad_accum=2")],
-                 env={"TREX_DEVICE_PLUGINS": "trex_vdev"})
+    proc = trex(["fidelity", "ladder", RECIPE, "--reference", str(reference), "--out", str(out), "--profile", "vendor",
+                 *_sets(*PATHS, 'train.device="vdev"', "data.micro_batch_size=2", "train.grad_accum=2")],
+                env={"TREX_DEVICE_PLUGINS": "trex_vdev"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((out / "ladder.json").read_text())
     assert report["verdict"] == "PASS" and report["devices"]["run"]["device_type"] == "vdev"

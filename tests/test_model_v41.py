@@ -290,21 +290,16 @@ def test_fsdp2_expert_and_context_parallelism_on_two_ranks_give_the_losses_of_on
     candidate pool and picks ranked in one process's order, n-grams looking back across the boundary),
     against one process accumulating the same 2 x 4 sequences: every step's loss and gradient norm within
     1e-5."""
-    import subprocess
-    import sys
+    from trex_run import ROOT, trex
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    common = ["train", os.path.join(root, "recipes", "fidelity_default.toml"), "--steps", "3", "--set",
+    common = ["train", os.path.join(ROOT, "recipes", "fidelity_default.toml"), "--steps", "3", "--set",
               'model.preset="tiny-v4.1"', "--set", "train.progress=false", "--set", "fidelity.every=0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"}
-    two = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trex"]
-    runs = {"one": [sys.executable, "-m", "trex", *common, "--set", "train.grad_accum=2"],
-            "fsdp2-ep2": [*two, *common, "--set", "parallel.dp_shard=2", "--set", "parallel.ep=2"],
-            "cp2": [*two, *common, "--set", "parallel.cp=2", "--set", "train.grad_accum=2"]}
+    runs = {"one": (1, ["--set", "train.grad_accum=2"]),
+            "fsdp2-ep2": (2, ["--set", "parallel.dp_shard=2", "--set", "parallel.ep=2"]),
+            "cp2": (2, ["--set", "parallel.cp=2", "--set", "train.grad_accum=2"])}
     rows = {}
-    for name, cmd in runs.items():
-        proc = subprocess.run([*cmd, "--out", str(tmp_path / name)], cwd=root, env=env, capture_output=True,
-                              text=True, timeout=600)
+    for name, (procs, extra) in runs.items():
+        proc = trex([*common, *extra, "--out", str(tmp_path / name)], procs=procs, env={"TREX_DEVICE": "cpu"})
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
         rows[name] = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
     for name in ("fsdp2-ep2", "cp2"):

@@ -132,11 +132,9 @@ def test_context_parallel_distillation_gives_the_losses_of_one_process(tmp_path)
     held-out metrics of one process. The router bias and balance term are off: the rows are padded
     wider under cp, and both count padding tokens (docs/distributed.md#context-parallelism)."""
     import json
-    import os
-    import subprocess
-    import sys
 
     from test_distributed import torchrun
+    from trex_run import trex
 
     (tmp_path / "recipe.toml").write_text("# everything set on the command line\n")
     # rows padded wider under cp count in no MoE statistic (token_mask), so the router bias moves as at one
@@ -148,10 +146,7 @@ def test_context_parallel_distillation_gives_the_losses_of_one_process(tmp_path)
         return ["train", str(tmp_path / "recipe.toml"), "--out", str(out), *[a for s in (*sets, *extra)
                                                                              for a in ("--set", s)]]
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    one = subprocess.run([sys.executable, "-m", "trex", *args(tmp_path / "one")], capture_output=True, text=True,
-                         timeout=400, cwd=root, env=env)
+    one = trex(args(tmp_path / "one"), env={"TREX_DEVICE": "cpu"})
     assert one.returncode == 0, one.stderr[-3000:]
     two = torchrun(2, args(tmp_path / "cp2", ["parallel.dp_shard=1", "parallel.cp=2"]), timeout=400)
     assert two.returncode == 0, two.stderr[-3000:]

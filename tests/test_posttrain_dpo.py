@@ -7,11 +7,10 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
+from trex_run import trex
 
 from trex.data.arithmetic import ArithmeticTask, generate, preference_records
 from trex.data.config import DataSection
@@ -145,11 +144,8 @@ def test_two_process_fsdp_gives_the_losses_of_one_process(pair_files, tmp_path, 
                 "--set", "fidelity.every=0", "--set", "model.overrides={sliding_window=16}",
                 "--set", f'eval.paths=["{pair_files}/held.jsonl"]']
     (pair_files / "recipe.toml").write_text("# everything set on the command line\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"}
-    one = subprocess.run([sys.executable, "-m", "trex", *args(tmp_path / "one", 1)], capture_output=True, text=True,
-                         timeout=400, cwd=ROOT, env=env)
+    one = trex(args(tmp_path / "one", 1), env={"TREX_DEVICE": "cpu"})
     assert one.returncode == 0, one.stderr[-3000:]
-    sys.path.insert(0, os.path.dirname(__file__))
     from test_distributed import torchrun
 
     two = torchrun(2, [*args(tmp_path / "two", 2), *[a for s in split for a in ("--set", s)]], timeout=400)

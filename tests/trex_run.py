@@ -1,0 +1,53 @@
+"""`trex ARGS` from a test, as a user runs it, at the least CPU.
+
+- One process without a device plugin runs in the test's own process: ``trex.cli.main(args)`` in ``cwd``,
+  with ``env`` set around the call and one compute thread (what OMP_NUM_THREADS=1 gives a process of its own,
+  so the reduction order, and every number, is the one a separate process computes). A process start
+  (importing torch, dynamo and DCP: ~4 CPU seconds) costs more than most test runs' steps.
+- ``procs`` > 1 runs under torchrun (``python -m torch.distributed.run --standalone``).
+- ``env`` naming ``TREX_DEVICE_PLUGINS`` runs in a process of its own: a plugin registers its device type
+  for the life of the process, which would leak into the tests after it.
+
+The result is a ``subprocess.CompletedProcess`` either way (returncode, stdout, stderr).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+from unittest import mock
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def trex(args: list[str], *, procs: int = 1, env: dict | None = None, cwd: str = ROOT,
+         timeout: float = 600) -> subprocess.CompletedProcess:
+    env = env or {}
+    if procs == 1 and "TREX_DEVICE_PLUGINS" not in env:
+        return _in_process(args, env, cwd)
+    launch = [sys.executable] if procs == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                                                   str(procs), "--standalone"]
+    return subprocess.run([*launch, "-m", "trex", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+
+
+def _in_process(args: list[str], env: dict, cwd: str) -> subprocess.CompletedProcess:
+    from trex.cli import main
+
+    out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with mock.patch.dict(os.environ, env), contextlib.chdir(cwd), contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err):
+            try:
+                code = main(args)
+            except SystemExit as e:  # argparse's exit 2, --help's 0
+                code = e.code if isinstance(e.code, int) else 1
+    finally:
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(["trex", *args], code, out.getvalue(), err.getvalue())
