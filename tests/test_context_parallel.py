@@ -17,10 +17,11 @@ import pytest
 import torch
 
 import context_parallel_worker as worker
+from trex_run import trex
 from trex.models.config import tiny
 from trex.models.deepseek_v4 import SeqContext, check_shardable
 from trex.parallel.mesh import ParallelSection, resolve_layout
-from test_distributed import _free_port, torchrun
+from test_distributed import _free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -151,11 +152,10 @@ def test_ten_steps_at_cp2_match_one_process(tmp_path):
             "--set", "train.balance_alpha=0.01"]
     runs = {}
     for name, nproc, extra in (("one", 1, []), ("cp2", 2, ["--set", "parallel.cp=2"])):
-        proc = torchrun(nproc, [*args, "--out", str(tmp_path / name), *extra])
+        proc = trex([*args, "--out", str(tmp_path / name), *extra], procs=nproc, env={"TREX_DEVICE": "cpu"})
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = tmp_path / name
-    compare = subprocess.run([sys.executable, "-m", "trex", "fidelity", "compare", str(runs["cp2"]), str(runs["one"]),
-                              "--profile", "layout"], capture_output=True, text=True, timeout=120)
+    compare = trex(["fidelity", "compare", str(runs["cp2"]), str(runs["one"]), "--profile", "layout"])
     assert compare.returncode == 0, compare.stdout + compare.stderr
     assert len(_losses(runs["cp2"])) == 10
     summary = json.loads((runs["cp2"] / "summary.json").read_text())

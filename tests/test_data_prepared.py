@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from trex_run import trex
 
 from trex.data import DataSection, PreparedDataError, build_loader, compact_tokenizer
 from trex.data.documents import build_documents
@@ -276,9 +277,7 @@ def test_hf_datasets_arrow_sharegpt_and_prompt_response_read_as_messages(data, t
 def test_the_cli_prepares_once_and_says_what_it_made(data, tmp_path):
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(f'[data]\npaths = ["{data.paths[0]}"]\ntokenizer = "compact"\nseq_len = 96\n')
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "trex", "data", "prepare", str(recipe), *a], env=env,
-                                    capture_output=True, text=True, timeout=300)
+    run = lambda *a: trex(["data", "prepare", str(recipe), *a])
     first = run("--workers", "1", "--set", 'data.packing="best_fit"')  # (more workers: the byte-equality test)
     assert first.returncode == 0, first.stderr
     assert first.stdout.startswith("prepared ") and "best_fit packing" in first.stdout and "300 records" in first.stdout

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from trex_run import trex
 
 from trex import device as device_layer
 from trex.fidelity.ladder import agreement, run_ladder, tensor_errors
@@ -139,8 +138,7 @@ def test_tensor_errors_judge_norm_and_direction_and_the_floor():
 
 def test_the_cli_refuses_a_layout_of_several_processes_in_one_line(tmp_path):
     out = tmp_path / "ladder"
-    proc = subprocess.run([sys.executable, "-m", "trex", "fidelity", "ladder", RECIPE, "--variant",
-                           "parallel.dp_shard=2", "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
+    proc = trex(["fidelity", "ladder", RECIPE, "--variant", "parallel.dp_shard=2", "--out", str(out)])
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "trex fidelity matrix" in proc.stderr
     assert not out.exists()

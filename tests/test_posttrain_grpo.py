@@ -2,11 +2,10 @@
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from trex_run import trex
 
 from trex.posttrain.grpo_loss import group_advantages, k3_kl, policy_loss, token_entropy, token_weights
 
@@ -284,8 +283,7 @@ def _reward_env(prompt_files) -> dict:
 def one_process_grpo(prompt_files, tmp_path_factory):
     """The one-process run both layouts are compared with (its arguments do not depend on the layout)."""
     out = tmp_path_factory.mktemp("grpo_one") / "one"
-    one = subprocess.run([sys.executable, "-m", "trex", *_two_process_args(prompt_files, out, 1, "fsdp2")],
-                         capture_output=True, text=True, timeout=400, cwd=ROOT, env=_reward_env(prompt_files))
+    one = trex(_two_process_args(prompt_files, out, 1, "fsdp2"), env=_reward_env(prompt_files))
     assert one.returncode == 0, one.stderr[-3000:]
     return out
 

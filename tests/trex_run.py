@@ -2,7 +2,8 @@
 
 - One process without a device plugin runs in the test's own process: ``trex.cli.main(args)`` in ``cwd``,
   with ``env`` set around the call and one compute thread (what OMP_NUM_THREADS=1 gives a process of its own,
-  so the reduction order, and every number, is the one a separate process computes). A process start
+  so the reduction order, and every number, is the one a separate process computes; ``PYTHONPATH`` in
+  ``env`` goes on sys.path for the call, where a reward plug-in is imported from). A process start
   (importing torch, dynamo and DCP: ~4 CPU seconds) costs more than most test runs' steps.
 - ``procs`` > 1 runs under torchrun (``python -m torch.distributed.run --standalone``).
 - ``env`` naming ``TREX_DEVICE_PLUGINS`` runs in a process of its own: a plugin registers its device type
@@ -40,10 +41,11 @@ def _in_process(args: list[str], env: dict, cwd: str) -> subprocess.CompletedPro
     from trex.cli import main
 
     out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     torch.set_num_threads(1)
     try:
-        with mock.patch.dict(os.environ, env), contextlib.chdir(cwd), contextlib.redirect_stdout(out), \
-                contextlib.redirect_stderr(err):
+        with mock.patch.dict(os.environ, env), mock.patch.object(sys, "path", [*path, *sys.path]), \
+                contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 code = main(args)
             except SystemExit as e:  # argparse's exit 2, --help's 0
