@@ -107,7 +107,7 @@ def test_compiled_training_equals_eager_and_never_recompiles(sft_file, tmp_path)
         out = tmp_path / f"compile_{compiled}"
         recipe = load(TrainRecipe, overrides=[*_settings(sft_file, STEPS, NO_MTP), "data.micro_batch_size=1", f'train.out="{out}"',
                                               f"train.compile={str(compiled).lower()}"])
-        with inductor_config.patch({"cpp.vec_isa_ok": False}):
+        with inductor_config.patch({"cpp.vec_isa_ok": False, "cpp_wrapper": True}):
             train(recipe)
         curves[compiled] = _curves(out)
         summaries[compiled] = json.loads((out / "summary.json").read_text())
