@@ -11,7 +11,7 @@ import torch
 from trex.checkpoint import load_pretrained, save_pretrained
 from trex.checkpoint.layouts import codec_for
 from trex.kernels import quantize
-from trex.models import build_model
+from trex.models import build_model, get_preset
 from trex.models.config import tiny
 from trex.models.deepseek_v4 import QuantLinear, QuantSim, SeqContext
 from trex.precision import PrecisionSection
@@ -23,11 +23,17 @@ def _ids(S=40, seed=0):
     return torch.randint(0, 256, (2, S), generator=torch.Generator().manual_seed(seed))
 
 
-def test_the_fp8_linears_are_the_ones_the_checkpoint_stores_in_fp8():
-    model = build_model(tiny(), seed=0)
-    quantised = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    stored_fp8 = {k for k, p in model.named_parameters() if p.dim() == 2 and codec_for(k, "fp8") == "fp8"}
-    assert quantised == stored_fp8 and len(quantised) > 10
+# the architectures, as (preset, its checkpoint writer's name, the FP8 codec of its linears, their block)
+ARCHITECTURES = [("tiny", "deepseek_v4", "fp8", 128), ("tiny-v4.1", "deepseek_v41", "fp8/32", 32)]
+
+
+@pytest.mark.parametrize("preset, arch, codec, block", ARCHITECTURES, ids=["V4", "V4.1"])
+def test_the_fp8_linears_are_the_ones_the_checkpoint_stores_in_fp8(preset, arch, codec, block):
+    model = build_model(get_preset(preset), seed=0)
+    linears = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    stored_fp8 = {k for k, p in model.named_parameters() if p.dim() == 2 and codec_for(k, "fp8", arch) == codec}
+    assert set(linears) == stored_fp8 and len(linears) > 10
+    assert {m.block for m in linears.values()} == {block}  # and with the released block scales
 
 
 def test_each_part_changes_the_forward_and_trains_through_the_master_weights():
@@ -68,8 +74,12 @@ def test_a_csa_block_compiles_without_a_graph_break_under_qat():
     assert torch.allclose(compiled, eager, atol=1e-5)
 
 
-def test_a_qat_model_exports_to_the_official_layout_and_loads_back_to_the_same_logits(tmp_path):
-    model = build_model(tiny(), seed=0)
+@pytest.mark.parametrize("preset, arch, codec, block", ARCHITECTURES, ids=["V4", "V4.1"])
+def test_a_qat_model_exports_to_the_official_layout_and_loads_back_to_the_same_logits(tmp_path, preset, arch, codec,
+                                                                                      block):
+    """What QAT trains against is what the export stores: V4's 128x128 FP8 linears, V4.1's 32x32 ones and
+    its Engram rows (FP8, a scale per row and 32 columns), FP4 routed experts."""
+    model = build_model(get_preset(preset), seed=0)
     model.set_quant(OFFICIAL)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(3):  # move the weights off their initial values
@@ -86,9 +96,14 @@ def test_a_qat_model_exports_to_the_official_layout_and_loads_back_to_the_same_l
     theirs = dict(served.named_parameters())
     for name, module in model.named_modules():  # the exported weights are the ones QAT trained against
         if isinstance(module, QuantLinear):
-            assert torch.equal(theirs[f"{name}.weight"], quantize.fake_fp8_weight(module.weight)), name
+            assert torch.equal(theirs[f"{name}.weight"], quantize.fake_fp8_weight(module.weight, (block, block))), name
     w1 = model.layers[1].ffn.experts.w1
     assert torch.equal(theirs["layers.1.ffn.experts.w1"], quantize.fake_fp4_weight(w1))
+    tables = [n for n in theirs if n.endswith("engram.embed.weight")]
+    assert len(tables) == (2 if arch == "deepseek_v41" else 0)
+    for name in tables:
+        trained_table = dict(model.named_parameters())[name]
+        assert torch.equal(theirs[name], quantize.fake_fp8_weight(trained_table, (1, 32))), name
     # a bf16 export also rounds the unquantised tensors (norms, router, compressor, head); with those
     # in fp32 the served model is the trained one, bit for bit
     exact = tmp_path / "served_fp32"

@@ -214,9 +214,10 @@ def straight_through(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return x + (y - x).detach()
 
 
-def fake_fp8_weight(w: torch.Tensor) -> torch.Tensor:
-    """w [..., R, C] through FP8 with 128x128 block scales and back, in w's dtype."""
-    q, scale = quantize_fp8(w)
+def fake_fp8_weight(w: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)) -> torch.Tensor:
+    """w [..., R, C] through FP8 with ``block`` (rows, cols) ue8m0 scales (V4: 128x128, V4.1: 32x32, V4.1's
+    Engram rows: 1x32) and back, in w's dtype."""
+    q, scale = quantize_fp8(w, block)
     return straight_through(w, dequantize_fp8(q, scale, w.dtype))
 
 

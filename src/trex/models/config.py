@@ -152,6 +152,8 @@ class ModelConfig:
     eos_token_id: int | None = 1
     initializer_range: float = 0.02
 
+    fp8_block = 128  # the released FP8 linears' block scales (128 x 128) and activations' (1 x 128)
+
     def __post_init__(self) -> None:
         if not self.layer_types:
             self.layer_types = _default_layer_types(self.num_hidden_layers)

@@ -107,6 +107,7 @@ class V41Config:
 
     architecture = "deepseek_v41"
     mtp_layer_type = SLIDING  # the DSpark stages attend over their window only
+    fp8_block = 32  # the released FP8 linears' block scales (32 x 32) and activations' (1 x 32)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -374,8 +374,9 @@ class QuantSim:
     official quantiser's rules (trex.kernels.quantize) and a straight-through gradient:
 
     experts: routed experts' weights through FP4 (e2m1, 1x32 ue8m0 scales), as released;
-    linears: the FP8-stored linears' weights (``QuantLinear``; 128x128 block scales);
-    activations: the inputs of those linears and of the experts through FP8 (1x128 blocks), as the
+    linears: the FP8-stored linears' weights (``QuantLinear``; block scales of the architecture's
+        ``fp8_block``: V4 128x128, V4.1 32x32, and V4.1's Engram table rows 1x32);
+    activations: the inputs of those linears and of the experts through FP8 (1 x ``fp8_block``), as the
         official ``linear`` quantises them before its FP8 / FP4 GEMM (``wo_a``, dequantised to bf16
         by the official converter, takes its input as it is);
     kv: the non-RoPE dims of the attention KV and of the main compressor's entries through FP8
@@ -398,17 +399,21 @@ class QuantSim:
 
 
 class QuantLinear(nn.Linear):
-    """A linear the released checkpoints store in FP8 (128x128 blocks); with ``quant`` it computes
-    as the official ``linear`` does on such a weight."""
+    """A linear the released checkpoints store in FP8 (``block`` x ``block`` scales: the config's
+    ``fp8_block``); with ``quant`` it computes as the official ``linear`` does on such a weight."""
 
     quant = QuantSim()
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, block: int = quantize.FP8_BLOCK):
+        super().__init__(in_features, out_features, bias=bias)
+        self.block = block
+
     def quantized_weight(self) -> torch.Tensor:
-        return quantize.fake_fp8_weight(self.weight) if self.quant.linears else self.weight
+        return quantize.fake_fp8_weight(self.weight, (self.block, self.block)) if self.quant.linears else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant.activations:
-            x = quantize.fake_fp8_act(x)
+            x = quantize.fake_fp8_act(x, self.block)
         return F.linear(x, self.quantized_weight())
 
 
@@ -497,7 +502,7 @@ class Indexer(nn.Module):
         self.alignment: torch.Tensor | None = None  # [B, 2] (KL sum, queries) of the last forward
         self.recall: torch.Tensor | None = None  # [B, 2] (attention mass on the picks, queries), measured
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
-        self.wq_b = QuantLinear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wq_b = QuantLinear(cfg.q_lora_rank, self.n_heads * self.head_dim, block=cfg.fp8_block)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(cfg.hidden_size, self.head_dim, m, overlap=True, eps=cfg.rms_norm_eps,
                                      rotate=True)
@@ -641,13 +646,14 @@ def add_projections(attn: nn.Module, cfg) -> None:
     o_groups x [H c / o_groups -> o_lora_rank]), wo_b, and the per-head ``attn_sink``."""
     d, H, c = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     attn.cfg, attn.n_heads, attn.head_dim = cfg, H, c
-    attn.wq_a = QuantLinear(d, cfg.q_lora_rank, bias=False)
+    block = cfg.fp8_block
+    attn.wq_a = QuantLinear(d, cfg.q_lora_rank, block=block)
     attn.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-    attn.wq_b = QuantLinear(cfg.q_lora_rank, H * c, bias=False)
-    attn.wkv = QuantLinear(d, c, bias=False)
+    attn.wq_b = QuantLinear(cfg.q_lora_rank, H * c, block=block)
+    attn.wkv = QuantLinear(d, c, block=block)
     attn.kv_norm = RMSNorm(c, cfg.rms_norm_eps)
-    attn.wo_a = QuantLinear(H * c // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
-    attn.wo_b = QuantLinear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
+    attn.wo_a = QuantLinear(H * c // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, block=block)
+    attn.wo_b = QuantLinear(cfg.o_groups * cfg.o_lora_rank, d, block=block)
     attn.attn_sink = nn.Parameter(torch.zeros(H))
 
 
@@ -750,12 +756,12 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, dim: int, inter: int, limit: float):
+    def __init__(self, dim: int, inter: int, limit: float, block: int):
         super().__init__()
         self.limit = limit
-        self.w1 = QuantLinear(dim, inter, bias=False)
-        self.w2 = QuantLinear(inter, dim, bias=False)
-        self.w3 = QuantLinear(dim, inter, bias=False)
+        self.w1 = QuantLinear(dim, inter, block=block)
+        self.w2 = QuantLinear(inter, dim, block=block)
+        self.w3 = QuantLinear(dim, inter, block=block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
@@ -788,16 +794,18 @@ def sort_by_expert(idx: torch.Tensor, n_experts: int) -> ExpertSort:
 
 
 def expert_ffn(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-               row_weights: torch.Tensor, limit: float, quant: QuantSim = QuantSim()) -> torch.Tensor:
+               row_weights: torch.Tensor, limit: float, quant: QuantSim = QuantSim(),
+               act_block: int = quantize.FP8_BLOCK) -> torch.Tensor:
     """The routed experts on rows sorted by expert: xs [R, d], counts [E] rows per expert (device
     tensor), w1/w3 [E, I, d], w2 [E, d, I], row_weights [R] each row's routing weight, applied to the
     fp32 SwiGLU output before w2 (as the official code does) -> [R, d]. Grouped matmuls over device-side
-    offsets: no host read. ``quant``: FP4 weights and FP8 inputs of both GEMMs, as served."""
+    offsets: no host read. ``quant``: FP4 weights and FP8 inputs (blocks of ``act_block``) of both GEMMs,
+    as served."""
     offsets = counts.cumsum(0).to(torch.int32)
     mm = kernels.get("grouped_mm", xs.device.type)
     if quant.experts:
         w1, w2, w3 = (quantize.fake_fp4_weight(w) for w in (w1, w2, w3))
-    act = quantize.fake_fp8_act if quant.activations else (lambda t: t)
+    act = (lambda t: quantize.fake_fp8_act(t, act_block)) if quant.activations else (lambda t: t)
     xs = act(xs)
     h = clamped_swiglu(mm(xs, w1, offsets), mm(xs, w3, offsets), limit)
     return mm(act((h * row_weights[:, None].float()).to(xs.dtype)), w2, offsets)
@@ -816,9 +824,9 @@ class Experts(nn.Module):
 
     quant = QuantSim()
 
-    def __init__(self, n: int, dim: int, inter: int, limit: float):
+    def __init__(self, n: int, dim: int, inter: int, limit: float, act_block: int = quantize.FP8_BLOCK):
         super().__init__()
-        self.limit = limit
+        self.limit, self.act_block = limit, act_block
         self.w1 = nn.Parameter(torch.empty(n, inter, dim))
         self.w2 = nn.Parameter(torch.empty(n, dim, inter))
         self.w3 = nn.Parameter(torch.empty(n, inter, dim))
@@ -827,7 +835,7 @@ class Experts(nn.Module):
         """x: [T, d]; idx, weights: [T, k] -> sum_k weights * expert_idx(x): fp32 [T, d]."""
         sort = sort_by_expert(idx, self.w1.shape[0])
         y = expert_ffn(x[sort.token], sort.counts, self.w1, self.w2, self.w3, weights.reshape(-1)[sort.order],
-                       self.limit, self.quant)
+                       self.limit, self.quant, self.act_block)
         return combine(y, sort.token, x.shape[0])
 
 
@@ -869,9 +877,10 @@ class MoE(nn.Module):
         self.name = name
         self.routing: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (counts, balance loss)
         self.gate = Gate(cfg, hashed=mlp_type == HASH_MOE)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
+                               cfg.fp8_block)
         self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                           cfg.swiglu_limit)
+                                           cfg.swiglu_limit, cfg.fp8_block)
 
     def forward(self, x: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         B, S, d = x.shape

@@ -99,7 +99,7 @@ class Indexer(nn.Module):
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.candidate_source, self.uses_candidates = candidate_source, uses_candidates
         self.pool_blocks, self.block = cfg.candidate_topk_blocks, cfg.candidate_block_size
-        self.wq_b = QuantLinear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wq_b = QuantLinear(cfg.q_lora_rank, self.n_heads * self.head_dim, block=cfg.fp8_block)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
         if owns_keys:
             self.wk = nn.Linear(cfg.head_dim, self.head_dim, bias=False)
@@ -245,7 +245,7 @@ class Block(nn.Module):
             j = cfg.engram_layer_ids.index(layer)
             self.engram_slot = j
             self.engram = Engram(cfg.engram_num_embeddings[j], (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads,
-                                 cfg.engram_head_dim, cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps)
+                                 cfg.engram_head_dim, cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps, cfg.fp8_block)
 
     def forward(self, X: torch.Tensor, pre: torch.Tensor, shared: Shared, ctx: SeqContext,
                 hashes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, Shared]:
@@ -291,12 +291,11 @@ class DeepseekV41(nn.Module):
     def set_quant(self, quant: QuantSim) -> None:
         """Simulate the served rounding points ``quant`` in every forward (QuantSim() turns it off): ``kv``
         (window KV through FP8 in blocks of 32, compressed KV through FP4 with e4m3 scales in blocks of
-        16), ``indexer`` (its queries and keys through FP4 in blocks of 32, bf16 scores) and ``experts``
-        (FP4 routed experts, 1x32 as V4's)."""
-        if quant.linears or quant.activations:
-            raise ValueError("DeepSeek-V4.1 stores its linears in FP8 with 32x32 blocks; simulating them (QuantSim "
-                             "linears / activations) is not implemented yet")
-        spread_quant(self, quant, (QuantLinear, Indexer, Experts))
+        16), ``indexer`` (its queries and keys through FP4 in blocks of 32, bf16 scores), ``experts``
+        (FP4 routed experts, 1x32 as V4's), ``linears`` (the FP8 linears with 32x32 block scales, Engram's
+        ``wkv`` among them, and the Engram rows a step looks up with 1x32) and ``activations`` (their
+        inputs and the experts' through FP8 in blocks of 32)."""
+        spread_quant(self, quant, (QuantLinear, Indexer, Experts, Engram))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:

@@ -35,6 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trex.kernels import quantize
+from trex.models.deepseek_v4 import QuantLinear, QuantSim
+
 _WITNESSES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # deterministic for n < 3.3e24
 
 
@@ -211,20 +214,28 @@ class NgramHasher:
 
 class Engram(nn.Module):
     """One layer's table [rows, head_dim], its ``wkv`` [(hc + 1) * d, cols * head_dim] and the gate's
-    q_weight, k_weight [hc, d] (only their product is used)."""
+    q_weight, k_weight [hc, d] (only their product is used). The released checkpoint stores the table in
+    FP8 with a scale per row and ``block`` columns, and ``wkv`` in FP8 with ``block`` x ``block`` scales: with
+    ``quant.linears`` the rows a forward looks up go through that rounding (a row's blocks are its own, so
+    rounding the looked-up rows is rounding the table)."""
 
-    def __init__(self, rows: int, columns: int, head_dim: int, dim: int, hc: int, eps: float):
+    quant = QuantSim()
+
+    def __init__(self, rows: int, columns: int, head_dim: int, dim: int, hc: int, eps: float, block: int):
         super().__init__()
-        self.dim, self.hc, self.eps = dim, hc, eps
+        self.dim, self.hc, self.eps, self.block = dim, hc, eps, block
         self.embed = nn.Embedding(rows, head_dim)
-        self.wkv = nn.Linear(columns * head_dim, dim * (hc + 1), bias=False)
+        self.wkv = QuantLinear(columns * head_dim, dim * (hc + 1), block=block)
         self.q_weight = nn.Parameter(torch.ones(hc, dim))
         self.k_weight = nn.Parameter(torch.ones(hc, dim))
 
     def forward(self, X: torch.Tensor, hash_ids: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
         """X: [B, S, hc, d]; hash_ids: [B, S, cols]; live: [B, S] (False: the stream passes unchanged)
         -> [B, S, hc, d] in X's dtype."""
-        rows = self.embed(hash_ids).flatten(-2).to(X.dtype)
+        rows = self.embed(hash_ids)
+        if self.quant.linears:
+            rows = quantize.fake_fp8_weight(rows, (1, self.block))
+        rows = rows.flatten(-2).to(X.dtype)
         key, value = self.wkv(rows).split([self.hc * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc, self.dim))
         h = X.float()

@@ -46,7 +46,7 @@ class ExpertParallelExperts(Experts):
                                                recv_table.reshape(-1), output_size=sum(recv))
         regroup = local_expert.argsort(stable=True)
         y = expert_ffn(received[regroup], recv_table.sum(dim=0), w1, w2, w3, received_weights[regroup], self.limit,
-                       self.quant)
+                       self.quant, self.act_block)
         y = torch.empty_like(received).index_copy(0, regroup, y)
         back = _exchange(y, send, recv, group)
         return combine(back, sort.token, x.shape[0])
