@@ -62,10 +62,14 @@ def _syncs_per_step(monkeypatch, sft_file, out, *extra) -> list[SyncCounter]:
 @pytest.mark.parametrize("extra", [
     (),  # fp32, Muon + AdamW, packed rows (documents change inside a row), the aux-loss-free bias update
     ('parallel.activation_checkpointing="full"', 'precision.dtype="bf16"', 'optim.name="adamw"'),
-], ids=["fp32-muon", "bf16-adamw-recompute"])
+    # DeepSeek-V4.1: CSA2 with shared KV and picks, the candidate pool, Engram's hashing and lookup, single-pass
+    # mHC; every served rounding point simulated (32x32 FP8 linears, Engram rows, FP4 experts, KV, indexer)
+    ('model.preset="tiny-v4.1"', 'precision.qat="official"'),
+], ids=["fp32-muon", "bf16-adamw-recompute", "v4.1-qat"])
 def test_training_step_has_no_host_sync(monkeypatch, sft_file, tmp_path, extra):
-    """Every layer type (sliding, CSA with the indexer, HCA), hash and score MoE, MTP, clipping, the
-    guard, the optimizer and the router-bias update: zero host reads from forward to the update."""
+    """Every layer type (sliding, CSA with the indexer, HCA; V4.1's CSA2 and Engram), hash and score MoE, MTP,
+    clipping, the guard, the optimizer and the router-bias update: zero host reads from forward to the
+    update."""
     counters = _syncs_per_step(monkeypatch, sft_file, tmp_path / "run", *extra)
     assert len(counters) == 2
     for s in counters:

@@ -179,13 +179,15 @@ class NgramHasher:
     device leaves them intact); kept on the CPU, with one copy per device they are used on.
 
     token_map: compressed id of every token id (identity until ``set_token_map``; ``ready`` says whether
-    it is the real one); pad_id: the token that fills look-back slots before a document's start."""
+    it is the real one); pad_id: the compressed id that fills look-back slots before a document's start
+    (a Python int, read once when the map is set: the hashing reads nothing back from a tensor)."""
 
     def __init__(self, layout: EngramLayout, compressed_vocab: int, vocab_size: int, pad_token: int):
         self.compressed_vocab, self.pad_token = compressed_vocab, pad_token
         self.multipliers = hash_multipliers(layout.layer_ids, layout.max_ngram, compressed_vocab)
         self.moduli, self.offsets = layout.moduli(), layout.offsets()
         self.token_map = torch.arange(vocab_size, device="cpu")  # on the CPU even when the model is built on meta
+        self.pad_id = pad_token
         self.ready = compressed_vocab == vocab_size  # the identity is the map only when nothing merges
         self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
@@ -197,6 +199,7 @@ class NgramHasher:
         table = torch.arange(max(len(self.token_map), len(token_map)), device="cpu")
         table[: len(token_map)] = torch.tensor(list(token_map), device="cpu")
         self.token_map, self.ready, self._on = table, True, {}
+        self.pad_id = int(table[self.pad_token])
 
     def __call__(self, input_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """input_ids, pos (within the document): [B, S] -> [B, S, layers, cols] table rows."""
@@ -208,8 +211,7 @@ class NgramHasher:
         if dev not in self._on:
             self._on[dev] = tuple(t.to(dev) for t in (self.token_map, self.multipliers, self.moduli, self.offsets))
         token_map, multipliers, moduli, offsets = self._on[dev]
-        pad = int(self.token_map[self.pad_token])
-        return ngram_hashes(token_map[input_ids], pos, None, pad, multipliers, moduli, offsets)
+        return ngram_hashes(token_map[input_ids], pos, None, self.pad_id, multipliers, moduli, offsets)
 
 
 class Engram(nn.Module):
