@@ -63,6 +63,17 @@ def test_the_same_recipe_climbs_every_rung_exactly(reference, tmp_path):
     assert os.path.isfile(tmp_path / "ladder" / "ladder.md")
 
 
+def test_deepseek_v41_records_and_climbs_against_another_micro_batch_split(tmp_path):
+    """The ladder on V4.1's blocks (CSA2, Engram, single-pass mHC): a record, and a run accumulating two
+    micro-batches of two rows that climbs every rung against it under the layout profile, not bitwise."""
+    v41 = [*PATHS, 'model.preset="tiny-v4.1"']
+    record(RECIPE, str(tmp_path / "ref"), v41, steps=STEPS)
+    report = climb(RECIPE, str(tmp_path / "ref"), str(tmp_path / "ladder"), get_profile("layout"),
+                   [*v41, "data.micro_batch_size=2", "train.grad_accum=2"])
+    assert [r["status"] for r in report["rungs"]] == ["PASS"] * 5
+    assert 0 < report["rungs"][1]["measures"]["worst_parameter_err"] < 1e-3
+
+
 def test_a_candidate_that_starts_from_other_weights_is_named_before_any_block(reference, tmp_path):
     report = climb(RECIPE, str(reference), str(tmp_path / "ladder"), get_profile("layout"), [*PATHS, "model.init_seed=1"])
     assert report["first_failing_rung"] == 1

@@ -115,6 +115,18 @@ def test_dpo_learns_its_pairs_and_online_reference_gives_the_same_losses(pair_fi
         assert a["reward_margin"] == pytest.approx(b["reward_margin"], rel=1e-4, abs=1e-6)
 
 
+def test_dpo_trains_deepseek_v41(pair_files, tmp_path):
+    """V4.1 through DPO: the policy starts as its reference (loss log 2, margin 0) and learns the pairs;
+    the fidelity probes run on it every 3 steps."""
+    rows = _metrics(train(_recipe(pair_files, tmp_path / "v41", 'model.preset="tiny-v4.1"', "train.steps=8",
+                                  'schedule.decay="constant"', "data.micro_batch_size=8",
+                                  "train.grad_accum=1")).run_dir)
+    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert rows[0]["reward_margin"] == pytest.approx(0.0, abs=1e-5)
+    assert sum(r["loss"] for r in rows[-3:]) / 3 < rows[0]["loss"] - 0.05
+    assert os.path.getsize(tmp_path / "v41" / "probe.jsonl") > 0
+
+
 @pytest.mark.slow
 def test_resume_mid_dpo_reproduces_the_losses(pair_files, tmp_path):
     extra = ("checkpoint.save_every=3", f'eval.paths=["{pair_files}/held.jsonl"]', "train.eval_every=3")

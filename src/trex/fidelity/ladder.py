@@ -123,17 +123,26 @@ def build_parts(side: Side) -> Parts:
 
 
 # ---- measurements ------------------------------------------------------------------------------------
+def tapped_blocks(model: DeepseekV4) -> list[tuple[str, torch.nn.Module]]:
+    """The modules whose outputs the ladder compares, in forward order: embed, each layer, the mHC head
+    (V4; V4.1's single-pass mHC has none), norm, each MTP block."""
+    head = [("hc_head", model.hc_head)] if hasattr(model, "hc_head") else []
+    return [("embed", model.embed), *((f"layers.{i}", m) for i, m in enumerate(model.layers)), *head,
+            ("norm", model.norm), *((f"mtp.{j}", m) for j, m in enumerate(model.mtp))]
+
+
 def block_outputs(model: DeepseekV4, batch) -> dict[str, torch.Tensor]:
     """Forward order -> output (fp32, host) of every block on ``batch`` (no gradient): embed, each
     layer's mHC residual [B, S, hc, d], hc_head, norm, logits [B, S, V], each MTP block's hidden."""
-    taps = [("embed", model.embed), *((f"layers.{i}", m) for i, m in enumerate(model.layers)),
-            ("hc_head", model.hc_head), ("norm", model.norm), *((f"mtp.{j}", m) for j, m in enumerate(model.mtp))]
+    taps = tapped_blocks(model)
     seen: dict[str, torch.Tensor] = {}
 
     def tap(name: str):
         def hook(module, args, output):
             if name not in seen:  # the first call: embed also embeds MTP's look-ahead tokens
-                seen[name] = (output[-1] if isinstance(output, tuple) else output).detach()
+                if isinstance(output, tuple):  # an MTP block's normalised hidden; a V4.1 block's streams
+                    output = output[-1] if name.startswith("mtp.") else output[0]
+                seen[name] = output.detach()
         return hook
 
     handles = [m.register_forward_hook(tap(n)) for n, m in taps]

@@ -50,8 +50,8 @@ import torch.distributed as dist
 from trex import atomic
 from trex import device as device_layer
 from trex.fidelity.ladder import (RUNGS, Rung, Side, block_outputs, build_parts, forward_rung, judge_loop, judge_rows,
-                                  ladder_overrides, loss_error, optimizer_step, step_two_loss, tensor_errors, train_side,
-                                  write_reports)
+                                  ladder_overrides, loss_error, optimizer_step, step_two_loss, tapped_blocks, tensor_errors,
+                                  train_side, write_reports)
 from trex.fidelity.matrix import claim_out
 from trex.fidelity.profiles import Profile
 from trex.fidelity.sketch import (BYTES_PER_TENSOR, SAMPLES, SKETCH, WIDTH, Piece, Stats, fill_synthetic, piece_of,
@@ -78,7 +78,7 @@ def model_counts(model: DeepseekV4) -> dict:
     """Parameter tensors, elements and tapped blocks of ``model`` (works on the meta device)."""
     params = [p for p in model.parameters() if p.requires_grad]
     return {"parameter_tensors": len(params), "parameters": sum(p.numel() for p in params),
-            "blocks": 1 + len(model.layers) + 3 + len(model.mtp)}  # embed, layers, hc_head, norm, logits, mtp
+            "blocks": len(tapped_blocks(model)) + 1}  # and the logits
 
 
 # ---- one side, in any layout ----------------------------------------------------------------------------
