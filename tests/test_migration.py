@@ -141,6 +141,24 @@ def test_layout_moves_one_two_four_one_processes_agree_with_the_run_that_never_m
     assert "seam at step 4 (world_size 2 -> 4" in seam.stderr and "PASS under layout" in seam.stderr
 
 
+def test_a_v41_run_moves_its_micro_batch_split_and_continues_the_run_that_never_moved(tmp_path):
+    """DeepSeek-V4.1 (Engram tables, shared KV) through a checkpoint and a move: 4 rows at once for 2 steps,
+    then 2 rows accumulated twice, resumed from step 2; every step equals the run that never moved."""
+    v41 = ('model.preset="tiny-v4.1"', "fidelity.every=0")
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    _leg(straight, 4, *v41)
+    _leg(run, 2, *v41)
+    moved = _leg(run, 4, *v41, "data.micro_batch_size=2", "train.grad_accum=2")
+    assert "micro_batch_size 4 -> 2, grad_accum 1 -> 2 at step 2" in moved.stderr
+    rows, ref = _rows(run), _rows(straight)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    same = ("loss", "grad_norm", "lr", "tokens")
+    assert [[r[k] for k in same] for r in rows[:2]] == [[r[k] for k in same] for r in ref[:2]]  # before the move
+    for a, b in zip(rows[2:], ref[2:]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+    assert [(m["step"], m["profile"]) for m in _moves(run)] == [(2, "layout")]
+
+
 GENERATE = """
 import json, sys, torch
 from trex import device
