@@ -1,0 +1,135 @@
+"""A warm `trex` for the documented commands (tests/test_docs_commands.py).
+
+Each `trex` process spends ~3.5 CPU seconds importing torch, dynamo, DCP and matplotlib before it does
+anything; the documents run ~50 of them. The server imports trex once, then forks a child for every
+command: the child takes the command's argv, environment, working directory and its three standard
+streams (passed as file descriptors over a Unix socket), runs ``trex.cli.main`` and exits with its code,
+so the shell line runs as written (pipes, redirections and exit codes are the child's own).
+
+- ``serve(path)``: the server (``python tests/trex_zygote.py serve PATH``), one process, no threads.
+- ``client()``: what the sandbox's ``.venv/bin/trex`` runs (stdlib only, started with ``python -S``). It
+  appends the child's CPU seconds to ``$TREX_ZYGOTE_CPU``: the shell's ``times`` does not see a process
+  it did not start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+
+_HEADER = struct.Struct("!I")
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the other side closed the connection")
+        data += chunk
+    return data
+
+
+def client() -> None:
+    request = json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(os.environ["TREX_ZYGOTE"])
+        socket.send_fds(sock, [_HEADER.pack(len(request))], [0, 1, 2])
+        sock.sendall(request)
+        try:
+            code, cpu = json.loads(_recv_exact(sock, _HEADER.unpack(_recv_exact(sock, _HEADER.size))[0]))
+        except ConnectionError:  # the child died without answering (a signal)
+            code, cpu = 1, 0.0
+    if os.environ.get("TREX_ZYGOTE_CPU"):
+        with open(os.environ["TREX_ZYGOTE_CPU"], "a") as f:
+            f.write(f"{cpu}\n")
+    sys.exit(code)
+
+
+def _child(conn: socket.socket, fds: list[int], request: dict) -> None:
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the command waits for its own children
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = ["trex", *request["argv"]]
+    from trex.cli import main
+
+    try:
+        code = main(request["argv"])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - as an uncaught exception ends a process: traceback, exit 1
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    answer = json.dumps([code or 0, cpu]).encode()
+    conn.sendall(_HEADER.pack(len(answer)) + answer)
+    os._exit(0)
+
+
+def serve(path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401 - imported once, here
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+
+    import trex.cli  # noqa: F401
+    import trex.fidelity.cli  # noqa: F401
+    import trex.train.loop  # noqa: F401
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children reap themselves
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(path)
+        server.listen(8)
+        print("ready", flush=True)
+        while True:
+            conn, _ = server.accept()
+            msg, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
+            request = json.loads(_recv_exact(conn, _HEADER.unpack(msg)[0]))
+            if os.fork() == 0:
+                server.close()
+                _child(conn, fds, request)
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+
+
+@contextlib.contextmanager
+def running(env: dict):
+    """A server started with ``env`` (the documents' environment: OMP_NUM_THREADS=1 before torch is
+    imported); yields its socket's path, and stops it."""
+    path = os.path.join(tempfile.mkdtemp(prefix="trex-zygote-"), "socket")
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", path], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the trex zygote did not start (exit {proc.wait()})")
+        yield path
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve"]:
+        serve(sys.argv[2])
+    else:
+        client()
