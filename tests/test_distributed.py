@@ -8,7 +8,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 from trex_run import trex
@@ -27,10 +26,8 @@ def _free_port() -> int:
 
 
 def torchrun(nproc: int, args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={_free_port()}", "-m", "trex", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    """`torchrun --nproc-per-node NPROC -m trex ARGS` on the CPU (tests/trex_run.py)."""
+    return trex(args, procs=nproc, env={"TREX_DEVICE": "cpu"}, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

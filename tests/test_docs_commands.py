@@ -30,8 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import trex_zygote
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 SKIP = re.compile(r"<!--\s*doc-test:\s*skip:\s*(?P<reason>.*?)\s*-->")
 FENCE = re.compile(r"^```(?P<lang>\w*)\s*$")
@@ -157,11 +156,7 @@ def sandbox(path: str, zygote: str | None = None) -> dict:
         for name in os.listdir(os.path.join(venv, "bin")):
             if name != "trex":
                 os.symlink(os.path.join(venv, "bin", name), os.path.join(path, ".venv", "bin", name))
-        shim = os.path.join(path, ".venv", "bin", "trex")
-        with open(shim, "w") as f:
-            f.write(f"#!{os.path.join(venv, 'bin', 'python')} -S\nimport sys\n"
-                    f"sys.path.insert(0, {HERE!r})\nimport trex_zygote\ntrex_zygote.client()\n")
-        os.chmod(shim, 0o755)
+        trex_zygote.write_client(os.path.join(path, ".venv", "bin"))
     os.symlink(os.path.join(ROOT, "src"), os.path.join(path, "src"))
     for name in ("recipes", "fidelity", "scripts", "bench", "Makefile", "pyproject.toml", "trex-audit.toml"):
         src = os.path.join(ROOT, name)

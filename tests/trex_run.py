@@ -5,7 +5,10 @@
   so the reduction order, and every number, is the one a separate process computes; ``PYTHONPATH`` in
   ``env`` goes on sys.path for the call, where a reward plug-in is imported from). A process start
   (importing torch, dynamo and DCP: ~4 CPU seconds) costs more than most test runs' steps.
-- ``procs`` > 1 runs under torchrun (``python -m torch.distributed.run --standalone``).
+- ``procs`` > 1 runs under torchrun (``python -m torch.distributed.run --standalone``), each rank a child
+  forked from a process that has imported trex (tests/trex_zygote.py, started on first use, one per test
+  process): torchrun starts the zygote's client as the rank's program (``--no-python``), with the rank's
+  environment, and the client forwards torchrun's signals to its child.
 - ``env`` naming ``TREX_DEVICE_PLUGINS`` runs in a process of its own: a plugin registers its device type
   for the life of the process, which would leak into the tests after it.
 
@@ -14,6 +17,7 @@ The result is a ``subprocess.CompletedProcess`` either way (returncode, stdout, 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import os
@@ -22,6 +26,7 @@ import sys
 from unittest import mock
 
 import torch
+import trex_zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,10 +36,31 @@ def trex(args: list[str], *, procs: int = 1, env: dict | None = None, cwd: str =
     env = env or {}
     if procs == 1 and "TREX_DEVICE_PLUGINS" not in env:
         return _in_process(args, env, cwd)
-    launch = [sys.executable] if procs == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                                                   str(procs), "--standalone"]
-    return subprocess.run([*launch, "-m", "trex", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    if procs == 1:
+        command = [sys.executable, "-m", "trex", *args]
+    elif "TREX_DEVICE_PLUGINS" in env:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--standalone",
+                   "-m", "trex", *args]
+    else:
+        socket_path, client = _zygote()
+        env["TREX_ZYGOTE"] = socket_path
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--standalone",
+                   "--no-python", client, *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
+
+
+_ZYGOTE: tuple[str, str] | None = None  # (its socket, its client) once started
+
+
+def _zygote() -> tuple[str, str]:
+    global _ZYGOTE
+    if _ZYGOTE is None:
+        server = trex_zygote.running({**os.environ, "OMP_NUM_THREADS": "1"})
+        socket_path = server.__enter__()
+        atexit.register(server.__exit__, None, None, None)
+        _ZYGOTE = socket_path, trex_zygote.write_client(os.path.dirname(socket_path))
+    return _ZYGOTE
 
 
 def _in_process(args: list[str], env: dict, cwd: str) -> subprocess.CompletedProcess:

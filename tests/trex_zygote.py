@@ -38,6 +38,15 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return data
 
 
+def _receive(sock: socket.socket) -> bytes:
+    return _recv_exact(sock, _HEADER.unpack(_recv_exact(sock, _HEADER.size))[0])
+
+
+def _send(sock: socket.socket, value) -> None:
+    data = json.dumps(value).encode()
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
 def client() -> None:
     request = json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -45,7 +54,10 @@ def client() -> None:
         socket.send_fds(sock, [_HEADER.pack(len(request))], [0, 1, 2])
         sock.sendall(request)
         try:
-            code, cpu = json.loads(_recv_exact(sock, _HEADER.unpack(_recv_exact(sock, _HEADER.size))[0]))
+            pid = json.loads(_receive(sock))
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a launcher's stop reaches the command
+                signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
+            code, cpu = json.loads(_receive(sock))
         except ConnectionError:  # the child died without answering (a signal)
             code, cpu = 1, 0.0
     if os.environ.get("TREX_ZYGOTE_CPU"):
@@ -56,6 +68,7 @@ def client() -> None:
 
 def _child(conn: socket.socket, fds: list[int], request: dict) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the command waits for its own children
+    _send(conn, os.getpid())  # the client forwards the signals it gets to this process
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -78,8 +91,7 @@ def _child(conn: socket.socket, fds: list[int], request: dict) -> None:
     sys.stderr.flush()
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-    answer = json.dumps([code or 0, cpu]).encode()
-    conn.sendall(_HEADER.pack(len(answer)) + answer)
+    _send(conn, [code or 0, cpu])
     os._exit(0)
 
 
@@ -110,6 +122,17 @@ def serve(path: str) -> None:
             for fd in fds:
                 os.close(fd)
             conn.close()
+
+
+def write_client(directory: str) -> str:
+    """An executable ``trex`` in ``directory`` that is this module's client; returns its path."""
+    path = os.path.join(directory, "trex")
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(path, "w") as f:
+        f.write(f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {here!r})\nimport trex_zygote\n"
+                "trex_zygote.client()\n")
+    os.chmod(path, 0o755)
+    return path
 
 
 @contextlib.contextmanager
