@@ -5,22 +5,18 @@ packing does not recompile."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from arithmetic_data import write_sft
+from trex_run import trex
 from trex.models import build_model
 from trex.models.config import tiny
 from trex.models.deepseek_v4 import SeqContext
 from trex.recipe import load
 from trex.train.config import TrainRecipe
 from trex.train.loop import train
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # The compiled tests' models run 3 Sinkhorn iterations, not V4's 20: dynamo unrolls the loop, so each
@@ -135,10 +131,7 @@ def test_compiled_fsdp_and_expert_parallel_equal_eager(sft_file, tmp_path):
                         "parallel.ep=2", 'train.compile_backend="aot_eager"',
                         f"train.compile={compiled}"]:
             args += ["--set", setting]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trex",
-               *args]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"})
+        proc = trex(args, procs=2, env={"TREX_DEVICE": "cpu"}, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
         curves[compiled] = _curves(out)
     _assert_close(curves["false"], curves["true"], STEPS_SHARDED)

@@ -75,6 +75,8 @@ def _child(conn: socket.socket, fds: list[int], request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    # what a fresh interpreter would put on sys.path from the command's PYTHONPATH (a reward plug-in's module)
+    sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     sys.argv = ["trex", *request["argv"]]
     from trex.cli import main
 
