@@ -6,7 +6,8 @@ command: the child takes the command's argv, environment, working directory and 
 streams (passed as file descriptors over a Unix socket), runs ``trex.cli.main`` and exits with its code,
 so the shell line runs as written (pipes, redirections and exit codes are the child's own).
 
-- ``serve(path)``: the server (``python tests/trex_zygote.py serve PATH``), one process, no threads.
+- ``serve(path)``: the server (``python tests/trex_zygote.py serve PATH``), one process, no threads; it
+  exits when the process that started it has gone.
 - ``client()``: what the sandbox's ``.venv/bin/trex`` runs (stdlib only, started with ``python -S``). It
   appends the child's CPU seconds to ``$TREX_ZYGOTE_CPU``: the shell's ``times`` does not see a process
   it did not start.
@@ -114,8 +115,16 @@ def serve(path: str) -> None:
         server.bind(path)
         server.listen(8)
         print("ready", flush=True)
+        parent = os.getppid()
+        server.settimeout(1.0)
         while True:
-            conn, _ = server.accept()
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                if os.getppid() != parent:  # the test process has gone (without stopping this server)
+                    return
+                continue
+            conn.settimeout(None)
             msg, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
             request = json.loads(_recv_exact(conn, _HEADER.unpack(msg)[0]))
             if os.fork() == 0:
