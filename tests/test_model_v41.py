@@ -258,7 +258,7 @@ def test_the_flash_preset_counts_its_backbone_engram_and_drafter():
 
 def test_sft_trains_a_v41_model_through_the_training_loop(tmp_path):
     """`trex train` with model.preset = "tiny-v4.1": Engram hashes through the recipe tokenizer's compressed
-    ids, its tables train with AdamW (embedding-like) and its gate gains as gains; the loss falls."""
+    ids, its tables stay frozen (the default) while its gate and projection train; the loss falls."""
     from arithmetic_data import write_sft
 
     from trex.recipe import load
@@ -271,21 +271,24 @@ def test_sft_trains_a_v41_model_through_the_training_loop(tmp_path):
     recipe = load(TrainRecipe, overrides=[f'data.paths=["{data}"]', 'data.tokenizer="compact"', "data.seq_len=64",
                                           "train.steps=8", "train.progress=false", "fidelity.every=0",
                                           "optim.lr=3e-3", 'model.preset="tiny-v4.1"', f'train.out="{out}"'])
-    train(recipe)
+    result = train(recipe)
+    assert not result.model.layers[0].engram.embed.weight.requires_grad
+    assert result.model.layers[0].engram.wkv.weight.requires_grad
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert rows[-1]["loss"] < rows[0]["loss"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps_completed"] == 8
     model = DeepseekV41(tiny_v41())
     rules = {name: rule.key for name, _, rule, _ in classify(model)}
-    assert rules["layers.0.engram.embed.weight"] == "embed_head" and rules["layers.3.engram.q_weight"] == "gains_biases"
+    assert rules["layers.0.engram.embed.weight"] == "engram_table" and rules["layers.3.engram.q_weight"] == "gains_biases"
     assert rules["layers.1.attn.wo_a.weight"] == "wo_a_groups"
 
 
 @pytest.mark.slow
 def test_fsdp2_expert_and_context_parallelism_on_two_ranks_give_the_losses_of_one_process(tmp_path):
-    """V4.1 under `torchrun --nproc-per-node 2`, as FSDP2 + EP2 (Engram's tables and the shared entries
-    sharded by FSDP2, experts by EP) and as cp = 2 (each rank half of every packed sequence: the window's
+    """V4.1 under `torchrun --nproc-per-node 2` with its Engram tables trained, as FSDP2 + EP2 (the tables
+    split by rows over both ranks and read through the all-to-all lookup, their gradients summed at the
+    owner, row-wise AdaGrad on each shard; experts by EP) and as cp = 2 (each rank half of every packed sequence: the window's
     halo, compression groups crossing the shard boundary, the gathered entries and index keys, the
     candidate pool and picks ranked in one process's order, n-grams looking back across the boundary),
     against one process accumulating the same 2 x 4 sequences: every step's loss and gradient norm within
@@ -293,7 +296,8 @@ def test_fsdp2_expert_and_context_parallelism_on_two_ranks_give_the_losses_of_on
     from trex_run import ROOT, trex
 
     common = ["train", os.path.join(ROOT, "recipes", "fidelity_default.toml"), "--steps", "3", "--set",
-              'model.preset="tiny-v4.1"', "--set", "train.progress=false", "--set", "fidelity.every=0"]
+              'model.preset="tiny-v4.1"', "--set", "train.progress=false", "--set", "fidelity.every=0",
+              "--set", 'train.engram="train"']
     runs = {"one": (1, ["--set", "train.grad_accum=2"]),
             "fsdp2-ep2": (2, ["--set", "parallel.dp_shard=2", "--set", "parallel.ep=2"]),
             "cp2": (2, ["--set", "parallel.cp=2", "--set", "train.grad_accum=2"])}

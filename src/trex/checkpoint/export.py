@@ -90,6 +90,6 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
             full = source.read(key)
             return full if expert is None else full[expert]
         tensors.append(TrexTensor(key, tuple(v.shape), v.dtype, get))
-    groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, getattr(cfg, "architecture", "deepseek_v4"))
+    groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, cfg.architecture)
     return write_checkpoint(out, groups, checkpoint_config(cfg, layout, dtype, quantize), max_shard_size, overwrite,
                             sources=sources)

@@ -111,7 +111,7 @@ def _write(tensors: list[TrexTensor], cfg: ModelConfig | V41Config, path: str, l
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(SAVE_DTYPES)}, got {dtype!r}")
-    arch = getattr(cfg, "architecture", "deepseek_v4")
+    arch = cfg.architecture
     if arch == "deepseek_v41" and layout != "official":
         raise ValueError("DeepSeek-V4.1 is written in the official layout, which is what its Hugging Face repository "
                          "holds: transformers has no V4.1 module names to write")
@@ -146,7 +146,7 @@ def checkpoint_config(cfg: ModelConfig, layout: str, dtype: str, quantize: str |
     read such as ``hidden_act`` and ``topk_method``). Both read back to ``cfg``."""
     out = cfg.to_hf_dict()
     out["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
-    qcfg = quantization_config(quantize, getattr(cfg, "architecture", "deepseek_v4"))
+    qcfg = quantization_config(quantize, cfg.architecture)
     if qcfg is not None:
         out["quantization_config"] = qcfg
         if quantize == "fp8+fp4experts":

@@ -152,6 +152,7 @@ class ModelConfig:
     eos_token_id: int | None = 1
     initializer_range: float = 0.02
 
+    architecture = "deepseek_v4"
     fp8_block = 128  # the released FP8 linears' block scales (128 x 128) and activations' (1 x 128)
 
     def __post_init__(self) -> None:

@@ -116,6 +116,11 @@ class Parallel:
     def cp_mesh(self) -> DeviceMesh:
         return self.mesh["cp"]
 
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        """1-D mesh of every rank (what V4.1's Engram tables are split over, trex.parallel.engram)."""
+        return self._sliced("world")
+
     def _sliced(self, *names: str) -> DeviceMesh:
         with warnings.catch_warnings():  # slicing a flattened dim: supported, with a deprecation notice
             warnings.simplefilter("ignore", UserWarning)
@@ -163,6 +168,7 @@ def init_parallel(dp_replicate: int, dp_shard: int, ep: int, timeout_s: int,
                             mesh_dim_names=("dp_replicate", "efsdp", "ep", "cp"))
     mesh["efsdp", "ep", "cp"]._flatten("fsdp")
     mesh["efsdp", "cp"]._flatten("efsdp_cp")
+    mesh["dp_replicate", "efsdp", "ep", "cp"]._flatten("world")
     return Parallel(dist.get_rank(), world_size, replicate, shard, ep, cp, mesh)
 
 

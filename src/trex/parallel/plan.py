@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trex.models import DeepseekV4
 from trex.parallel.context_parallel import apply_context_parallel
+from trex.parallel.engram import shard_engram_tables
 from trex.parallel.expert_parallel import shard_experts
 from trex.parallel.mesh import Parallel
 from trex.precision import PrecisionPolicy
@@ -147,8 +148,9 @@ def apply_compile(model: DeepseekV4, fullgraph: bool = True, backend: str = "ind
     head + loss, the torchtitan way: per block, so blocks of one kind share a compiled graph and
     compile time does not grow with depth. Instance attributes are replaced (as activation
     checkpointing does), so parameter names, hooks (FSDP2's gathers run outside the graphs) and
-    checkpoints do not change. ``fullgraph``: fail on any graph break; expert parallelism passes
-    False, since its one host read of the all-to-all split sizes per layer breaks the graph there.
+    checkpoints do not change. ``fullgraph``: fail on any graph break; expert parallelism and sharded
+    Engram tables pass False, since their one host read of the all-to-all split sizes per layer (per
+    table) breaks the graph there.
     ``backend``: torch.compile's (``eager`` traces the graphs without generating code, for checks)."""
     # a checkpointed block's forward records its MoE statistics once (SeqContext.recording) and its
     # recompute in backward records nothing: the side effect is meant not to be replayed
@@ -169,7 +171,7 @@ def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
     """Returns the expert-parallel parameters. Expects the parameters in fp32 (the master weights).
     ``reduce_every_micro_batch``: see :func:`sync_gradients`. ``compile``: the torch.compile backend of
     the blocks (None: eager). Order: activation checkpointing, compile (:func:`apply_compile`), expert
-    parallelism, FSDP2.
+    parallelism, V4.1's Engram tables split over every rank (trex.parallel.engram), FSDP2.
 
     A sharded model handed to a later stage (the default job's SFT after its CPT) keeps its plan:
     applying the same one again changes nothing, a different one is a ValueError."""
@@ -187,7 +189,9 @@ def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
         return experts
     apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
-        apply_compile(model, fullgraph=par.ep == 1, backend=compile)
+        # the all-to-alls of expert parallelism and of sharded Engram tables read their sizes on the host
+        exchanges = par.ep > 1 or (par.distributed and bool(getattr(model.cfg, "engram_layer_ids", None)))
+        apply_compile(model, fullgraph=not exchanges, backend=compile)
     model.__dict__[_REDUCE_EVERY] = reduce_every_micro_batch
     if not par.distributed:
         cast_for_compute(model, policy.compute_dtype)
@@ -202,6 +206,7 @@ def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
     if par.cp > 1:
         apply_context_parallel(model, par.cp_mesh)
     experts = shard_experts(model, par.ep_mesh) if par.ep > 1 else []
+    tables = set(shard_engram_tables(model, par.world_mesh))  # rows over every rank, outside FSDP
     if experts:  # expert shards are further sharded over the ranks that hold the same experts
         efsdp = par.expert_dp_mesh.size(1)
         local_experts = model.cfg.n_routed_experts // par.ep
@@ -211,8 +216,8 @@ def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
             fully_shard(block.ffn.experts, mesh=par.expert_dp_mesh, mp_policy=mp,
                         shard_placement_fn=lambda p: placement)
     for block in [*model.layers, *model.mtp]:
-        fully_shard(block, mesh=par.dp_mesh, mp_policy=mp)
-    fully_shard(model, mesh=par.dp_mesh, mp_policy=mp)
+        fully_shard(block, mesh=par.dp_mesh, mp_policy=mp, ignored_params=tables)
+    fully_shard(model, mesh=par.dp_mesh, mp_policy=mp, ignored_params=tables)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

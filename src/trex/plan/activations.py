@@ -17,6 +17,13 @@ queries), the compressed entries of the whole sequence (gathered), and pools onl
 Weights that trex casts to fp32 inside the forward (mHC fn, norms) are saved as fp32 copies at
 bf16: per-layer constants, not per-token. The router, compressor and LM head go through
 ``linear_fp32``, which keeps weight and input as they are and re-casts in backward.
+
+DeepSeek-V4.1 (``trex.models.deepseek_v41``) is described with the same terms by layer *kind*
+(:func:`layer_kinds`): its ratio, whether it computes compressed entries (a KV source: the
+compressor, non-overlapping, no ``ape``) and whether Engram writes before it; every compressed layer
+attends over the top-k picks of N = S / ratio entries; no per-head query norm; the single-pass mHC
+collapse, no HC head. The V4.1 terms are an estimate checked against autograd to a stated bound
+(tests/test_plan_activations.py), not term by term as V4's.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 
 from trex.kernels.sparse_attention import CHUNK_BYTES, DENSE_TOPK_FRACTION
 from trex.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
+from trex.models.config_v41 import CSA2, V41Config
 from trex.models.deepseek_v4 import shard_halo
 from trex.models.cross_entropy import HEAD_CHUNK_BYTES
 
@@ -42,6 +50,32 @@ class LayerActivations:
     @property
     def total(self) -> float:
         return self.mhc + self.attention + self.moe
+
+
+def layer_kinds(cfg: ModelConfig | V41Config) -> list[str]:
+    """Each main layer's kind: V4's layer type; for V4.1 ``"csa2/<ratio>"`` (``"/kv"`` for a KV source)
+    or the sliding type, with ``"+engram"`` where Engram writes before the block."""
+    if not isinstance(cfg, V41Config):
+        return list(cfg.layer_types)
+    kinds = []
+    for i, r in enumerate(cfg.layer_ratios):
+        kind = f"{CSA2}/{r}" + ("/kv" if i in cfg.kv_source_layer_ids else "") if r else SLIDING
+        kinds.append(kind + ("+engram" if i in cfg.engram_layer_ids else ""))
+    return kinds
+
+
+def layer_kind(cfg: ModelConfig | V41Config, kind: str) -> tuple[str, int, bool, bool]:
+    """(layer type, compression ratio, computes its entries, Engram before it) of a layer kind."""
+    base, engram = kind.removesuffix("+engram"), kind.endswith("+engram")
+    if not base.startswith(CSA2):
+        return base, cfg.compress_rate(base) if base != SLIDING else 0, base != SLIDING, engram
+    parts = base.split("/")
+    return CSA2, int(parts[1]), parts[-1] == "kv", engram
+
+
+def mtp_blocks(cfg: ModelConfig | V41Config) -> int:
+    """MTP blocks the model trains (V4.1's DSpark stages are carried through, not built)."""
+    return 0 if isinstance(cfg, V41Config) else cfg.num_nextn_predict_layers
 
 
 def _rms_norm(D: int) -> float:
@@ -65,11 +99,12 @@ def mhc_site(cfg: ModelConfig, b: int) -> float:
 def compressed_seen(cfg: ModelConfig, layer_type: str, S: int) -> tuple[int, int, bool]:
     """(N entries, entries in each query's softmax, gathered top-k?) of a layer at S tokens. CSA whose
     top-k picks half or more of the entries runs dense with a mask (sparse_attention.DENSE_TOPK_FRACTION)."""
-    if layer_type == SLIDING:
+    lt, m, _, _ = layer_kind(cfg, layer_type)
+    if lt == SLIDING:
         return 0, 0, False
-    N = S // cfg.compress_rate(layer_type)
+    N = S // m
     k = min(cfg.index_topk, N)
-    if layer_type == CSA and k < DENSE_TOPK_FRACTION * N:
+    if lt in (CSA, CSA2) and k < DENSE_TOPK_FRACTION * N:
         return N, k, True
     return N, N, False
 
@@ -78,7 +113,7 @@ def _halo(cfg: ModelConfig, layer_type: str, cp: int) -> tuple[int, int]:
     """(window-halo query rows, extra input rows) of a context-parallel shard (0, 0 without CP)."""
     if cp == 1:
         return 0, 0
-    return cfg.sliding_window - 1, sum(shard_halo(cfg, layer_type))
+    return cfg.sliding_window - 1, sum(shard_halo(cfg, layer_kind(cfg, layer_type)[0]))
 
 
 def attention(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1) -> float:
@@ -89,7 +124,9 @@ def attention(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1) ->
     K = max(1, W // 4) + W  # window keys per query block of W/4 (the probabilities keep all K)
     per_tok = _rms_norm(d)  # attn_norm
     per_tok += b * d + _rms_norm(q) + b * q  # wq_a input (shared with wkv), q_norm, wq_b input
-    per_tok += F32 * (H * c + H)  # unweighted RMSNorm of the heads: fp32 input and rstd
+    lt, _, computes_entries, engram = layer_kind(cfg, layer_type)
+    if lt != CSA2:
+        per_tok += F32 * (H * c + H)  # unweighted RMSNorm of the heads: fp32 input and rstd (not in V4.1)
     per_tok += _rms_norm(c)  # kv_norm
     per_tok += 3 * F32 * rd  # RoPE of q, kv and the output: each keeps its complex rotation [rd/2]
     per_tok += b * H * c + b * cfg.o_groups * cfg.o_lora_rank  # grouped wo_a input (permuted copy), wo_b input
@@ -97,26 +134,41 @@ def attention(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1) ->
     per_tok += b * H * c + b * c
     per_seq = 0.0
     N, kc, gathered = compressed_seen(cfg, layer_type, S)
-    if layer_type != SLIDING:
-        per_seq += b * c * N  # compressed entries
+    if lt != SLIDING:
+        per_seq += b * c * N if computes_entries else 0  # compressed entries (V4.1: the KV source's, shared)
         if gathered:
             per_tok += I64 * kc  # the indexer's top-k (entries are re-gathered in backward)
-        per_seq += compressor(cfg, layer_type, S, b, cp)
+        per_seq += compressor(cfg, layer_type, S, b, cp) if computes_entries else 0
     per_tok += F32 * H * (K + kc + 1)  # softmax output over window, compressed entries and sink
     window, extra = _halo(cfg, layer_type, cp)
+    if engram:  # Engram's lookup before the block, counted with the attention site it feeds
+        per_seq += engram_lookup(cfg, b) * (S // cp)
     return per_tok * (S // cp + window) + b * d * extra + per_seq
+
+
+def engram_lookup(cfg: V41Config, b: int) -> float:
+    """Per token, one V4.1 Engram layer: the row ids, the looked-up rows (wkv's input), the fp32 streams,
+    key and their products for the gate, the gate and the fp32 value."""
+    n, d = cfg.hc_mult, cfg.hidden_size
+    cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+    per = I64 * cols + b * cols * cfg.engram_head_dim
+    per += F32 * (3 * n * d + d + 6 * n)  # h (fp32), key (fp32), h * gains; value (fp32); rstds, dot, gate
+    return per + (F32 * n * d if b != F32 else 0)  # key's fp32 copy at bf16
 
 
 def compressor(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1) -> float:
     """One sequence through the attention's Compressor (the indexer's runs under no_grad); a
     context-parallel rank projects its rows and halo and pools its own S / cp rows' windows."""
-    m, c = cfg.compress_rate(layer_type), cfg.head_dim
-    coff = 2 if layer_type == CSA else 1
+    lt, m, _, _ = layer_kind(cfg, layer_type)
+    c = cfg.head_dim
+    if lt == CSA2 and m == 1:  # V4.1's ratio 1: norm(wkv x) per row, then RoPE
+        return (S // cp) * (_rms_norm(c) + F32 * cfg.qk_rope_head_dim)
+    coff = 2 if lt == CSA else 1
     N = S // cp // m
     total = (S // cp + _halo(cfg, layer_type, cp)[1]) * F32 * 2 * coff * c  # kv and gate scores (fp32; linear_fp32 keeps x as it is, shared)
     total += N * m * F32 * 2 * coff * c  # gathered window slots and their softmax weights
-    total += N * m * I64 * (2 if layer_type == CSA else 1)  # slot index (and previous-window index)
-    total += N * (1 if layer_type == CSA else 0)  # previous-window mask (bool)
+    total += N * m * I64 * (2 if lt == CSA else 1)  # slot index (and previous-window index)
+    total += N * (1 if lt == CSA else 0)  # previous-window mask (bool)
     total += N * _rms_norm(c)  # norm of the pooled entries
     total += N * F32 * cfg.qk_rope_head_dim  # RoPE of the entries: their complex rotation
     return total
@@ -152,7 +204,7 @@ def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: in
     Checked end to end by the full-recompute cases of tests/test_plan_memory_cpu.py, where it shows."""
     n, d, H, c = cfg.hc_mult, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     total = 2 * F32 * n * d * (S // cp)
-    if layer_type != SLIDING:
+    if layer_kind(cfg, layer_type)[0] != SLIDING:
         _, kc, gathered = compressed_seen(cfg, layer_type, S)
         queries = S // cp + _halo(cfg, layer_type, cp)[0]
         total += 2 * F32 * queries * H * kc  # dP and dS of the compressed scores
@@ -171,7 +223,7 @@ def weight_copies(cfg: ModelConfig, layer_type: str, b: int) -> float:
     n, d, c = cfg.hc_mult, cfg.hidden_size, cfg.head_dim
     total = 2 * (2 + n) * n * n * d  # mHC fn (two sites)
     total += 2 * d + cfg.q_lora_rank + c  # RMSNorm weights
-    if layer_type != SLIDING:
+    if layer_kind(cfg, layer_type)[2]:
         total += c  # compressor norm
     return F32 * total
 
@@ -182,6 +234,8 @@ def head(cfg: ModelConfig, b: int) -> float:
     n, d = cfg.hc_mult, cfg.hidden_size
     cp = 0 if b == F32 else F32
     hc_head = F32 * (2 * n * d + 1 + 3 * n) + cp * n * d
+    if isinstance(cfg, V41Config):  # single-pass mHC: the streams collapse with the last block's pre
+        hc_head = b * n * d + F32 * n
     return hc_head + _rms_norm(d) + b * d + F32 + I64 + 1  # ...; target index and its valid mask
 
 
@@ -199,7 +253,7 @@ def model_level(cfg: ModelConfig, S: int, b: int, heads: bool = True) -> float:
     ``heads=False``: what is left once the heads and MTP modules are back-propagated."""
     n, d = cfg.hc_mult, cfg.hidden_size
     cp = 0 if b == F32 else F32
-    mtp = cfg.num_nextn_predict_layers
+    mtp = mtp_blocks(cfg)
     per_tok = I64 * (1 + mtp)  # token ids for the embeddings
     per_tok += I64  # document ids (sparse attention rebuilds its window masks from them in backward)
     if heads:
@@ -215,8 +269,8 @@ def model_level(cfg: ModelConfig, S: int, b: int, heads: bool = True) -> float:
 def forward_saved(cfg: ModelConfig, S: int, b: int) -> float:
     """Everything autograd keeps for one sequence of S tokens (the whole model, MTP included)."""
     total = model_level(cfg, S, b)
-    for lt, mt in zip(cfg.layer_types, cfg.mlp_layer_types):
+    for lt, mt in zip(layer_kinds(cfg), cfg.mlp_layer_types):
         total += block(cfg, lt, mt, S, b).total + weight_copies(cfg, lt, b)
-    for _ in range(cfg.num_nextn_predict_layers):
+    for _ in range(mtp_blocks(cfg)):
         total += block(cfg, cfg.mtp_layer_type, "moe", S, b).total + weight_copies(cfg, cfg.mtp_layer_type, b)
     return total

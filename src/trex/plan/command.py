@@ -11,6 +11,7 @@ import sys
 from trex import atomic, logs
 from trex.hardware import HardwareProfile, load_profiles
 from trex.models.config import PRESETS, ConfigError, ModelConfig, get_preset
+from trex.models.config_v41 import V41_PRESETS, V41Config, config_from_file
 from trex.plan import annotate
 from trex.plan.layout import Layout, PlanError, parse_layout
 from trex.plan.planner import fewest_devices, make_plan, no_fit_hint, search
@@ -20,17 +21,18 @@ from trex.plan.timing import TimeAssumptions
 DEFAULT_SEQ = 4096
 
 
-def resolve_model(spec: str) -> ModelConfig:
-    """A preset name, a config.json, or a checkpoint directory holding one."""
-    if spec in PRESETS:
+def resolve_model(spec: str) -> ModelConfig | V41Config:
+    """A preset name (V4 or V4.1), a config.json, or a checkpoint directory holding one."""
+    presets = {**PRESETS, **V41_PRESETS}
+    if spec in presets:
         return get_preset(spec)
     if os.path.exists(spec):
-        return ModelConfig.from_file(spec)
+        return config_from_file(spec)
     guess = os.path.basename(os.path.normpath(spec)).lower()
-    if guess in PRESETS:  # a recipe's checkpoint path on another machine, named after the model
+    if guess in presets:  # a recipe's checkpoint path on another machine, named after the model
         print(f"note: {spec} is not here; planning with the {guess} preset", file=sys.stderr)
         return get_preset(guess)
-    raise PlanError(f"model {spec!r}: not a preset ({', '.join(sorted(PRESETS))}) and no such config file")
+    raise PlanError(f"model {spec!r}: not a preset ({', '.join(sorted(presets))}) and no such config file")
 
 
 def resolve_hardware(name: str | None) -> HardwareProfile:
@@ -55,7 +57,7 @@ def recipe_inputs(path: str, devices: int | None) -> tuple[str | None, Layout, i
     layout = Layout(dp_shard=shard, dp_replicate=par.dp_replicate, ep=par.ep, cp=par.cp,
                     micro_batch=r.data.micro_batch_size, grad_accum=r.train.grad_accum,
                     recompute=par.activation_checkpointing, optimizer=r.optim.name,
-                    reduce_every_micro_batch=par.reduce_every_micro_batch)
+                    reduce_every_micro_batch=par.reduce_every_micro_batch, train_engram=r.train.engram == "train")
     has_checkpoint = bool(r.model.path) and os.path.exists(r.model.path)
     model_spec = r.model.path if has_checkpoint or not r.model.preset else r.model.preset
     return model_spec, layout, r.data.seq_len, (r.precision.dtype if r.precision.dtype != "auto" else None)

@@ -39,6 +39,7 @@ class Layout:
     optimizer: str = "muon"
     offload_optimizer: bool = False  # optimizer moments in host memory (a "virtual optimizer")
     reduce_every_micro_batch: bool = False  # reduce-scatter per micro-batch: no unsharded gradient accumulation
+    train_engram: bool = False  # V4.1: [train] engram = "train" (the tables' gradients and row-wise AdaGrad)
 
     @property
     def devices(self) -> int:
@@ -67,6 +68,8 @@ class Layout:
             parts.append("offload")
         if self.reduce_every_micro_batch and self.grad_accum > 1:
             parts.append("reduce-every-micro-batch")
+        if self.train_engram:
+            parts.append("engram-trained")
         return " ".join(parts)
 
     def check(self, cfg: ModelConfig, seq_len: int) -> None:

@@ -13,7 +13,9 @@ A step's memory peaks at one of two moments, and the breakdown keeps what is ali
              micro-batches (`accumulated_gradients`, zero without gradient accumulation: the sharded
              gradients fill in as the activations drain);
   optimizer  the sharded gradients and the Newton-Schulz workspace of the largest Muon matrix.
-total = weights + optimizer state + the larger of the two. Activations come from
+total = weights + optimizer state + the larger of the two. V4.1's Engram tables are split by rows
+over every device outside FSDP (fp32); trained, they add an fp32 gradient of the device's rows and
+row-wise AdaGrad's one fp32 per row. Activations come from
 `trex.plan.activations`. tests/test_plan_memory_cpu.py and tests/test_plan_memory_distributed.py
 check the step peak against measured CPU runs (one process; FSDP and FSDP+EP on two).
 """
@@ -88,8 +90,8 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
     exist before this backward (gradient accumulation), so it adds none."""
     S, mb, cp = seq_len, layout.micro_batch, layout.cp
     S_local = S // cp  # a context-parallel rank's rows of each sequence
-    main = list(zip(cfg.layer_types, cfg.mlp_layer_types))[: cfg.num_hidden_layers // layout.pp]
-    n_mtp = cfg.num_nextn_predict_layers
+    main = list(zip(act.layer_kinds(cfg), cfg.mlp_layer_types))[: cfg.num_hidden_layers // layout.pp]
+    n_mtp = act.mtp_blocks(cfg)
     blocks = main + [(cfg.mtp_layer_type, "moe")] * n_mtp
     stream = b * cfg.hc_mult * cfg.hidden_size * S_local  # a block's input, all a checkpointed block keeps
     # per block: kept from the forward; recomputed in its backward (by then the block's FFN site, run
@@ -139,6 +141,9 @@ def memory(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, b:
         state = (4 * facts.muon + 8 * facts.adamw) / shard
     else:
         state = 8 * facts.trainable / shard
+    tables = 4 * facts.engram_tables / layout.devices
+    table_grads = tables if layout.train_engram else 0.0
+    table_state = 4 * facts.engram_rows / layout.devices if layout.train_engram else 0.0
     gathered = accumulated = 0.0
     if layout.fsdp == 1 and b != 4:
         # one process: ComputeCast's per-block casts are saved by the forward's matmuls for backward
@@ -164,7 +169,7 @@ def memory(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, b:
         workspace = 4 * 2 * max(facts.largest_muon_matrix, facts.block_experts / 3 / layout.ep)
     peak = backward_peak(cfg, facts, layout, seq_len, b, grads_held=layout.grad_accum > 1)
     return MemoryBreakdown(
-        weights=4 * stored, gradients=4 * trainable,
-        optimizer=0.0 if layout.offload_optimizer else state, gathered=gathered, accumulated_gradients=accumulated,
+        weights=4 * stored + tables, gradients=4 * trainable + table_grads,
+        optimizer=(0.0 if layout.offload_optimizer else state) + table_state, gathered=gathered, accumulated_gradients=accumulated,
         optimizer_workspace=workspace, activations=peak.activations, transient=peak.transient,
         backward_gradients=peak.gradients, optimizer_host=state if layout.offload_optimizer else 0.0)

@@ -3,7 +3,9 @@
 Parameter counts per module type, which parameters train (the lightning indexer is frozen in
 post-training, `trex.train.moe_balance.freeze_indexer`), which optimizer each one gets
 (`trex.train.optim.classify`), the largest block (the FSDP unit gathered at once) and the
-Newton-Schulz work of one Muon step.
+Newton-Schulz work of one Muon step. DeepSeek-V4.1's Engram tables are counted apart: they are
+split by rows over every rank outside FSDP (trex.parallel.engram), frozen or trained with row-wise
+AdaGrad by ``[train] engram``, so no other count includes them.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import re
 from dataclasses import dataclass
 
 from trex.models.config import ModelConfig
+from trex.models.config_v41 import V41Config
 
 # Module types, first match wins (names follow the official checkpoint, see trex.checkpoint.naming).
 MODULE_TYPES = (
     ("embedding", r"^embed\."),
     ("lm_head", r"^head\."),
+    ("engram_tables", r"\.engram\.embed\."),
+    ("engram", r"\.engram\."),
     ("indexer", r"\.attn\.indexer\."),
     ("compressor", r"\.attn\.compressor\."),
     ("attention", r"\.attn\."),
@@ -28,6 +33,7 @@ MODULE_TYPES = (
     ("mtp_projections", r"\.(e_proj|h_proj)\."),
 )
 INDEXER = ".attn.indexer."
+TABLE = ".engram.embed."
 NS_ITERATIONS = 10  # DeepSeek-V4's hybrid Newton-Schulz: 8 + 2 iterations (trex.train.optim.OptimSection)
 
 
@@ -37,9 +43,9 @@ class ModelFacts:
 
     by_type: dict[str, int]  # main model (no MTP) per module type
     mtp: int  # all MTP modules
-    total: int  # main model, as trex.models.count_parameters
-    active: int  # main model, per token (k routed experts of E)
-    trainable: int  # everything the optimizer updates (MTP included, indexer frozen)
+    total: int  # main model, as trex.models.count_parameters (Engram tables included)
+    active: int  # main model, per token (k routed experts of E; the Engram rows read)
+    trainable: int  # everything the optimizer updates (MTP included, indexer frozen), Engram tables apart
     experts: int  # routed-expert parameters (main + MTP), split by expert parallelism
     muon: int  # trainable parameters under Muon (when optim.name = "muon")
     adamw: int  # trainable parameters under AdamW (when optim.name = "muon")
@@ -49,14 +55,17 @@ class ModelFacts:
     block_trainable: tuple[int, ...]  # trainable parameters of each block: layers.0 ... then mtp.0 ...
     largest_muon_matrix: int  # elements of the largest dense Muon parameter
     muon_ns_flops: float  # FLOPs of one Newton-Schulz pass over every Muon matrix
+    engram_tables: int = 0  # V4.1: elements of every Engram table (split over all ranks, outside FSDP)
+    engram_rows: int = 0  # V4.1: rows of every Engram table (row-wise AdaGrad keeps one fp32 each)
 
     @property
     def stored(self) -> int:
-        """Every parameter held on devices (frozen ones too)."""
-        return self.total + self.mtp
+        """Every parameter held on devices (frozen ones too), the Engram tables apart."""
+        return self.total + self.mtp - self.engram_tables
 
     @property
     def dense(self) -> int:
+        """The parameters FSDP shards and gathers that are not routed experts."""
         return self.stored - self.experts
 
 
@@ -80,13 +89,13 @@ def _ns_flops(shape: tuple[int, ...], row_blocks: list[int]) -> float:
     return total
 
 
-def _build_facts(cfg: ModelConfig) -> ModelFacts:
+def _build_facts(cfg: ModelConfig | V41Config) -> ModelFacts:
     from trex.models import build_model
     from trex.train.optim import classify
 
     model = build_model(cfg, device="meta")
     by_type: dict[str, int] = {kind: 0 for kind, _ in MODULE_TYPES}
-    mtp = experts = trainable = muon = 0
+    mtp = experts = trainable = muon = tables = rows = 0
     blocks: dict[str, list[int]] = {}  # block prefix -> [dense, routed experts, trainable] parameters
     root = 0
     largest = 0
@@ -96,6 +105,9 @@ def _build_facts(cfg: ModelConfig) -> ModelFacts:
             mtp += p.numel()
         else:
             by_type[module_type(name)] += p.numel()
+        if TABLE in name:  # neither a block's FSDP unit nor the root's
+            tables, rows = tables + p.numel(), rows + p.shape[0]
+            continue
         is_expert = ".ffn.experts." in name
         experts += p.numel() if is_expert else 0
         block = re.match(r"^(layers|mtp)\.\d+\.", name)
@@ -105,7 +117,7 @@ def _build_facts(cfg: ModelConfig) -> ModelFacts:
         else:
             root += p.numel()
     for name, p, rule, row_blocks in classify(model):
-        if INDEXER in f".{name}":
+        if INDEXER in f".{name}" or TABLE in name:
             continue
         trainable += p.numel()
         block = re.match(r"^(layers|mtp)\.\d+\.", name)
@@ -119,17 +131,21 @@ def _build_facts(cfg: ModelConfig) -> ModelFacts:
     total = sum(by_type.values())
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     inactive = cfg.num_hidden_layers * (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
+    if tables:  # a token reads (max_ngram - 1) x heads rows of each table
+        read = len(cfg.engram_layer_ids) * (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim
+        inactive += tables - read
     return ModelFacts(
         by_type=by_type, mtp=mtp, total=total, active=total - inactive, trainable=trainable, experts=experts,
         muon=muon, adamw=trainable - muon, block_dense=max(v[0] for v in blocks.values()),
         block_experts=max(v[1] for v in blocks.values()), root=root,
-        block_trainable=tuple(v[2] for v in blocks.values()), largest_muon_matrix=largest, muon_ns_flops=ns)
+        block_trainable=tuple(v[2] for v in blocks.values()), largest_muon_matrix=largest, muon_ns_flops=ns,
+        engram_tables=tables, engram_rows=rows)
 
 
 _CACHE: dict[str, ModelFacts] = {}
 
 
-def model_facts(cfg: ModelConfig) -> ModelFacts:
+def model_facts(cfg: ModelConfig | V41Config) -> ModelFacts:
     """Facts of ``cfg`` (cached by the config's contents)."""
     key = repr(cfg)
     if key not in _CACHE:

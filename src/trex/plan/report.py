@@ -33,7 +33,8 @@ def plan_dict(plan: Plan, model: str) -> dict:
                      "match": plan.hardware.match,
                      "memory_gib": plan.hardware.memory_gib, "source": plan.hardware.source},
         "parameters": {"total": f.total, "active": f.active, "mtp": f.mtp, "trainable": f.trainable,
-                       "muon": f.muon, "adamw": f.adamw, "by_type": f.by_type},
+                       "muon": f.muon, "adamw": f.adamw, "by_type": f.by_type,
+                       "engram_tables": f.engram_tables, "engram_rows": f.engram_rows},
         "memory_bytes": plan.memory.as_dict(),
         "usable_bytes": plan.usable_bytes,
         "fits": plan.fits,
@@ -60,8 +61,12 @@ def plan_table(plan: Plan, model: str) -> str:
         f"parameters  {f.total / 1e9:.1f}B total, {f.active / 1e9:.1f}B active per token, {f.mtp / 1e9:.1f}B MTP; "
         f"{f.trainable / 1e9:.1f}B trained ({f.muon / 1e9:.1f}B Muon, {f.adamw / 1e9:.2f}B AdamW)",
         "            " + ", ".join(f"{k} {v / 1e9:.2f}B" for k, v in f.by_type.items() if v),
-        "memory per device",
     ]
+    if f.engram_tables:
+        mode = "trained (row-wise AdaGrad)" if plan.layout.train_engram else "frozen"
+        lines.append(f"            Engram tables {f.engram_rows:,} rows, {f.engram_tables / 1e9:.2f}B: {mode}, split by "
+                     f"rows over all {plan.layout.devices} devices (counted apart from the trained)")
+    lines.append("memory per device")
     for key, value in m.as_dict().items():
         if key not in ("total", "optimizer_host", "step_peak"):
             lines.append(f"  {key:20s}{_gib(value)}")

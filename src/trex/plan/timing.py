@@ -8,6 +8,8 @@ Communication per step and device, ring algorithms (a device moves (g-1)/g of th
          per micro-batch with ``reduce_every_micro_batch``;
   HSDP   all-reduce of the sharded gradients over dp_replicate;
   EP     all-to-all dispatch and combine of k copies of every token, forward and backward;
+  Engram (V4.1) the all-to-all lookup over every rank: per token and table, its row ids and rows
+         there and back, and the rows' gradients back when the tables train (counted with EP);
   CP     per layer and micro-batch, forward and backward (and again in a recompute): the halo
          exchange of the layer's input rows with the neighbours, the all-gather of the compressed
          entries (and the indexer's keys, forward only), the reduce-scatter of their gradients.
@@ -27,8 +29,10 @@ from dataclasses import asdict, dataclass
 
 from trex.hardware import HardwareProfile
 from trex.models.config import CSA, ModelConfig
+from trex.models.config_v41 import CSA2
 from trex.models.deepseek_v4 import shard_halo
 from trex.models.flops import FlopsPerToken, flops_per_token
+from trex.plan.activations import layer_kind, layer_kinds, mtp_blocks
 from trex.plan.layout import Layout
 from trex.plan.model_facts import ModelFacts
 
@@ -82,7 +86,7 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str) ->
     trained_forward = (f.total - f.indexer) / 3
     if recompute == "full":
         return trained_forward + f.indexer
-    layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    layers = cfg.num_hidden_layers + mtp_blocks(cfg)
     moe_dense = 2 * layers * (cfg.n_routed_experts + 3 * cfg.moe_intermediate_size * cfg.n_shared_experts) * cfg.hidden_size
     return (f.dense_matmuls + f.attention_core) / 3 - moe_dense + f.indexer
 
@@ -103,12 +107,13 @@ def cp_traffic(cfg: ModelConfig, seq_len: int, b: int) -> tuple[float, float]:
     ring-collective buffer bytes: each compressed layer's entries, all-gathered forward and their
     gradients reduce-scattered backward, and the CSA indexer's keys, forward only)."""
     halo = gathered = 0.0
-    for lt, n in Counter((*cfg.layer_types, *[cfg.mtp_layer_type] * cfg.num_nextn_predict_layers)).items():
+    kinds = (*layer_kinds(cfg), *[cfg.mtp_layer_type] * mtp_blocks(cfg))
+    for kind, n in Counter(kinds).items():
+        lt, m, computes_entries, _ = layer_kind(cfg, kind)
         halo += n * 2 * b * cfg.hidden_size * sum(shard_halo(cfg, lt))
-        m = cfg.compress_rate(lt)
-        if m:
+        if m and computes_entries:  # V4.1: only KV sources gather entries; the layers after them reuse them
             gathered += n * 2 * b * cfg.head_dim * (seq_len // m)
-            if lt == CSA:
+            if lt in (CSA, CSA2):
                 gathered += n * b * cfg.index_head_dim * (seq_len // m)
     return halo, gathered
 
@@ -144,9 +149,14 @@ def step_time(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int,
     replicate = 2 * _group_seconds(4 * facts.stored / layout.pp / shard, layout.dp_replicate, hw, shard)
     fsdp = gather + reduce + replicate
 
-    layers = cfg.num_hidden_layers // layout.pp + cfg.num_nextn_predict_layers
+    layers = cfg.num_hidden_layers // layout.pp + mtp_blocks(cfg)
     a2a_bytes = 4 * b * layout.micro_batch * seq_len * cfg.num_experts_per_tok * cfg.hidden_size * layers * micro
     ep = _group_seconds(a2a_bytes / layout.cp, layout.ep, hw)
+    if facts.engram_tables:  # fp32 rows (and their gradients when trained) and int64 ids, every table
+        cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+        per_token = len(cfg.engram_layer_ids) * cols * (8 + 4 * cfg.engram_head_dim * (2 if layout.train_engram else 1))
+        passes = 2 if layout.recompute == "full" else 1  # a recomputed block looks its rows up again
+        ep += _group_seconds(passes * per_token * layout.micro_batch * seq_len * micro / layout.cp, layout.devices, hw)
     cp = 0.0
     if layout.cp > 1:  # a recompute (selective or full) runs the attention's collectives again
         passes = micro * layout.micro_batch * (1.5 if layout.recompute != "none" else 1)

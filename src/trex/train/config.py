@@ -76,6 +76,11 @@ class TrainSection:
     """Speed of the aux-loss-free router bias update after each optimizer step (0 disables)."""
     freeze_indexer: bool = True
     """Keep the lightning indexer fixed (its top-k gets no gradient from the LM loss anyway)."""
+    engram: Literal["frozen", "train"] = "frozen"
+    """DeepSeek-V4.1's Engram tables (197 B parameters in V4.1-Flash): "frozen" keeps them as loaded (the
+    gate and projection around them still train); "train" updates the rows a step looks up, with row-wise
+    AdaGrad (one fp32 per row of state: 3 GB for V4.1-Flash, where Adam's would be ~1.6 TB; see
+    docs/model.md). Either way the tables are split by rows over every rank."""
     indexer_loss: float = 0.0
     """Weight of the indexer alignment loss: the KL from the main attention's distribution over the
     picked compressed entries to the indexer's, on every CSA layer, indexer inputs detached

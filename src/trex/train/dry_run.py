@@ -17,18 +17,19 @@ from torch.distributed.tensor import DTensor
 
 from trex import device as device_layer
 from trex.models import ModelConfig, build_model, get_preset
+from trex.models.config_v41 import V41Config, config_from_file
 from trex.parallel.mesh import init_parallel
 from trex.parallel.plan import apply_parallelism
 from trex.train.config import TrainRecipe
-from trex.train.moe_balance import freeze_indexer
+from trex.train.moe_balance import ENGRAM_TABLE, freeze_for_post_training
 from trex.train.optim import build_optimizer
 from trex.precision import PrecisionPolicy
 
 
-def model_config(recipe: TrainRecipe) -> ModelConfig:
-    """The checkpoint's config.json when the path exists here, else the recipe's preset."""
+def model_config(recipe: TrainRecipe) -> ModelConfig | V41Config:
+    """The checkpoint's config.json (V4 or V4.1) when the path exists here, else the recipe's preset."""
     if recipe.model.path and os.path.exists(recipe.model.path):
-        return ModelConfig.from_file(recipe.model.path)
+        return config_from_file(recipe.model.path)
     return dataclasses.replace(get_preset(recipe.model.preset), **recipe.model.overrides)
 
 
@@ -48,26 +49,28 @@ def dry_run(recipe: TrainRecipe, world_size: int) -> dict:
                                              cpu)
         cfg = model_config(recipe)
         model = build_model(cfg, device="meta")
-        if recipe.train.freeze_indexer:
-            freeze_indexer(model)
+        freeze_for_post_training(model, recipe.train.freeze_indexer, recipe.train.engram)
         apply_parallelism(model, par, policy, layout.activation_checkpointing)
         optimizer = build_optimizer(model, recipe.optim, cpu)
         algorithm = {id(p): g["algorithm"] for g in optimizer.param_groups for p in g["params"]}
-        params = grads = optim_state = master = 0
+        params = grads = optim_state = master = tables = 0
         trained = frozen = 0
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             local = p.to_local() if isinstance(p, DTensor) else p
             n = local.numel()
             params += n * 4  # sharded parameters are the fp32 master weights (FSDP casts for compute)
+            tables += n * 4 if name.endswith(ENGRAM_TABLE) else 0
             if not p.requires_grad:
                 frozen += n
                 continue
             trained += n
             grads += n * 4  # fp32 gradient shards (reduce dtype)
-            optim_state += n * (4 if algorithm[id(p)] == "muon" else 8)
+            per_element = {"muon": 4, "adamw": 8, "rowwise_adagrad": 4 / local.shape[-1]}[algorithm[id(p)]]
+            optim_state += int(n * per_element)
         compute = torch.tensor([], dtype=policy.compute_dtype).element_size()
-        largest_block = max(  # a block's parameters gathered for its forward: its own experts only
-            sum(p.numel() // (par.ep if ".ffn.experts." in f".{name}" else 1) for name, p in block.named_parameters())
+        largest_block = max(  # a block's parameters gathered for its forward: its own experts, no Engram table
+            sum(p.numel() // (par.ep if ".ffn.experts." in f".{name}" else 1) for name, p in block.named_parameters()
+                if not f".{name}".endswith(ENGRAM_TABLE))
             for block in [*model.layers, *model.mtp])
         buffers = sum(b.numel() * b.element_size() for b in model.buffers())
         return {
@@ -80,6 +83,7 @@ def dry_run(recipe: TrainRecipe, world_size: int) -> dict:
             "per_rank": {
                 "parameter_elements": trained + frozen,
                 "params_fp32_bytes": params,
+                "engram_table_bytes": tables,
                 "grads_bytes": grads,
                 "master_bytes": master,
                 "optimizer_state_bytes": optim_state,
@@ -103,9 +107,11 @@ def format_report(report: dict) -> str:
         f"model parameters: {report['parameters_total'] / 1e9:,.1f}B",
         "per rank (rank 0):",
         f"  parameters (fp32 master shards)  {r['params_fp32_bytes'] / gib:9.2f} GiB  ({r['parameter_elements'] / 1e9:.2f}B elements)",
+        *([f"    of which Engram table rows     {r['engram_table_bytes'] / gib:9.2f} GiB  (rows split over every rank)"]
+          if r["engram_table_bytes"] else []),
         f"  gradients (fp32 shards)          {r['grads_bytes'] / gib:9.2f} GiB",
         f"  extra master weights             {r['master_bytes'] / gib:9.2f} GiB  (the fp32 shards are the master)",
-        f"  optimizer state                  {r['optimizer_state_bytes'] / gib:9.2f} GiB  (Muon 1 x fp32, AdamW 2 x fp32)",
+        f"  optimizer state                  {r['optimizer_state_bytes'] / gib:9.2f} GiB  (Muon 1 x fp32, AdamW 2 x fp32, tables 1 fp32 a row)",
         f"  buffers (router bias, hash)      {r['buffers_bytes'] / gib:9.2f} GiB",
         f"  largest gathered block (compute) {r['largest_unsharded_block_bytes'] / gib:9.2f} GiB",
         f"  total before activations         {r['total_bytes'] / gib:9.2f} GiB",

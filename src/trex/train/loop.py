@@ -52,7 +52,7 @@ from trex.posttrain.sft import accumulate_gradients
 from trex.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy, StepGuard
 from trex.train.config import TrainRecipe
 from trex.train.dry_run import model_config
-from trex.train.moe_balance import freeze_indexer
+from trex.train.moe_balance import freeze_for_post_training
 from trex.train.optim import build_optimizer
 from trex.train.progress import StepProgress
 from trex.train.run_dir import METRICS_FILE, RunDir
@@ -170,7 +170,7 @@ def prepare_model(m: DeepseekV4, recipe: TrainRecipe, par: Parallel, policy: Pre
     process holds parameters in the policy's dtype; sharded runs keep fp32 shards (the master
     weights) and let FSDP cast to the compute dtype."""
     m.to(dtype=torch.float32 if par.distributed else policy.param_dtype).train()
-    frozen = freeze_indexer(m) if recipe.train.freeze_indexer else []
+    frozen = freeze_for_post_training(m, recipe.train.freeze_indexer, recipe.train.engram)
     m.set_quant(recipe.precision.quant_sim())
     m.align_indexer = recipe.train.indexer_loss > 0
     layout = recipe.parallel

@@ -1,4 +1,5 @@
-"""MoE load balancing without an auxiliary loss, and indexer freezing for post-training.
+"""MoE load balancing without an auxiliary loss, and what post-training keeps fixed (the indexer, V4.1's
+Engram tables).
 
 After each optimizer step, every score-routed MoE layer's ``ffn.gate.bias`` (fp32 [E], a buffer,
 used only to pick the top-k experts) moves toward balance (DeepSeek-V3/V4)::
@@ -19,6 +20,7 @@ from torch import nn
 from trex.models.deepseek_v4 import MoEStats
 
 INDEXER_MARK = ".attn.indexer."
+ENGRAM_TABLE = ".engram.embed.weight"
 
 
 def sum_expert_counts(stats: Sequence[MoEStats]) -> dict[str, torch.Tensor]:
@@ -71,6 +73,28 @@ def update_router_bias(model: nn.Module, stats: Sequence[MoEStats], gamma: float
         step = torch.sign(load.mean() - load).to(device=bias.device, dtype=bias.dtype)
         bias.add_(step if apply is None else torch.where(apply, step, 0), alpha=gamma)
     return counts
+
+
+def freeze_for_post_training(model: nn.Module, indexer: bool, engram: str) -> list[str]:
+    """What ``[train] freeze_indexer`` and ``[train] engram`` keep fixed; returns the frozen names. A model
+    without Engram tables refuses ``engram = "train"``."""
+    frozen = freeze_indexer(model) if indexer else []
+    if engram == "frozen":
+        frozen += freeze_engram_tables(model)
+    elif not getattr(model.cfg, "engram_layer_ids", None):
+        raise ValueError(f'train.engram = "train": this model ({model.cfg.architecture}) has no Engram tables')
+    return frozen
+
+
+def freeze_engram_tables(model: nn.Module) -> list[str]:
+    """Set requires_grad=False on V4.1's Engram tables (``*.engram.embed.weight``), the ``[train] engram =
+    "frozen"`` default; the gate and projection around them keep training. Returns the frozen names."""
+    frozen = []
+    for name, p in model.named_parameters():
+        if name.endswith(ENGRAM_TABLE):
+            p.requires_grad_(False)
+            frozen.append(name)
+    return frozen
 
 
 def freeze_indexer(model: nn.Module) -> list[str]:

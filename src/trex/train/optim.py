@@ -41,6 +41,7 @@ from trex.models.engram import Engram
 
 OptimizerName = Literal["muon", "adamw"]
 OPTIMIZERS = typing.get_args(OptimizerName)
+ALGORITHMS = (*OPTIMIZERS, "rowwise_adagrad")  # a group's; row-wise AdaGrad only for V4.1's Engram tables
 NS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -75,6 +76,9 @@ class OptimSection:
     """Muon update scale gamma: O = NS(.) * sqrt(max(n, m)) * update_rms."""
     grad_clip: float = 1.0
     """Clip gradients to this global L2 norm; 0 disables clipping (the norm is still measured)."""
+    engram_lr_scale: float = 1.0
+    """With ``[train] engram = "train"`` (DeepSeek-V4.1): the Engram tables' learning rate is lr times this
+    (their row-wise AdaGrad steps each looked-up element by about lr at first, as Adam does)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, fld: str, what: str) -> None:
@@ -93,6 +97,7 @@ class OptimSection:
         need(all(isinstance(i, int) and i >= 0 for i in self.ns_iterations), "ns_iterations", "expected integers >= 0")
         need(self.update_rms > 0, "update_rms", "expected > 0")
         need(self.grad_clip >= 0, "grad_clip", "expected >= 0 (0 disables)")
+        need(self.engram_lr_scale >= 0, "engram_lr_scale", "expected >= 0")
 
     def ns_schedule(self) -> list[tuple[float, float, float, int]]:
         """[(a, b, c, iterations)] per stage, the form `hybrid_newton_schulz` takes."""
@@ -185,6 +190,8 @@ RULES = {r.key: r for r in (
     Rule("embed_head", False, True, "embedding and output head"),
     Rule("gains_biases", False, False, "RMSNorm weights, mHC base/scale, attention sinks, compressor ape, Engram's "
          "gate gains"),
+    Rule("engram_table", False, False, "V4.1's Engram tables [rows, d]: row-wise AdaGrad, only the rows a step "
+         "looks up move"),
 )}
 
 
@@ -194,6 +201,7 @@ def classify(model: nn.Module) -> list[tuple[str, nn.Parameter, Rule, list[int]]
     A parameter shared by two modules (tied embedding and head) is listed once.
     """
     split_linears = _split_linears(model)
+    tables = {id(m.embed.weight) for m in model.modules() if isinstance(m, Engram)}
     out, seen = [], set()
     for mod_name, module in model.named_modules():
         for leaf, p in module.named_parameters(recurse=False):
@@ -201,7 +209,10 @@ def classify(model: nn.Module) -> list[tuple[str, nn.Parameter, Rule, list[int]]
                 continue
             seen.add(id(p))
             name = f"{mod_name}.{leaf}" if mod_name else leaf
-            rule, blocks = split_linears.get(id(p)) or _rule_for(model, module, leaf, p, name)
+            if id(p) in tables:
+                rule, blocks = RULES["engram_table"], []
+            else:
+                rule, blocks = split_linears.get(id(p)) or _rule_for(model, module, leaf, p, name)
             out.append((name, p, rule, blocks))
     return out
 
@@ -243,20 +254,21 @@ def _rule_for(model: nn.Module, module: nn.Module, leaf: str, p: nn.Parameter, n
 # The optimizer
 # ==================================================================================================
 class MuonAdamW(torch.optim.Optimizer):
-    """One optimizer with Muon groups (``algorithm="muon"``) and AdamW groups (``"adamw"``).
+    """One optimizer with Muon groups (``algorithm="muon"``), AdamW groups (``"adamw"``) and, for V4.1's
+    Engram tables, row-wise AdaGrad (``"rowwise_adagrad"``).
 
     Every group has ``lr``, ``weight_decay`` and ``names`` (parameter names, for messages);
     Muon groups have ``momentum``, ``nesterov``, ``update_rms``, ``ns_schedule`` ([a, b, c,
     iterations] per stage), ``ns_dtype`` ("fp32"/"bf16") and ``row_blocks`` (one list per parameter);
-    AdamW groups have ``betas`` and ``eps``. State per parameter: ``momentum_buffer`` (Muon) or
-    ``step``, ``exp_avg``, ``exp_avg_sq`` (AdamW), all fp32, and ``master`` (fp32) for parameters
-    stored in a lower precision.
+    AdamW groups have ``betas`` and ``eps``, row-wise AdaGrad ``eps``. State per parameter:
+    ``momentum_buffer`` (Muon), ``step``, ``exp_avg``, ``exp_avg_sq`` (AdamW) or ``sum_sq`` [rows]
+    (row-wise AdaGrad), all fp32, and ``master`` (fp32) for parameters stored in a lower precision.
     """
 
     def __init__(self, param_groups: list[dict]):
         for group in param_groups:
-            if group.get("algorithm") not in OPTIMIZERS:
-                raise ValueError(f"param group needs algorithm 'muon' or 'adamw', got {group.get('algorithm')!r}")
+            if group.get("algorithm") not in ALGORITHMS:
+                raise ValueError(f"param group needs an algorithm of {ALGORITHMS}, got {group.get('algorithm')!r}")
             n = len(group["params"])
             group.setdefault("names", [f"param{i}" for i in range(n)])
             if group["algorithm"] == "muon":
@@ -298,6 +310,8 @@ class MuonAdamW(torch.optim.Optimizer):
         grad = p.grad if apply is None else torch.where(apply, p.grad, 0)
         if group["algorithm"] == "muon":
             update = self._muon_update(group, i, p, grad, state, apply)
+        elif group["algorithm"] == "rowwise_adagrad":
+            update = self._rowwise_adagrad_update(group, grad, state, apply)
         else:
             update = self._adamw_update(group, p, grad, state, apply)
         decay = 1.0 - group["lr"] * group["weight_decay"]
@@ -362,6 +376,19 @@ class MuonAdamW(torch.optim.Optimizer):
         denom = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt_().add_(group["eps"])
         return state["exp_avg"] / (1 - beta1**t) / denom
 
+    @staticmethod
+    def _rowwise_adagrad_update(group: dict, grad: torch.Tensor, state: dict, apply: torch.Tensor | None
+                                ) -> torch.Tensor:
+        """Row-wise AdaGrad (as embedding tables are trained in recommendation models): one fp32 ``sum_sq``
+        per row accumulates the row's mean squared gradient; the update is g / (sqrt(sum_sq) + eps). A row
+        no token looked up has a zero gradient: its state and its weights stay as they were."""
+        g = grad.float()
+        if "sum_sq" not in state:
+            state["sum_sq"] = torch.zeros_like(g[..., 0])
+        mean_sq = g.square().mean(dim=-1)
+        state["sum_sq"].add_(mean_sq if apply is None else torch.where(apply, mean_sq, 0))
+        return g / (state["sum_sq"].sqrt() + group["eps"]).unsqueeze(-1)
+
     def describe_groups(self) -> str:
         """A table of the groups for the start of a run: rule, algorithm, counts, names (layers folded)."""
         lines = []
@@ -414,7 +441,9 @@ def build_optimizer(model: nn.Module, cfg: OptimSection, dev: trex_device.Device
         decay = rule.decay or cfg.decay_gains_and_biases
         group = {"rule": key, "params": [m[1] for m in members], "names": [m[0] for m in members],
                  "lr": cfg.lr, "weight_decay": cfg.weight_decay if decay else 0.0}
-        if rule.muon and cfg.name == "muon":
+        if key == "engram_table":
+            group.update(algorithm="rowwise_adagrad", eps=cfg.eps, lr=cfg.lr * cfg.engram_lr_scale)
+        elif rule.muon and cfg.name == "muon":
             group.update(algorithm="muon", momentum=cfg.momentum, nesterov=cfg.nesterov, update_rms=cfg.update_rms,
                          ns_schedule=[list(stage) for stage in cfg.ns_schedule()],
                          ns_dtype=resolve_ns_dtype(cfg.ns_dtype, dev), row_blocks=[m[3] for m in members])
