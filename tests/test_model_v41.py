@@ -193,7 +193,8 @@ def test_a_released_layout_checkpoint_loads_and_exports_back_byte_for_byte(offic
 
 def test_the_vision_tower_and_dspark_stages_pass_through_unchanged(tmp_path):
     """Tensors trex does not train (the vision tower, the DSpark drafter's ``mtp.*`` stages, FP8 ones with
-    their scales) are not loaded into the model and are written back as they were stored."""
+    their scales) are not loaded into the model and are written back as they were stored; the tokenizer
+    (file and folder) is copied along, so the written checkpoint hashes Engram's n-grams as its source."""
     import shutil
 
     from safetensors.torch import save_file
@@ -223,7 +224,13 @@ def test_the_vision_tower_and_dspark_stages_pass_through_unchanged(tmp_path):
     assert f"carried:       {len(extra)} tensors" in format_report(report)
     model = load_pretrained(str(src), dtype=torch.float32, device="cpu")
     assert not any(k.startswith(("mtp.", "vision.", "image_")) for k in model.state_dict())
+    (src / "tokenizer").mkdir()
+    (src / "tokenizer" / "tokenizer_config.json").write_text('{"model_max_length": 4096}\n')
     save_pretrained(model, str(tmp_path / "out"), layout="official", dtype="bf16", quantize="fp8+fp4experts")
+    for name in ("tokenizer.json", "tokenizer/tokenizer_config.json"):
+        assert (src / name).exists() == (tmp_path / "out" / name).exists() and (
+            not (src / name).exists() or (src / name).read_bytes() == (tmp_path / "out" / name).read_bytes()), name
+    assert (tmp_path / "out" / "tokenizer" / "tokenizer_config.json").exists()
     written = {}
     for shard in (p for p in os.listdir(tmp_path / "out") if p.endswith(".safetensors")):
         with safe_open(str(tmp_path / "out" / shard), "pt") as f:

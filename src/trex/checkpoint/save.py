@@ -24,6 +24,9 @@ from trex.models.config import CSA, HASH_MOE, HCA, ModelConfig
 from trex.models.config_v41 import V41Config
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+# what a source checkpoint holds of its tokenizer, copied to the written one (V4.1's Engram hashes through it;
+# a serving engine reads it)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer")
 
 
 def save_pretrained(model: torch.nn.Module, path: str, layout: str = "hf", dtype: str = "bf16",
@@ -45,7 +48,7 @@ def save_pretrained(model: torch.nn.Module, path: str, layout: str = "hf", dtype
     reader = CheckpointReader(src) if src else None
     carried = _passthrough(reader) if reader and isinstance(model.cfg, V41Config) else []
     return _write(tensors, model.cfg, path, layout, dtype, quantize, max_shard_size, overwrite, progress, sources,
-                  carried, _scale_hint(reader, layout))
+                  carried, _scale_hint(reader, layout), _tokenizer_files(src))
 
 
 def convert(src: str, dst: str, layout: str = "hf", dtype: str = "bf16", quantize: str | None = None,
@@ -66,7 +69,14 @@ def convert(src: str, dst: str, layout: str = "hf", dtype: str = "bf16", quantiz
         tensors.append(TrexTensor(key, tuple(v.shape), read_dtype, _reader_getter(reader, key, tuple(v.shape),
                                                                                   read_dtype)))
     return _write(tensors, reader.config, dst, layout, dtype, quantize, max_shard_size, overwrite, progress, (src,),
-                  _passthrough(reader), _scale_hint(reader, layout))
+                  _passthrough(reader), _scale_hint(reader, layout), _tokenizer_files(src))
+
+
+def _tokenizer_files(src: str | None) -> dict[str, str]:
+    """The tokenizer files and folder (``TOKENIZER_FILES``) that checkpoint directory ``src`` holds."""
+    if not src:
+        return {}
+    return {name: os.path.join(src, name) for name in TOKENIZER_FILES if os.path.exists(os.path.join(src, name))}
 
 
 def _passthrough(reader: CheckpointReader) -> list[list[PlannedTensor]]:
@@ -106,7 +116,8 @@ def _ordered(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
 
 def _write(tensors: list[TrexTensor], cfg: ModelConfig | V41Config, path: str, layout: str, dtype: str,
            quantize: str | None, max_shard_size: int | str, overwrite: bool, progress: bool,
-           sources: tuple[str | None, ...], carried: list[list[PlannedTensor]] = (), scale_hint=None) -> list[str]:
+           sources: tuple[str | None, ...], carried: list[list[PlannedTensor]] = (), scale_hint=None,
+           files: dict[str, str] | None = None) -> list[str]:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if dtype not in SAVE_DTYPES:
@@ -118,7 +129,7 @@ def _write(tensors: list[TrexTensor], cfg: ModelConfig | V41Config, path: str, l
     groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, arch, scale_hint) + list(carried)
     config = checkpoint_config(cfg, layout, dtype, quantize)
     if not progress:
-        return write_checkpoint(path, groups, config, max_shard_size, overwrite, sources=sources)
+        return write_checkpoint(path, groups, config, max_shard_size, overwrite, sources=sources, copies=files)
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     total = sum(t.nbytes for g in groups for t in g)
@@ -129,7 +140,8 @@ def _write(tensors: list[TrexTensor], cfg: ModelConfig | V41Config, path: str, l
         def advance(t: PlannedTensor) -> None:
             bar.update(task, advance=t.nbytes)
 
-        return write_checkpoint(path, groups, config, max_shard_size, overwrite, on_written=advance, sources=sources)
+        return write_checkpoint(path, groups, config, max_shard_size, overwrite, on_written=advance, sources=sources,
+                                copies=files)
 
 
 def official_config_fields() -> dict:

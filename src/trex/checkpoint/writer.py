@@ -81,10 +81,12 @@ def check_destination(path: str, overwrite: bool, sources: tuple[str | None, ...
 
 def write_checkpoint(path: str, groups: list[list[PlannedTensor]], config: dict, max_shard_size: int | str = "5GB",
                      overwrite: bool = False, on_written: Callable[[PlannedTensor], None] | None = None,
-                     metadata: dict[str, str] | None = None, sources: tuple[str | None, ...] = ()) -> list[str]:
+                     metadata: dict[str, str] | None = None, sources: tuple[str | None, ...] = (),
+                     copies: dict[str, str] | None = None) -> list[str]:
     """Write ``groups`` as ``model-0000i-of-0000n.safetensors`` + index + ``config.json`` into
     ``path`` atomically; returns the shard file names. ``sources``: directories being read, which
-    ``path`` may not be, lie in or hold (`check_destination`)."""
+    ``path`` may not be, lie in or hold (`check_destination`). ``copies``: name in ``path`` -> a file or
+    directory copied there as it is (the source checkpoint's tokenizer)."""
     path = os.path.abspath(path)
     check_destination(path, overwrite, sources)
     names = [t.name for g in groups for t in g]
@@ -109,6 +111,8 @@ def write_checkpoint(path: str, groups: list[list[PlannedTensor]], config: dict,
         _write_json(os.path.join(tmp, "model.safetensors.index.json"),
                     {"metadata": {"total_size": total}, "weight_map": weight_map})
         _write_json(os.path.join(tmp, "config.json"), config)
+        for name, source in (copies or {}).items():
+            (shutil.copytree if os.path.isdir(source) else shutil.copy2)(source, os.path.join(tmp, name))
         atomic.fsync_dir(tmp)
         _publish(tmp, path)
     except BaseException:

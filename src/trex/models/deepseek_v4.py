@@ -1113,6 +1113,8 @@ def init_parameters(model: nn.Module, std: float, seed: int | None, ones: tuple[
 
 
 class DeepseekV4(nn.Module):
+    supports_decode_cache = True  # generation feeds one token at a time against trex.models.decode.DecodeCache
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg

@@ -267,6 +267,8 @@ class DeepseekV41(nn.Module):
     parallelism through ``sequence_shard``), without MTP heads (V4.1's ``mtp.*`` are DSpark drafter
     stages, not next-token heads) and without a decode cache."""
 
+    supports_decode_cache = False  # generation re-runs the whole prefix per token (trex.rollout.sample)
+
     def __init__(self, cfg: V41Config):
         super().__init__()
         self.cfg = cfg

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from trex.checkpoint.errors import CheckpointError
+from trex.checkpoint.load import set_engram_tokenizer
 from trex.checkpoint.reader import CheckpointReader
 from trex.models import DeepseekV4, build_model
 
@@ -41,4 +42,6 @@ def load_sharded(path: str, prepare, device: torch.device, layout: str = "auto")
                 reader.fill(key, t.shape, local, local_region(t))
         else:
             reader.fill(key, t.shape, t)
+    if getattr(model, "engram_hasher", None) is not None:  # V4.1: hash through the checkpoint's tokenizer
+        set_engram_tokenizer(model, path)
     return model

@@ -3,7 +3,8 @@
 One optimizer step:
 
     take prompts_per_step prompts (each rank an equal share); the student samples
-        samples_per_prompt completions of each from its live weights (trex.rollout)
+        samples_per_prompt completions of each from its live weights (trex.rollout), each row's draws
+        fixed by its place in the step (on_policy.rank_uniforms), so any data-parallel split samples alike
     for each micro-batch: every teacher scores the student's rows (no grad); the student's forward;
         at every sampled position the weighted reverse KL over the full vocabulary
         sum_i w_i KL(student || teacher_i) (trex.posttrain.distill_loss, fp32, chunked), averaged
@@ -31,8 +32,8 @@ from trex.posttrain.grpo_loss import token_entropy
 from trex.posttrain.objective import Objective, StepResult, TrainContext, backward_micro_batches, load_frozen
 from trex.posttrain.rollout_parity import N_MAXIMA, N_SUMS, parity_metrics, parity_sums
 from trex.posttrain.on_policy import (PromptOrder, Rollouts, exact_match_by_set, generator_state, load_eval_sets,
-                                      load_prompts, probe_batch, rank_generator, roll_out, sampling_params,
-                                      set_generator_state)
+                                      load_prompts, probe_batch, rank_generator, rank_uniforms, roll_out,
+                                      sampling_params, set_generator_state)
 
 EVAL_SEED = 1234  # held-out samples are drawn with the same seed at every evaluation
 
@@ -92,13 +93,14 @@ class DistillObjective(Objective):
                                         par.data_world, "distill")
         self.eval_prompts = [p for prompts in self.eval_sets.values() for p in prompts]
         self.order = PromptOrder(len(self.prompts), self.cfg.prompts_per_step, par, self.cfg.seed, "distill")
-        self.generator = rank_generator(self.cfg.seed, par)
+        self.generator = torch.Generator().manual_seed(self.cfg.seed)  # alike on every rank: rank_uniforms
         self.teacher_exact_match: dict[str, float] | None = None
 
-    def _rollouts(self, model: DeepseekV4, prompts: list, generator: torch.Generator) -> Rollouts:
+    def _rollouts(self, model: DeepseekV4, prompts: list, generator: torch.Generator | None,
+                  uniforms: torch.Tensor | None = None) -> Rollouts:
         ctx = self.ctx
         return roll_out(model, [p.ids for p in prompts], sampling_params(self.sampling, ctx.tokenizer), ctx.tokenizer,
-                        generator, self.sampling.batch_size, ctx.dev.torch_device)
+                        generator, self.sampling.batch_size, ctx.dev.torch_device, uniforms)
 
     def _teacher_logits(self, ids: torch.Tensor, docs: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
         with torch.no_grad():
@@ -118,7 +120,10 @@ class DistillObjective(Objective):
         ctx, cfg = self.ctx, self.cfg
         device = ctx.dev.torch_device
         chosen = [self.prompts[i] for i in self.order.next() for _ in range(cfg.samples_per_prompt)]
-        r = self._rollouts(model, chosen, self.generator)
+        # a row's draws depend on its place in the step, not on the rank it lands on (as GRPO's)
+        uniforms = rank_uniforms(self.generator, cfg.prompts_per_step * cfg.samples_per_prompt,
+                                 self.sampling.max_new_tokens, ctx.par)
+        r = self._rollouts(model, chosen, None, uniforms)
         n_tok = int(ctx.par.all_reduce_sum(r.mask.sum().double()).item())
         slices = r.micro_batches(cfg.micro_batch_size)
         sums = torch.zeros(2 + len(self.teachers) + N_SUMS, dtype=torch.float64, device=device)

@@ -232,6 +232,8 @@ def load_frozen(source: str | DeepseekV4, ctx: TrainContext) -> DeepseekV4:
                              f"{ctx.model.cfg.vocab_size} (a frozen model must share the tokenizer)")
     else:
         model = build_model(source.cfg, device="meta")
+        if getattr(source, "engram_hasher", None) is not None:  # V4.1: hash through the student's token map
+            model.engram_hasher = source.engram_hasher
         prepare(model)
         model.to_empty(device=ctx.dev.torch_device)
         mine = {**dict(model.named_parameters()), **dict(model.named_buffers())}

@@ -7,7 +7,8 @@ attention or a compression window and every prompt's positions start at 0.
 Decoding is incremental: the prompt batch runs once through the ordinary forward, which fills a
 :class:`~trex.models.decode.DecodeCache`; every later token is one forward of [B, 1] against it
 (``use_cache=False`` re-runs the whole sequence per token instead, the reference the cache is tested
-against).
+against, and the only way for a model without a decode cache: ``supports_decode_cache`` False).
+Under context parallelism every rank of the group samples whole rows (its forwards run unsharded).
 
 The sampler reads the live model weights and works on the plain and on the FSDP2/EP-sharded model:
 when torch.distributed is initialised every rank runs the same number of forward calls (the number
@@ -16,6 +17,8 @@ of batches and the stop decision are agreed across ranks), so collectives inside
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +98,19 @@ def _agree_max(value: int, device: torch.device) -> int:
     return int(t.item())
 
 
+@contextlib.contextmanager
+def _whole_rows(model) -> Iterator[None]:
+    """The sampler's forwards see whole rows: a context-parallel model's ``sequence_shard`` is lifted for
+    the block (a cached decode never shards; the cacheless one grows rows by one token a step, which no
+    shard split follows)."""
+    shard = getattr(model, "sequence_shard", None)
+    model.sequence_shard = None
+    try:
+        yield
+    finally:
+        model.sequence_shard = shard
+
+
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device,
              width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [B, L], doc_ids [B, L]): prompts right-aligned; padding is document 0, prompts document 1.
@@ -163,9 +179,10 @@ def sample(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
         raise ValueError(f"sample: uniforms of shape {tuple(uniforms.shape)}; expected "
                          f"[{len(prompts)} prompts, {params.max_new_tokens} max_new_tokens]")
     device = model.embed.weight.device
+    use_cache = use_cache and model.supports_decode_cache
     out = Samples([list(p) for p in prompts], [], [], [])
     n_batches = _agree_max(-(-len(prompts) // batch_size), device)
-    with evaluating(model):
+    with evaluating(model), _whole_rows(model):
         for b in range(n_batches):
             chunk = prompts[b * batch_size:(b + 1) * batch_size]
             real = bool(chunk)
