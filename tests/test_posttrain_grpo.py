@@ -384,14 +384,16 @@ def test_grpo_on_v41_under_fsdp2_ep2_and_cp2_gives_the_samples_and_losses_of_one
     by re-running the prefix (V4.1 has no decode cache), on one process, on two ranks as FSDP2 + EP2 (the
     Engram tables split by rows) and as cp = 2 (both ranks sample whole rows, each trains on half):
     the same completions and rewards, and every step's loss, KL, entropy and gradient norm within 1e-5.
-    AdamW, not Muon: Muon's orthogonalisation gives a matrix whose gradient is at the level of the
-    layouts' reduction-order differences (~1e-7) a full-size update, so with it cp = 2 left one process
-    by 2.5e-3 at step 3 (measured; 4e-6 under AdamW, which scales each element by its own history)."""
+    AdamW with eps 1e-8, not Muon: Muon's orthogonalisation gives a matrix whose gradient is at the level of
+    the layouts' reduction-order differences (~1e-7) a full-size update, so with it cp = 2 left one process
+    by 2.5e-3 at step 3 (measured; 4e-6 under AdamW); AdamW's first step at V4's eps of 1e-20 is the sign of
+    the gradient, which does the same to elements whose gradient is rounding noise (DPO on V4.1: 2.3e-5
+    at step 3 with it, 2.9e-6 with eps 1e-8)."""
     from test_distributed import torchrun
 
     def v41(args: list[str], ep: int) -> list[str]:
         return [('model.preset="tiny-v4.1"' if a.startswith("model.overrides=") else a) for a in args] + [
-            "--set", 'optim.name="adamw"', *(["--set", f"parallel.ep={ep}"] if ep > 1 else [])]
+            "--set", 'optim.name="adamw"', "--set", "optim.eps=1e-8", *(["--set", f"parallel.ep={ep}"] if ep > 1 else [])]
 
     env = _reward_env(prompt_files)
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
