@@ -343,3 +343,22 @@ def test_every_v41_block_kind_compiles_without_a_graph_break():
         assert explained.graph_break_count == 0, (i, [b.reason for b in explained.break_reasons])
         assert explained.graph_count == 1, i
         X, pre, shared = block(X, pre, shared, ctx, hashes)
+
+
+def test_a_documents_logits_do_not_depend_on_what_precedes_it_in_the_row():
+    """Left padding (a sampler's batch) or an earlier packed document shifts a document's compressed entries
+    in the row; the candidate pool's blocks count from the document's first entry, as the official code's
+    count from its one sequence's, so the logits are those of the document alone (before this was so, a
+    pad of 1, 3 or 5 tokens moved them by 0.08)."""
+    cfg = tiny_v41()
+    model = DeepseekV41(cfg)
+    model.init_weights(seed=0)
+    gen = torch.Generator().manual_seed(0)
+    doc = torch.randint(3, cfg.vocab_size, (1, 40), generator=gen)
+    with torch.no_grad():
+        alone = model(doc).logits
+        for before in (torch.zeros(1, 3, dtype=torch.long), torch.randint(3, cfg.vocab_size, (1, 23), generator=gen)):
+            n = before.shape[1]
+            row = torch.cat([before, doc], dim=1)
+            docs = torch.cat([torch.zeros(1, n, dtype=torch.long), torch.ones(1, 40, dtype=torch.long)], dim=1)
+            torch.testing.assert_close(model(row, doc_ids=docs).logits[:, n:], alone, rtol=1e-5, atol=1e-5)

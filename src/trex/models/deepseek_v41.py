@@ -140,8 +140,7 @@ class Indexer(nn.Module):
             if self.candidate_source:
                 picked_blocks.append(self._pool(scores, visible))
             elif self.uses_candidates:
-                inside = blocks[:, t0:t1].repeat_interleave(self.block, dim=-1)[..., : layout.n]
-                scores.masked_fill_(~inside, float("-inf"))
+                scores.masked_fill_(~self._in_pool(blocks[:, t0:t1], visible), float("-inf"))
             top = scores.topk(k, dim=-1)
             picks = top.indices
             if canonical is not None:
@@ -155,15 +154,34 @@ class Indexer(nn.Module):
         """The hierarchical candidate pool: scores, visible [B, T, N] -> [B, T, n_b] bool, the
         ``candidate_topk_blocks`` blocks of ``candidate_block_size`` entries with the highest maximum score,
         the block holding the query's newest visible entry always kept (it may be partly filled), blocks
-        with nothing visible never."""
+        with nothing visible never. Blocks count from the first entry the query sees (its document's first),
+        as the official code's count from the start of its one sequence: what precedes a document in the
+        row (packing, a batch's left padding) does not move them; block b of query t holds its entries
+        first_t + b * size ...; :meth:`_in_pool` maps them back."""
         n = scores.shape[-1]
-        per_block = F.pad(scores, (0, -n % self.block), value=float("-inf")).unflatten(-1, (-1, self.block)).amax(-1)
+        first = _first_visible(visible)  # [B, T]
+        slots = first[..., None] + torch.arange(n, device=scores.device)  # the query's entries from its first
+        from_first = scores.gather(-1, slots.clamp(max=n - 1)).masked_fill(slots >= n, float("-inf"))
+        per_block = F.pad(from_first, (0, -n % self.block), value=float("-inf")).unflatten(-1, (-1, self.block)).amax(-1)
         last = (visible * torch.arange(1, n + 1, device=scores.device)).amax(-1) - 1  # newest visible entry, or -1
-        newest = torch.where(last >= 0, last // self.block, -1)  # [B, T]
+        newest = torch.where(last >= 0, (last - first) // self.block, -1)  # [B, T]
         nb = per_block.shape[-1]
         per_block = per_block.masked_fill(torch.arange(nb, device=scores.device) == newest[..., None], float("inf"))
         top = per_block.topk(min(self.pool_blocks, nb), dim=-1)
         return torch.zeros_like(per_block, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+
+    def _in_pool(self, blocks: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """The candidate source's pool ``blocks`` [B, T, n_b] (counted from each query's first visible entry)
+        as entries [B, T, N] bool, for a later index source of the same ratio (so the same visibility)."""
+        n = visible.shape[-1]
+        rel = torch.arange(n, device=visible.device) - _first_visible(visible)[..., None]  # entry - first
+        by_entry = blocks.repeat_interleave(self.block, dim=-1)[..., :n]
+        return by_entry.gather(-1, rel.clamp(min=0)) & (rel >= 0)
+
+
+def _first_visible(visible: torch.Tensor) -> torch.Tensor:
+    """visible [B, T, N] bool -> [B, T] the index of each query's first visible entry (0 when none)."""
+    return visible.to(torch.uint8).argmax(dim=-1)
 
 
 # ==================================================================================================
