@@ -81,3 +81,38 @@ def test_cache_refuses_more_steps_than_it_was_sized_for_and_labels():
         cache = DecodeCache(4)
         model(ids, cache=cache)
         model(ids, cache=cache)
+
+
+@pytest.mark.parametrize("quant", [False, True], ids=["fp32", "served-rounding"])
+def test_v41_cached_logits_match_full_recompute_at_every_step(quant):
+    """DeepSeek-V4.1's cache (trex.models.decode_v41) on tiny-v4.1: window-only layers with Engram, ratio-2
+    and ratio-1 KV sources whose entries later layers read, index sources reusing picks, the candidate
+    pool (3 blocks of 4 among up to 14), prompts of 1 to 21 tokens left-padded in one batch; 12 new
+    tokens close several groups of every source. At every step the cached logits equal the whole row's
+    within 1e-5, with the served rounding points simulated too (FP8 window KV, FP4 entries, FP8/FP4
+    weights and activations), except the indexer's: its bf16 scores (as served) tie often enough that a
+    one-row and a whole-row score pick different entries (measured over 20 steps: 16 apart with this config's
+    8 index heads, 2 with 32, none at fp32), as any two batchings of the served indexer would."""
+    from trex.models.config_v41 import tiny_v41
+    from trex.models.decode_v41 import V41DecodeCache
+    from trex.models.deepseek_v4 import QuantSim
+
+    model = build_model(tiny_v41(hc_sinkhorn_iters=3), seed=0).eval()  # 3 Sinkhorn rounds: the same ops, faster
+    if quant:
+        model.set_quant(QuantSim(experts=True, linears=True, activations=True, kv=True))
+    ids, docs = left_pad(PROMPTS, pad_id=0, device=torch.device("cpu"))
+    steps = 12
+    cache = V41DecodeCache(steps)
+    with torch.no_grad():
+        cached = model(ids, doc_ids=docs, cache=cache).logits
+        sources = {attn: st.source for attn, st in cache.layers.items() if st.source is not None}
+        at_prefill = {attn: s.hi.clone() for attn, s in sources.items()}
+        for step in range(steps):
+            full = model(ids, doc_ids=docs).logits[:, -1]
+            torch.testing.assert_close(cached[:, 0], full, rtol=0, atol=1e-5, msg=f"step {step}")
+            tok = full.argmax(dim=-1, keepdim=True)
+            ids, docs = torch.cat([ids, tok], dim=1), torch.cat([docs, torch.ones_like(tok)], dim=1)
+            cached = model(tok, cache=cache).logits
+    assert len(sources) == 3  # the tiny config's KV sources: two of ratio 2, one of ratio 1
+    for attn, before in at_prefill.items():
+        assert bool((sources[attn].hi - before >= 6).all())  # each closed at least 6 groups while decoding

@@ -66,6 +66,15 @@ class DecodeCache:
     def prefilled(self) -> bool:
         return self.pos is not None
 
+    def count_step(self) -> None:
+        """A forward with this cache begins: after the prefill each one is a decode step; ValueError past
+        ``max_new_tokens`` (the cache has no room for more)."""
+        if self.prefilled:
+            self.steps += 1
+            if self.steps > self.max_new_tokens:
+                raise ValueError(f"the decode cache was sized for {self.max_new_tokens} decode steps; "
+                                 f"this is step {self.steps}")
+
     def prefill(self, attn: Attention, x: torch.Tensor, kv: torch.Tensor, compressed: torch.Tensor | None,
                 ctx: SeqContext) -> None:
         """Keep ``attn``'s state after the prefill forward over x [B, S, d] (``Attention.forward`` calls it)."""

@@ -1113,8 +1113,6 @@ def init_parameters(model: nn.Module, std: float, seed: int | None, ones: tuple[
 
 
 class DeepseekV4(nn.Module):
-    supports_decode_cache = True  # generation feeds one token at a time against trex.models.decode.DecodeCache
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -1191,11 +1189,7 @@ class DeepseekV4(nn.Module):
         if cache is not None:
             if labels is not None:
                 raise ValueError("forward with a decode cache takes no labels (generation only)")
-            if cache.prefilled:
-                cache.steps += 1
-                if cache.steps > cache.max_new_tokens:
-                    raise ValueError(f"DecodeCache was sized for {cache.max_new_tokens} decode steps; "
-                                     f"this is step {cache.steps}")
+            cache.count_step()
         ctx = SeqContext(self.cfg, input_ids, doc_ids, cache, self.sequence_shard)
         ctx.align_indexer = self.align_indexer and self.training and cache is None
         if token_mask is not None and cache is None:

@@ -79,7 +79,12 @@ class Compressor(nn.Module):
         tok = first[:, :, None] + torch.arange(self.m, device=x.device)  # [B, N, m]
         kv = gather_rows(linear_fp32(x, self.wkv.weight), tok)
         score = gather_rows(linear_fp32(x, self.wgate.weight), tok)
-        return self.norm((kv * score.softmax(dim=2)).sum(dim=2).to(x.dtype))
+        return self.pool(kv, score, x.dtype)
+
+    def pool(self, kv: torch.Tensor, score: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """kv, score [..., m, c]: the fp32 projections of groups' tokens -> the groups' latents [..., c] in
+        ``dtype`` (a decode step pools the group its token closes with this too)."""
+        return self.norm((kv * score.softmax(dim=-2)).sum(dim=-2).to(dtype))
 
 
 # ==================================================================================================
@@ -106,10 +111,39 @@ class Indexer(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     @torch.no_grad()
-    def keys(self, latent: torch.Tensor, layout: WindowLayout, entries: slice) -> torch.Tensor:
-        """latent [B, N, c] of ``entries`` -> index keys [B, N, c_I], RoPE'd at the entries' positions."""
-        k = apply_rope(self.k_norm(self.wk(latent)), *(t[:, entries] for t in layout.rope["compress"]))
+    def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """latent [B, N, c] -> index keys [B, N, c_I], RoPE'd by cos, sin [B, N, rd/2] (the entries' positions)."""
+        k = apply_rope(self.k_norm(self.wk(latent)), cos, sin)
         return quantize.fake_fp4_act(k) if self.quant.indexer else k
+
+    @torch.no_grad()
+    def query(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, S, d], qr [B, S, q_lora_rank], cos, sin [B, S, rd/2] -> (q [B, S, H_I, c_I], w [B, S, H_I]) in
+        the precision the scores are computed in (as served with ``quant.indexer``: FP4 q, bf16; else fp32)."""
+        B, S, _ = x.shape
+        q = apply_rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos[:, :, None], sin[:, :, None])
+        w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        if self.quant.indexer:
+            return quantize.fake_fp4_act(q).bfloat16(), w.bfloat16()
+        return q.float(), w.float()
+
+    @torch.no_grad()
+    def pick(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+             blocks: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Queries q [B, T, H_I, c_I], w [B, T, H_I] against keys [B, N, c_I] (in q's dtype), each seeing
+        ``visible`` [B, T, N] -> (the top-k entries [B, T, k] long, which are real [B, T, k] bool, this
+        layer's pool [B, T, n_b] when it is the candidate source, else None); a layer after the candidate
+        source picks inside ``blocks``, the source's pool."""
+        scores = (torch.einsum("bthc,bnc->bthn", q, keys).relu_() * w[..., None]).sum(dim=2)
+        scores = scores.float().masked_fill_(~visible, float("-inf"))
+        pool = None
+        if self.candidate_source:
+            pool = self._pool(scores, visible)
+        elif self.uses_candidates:
+            scores.masked_fill_(~self._in_pool(blocks, visible), float("-inf"))
+        top = scores.topk(k, dim=-1)
+        return top.indices, top.values > float("-inf"), pool
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, ctx: SeqContext, layout: WindowLayout,
@@ -117,13 +151,8 @@ class Indexer(nn.Module):
         """x, qr: [B, S, *]; keys [B, N, c_I]; blocks: the candidate source's [B, S, n_b] (used when this
         layer follows it) -> (idx [B, S, k] long, valid [B, S, k] bool, this layer's blocks or None)."""
         B, S, _ = x.shape
-        q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
-        q = apply_rope(q, *(t[:, :, None] for t in ctx.rope["compress"]))
-        w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        if self.quant.indexer:  # as served: FP4 queries, bf16 scores
-            q, w, keys = quantize.fake_fp4_act(q).bfloat16(), w.bfloat16(), keys.bfloat16()
-        else:
-            q, w, keys = q.float(), w.float(), keys.float()
+        q, w = self.query(x, qr, *ctx.rope["compress"])
+        keys = keys.to(q.dtype)
         k = min(self.topk, layout.n)
         chunk = max(1, self.chunk_elems // max(1, B * self.n_heads * layout.n))
         idx, valid, picked_blocks = [], [], []
@@ -135,18 +164,14 @@ class Indexer(nn.Module):
             visible = layout.visible(ctx.t0 + t0, ctx.t0 + t1)
             if canonical is not None:
                 visible = visible.gather(2, canonical[:, None, :].expand_as(visible))
-            scores = (torch.einsum("bthc,bnc->bthn", q[:, t0:t1], keys).relu_() * w[:, t0:t1, :, None]).sum(dim=2)
-            scores = scores.float().masked_fill_(~visible, float("-inf"))
-            if self.candidate_source:
-                picked_blocks.append(self._pool(scores, visible))
-            elif self.uses_candidates:
-                scores.masked_fill_(~self._in_pool(blocks[:, t0:t1], visible), float("-inf"))
-            top = scores.topk(k, dim=-1)
-            picks = top.indices
+            picks, real, pool = self.pick(q[:, t0:t1], w[:, t0:t1], keys, visible,
+                                          None if blocks is None else blocks[:, t0:t1], k)
             if canonical is not None:
                 picks = canonical.gather(1, picks.flatten(1)).view_as(picks)
             idx.append(picks)
-            valid.append(top.values > float("-inf"))
+            valid.append(real)
+            if pool is not None:
+                picked_blocks.append(pool)
         pool = torch.cat(picked_blocks, dim=1) if picked_blocks else None
         return torch.cat(idx, dim=1), torch.cat(valid, dim=1), pool
 
@@ -208,6 +233,8 @@ class Attention(nn.Module):
         what the next layers read). Under context parallelism the window reads the W - 1 rows before the
         shard, the compressor the rows a group starting in the shard reaches into the next one, and the
         entries and index keys are gathered from every shard."""
+        if ctx.decoding:  # generation: one token per row against the cache (trex.models.decode_v41)
+            return ctx.cache.step(self, x, ctx, shared)
         B, S, _ = x.shape
         cos, sin = ctx.rope[self.rope_kind]
         w = ctx.window_halo
@@ -225,7 +252,8 @@ class Attention(nn.Module):
             if self.compressor is not None:
                 latent = self.compressor(x if self.m == 1 else rows, layout, ctx.t0 - w, own)
             if self.indexer is not None:
-                keys = ctx.gather(self.indexer.keys(latent, layout, own)) if latent is not None else shared.keys
+                keys = (ctx.gather(self.indexer.keys(latent, *(t[:, own] for t in layout.rope["compress"])))
+                        if latent is not None else shared.keys)
                 idx, valid, blocks = self.indexer(x, qr, keys, ctx, layout, shared.blocks)
                 shared = shared._replace(keys=keys, idx=idx, valid=valid, blocks=shared.blocks if blocks is None else blocks)
             if latent is not None:
@@ -239,6 +267,8 @@ class Attention(nn.Module):
         else:
             o = sparse_attention(_pad_rows(q, w), kv, self.attn_sink, self.head_dim**-0.5, self.cfg.sliding_window,
                                  ctx.window_doc)[:, w:]
+        if ctx.cache is not None:  # a prefill: the cache keeps the layer's decode state
+            ctx.cache.prefill(self, x, kv, ctx, shared)
         return grouped_output(self, o, cos, sin), shared
 
 
@@ -282,10 +312,8 @@ class Block(nn.Module):
 class DeepseekV41(nn.Module):
     """The V4.1 text model: embed -> n streams -> blocks -> collapse with the last ``pre`` -> norm -> head.
     The forward's contract is ``DeepseekV4.forward``'s (training targets, HF-style labels, context
-    parallelism through ``sequence_shard``), without MTP heads (V4.1's ``mtp.*`` are DSpark drafter
-    stages, not next-token heads) and without a decode cache."""
-
-    supports_decode_cache = False  # generation re-runs the whole prefix per token (trex.rollout.sample)
+    parallelism through ``sequence_shard``; generation through a ``trex.models.decode_v41.V41DecodeCache``),
+    without MTP heads (V4.1's ``mtp.*`` are DSpark drafter stages, not next-token heads)."""
 
     def __init__(self, cfg: V41Config):
         super().__init__()
@@ -327,6 +355,10 @@ class DeepseekV41(nn.Module):
         Engram): hashed over the whole rows ``input_ids`` [B, S], whose look-back crosses shard boundaries."""
         if self.engram_hasher is None:
             return None
+        if ctx.decoding:  # the new token's n-grams reach back into the cache's tail of the row
+            n = self.cfg.engram_max_ngram_size
+            ids = torch.cat([ctx.cache.tail, input_ids], dim=1)
+            return self.engram_hasher(ids, ctx.pos + torch.arange(1 - n, 1, device=ids.device))[:, -1:]
         return self.engram_hasher(input_ids, ctx.full_pos)[:, ctx.t0:ctx.t1]
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
@@ -335,8 +367,10 @@ class DeepseekV41(nn.Module):
         """input_ids, doc_ids, token_mask: [B, S] as ``DeepseekV4.forward``. Engram's n-grams stop at
         document starts; every token takes part (the official code masks only image spans)."""
         if cache is not None:
-            raise ValueError("DeepSeek-V4.1 generation (a decode cache) is not implemented yet")
-        ctx = SeqContext(self.cfg, input_ids, doc_ids, None, self.sequence_shard)
+            if labels is not None:
+                raise ValueError("forward with a decode cache takes no labels (generation only)")
+            cache.count_step()
+        ctx = SeqContext(self.cfg, input_ids, doc_ids, cache, self.sequence_shard)
         if token_mask is not None:
             if token_mask.shape != input_ids.shape:
                 raise ValueError(f"token_mask has shape {tuple(token_mask.shape)}; expected {tuple(input_ids.shape)}")
@@ -350,6 +384,16 @@ class DeepseekV41(nn.Module):
         shared = Shared()
         for layer in self.layers:
             X, pre, shared = layer(X, pre, shared, ctx, hashes)
+        if cache is not None:  # generation: the last position's logits; the cache moves one token on
+            cache.pos = ctx.pos[:, -1] + 1
+            if self.engram_hasher is not None:
+                n = self.cfg.engram_max_ngram_size
+                row = input_ids if cache.tail is None else torch.cat([cache.tail, input_ids], dim=1)
+                cache.tail = F.pad(row, (max(0, n - 1 - row.shape[1]), 0))[:, -(n - 1):]
+            ctx.recording = False
+            h = self.norm(HyperConnection.collapse(X[:, -1:], pre[:, -1:]))
+            return ModelOutput(logits=linear_fp32(h, self.head.weight),
+                               moe_stats=[block.ffn.take_stats() for block in self.layers])
         h = self.norm(HyperConnection.collapse(X, pre))
         logits = linear_fp32(h, self.head.weight) if return_logits else None
         out = ModelOutput(logits=None if logits is None else ctx.gather(logits))

@@ -7,8 +7,8 @@ attention or a compression window and every prompt's positions start at 0.
 Decoding is incremental: the prompt batch runs once through the ordinary forward, which fills a
 :class:`~trex.models.decode.DecodeCache`; every later token is one forward of [B, 1] against it
 (``use_cache=False`` re-runs the whole sequence per token instead, the reference the cache is tested
-against, and the only way for a model without a decode cache: ``supports_decode_cache`` False).
-Under context parallelism every rank of the group samples whole rows (its forwards run unsharded).
+against). DeepSeek-V4.1 decodes against its own cache (``trex.models.decode_v41``). Under context
+parallelism every rank of the group samples whole rows (its forwards run unsharded).
 
 The sampler reads the live model weights and works on the plain and on the FSDP2/EP-sharded model:
 when torch.distributed is initialised every rank runs the same number of forward calls (the number
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from trex.models import evaluating
 from trex.models.decode import DecodeCache
+from trex.models.decode_v41 import V41DecodeCache
 
 
 @dataclass
@@ -133,7 +134,8 @@ def _sample_batch(model, prompts: list[list[int]], params: SamplingParams, pad_i
     device = done.device
     ids, docs = left_pad(prompts, pad_id, device)
     stop = torch.tensor(params.stop_ids, dtype=torch.long, device=device)
-    cache = DecodeCache(params.max_new_tokens) if use_cache else None
+    cache = (V41DecodeCache if model.cfg.architecture == "deepseek_v41" else DecodeCache)(params.max_new_tokens) \
+        if use_cache else None
     finished = torch.zeros_like(done)
     tokens, logprobs = [], []
     for step in range(params.max_new_tokens):
@@ -179,7 +181,6 @@ def sample(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
         raise ValueError(f"sample: uniforms of shape {tuple(uniforms.shape)}; expected "
                          f"[{len(prompts)} prompts, {params.max_new_tokens} max_new_tokens]")
     device = model.embed.weight.device
-    use_cache = use_cache and model.supports_decode_cache
     out = Samples([list(p) for p in prompts], [], [], [])
     n_batches = _agree_max(-(-len(prompts) // batch_size), device)
     with evaluating(model), _whole_rows(model):
