@@ -191,28 +191,35 @@ def test_a_released_layout_checkpoint_loads_and_exports_back_byte_for_byte(offic
         assert torch.isfinite(model(tensors["input_ids"]).logits).all()
 
 
+def _add_carried(src, d: int) -> dict[str, torch.Tensor]:
+    """Add the tensors trex carries untrained (DSpark stages, vision tower; FP8 with scales) to the one-file
+    checkpoint ``src`` of hidden size ``d``, as a second shard; returns them."""
+    from safetensors.torch import save_file
+
+    extra = {"mtp.0.main_proj.weight": torch.randn(d, 3 * d).to(torch.float8_e4m3fn),
+             "mtp.0.main_proj.scale": torch.ones(d // 32, 3 * d // 32).to(torch.float8_e8m0fnu),
+             "mtp.2.markov_head.embed.weight": torch.randn(64, 8).bfloat16(),
+             "vision.blocks.0.attn.qkv.weight": torch.randn(12, 4).bfloat16(), "image_newline": torch.randn(d)}
+    next(src.glob("*.safetensors")).rename(src / "model-00001-of-00002.safetensors")
+    save_file(extra, str(src / "model-00002-of-00002.safetensors"))
+    with safe_open(str(src / "model-00001-of-00002.safetensors"), "pt") as f:
+        weight_map = {k: "model-00001-of-00002.safetensors" for k in f.keys()}
+    weight_map.update({k: "model-00002-of-00002.safetensors" for k in extra})
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return extra
+
+
 def test_the_vision_tower_and_dspark_stages_pass_through_unchanged(tmp_path):
     """Tensors trex does not train (the vision tower, the DSpark drafter's ``mtp.*`` stages, FP8 ones with
     their scales) are not loaded into the model and are written back as they were stored; the tokenizer
     (file and folder) is copied along, so the written checkpoint hashes Engram's n-grams as its source."""
     import shutil
 
-    from safetensors.torch import save_file
-
     from trex.checkpoint import load_pretrained, save_pretrained
 
     src = tmp_path / "src"
     shutil.copytree(RELEASED, src)
-    extra = {"mtp.0.main_proj.weight": torch.randn(64, 192).to(torch.float8_e4m3fn),
-             "mtp.0.main_proj.scale": torch.ones(2, 6).to(torch.float8_e8m0fnu),
-             "mtp.2.markov_head.embed.weight": torch.randn(64, 8).bfloat16(),
-             "vision.blocks.0.attn.qkv.weight": torch.randn(12, 4).bfloat16(), "image_newline": torch.randn(64)}
-    (src / "model.safetensors").rename(src / "model-00001-of-00002.safetensors")
-    save_file(extra, str(src / "model-00002-of-00002.safetensors"))
-    with safe_open(str(src / "model-00001-of-00002.safetensors"), "pt") as f:
-        weight_map = {k: "model-00001-of-00002.safetensors" for k in f.keys()}
-    weight_map.update({k: "model-00002-of-00002.safetensors" for k in extra})
-    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    extra = _add_carried(src, 64)
     from trex.checkpoint.inspect import format_report, inspect_checkpoint
 
     report = inspect_checkpoint(str(src))
@@ -363,3 +370,52 @@ def test_a_documents_logits_do_not_depend_on_what_precedes_it_in_the_row():
             row = torch.cat([before, doc], dim=1)
             docs = torch.cat([torch.zeros(1, n, dtype=torch.long), torch.ones(1, 40, dtype=torch.long)], dim=1)
             torch.testing.assert_close(model(row, doc_ids=docs).logits[:, n:], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_an_exported_training_checkpoint_carries_its_sources_drafter_vision_tower_and_tokenizer(tmp_path):
+    """A V4.1 run started from a released-layout checkpoint; `trex ckpt export` of its training checkpoint
+    writes the source's DSpark stages and vision tower as stored and its tokenizer, found through the
+    recipe's model.path, so the export loads and hashes Engram's n-grams as the run did. With the source
+    gone the export names it and asks for --source, which then works."""
+    import shutil
+
+    from arithmetic_data import write_sft
+    from trex_run import trex
+
+    from trex.checkpoint import load_pretrained, save_pretrained
+    from trex.data.tokenizer import compact_tokenizer
+
+    tok = compact_tokenizer()
+    token_map, compressed = compressed_token_map(tok.backend)
+    model = DeepseekV41(tiny_v41(vocab_size=112, engram_compressed_vocab_size=compressed))
+    model.init_weights(seed=0)
+    model.set_engram_token_map(token_map, compressed)
+    src = tmp_path / "src"
+    save_pretrained(model, str(src), layout="official", dtype="bf16", max_shard_size="1GB")
+    tok.save(str(src / "tokenizer.json"))
+    extra = _add_carried(src, 64)
+    data = write_sft(tmp_path, n_train=40, n_eval=4)[0]
+    (tmp_path / "recipe.toml").write_text("# everything set on the command line\n")
+    run = ["train", str(tmp_path / "recipe.toml"), "--set", f'data.paths=["{data}"]', "--set", 'data.tokenizer="compact"', "--set", "data.seq_len=32",
+           "--set", "train.steps=1", "--set", "train.progress=false", "--set", "fidelity.every=0",
+           "--set", f'model.path="{src}"', "--set", "checkpoint.save_every=1", "--out", str(tmp_path / "run")]
+    trained = trex(run)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    ckpts = tmp_path / "run" / "checkpoints"
+    out = trex(["ckpt", "export", str(ckpts), str(tmp_path / "out"), "--layout", "official"])
+    assert out.returncode == 0, out.stderr
+    written = {}
+    for shard in (p for p in os.listdir(tmp_path / "out") if p.endswith(".safetensors")):
+        with safe_open(str(tmp_path / "out" / shard), "pt") as f:
+            written.update({k: f.get_tensor(k) for k in f.keys() if k in extra})
+    assert set(written) == set(extra)
+    for k, v in extra.items():
+        assert written[k].dtype == v.dtype and torch.equal(written[k].view(torch.uint8), v.view(torch.uint8)), k
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    assert load_pretrained(str(tmp_path / "out"), dtype=torch.float32, device="cpu").engram_hasher.ready
+    shutil.move(src, tmp_path / "moved")
+    gone = trex(["ckpt", "export", str(ckpts), str(tmp_path / "out2"), "--layout", "official"])
+    assert gone.returncode == 2 and f"started from {src}, which is not here" in gone.stderr and "--source" in gone.stderr
+    again = trex(["ckpt", "export", str(ckpts), str(tmp_path / "out2"), "--layout", "official",
+                  "--source", str(tmp_path / "moved")])
+    assert again.returncode == 0, again.stderr

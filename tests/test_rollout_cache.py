@@ -30,23 +30,30 @@ def _model(overrides):
     return build_model(tiny(**overrides), seed=0).eval()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_cached_logits_match_full_recompute_at_every_step(name):
-    model = _model(CONFIGS[name])
+def _decode_against_recompute(model, cache, label: str, snapshot) -> dict:
+    """Prefill PROMPTS (left-padded) into ``cache``, then ``cache.max_new_tokens`` greedy tokens: at every step
+    the cached logits equal a forward over the whole rows within 1e-5. Returns ``snapshot(cache)`` taken
+    right after the prefill."""
     ids, docs = left_pad(PROMPTS, pad_id=0, device=torch.device("cpu"))
-    steps = 16
-    cache = DecodeCache(steps)
     with torch.no_grad():
         cached = model(ids, doc_ids=docs, cache=cache).logits
         assert cached.shape == (len(PROMPTS), 1, model.cfg.vocab_size)
-        at_prefill = {attn: st.compressor.count.clone() for attn, st in cache.layers.items() if st.compressor}
-        for step in range(steps):
+        at_prefill = snapshot(cache)
+        for step in range(cache.max_new_tokens):
             full = model(ids, doc_ids=docs).logits[:, -1]
-            torch.testing.assert_close(cached[:, 0], full, rtol=0, atol=1e-5, msg=f"{name}: step {step}")
+            torch.testing.assert_close(cached[:, 0], full, rtol=0, atol=1e-5, msg=f"{label}: step {step}")
             tok = full.argmax(dim=-1, keepdim=True)
             ids, docs = torch.cat([ids, tok], dim=1), torch.cat([docs, torch.ones_like(tok)], dim=1)
             cached = model(tok, cache=cache).logits
+    return at_prefill
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cached_logits_match_full_recompute_at_every_step(name):
+    cache = DecodeCache(16)
+    at_prefill = _decode_against_recompute(_model(CONFIGS[name]), cache, name, lambda c: {
+        attn: st.compressor.count.clone() for attn, st in c.layers.items() if st.compressor})
     # every row closed at least two windows of every compressed layer while decoding
     assert at_prefill
     for attn, before in at_prefill.items():
@@ -100,19 +107,10 @@ def test_v41_cached_logits_match_full_recompute_at_every_step(quant):
     model = build_model(tiny_v41(hc_sinkhorn_iters=3), seed=0).eval()  # 3 Sinkhorn rounds: the same ops, faster
     if quant:
         model.set_quant(QuantSim(experts=True, linears=True, activations=True, kv=True))
-    ids, docs = left_pad(PROMPTS, pad_id=0, device=torch.device("cpu"))
-    steps = 12
-    cache = V41DecodeCache(steps)
-    with torch.no_grad():
-        cached = model(ids, doc_ids=docs, cache=cache).logits
-        sources = {attn: st.source for attn, st in cache.layers.items() if st.source is not None}
-        at_prefill = {attn: s.hi.clone() for attn, s in sources.items()}
-        for step in range(steps):
-            full = model(ids, doc_ids=docs).logits[:, -1]
-            torch.testing.assert_close(cached[:, 0], full, rtol=0, atol=1e-5, msg=f"step {step}")
-            tok = full.argmax(dim=-1, keepdim=True)
-            ids, docs = torch.cat([ids, tok], dim=1), torch.cat([docs, torch.ones_like(tok)], dim=1)
-            cached = model(tok, cache=cache).logits
+    cache = V41DecodeCache(12)
+    at_prefill = _decode_against_recompute(model, cache, "v4.1", lambda c: {
+        attn: st.source.hi.clone() for attn, st in c.layers.items() if st.source is not None})
+    sources = {attn: st.source for attn, st in cache.layers.items() if st.source is not None}
     assert len(sources) == 3  # the tiny config's KV sources: two of ratio 2, one of ratio 1
     for attn, before in at_prefill.items():
         assert bool((sources[attn].hi - before >= 6).all())  # each closed at least 6 groups while decoding

@@ -18,9 +18,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from trex.checkpoint.layouts import SAVE_DTYPES, TrexTensor, plan_outputs
-from trex.checkpoint.save import checkpoint_config
+from trex.checkpoint.reader import CheckpointReader
+from trex.checkpoint.save import checkpoint_config, passthrough_tensors, tokenizer_files
 from trex.checkpoint.writer import check_destination, write_checkpoint
-from trex.models.config_v41 import config_from_dict
+from trex.models.config_v41 import V41Config, config_from_dict
 from trex.models.build import build_model
 from trex.checkpoint.naming import LAYOUTS
 from trex.checkpoint.manifest import MANIFEST, TRAINER_STATE, SafeFileSystemReader, verify_checkpoint
@@ -50,12 +51,18 @@ class _TensorSource:
 
 
 def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf16", quantize: str | None = None,
-                      max_shard_size: int | str = "5GB", overwrite: bool = False) -> list[str]:
+                      max_shard_size: int | str = "5GB", overwrite: bool = False, source: str | None = None
+                      ) -> list[str]:
     """Write the model of training checkpoint ``path`` to ``out``; returns the shard names.
 
     The checkpoint must verify; a run's checkpoint directory (``runs/x/checkpoints``) stands for its
     newest checkpoint that verifies. layout, dtype, quantize, max_shard_size: as `save_pretrained`.
     ``out`` may not be ``path``, lie inside it or hold it (`check_destination`).
+
+    ``source``: the checkpoint the run started from (default: its recipe's ``model.path``), whose
+    tokenizer files, and for DeepSeek-V4.1 the tensors trex carries untrained (vision tower, DSpark
+    stages), are written with the model as they are stored, so the export serves as its source did. A
+    V4.1 run that started from a checkpoint which is not here is an error naming it.
     """
     from trex.checkpoint.training import find_resume, list_checkpoints
 
@@ -79,6 +86,7 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
     if not raw_config:
         raise ValueError(f"{path}/{TRAINER_STATE}: no model_config; this checkpoint cannot be exported")
     cfg = config_from_dict(raw_config, source=f"{path}/{TRAINER_STATE}")
+    origin = _origin(path, source, cfg)
     meta_model = build_model(cfg, device="meta")
     source = _TensorSource(path)
     tensors = []
@@ -91,5 +99,31 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
             return full if expert is None else full[expert]
         tensors.append(TrexTensor(key, tuple(v.shape), v.dtype, get))
     groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, cfg.architecture)
-    return write_checkpoint(out, groups, checkpoint_config(cfg, layout, dtype, quantize), max_shard_size, overwrite,
-                            sources=sources)
+    carried, copies = [], {}
+    if origin is not None:
+        reader = CheckpointReader(origin)
+        carried = passthrough_tensors(reader) if isinstance(cfg, V41Config) else []
+        copies = tokenizer_files(origin)
+        log.info("carrying %d untrained tensors and %s from %s", len(carried), sorted(copies) or "no tokenizer", origin)
+    return write_checkpoint(out, groups + carried, checkpoint_config(cfg, layout, dtype, quantize), max_shard_size,
+                            overwrite, sources=(*sources, origin), copies=copies)
+
+
+def _origin(path: str, source: str | None, cfg) -> str | None:
+    """The checkpoint directory the run of training checkpoint ``path`` started from: ``source``, else its
+    recipe's ``model.path`` when that is here; None when the run started from a preset."""
+    if source is not None:
+        if not os.path.isfile(os.path.join(source, "config.json")):
+            raise ValueError(f"--source {source}: no checkpoint there (expected config.json and safetensors)")
+        return source
+    with open(os.path.join(path, TRAINER_STATE)) as f:
+        started = ((json.load(f).get("config") or {}).get("model") or {}).get("path") or ""
+    if not started:
+        return None
+    if os.path.isfile(os.path.join(started, "config.json")):
+        return started
+    if isinstance(cfg, V41Config):
+        raise ValueError(f"{path}: the run started from {started}, which is not here; the export carries its vision "
+                         "tower, DSpark stages and tokenizer: name that checkpoint with --source DIR")
+    log.warning("%s: the run started from %s, which is not here: its tokenizer files are not copied", path, started)
+    return None

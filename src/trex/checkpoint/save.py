@@ -46,9 +46,9 @@ def save_pretrained(model: torch.nn.Module, path: str, layout: str = "hf", dtype
     tensors = [TrexTensor(k, tuple(v.shape), v.dtype, _getter(v)) for k, v in _ordered(state)]
     src = sources[0] if sources[0] and os.path.isdir(sources[0]) else None
     reader = CheckpointReader(src) if src else None
-    carried = _passthrough(reader) if reader and isinstance(model.cfg, V41Config) else []
+    carried = passthrough_tensors(reader) if reader and isinstance(model.cfg, V41Config) else []
     return _write(tensors, model.cfg, path, layout, dtype, quantize, max_shard_size, overwrite, progress, sources,
-                  carried, _scale_hint(reader, layout), _tokenizer_files(src))
+                  carried, _scale_hint(reader, layout), tokenizer_files(src))
 
 
 def convert(src: str, dst: str, layout: str = "hf", dtype: str = "bf16", quantize: str | None = None,
@@ -69,17 +69,17 @@ def convert(src: str, dst: str, layout: str = "hf", dtype: str = "bf16", quantiz
         tensors.append(TrexTensor(key, tuple(v.shape), read_dtype, _reader_getter(reader, key, tuple(v.shape),
                                                                                   read_dtype)))
     return _write(tensors, reader.config, dst, layout, dtype, quantize, max_shard_size, overwrite, progress, (src,),
-                  _passthrough(reader), _scale_hint(reader, layout), _tokenizer_files(src))
+                  passthrough_tensors(reader), _scale_hint(reader, layout), tokenizer_files(src))
 
 
-def _tokenizer_files(src: str | None) -> dict[str, str]:
+def tokenizer_files(src: str | None) -> dict[str, str]:
     """The tokenizer files and folder (``TOKENIZER_FILES``) that checkpoint directory ``src`` holds."""
     if not src:
         return {}
     return {name: os.path.join(src, name) for name in TOKENIZER_FILES if os.path.exists(os.path.join(src, name))}
 
 
-def _passthrough(reader: CheckpointReader) -> list[list[PlannedTensor]]:
+def passthrough_tensors(reader: CheckpointReader) -> list[list[PlannedTensor]]:
     """V4.1's vision tower and DSpark stages of the source checkpoint, to be written as they are stored."""
     return [[PlannedTensor(name, file.tensors[name].dtype, tuple(file.tensors[name].shape),
                            lambda file=file, name=name: file.read(name))] for name, file in reader.passthrough.items()]

@@ -22,6 +22,8 @@ def register(sub) -> None:
     p.add_argument("dir", help="a step_<N> training checkpoint directory")
     p.add_argument("out", help="new directory (written atomically)")
     add_output_arguments(p)
+    p.add_argument("--source", help="the checkpoint the run started from (default: its recipe's model.path): its "
+                                    "tokenizer, and V4.1's vision tower and DSpark stages, are written along")
     p.set_defaults(func=_cmd_export)
 
 
@@ -48,7 +50,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     try:
         files = export_checkpoint(args.dir, args.out, layout=args.layout, dtype=args.dtype, quantize=args.quantize,
-                                  max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+                                  max_shard_size=args.max_shard_size, overwrite=args.overwrite, source=args.source)
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
