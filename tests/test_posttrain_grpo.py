@@ -383,7 +383,8 @@ def test_grpo_on_v41_under_fsdp2_ep2_and_cp2_gives_the_samples_and_losses_of_one
     """GRPO on DeepSeek-V4.1 (tiny-v4.1: every layer kind, Engram, the candidate pool): rollouts sampled
     by re-running the prefix (V4.1 has no decode cache), on one process, on two ranks as FSDP2 + EP2 (the
     Engram tables split by rows) and as cp = 2 (both ranks sample whole rows, each trains on half):
-    the same completions and rewards, and every step's loss, KL, entropy and gradient norm within 1e-5.
+    the same completions and rewards, and every step's loss, KL, entropy and gradient norm within 1e-5
+    (3 Sinkhorn rounds in mHC, not 20: the same operations, a cheaper test).
     AdamW with eps 1e-8, not Muon: Muon's orthogonalisation gives a matrix whose gradient is at the level of
     the layouts' reduction-order differences (~1e-7) a full-size update, so with it cp = 2 left one process
     by 2.5e-3 at step 3 (measured; 4e-6 under AdamW); AdamW's first step at V4's eps of 1e-20 is the sign of
@@ -393,14 +394,15 @@ def test_grpo_on_v41_under_fsdp2_ep2_and_cp2_gives_the_samples_and_losses_of_one
 
     def v41(args: list[str], ep: int) -> list[str]:
         return [('model.preset="tiny-v4.1"' if a.startswith("model.overrides=") else a) for a in args] + [
-            "--set", 'optim.name="adamw"', "--set", "optim.eps=1e-8", *(["--set", f"parallel.ep={ep}"] if ep > 1 else [])]
+            "--set", "model.overrides={hc_sinkhorn_iters=3}", "--set", "train.steps=3", "--set", 'optim.name="adamw"',
+            "--set", "optim.eps=1e-8", *(["--set", f"parallel.ep={ep}"] if ep > 1 else [])]
 
     env = _reward_env(prompt_files)
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
     one = trex(v41(_two_process_args(prompt_files, tmp_path / "one", 1, "fsdp2"), 1), env=env)
     assert one.returncode == 0, one.stderr[-3000:]
     a = _metrics(tmp_path / "one")
-    assert len(a) == 4 and any(r["reward_std"] > 0 for r in a) and any(r["kl"] > 0 for r in a)
+    assert len(a) == 3 and any(r["reward_std"] > 0 for r in a) and any(r["kl"] > 0 for r in a)
     for layout, ep in (("fsdp2", 2), ("cp2", 1)):
         two = torchrun(2, v41(_two_process_args(prompt_files, tmp_path / layout, 2, layout), ep), timeout=400)
         assert two.returncode == 0, (layout, two.stderr[-3000:])
