@@ -306,15 +306,17 @@ def test_fsdp2_expert_and_context_parallelism_on_two_ranks_give_the_losses_of_on
     halo, compression groups crossing the shard boundary, the gathered entries and index keys, the
     candidate pool and picks ranked in one process's order, n-grams looking back across the boundary),
     against one process accumulating the same 2 x 4 sequences: every step's loss and gradient norm within
-    1e-5. AdamW at eps 1e-8, as the V4.1 layout tests of GRPO, DPO and distillation (there the reason):
+    1e-5; the FSDP2 + EP2 run resumed from its step-2 checkpoint repeats step 3 exactly. AdamW at eps 1e-8, as the V4.1 layout tests of GRPO, DPO and distillation (there the reason):
     under Muon cp = 2's gradient norm left one process by 1.8e-5 at step 3, with the loss within 1.3e-7."""
     from trex_run import ROOT, trex
 
     common = ["train", os.path.join(ROOT, "recipes", "fidelity_default.toml"), "--steps", "3", "--set",
               'model.preset="tiny-v4.1"', "--set", "model.overrides={hc_sinkhorn_iters=3}", "--set",
-              "train.progress=false", "--set", "fidelity.every=0", "--set", 'train.engram="train"', "--set", 'optim.name="adamw"', "--set", "optim.eps=1e-8"]
+              "train.progress=false", "--set", "fidelity.every=0", "--set", 'train.engram="train"', "--set",
+              'optim.name="adamw"', "--set", "optim.eps=1e-8"]
+    sharded = ["--set", "parallel.dp_shard=2", "--set", "parallel.ep=2"]
     runs = {"one": (1, ["--set", "train.grad_accum=2"]),
-            "fsdp2-ep2": (2, ["--set", "parallel.dp_shard=2", "--set", "parallel.ep=2"]),
+            "fsdp2-ep2": (2, [*sharded, "--set", "checkpoint.save_every=2"]),
             "cp2": (2, ["--set", "parallel.cp=2", "--set", "train.grad_accum=2"])}
     rows = {}
     for name, (procs, extra) in runs.items():
@@ -326,6 +328,15 @@ def test_fsdp2_expert_and_context_parallelism_on_two_ranks_give_the_losses_of_on
         for a, b in zip(rows["one"], rows[name]):
             for key in ("loss", "grad_norm"):
                 assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (name, key, a["step"], a[key], b[key])
+    # the sharded run resumed from its step-2 checkpoint (tables' shards and their row-wise AdaGrad state
+    # through DCP) takes step 3 again, bit for bit
+    step2 = tmp_path / "fsdp2-ep2" / "checkpoints" / "step_2"
+    proc = trex([*common, *sharded, "--set", f'checkpoint.resume="{step2}"', "--out", str(tmp_path / "fsdp2-ep2")],
+                procs=2, env={"TREX_DEVICE": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = [json.loads(line) for line in open(tmp_path / "fsdp2-ep2" / "metrics.jsonl")]
+    assert again == rows["fsdp2-ep2"][:2] + [again[2]] and again[2]["loss"] == rows["fsdp2-ep2"][2]["loss"]
+    assert again[2]["grad_norm"] == rows["fsdp2-ep2"][2]["grad_norm"]
 
 
 def test_every_v41_block_kind_compiles_without_a_graph_break():

@@ -311,7 +311,8 @@ def find_resume(directory: str) -> str | None:
 # ---- load -------------------------------------------------------------------------------------------
 def _allocate_optimizer_state(state: RunState, index) -> dict[str, dict[str, torch.Tensor]]:
     """Empty tensors, by parameter name and state key, for every optimizer entry in the DCP index,
-    placed like their parameter (a DTensor parameter gets DTensor state)."""
+    placed like their parameter (a DTensor parameter gets DTensor state): the parameter's shape, a
+    scalar (a step count) or one per row (V4.1's Engram tables under row-wise AdaGrad)."""
     params = {n: p for n, p in state.model.named_parameters()}
     trained = {id(p) for g in state.optimizer.param_groups for p in g["params"]}
     out: dict[str, dict[str, torch.Tensor]] = {}
@@ -327,6 +328,8 @@ def _allocate_optimizer_state(state: RunState, index) -> dict[str, dict[str, tor
             out.setdefault(name, {})[leaf] = torch.zeros_like(p, dtype=dtype, requires_grad=False)
         elif shape == ():  # AdamW's step count, on the parameter's device like the optimizer keeps it
             out.setdefault(name, {})[leaf] = torch.zeros((), dtype=dtype, device=p.device)
+        elif p.dim() > 1 and shape == tuple(p.shape[:-1]):  # one value per row (row-wise AdaGrad), split as the rows
+            out.setdefault(name, {})[leaf] = torch.zeros_like(p[..., 0], dtype=dtype, requires_grad=False)
         else:
             raise ValueError(f"checkpoint optimizer state {key[6:]} has shape {list(shape)}; parameter {name} "
                              f"has shape {list(p.shape)}")
