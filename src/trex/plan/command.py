@@ -161,7 +161,7 @@ def _fewest(args: argparse.Namespace, spec: str, cfg: ModelConfig, layout: Layou
             assume: TimeAssumptions) -> int:
     """No device count: the fewest devices that fit, and the fastest layout there."""
     found = fewest_devices(cfg, seq, hw, assume, optimizer=layout.optimizer,
-                           global_batch_tokens=args.global_batch_tokens)
+                           global_batch_tokens=args.global_batch_tokens, train_engram=layout.train_engram)
     if found is None:
         reason = f"{spec} at {seq:,}-token sequences does not fit on any number of {hw.name} devices the planner tries"
         _emit(args, {"fits": False, "model": spec, "seq_len": seq, "hardware": hw.name, "reasons": [reason]},
@@ -199,9 +199,10 @@ def _plan(args: argparse.Namespace) -> int:
         # --search, or a model and a device count only: the fastest layout that fits rather than ep=1
         devices = args.devices or layout.devices
         batch = args.global_batch_tokens or layout.global_batch_tokens(seq)
-        plans = search(cfg, devices, seq, batch, hw, assume, optimizer=layout.optimizer)
+        plans = search(cfg, devices, seq, batch, hw, assume, optimizer=layout.optimizer,
+                       train_engram=layout.train_engram)
         if not plans:
-            hint = no_fit_hint(cfg, devices, seq, batch, hw, assume, layout.optimizer)
+            hint = no_fit_hint(cfg, devices, seq, batch, hw, assume, layout.optimizer, layout.train_engram)
             _emit(args, {"fits": False, "model": spec, "devices": devices, "seq_len": seq, "global_batch_tokens": batch,
                          "hardware": hw.name, "reasons": [hint]}, f"no layout fits: {hint}")
             return 1

@@ -93,10 +93,11 @@ def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: in
            assume: TimeAssumptions = TimeAssumptions(), optimizer: str = "muon",
            micro_batches: tuple[int, ...] = (1, 2, 4), recompute: tuple[str, ...] = ("none", "selective", "full"),
            pipeline: tuple[int, ...] = (1,), fitting_only: bool = True,
-           offload: tuple[bool, ...] = (False, True), largest_ep_only: bool = False) -> list[Plan]:
+           offload: tuple[bool, ...] = (False, True), largest_ep_only: bool = False,
+           train_engram: bool = False) -> list[Plan]:
     """Every layout on ``devices`` devices that fits (every one, with ``fitting_only=False``) and
     reaches ``global_batch_tokens`` exactly, fastest first; ``offload`` and ``largest_ep_only``
-    narrow the options tried. cp ranges over the divisors of the device count that split the sequence (see
+    narrow the options tried; ``train_engram``: V4.1's Engram tables train (trex.plan.layout.Layout). cp ranges over the divisors of the device count that split the sequence (see
     trex.models.deepseek_v4.check_shardable), shard sizes over the divisors of what it leaves; ep
     divides both the shard size and the expert count."""
     if global_batch_tokens % seq_len:
@@ -121,7 +122,7 @@ def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: in
                     for rc, off, every in itertools.product(recompute, offload, reduce_options):
                         layout = Layout(dp_shard=shard, dp_replicate=replicate, ep=ep, cp=cp, pp=pp, micro_batch=mb,
                                         grad_accum=ga, recompute=rc, optimizer=optimizer, offload_optimizer=off,
-                                        reduce_every_micro_batch=every)
+                                        reduce_every_micro_batch=every, train_engram=train_engram)
                         plan = make_plan(cfg, layout, seq_len, hw, assume)
                         if plan.fits or not fitting_only:
                             plans.append(plan)
@@ -129,10 +130,11 @@ def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: in
 
 
 def no_fit_hint(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: int, hw: HardwareProfile,
-                assume: TimeAssumptions = TimeAssumptions(), optimizer: str = "muon") -> str:
+                assume: TimeAssumptions = TimeAssumptions(), optimizer: str = "muon", train_engram: bool = False) -> str:
     """Why :func:`search` found nothing, naming only what it did not try: the batch does not split over
     any layout, or the leanest layout it tried needs more memory than the device has."""
-    tried = search(cfg, devices, seq_len, global_batch_tokens, hw, assume, optimizer, fitting_only=False)
+    tried = search(cfg, devices, seq_len, global_batch_tokens, hw, assume, optimizer, fitting_only=False,
+                   train_engram=train_engram)
     if not tried:
         return (f"no layout on {devices} devices reaches {global_batch_tokens:,} tokens per step exactly (its "
                 f"{global_batch_tokens // seq_len:,} sequences must split evenly over the data-parallel ranks): "
@@ -175,7 +177,7 @@ class Fewest:
 
 def fewest_devices(cfg: ModelConfig, seq_len: int, hw: HardwareProfile, assume: TimeAssumptions = TimeAssumptions(),
                    optimizer: str = "muon", global_batch_tokens: int | None = None,
-                   limit: int = 1 << 17) -> Fewest | None:
+                   limit: int = 1 << 17, train_engram: bool = False) -> Fewest | None:
     """The fewest devices (of :func:`device_counts`) on which some layout fits, and every layout that
     fits there, fastest first. A count is tried with its leanest layouts (full recompute, one sequence
     per micro-batch, the widest ep of every shard/cp split, with and without offload): if none fits,
@@ -194,8 +196,8 @@ def fewest_devices(cfg: ModelConfig, seq_len: int, hw: HardwareProfile, assume: 
         batch = global_batch_tokens or n * seq_len
         if lean:  # the least memory: one sequence, full recompute, experts split widest
             return search(cfg, n, seq_len, batch, hw, assume, optimizer, micro_batches=(1,), recompute=("full",),
-                          largest_ep_only=True)
-        return search(cfg, n, seq_len, batch, hw, assume, optimizer)
+                          largest_ep_only=True, train_engram=train_engram)
+        return search(cfg, n, seq_len, batch, hw, assume, optimizer, train_engram=train_engram)
 
     lo, hi, step = -1, None, 1  # indices into counts: counts[lo] does not fit, counts[hi] fits
     while hi is None:
