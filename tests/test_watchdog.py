@@ -28,6 +28,17 @@ def test_a_stuck_rank_is_the_one_behind_not_the_ones_waiting_for_it():
     assert find_lost(seen, now=100.0, timeout_s=40) is None
 
 
+def test_a_long_step_is_stuck_only_once_it_has_been_behind_for_the_timeout():
+    # rank 0 has been in step 1 since t=0 (a first step, then rank-0-only logging); rank 1 reached step 2 at
+    # t=98: rank 0 has been behind for 2 s, not 100 (the suite's fault trials, timeout 5 s, were once
+    # stopped this way on a loaded machine)
+    seen = {0: _seen(beat_at=99.5, place_at=0, step=1), 1: _seen(beat_at=99.5, place_at=98, step=2)}
+    assert find_lost(seen, now=100.0, timeout_s=5) is None
+    verdict = find_lost({0: _seen(beat_at=103, place_at=0, step=1), 1: _seen(beat_at=103, place_at=98, step=2)},
+                        now=103.0, timeout_s=5)
+    assert verdict.startswith("rank 0 is stuck: at step 1, phase step") and "rank 1 moved on" in verdict
+
+
 @pytest.mark.parametrize("phase", ["setup", "summary"])
 def test_phases_that_run_at_different_speeds_are_not_judged_stuck(phase):
     seen = {0: _seen(beat_at=99, place_at=0, step=0, phase=phase), 1: _seen(beat_at=99, place_at=99, step=3)}

@@ -8,8 +8,8 @@ and the error then names a rank that *waited*. With it, every rank runs one daem
   (the TCPStore at ``MASTER_ADDR:MASTER_PORT`` that torchrun hosts for the job), and
 - reads every rank's beat and place, and judges them with `find_lost` on its own clock: a rank whose
   beat has not advanced for ``timeout_s`` has stopped answering (SIGSTOP, a dead host, a process
-  wedged holding the interpreter); a rank whose place has not moved for ``timeout_s`` while another
-  is further along is stuck outside the collectives (a hung read, a loop).
+  wedged holding the interpreter); a rank that has stayed at its place for ``timeout_s`` after
+  another moved past it is stuck outside the collectives (a hung read, a loop).
 
 The watcher that finds one logs one line naming the rank, its step and phase and how long it has
 been silent or stuck, calls ``on_lost`` (the loop records it in summary.json), and ends its process
@@ -65,9 +65,11 @@ class Seen:
 def find_lost(seen: dict[int, Seen], now: float, timeout_s: float) -> str | None:
     """The verdict on a job's ranks, or None when every rank is answering and moving.
 
-    A rank is lost when its beat is ``timeout_s`` old, or when, still beating, it has been at the
-    same place for ``timeout_s`` while another rank is past that place. Silent ranks are reported before stuck ones
-    (a silent rank also stops moving); among several, the lowest rank is named."""
+    A rank is lost when its beat is ``timeout_s`` old, or when, still beating, it has stayed at its
+    place for ``timeout_s`` after another rank moved past it (timed from the later of its own arrival
+    and the first rank ahead reaching its place: a long first step with rank-0-only work at its end,
+    such as opening TensorBoard, is not "stuck" the moment the other ranks move on). Silent ranks are
+    reported before stuck ones (a silent rank also stops moving); among several, the lowest rank is named."""
     active = {r: s for r, s in seen.items() if s.phase != "done"}
     for rank, s in sorted(active.items()):
         if now - s.beat_at >= timeout_s:
@@ -76,7 +78,10 @@ def find_lost(seen: dict[int, Seen], now: float, timeout_s: float) -> str | None
     ahead = max((s.place for s in active.values()), default=(0, 0))
     for rank, s in sorted(active.items()):
         fresh = now - s.beat_at < timeout_s / 2  # a rank going silent is judged silent, not stuck
-        if fresh and s.phase in _JUDGED and s.place < ahead and now - s.place_at >= timeout_s:
+        if not (fresh and s.phase in _JUDGED and s.place < ahead):
+            continue
+        behind_since = max(s.place_at, min(o.place_at for o in active.values() if o.place > s.place))
+        if now - behind_since >= timeout_s:
             others = sorted(r for r, o in active.items() if o.place > s.place)
             return (f"rank {rank} is stuck: at step {s.step}, phase {s.phase} for {now - s.place_at:.0f} s while "
                     f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} moved on")
