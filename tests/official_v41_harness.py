@@ -9,7 +9,9 @@ dba1be0a40aa45a94ad051997016db3960a90277 into a directory, then
 rewrites tests/fixtures/v41/tiny.safetensors (numbers only: the tiny model's weights under the official
 names, the inputs, the official token map and n-gram hashes, the official logits and gradients) and
 tests/fixtures/v41/released/ (the same model as a checkpoint in the released layout, its names, shapes
-and FP8/FP4 formats those of the official module built with FP8 linears and FP4 experts). Its
+and FP8/FP4 formats those of the official module built with FP8 linears and FP4 experts), and
+tests/fixtures/v41/dspark.safetensors and dspark_released/ (the same for a model with two DSpark stages,
+and the official greedy loop's drafts: see ``run_dspark`` and its one fix, ``publish_index_keys``). Its
 ``kernel.py`` (tilelang, GPU only) is replaced by the torch stand-ins below, written for this harness
 from the kernels' contracts; the vision tower is not built (``vision_n_layers = 0``).
 
@@ -211,6 +213,16 @@ def tiny_args(module, compressed_vocab: int):
     )
 
 
+def dspark_args(module, compressed_vocab: int, rows: tuple[int, ...]):
+    """``tiny_args`` with two DSpark stages (``mtp.0`` projects the target layers, ``mtp.1`` holds the
+    heads) drafting blocks of 3 from layers 4 and 5, 4 experts top-3, and greedy sampling."""
+    args = tiny_args(module, compressed_vocab)
+    return module.ModelArgs(**{**vars(args), "n_mtp_layers": 2, "compress_ratios": (*args.compress_ratios, 0, 0),
+                               "engram_num_embeddings": rows, "dspark_block_size": 3, "dspark_noise_token_id": 63,
+                               "dspark_target_layer_ids": (4, 5), "dspark_markov_rank": 16,
+                               "dspark_n_routed_experts": 4, "dspark_n_activated_experts": 3, "temperature": 0.0})
+
+
 def random_weights(model, seed: int) -> dict[str, torch.Tensor]:
     """A value for every parameter, bf16-representable, at scales that make every part matter: matrices
     N(0, 1/fan_in), norms and mHC scales around 1, sinks and router biases spread, Engram tables FP8."""
@@ -283,6 +295,70 @@ def run(module, args, weights: dict[str, torch.Tensor], ids: torch.Tensor, token
         torch.set_default_dtype(torch.float32)
 
 
+def publish_index_keys(module) -> None:
+    """Fix a decode bug of the official code: an index-key owner publishes its key cache
+    (``shared_attn.index_k``) only in a step that completes one of its groups, so in the other decode steps
+    of a ratio-2 KV source its layers score against the keys the previous step's last owner left there (in
+    the released config the ratio-1 source's, layer 20). Its decode then departs from its own prefill over
+    the same tokens (measured: 10-20% on the target layers' hidden, greedy tokens changed). Publishing in
+    every step, as the compressed entries already are, makes decode equal its prefill."""
+    forward = module.Indexer.forward
+
+    def publishing(self, x, qr, latent, start_pos, offset):
+        if self.owns_k:
+            module.shared_attn.index_k = self.k_cache
+        return forward(self, x, qr, latent, start_pos, offset)
+
+    module.Indexer.forward = publishing
+
+
+def run_dspark(module, args, weights: dict[str, torch.Tensor], ids: torch.Tensor, prefill: int, tokenizer,
+               bf16: bool) -> dict[str, torch.Tensor]:
+    """The official greedy loop with the drafter (its ``__main__``, with ``publish_index_keys``): the prefill
+    over ids[:, :prefill] seeds the drafter's windows, then each decode step i feeds ids[:, i] and drafts
+    from its greedy token and the target layers' hidden. Per step: the main token [B], the target hidden
+    [B, k d], the draft ids [B, block + 1], logits [B, block, V] and confidence [B, block], stacked over the
+    steps; ``prefill_hidden`` [B, prefill, k d]; and ``decode_error``: the hidden's largest relative departure from a prefill of the same tokens."""
+    MODE["quantise"] = bf16
+    torch.set_default_dtype(torch.bfloat16 if bf16 else torch.float32)
+    try:
+        model = module.Transformer(args, tokenizer)
+        state = {}
+        for name, p in model.state_dict().items():
+            key = _shared_name(name)
+            state[name] = weights[key + "@fp8"] if key.endswith("engram.embed.weight") else \
+                weights[key].to(p.dtype if bf16 else torch.float32)
+        if not bf16:
+            model.float()
+            for layer in model.layers:
+                if layer.engram is not None:
+                    layer.engram.embed.register_forward_hook(lambda mod, inp, out: out.float())
+        model.load_state_dict(state, strict=True)
+        out = {k: [] for k in ("token", "hidden", "draft", "draft_logits", "confidence")}
+        tokens, _, hidden = model(ids[:, :prefill])
+        model.forward_spec(tokens, hidden, 0)
+        seed = hidden.float()
+        for i in range(prefill, ids.shape[1]):
+            tokens, _, hidden = model(ids[:, i:i + 1], i)
+            draft, logits, confidence = model.forward_spec(tokens, hidden, i)
+            for key, value in zip(out, (tokens, hidden[:, 0], draft, logits, confidence)):
+                out[key].append(value.float() if value.is_floating_point() else value)
+        out = {k: torch.stack(v, dim=1).contiguous() for k, v in out.items()}
+        _, _, whole = model(ids)
+        out["prefill_hidden"] = seed
+        out["decode_error"] = ((out["hidden"] - whole[:, prefill:].float()).abs().amax() / whole.float().abs().amax())
+        return out
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _shared_name(name: str) -> str:
+    """The official module also lists the main embedding and head under each DSpark stage (``mtp.N.embed``,
+    ``mtp.N.head``: the same tensors); they are the main model's."""
+    parts = name.split(".")
+    return ".".join(parts[2:]) if parts[0] == "mtp" and parts[2] in ("embed", "head") else name
+
+
 def _fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [R, C] -> (e4m3 [R, C], ue8m0 scales [R/br, C/bc], dequantised fp32), the official rule: each
     block's amax / 448 rounded up to a power of two."""
@@ -311,7 +387,7 @@ def _fp4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 # as released, unlike the inference module's own dtypes: wo_a FP8 (convert.py dequantises it), the LM head
 # and the compressors bf16 (the module promotes them to fp32)
 _RELEASED_FP8 = (".attn.wo_a.weight",)
-_RELEASED_BF16 = ("head.weight", ".compressor.wkv.weight", ".compressor.wgate.weight")
+_RELEASED_BF16 = ("head.weight", ".compressor.wkv.weight", ".compressor.wgate.weight", ".confidence_head.proj.weight")
 
 
 def official_checkpoint(module, args, weights: dict[str, torch.Tensor], wrapped, tok, out: str) -> dict:
@@ -329,8 +405,8 @@ def official_checkpoint(module, args, weights: dict[str, torch.Tensor], wrapped,
     state = model.state_dict()
     tensors, intended = {}, {}
     for name, p in state.items():
-        if name.endswith(".scale"):
-            continue  # written with its weight
+        if name.endswith(".scale") or _shared_name(name) != name:
+            continue  # written with its weight; a DSpark stage's embed and head are the main model's
         scale = name[: -len("weight")] + "scale"
         if name.endswith("engram.embed.weight"):
             tensors[name], tensors[scale] = weights[name + "@fp8"], weights[scale].to(torch.float8_e8m0fnu)
@@ -390,9 +466,37 @@ def main(argv: list[str] | None = None) -> int:
     intended = official_checkpoint(module, args, weights, wrapped, tok, os.path.join(opts.out, "released"))
     tensors.update({f"released.{k}": v.bfloat16() for k, v in intended.items()})  # FP8/FP4 values: exact in bf16
     save_file(tensors, os.path.join(opts.out, "tiny.safetensors"), metadata=meta)
+    write_dspark(module, wrapped, tok, compressed, rows, opts.out)
     print(f"wrote {os.path.join(opts.out, 'tiny.safetensors')}: {len(tensors)} tensors, "
           f"{sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20:.2f} MiB")
     return 0
+
+
+
+def write_dspark(module, wrapped, tok, compressed: int, rows: tuple[int, ...], out: str) -> None:
+    """tests/fixtures/v41/dspark.safetensors (the drafter's weights, inputs and, per run, the official
+    loop's outputs) and dspark_released/ (the model with its drafter in the released layout)."""
+    from safetensors.torch import save_file
+
+    args = dspark_args(module, compressed, rows)
+    publish_index_keys(module)
+    torch.manual_seed(0)
+    weights = random_weights(module.Transformer(args, wrapped), seed=2)
+    weights = {k: v for k, v in weights.items() if _shared_name(k) == k}
+    ids = torch.randint(0, 64, (2, 26), generator=torch.Generator().manual_seed(3))
+    tensors = {f"weight.{k}": v.bfloat16() for k, v in weights.items() if "@" not in k and not k.endswith("embed.scale")}
+    tensors["input_ids"] = ids
+    for mode in ("fp32", "bf16"):
+        tensors.update({f"{k}.{mode}": v for k, v in run_dspark(module, args, weights, ids, 14, wrapped,
+                                                                bf16=mode == "bf16").items()})
+    meta = {k: json.dumps(list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()}
+    meta["revision"] = "dba1be0a40aa45a94ad051997016db3960a90277"
+    meta["prefill"] = "14"
+    meta["tokenizer"] = tok.to_str()
+    intended = official_checkpoint(module, args, weights, wrapped, tok, os.path.join(out, "dspark_released"))
+    tensors.update({f"released.{k}": v.bfloat16() for k, v in intended.items()})
+    save_file(tensors, os.path.join(out, "dspark.safetensors"), metadata=meta)
+    print(f"wrote {os.path.join(out, 'dspark.safetensors')}: {len(tensors)} tensors")
 
 
 if __name__ == "__main__":

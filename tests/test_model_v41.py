@@ -35,14 +35,14 @@ def official_model(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> De
     """trex's V4.1 built from the fixture's official ModelArgs, tokenizer and weights (official names)."""
     from tokenizers import Tokenizer
 
-    cfg = V41Config.from_dict({k: json.loads(v) for k, v in meta.items() if k not in ("revision", "tokenizer")},
+    cfg = V41Config.from_dict({k: json.loads(v) for k, v in meta.items() if k not in ("revision", "tokenizer", "prefill")},
                               source=FIXTURE)
     model = DeepseekV41(cfg)
     model.set_engram_token_map(*compressed_token_map(Tokenizer.from_str(meta["tokenizer"])))
     state = model.state_dict()
     filled = set()
     for name, value in tensors.items():
-        if not name.startswith("weight."):
+        if not name.startswith("weight.") or name.startswith("weight.mtp."):
             continue
         for key, expert, part in to_trex(name[len("weight."):], value.float(), layout="official"):
             (state[key] if expert is None else state[key][expert]).copy_(part)
@@ -268,6 +268,10 @@ def test_the_flash_preset_counts_its_backbone_engram_and_drafter():
     assert counts.active == counts.total - counts.engram + 2 * 24 * 256 - L * 378 * 3 * d * 2304
     stage = attention + 128 * d + 129 * 3 * d * 2304 + mhc + 2 * d
     assert counts.mtp == 3 * stage + (3 * d * d + d) + (d + 2 * V * 256 + d + 256)
+    from trex.models.dspark import DSparkDrafter
+
+    with torch.device("meta"):  # the drafter module trex builds has exactly those parameters
+        assert sum(p.numel() for p in DSparkDrafter(cfg).parameters()) == counts.mtp
 
 
 def test_sft_trains_a_v41_model_through_the_training_loop(tmp_path):
@@ -430,3 +434,211 @@ def test_an_exported_training_checkpoint_carries_its_sources_drafter_vision_towe
     again = trex(["ckpt", "export", str(ckpts), str(tmp_path / "out2"), "--layout", "official",
                   "--source", str(tmp_path / "moved")])
     assert again.returncode == 0, again.stderr
+
+
+# ---- the DSpark drafter (mtp.*) against the official forward_spec ------------------------------------------
+DSPARK = os.path.join(os.path.dirname(__file__), "fixtures", "v41", "dspark.safetensors")
+
+
+@pytest.fixture(scope="module")
+def dspark():
+    with safe_open(DSPARK, "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def official_drafter(tensors: dict[str, torch.Tensor], cfg: V41Config):
+    """trex's DSpark drafter with the fixture's official ``mtp.*`` weights."""
+    from trex.models.dspark import DSparkDrafter
+
+    drafter = DSparkDrafter(cfg)
+    state = drafter.state_dict()
+    filled = set()
+    for name, value in tensors.items():
+        if name.startswith("weight.mtp."):
+            for key, expert, part in to_trex(name[len("weight."):], value.float(), layout="official"):
+                (state[key] if expert is None else state[key][expert]).copy_(part)
+                filled.add(key)
+    assert filled == set(state), sorted(set(state) ^ filled)
+    drafter.load_state_dict(state)
+    return drafter
+
+
+def draft_loop(model, drafter, ids: torch.Tensor, prefill: int) -> dict[str, torch.Tensor]:
+    """The official loop in trex: prefill ids[:, :prefill] (seeding the drafter), then per position i the main
+    model's step on ids[:, i] and a draft from its greedy token; outputs stacked over the steps as the fixture's."""
+    from trex.models.decode_v41 import V41DecodeCache
+
+    cache = V41DecodeCache(ids.shape[1])
+    taps = drafter.target_layers
+    out = {k: [] for k in ("token", "hidden", "draft", "draft_logits", "confidence")}
+    with torch.no_grad():
+        hidden = model(ids[:, :prefill], cache=cache, tap_layers=taps).hidden
+        draft_cache = drafter.prefill(hidden, torch.arange(prefill).expand(ids.shape[0], -1))
+        for i in range(prefill, ids.shape[1]):
+            step = model(ids[:, i:i + 1], cache=cache, tap_layers=taps)
+            token = step.logits[:, -1].argmax(-1)
+            d = drafter.draft(draft_cache, token, step.hidden[:, -1], model.embed, model.head.weight)
+            for key, value in zip(out, (token, step.hidden[:, -1], d.ids, d.logits, d.confidence)):
+                out[key].append(value.float() if value.is_floating_point() else value)
+    return {k: torch.stack(v, dim=1) for k, v in out.items()}
+
+
+def test_the_dspark_drafter_matches_the_official_forward_spec(dspark):
+    """Two stages drafting blocks of 3 from target layers 4 and 5 over 12 decode steps whose window (8) wraps:
+    the main tokens and drafted ids equal the official loop's, the target hidden, draft logits (Markov bias
+    included) and confidences within 1e-4 relative in fp32 (fake quantisation off)."""
+    tensors, meta = dspark
+    model = official_model(tensors, meta)
+    drafter = official_drafter(tensors, model.cfg)
+    got = draft_loop(model, drafter, tensors["input_ids"], int(meta["prefill"]))
+    assert torch.equal(got["token"], tensors["token.fp32"])
+    assert torch.equal(got["draft"], tensors["draft.fp32"])
+    for key in ("hidden", "draft_logits", "confidence"):
+        assert _rel(got[key], tensors[f"{key}.fp32"]) < 1e-4, key
+
+
+def _draft_from_official_steps(drafter, tensors, run: str, model, dtype, prefill: int):
+    """The drafter fed the official run's own main tokens and target hidden (so a main-model rounding
+    difference does not change its inputs) -> its logits and confidences [B, steps, ...]."""
+    cache = drafter.prefill(tensors[f"prefill_hidden.{run}"].to(dtype), torch.arange(prefill).expand(2, -1))
+    logits, confidence = [], []
+    for i in range(tensors[f"token.{run}"].shape[1]):
+        d = drafter.draft(cache, tensors[f"token.{run}"][:, i], tensors[f"hidden.{run}"][:, i].to(dtype),
+                          model.embed.to(dtype), model.head.weight.to(dtype))
+        logits.append(d.logits)
+        confidence.append(d.confidence)
+    return torch.stack(logits, 1), torch.stack(confidence, 1)
+
+
+def test_the_dspark_drafter_in_bf16_with_the_served_window_rounding_matches(dspark):
+    """In bf16 with the window K = V through FP8 (the drafter's one rounding point), fed the official bf16
+    run's tokens and hidden: within 2% relative RMS of the official logits and confidences (measured 0.9%),
+    and closer than without the rounding (measured 4.5%)."""
+    tensors, meta = dspark
+    model = official_model(tensors, meta)
+    errors = {}
+    for rounding in (True, False):
+        drafter = official_drafter(tensors, model.cfg).to(torch.bfloat16)
+        drafter.set_quant(QuantSim(kv=rounding))
+        logits, confidence = _draft_from_official_steps(drafter, tensors, "bf16", model, torch.bfloat16,
+                                                        int(meta["prefill"]))
+        errors[rounding] = (_rms(logits, tensors["draft_logits.bf16"]), _rms(confidence, tensors["confidence.bf16"]))
+    assert max(errors[True]) < 0.02, errors
+    assert errors[True][0] < errors[False][0] and errors[True][1] < errors[False][1], errors
+
+
+DSPARK_RELEASED = os.path.join(os.path.dirname(__file__), "fixtures", "v41", "dspark_released")
+
+
+def test_a_released_drafter_loads_frozen_and_is_exported_as_stored(dspark, tmp_path):
+    """A released-layout checkpoint with DSpark stages (FP8 ``main_proj`` with its 32x32 scales, bf16 heads):
+    ``load_drafter`` gives the stages the values they encode, frozen; the model loads without them and
+    writes them back byte for byte; a checkpoint without a drafter, or with a stage missing, is one error."""
+    from safetensors.torch import save_file
+
+    from trex.checkpoint import CheckpointError, load_pretrained, save_pretrained
+    from trex.checkpoint.load import load_drafter
+
+    tensors, _ = dspark
+    drafter = load_drafter(DSPARK_RELEASED, dtype=torch.float32, device="cpu")
+    assert not any(p.requires_grad for p in drafter.parameters()) and not drafter.training
+    intended = {}
+    for name, value in tensors.items():
+        if name.startswith("released.mtp."):
+            for key, expert, part in to_trex(name[len("released."):], value.float(), layout="official"):
+                if expert is None:
+                    intended[key] = part
+                else:
+                    intended.setdefault(key, torch.zeros_like(dict(drafter.named_parameters())[key]))[expert] = part
+    with safe_open(os.path.join(DSPARK_RELEASED, "model.safetensors"), "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    for name, value in stored.items():  # the unquantised stage tensors, as stored
+        if name.startswith("mtp.") and not name.endswith(".scale") and value.dtype != torch.float8_e4m3fn:
+            for key, expert, part in to_trex(name, value.float(), layout="official"):
+                if expert is None:
+                    intended.setdefault(key, part)
+    state = drafter.state_dict()
+    assert set(intended) == set(state) and "mtp.0.main_proj.weight" in state
+    assert all(torch.equal(state[k], intended[k]) for k in state), [k for k in state if not torch.equal(state[k], intended[k])]
+    model = load_pretrained(DSPARK_RELEASED, dtype=torch.float32, device="cpu")
+    assert not any(k.startswith("mtp.") for k in model.state_dict())
+    save_pretrained(model, str(tmp_path / "out"), layout="official", dtype="bf16", quantize="fp8+fp4experts")
+    written = {}
+    for shard in (p for p in os.listdir(tmp_path / "out") if p.endswith(".safetensors")):
+        with safe_open(str(tmp_path / "out" / shard), "pt") as f:
+            written.update({k: f.get_tensor(k) for k in f.keys() if k.startswith("mtp.")})
+    carried = {k: v for k, v in stored.items() if k.startswith("mtp.")}
+    assert set(written) == set(carried)
+    assert all(torch.equal(written[k].view(torch.uint8), v.view(torch.uint8)) for k, v in carried.items())
+    with pytest.raises(CheckpointError, match="no DSpark drafter"):
+        load_drafter(RELEASED)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (broken / name).write_bytes(open(os.path.join(DSPARK_RELEASED, name), "rb").read())
+    save_file({k: v for k, v in stored.items() if not k.startswith("mtp.1.confidence_head.")},
+              str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="mtp.1.confidence_head.proj.weight"):
+        load_drafter(str(broken))
+
+
+# ---- the drafter's acceptance (trex.rollout.speculation, trex fidelity drafter) -----------------------------
+def _verified(model, prompt: list[int], generated: list[int], k: int, draft: list[int]) -> int:
+    """What a speculative decoder accepts of step k's draft: the model run over the prompt, g_0 .. g_{k+1} and
+    the draft (no cache); leading draft tokens that equal its greedy choice at their place."""
+    context = prompt + generated[:k + 2]
+    with torch.no_grad():
+        logits = model(torch.tensor([context + draft[:-1]])).logits[0]
+    greedy = logits[len(context) - 1:].argmax(-1).tolist()
+    return next((i for i, (d, g) in enumerate(zip(draft, greedy)) if d != g), len(draft))
+
+
+def test_acceptance_is_what_a_speculative_decoder_verifies(dspark):
+    """On left-padded batches, measure_acceptance's histogram equals verifying every step's draft by running
+    the model over it (as a speculative decoder does, without the decode cache); the batch size changes
+    nothing; a drafter whose bias always names the model's own greedy token is always accepted, one that
+    names another never."""
+    from trex.rollout.speculation import draft_steps, measure_acceptance
+
+    tensors, meta = dspark
+    model = official_model(tensors, meta)
+    drafter = official_drafter(tensors, model.cfg)
+    ids = tensors["input_ids"]
+    prompts = [ids[0, :10].tolist(), ids[1, :5].tolist(), ids[0, 3:17].tolist()]
+    T, N = drafter.cfg.dspark_block_size, 16
+    generated, drafted = draft_steps(model, drafter, prompts, N, pad_id=2)
+    expected = [0] * (T + 1)
+    for prompt, row, row_drafts in zip(prompts, generated.tolist(), drafted.tolist()):
+        for k in range(N - 1 - T):
+            expected[_verified(model, prompt, row, k, row_drafts[k])] += 1
+    got = measure_acceptance(model, drafter, prompts, N, pad_id=2)
+    assert got.histogram == expected and got.steps == 3 * (N - 1 - T)
+    assert measure_acceptance(model, drafter, prompts, N, pad_id=2, batch_size=1).histogram == expected
+    with torch.no_grad():  # the model's greedy token is always 0 (all logits tie), and so is the drafter's
+        model.head.weight.zero_()
+        drafter.mtp[-1].markov_head.head.weight.zero_()
+    agreed = measure_acceptance(model, drafter, prompts, N, pad_id=2)
+    assert agreed.histogram == [0] * T + [agreed.steps] and agreed.mean_accepted == T
+    with torch.no_grad():  # the Markov bias after token 0 now names token 5
+        drafter.mtp[-1].markov_head.head.weight[5] = drafter.mtp[-1].markov_head.embed.weight[0]
+    assert measure_acceptance(model, drafter, prompts, N, pad_id=2).histogram == [agreed.steps] + [0] * T
+    assert measure_acceptance(model, drafter, prompts, N, pad_id=2, stop_ids=(0,)).steps == 0  # rows stop at once
+
+
+def test_trex_fidelity_drafter_reports_a_checkpoint_beside_its_base(tmp_path, capsys):
+    from trex.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"ids": [3, 4, 5, 6, 7, 8]}\n\n{"prompt": "the"}\n')
+    rc = main(["fidelity", "drafter", DSPARK_RELEASED, "--prompts", str(prompts), "--base", DSPARK_RELEASED,
+               "--max-new-tokens", "8", "--format", "json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and len(report) == 1  # the same path twice is one entry
+    (entry,) = report.values()
+    assert sum(entry["histogram"]) == entry["steps"] > 0 and 1 <= entry["tokens_per_step"] <= 4
+    prompts.write_text('{"ids": [3, 4]}\n{"text": "the"}\n')
+    assert main(["fidelity", "drafter", DSPARK_RELEASED, "--prompts", str(prompts)]) == 2
+    assert f"{prompts}:2: expected" in capsys.readouterr().err
+    prompts.write_text('{"ids": [3, 4]}\n')
+    assert main(["fidelity", "drafter", RELEASED, "--prompts", str(prompts)]) == 2
+    assert "no DSpark drafter" in capsys.readouterr().err

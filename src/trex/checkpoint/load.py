@@ -70,6 +70,32 @@ def load_pretrained(path: str, dtype: torch.dtype | None = None, device: str | t
     return model
 
 
+def load_drafter(path: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
+    """The DSpark drafter (``trex.models.dspark.DSparkDrafter``, frozen) of the V4.1 checkpoint at ``path``, its
+    ``mtp.*`` stages checked and dequantised as the model's tensors are; CheckpointError when the checkpoint
+    has no drafter or it does not match its config. The stages stay carried through on export, as stored."""
+    from trex.models.config_v41 import V41Config
+    from trex.models.dspark import DSparkDrafter
+
+    reader = CheckpointReader(path)
+    cfg = reader.config
+    if not isinstance(cfg, V41Config) or not cfg.num_nextn_predict_layers or not cfg.dspark_target_layer_ids:
+        raise CheckpointError(f"{path}: no DSpark drafter (a DeepSeek-V4.1 config with num_nextn_predict_layers "
+                              "and dspark_target_layer_ids)")
+    with torch.device("meta"):
+        drafter = DSparkDrafter(cfg)
+    tensors = drafter.state_dict()  # the routers' bias is a buffer
+    diagnosis = reader.diagnose({k: tuple(t.shape) for k, t in tensors.items()}, optional_prefixes=(), drafter=True)
+    if diagnosis.problems:
+        raise CheckpointError("cannot load the DSpark drafter:\n  " + "\n  ".join(diagnosis.problems))
+    dev = device_layer.detect(str(device) if device is not None else None)
+    drafter.to(dtype=dtype or dev.default_dtype())
+    drafter.to_empty(device=dev.torch_device)
+    for key, target in drafter.state_dict().items():
+        reader.fill(key, target.shape, target)
+    return drafter
+
+
 def set_engram_tokenizer(model, path: str) -> None:
     """Give a V4.1 model's Engram hashing the compressed token map of checkpoint ``path``'s tokenizer
     (``tokenizer.json``, or ``tokenizer/tokenizer.json`` as released); CheckpointError if it needs one

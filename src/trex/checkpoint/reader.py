@@ -128,12 +128,15 @@ class CheckpointReader:
         self.sources: dict[str, list[Source]] = {}
         scale_of = {n: c for n in located for c in scale_candidates(n) if c in located and c != n}
         scales = set(scale_of.values())
-        # V4.1's vision tower and DSpark stages: carried through, not loaded (names with their files)
+        # V4.1's vision tower and DSpark stages: carried through, not loaded into the model (names with their
+        # files); the DSpark stages' sources are kept apart, for the drafter (``load_drafter``)
         self.passthrough: dict[str, SafetensorsFile] = {}
+        self.drafter_sources: dict[str, list[Source]] = {}
         if isinstance(self.config, V41Config):
             self.passthrough = {n: f for n, f in located.items() if PASSTHROUGH.match(n)}
         for name, file in located.items():
-            if name in scales or name in self.passthrough:
+            drafter = name in self.passthrough and name.startswith("mtp.")
+            if name in scales or (name in self.passthrough and not drafter):
                 continue
             scale = scale_of.get(name)
             problem = self._codec_problem(file, name, scale)
@@ -141,7 +144,7 @@ class CheckpointReader:
                 self.problems.append(f"{file.path}: {name}: {problem}")
                 continue
             for target in trex_targets(name, self.layout):
-                self.sources.setdefault(target.key, []).append(
+                (self.drafter_sources if drafter else self.sources).setdefault(target.key, []).append(
                     Source(file, name, target, located[scale] if scale else None, scale))
         self.quantized = sorted({s.codec for srcs in self.sources.values() for s in srcs} - {"plain"})
 
@@ -166,20 +169,21 @@ class CheckpointReader:
         return None
 
     # ---- validation ------------------------------------------------------------------------
-    def diagnose(self, expected: Mapping[str, Sequence[int]], optional_prefixes: tuple[str, ...] = ("mtp.",)
-                 ) -> Diagnosis:
+    def diagnose(self, expected: Mapping[str, Sequence[int]], optional_prefixes: tuple[str, ...] = ("mtp.",),
+                 drafter: bool = False) -> Diagnosis:
         """Everything wrong with this checkpoint for a model of ``expected`` shapes (trex key ->
-        full shape), from the headers alone."""
+        full shape), from the headers alone; ``drafter``: for V4.1's DSpark drafter, from its stages."""
         problems = list(self.problems)
         unexpected = []
-        for key, sources in self.sources.items():
+        available = self.drafter_sources if drafter else self.sources
+        for key, sources in available.items():
             if key not in expected:
                 unexpected += [s.name for s in sources]
                 problems += [f"{s.where}: unexpected tensor (the model has no {key})" for s in sources]
                 continue
             problems += [p for s in sources if (p := self._shape_problem(s, tuple(expected[key])))]
             problems += self._coverage_problems(key, sources, tuple(expected[key]))
-        absent = [k for k in expected if k not in self.sources]
+        absent = [k for k in expected if k not in available]
         missing = [k for k in absent if not k.startswith(optional_prefixes)]
         if missing:
             problems.append(f"{self.path}: missing tensor(s): {missing[:20]}{' ...' if len(missing) > 20 else ''}")
@@ -243,7 +247,7 @@ class CheckpointReader:
         """Write ``region`` (default: all) of trex tensor ``key`` of shape ``full_shape`` into
         ``out`` (shaped like the region), reading only the checkpoint tensors that overlap it."""
         region = region or full_region(full_shape)
-        for source in self.sources[key]:
+        for source in self.sources.get(key) or self.drafter_sources[key]:
             self._fill_from(source, tuple(full_shape), out, region)
 
     def read(self, key: str, full_shape: Sequence[int], dtype: torch.dtype, region: Region | None = None

@@ -111,8 +111,41 @@ def register(sub) -> None:
     la.add_argument("--overwrite", action="store_true", help="replace what --out holds (default: refuse)")
     la.set_defaults(func=_ladder)
 
+    dr = fid.add_parser("drafter", help="DeepSeek-V4.1: how many DSpark draft tokens a checkpoint accepts (greedy "
+                                        "speculative decoding), beside its --base; exit 0, 2 bad input")
+    dr.add_argument("checkpoint", help="a V4.1 checkpoint directory with its mtp.* stages (a trex export carries them)")
+    dr.add_argument("--prompts", required=True, help='JSONL: {"prompt": text} or {"ids": [token ids]} per line')
+    dr.add_argument("--base", help="the checkpoint it was post-trained from, measured on the same prompts")
+    dr.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
+    dr.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (default 16)")
+    dr.add_argument("--format", choices=("text", "json"), default="text")
+    dr.set_defaults(func=_drafter)
+
     pr = fid.add_parser("profiles", help="print the tolerance profiles, their thresholds and rationale")
     pr.set_defaults(func=_profiles)
+
+
+def _drafter(args: argparse.Namespace) -> int:
+    from trex.fidelity.drafter import DrafterCheckError, measure, read_prompts, table
+
+    try:
+        if args.max_new_tokens < 2 or args.batch_size < 1:
+            raise DrafterCheckError("--max-new-tokens must be >= 2 and --batch-size >= 1")
+        prompts = read_prompts(args.prompts, args.checkpoint)
+        results = {}
+        for path in [args.checkpoint] + ([args.base] if args.base else []):
+            results[path] = measure(path, prompts, args.max_new_tokens, args.batch_size, args.device)
+    except DrafterCheckError as e:
+        print(f"trex fidelity drafter: {e}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        print(json.dumps({p: {"steps": a.steps, "histogram": a.histogram, "accepted_per_step": a.mean_accepted,
+                              "tokens_per_step": a.tokens_per_step, "rates": a.rates()} for p, a in results.items()},
+                         indent=2))
+    else:
+        print(f"DSpark drafter acceptance: greedy, {len(prompts)} prompts, up to {args.max_new_tokens} tokens each")
+        print(table(results))
+    return 0
 
 
 def _compare(args: argparse.Namespace) -> int:

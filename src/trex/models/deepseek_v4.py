@@ -1066,6 +1066,7 @@ class ModelOutput:
     indexer_recall: torch.Tensor | None = None  # mean over CSA layers of the picks' attention mass (measure_recall)
     token_nll: list[torch.Tensor] = field(default_factory=list)
     moe_stats: list[MoEStats] = field(default_factory=list)
+    hidden: torch.Tensor | None = None  # V4.1 with tap_layers: [B, S, k d] the DSpark drafter's input
 
 
 def shift_labels(labels: torch.Tensor, shift: int, doc: torch.Tensor | None) -> torch.Tensor:

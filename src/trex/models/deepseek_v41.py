@@ -280,11 +280,11 @@ class Block(nn.Module):
     sublayer's input is collapsed with the ``pre`` the sublayer before it computed (the previous block's
     FFN for attention, this block's attention for the FFN); its own ``pre`` goes to the next one."""
 
-    def __init__(self, cfg: V41Config, layer: int, name: str):
+    def __init__(self, cfg: V41Config, layer: int, name: str, attn: nn.Module | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer)
+        self.attn = attn if attn is not None else Attention(cfg, layer)
         self.ffn = MoE(cfg, MOE, name)
         self.hc_attn = HyperConnection(cfg)
         self.hc_ffn = HyperConnection(cfg)
@@ -296,11 +296,15 @@ class Block(nn.Module):
                                  cfg.engram_head_dim, cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps, cfg.fp8_block)
 
     def forward(self, X: torch.Tensor, pre: torch.Tensor, shared: Shared, ctx: SeqContext,
-                hashes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, Shared]:
+                hashes: torch.Tensor | None, tap: list[torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, Shared]:
         """X: [B, S, n, d]; pre: [B, S, n] the previous sublayer's; hashes: [B, S, engram layers, cols]
-        -> (X, this block's FFN pre, shared)."""
+        -> (X, this block's FFN pre, shared). ``tap`` gets the block's input (Engram added) averaged over
+        the streams, [B, S, d]: what the DSpark drafter reads of its target layers."""
         if self.engram is not None:
             X = self.engram(X, hashes[:, :, self.engram_slot])
+        if tap is not None:
+            tap.append(X.mean(dim=2))
         attn_pre, post, comb = self.hc_attn.coefficients(X)
         y, shared = self.attn(self.attn_norm(HyperConnection.collapse(X, pre)), ctx, shared)
         X = HyperConnection.expand(y, X, post, comb)
@@ -363,9 +367,12 @@ class DeepseekV41(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, cache=None, *, targets: list[torch.Tensor] | None = None,
-                return_logits: bool = True, token_mask: torch.Tensor | None = None) -> ModelOutput:
+                return_logits: bool = True, token_mask: torch.Tensor | None = None,
+                tap_layers: list[int] | None = None) -> ModelOutput:
         """input_ids, doc_ids, token_mask: [B, S] as ``DeepseekV4.forward``. Engram's n-grams stop at
-        document starts; every token takes part (the official code masks only image spans)."""
+        document starts; every token takes part (the official code masks only image spans). ``tap_layers``:
+        ModelOutput.hidden is then those layers' inputs, stream-averaged and concatenated, [B, S, k d] (the
+        DSpark drafter's ``target_layers``; no context parallelism)."""
         if cache is not None:
             if labels is not None:
                 raise ValueError("forward with a decode cache takes no labels (generation only)")
@@ -382,8 +389,10 @@ class DeepseekV41(nn.Module):
         pre = torch.zeros(*X.shape[:3], device=X.device)
         pre[..., 0] = 1.0  # the first attention reads stream 0
         shared = Shared()
-        for layer in self.layers:
-            X, pre, shared = layer(X, pre, shared, ctx, hashes)
+        taps: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            X, pre, shared = layer(X, pre, shared, ctx, hashes, taps if tap_layers and i in tap_layers else None)
+        hidden = torch.cat(taps, dim=-1) if taps else None
         if cache is not None:  # generation: the last position's logits; the cache moves one token on
             cache.pos = ctx.pos[:, -1] + 1
             if self.engram_hasher is not None:
@@ -392,11 +401,11 @@ class DeepseekV41(nn.Module):
                 cache.tail = F.pad(row, (max(0, n - 1 - row.shape[1]), 0))[:, -(n - 1):]
             ctx.recording = False
             h = self.norm(HyperConnection.collapse(X[:, -1:], pre[:, -1:]))
-            return ModelOutput(logits=linear_fp32(h, self.head.weight),
+            return ModelOutput(logits=linear_fp32(h, self.head.weight), hidden=hidden,
                                moe_stats=[block.ffn.take_stats() for block in self.layers])
         h = self.norm(HyperConnection.collapse(X, pre))
         logits = linear_fp32(h, self.head.weight) if return_logits else None
-        out = ModelOutput(logits=None if logits is None else ctx.gather(logits))
+        out = ModelOutput(logits=None if logits is None else ctx.gather(logits), hidden=hidden)
 
         def nll(tgt: torch.Tensor) -> torch.Tensor:
             """Per-token NLL of the whole rows' targets [B, S]: this rank's rows, then gathered."""

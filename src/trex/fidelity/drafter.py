@@ -1,0 +1,92 @@
+"""``trex fidelity drafter``: does a post-trained DeepSeek-V4.1 checkpoint still speculate like its source?
+
+Post-training moves the backbone's hidden states away from the ones the DSpark drafter (``mtp.*``,
+carried through training and export unchanged) was trained on, so speculative decoding may accept fewer
+drafted tokens: the serving cost of a post-trained model rises without any loss curve showing it. This
+loads each checkpoint with its drafter, greedy-decodes the same prompts and reports the drafts' acceptance
+(``trex.rollout.speculation``), the checkpoint beside its ``--base``.
+
+Prompts are a JSONL file, one object per line: ``{"prompt": "text"}`` (tokenised with the checkpoint's
+``tokenizer.json``) or ``{"ids": [token ids]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from trex.rollout.speculation import Acceptance
+
+
+class DrafterCheckError(ValueError):
+    """A user fault (a bad prompts file, a checkpoint without a drafter): one line, exit 2."""
+
+
+def read_prompts(path: str, checkpoint: str) -> list[list[int]]:
+    """The prompts of JSONL file ``path`` as token ids (text through ``checkpoint``'s tokenizer)."""
+    if not os.path.isfile(path):
+        raise DrafterCheckError(f"{path}: no such prompts file (JSONL: {{\"prompt\": text}} or {{\"ids\": [...]}} per line)")
+    prompts, tokenizer = [], None
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DrafterCheckError(f"{path}:{n}: not JSON ({e.msg})") from None
+            ids = record.get("ids") if isinstance(record, dict) else None
+            text = record.get("prompt") if isinstance(record, dict) else None
+            if isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 0 for i in ids):
+                prompts.append(ids)
+            elif isinstance(text, str) and text:
+                tokenizer = tokenizer or _tokenizer(checkpoint)
+                prompts.append(tokenizer.encode(text).ids)
+            else:
+                raise DrafterCheckError(f"{path}:{n}: expected {{\"prompt\": non-empty text}} or {{\"ids\": [token ids "
+                                        f">= 0]}}, got {line.strip()[:80]}")
+    if not prompts:
+        raise DrafterCheckError(f"{path}: no prompts")
+    return prompts
+
+
+def _tokenizer(checkpoint: str):
+    from tokenizers import Tokenizer
+
+    for name in ("tokenizer.json", os.path.join("tokenizer", "tokenizer.json")):
+        if os.path.exists(os.path.join(checkpoint, name)):
+            return Tokenizer.from_file(os.path.join(checkpoint, name))
+    raise DrafterCheckError(f"{checkpoint}: no tokenizer.json to encode the text prompts with (give {{\"ids\": ...}})")
+
+
+def measure(checkpoint: str, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
+            device: str | None = None) -> Acceptance:
+    """The acceptance of ``checkpoint``'s drafter on its own greedy decoding of ``prompts``."""
+    from trex.checkpoint import CheckpointError, load_pretrained
+    from trex.checkpoint.load import load_drafter
+    from trex.rollout.speculation import measure_acceptance
+
+    try:
+        drafter = load_drafter(checkpoint, device=device)
+        model = load_pretrained(checkpoint, dtype=next(drafter.parameters()).dtype, device=device)
+    except CheckpointError as e:
+        raise DrafterCheckError(" ".join(line.strip() for line in str(e).splitlines())) from None
+    vocab = model.cfg.vocab_size
+    bad = next((i for i, p in enumerate(prompts) if max(p) >= vocab), None)
+    if bad is not None:
+        raise DrafterCheckError(f"prompt {bad + 1} has token id {max(prompts[bad])}; {checkpoint}'s vocabulary has {vocab}")
+    stop = () if model.cfg.eos_token_id is None else (model.cfg.eos_token_id,)
+    return measure_acceptance(model, drafter, prompts, max_new_tokens, pad_id=0, stop_ids=stop, batch_size=batch_size)
+
+
+def table(results: dict[str, Acceptance]) -> str:
+    """One line per checkpoint: steps measured, drafted tokens accepted per step, tokens per model step, and
+    the share of steps that accepted each draft position."""
+    block = next(iter(results.values())).block_size
+    head = f"{'checkpoint':<40} {'steps':>6} {'accepted/step':>14} {'tokens/step':>12}  " + " ".join(
+        f"{'pos' + str(i + 1):>6}" for i in range(block))
+    lines = [head]
+    for name, a in results.items():
+        rates = " ".join(f"{r:>6.1%}" for r in a.rates())
+        lines.append(f"{name:<40} {a.steps:>6} {a.mean_accepted:>14.3f} {a.tokens_per_step:>12.3f}  {rates}")
+    return "\n".join(lines)
