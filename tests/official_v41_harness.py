@@ -253,24 +253,30 @@ def random_weights(model, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def official_model(module, args, weights: dict[str, torch.Tensor], tokenizer, bf16: bool):
+    """The official Transformer holding ``weights`` (Engram tables as their FP8 codes; a DSpark stage's embed
+    and head are the main model's), in bf16 or fp32 (under the default dtype the caller set)."""
+    model = module.Transformer(args, tokenizer)
+    state = {}
+    for name, p in model.state_dict().items():
+        key = _shared_name(name)
+        state[name] = weights[key + "@fp8"] if key.endswith("engram.embed.weight") else \
+            weights[key].to(p.dtype if bf16 else torch.float32)
+    if not bf16:
+        model.float()
+        for layer in model.layers:  # the lookup's bf16 cast is exact; fp32 for the fp32 wkv
+            if layer.engram is not None:
+                layer.engram.embed.register_forward_hook(lambda mod, inp, out: out.float())
+    model.load_state_dict(state, strict=True)
+    return model
+
+
 def run(module, args, weights: dict[str, torch.Tensor], ids: torch.Tensor, tokenizer, bf16: bool):
     """The official forward's logits [B, S, V] (fp32) for ids, and its Engram hashes."""
     MODE["quantise"] = bf16
     torch.set_default_dtype(torch.bfloat16 if bf16 else torch.float32)
     try:
-        model = module.Transformer(args, tokenizer)
-        state = {}
-        for name, p in model.state_dict().items():
-            if name.endswith("engram.embed.weight"):
-                state[name] = weights[name + "@fp8"]
-            else:
-                state[name] = weights[name].to(p.dtype if bf16 else torch.float32)
-        if not bf16:
-            model.float()
-            for layer in model.layers:  # the lookup's bf16 cast is exact; fp32 for the fp32 wkv
-                if layer.engram is not None:
-                    layer.engram.embed.register_forward_hook(lambda mod, inp, out: out.float())
-        model.load_state_dict(state, strict=True)
+        model = official_model(module, args, weights, tokenizer, bf16)
         head = model.head.forward
         model.head.forward = lambda x, full_logits=False: head(x, full_logits=True)
         if bf16:
@@ -318,22 +324,12 @@ def run_dspark(module, args, weights: dict[str, torch.Tensor], ids: torch.Tensor
     over ids[:, :prefill] seeds the drafter's windows, then each decode step i feeds ids[:, i] and drafts
     from its greedy token and the target layers' hidden. Per step: the main token [B], the target hidden
     [B, k d], the draft ids [B, block + 1], logits [B, block, V] and confidence [B, block], stacked over the
-    steps; ``prefill_hidden`` [B, prefill, k d]; and ``decode_error``: the hidden's largest relative departure from a prefill of the same tokens."""
+    steps; ``prefill_hidden`` [B, prefill, k d]; and ``decode_error``: the hidden's largest relative departure
+    from a prefill of the same tokens."""
     MODE["quantise"] = bf16
     torch.set_default_dtype(torch.bfloat16 if bf16 else torch.float32)
     try:
-        model = module.Transformer(args, tokenizer)
-        state = {}
-        for name, p in model.state_dict().items():
-            key = _shared_name(name)
-            state[name] = weights[key + "@fp8"] if key.endswith("engram.embed.weight") else \
-                weights[key].to(p.dtype if bf16 else torch.float32)
-        if not bf16:
-            model.float()
-            for layer in model.layers:
-                if layer.engram is not None:
-                    layer.engram.embed.register_forward_hook(lambda mod, inp, out: out.float())
-        model.load_state_dict(state, strict=True)
+        model = official_model(module, args, weights, tokenizer, bf16)
         out = {k: [] for k in ("token", "hidden", "draft", "draft_logits", "confidence")}
         tokens, _, hidden = model(ids[:, :prefill])
         model.forward_spec(tokens, hidden, 0)
