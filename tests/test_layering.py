@@ -21,8 +21,9 @@ FLOORS = [
     {"logs", "recipe", "syncs", "device", "hardware"},  # logging, TOML recipes, sync counter, the device layer
     {"kernels"},                          # vendor fast paths behind a registry, each with a reference
     {"models"},                           # DeepSeek-V4: config, presets, the model, FLOPs
-    {"precision", "data", "rollout", "checkpoint"},  # what a model is trained in, on, sampled with, stored as
+    {"precision", "data", "checkpoint"},  # what a model is trained in, on, stored as
     {"parallel"},                         # FSDP2, EP, meshes, sharded loading
+    {"rollout"},                          # what it is sampled with: the sampler, the engine boundary, weight sync
     {"posttrain"},                        # objectives: SFT, DPO, GRPO, distillation
     {"train"},                            # the loop, its config, run directory, optimizers
     {"fidelity", "plan", "audit", "doctor", "launch", "report"},  # tools built on the loop

@@ -62,6 +62,38 @@ def test_clipped_loss_hand_computed():
     assert logp.grad.flatten().tolist() == pytest.approx([0.0, -0.6, 0.0, 0.0], abs=1e-6)
 
 
+def test_rollout_correction_hand_computed():
+    """rho = pi_old / pi_rollout per token; token-level weights min(rho, C); sequence-level min(prod rho, C) on
+    every token; masked IS drops tokens (completions, by the geometric mean) outside [low, high]."""
+    import math
+
+    from trex.posttrain.grpo_loss import rollout_correction
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    rho = torch.tensor([[3.0, 0.5, 7.0], [1.5, 9.0, 9.0]])  # masked-off tokens must not count
+    rollout = torch.log(torch.tensor([[0.2, 0.4, 0.1], [0.3, 0.1, 0.1]]))
+    old = rollout + rho.log()
+    w, keep = rollout_correction(old, rollout, mask, "token", 2.0, 0.0, math.inf)
+    assert w.flatten().tolist() == pytest.approx([2.0, 0.5, 0.0, 1.5, 0.0, 0.0])
+    assert keep.tolist() == mask.tolist()
+    w, keep = rollout_correction(old, rollout, mask, "token", 2.0, 0.6, 2.5)  # 3.0 > 2.5 and 0.5 < 0.6 dropped
+    assert keep.tolist() == [[False, False, False], [True, False, False]]
+    w, keep = rollout_correction(old, rollout, mask, "sequence", 2.0, 0.0, math.inf)
+    assert w.flatten().tolist() == pytest.approx([1.5, 1.5, 0.0, 1.5, 0.0, 0.0])  # 3 * 0.5 = 1.5; 1.5
+    w, keep = rollout_correction(old, rollout, mask, "sequence", 1.2, 0.0, 1.3)
+    # geometric means: sqrt(1.5) = 1.22 (kept), 1.5 (dropped); weights capped at 1.2
+    assert w.flatten().tolist() == pytest.approx([1.2, 1.2, 0.0, 1.2, 0.0, 0.0])
+    assert keep.tolist() == [[True, True, False], [False, False, False]]
+
+
+def test_decoupled_weights_scale_each_tokens_surrogate():
+    mask, old, logp, adv = _example()
+    w = token_weights(mask, "token", 2, 3, 2)
+    is_w = torch.tensor([[0.5, 2.0], [1.0, 0.0]])
+    out = policy_loss(logp, old, adv, w, mask, eps_low=0.2, eps_high=0.2, is_weights=is_w)
+    assert out.loss.item() == pytest.approx((0.5 * -2.4 + 2.0 * -1.8 + 0.8) / 3, abs=1e-6)
+
+
 def test_asymmetric_clip():
     mask, old, logp, adv = _example()
     w = token_weights(mask, "token", 2, 3, 2)
@@ -260,7 +292,10 @@ def test_sft_records_are_prompts_with_their_answer(tmp_path):
 
 def _two_process_args(prompt_files, out, nproc: int, layout: str) -> list[str]:
     """`trex train` arguments of the layout test on ``nproc`` processes (one process: the same for both layouts)."""
-    data_ranks = nproc if layout == "fsdp2" else 1
+    data_ranks = nproc if layout.startswith("fsdp2") else 1
+    # through the engine process, each rank its own: the same correction as in-process ("auto" would turn the
+    # decoupled weights on, which amplify the sampler's rounding differences between layouts)
+    engine = ['sampling.engine="server"', 'grpo.correction="none"'] if nproc > 1 and layout == "fsdp2-server" else []
     split = [f"parallel.dp_shard={data_ranks}"] + ([f"parallel.cp={nproc}"] if nproc > 1 and layout == "cp2" else [])
     sets = ['train.mode="grpo"', 'data.tokenizer="compact"', "data.seq_len=32", "train.progress=false",
             "fidelity.every=0", "optim.lr=1e-2", 'schedule.decay="constant"', "train.steps=4",
@@ -268,7 +303,7 @@ def _two_process_args(prompt_files, out, nproc: int, layout: str) -> list[str]:
             f'grpo.prompts=["{prompt_files}/prompts.jsonl"]', f'grpo.eval_prompts=["{prompt_files}/heldout.jsonl"]',
             'grpo.rewards=["digit_reward:first_digit"]', "grpo.prompts_per_step=4", "grpo.group_size=4",
             f"grpo.micro_batch_size={8 // data_ranks}", "grpo.ppo_epochs=2", "grpo.kl_coef=0.05",
-            "sampling.max_new_tokens=2", *split]
+            "sampling.max_new_tokens=2", *split, *engine]
     (prompt_files / "recipe.toml").write_text("# everything set on the command line\n")
     return ["train", str(prompt_files / "recipe.toml"), "--out", str(out), *[a for s in sets for a in ("--set", s)]]
 
@@ -289,13 +324,14 @@ def one_process_grpo(prompt_files, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp2", "cp2"])
+@pytest.mark.parametrize("layout", ["fsdp2", "cp2", "fsdp2-server"])
 def test_two_process_grpo_gives_the_samples_and_losses_of_one_process(prompt_files, one_process_grpo, tmp_path,
                                                                       monkeypatch, layout):
     """2-process FSDP (gloo) draws the same completions as one process (each row's draws depend on its
     place in the step, not its rank) and so logs the same rewards, losses, KL and gradient norms; so
     does context parallelism (both ranks sample the same rows, each trains on half of every rollout
-    row, padded to a length that splits). The model has an MTP block, which GRPO's loss ignores: under
+    row, padded to a length that splits), and so do two ranks that sample through engine processes of their
+    own, their weights synced from the FSDP2 shards before every batch. The model has an MTP block, which GRPO's loss ignores: under
     FSDP2 its balance-loss gradient once reached unsharded-then-freed weights (step 1 failed)."""
     from test_distributed import torchrun
 

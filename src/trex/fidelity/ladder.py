@@ -226,9 +226,10 @@ def optimizer_step(parts: Parts, moe_stats: list) -> None:
     clip_grad_norm(params, parts.recipe.optim.grad_clip)
     apply = torch.ones((), dtype=torch.bool, device=params[0].device)
     parts.optimizer.step(apply=apply)
-    if parts.recipe.train.bias_gamma:
+    gamma = parts.recipe.train.router_bias_gamma()
+    if gamma:
         reduce = parts.par.all_reduce_sum if parts.par.distributed else None  # every rank the same update
-        update_router_bias(parts.model, moe_stats, parts.recipe.train.bias_gamma, reduce, apply=apply)
+        update_router_bias(parts.model, moe_stats, gamma, reduce, apply=apply)
     else:
         sum_expert_counts(moe_stats)
     parts.optimizer.zero_grad(set_to_none=True)

@@ -9,8 +9,10 @@ it, and the clipped ratio keeps them near the policy that sampled it):
         them with the reward plug-ins; advantages normalised within each group of G; with
         kl_coef > 0, the frozen reference's log-probs
     for each micro-batch of completions: forward; log-probs of the sampled tokens (fp32);
-        old log-probs = these, detached, on the batch's first step (ratio 1); clipped surrogate
-        + kl_coef * k3 KL, aggregated by token_weights over the whole step; backward
+        old log-probs = these, detached, on the batch's first step (ratio 1), or the sampler's
+        (``correction = "bypass"``); the off-policy correction's importance weights and masks against
+        the sampler's log-probs; clipped surrogate + kl_coef * k3 KL, aggregated by token_weights over
+        the whole step; backward
     metrics: reward mean/std (and per reward), KL, clip fraction, response length, entropy and the
         trainer-vs-sampler log-prob difference on the sampled tokens
 
@@ -20,19 +22,21 @@ The math is in trex.posttrain.grpo_loss; prompts, sampling and rows in trex.post
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from trex.data.loader import Batch
 from trex.models import DeepseekV4
 from trex.recipe import check_choices, require_positive
-from trex.posttrain.grpo_loss import Aggregation, group_advantages, policy_loss, token_entropy, token_weights
+from trex.posttrain.grpo_loss import (Aggregation, Correction, ISLevel, group_advantages, policy_loss,
+                                      rollout_correction, token_entropy, token_weights)
 from trex.posttrain.objective import (Objective, StepResult, TrainContext, backward_micro_batches, load_frozen,
                                       next_token_logprobs,
                                       token_logprobs)
 from trex.posttrain.on_policy import (PromptOrder, Rollouts, completions, exact_match_by_set, generator_state,
-                                      load_eval_sets, load_prompts, probe_batch, rank_uniforms, roll_out,
-                                      sampling_params, set_generator_state)
+                                      load_eval_sets, load_prompts, make_engine, probe_batch, rank_uniforms,
+                                      roll_out, sampling_params, set_generator_state, sync_engine)
 from trex.posttrain.rewards import RewardSet
 from trex.posttrain.rollout_parity import N_MAXIMA, N_SUMS, parity_metrics, parity_sums
 
@@ -75,10 +79,29 @@ class GRPOSection:
     """Completions per training forward."""
     seed: int = 0
     """Seeds the prompt order and the sampler."""
+    correction: Correction | Literal["auto"] = "auto"
+    """Off-policy correction for the rollout engine's policy (trex.posttrain.grpo_loss): decoupled (the
+    trainer's recompute is pi_old, truncated importance weights pi_old / pi_rollout) | bypass (the
+    engine's log-probs are pi_old) | none (assume pi_old = pi_rollout) | auto: none with the in-process
+    sampler (the trainer's own weights and code: its log-probs differ from the recompute by rounding
+    only, which importance weights would turn into gradient noise), decoupled with any other engine."""
+    is_level: ISLevel = "token"
+    """Importance weights and masks per token, or per completion (sequence: the product of the token
+    ratios is truncated, their geometric mean is masked)."""
+    is_cap: float = 2.0
+    """Truncation C of the decoupled importance weights: min(rho, C)."""
+    is_mask_low: float = 0.0
+    """Masked IS (IcePop): tokens (completions) whose ratio is below this carry no loss (0: off)."""
+    is_mask_high: float = 0.0
+    """Masked IS: tokens (completions) whose ratio is above this carry no loss (0: off)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "grpo")
-        require_positive(self, "grpo", ("prompts_per_step", "ppo_epochs", "micro_batch_size"))
+        require_positive(self, "grpo", ("prompts_per_step", "ppo_epochs", "micro_batch_size", "is_cap"))
+        if self.is_mask_low < 0 or self.is_mask_high < 0 or (self.is_mask_high and self.is_mask_high < 1)\
+                or self.is_mask_low > 1:
+            raise ValueError(f"grpo: is_mask_low must be in [0, 1] and is_mask_high 0 (off) or >= 1, got "
+                             f"{self.is_mask_low} and {self.is_mask_high}")
         if self.group_size < 2:
             raise ValueError(f"grpo.group_size must be >= 2, got {self.group_size}")
         if self.eps_low < 0 or self.eps_high < 0 or self.kl_coef < 0:
@@ -92,7 +115,9 @@ class GroupBatch:
     advantages: torch.Tensor        # fp32 [B]
     loss_mask: torch.Tensor         # bool [B, L]: rollouts.mask without truncated rows if mask_truncated
     ref_logp: torch.Tensor | None   # fp32 [B, L] or None
-    old_logp: torch.Tensor          # fp32 [B, L]: filled on the batch's first step
+    old_logp: torch.Tensor          # fp32 [B, L]: filled on the batch's first step (bypass: the engine's)
+    is_weights: torch.Tensor | None  # fp32 [B, L]: decoupled importance weights, filled on the first step
+    keep: torch.Tensor | None       # bool [B, L]: loss_mask without the masked-IS tokens, filled on the first step
     metrics: dict[str, float]       # reward statistics (global)
     counts: tuple[int, int]         # (completions, tokens) carrying loss over all ranks
 
@@ -112,15 +137,22 @@ class GRPOObjective(Objective):
         self.generator = torch.Generator().manual_seed(self.cfg.seed)  # alike on every rank: rank_uniforms
         self.reference = load_frozen(self.cfg.reference or ctx.model, ctx) if self.cfg.kl_coef > 0 else None
         self.batch: GroupBatch | None = None
+        self.engine = None  # started at the first batch
+        self.correction = self.cfg.correction if self.cfg.correction != "auto" else (
+            "none" if self.sampling.engine == "in_process" else "decoupled")
 
     # ---- sampling and scoring ------------------------------------------------------------------------
-    def _collect(self, model: DeepseekV4) -> GroupBatch:
+    def _collect(self, model: DeepseekV4, step: int) -> GroupBatch:
         ctx, cfg, G = self.ctx, self.cfg, self.cfg.group_size
         device = ctx.dev.torch_device
+        if self.engine is None:
+            self.engine = make_engine(self.sampling, model, ctx.dev, ctx.policy)
+        probe = [p.ids for p in self.prompts[:self.sampling.probe_rows]]
+        engine_metrics = sync_engine(self.engine, model, step, probe, self.sampling, ctx.par, step + 1)
         chosen = [self.prompts[i] for i in self.order.next() for _ in range(G)]  # prompt-major groups
         uniforms = rank_uniforms(self.generator, cfg.prompts_per_step * G, self.sampling.max_new_tokens, ctx.par)
         rollouts = roll_out(model, [p.ids for p in chosen], sampling_params(self.sampling, ctx.tokenizer),
-                            ctx.tokenizer, None, self.sampling.batch_size, device, uniforms)
+                            ctx.tokenizer, None, self.sampling.batch_size, device, uniforms, self.engine)
         scored = [self.rewards.score(c) for c in completions(rollouts, chosen, self.thinking)]
         rewards = torch.tensor([total for total, _ in scored], dtype=torch.float32)
         advantages = group_advantages(rewards, G, cfg.scale_by_std).to(device)
@@ -142,17 +174,21 @@ class GRPOObjective(Objective):
         n, r_sum, r_sq, zero, groups, n_seq, n_tok = sums[:7]
         mean = r_sum / n
         metrics = {"reward_mean": mean, "reward_std": max(r_sq / n - mean * mean, 0.0) ** 0.5,
-                   "zero_std_group_frac": zero / groups,
+                   "zero_std_group_frac": zero / groups, **engine_metrics,
                    **{f"reward/{name}": v / n for name, v in zip(parts, sums[7:])}}
-        return GroupBatch(rollouts, advantages, loss_mask, ref_logp, torch.zeros_like(rollouts.sampler_logp),
-                          metrics, (int(n_seq), int(n_tok)))
+        old_logp = (rollouts.sampler_logp.clone() if self.correction == "bypass"
+                    else torch.zeros_like(rollouts.sampler_logp))
+        is_weights = torch.zeros_like(old_logp) if self.correction == "decoupled" else None
+        keep = loss_mask.clone() if self.correction != "none" else None
+        return GroupBatch(rollouts, advantages, loss_mask, ref_logp, old_logp, is_weights, keep, metrics,
+                          (int(n_seq), int(n_tok)))
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self, model: DeepseekV4, step: int, scaler) -> StepResult:
         ctx, cfg = self.ctx, self.cfg
         first_use = step % cfg.ppo_epochs == 0
         if first_use:
-            self.batch = self._collect(model)
+            self.batch = self._collect(model, step)
         elif self.batch is None:
             raise RuntimeError(f"grpo: step {step} reuses a sampled batch (ppo_epochs = {cfg.ppo_epochs}) "
                                "but none was sampled or restored")
@@ -161,7 +197,7 @@ class GRPOObjective(Objective):
         device = ctx.dev.torch_device
         n_seq, n_tok = batch.counts
         slices = r.micro_batches(cfg.micro_batch_size)
-        sums = torch.zeros(6, dtype=torch.float64, device=device)
+        sums = torch.zeros(9, dtype=torch.float64, device=device)
         parity = torch.zeros(N_SUMS, dtype=torch.float64, device=device)
         maxima = torch.zeros(N_MAXIMA, dtype=torch.float64, device=device)
 
@@ -170,13 +206,19 @@ class GRPOObjective(Objective):
             out = model(ids, doc_ids=docs, token_mask=docs != 0)  # left padding is document 0
             logp = next_token_logprobs(out.logits, ids, docs)
             if first_use:
-                batch.old_logp[s] = logp.detach()
-            loss_mask = batch.loss_mask[s]
-            weights = token_weights(loss_mask, cfg.aggregation, n_seq, n_tok, self.sampling.max_new_tokens)
+                self._first_use(batch, s, logp.detach())
+            loss_mask = batch.loss_mask[s] if batch.keep is None else batch.keep[s]
+            weights = token_weights(batch.loss_mask[s], cfg.aggregation, n_seq, n_tok, self.sampling.max_new_tokens)
+            is_weights = None if batch.is_weights is None else batch.is_weights[s]
             pl = policy_loss(logp, batch.old_logp[s], batch.advantages[s], weights, loss_mask, cfg.eps_low,
-                             cfg.eps_high, batch.ref_logp[s] if batch.ref_logp is not None else None, cfg.kl_coef)
+                             cfg.eps_high, batch.ref_logp[s] if batch.ref_logp is not None else None, cfg.kl_coef,
+                             is_weights)
+            counted = batch.loss_mask[s]
+            is_sum = (is_weights * counted).sum() if is_weights is not None else counted.sum()
+            capped = ((is_weights >= cfg.is_cap) & counted).sum() if is_weights is not None else is_sum * 0
             sums.add_(torch.stack([pl.loss.detach(), pl.kl_sum, pl.clipped, token_entropy(out.logits[mask]).sum(),
-                                   mask.sum(), (docs != 0).sum()]).double())
+                                   mask.sum(), (docs != 0).sum(), is_sum, capped,
+                                   (counted & ~loss_mask).sum()]).double())
             part, most = parity_sums(logp, r.sampler_logp[s], mask)
             parity.add_(part)
             torch.maximum(maxima, most, out=maxima)
@@ -188,15 +230,31 @@ class GRPOObjective(Objective):
         if ctx.par.distributed:
             torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX)
         totals = sums.tolist()
-        loss, kl, clipped, entropy, tokens, seen = totals[:6]
+        loss, kl, clipped, entropy, tokens, seen, is_sum, capped, masked = totals[:9]
         rows = ctx.par.all_reduce_sum(torch.tensor([float(r.input_ids.shape[0]), float((~r.finished).sum())],
                                                    dtype=torch.float64, device=device)).tolist()
         metrics = {**batch.metrics, "kl": kl / max(tokens, 1), "clip_frac": clipped / max(tokens, 1),
                    "entropy": entropy / max(tokens, 1), "response_length": tokens / rows[0],
-                   "truncated_frac": rows[1] / rows[0], **parity_metrics(totals[6:], maxima.tolist()),
+                   "truncated_frac": rows[1] / rows[0], **parity_metrics(totals[9:], maxima.tolist()),
+                   "rollout_corr/is_mean": is_sum / max(n_tok, 1), "rollout_corr/is_capped_frac": capped / max(n_tok, 1),
+                   "rollout_corr/masked_frac": masked / max(n_tok, 1),
                    "ppo_epoch": float(step % cfg.ppo_epochs)}
         return StepResult(loss=sums.new_tensor(loss).float(), tokens=int(seen), metrics=metrics, moe_stats=aux.moe_stats,
                           indexer_loss=aux.indexer_loss)
+
+    def _first_use(self, batch: GroupBatch, s: slice, logp: torch.Tensor) -> None:
+        """On the batch's first step: the trainer's log-probs of rows ``s`` fill old_logp (not in bypass,
+        where the engine's are pi_old), the decoupled importance weights and the masked-IS keep mask."""
+        cfg = self.cfg
+        if self.correction != "bypass":
+            batch.old_logp[s] = logp
+        if self.correction == "none":
+            return
+        weights, keep = rollout_correction(logp, batch.rollouts.sampler_logp[s], batch.loss_mask[s], cfg.is_level,
+                                           cfg.is_cap, cfg.is_mask_low, cfg.is_mask_high or float("inf"))
+        batch.keep[s] = keep
+        if batch.is_weights is not None:
+            batch.is_weights[s] = weights
 
     # ---- evaluation, resume --------------------------------------------------------------------------
     def evaluate(self, model: DeepseekV4) -> dict[str, float]:
@@ -214,6 +272,10 @@ class GRPOObjective(Objective):
         if state.get("batch") is not None:
             self.batch = _batch_from_state(state["batch"], self.ctx.dev.torch_device)
 
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
     def _n_eval(self) -> int:
         return sum(len(p) for p in self.eval_sets.values())
 
@@ -228,7 +290,7 @@ class GRPOObjective(Objective):
         return probe_batch(self.prompts, rows, self.ctx.recipe.data.seq_len, self.ctx.tokenizer.pad_id)
 
 
-_TENSORS = ("advantages", "loss_mask", "ref_logp", "old_logp")
+_TENSORS = ("advantages", "loss_mask", "ref_logp", "old_logp", "is_weights", "keep")
 _ROLLOUT_TENSORS = ("input_ids", "doc_ids", "mask", "sampler_logp", "finished")
 
 
@@ -244,7 +306,7 @@ def _batch_from_state(d: dict, device: torch.device) -> GroupBatch:
     def dec(v):
         return None if v is None else torch.tensor(v["data"], dtype=getattr(torch, v["dtype"]), device=device)
     rollouts = Rollouts(*[dec(d[k]) for k in _ROLLOUT_TENSORS], texts=d["texts"])
-    return GroupBatch(rollouts, *[dec(d[k]) for k in _TENSORS], metrics=d["metrics"], counts=tuple(d["counts"]))
+    return GroupBatch(rollouts, *[dec(d.get(k)) for k in _TENSORS], metrics=d["metrics"], counts=tuple(d["counts"]))
 
 
 def build(ctx: TrainContext) -> GRPOObjective:

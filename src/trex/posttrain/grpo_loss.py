@@ -15,10 +15,25 @@ The loss of one step, per token t of completion b (DAPO's asymmetric clip, DeepS
 with ``weight`` from :func:`token_weights` (token-, sequence- or constant-length aggregation), whose
 denominators are global counts, so any split of the batch into micro-batches and ranks gives the
 same gradient.
+
+Off-policy correction (:func:`rollout_correction`): the completions come from the rollout engine's
+policy pi_rollout, which is not the trainer's pi_old once the engine is another process, precision or
+kernel set (verl's rollout-correction docs call assuming pi_old = pi_rollout the common mistake behind
+RL collapse). With rho = pi_old / pi_rollout on each sampled token:
+
+* ``decoupled``: old_logp is the trainer's recompute; each token's term is multiplied by the truncated
+  importance weight min(rho, C) (``level`` "token"), or every token of a completion by min(prod rho, C)
+  ("sequence"; truncated IS, TIS);
+* ``bypass``: the engine's log-probs are old_logp, so the clipped ratio pi_theta / pi_rollout both
+  corrects and bounds the update;
+
+and in both, masked IS (IcePop): a token whose rho (at "sequence": a completion whose geometric mean
+of rho) lies outside [mask_low, mask_high] carries no loss.
 """
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import dataclass
 from typing import Literal
@@ -68,6 +83,38 @@ def token_weights(mask: torch.Tensor, aggregation: str, n_sequences: int, n_toke
     raise ValueError(f"grpo: aggregation {aggregation!r}; expected one of {', '.join(AGGREGATIONS)}")
 
 
+Correction = Literal["none", "decoupled", "bypass"]
+CORRECTIONS = typing.get_args(Correction)
+ISLevel = Literal["token", "sequence"]
+
+
+def rollout_correction(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, level: str,
+                       cap: float, mask_low: float, mask_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoupled mode's importance weights and the masked-IS keep mask, both [B, T] and detached.
+
+    old_logp, rollout_logp [B, T] fp32 (the trainer's and the engine's log-probs of the sampled tokens),
+    mask [B, T] the completion tokens. weights: min(rho, cap) per token ("token") or min(prod_t rho, cap)
+    on every token of a completion ("sequence"); keep: mask without the tokens (completions) whose rho
+    (geometric mean of rho) is outside [mask_low, mask_high]."""
+    mask = mask.bool()
+    log_rho = torch.where(mask, old_logp.float() - rollout_logp.float(), torch.zeros((), device=old_logp.device))
+    if level == "token":
+        weights = torch.exp(log_rho.clamp(max=math.log(cap)))
+        keep = mask & (log_rho >= _log(mask_low)) & (log_rho <= _log(mask_high))
+    elif level == "sequence":
+        total = log_rho.sum(dim=1, keepdim=True)
+        weights = torch.exp(total.clamp(max=math.log(cap))).expand_as(log_rho)
+        geo = total / mask.sum(dim=1, keepdim=True).clamp(min=1)
+        keep = mask & (geo >= _log(mask_low)) & (geo <= _log(mask_high))
+    else:
+        raise ValueError(f"grpo: correction level {level!r}; expected token or sequence")
+    return torch.where(mask, weights, torch.zeros_like(weights)).detach(), keep
+
+
+def _log(x: float) -> float:
+    return -math.inf if x <= 0 else math.inf if math.isinf(x) else math.log(x)
+
+
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi || ref) on tokens sampled from pi: e^d - d - 1, d = ref - logp."""
     d = ref_logp.float() - logp.float()
@@ -87,11 +134,13 @@ class PolicyLoss:
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
                 mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.2,
-                ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0) -> PolicyLoss:
-    """The clipped surrogate (plus ``kl_coef`` * k3 KL to the reference) weighted by ``weights``.
+                ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+                is_weights: torch.Tensor | None = None) -> PolicyLoss:
+    """The clipped surrogate (times ``is_weights``, the decoupled correction's, when given; plus ``kl_coef``
+    * k3 KL to the reference) weighted by ``weights``.
 
     logp [B, T] (differentiable), old_logp [B, T], ref_logp [B, T] or None, advantages [B],
-    weights and mask [B, T] (see :func:`token_weights`).
+    weights and mask [B, T] (see :func:`token_weights`), is_weights [B, T] or None.
     """
     mask = mask.bool()
     logp = logp.float()
@@ -99,6 +148,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     ratio = torch.exp(logp - old_logp.float())
     clipped_ratio = ratio.clamp(1 - eps_low, 1 + eps_high)
     pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    if is_weights is not None:
+        pg = pg * is_weights
     per_token = pg
     kl = torch.zeros_like(logp)
     if ref_logp is not None:

@@ -97,6 +97,9 @@ class Objective:
         """Data facts for summary.json (records, skips by reason, ...)."""
         return {}
 
+    def close(self) -> None:
+        """Release what the objective started (a rollout engine's process); the loop calls it once, last."""
+
     def probe_batch(self, rows: int) -> Batch:
         """The fidelity probe: ``rows`` fixed rows with next-token labels, the same in every run."""
         raise ValueError(f"{type(self).__name__} has no fidelity probe of its own: set fidelity.probe_paths to "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -25,7 +26,9 @@ from trex.models.deepseek_v4 import shardable_length
 from trex.parallel.mesh import Parallel
 from trex.posttrain.objective import reshard
 from trex.posttrain.rewards import Completion, exact_match
+from trex.recipe import check_choices
 from trex.rollout import Samples, SamplingParams, sample
+from trex.rollout.engine import InProcessEngine, ServerEngine, SyncError, check_parity, parity_probe
 from trex.rollout.sampling import left_pad
 
 
@@ -40,11 +43,29 @@ class SamplingSection:
     """Longest completion; one cut here is "truncated" (no stop token)."""
     batch_size: int = 64
     """Prompts per generation batch."""
+    engine: Literal["in_process", "server"] = "in_process"
+    """What samples (trex.rollout.engine): in_process (trex's sampler on the training model) | server (the
+    same sampler in a process of its own, its weights synced from the trainer before each batch, the
+    stand-in for an inference engine: the out-of-process path, its digests and parity gate)."""
+    engine_device: str = ""
+    """The engine process's device (cpu, cuda:1 ...); empty: the trainer's device."""
+    engine_dtype: str = ""
+    """The engine's weights' dtype (float32, bfloat16); empty: the trainer's compute dtype."""
+    sync_bucket_mb: int = 64
+    """Weight-sync bucket size: tensors sent per message (MiB)."""
+    parity_bound: float = 1e-3
+    """The gate after each weight sync: the engine's and the trainer's log-probs of a fixed probe batch (the
+    first ``probe_rows`` prompts) may differ by at most this mean k3 KL, else the run stops naming the step."""
+    probe_rows: int = 4
+    """Prompts in the parity probe."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "sampling")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1 or self.batch_size < 1:
             raise ValueError("sampling: expected temperature >= 0, 0 < top_p <= 1, max_new_tokens >= 1, "
                              "batch_size >= 1")
+        if self.sync_bucket_mb < 1 or self.probe_rows < 1 or self.parity_bound < 0:
+            raise ValueError("sampling: expected sync_bucket_mb >= 1, probe_rows >= 1 and parity_bound >= 0")
 
 
 @dataclass(frozen=True)
@@ -194,11 +215,12 @@ def sampling_params(section, tokenizer: Tokenizer, greedy: bool = False) -> Samp
 
 def roll_out(model, prompts: list[list[int]], params: SamplingParams, tokenizer: Tokenizer,
              generator: torch.Generator | None, batch_size: int, device: torch.device,
-             uniforms: torch.Tensor | None = None) -> Rollouts:
-    """Sample a completion per prompt from the live ``model`` (``uniforms``: see trex.rollout.sample)
-    and lay the rows out for training."""
-    samples: Samples = sample(model, prompts, params, tokenizer.pad_id, generator=generator, batch_size=batch_size,
-                              uniforms=uniforms)
+             uniforms: torch.Tensor | None = None, engine=None) -> Rollouts:
+    """Sample a completion per prompt from the live ``model``, or from ``engine`` (a trex.rollout.engine
+    engine; ``uniforms``: see trex.rollout.sample), and lay the rows out for training."""
+    samples: Samples = (engine.generate(prompts, params, uniforms, batch_size) if engine is not None else
+                        sample(model, prompts, params, tokenizer.pad_id, generator=generator, batch_size=batch_size,
+                               uniforms=uniforms))
     reshard(model)  # FSDP2 leaves the root gathered after no-grad forwards; the next backward needs it sharded
     rows = [p + c for p, c in zip(samples.prompt_ids, samples.completion_ids)]
     # under context parallelism the rows must split into the group's shards: padded to such a length
@@ -215,6 +237,43 @@ def roll_out(model, prompts: list[list[int]], params: SamplingParams, tokenizer:
     texts = [tokenizer.decode(c) for c in samples.completion_ids]
     return Rollouts(ids, docs, mask.to(device), sampler_logp.to(device),
                     torch.tensor(samples.finished, dtype=torch.bool, device=device), texts)
+
+
+def make_engine(section: SamplingSection, model, dev, policy):
+    """The rollout engine ``section.engine`` names, for the trainer's ``model`` on ``dev`` (an in-process one
+    reads the live weights; a server gets them from :func:`sync_engine`)."""
+    if section.engine == "in_process":
+        return InProcessEngine(model)
+    hasher = getattr(model, "engram_hasher", None)
+    token_map = None if hasher is None else (hasher.token_map.tolist(), hasher.compressed_vocab)
+    dtype = section.engine_dtype or str(policy.compute_dtype).removeprefix("torch.")
+    return ServerEngine(model.cfg.to_hf_dict(), dtype=dtype, device=section.engine_device or str(dev.torch_device),
+                        bucket_bytes=section.sync_bucket_mb << 20, engram_token_map=token_map)
+
+
+def sync_engine(engine, model, version: int, probe: list[list[int]], section: SamplingSection, par: Parallel,
+                step: int) -> dict[str, float]:
+    """Bring the trainer's weights to ``engine`` as ``version`` and gate on the parity probe (every rank its
+    own engine, every rank the same verdict: a failure on one stops all, in one line); the probe's
+    measures as metrics. An in-process engine only takes the version."""
+    if isinstance(engine, InProcessEngine):
+        engine.sync(model, version)
+        return {}
+    error = ""
+    try:
+        engine.sync(model, version)
+    except SyncError as e:
+        error = str(e)
+    device = model.embed.weight.device
+    failed = par.all_reduce_sum(torch.tensor([float(bool(error))], dtype=torch.float64, device=device)).item()
+    if failed:
+        raise SyncError(f"step {step}: {error}" if error else f"step {step}: weight sync v{version} failed on "
+                        f"{int(failed)} other rank(s)' rollout engine")
+    measures = parity_probe(engine, model, probe).to(device)
+    if par.distributed:
+        torch.distributed.all_reduce(measures, op=torch.distributed.ReduceOp.MAX)
+    reshard(model)
+    return {**check_parity(measures.tolist(), section.parity_bound, step, version), "engine/version": float(version)}
 
 
 def completions(rollouts: Rollouts, prompts: list[Prompt], thinking: bool) -> list[Completion]:

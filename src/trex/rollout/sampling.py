@@ -100,7 +100,7 @@ def _agree_max(value: int, device: torch.device) -> int:
 
 
 @contextlib.contextmanager
-def _whole_rows(model) -> Iterator[None]:
+def whole_rows(model) -> Iterator[None]:
     """The sampler's forwards see whole rows: a context-parallel model's ``sequence_shard`` is lifted for
     the block (a cached decode never shards; the cacheless one grows rows by one token a step, which no
     shard split follows)."""
@@ -183,7 +183,7 @@ def sample(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
     device = model.embed.weight.device
     out = Samples([list(p) for p in prompts], [], [], [])
     n_batches = _agree_max(-(-len(prompts) // batch_size), device)
-    with evaluating(model), _whole_rows(model):
+    with evaluating(model), whole_rows(model):
         for b in range(n_batches):
             chunk = prompts[b * batch_size:(b + 1) * batch_size]
             real = bool(chunk)

@@ -74,6 +74,12 @@ class TrainSection:
     """Weight of the sequence-wise balance loss."""
     bias_gamma: float = 1e-3
     """Speed of the aux-loss-free router bias update after each optimizer step (0 disables)."""
+    router: Literal["auto", "frozen", "train"] = "auto"
+    """The MoE routers: "train" updates the gates' weights (gradient) and their bias (``bias_gamma``);
+    "frozen" keeps both as loaded; "auto": frozen in the RL modes (grpo, distill), trained otherwise. RL
+    keeps them fixed because a route that moves between the sampler's forward and the trainer's turns
+    the same tokens into different experts' outputs, which the policy ratio reads as a policy change;
+    miles requires the gate and the bias frozen for V4 RL, and routing replay assumes it."""
     freeze_indexer: bool = True
     """Keep the lightning indexer fixed (its top-k gets no gradient from the LM loss anyway)."""
     engram: Literal["frozen", "train"] = "frozen"
@@ -104,6 +110,14 @@ class TrainSection:
     """torch.compile's backend when compiling: inductor (generated kernels), aot_eager (the same graphs,
     forward and backward partitioned as Inductor's, run by eager kernels: tells a lowering or codegen
     problem from a tracing one) or eager (the captured graphs only)."""
+
+    def router_frozen(self) -> bool:
+        """Whether the routers stay fixed (see ``router``)."""
+        return self.router == "frozen" or (self.router == "auto" and self.mode in ("grpo", "distill"))
+
+    def router_bias_gamma(self) -> float:
+        """The bias update speed this run applies: ``bias_gamma``, or 0 with the routers frozen."""
+        return 0.0 if self.router_frozen() else self.bias_gamma
 
     def compile_on(self, dev) -> bool:
         """Whether this run compiles on ``dev`` (a trex.device.Device)."""

@@ -49,7 +49,7 @@ def dry_run(recipe: TrainRecipe, world_size: int) -> dict:
                                              cpu)
         cfg = model_config(recipe)
         model = build_model(cfg, device="meta")
-        freeze_for_post_training(model, recipe.train.freeze_indexer, recipe.train.engram)
+        freeze_for_post_training(model, recipe.train.freeze_indexer, recipe.train.engram, recipe.train.router_frozen())
         apply_parallelism(model, par, policy, layout.activation_checkpointing)
         optimizer = build_optimizer(model, recipe.optim, cpu)
         algorithm = {id(p): g["algorithm"] for g in optimizer.param_groups for p in g["params"]}

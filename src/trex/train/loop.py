@@ -170,7 +170,7 @@ def prepare_model(m: DeepseekV4, recipe: TrainRecipe, par: Parallel, policy: Pre
     process holds parameters in the policy's dtype; sharded runs keep fp32 shards (the master
     weights) and let FSDP cast to the compute dtype."""
     m.to(dtype=torch.float32 if par.distributed else policy.param_dtype).train()
-    frozen = freeze_for_post_training(m, recipe.train.freeze_indexer, recipe.train.engram)
+    frozen = freeze_for_post_training(m, recipe.train.freeze_indexer, recipe.train.engram, recipe.train.router_frozen())
     m.set_quant(recipe.precision.quant_sim())
     m.align_indexer = recipe.train.indexer_loss > 0
     layout = recipe.parallel
@@ -333,7 +333,7 @@ def _run_steps(r: _Run) -> None:
                 t0 = time.perf_counter()  # the previous step ended with a host read: the device is idle
                 r.dev.reset_peak_memory()
                 out = train_step(r.model, r.objective, r.optimizer, params, r.guard, step,
-                                 grad_clip=r.recipe.optim.grad_clip, bias_gamma=cfg_train.bias_gamma, par=r.par,
+                                 grad_clip=r.recipe.optim.grad_clip, bias_gamma=cfg_train.router_bias_gamma(), par=r.par,
                                  fidelity=r.fidelity)
                 lr = r.optimizer.param_groups[0]["lr"]
                 with warnings.catch_warnings():  # a skipped step still advances the schedule
@@ -379,6 +379,7 @@ def _run_steps(r: _Run) -> None:
         finally:
             progress.close()
             r.ckpt.close()
+            r.objective.close()
         r.heartbeat.at(r.scheduler.last_epoch, "summary")
         if r.status == "completed":
             held_out = r.objective.evaluate(r.model)

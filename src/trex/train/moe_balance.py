@@ -75,14 +75,27 @@ def update_router_bias(model: nn.Module, stats: Sequence[MoEStats], gamma: float
     return counts
 
 
-def freeze_for_post_training(model: nn.Module, indexer: bool, engram: str) -> list[str]:
-    """What ``[train] freeze_indexer`` and ``[train] engram`` keep fixed; returns the frozen names. A model
-    without Engram tables refuses ``engram = "train"``."""
+def freeze_for_post_training(model: nn.Module, indexer: bool, engram: str, router: bool = False) -> list[str]:
+    """What ``[train] freeze_indexer``, ``[train] engram`` and ``[train] router`` keep fixed; returns the frozen
+    names. A model without Engram tables refuses ``engram = "train"``."""
     frozen = freeze_indexer(model) if indexer else []
+    if router:
+        frozen += freeze_router(model)
     if engram == "frozen":
         frozen += freeze_engram_tables(model)
     elif not getattr(model.cfg, "engram_layer_ids", None):
         raise ValueError(f'train.engram = "train": this model ({model.cfg.architecture}) has no Engram tables')
+    return frozen
+
+
+def freeze_router(model: nn.Module) -> list[str]:
+    """Set requires_grad=False on every MoE gate's weight (``*.ffn.gate.weight``); the bias is a buffer that
+    only ``update_router_bias`` moves, which a run with frozen routers does not call. Returns the names."""
+    frozen = []
+    for name, p in model.named_parameters():
+        if name.endswith(".ffn.gate.weight"):
+            p.requires_grad_(False)
+            frozen.append(name)
     return frozen
 
 

@@ -1,0 +1,218 @@
+"""The rollout engine boundary: what samples the completions RL trains on, and how its weights follow.
+
+An engine ``generate``s completions of prompts (token ids) and returns them with their untempered
+log-probs (``Samples``) at its weight ``version``; ``sync(model, version)`` brings the trainer's
+weights to it; ``score(rows)`` gives its log-probs of given tokens, the parity probe's measure.
+
+- :class:`InProcessEngine`: trex's sampler on the live training model (the reference and the CPU
+  default): nothing to transfer, its version is the trainer's.
+- :class:`ServerEngine`: the same sampler in a process of its own (``trex.rollout.server``), on devices
+  of its own, reached over loopback: the stand-in for an inference engine, which tests the
+  out-of-process path (transfer, versions, digests, the parity gate).
+
+A sync streams the model's tensors under their official checkpoint names (``gate.bias``, ``tid2eid``,
+the fp32 mHC and sink tensors included, routed experts one per expert), one parameter gathered from
+its FSDP2/EP shards at a time, in buckets of ``bucket_bytes``. Both sides fold every tensor (name,
+dtype, shape, bytes) into a sha256 digest, and the engine lists the tensors of its model that the sync
+did not bring: a mismatch or a gap is a :class:`SyncError`. The digest proves what was sent arrived,
+not that the engine serves it; :func:`parity_gate` (a probe batch scored by both sides) does that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from multiprocessing.connection import Connection, Listener
+
+import torch
+from safetensors.torch import save as save_tensors
+
+from trex.checkpoint.naming import official_name
+from trex.models import evaluating
+from trex.rollout.sampling import Samples, SamplingParams, left_pad, sample, whole_rows
+
+
+class SyncError(ValueError):
+    """A weight sync or the parity probe after it failed: one line naming the version and the measure."""
+
+
+class Digest:
+    """sha256 over (name, dtype, shape, bytes) of each tensor, in the order given."""
+
+    def __init__(self):
+        self._h = hashlib.sha256()
+        self.tensors = 0
+        self.bytes = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        data = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        self._h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        self._h.update(data)
+        self.tensors += 1
+        self.bytes += len(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def stream_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(official name, full CPU tensor) of every parameter and persistent buffer of ``model``, one gathered
+    from its shards at a time (``DTensor.full_tensor``: every rank of the model must iterate alongside);
+    a stacked routed-expert tensor [E, ...] as E tensors, one per expert."""
+    from torch.distributed.tensor import DTensor
+
+    for key, t in model.state_dict().items():
+        full = (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+        if key.endswith((".experts.w1", ".experts.w2", ".experts.w3")):
+            for j in range(full.shape[0]):
+                yield official_name(key, j), full[j]
+        else:
+            yield official_name(key), full
+
+
+@torch.no_grad()
+def score_rows(model: torch.nn.Module, rows: list[list[int]]) -> list[list[float]]:
+    """Per row (token ids), log p(row[t + 1] | row[..t]) under the untempered model, fp32: the parity probe."""
+    device = model.embed.weight.device
+    ids, docs = left_pad(rows, 0, device)
+    with evaluating(model), whole_rows(model):
+        logits = model(ids, doc_ids=docs).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    width = ids.shape[1]
+    return [logp[i, width - len(r):].tolist() for i, r in enumerate(rows)]
+
+
+class InProcessEngine:
+    """trex's sampler on the training model itself."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.version = 0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
+                 batch_size: int) -> Samples:
+        return sample(self.model, prompts, params, 0, batch_size=batch_size, uniforms=uniforms)
+
+    def sync(self, model: torch.nn.Module, version: int) -> None:
+        self.version = version  # the sampler reads the live weights
+
+    def score(self, rows: list[list[int]]) -> list[list[float]]:
+        return score_rows(self.model, rows)
+
+    def close(self) -> None:
+        pass
+
+
+class ServerEngine:
+    """trex's sampler in a child process (``python -m trex.rollout.server``) on ``device``, holding a model of
+    ``config`` (a ``to_hf_dict``) in ``dtype``; messages are JSON, tensors safetensors bytes, over a loopback
+    connection authenticated with a random key. Its weights come only through :meth:`sync`."""
+
+    def __init__(self, config: dict, dtype: str = "float32", device: str = "cpu", bucket_bytes: int = 64 << 20,
+                 engram_token_map: tuple[list[int], int] | None = None, env: dict | None = None):
+        self.bucket_bytes = bucket_bytes
+        self.version = -1  # no weights yet
+        key = secrets.token_bytes(32)
+        self._listener = Listener(("127.0.0.1", 0), authkey=key)
+        host, port = self._listener.address
+        child_env = {**os.environ, **(env or {}), "TREX_ENGINE_ADDRESS": f"{host}:{port}",
+                     "TREX_ENGINE_KEY": key.hex()}
+        self._proc = subprocess.Popen([sys.executable, "-m", "trex.rollout.server"], env=child_env)
+        self._conn: Connection = self._listener.accept()
+        self._ask({"op": "hello", "config": config, "dtype": dtype, "device": device,
+                   "engram_token_map": engram_token_map})
+
+    # ---- the wire ------------------------------------------------------------------------------------
+    def _send(self, header: dict, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        self._conn.send_bytes(json.dumps({**header, "payload": tensors is not None}).encode())
+        if tensors is not None:
+            self._conn.send_bytes(save_tensors(tensors))
+
+    def _ask(self, header: dict, tensors: dict[str, torch.Tensor] | None = None) -> dict:
+        self._send(header, tensors)
+        reply = json.loads(self._conn.recv_bytes())
+        if "error" in reply:
+            raise SyncError(f"rollout engine ({header['op']}): {reply['error']}")
+        return reply
+
+    # ---- the engine ----------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
+                 batch_size: int) -> Samples:
+        reply = self._ask({"op": "generate", "prompts": prompts, "batch_size": batch_size,
+                           "params": {"temperature": params.temperature, "top_p": params.top_p,
+                                      "max_new_tokens": params.max_new_tokens, "stop_ids": list(params.stop_ids)}},
+                          None if uniforms is None else {"uniforms": uniforms.detach().cpu().contiguous()})
+        if reply["version"] != self.version:
+            raise SyncError(f"rollout engine sampled with weights v{reply['version']}, expected v{self.version}")
+        return Samples(prompts, reply["completion_ids"], reply["logprobs"], reply["finished"])
+
+    def sync(self, model: torch.nn.Module, version: int) -> None:
+        """Stream ``model``'s weights as version ``version``; SyncError if the engine's digest differs from
+        what was sent or its model lacks a tensor the sync should have brought."""
+        self._ask({"op": "begin", "version": version})
+        digest = Digest()
+        bucket, size = {}, 0
+        for name, t in self.weights(model):
+            digest.add(name, t)
+            bucket[name] = t.contiguous()
+            size += t.numel() * t.element_size()
+            if size >= self.bucket_bytes:
+                self._ask({"op": "bucket", "names": list(bucket)}, bucket)
+                bucket, size = {}, 0
+        if bucket:
+            self._ask({"op": "bucket", "names": list(bucket)}, bucket)
+        reply = self._ask({"op": "finish", "version": version})
+        if reply["missing"]:
+            raise SyncError(f"weight sync v{version}: the rollout engine's model got no {len(reply['missing'])} "
+                            f"tensor(s): {', '.join(reply['missing'][:3])}")
+        if reply["digest"] != digest.hexdigest() or reply["tensors"] != digest.tensors:
+            raise SyncError(f"weight sync v{version}: the engine received {reply['tensors']} tensors with digest "
+                            f"{reply['digest'][:12]}, the trainer sent {digest.tensors} with {digest.hexdigest()[:12]}")
+        self.version = version
+
+    def weights(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a sync sends (:func:`stream_weights`)."""
+        return stream_weights(model)
+
+    def score(self, rows: list[list[int]]) -> list[list[float]]:
+        return self._ask({"op": "score", "rows": rows})["logprobs"]
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._send({"op": "close"})
+            except OSError:
+                pass
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._conn.close()
+        self._listener.close()
+
+
+def parity_probe(engine, model: torch.nn.Module, rows: list[list[int]]) -> torch.Tensor:
+    """Score ``rows`` with the engine and the trainer's ``model`` -> fp64 [2]: the mean k3 KL between them over
+    the probe's tokens and the largest |delta log p| (every rank of a sharded model must call it)."""
+    ours = score_rows(model, rows)
+    theirs = engine.score(rows)
+    a = torch.tensor([v for row in ours for v in row], dtype=torch.float64)
+    b = torch.tensor([v for row in theirs for v in row], dtype=torch.float64)
+    d = a - b
+    return torch.stack([(torch.expm1(d) - d).mean(), d.abs().max()])  # k3: KL(engine || trainer), >= 0
+
+
+def check_parity(measures: list[float], bound: float, step: int, version: int) -> dict[str, float]:
+    """The gate on :func:`parity_probe`'s measures (k3, max |delta log p|): SyncError naming the step, the
+    weight version and the measure when k3 exceeds ``bound``; else the measures as metrics."""
+    k3, worst = measures
+    if not k3 <= bound:
+        raise SyncError(f"step {step}: rollout engine log-prob parity after weight sync v{version}: k3 {k3:.3g} > "
+                        f"bound {bound:g} (max |delta log p| {worst:.3g}): the engine does not serve the trainer's "
+                        "weights")
+    return {"engine/parity_k3": k3, "engine/parity_max_abs": worst}

@@ -1,0 +1,122 @@
+"""The rollout engine process of :class:`trex.rollout.engine.ServerEngine` (``python -m trex.rollout.server``).
+
+Connects back to the trainer at ``TREX_ENGINE_ADDRESS`` with the key ``TREX_ENGINE_KEY``, builds the model
+the hello message describes (weights uninitialised until the first sync) and answers, in order:
+
+- ``generate``: prompts, sampling params, optional uniforms -> completions, untempered log-probs, version;
+- ``begin`` / ``bucket`` / ``finish``: a weight sync; tensors arrive under official names, are mapped to
+  the model's (``trex.checkpoint.naming``) and copied in; ``finish`` returns the digest of what arrived
+  and the model tensors no bucket filled;
+- ``score``: the log-probs of given rows (the parity probe);
+- ``close``.
+
+A request that fails is answered with its error (one line) and the process keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from multiprocessing.connection import Client
+
+import torch
+from safetensors.torch import load as load_tensors
+
+from trex.checkpoint.naming import to_trex
+from trex.models import build_model
+from trex.models.config_v41 import config_from_dict
+from trex.rollout.engine import Digest, score_rows
+from trex.rollout.sampling import SamplingParams, sample
+
+
+class Server:
+    def __init__(self, hello: dict):
+        cfg = config_from_dict(hello["config"], source="the trainer's model config")
+        self.device = torch.device(hello["device"])
+        self.model = build_model(cfg, device=self.device, dtype=getattr(torch, hello["dtype"])).eval()
+        if hello.get("engram_token_map"):
+            self.model.set_engram_token_map(*hello["engram_token_map"])
+        self.state = self.model.state_dict()
+        self.version = -1
+        self._pending: tuple[int, Digest, set[str]] | None = None
+
+    def generate(self, msg: dict, tensors: dict) -> dict:
+        params = SamplingParams(**{**msg["params"], "stop_ids": tuple(msg["params"]["stop_ids"])})
+        out = sample(self.model, msg["prompts"], params, 0, batch_size=msg["batch_size"],
+                     uniforms=tensors.get("uniforms"))
+        return {"completion_ids": out.completion_ids, "logprobs": out.logprobs, "finished": out.finished,
+                "version": self.version}
+
+    def begin(self, msg: dict, tensors: dict) -> dict:
+        self._pending = (msg["version"], Digest(), set())
+        return {}
+
+    @torch.no_grad()
+    def bucket(self, msg: dict, tensors: dict) -> dict:
+        if self._pending is None:
+            raise ValueError("a bucket outside a sync (no begin)")
+        _, digest, filled = self._pending
+        if sorted(msg["names"]) != sorted(tensors):
+            raise ValueError("a bucket whose tensors are not the ones its header names")
+        for name in msg["names"]:  # the sender's order (safetensors stores its own)
+            t = tensors[name]
+            digest.add(name, t)
+            for key, expert, part in to_trex(name, t, layout="official"):
+                if key not in self.state:
+                    raise ValueError(f"{name}: the engine's model has no {key}")
+                target = self.state[key] if expert is None else self.state[key][expert]
+                target.copy_(part)
+                filled.add(key if expert is None else f"{key}[{expert}]")
+        return {}
+
+    def finish(self, msg: dict, tensors: dict) -> dict:
+        if self._pending is None or self._pending[0] != msg["version"]:
+            raise ValueError(f"finish of a sync v{msg['version']} that did not begin")
+        version, digest, filled = self._pending
+        self._pending = None
+        missing = []
+        for key, t in self.state.items():
+            if key.endswith((".experts.w1", ".experts.w2", ".experts.w3")):
+                missing += [f"{key}[{j}]" for j in range(t.shape[0]) if f"{key}[{j}]" not in filled]
+            elif key not in filled:
+                missing.append(key)
+        if not missing:
+            self.version = version
+        return {"digest": digest.hexdigest(), "tensors": digest.tensors, "missing": missing}
+
+    def score(self, msg: dict, tensors: dict) -> dict:
+        return {"logprobs": score_rows(self.model, msg["rows"])}
+
+
+OPS = ("generate", "begin", "bucket", "finish", "score")
+
+
+def main() -> int:
+    host, port = os.environ["TREX_ENGINE_ADDRESS"].rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["TREX_ENGINE_KEY"]))
+    server = None
+    while True:
+        try:
+            msg = json.loads(conn.recv_bytes())
+            tensors = load_tensors(conn.recv_bytes()) if msg.get("payload") else {}
+        except EOFError:
+            return 0
+        op = msg["op"]
+        if op == "close":
+            return 0
+        try:
+            if op == "hello":
+                server = Server(msg)
+                reply = {"tensors": len(server.state)}
+            elif op in OPS and server is not None:
+                reply = getattr(server, op)(msg, tensors)
+            else:
+                reply = {"error": f"unknown request {op!r}" if op not in OPS else "no hello yet"}
+        except Exception as e:  # answered to the trainer, which stops with it; this process keeps serving
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        conn.send_bytes(json.dumps(reply).encode())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
