@@ -258,6 +258,8 @@ class SeqContext:
         self.recording = True  # off once the forward returns: a checkpoint's recompute keeps no MoE stats
         self.align_indexer = False  # the model's forward sets it: CSA layers keep their indexer alignment
         self.token_mask: torch.Tensor | None = None  # and this: [B, t1 - t0] the real tokens (MoE statistics)
+        self.routes: dict[str, torch.Tensor] | None = None  # and these: routing replay and recording (MoE.forward)
+        self.route_log: dict[str, torch.Tensor] | None = None
         self.measure_recall = False  # and this: CSA layers measure how much attention their picks cover
 
     def rope_at(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -858,13 +860,16 @@ class Gate(nn.Module):
             return F.softplus(logits).sqrt()
         return logits.sigmoid() if fn == "sigmoid" else logits.softmax(dim=-1)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor):
-        """x: [T, d] -> (weights [T, k] fp32, idx [T, k], scores [T, E] fp32)."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, replay: torch.Tensor | None = None):
+        """x: [T, d] -> (weights [T, k] fp32, idx [T, k], scores [T, E] fp32). ``replay`` [T, k]: routing replay,
+        the experts each token takes (its row -1: route it here); the weights are this router's scores of them."""
         s = self.scores(x)
         if self.hashed:
             idx = self.tid2eid[input_ids.reshape(-1)].long()
         else:
             idx = (s + self.bias).topk(self.cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+        if replay is not None:
+            idx = torch.where(replay[:, :1] >= 0, replay, idx)
         w = s.gather(1, idx)
         if self.cfg.norm_topk_prob and self.cfg.scoring_func != "softmax":
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
@@ -885,7 +890,12 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         B, S, d = x.shape
         flat = x.reshape(-1, d)
-        weights, idx, scores = self.gate(flat, ctx.input_ids)
+        replay = None if ctx.routes is None else ctx.routes.get(self.name)
+        if replay is not None:  # [B, S, k] over whole rows, -1 where the sampler recorded none
+            replay = replay[:, ctx.t0:ctx.t1].reshape(B * S, -1).to(flat.device)
+        weights, idx, scores = self.gate(flat, ctx.input_ids, replay)
+        if ctx.route_log is not None:  # routing recording: the experts of this forward's tokens
+            ctx.route_log[self.name] = idx.view(B, S, -1)
         y = (self.experts(flat, idx, weights) + self.shared_experts(flat).float()).to(x.dtype)  # fp32 sum
         balance = self._balance_loss(scores, idx, B, ctx) if self.training and not self.gate.hashed else None
         if ctx.recording:  # kept for the model to collect (take_stats) once its forward is done; a recompute
@@ -1166,11 +1176,15 @@ class DeepseekV4(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, cache: DecodeCache | None = None, *,
                 targets: list[torch.Tensor] | None = None, return_logits: bool = True,
-                token_mask: torch.Tensor | None = None) -> ModelOutput:
+                token_mask: torch.Tensor | None = None, routes: dict[str, torch.Tensor] | None = None,
+                route_log: dict[str, torch.Tensor] | None = None) -> ModelOutput:
         """input_ids, doc_ids: [B, S]; tokens of different ``doc_ids`` never attend to each other,
         share no compression window, and restart positions. ``token_mask`` [B, S] bool (default: all)
         marks the real tokens: padding still runs, but counts in no MoE statistic (expert loads, the
-        balance loss). One forward serves three callers:
+        balance loss). Routing replay: ``routes`` maps a MoE layer's name (``layers.3``) to the experts
+        [B, S, k] each token of the whole rows takes there (-1 rows: routed as usual); ``route_log`` (a
+        dict) receives each MoE layer's experts of this forward's tokens, [B, S, k]. One forward serves
+        three callers:
 
           training    ``targets``: one [B, S] per head (main, then MTP), already shifted, fills
                       ``token_nll``; ``return_logits=False`` fuses each head with its loss (no
@@ -1198,6 +1212,7 @@ class DeepseekV4(nn.Module):
                 raise ValueError(f"token_mask has shape {tuple(token_mask.shape)}; expected {tuple(input_ids.shape)}")
             ctx.token_mask = token_mask[:, ctx.t0:ctx.t1].bool()
         ctx.measure_recall = self.measure_recall and cache is None
+        ctx.routes, ctx.route_log = routes, route_log
         emb = self.embed(ctx.input_ids)
         # a real copy per stream: batched matmuls over a stride-0 (expanded) operand take a much slower path
         X = emb.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()

@@ -368,11 +368,13 @@ class DeepseekV41(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, cache=None, *, targets: list[torch.Tensor] | None = None,
                 return_logits: bool = True, token_mask: torch.Tensor | None = None,
-                tap_layers: list[int] | None = None) -> ModelOutput:
+                tap_layers: list[int] | None = None, routes: dict[str, torch.Tensor] | None = None,
+                route_log: dict[str, torch.Tensor] | None = None) -> ModelOutput:
         """input_ids, doc_ids, token_mask: [B, S] as ``DeepseekV4.forward``. Engram's n-grams stop at
         document starts; every token takes part (the official code masks only image spans). ``tap_layers``:
         ModelOutput.hidden is then those layers' inputs, stream-averaged and concatenated, [B, S, k d] (the
-        DSpark drafter's ``target_layers``; no context parallelism)."""
+        DSpark drafter's ``target_layers``; no context parallelism). ``routes``, ``route_log``: routing replay
+        and recording, as ``DeepseekV4.forward``'s."""
         if cache is not None:
             if labels is not None:
                 raise ValueError("forward with a decode cache takes no labels (generation only)")
@@ -384,6 +386,7 @@ class DeepseekV41(nn.Module):
             ctx.token_mask = token_mask[:, ctx.t0:ctx.t1].bool()
         if targets is not None and len(targets) > 1:
             raise ValueError(f"targets: DeepSeek-V4.1 has one head, got {len(targets)} target tensors")
+        ctx.routes, ctx.route_log = routes, route_log
         hashes = self.engram_hashes(input_ids, ctx)
         X = self.embed(ctx.input_ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         pre = torch.zeros(*X.shape[:3], device=X.device)

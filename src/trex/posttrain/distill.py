@@ -21,19 +21,21 @@ file) when records have answers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from trex.data.loader import Batch
 from trex.models import DeepseekV4, evaluating
-from trex.recipe import require_positive
+from trex.recipe import check_choices, require_positive
 from trex.posttrain.distill_loss import reverse_kl
-from trex.posttrain.grpo_loss import token_entropy
-from trex.posttrain.objective import Objective, StepResult, TrainContext, backward_micro_batches, load_frozen
+from trex.posttrain.grpo_loss import rollout_correction, token_entropy
+from trex.posttrain.objective import (Objective, StepResult, TrainContext, backward_micro_batches, load_frozen,
+                                      next_token_logprobs)
 from trex.posttrain.rollout_parity import N_MAXIMA, N_SUMS, parity_metrics, parity_sums
 from trex.posttrain.on_policy import (PromptOrder, Rollouts, exact_match_by_set, generator_state, load_eval_sets,
-                                      load_prompts, probe_batch, rank_generator, rank_uniforms, roll_out,
-                                      sampling_params, set_generator_state)
+                                      load_prompts, make_engine, probe_batch, rank_generator, rank_uniforms,
+                                      roll_out, sampling_params, set_generator_state, sync_engine)
 
 EVAL_SEED = 1234  # held-out samples are drawn with the same seed at every evaluation
 
@@ -72,9 +74,18 @@ class DistillSection:
     """Positions per chunk of the full-vocabulary KL (bounds its fp32 memory)."""
     seed: int = 0
     """Seeds the prompt order and the sampler."""
+    correction: Literal["auto", "none", "decoupled"] = "auto"
+    """Off-policy correction for an engine whose policy is not the student's: decoupled weights each
+    completion's positions by min(prod_t pi_student / pi_rollout, is_cap) over its sampled tokens (the KL
+    is taken over the full vocabulary at every visited state, so what needs correcting is how likely the
+    student was to visit them) | none | auto: none in-process, decoupled with any other engine."""
+    is_cap: float = 2.0
+    """Truncation of the decoupled weights."""
 
     def __post_init__(self) -> None:
-        require_positive(self, "distill", ("prompts_per_step", "samples_per_prompt", "micro_batch_size", "chunk"))
+        check_choices(self, "distill")
+        require_positive(self, "distill", ("prompts_per_step", "samples_per_prompt", "micro_batch_size", "chunk",
+                                           "is_cap"))
 
 
 class DistillObjective(Objective):
@@ -95,12 +106,15 @@ class DistillObjective(Objective):
         self.order = PromptOrder(len(self.prompts), self.cfg.prompts_per_step, par, self.cfg.seed, "distill")
         self.generator = torch.Generator().manual_seed(self.cfg.seed)  # alike on every rank: rank_uniforms
         self.teacher_exact_match: dict[str, float] | None = None
+        self.engine = None  # started at the first step
+        self.correction = self.cfg.correction if self.cfg.correction != "auto" else (
+            "none" if self.sampling.engine == "in_process" else "decoupled")
 
     def _rollouts(self, model: DeepseekV4, prompts: list, generator: torch.Generator | None,
-                  uniforms: torch.Tensor | None = None) -> Rollouts:
+                  uniforms: torch.Tensor | None = None, engine=None) -> Rollouts:
         ctx = self.ctx
         return roll_out(model, [p.ids for p in prompts], sampling_params(self.sampling, ctx.tokenizer), ctx.tokenizer,
-                        generator, self.sampling.batch_size, ctx.dev.torch_device, uniforms)
+                        generator, self.sampling.batch_size, ctx.dev.torch_device, uniforms, engine)
 
     def _teacher_logits(self, ids: torch.Tensor, docs: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
         with torch.no_grad():
@@ -123,8 +137,13 @@ class DistillObjective(Objective):
         # a row's draws depend on its place in the step, not on the rank it lands on (as GRPO's)
         uniforms = rank_uniforms(self.generator, cfg.prompts_per_step * cfg.samples_per_prompt,
                                  self.sampling.max_new_tokens, ctx.par)
-        r = self._rollouts(model, chosen, None, uniforms)
+        if self.engine is None:
+            self.engine = make_engine(self.sampling, model, ctx.dev, ctx.policy)
+        probe = [p.ids for p in self.prompts[:self.sampling.probe_rows]]
+        engine_metrics = sync_engine(self.engine, model, step, probe, self.sampling, ctx.par, step + 1)
+        r = self._rollouts(model, chosen, None, uniforms, self.engine)
         n_tok = int(ctx.par.all_reduce_sum(r.mask.sum().double()).item())
+        is_sum = torch.zeros((), dtype=torch.float64, device=device)
         slices = r.micro_batches(cfg.micro_batch_size)
         sums = torch.zeros(2 + len(self.teachers) + N_SUMS, dtype=torch.float64, device=device)
         maxima = torch.zeros(N_MAXIMA, dtype=torch.float64, device=device)
@@ -136,6 +155,12 @@ class DistillObjective(Objective):
             out = model(ids, doc_ids=docs, token_mask=docs != 0)  # left padding is document 0
             z = out.logits[mask]
             total, per_teacher = reverse_kl(z, teacher_logits, self.weights, cfg.chunk)
+            if self.correction == "decoupled":  # each position weighted by its completion's truncated ratio
+                logp = next_token_logprobs(out.logits.detach(), ids, docs)
+                weights, _ = rollout_correction(logp, r.sampler_logp[s], mask, "sequence", cfg.is_cap, 0.0,
+                                                float("inf"))
+                total = total * weights[mask]
+                is_sum.add_(weights[mask].sum().double())
             loss = total.sum() / max(n_tok, 1)
             loss_total.add_(loss.detach().double())
             part, most = self._sums(z, ids, mask, r.sampler_logp[s], per_teacher)
@@ -145,7 +170,7 @@ class DistillObjective(Objective):
 
         aux = backward_micro_batches(model, slices, loss_of, scaler, ctx.recipe.train,
                                        ctx.par.world_size)
-        sums = ctx.par.all_reduce_sum(torch.cat([sums, loss_total[None]]))
+        sums = ctx.par.all_reduce_sum(torch.cat([sums, is_sum[None], loss_total[None]]))
         if ctx.par.distributed:
             torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX)
         totals = sums.tolist()
@@ -155,7 +180,8 @@ class DistillObjective(Objective):
                                                    dtype=torch.float64, device=device)).tolist()
         metrics = {"entropy": totals[1] / tokens, "response_length": totals[0] / rows[0],
                    **{f"reverse_kl/teacher{i}": v / tokens for i, v in enumerate(totals[2:2 + k])},
-                   **parity_metrics(totals[2 + k:-1], maxima.tolist())}
+                   **parity_metrics(totals[2 + k:-2], maxima.tolist()), **engine_metrics,
+                   "rollout_corr/is_mean": totals[-2] / tokens if self.correction == "decoupled" else 1.0}
         return StepResult(loss=sums[-1].float(), tokens=int(rows[1]), metrics=metrics, moe_stats=aux.moe_stats,
                           indexer_loss=aux.indexer_loss)
 
@@ -191,6 +217,10 @@ class DistillObjective(Objective):
 
     def state_dict(self) -> dict:
         return {"order": self.order.state_dict(), "generator": generator_state(self.generator)}
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
 
     def load_state_dict(self, state: dict) -> None:
         self.order.load_state_dict(state["order"])

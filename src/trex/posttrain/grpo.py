@@ -79,6 +79,10 @@ class GRPOSection:
     """Completions per training forward."""
     seed: int = 0
     """Seeds the prompt order and the sampler."""
+    routing: Literal["recompute", "replay"] = "recompute"
+    """MoE routing of the training forward: recompute (the trainer's routers choose) | replay (every token
+    takes the experts the sampler chose for it, in every MoE layer, hash layers included: R3; the routing
+    weights are still the trainer's router's scores of them)."""
     correction: Correction | Literal["auto"] = "auto"
     """Off-policy correction for the rollout engine's policy (trex.posttrain.grpo_loss): decoupled (the
     trainer's recompute is pi_old, truncated importance weights pi_old / pi_rollout) | bypass (the
@@ -152,7 +156,8 @@ class GRPOObjective(Objective):
         chosen = [self.prompts[i] for i in self.order.next() for _ in range(G)]  # prompt-major groups
         uniforms = rank_uniforms(self.generator, cfg.prompts_per_step * G, self.sampling.max_new_tokens, ctx.par)
         rollouts = roll_out(model, [p.ids for p in chosen], sampling_params(self.sampling, ctx.tokenizer),
-                            ctx.tokenizer, None, self.sampling.batch_size, device, uniforms, self.engine)
+                            ctx.tokenizer, None, self.sampling.batch_size, device, uniforms, self.engine,
+                            record_routes=cfg.routing == "replay")
         scored = [self.rewards.score(c) for c in completions(rollouts, chosen, self.thinking)]
         rewards = torch.tensor([total for total, _ in scored], dtype=torch.float32)
         advantages = group_advantages(rewards, G, cfg.scale_by_std).to(device)
@@ -203,7 +208,7 @@ class GRPOObjective(Objective):
 
         def loss_of(s):
             ids, docs, mask = r.input_ids[s], r.doc_ids[s], r.mask[s]
-            out = model(ids, doc_ids=docs, token_mask=docs != 0)  # left padding is document 0
+            out = model(ids, doc_ids=docs, token_mask=docs != 0, routes=r.routes_of(s))  # left padding: document 0
             logp = next_token_logprobs(out.logits, ids, docs)
             if first_use:
                 self._first_use(batch, s, logp.detach())
@@ -298,14 +303,18 @@ def _batch_state(b: GroupBatch) -> dict:
     """A batch reused by later ppo epochs, as JSON (restored when resuming mid-cycle)."""
     def enc(t):
         return None if t is None else {"dtype": str(t.dtype).removeprefix("torch."), "data": t.tolist()}
+    routes = b.rollouts.routes
     return {**{k: enc(getattr(b, k)) for k in _TENSORS}, **{k: enc(getattr(b.rollouts, k)) for k in _ROLLOUT_TENSORS},
+            "routes": None if routes is None else {k: enc(v) for k, v in routes.items()},
             "texts": b.rollouts.texts, "metrics": b.metrics, "counts": list(b.counts)}
 
 
 def _batch_from_state(d: dict, device: torch.device) -> GroupBatch:
     def dec(v):
         return None if v is None else torch.tensor(v["data"], dtype=getattr(torch, v["dtype"]), device=device)
-    rollouts = Rollouts(*[dec(d[k]) for k in _ROLLOUT_TENSORS], texts=d["texts"])
+    routes = d.get("routes")
+    rollouts = Rollouts(*[dec(d[k]) for k in _ROLLOUT_TENSORS], texts=d["texts"],
+                        routes=None if routes is None else {k: dec(v) for k, v in routes.items()})
     return GroupBatch(rollouts, *[dec(d.get(k)) for k in _TENSORS], metrics=d["metrics"], counts=tuple(d["counts"]))
 
 

@@ -196,6 +196,12 @@ class Rollouts:
     sampler_logp: torch.Tensor  # fp32 [B, L]: the sampler's log p of that next token (0 off the mask)
     finished: torch.Tensor     # bool [B]: a stop token ended the completion
     texts: list[str]           # decoded completions (special tokens included)
+    routes: dict[str, torch.Tensor] | None = None  # per MoE layer long [B, L, k]: the sampler's experts of
+    # each input token (routing replay); -1 where it fed none (padding, the last token)
+
+    def routes_of(self, rows: slice) -> dict[str, torch.Tensor] | None:
+        """The routes of ``rows``, for a training forward's ``routes`` (None without routing replay)."""
+        return None if self.routes is None else {k: v[rows] for k, v in self.routes.items()}
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -215,12 +221,13 @@ def sampling_params(section, tokenizer: Tokenizer, greedy: bool = False) -> Samp
 
 def roll_out(model, prompts: list[list[int]], params: SamplingParams, tokenizer: Tokenizer,
              generator: torch.Generator | None, batch_size: int, device: torch.device,
-             uniforms: torch.Tensor | None = None, engine=None) -> Rollouts:
+             uniforms: torch.Tensor | None = None, engine=None, record_routes: bool = False) -> Rollouts:
     """Sample a completion per prompt from the live ``model``, or from ``engine`` (a trex.rollout.engine
-    engine; ``uniforms``: see trex.rollout.sample), and lay the rows out for training."""
-    samples: Samples = (engine.generate(prompts, params, uniforms, batch_size) if engine is not None else
-                        sample(model, prompts, params, tokenizer.pad_id, generator=generator, batch_size=batch_size,
-                               uniforms=uniforms))
+    engine; ``uniforms``: see trex.rollout.sample), and lay the rows out for training; ``record_routes``:
+    with the sampler's experts of every token (routing replay)."""
+    samples: Samples = (engine.generate(prompts, params, uniforms, batch_size, record_routes) if engine is not None
+                        else sample(model, prompts, params, tokenizer.pad_id, generator=generator,
+                                    batch_size=batch_size, uniforms=uniforms, record_routes=record_routes))
     reshard(model)  # FSDP2 leaves the root gathered after no-grad forwards; the next backward needs it sharded
     rows = [p + c for p, c in zip(samples.prompt_ids, samples.completion_ids)]
     # under context parallelism the rows must split into the group's shards: padded to such a length
@@ -235,8 +242,17 @@ def roll_out(model, prompts: list[list[int]], params: SamplingParams, tokenizer:
             mask[i, width - 1 - len(c):width - 1] = True
             sampler_logp[i, width - 1 - len(c):width - 1] = torch.tensor(lp, dtype=torch.float32)
     texts = [tokenizer.decode(c) for c in samples.completion_ids]
+    routes = None
+    if samples.routes is not None:  # right-aligned as the rows: row i's fed tokens end one before its last
+        routes = {}
+        for name in samples.routes[0]:
+            k = samples.routes[0][name].shape[-1]
+            laid = torch.full((len(rows), width, k), -1, dtype=torch.long)
+            for i, (row, r) in enumerate(zip(rows, samples.routes)):
+                laid[i, width - len(row):width - 1] = r[name]
+            routes[name] = laid.to(device)
     return Rollouts(ids, docs, mask.to(device), sampler_logp.to(device),
-                    torch.tensor(samples.finished, dtype=torch.bool, device=device), texts)
+                    torch.tensor(samples.finished, dtype=torch.bool, device=device), texts, routes)
 
 
 def make_engine(section: SamplingSection, model, dev, policy):

@@ -1,7 +1,8 @@
 """The rollout engine boundary: what samples the completions RL trains on, and how its weights follow.
 
 An engine ``generate``s completions of prompts (token ids) and returns them with their untempered
-log-probs (``Samples``) at its weight ``version``; ``sync(model, version)`` brings the trainer's
+log-probs (``Samples``; with ``record_routes``, each fed token's experts in every MoE layer, hash layers
+included, for routing replay) at its weight ``version``; ``sync(model, version)`` brings the trainer's
 weights to it; ``score(rows)`` gives its log-probs of given tokens, the parity probe's measure.
 
 - :class:`InProcessEngine`: trex's sampler on the live training model (the reference and the CPU
@@ -30,6 +31,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection, Listener
 
 import torch
+from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from trex.checkpoint.naming import official_name
@@ -95,8 +97,9 @@ class InProcessEngine:
         self.version = 0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
-                 batch_size: int) -> Samples:
-        return sample(self.model, prompts, params, 0, batch_size=batch_size, uniforms=uniforms)
+                 batch_size: int, record_routes: bool = False) -> Samples:
+        return sample(self.model, prompts, params, 0, batch_size=batch_size, uniforms=uniforms,
+                      record_routes=record_routes)
 
     def sync(self, model: torch.nn.Module, version: int) -> None:
         self.version = version  # the sampler reads the live weights
@@ -134,22 +137,31 @@ class ServerEngine:
             self._conn.send_bytes(save_tensors(tensors))
 
     def _ask(self, header: dict, tensors: dict[str, torch.Tensor] | None = None) -> dict:
+        """Send a request; its reply (JSON), with its tensors under "arrays" when it has some."""
         self._send(header, tensors)
         reply = json.loads(self._conn.recv_bytes())
+        if reply.get("payload"):
+            reply["arrays"] = load_tensors(self._conn.recv_bytes())
         if "error" in reply:
             raise SyncError(f"rollout engine ({header['op']}): {reply['error']}")
         return reply
 
     # ---- the engine ----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
-                 batch_size: int) -> Samples:
+                 batch_size: int, record_routes: bool = False) -> Samples:
         reply = self._ask({"op": "generate", "prompts": prompts, "batch_size": batch_size,
+                           "record_routes": record_routes,
                            "params": {"temperature": params.temperature, "top_p": params.top_p,
                                       "max_new_tokens": params.max_new_tokens, "stop_ids": list(params.stop_ids)}},
                           None if uniforms is None else {"uniforms": uniforms.detach().cpu().contiguous()})
         if reply["version"] != self.version:
             raise SyncError(f"rollout engine sampled with weights v{reply['version']}, expected v{self.version}")
-        return Samples(prompts, reply["completion_ids"], reply["logprobs"], reply["finished"])
+        routes = None
+        if record_routes:  # each layer's rows, concatenated, split back by their lengths
+            sizes = [len(p) + len(c) - 1 for p, c in zip(prompts, reply["completion_ids"])]
+            split = {k: v.split(sizes) for k, v in reply["arrays"].items()}
+            routes = [{k: parts[i] for k, parts in split.items()} for i in range(len(prompts))]
+        return Samples(prompts, reply["completion_ids"], reply["logprobs"], reply["finished"], routes)
 
     def sync(self, model: torch.nn.Module, version: int) -> None:
         """Stream ``model``'s weights as version ``version``; SyncError if the engine's digest differs from

@@ -52,12 +52,15 @@ class SamplingParams:
 @dataclass
 class Samples:
     """Per prompt: the prompt, its completion (a stop token included when one ended it), the sampler's
-    log p(token) under log_softmax(logits.float()) at temperature 1, and whether a stop token ended it."""
+    log p(token) under log_softmax(logits.float()) at temperature 1, and whether a stop token ended it;
+    with ``record_routes``, ``routes[i]``: each MoE layer's experts [n, k] of the n = len(prompt) +
+    len(completion) - 1 tokens the sampler fed through the model (all but the last), in order."""
 
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
     finished: list[bool]
+    routes: list[dict[str, torch.Tensor]] | None = None
 
 
 def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
@@ -127,10 +130,11 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device,
 
 def _sample_batch(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
                   generator: torch.Generator | None, uniforms: torch.Tensor | None, done: torch.Tensor,
-                  use_cache: bool):
+                  use_cache: bool, routes: dict[str, torch.Tensor] | None = None):
     """Decode one batch; rows already ``done`` [B] (dummy rows of a rank with no prompts left) only
     keep the collectives in step; ``uniforms`` [B, max_new_tokens] or None (draw from ``generator``).
-    Returns (tokens [B, T], logprobs [B, T], finished [B])."""
+    Returns (tokens [B, T], logprobs [B, T], finished [B]); ``routes`` (a dict) receives each MoE layer's
+    experts [B, L + T - 1, k] of the fed tokens, the prompts left-padded to L as ``left_pad`` does."""
     device = done.device
     ids, docs = left_pad(prompts, pad_id, device)
     stop = torch.tensor(params.stop_ids, dtype=torch.long, device=device)
@@ -139,13 +143,17 @@ def _sample_batch(model, prompts: list[list[int]], params: SamplingParams, pad_i
     finished = torch.zeros_like(done)
     tokens, logprobs = [], []
     for step in range(params.max_new_tokens):
+        log = None if routes is None else {}
         if step and use_cache:
-            logits = model(tokens[-1][:, None], cache=cache).logits[:, -1]
+            logits = model(tokens[-1][:, None], cache=cache, route_log=log).logits[:, -1]
         else:
             if step:
                 ids = torch.cat([ids, tokens[-1][:, None]], dim=1)
                 docs = torch.cat([docs, torch.ones_like(docs[:, :1])], dim=1)
-            logits = model(ids, doc_ids=docs, cache=cache).logits[:, -1]
+            logits = model(ids, doc_ids=docs, cache=cache, route_log=log).logits[:, -1]
+        if log is not None:  # a cached step adds one token's experts; a cacheless one recomputes the rows
+            for name, idx in log.items():
+                routes[name] = torch.cat([routes[name], idx], dim=1) if step and use_cache else idx
         tok, lp = choose_tokens(logits, params, generator, None if uniforms is None else uniforms[:, step])
         tokens.append(torch.where(done, torch.full_like(tok, pad_id), tok))
         logprobs.append(lp)
@@ -163,14 +171,15 @@ def _sample_batch(model, prompts: list[list[int]], params: SamplingParams, pad_i
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
            generator: torch.Generator | None = None, batch_size: int = 64, use_cache: bool = True,
-           uniforms: torch.Tensor | None = None) -> Samples:
+           uniforms: torch.Tensor | None = None, record_routes: bool = False) -> Samples:
     """Sample a completion for every prompt (lists of token ids), ``batch_size`` prompts per batch.
 
     Deterministic given ``generator`` (same prompts, weights and batch size). ``uniforms``
     [len(prompts), max_new_tokens] in [0, 1), if given, replace the generator: prompt i's t-th token
     uses ``uniforms[i, t]``, so its completion does not depend on the batch or rank it lands in.
     Under torch.distributed each rank passes its own prompts; ranks with fewer batches run dummy
-    rows until all are done.
+    rows until all are done. ``record_routes``: ``Samples.routes`` holds the experts every fed token
+    took in every MoE layer (routing replay).
     """
     for i, p in enumerate(prompts):
         if not p:
@@ -181,7 +190,7 @@ def sample(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
         raise ValueError(f"sample: uniforms of shape {tuple(uniforms.shape)}; expected "
                          f"[{len(prompts)} prompts, {params.max_new_tokens} max_new_tokens]")
     device = model.embed.weight.device
-    out = Samples([list(p) for p in prompts], [], [], [])
+    out = Samples([list(p) for p in prompts], [], [], [], [] if record_routes else None)
     n_batches = _agree_max(-(-len(prompts) // batch_size), device)
     with evaluating(model), whole_rows(model):
         for b in range(n_batches):
@@ -192,12 +201,18 @@ def sample(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
             u = None
             if uniforms is not None:
                 u = uniforms[b * batch_size:(b + 1) * batch_size] if real else uniforms.new_zeros(1, params.max_new_tokens)
-            tokens, logprobs, finished = _sample_batch(model, rows, params, pad_id, generator, u, done, use_cache)
+            routes = {} if record_routes else None
+            tokens, logprobs, finished = _sample_batch(model, rows, params, pad_id, generator, u, done, use_cache,
+                                                       routes)
             if not real:
                 continue
-            for toks, lps, fin in zip(tokens.tolist(), logprobs.tolist(), finished.tolist()):
-                n = next((i + 1 for i, t in enumerate(toks) if t in params.stop_ids), len(toks))
+            width = max(map(len, rows))
+            for i, (toks, lps, fin) in enumerate(zip(tokens.tolist(), logprobs.tolist(), finished.tolist())):
+                n = next((j + 1 for j, t in enumerate(toks) if t in params.stop_ids), len(toks))
                 out.completion_ids.append(toks[:n])
                 out.logprobs.append(lps[:n])
                 out.finished.append(fin)
+                if routes is not None:  # the fed tokens: the prompt, then all but the last of the completion
+                    first = width - len(rows[i])
+                    out.routes.append({k: v[i, first:first + len(rows[i]) + n - 1].cpu() for k, v in routes.items()})
     return out

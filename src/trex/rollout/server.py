@@ -22,6 +22,7 @@ from multiprocessing.connection import Client
 
 import torch
 from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
 
 from trex.checkpoint.naming import to_trex
 from trex.models import build_model
@@ -44,9 +45,12 @@ class Server:
     def generate(self, msg: dict, tensors: dict) -> dict:
         params = SamplingParams(**{**msg["params"], "stop_ids": tuple(msg["params"]["stop_ids"])})
         out = sample(self.model, msg["prompts"], params, 0, batch_size=msg["batch_size"],
-                     uniforms=tensors.get("uniforms"))
-        return {"completion_ids": out.completion_ids, "logprobs": out.logprobs, "finished": out.finished,
-                "version": self.version}
+                     uniforms=tensors.get("uniforms"), record_routes=msg.get("record_routes", False))
+        reply = {"completion_ids": out.completion_ids, "logprobs": out.logprobs, "finished": out.finished,
+                 "version": self.version}
+        if out.routes is not None:  # per MoE layer, every prompt's rows one after another
+            reply["arrays"] = {k: torch.cat([r[k] for r in out.routes]).contiguous() for k in out.routes[0]}
+        return reply
 
     def begin(self, msg: dict, tensors: dict) -> dict:
         self._pending = (msg["version"], Digest(), set())
@@ -115,7 +119,10 @@ def main() -> int:
                 reply = {"error": f"unknown request {op!r}" if op not in OPS else "no hello yet"}
         except Exception as e:  # answered to the trainer, which stops with it; this process keeps serving
             reply = {"error": f"{type(e).__name__}: {e}"}
-        conn.send_bytes(json.dumps(reply).encode())
+        payload = reply.pop("arrays", None)
+        conn.send_bytes(json.dumps({**reply, "payload": payload is not None}).encode())
+        if payload is not None:
+            conn.send_bytes(save_tensors(payload))
 
 
 if __name__ == "__main__":
