@@ -251,3 +251,26 @@ def test_distillation_through_the_server_engine_matches_the_in_process_sampler(t
     for x, y in zip(a, b):
         for key in ("loss", "reverse_kl/teacher0", "grad_norm", "rollout_corr/is_mean", "response_length"):
             assert x[key] == pytest.approx(y[key], abs=1e-6), (x["step"], key)
+
+
+def test_asynchronous_rollouts_are_one_step_off_policy(tmp_path, monkeypatch):
+    """`sampling.asynchronous`: the engine generates step k + 1's batch while step k trains, so every batch
+    after the first is one weight version behind (``engine/lag`` 1). At lr 0 the versions hold the same
+    weights, so the run equals the synchronous one sample for sample and loss for loss; at lr 1e-2 the
+    decoupled weights move off 1 (the lag's policy change is corrected)."""
+    from trex.train.loop import train
+
+    files = _files(tmp_path)
+    monkeypatch.syspath_prepend(str(files))
+    for name, extra in (("sync", []), ("async", ["sampling.asynchronous=true"])):
+        train(_recipe(files, tmp_path / name, 'sampling.engine="server"', "optim.lr=0", *extra))
+    a, b = _metrics(tmp_path / "sync"), _metrics(tmp_path / "async")
+    assert [r["engine/lag"] for r in a] == [0.0, 0.0, 0.0] and [r["engine/lag"] for r in b] == [0.0, 1.0, 1.0]
+    for x, y in zip(a, b):
+        assert x["reward_mean"] == y["reward_mean"] and x["loss"] == pytest.approx(y["loss"], abs=1e-7)
+    train(_recipe(files, tmp_path / "learning", 'sampling.engine="server"', "sampling.asynchronous=true"))
+    rows = _metrics(tmp_path / "learning")
+    assert rows[0]["rollout_corr/is_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert abs(rows[2]["rollout_corr/is_mean"] - 1.0) > 1e-4
+    with pytest.raises(ValueError, match="asynchronous = true needs"):
+        train(_recipe(files, tmp_path / "bad", "sampling.asynchronous=true"))

@@ -35,8 +35,8 @@ from trex.posttrain.objective import (Objective, StepResult, TrainContext, backw
                                       next_token_logprobs,
                                       token_logprobs)
 from trex.posttrain.on_policy import (PromptOrder, Rollouts, completions, exact_match_by_set, generator_state,
-                                      load_eval_sets, load_prompts, make_engine, probe_batch, rank_uniforms,
-                                      roll_out, sampling_params, set_generator_state, sync_engine)
+                                      lay_out, load_eval_sets, load_prompts, make_engine, probe_batch, rank_uniforms,
+                                      sampling_params, set_generator_state, sync_engine)
 from trex.posttrain.rewards import RewardSet
 from trex.posttrain.rollout_parity import N_MAXIMA, N_SUMS, parity_metrics, parity_sums
 
@@ -142,6 +142,11 @@ class GRPOObjective(Objective):
         self.reference = load_frozen(self.cfg.reference or ctx.model, ctx) if self.cfg.kl_coef > 0 else None
         self.batch: GroupBatch | None = None
         self.engine = None  # started at the first batch
+        if self.sampling.asynchronous and (self.sampling.engine != "server" or self.cfg.ppo_epochs != 1):
+            raise ValueError('sampling.asynchronous = true needs sampling.engine = "server" and grpo.ppo_epochs = 1 '
+                             "(it generates the next batch in the engine's process while this one trains)")
+        self.inflight: list | None = None  # the prompts of a batch the engine is generating (asynchronous)
+        self.before_inflight: dict | None = None  # the prompt order and sampler state before they were drawn
         self.correction = self.cfg.correction if self.cfg.correction != "auto" else (
             "none" if self.sampling.engine == "in_process" else "decoupled")
 
@@ -152,12 +157,23 @@ class GRPOObjective(Objective):
         if self.engine is None:
             self.engine = make_engine(self.sampling, model, ctx.dev, ctx.policy)
         probe = [p.ids for p in self.prompts[:self.sampling.probe_rows]]
-        engine_metrics = sync_engine(self.engine, model, step, probe, self.sampling, ctx.par, step + 1)
-        chosen = [self.prompts[i] for i in self.order.next() for _ in range(G)]  # prompt-major groups
-        uniforms = rank_uniforms(self.generator, cfg.prompts_per_step * G, self.sampling.max_new_tokens, ctx.par)
-        rollouts = roll_out(model, [p.ids for p in chosen], sampling_params(self.sampling, ctx.tokenizer),
-                            ctx.tokenizer, None, self.sampling.batch_size, device, uniforms, self.engine,
-                            record_routes=cfg.routing == "replay")
+        params = sampling_params(self.sampling, ctx.tokenizer)
+        if self.inflight is not None:  # asynchronous: the batch generated while the last step trained
+            chosen, self.inflight = self.inflight, None
+            samples = self.engine.collect()
+            engine_metrics = sync_engine(self.engine, model, step, probe, self.sampling, ctx.par, step + 1)
+        else:
+            engine_metrics = sync_engine(self.engine, model, step, probe, self.sampling, ctx.par, step + 1)
+            chosen, uniforms = self._draw()
+            samples = self.engine.generate([p.ids for p in chosen], params, uniforms, self.sampling.batch_size,
+                                           cfg.routing == "replay")
+        if self.sampling.asynchronous and step + 1 < ctx.recipe.train.steps:  # the next batch, while this trains
+            self.before_inflight = self.state_dict()
+            self.inflight, uniforms = self._draw()
+            self.engine.submit([p.ids for p in self.inflight], params, uniforms, self.sampling.batch_size,
+                               cfg.routing == "replay")
+        rollouts = lay_out(model, samples, ctx.tokenizer, device)
+        engine_metrics["engine/lag"] = float(step - samples.version)
         scored = [self.rewards.score(c) for c in completions(rollouts, chosen, self.thinking)]
         rewards = torch.tensor([total for total, _ in scored], dtype=torch.float32)
         advantages = group_advantages(rewards, G, cfg.scale_by_std).to(device)
@@ -187,6 +203,12 @@ class GRPOObjective(Objective):
         keep = loss_mask.clone() if self.correction != "none" else None
         return GroupBatch(rollouts, advantages, loss_mask, ref_logp, old_logp, is_weights, keep, metrics,
                           (int(n_seq), int(n_tok)))
+
+    def _draw(self) -> tuple[list, torch.Tensor]:
+        """The next batch's prompts (each G times, prompt-major) and its sampler uniforms."""
+        cfg, G = self.cfg, self.cfg.group_size
+        chosen = [self.prompts[i] for i in self.order.next() for _ in range(G)]
+        return chosen, rank_uniforms(self.generator, cfg.prompts_per_step * G, self.sampling.max_new_tokens, self.ctx.par)
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self, model: DeepseekV4, step: int, scaler) -> StepResult:
@@ -268,6 +290,8 @@ class GRPOObjective(Objective):
                                   ctx.dev.torch_device) if self.eval_sets else {}
 
     def state_dict(self) -> dict:
+        if self.inflight is not None:  # a batch being generated is drawn again on resume
+            return self.before_inflight
         return {"order": self.order.state_dict(), "generator": generator_state(self.generator),
                 "batch": _batch_state(self.batch) if self.batch is not None and self.cfg.ppo_epochs > 1 else None}
 

@@ -58,6 +58,10 @@ class SamplingSection:
     first ``probe_rows`` prompts) may differ by at most this mean k3 KL, else the run stops naming the step."""
     probe_rows: int = 4
     """Prompts in the parity probe."""
+    asynchronous: bool = False
+    """One step off-policy (grpo, server engine): the engine generates step k + 1's batch with the weights
+    of step k while step k trains; each batch records its weight-version lag (``engine/lag``) and the
+    decoupled correction weighs the lag's policy change. A resumed run samples its first batch anew."""
 
     def __post_init__(self) -> None:
         check_choices(self, "sampling")
@@ -198,6 +202,7 @@ class Rollouts:
     texts: list[str]           # decoded completions (special tokens included)
     routes: dict[str, torch.Tensor] | None = None  # per MoE layer long [B, L, k]: the sampler's experts of
     # each input token (routing replay); -1 where it fed none (padding, the last token)
+    version: int = -1  # the weight version that sampled the rows (a rollout engine's)
 
     def routes_of(self, rows: slice) -> dict[str, torch.Tensor] | None:
         """The routes of ``rows``, for a training forward's ``routes`` (None without routing replay)."""
@@ -228,6 +233,11 @@ def roll_out(model, prompts: list[list[int]], params: SamplingParams, tokenizer:
     samples: Samples = (engine.generate(prompts, params, uniforms, batch_size, record_routes) if engine is not None
                         else sample(model, prompts, params, tokenizer.pad_id, generator=generator,
                                     batch_size=batch_size, uniforms=uniforms, record_routes=record_routes))
+    return lay_out(model, samples, tokenizer, device)
+
+
+def lay_out(model, samples: Samples, tokenizer: Tokenizer, device: torch.device) -> Rollouts:
+    """Sampled completions as training rows (the sampler's layout, padded to a length that splits)."""
     reshard(model)  # FSDP2 leaves the root gathered after no-grad forwards; the next backward needs it sharded
     rows = [p + c for p, c in zip(samples.prompt_ids, samples.completion_ids)]
     # under context parallelism the rows must split into the group's shards: padded to such a length
@@ -252,7 +262,7 @@ def roll_out(model, prompts: list[list[int]], params: SamplingParams, tokenizer:
                 laid[i, width - len(row):width - 1] = r[name]
             routes[name] = laid.to(device)
     return Rollouts(ids, docs, mask.to(device), sampler_logp.to(device),
-                    torch.tensor(samples.finished, dtype=torch.bool, device=device), texts, routes)
+                    torch.tensor(samples.finished, dtype=torch.bool, device=device), texts, routes, samples.version)
 
 
 def make_engine(section: SamplingSection, model, dev, policy):

@@ -98,8 +98,10 @@ class InProcessEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
                  batch_size: int, record_routes: bool = False) -> Samples:
-        return sample(self.model, prompts, params, 0, batch_size=batch_size, uniforms=uniforms,
-                      record_routes=record_routes)
+        out = sample(self.model, prompts, params, 0, batch_size=batch_size, uniforms=uniforms,
+                     record_routes=record_routes)
+        out.version = self.version
+        return out
 
     def sync(self, model: torch.nn.Module, version: int) -> None:
         self.version = version  # the sampler reads the live weights
@@ -120,6 +122,7 @@ class ServerEngine:
                  engram_token_map: tuple[list[int], int] | None = None, env: dict | None = None):
         self.bucket_bytes = bucket_bytes
         self.version = -1  # no weights yet
+        self._pending: tuple | None = None  # a submitted generation not yet collected
         key = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=key)
         host, port = self._listener.address
@@ -137,31 +140,52 @@ class ServerEngine:
             self._conn.send_bytes(save_tensors(tensors))
 
     def _ask(self, header: dict, tensors: dict[str, torch.Tensor] | None = None) -> dict:
-        """Send a request; its reply (JSON), with its tensors under "arrays" when it has some."""
+        """Send a request and wait for its reply."""
+        if self._pending is not None:
+            raise RuntimeError(f"rollout engine: {header['op']} while a generation is in flight (collect it first)")
         self._send(header, tensors)
+        return self._receive(header["op"])
+
+    def _receive(self, op: str) -> dict:
+        """The next reply (JSON), with its tensors under "arrays" when it has some."""
         reply = json.loads(self._conn.recv_bytes())
         if reply.get("payload"):
             reply["arrays"] = load_tensors(self._conn.recv_bytes())
         if "error" in reply:
-            raise SyncError(f"rollout engine ({header['op']}): {reply['error']}")
+            raise SyncError(f"rollout engine ({op}): {reply['error']}")
         return reply
 
     # ---- the engine ----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
                  batch_size: int, record_routes: bool = False) -> Samples:
-        reply = self._ask({"op": "generate", "prompts": prompts, "batch_size": batch_size,
-                           "record_routes": record_routes,
-                           "params": {"temperature": params.temperature, "top_p": params.top_p,
-                                      "max_new_tokens": params.max_new_tokens, "stop_ids": list(params.stop_ids)}},
-                          None if uniforms is None else {"uniforms": uniforms.detach().cpu().contiguous()})
-        if reply["version"] != self.version:
-            raise SyncError(f"rollout engine sampled with weights v{reply['version']}, expected v{self.version}")
+        self.submit(prompts, params, uniforms, batch_size, record_routes)
+        return self.collect()
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
+               batch_size: int, record_routes: bool = False) -> None:
+        """Start generating (the engine process works while the trainer goes on); :meth:`collect` takes the
+        result. The next request waits for it: a sync after a submit reaches the engine once it is done."""
+        if self._pending is not None:
+            raise RuntimeError("rollout engine: a generation is already in flight")
+        self._send({"op": "generate", "prompts": prompts, "batch_size": batch_size, "record_routes": record_routes,
+                    "params": {"temperature": params.temperature, "top_p": params.top_p,
+                               "max_new_tokens": params.max_new_tokens, "stop_ids": list(params.stop_ids)}},
+                   None if uniforms is None else {"uniforms": uniforms.detach().cpu().contiguous()})
+        self._pending = (prompts, record_routes, self.version)
+
+    def collect(self) -> Samples:
+        """The completions of the generation in flight, sampled with the weights of ``Samples.version``."""
+        prompts, record_routes, version = self._pending
+        self._pending = None
+        reply = self._receive("generate")
+        if reply["version"] != version:
+            raise SyncError(f"rollout engine sampled with weights v{reply['version']}, expected v{version}")
         routes = None
         if record_routes:  # each layer's rows, concatenated, split back by their lengths
             sizes = [len(p) + len(c) - 1 for p, c in zip(prompts, reply["completion_ids"])]
             split = {k: v.split(sizes) for k, v in reply["arrays"].items()}
             routes = [{k: parts[i] for k, parts in split.items()} for i in range(len(prompts))]
-        return Samples(prompts, reply["completion_ids"], reply["logprobs"], reply["finished"], routes)
+        return Samples(prompts, reply["completion_ids"], reply["logprobs"], reply["finished"], routes, version)
 
     def sync(self, model: torch.nn.Module, version: int) -> None:
         """Stream ``model``'s weights as version ``version``; SyncError if the engine's digest differs from

@@ -54,13 +54,15 @@ class Samples:
     """Per prompt: the prompt, its completion (a stop token included when one ended it), the sampler's
     log p(token) under log_softmax(logits.float()) at temperature 1, and whether a stop token ended it;
     with ``record_routes``, ``routes[i]``: each MoE layer's experts [n, k] of the n = len(prompt) +
-    len(completion) - 1 tokens the sampler fed through the model (all but the last), in order."""
+    len(completion) - 1 tokens the sampler fed through the model (all but the last), in order; ``version``:
+    the weight version that sampled them (a rollout engine's; -1 unknown)."""
 
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
     finished: list[bool]
     routes: list[dict[str, torch.Tensor]] | None = None
+    version: int = -1
 
 
 def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
