@@ -47,7 +47,7 @@ class _Dropping(ServerEngine):
     """A sync that leaves out one tensor (a planted transport bug)."""
 
     def weights(self, model):
-        return ((n, t) for n, t in stream_weights(model) if n != "layers.1.attn.wkv.weight")
+        return ([(n, t) for n, t in group if n != "layers.1.attn.wkv.weight"] for group in stream_weights(model))
 
 
 def test_a_sync_missing_a_tensor_is_refused_naming_it(tiny):
@@ -62,7 +62,7 @@ def test_a_sync_missing_a_tensor_is_refused_naming_it(tiny):
 
 
 def test_the_weights_are_streamed_under_official_names_with_the_fp32_and_buffer_tensors(tiny):
-    names = dict(stream_weights(tiny))
+    names = {n: t for group in stream_weights(tiny) for n, t in group}
     assert "layers.1.ffn.gate.bias" in names and "layers.0.hc_attn_fn" in names and "layers.0.attn.attn_sink" in names
     assert "layers.0.ffn.gate.tid2eid" in names  # the hash layer's table
     assert "layers.1.ffn.experts.3.w1.weight" in names and not any(n.endswith("experts.w1") for n in names)
@@ -119,8 +119,8 @@ def test_a_stale_engine_stops_the_run_at_the_gate_in_one_line(tmp_path, monkeypa
 
     def stale(self, model):
         if not first:
-            first.update((n, t.clone()) for n, t in stream_weights(model))
-        return iter(first.items())
+            first["groups"] = [[(n, t.clone()) for n, t in group] for group in stream_weights(model)]
+        return iter(first["groups"])
 
     monkeypatch.setattr(ServerEngine, "weights", stale)
     with pytest.raises(SyncError) as e:
@@ -274,3 +274,25 @@ def test_asynchronous_rollouts_are_one_step_off_policy(tmp_path, monkeypatch):
     assert abs(rows[2]["rollout_corr/is_mean"] - 1.0) > 1e-4
     with pytest.raises(ValueError, match="asynchronous = true needs"):
         train(_recipe(files, tmp_path / "bad", "sampling.asynchronous=true"))
+
+
+def test_a_quantised_sync_serves_what_the_exported_checkpoint_serves(tiny, tmp_path):
+    """`sync_quantize = "fp8+fp4experts"`: the sync sends FP8 linears and FP4 experts with their scales (the
+    export's codec), the engine dequantises them, and its log-probs are those of the same model exported
+    with that quantisation and loaded back; the parity probe against the unrounded trainer measures it."""
+    from trex.checkpoint import load_pretrained, save_pretrained
+
+    save_pretrained(tiny, str(tmp_path / "served"), layout="official", dtype="bf16", quantize="fp8+fp4experts")
+    served = load_pretrained(str(tmp_path / "served"), dtype=torch.float32, device="cpu")
+    groups = list(stream_weights(tiny, "fp8+fp4experts"))
+    assert any(t.dtype == torch.float8_e4m3fn for g in groups for _, t in g)
+    assert any(t.dtype == torch.int8 and n.endswith(".w1.weight") for g in groups for n, t in g)
+    engine = ServerEngine(tiny.cfg.to_hf_dict(), quantize="fp8+fp4experts", bucket_bytes=1 << 14)
+    try:
+        engine.sync(tiny, 1)
+        rows = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+        assert parity_probe(engine, served, rows).tolist() == [0.0, 0.0]
+        k3, worst = parity_probe(engine, tiny, rows).tolist()
+        assert 0 < k3 < 1e-2 and worst > 0
+    finally:
+        engine.close()

@@ -53,6 +53,10 @@ class SamplingSection:
     """The engine's weights' dtype (float32, bfloat16); empty: the trainer's compute dtype."""
     sync_bucket_mb: int = 64
     """Weight-sync bucket size: tensors sent per message (MiB)."""
+    sync_quantize: Literal["none", "fp8", "fp8+fp4experts"] = "none"
+    """Re-quantise what a sync sends to the served FP8 (block-scaled linears) and FP4 routed experts, by the
+    export's codec (as NeMo RL refits vLLM's FP8 weights); the engine then serves the rounded weights and
+    the parity probe measures the rounding (set ``parity_bound`` for it)."""
     parity_bound: float = 1e-3
     """The gate after each weight sync: the engine's and the trainer's log-probs of a fixed probe batch (the
     first ``probe_rows`` prompts) may differ by at most this mean k3 KL, else the run stops naming the step."""
@@ -274,7 +278,8 @@ def make_engine(section: SamplingSection, model, dev, policy):
     token_map = None if hasher is None else (hasher.token_map.tolist(), hasher.compressed_vocab)
     dtype = section.engine_dtype or str(policy.compute_dtype).removeprefix("torch.")
     return ServerEngine(model.cfg.to_hf_dict(), dtype=dtype, device=section.engine_device or str(dev.torch_device),
-                        bucket_bytes=section.sync_bucket_mb << 20, engram_token_map=token_map)
+                        bucket_bytes=section.sync_bucket_mb << 20, engram_token_map=token_map,
+                        quantize=None if section.sync_quantize == "none" else section.sync_quantize)
 
 
 def sync_engine(engine, model, version: int, probe: list[list[int]], section: SamplingSection, par: Parallel,

@@ -12,8 +12,9 @@ weights to it; ``score(rows)`` gives its log-probs of given tokens, the parity p
   out-of-process path (transfer, versions, digests, the parity gate).
 
 A sync streams the model's tensors under their official checkpoint names (``gate.bias``, ``tid2eid``,
-the fp32 mHC and sink tensors included, routed experts one per expert), one parameter gathered from
-its FSDP2/EP shards at a time, in buckets of ``bucket_bytes``. Both sides fold every tensor (name,
+the fp32 mHC and sink tensors included, routed experts one per expert), optionally re-quantised to the
+served FP8/FP4 by the export's codec, one parameter gathered from its FSDP2/EP shards at a time, in
+buckets of ``bucket_bytes``. Both sides fold every tensor (name,
 dtype, shape, bytes) into a sha256 digest, and the engine lists the tensors of its model that the sync
 did not bring: a mismatch or a gap is a :class:`SyncError`. The digest proves what was sent arrived,
 not that the engine serves it; :func:`parity_gate` (a probe batch scored by both sides) does that.
@@ -34,7 +35,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from trex.checkpoint.naming import official_name
+from trex.checkpoint.layouts import TrexTensor, plan_outputs
 from trex.models import evaluating
 from trex.rollout.sampling import Samples, SamplingParams, left_pad, sample, whole_rows
 
@@ -62,19 +63,30 @@ class Digest:
         return self._h.hexdigest()
 
 
-def stream_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(official name, full CPU tensor) of every parameter and persistent buffer of ``model``, one gathered
-    from its shards at a time (``DTensor.full_tensor``: every rank of the model must iterate alongside);
-    a stacked routed-expert tensor [E, ...] as E tensors, one per expert."""
+def stream_weights(model: torch.nn.Module, quantize: str | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Every parameter and persistent buffer of ``model`` as the official checkpoint layout writes it (the
+    export's codec, ``trex.checkpoint.layouts.plan_outputs``): groups of (official name, CPU tensor), a
+    weight with its scale when ``quantize`` ("fp8", "fp8+fp4experts") quantises it, routed experts one per
+    expert. Each tensor is gathered from its shards when its turn comes, one at a time
+    (``DTensor.full_tensor``: every rank of the model must iterate alongside). Unquantised tensors keep the
+    model's dtype (bf16 beside quantised ones, as exported)."""
     from torch.distributed.tensor import DTensor
 
-    for key, t in model.state_dict().items():
-        full = (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
-        if key.endswith((".experts.w1", ".experts.w2", ".experts.w3")):
-            for j in range(full.shape[0]):
-                yield official_name(key, j), full[j]
-        else:
-            yield official_name(key), full
+    state = model.state_dict()
+    last: dict[str, torch.Tensor] = {}
+
+    def full(key: str) -> torch.Tensor:  # the tensor being sent, gathered once for all its experts
+        if key not in last:
+            last.clear()
+            t = state[key]
+            last[key] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+        return last[key]
+
+    tensors = [TrexTensor(k, tuple(t.shape), t.dtype, lambda e, k=k: full(k) if e is None else full(k)[e])
+               for k, t in state.items()]
+    dtype = torch.bfloat16 if quantize else next(t for t in state.values() if t.is_floating_point()).dtype
+    for group in plan_outputs(tensors, "official", dtype, quantize, model.cfg.architecture):
+        yield [(p.name, p.produce()) for p in group]
 
 
 @torch.no_grad()
@@ -119,8 +131,9 @@ class ServerEngine:
     connection authenticated with a random key. Its weights come only through :meth:`sync`."""
 
     def __init__(self, config: dict, dtype: str = "float32", device: str = "cpu", bucket_bytes: int = 64 << 20,
-                 engram_token_map: tuple[list[int], int] | None = None, env: dict | None = None):
-        self.bucket_bytes = bucket_bytes
+                 engram_token_map: tuple[list[int], int] | None = None, env: dict | None = None,
+                 quantize: str | None = None):
+        self.bucket_bytes, self.quantize = bucket_bytes, quantize
         self.version = -1  # no weights yet
         self._pending: tuple | None = None  # a submitted generation not yet collected
         key = secrets.token_bytes(32)
@@ -135,9 +148,10 @@ class ServerEngine:
 
     # ---- the wire ------------------------------------------------------------------------------------
     def _send(self, header: dict, tensors: dict[str, torch.Tensor] | None = None) -> None:
-        self._conn.send_bytes(json.dumps({**header, "payload": tensors is not None}).encode())
-        if tensors is not None:
-            self._conn.send_bytes(save_tensors(tensors))
+        e8m0 = [] if tensors is None else [n for n, t in tensors.items() if t.dtype == torch.float8_e8m0fnu]
+        self._conn.send_bytes(json.dumps({**header, "payload": tensors is not None, "e8m0": e8m0}).encode())
+        if tensors is not None:  # ue8m0 scales travel as their bytes (safetensors' loader has no such dtype)
+            self._conn.send_bytes(save_tensors({n: t.view(torch.uint8) if n in e8m0 else t for n, t in tensors.items()}))
 
     def _ask(self, header: dict, tensors: dict[str, torch.Tensor] | None = None) -> dict:
         """Send a request and wait for its reply."""
@@ -193,10 +207,11 @@ class ServerEngine:
         self._ask({"op": "begin", "version": version})
         digest = Digest()
         bucket, size = {}, 0
-        for name, t in self.weights(model):
-            digest.add(name, t)
-            bucket[name] = t.contiguous()
-            size += t.numel() * t.element_size()
+        for group in self.weights(model):  # a weight and its scale travel in one bucket
+            for name, t in group:
+                digest.add(name, t)
+                bucket[name] = t.contiguous()
+                size += t.numel() * t.element_size()
             if size >= self.bucket_bytes:
                 self._ask({"op": "bucket", "names": list(bucket)}, bucket)
                 bucket, size = {}, 0
@@ -211,9 +226,9 @@ class ServerEngine:
                             f"{reply['digest'][:12]}, the trainer sent {digest.tensors} with {digest.hexdigest()[:12]}")
         self.version = version
 
-    def weights(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """What a sync sends (:func:`stream_weights`)."""
-        return stream_weights(model)
+        return stream_weights(model, self.quantize)
 
     def score(self, rows: list[list[int]]) -> list[list[float]]:
         return self._ask({"op": "score", "rows": rows})["logprobs"]

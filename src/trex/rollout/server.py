@@ -24,7 +24,8 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from trex.checkpoint.naming import to_trex
+from trex.checkpoint.naming import scale_name, to_trex
+from trex.kernels import quantize
 from trex.models import build_model
 from trex.models.config_v41 import config_from_dict
 from trex.rollout.engine import Digest, score_rows
@@ -66,13 +67,26 @@ class Server:
         for name in msg["names"]:  # the sender's order (safetensors stores its own)
             t = tensors[name]
             digest.add(name, t)
-            for key, expert, part in to_trex(name, t, layout="official"):
+            if name.endswith(".scale"):
+                continue  # taken with its weight
+            for key, expert, part in to_trex(name, self._dequantized(name, t, tensors), layout="official"):
                 if key not in self.state:
                     raise ValueError(f"{name}: the engine's model has no {key}")
                 target = self.state[key] if expert is None else self.state[key][expert]
                 target.copy_(part)
                 filled.add(key if expert is None else f"{key}[{expert}]")
         return {}
+
+    def _dequantized(self, name: str, t: torch.Tensor, bucket: dict) -> torch.Tensor:
+        """A re-quantised weight (FP8, or FP4 packed in int8) back to fp32 with its scale from the same bucket."""
+        if t.dtype not in (torch.float8_e4m3fn, torch.int8):
+            return t
+        scale = bucket.get(scale_name(name, "official"))
+        if scale is None:
+            raise ValueError(f"{name}: a {t.dtype} weight without its scale in the same bucket")
+        if t.dtype == torch.float8_e4m3fn:
+            return quantize.dequantize_fp8(t, scale, torch.float32)
+        return quantize.dequantize_fp4(t, scale, cols=2 * t.shape[-1], dtype=torch.float32)
 
     def finish(self, msg: dict, tensors: dict) -> dict:
         if self._pending is None or self._pending[0] != msg["version"]:
@@ -104,6 +118,8 @@ def main() -> int:
         try:
             msg = json.loads(conn.recv_bytes())
             tensors = load_tensors(conn.recv_bytes()) if msg.get("payload") else {}
+            for name in msg.get("e8m0", ()):  # ue8m0 scales arrive as their bytes
+                tensors[name] = tensors[name].view(torch.float8_e8m0fnu)
         except EOFError:
             return 0
         op = msg["op"]
