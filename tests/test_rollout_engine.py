@@ -296,3 +296,46 @@ def test_a_quantised_sync_serves_what_the_exported_checkpoint_serves(tiny, tmp_p
         assert 0 < k3 < 1e-2 and worst > 0
     finally:
         engine.close()
+
+
+# ---- the vLLM adapter, against a fake of vLLM's HTTP surface ----------------------------------------------
+def test_grpo_through_the_vllm_adapter_against_a_fake_vllm(tmp_path, monkeypatch):
+    """The adapter's protocol, against tests/fake_vllm.py (not vLLM: see its docstring): every step writes the
+    synced weights under vllm_sync_dir, and pauses, reloads, versions and resumes the server in that order;
+    completions come back with the sampled tokens' log-probs and, replayed, their routed experts; the parity
+    gate reads the server's prompt log-probs (0 here: the fake serves the synced weights)."""
+    from fake_vllm import FakeVLLM
+
+    from trex import device as device_layer
+    from trex.precision import PrecisionPolicy
+    from trex.train.loop import model_for, tokenizer_for, train
+
+    files = _files(tmp_path)
+    monkeypatch.syspath_prepend(str(files))
+    recipe = _recipe(files, tmp_path / "run", 'sampling.engine="vllm"', f'sampling.vllm_sync_dir="{tmp_path}/sync"',
+                     'grpo.routing="replay"', "sampling.parity_bound=1e-9")
+    dev = device_layer.detect("cpu")
+    served = model_for(recipe, tokenizer_for("compact"), dev, PrecisionPolicy.resolve("fp32", dev))
+    fake = FakeVLLM(served)
+    try:
+        recipe.sampling.vllm_url = fake.url
+        train(recipe)
+    finally:
+        fake.close()
+    sync = [p for p, _ in fake.calls if not p.startswith("v1/")]
+    assert sync == ["pause?mode=wait", "collective_rpc", "update_weight_version", "resume"] * 3
+    assert fake.version == "2" and sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["v0", "v1", "v2"]
+    rows = _metrics(tmp_path / "run")
+    assert [r["engine/version"] for r in rows] == [0.0, 1.0, 2.0] and all(r["engine/parity_k3"] == 0 for r in rows)
+    completions = [b for p, b in fake.calls if p == "v1/completions" and "logprobs" in b]
+    assert completions and all(b["logprobs"] == 0 and b["return_token_ids"] for b in completions)
+
+
+def test_the_vllm_adapter_reports_a_server_that_is_not_there_in_one_line():
+    from trex.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine("http://127.0.0.1:9", sync_dir="/tmp")
+    with pytest.raises(SyncError, match=r"^vLLM at http://127\.0\.0\.1:9 is not reachable .*VLLM_SERVER_DEV_MODE=1"):
+        engine.score([[1, 2, 3]])
+    with pytest.raises(ValueError, match="needs sampling.vllm_sync_dir"):
+        VLLMEngine("http://127.0.0.1:9", transport="disk")

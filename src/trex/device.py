@@ -110,6 +110,14 @@ class Device:
         return {f"{prefix}_TRACE_BUFFER_SIZE": str(entries), f"{prefix}_DUMP_ON_TIMEOUT": "1",
                 f"{prefix}_DEBUG_INFO_TEMP_FILE": dump_prefix}
 
+    def engine_broadcast(self) -> "EngineBroadcast":
+        """A broadcast channel from this process (rank 0) to an inference engine's workers outside any
+        torch process group, joined through a unique id both sides share (as vLLM's weight transfer does):
+        CUDA's NCCL communicator; DeviceUnavailable elsewhere (no vendor exposes one to Python)."""
+        if self.type != "cuda":
+            raise DeviceUnavailable(f"no engine weight broadcast on {self.type}: use the disk transport")
+        return _CudaEngineBroadcast(self)
+
     # ---- timing and memory --------------------------------------------------------------
     def synchronize(self) -> None:
         if self.is_accelerator:
@@ -188,6 +196,26 @@ class Device:
         if self.is_accelerator and self.capabilities().bf16_fast:
             return torch.bfloat16
         return torch.float32
+
+
+class EngineBroadcast:
+    """``unique_id()`` (bytes for the other side), ``join(uid, world_size)`` as rank 0, ``send(tensor)``."""
+
+
+class _CudaEngineBroadcast(EngineBroadcast):
+    def __init__(self, device: Device):
+        import torch.cuda.nccl as nccl
+
+        self.device, self.nccl, self.comm = device, nccl, None
+
+    def unique_id(self) -> bytes:
+        return bytes(self.nccl.unique_id())
+
+    def join(self, uid: bytes, world_size: int) -> None:
+        self.comm = self.nccl.init_rank(world_size, uid, 0)
+
+    def send(self, t: torch.Tensor) -> None:
+        self.nccl.broadcast([t.to(self.device.torch_device)], root=0, comms=[self.comm])
 
 
 def detect(override: str | None = None) -> Device:

@@ -43,10 +43,18 @@ class SamplingSection:
     """Longest completion; one cut here is "truncated" (no stop token)."""
     batch_size: int = 64
     """Prompts per generation batch."""
-    engine: Literal["in_process", "server"] = "in_process"
+    engine: Literal["in_process", "server", "vllm"] = "in_process"
     """What samples (trex.rollout.engine): in_process (trex's sampler on the training model) | server (the
     same sampler in a process of its own, its weights synced from the trainer before each batch, the
-    stand-in for an inference engine: the out-of-process path, its digests and parity gate)."""
+    stand-in for an inference engine: the out-of-process path, its digests and parity gate) | vllm (a
+    vLLM server at ``vllm_url``, trex.rollout.vllm_engine; docs/post_training.md)."""
+    vllm_url: str = "http://127.0.0.1:8000"
+    """The vLLM server (engine = "vllm"), started with VLLM_SERVER_DEV_MODE=1."""
+    vllm_transport: Literal["disk", "broadcast"] = "disk"
+    """How weights reach vLLM: disk (an official-layout checkpoint in ``vllm_sync_dir``, reloaded in place) |
+    broadcast (vLLM's weight-transfer API with its collective backend, rank 0 broadcasting; CUDA)."""
+    vllm_sync_dir: str = ""
+    """A directory the trainer's rank 0 and the vLLM server both see (the disk transport)."""
     engine_device: str = ""
     """The engine process's device (cpu, cuda:1 ...); empty: the trainer's device."""
     engine_dtype: str = ""
@@ -274,12 +282,17 @@ def make_engine(section: SamplingSection, model, dev, policy):
     reads the live weights; a server gets them from :func:`sync_engine`)."""
     if section.engine == "in_process":
         return InProcessEngine(model)
+    quantize = None if section.sync_quantize == "none" else section.sync_quantize
+    if section.engine == "vllm":
+        from trex.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(section.vllm_url, section.vllm_transport, section.vllm_sync_dir, quantize)
     hasher = getattr(model, "engram_hasher", None)
     token_map = None if hasher is None else (hasher.token_map.tolist(), hasher.compressed_vocab)
     dtype = section.engine_dtype or str(policy.compute_dtype).removeprefix("torch.")
     return ServerEngine(model.cfg.to_hf_dict(), dtype=dtype, device=section.engine_device or str(dev.torch_device),
                         bucket_bytes=section.sync_bucket_mb << 20, engram_token_map=token_map,
-                        quantize=None if section.sync_quantize == "none" else section.sync_quantize)
+                        quantize=quantize)
 
 
 def sync_engine(engine, model, version: int, probe: list[list[int]], section: SamplingSection, par: Parallel,
