@@ -323,22 +323,35 @@ def one_process_grpo(prompt_files, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def two_process_runs(prompt_files, tmp_path_factory):
+    """The two-process runs, by layout, each started once (the server layout is compared with fsdp2's)."""
+    from test_distributed import torchrun
+
+    runs = {}
+
+    def run(layout: str):
+        if layout not in runs:
+            out = tmp_path_factory.mktemp(f"grpo_{layout}") / "two"
+            with pytest.MonkeyPatch.context() as mp:  # the reward plug-in on the ranks' path
+                mp.setenv("PYTHONPATH", _reward_env(prompt_files)["PYTHONPATH"])
+                two = torchrun(2, _two_process_args(prompt_files, out, 2, layout), timeout=400)
+            assert two.returncode == 0, two.stderr[-3000:]
+            runs[layout] = out
+        return runs[layout]
+    return run
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp2", "cp2", "fsdp2-server"])
-def test_two_process_grpo_gives_the_samples_and_losses_of_one_process(prompt_files, one_process_grpo, tmp_path,
-                                                                      monkeypatch, layout):
+@pytest.mark.parametrize("layout", ["fsdp2", "cp2"])
+def test_two_process_grpo_gives_the_samples_and_losses_of_one_process(prompt_files, one_process_grpo,
+                                                                      two_process_runs, layout):
     """2-process FSDP (gloo) draws the same completions as one process (each row's draws depend on its
     place in the step, not its rank) and so logs the same rewards, losses, KL and gradient norms; so
     does context parallelism (both ranks sample the same rows, each trains on half of every rollout
-    row, padded to a length that splits), and so do two ranks that sample through engine processes of their
-    own, their weights synced from the FSDP2 shards before every batch. The model has an MTP block, which GRPO's loss ignores: under
+    row, padded to a length that splits). The model has an MTP block, which GRPO's loss ignores: under
     FSDP2 its balance-loss gradient once reached unsharded-then-freed weights (step 1 failed)."""
-    from test_distributed import torchrun
-
-    monkeypatch.setenv("PYTHONPATH", _reward_env(prompt_files)["PYTHONPATH"])
-    two = torchrun(2, _two_process_args(prompt_files, tmp_path / "two", 2, layout), timeout=400)
-    assert two.returncode == 0, two.stderr[-3000:]
-    a, b = _metrics(one_process_grpo), _metrics(tmp_path / "two")
+    a, b = _metrics(one_process_grpo), _metrics(two_process_runs(layout))
     assert len(a) == len(b) == 4
     assert any(r["reward_std"] > 0 for r in a) and any(r["kl"] > 0 for r in a)  # a learning signal, not zeros
     for x, y in zip(a, b):
@@ -447,3 +460,17 @@ def test_grpo_on_v41_under_fsdp2_ep2_and_cp2_gives_the_samples_and_losses_of_one
             assert x["reward_mean"] == y["reward_mean"] and x["response_length"] == y["response_length"], layout
             for key in ("loss", "kl", "entropy", "grad_norm"):
                 assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (layout, x["step"], key)
+
+
+@pytest.mark.slow
+def test_two_ranks_sampling_through_engine_processes_match_the_in_process_sampler(two_process_runs):
+    """FSDP2 on two ranks, each sampling through an engine process of its own whose weights are synced from
+    the shards before every batch: the same completions and, step by step, the losses, KL and gradient
+    norms of the same two ranks sampling in-process, within 1e-6."""
+    a, b = _metrics(two_process_runs("fsdp2")), _metrics(two_process_runs("fsdp2-server"))
+    assert len(a) == len(b) == 4
+    assert [r["engine/version"] for r in b] == [0.0, 0.0, 2.0, 2.0]  # a batch per two steps (ppo_epochs 2)
+    for x, y in zip(a, b):
+        assert x["reward_mean"] == y["reward_mean"] and x["response_length"] == y["response_length"], x["step"]
+        for key in ("loss", "kl", "entropy", "grad_norm"):
+            assert x[key] == pytest.approx(y[key], rel=1e-6, abs=1e-6), (x["step"], key)

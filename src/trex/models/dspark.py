@@ -56,6 +56,8 @@ class DraftContext:
     cache: "DraftCache"
     recording: bool = False  # MoE statistics: drafting records none
     token_mask: torch.Tensor | None = None
+    routes: dict | None = None  # no routing replay or recording while drafting
+    route_log: dict | None = None
 
 
 class DraftCache:

@@ -16,7 +16,8 @@ the fp32 mHC and sink tensors included, routed experts one per expert), optional
 served FP8/FP4 by the export's codec, one parameter gathered from its FSDP2/EP shards at a time, in
 buckets of ``bucket_bytes``. Both sides fold every tensor (name,
 dtype, shape, bytes) into a sha256 digest, and the engine lists the tensors of its model that the sync
-did not bring: a mismatch or a gap is a :class:`SyncError`. The digest proves what was sent arrived,
+did not bring: a mismatch or a gap is a :class:`SyncError`. A bucket travels as a safetensors file in
+shared memory where the machine has ``/dev/shm`` (the engine maps it), else over the connection. The digest proves what was sent arrived,
 not that the engine serves it; :func:`parity_gate` (a probe batch scored by both sides) does that.
 """
 
@@ -26,14 +27,17 @@ import hashlib
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from multiprocessing.connection import Connection, Listener
 
 import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
+from safetensors.torch import save_file
 
 from trex.checkpoint.layouts import TrexTensor, plan_outputs
 from trex.models import evaluating
@@ -136,6 +140,7 @@ class ServerEngine:
         self.bucket_bytes, self.quantize = bucket_bytes, quantize
         self.version = -1  # no weights yet
         self._pending: tuple | None = None  # a submitted generation not yet collected
+        self._shm = tempfile.mkdtemp(prefix="trex-engine-", dir="/dev/shm") if os.path.isdir("/dev/shm") else None
         key = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=key)
         host, port = self._listener.address
@@ -149,7 +154,9 @@ class ServerEngine:
     # ---- the wire ------------------------------------------------------------------------------------
     def _send(self, header: dict, tensors: dict[str, torch.Tensor] | None = None) -> None:
         e8m0 = [] if tensors is None else [n for n, t in tensors.items() if t.dtype == torch.float8_e8m0fnu]
-        self._conn.send_bytes(json.dumps({**header, "payload": tensors is not None, "e8m0": e8m0}).encode())
+        if tensors is not None:
+            header = {**header, "e8m0": e8m0}
+        self._conn.send_bytes(json.dumps({**header, "payload": tensors is not None}).encode())
         if tensors is not None:  # ue8m0 scales travel as their bytes (safetensors' loader has no such dtype)
             self._conn.send_bytes(save_tensors({n: t.view(torch.uint8) if n in e8m0 else t for n, t in tensors.items()}))
 
@@ -213,10 +220,10 @@ class ServerEngine:
                 bucket[name] = t.contiguous()
                 size += t.numel() * t.element_size()
             if size >= self.bucket_bytes:
-                self._ask({"op": "bucket", "names": list(bucket)}, bucket)
+                self._send_bucket(bucket)
                 bucket, size = {}, 0
         if bucket:
-            self._ask({"op": "bucket", "names": list(bucket)}, bucket)
+            self._send_bucket(bucket)
         reply = self._ask({"op": "finish", "version": version})
         if reply["missing"]:
             raise SyncError(f"weight sync v{version}: the rollout engine's model got no {len(reply['missing'])} "
@@ -225,6 +232,18 @@ class ServerEngine:
             raise SyncError(f"weight sync v{version}: the engine received {reply['tensors']} tensors with digest "
                             f"{reply['digest'][:12]}, the trainer sent {digest.tensors} with {digest.hexdigest()[:12]}")
         self.version = version
+
+    def _send_bucket(self, bucket: dict[str, torch.Tensor]) -> None:
+        """One bucket: as a safetensors file in shared memory (``/dev/shm``; the engine maps it and removes
+        it) where the machine has one, else over the connection."""
+        names = list(bucket)
+        if self._shm is None:
+            self._ask({"op": "bucket", "names": names}, bucket)
+            return
+        e8m0 = [n for n, t in bucket.items() if t.dtype == torch.float8_e8m0fnu]  # stored as their bytes
+        path = os.path.join(self._shm, "bucket.safetensors")
+        save_file({n: t.view(torch.uint8) if n in e8m0 else t for n, t in bucket.items()}, path)
+        self._ask({"op": "bucket", "names": names, "file": path, "e8m0": e8m0})
 
     def weights(self, model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """What a sync sends (:func:`stream_weights`)."""
@@ -245,6 +264,8 @@ class ServerEngine:
                 self._proc.kill()
         self._conn.close()
         self._listener.close()
+        if self._shm is not None:
+            shutil.rmtree(self._shm, ignore_errors=True)
 
 
 def parity_probe(engine, model: torch.nn.Module, rows: list[list[int]]) -> torch.Tensor:

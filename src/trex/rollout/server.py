@@ -22,6 +22,7 @@ from multiprocessing.connection import Client
 
 import torch
 from safetensors.torch import load as load_tensors
+from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
 from trex.checkpoint.naming import scale_name, to_trex
@@ -118,6 +119,9 @@ def main() -> int:
         try:
             msg = json.loads(conn.recv_bytes())
             tensors = load_tensors(conn.recv_bytes()) if msg.get("payload") else {}
+            if msg.get("file"):  # a bucket in shared memory: mapped, copied in, removed
+                tensors = load_file(msg["file"])
+                os.remove(msg["file"])
             for name in msg.get("e8m0", ()):  # ue8m0 scales arrive as their bytes
                 tensors[name] = tensors[name].view(torch.float8_e8m0fnu)
         except EOFError:
