@@ -30,7 +30,10 @@ from trex import device as device_layer
 
 # Relative Frobenius error of an n x n matmul against fp32 that still counts as working.
 _TOLERANCE = {"bf16": 3e-2, "fp16": 5e-3, "fp8": 1.5e-1}
-_FAST = 0.5  # speedup over fp32 above which a precision counts as fast
+# speedup over fp32 above which a precision counts as fast: half fp32 speed for bf16/fp16 (the device layer's
+# bf16_fast threshold: they halve memory and traffic); fp8 only when it beats fp32, the one reason to use it
+# (a CPU's FP8 kernel runs at ~0.5x fp32, which a half-speed threshold would call fast one run in two)
+_FAST = {"bf16": 0.5, "fp16": 0.5, "fp8": 1.0}
 _CHUNK = 4  # elements each rank sends to each other rank in the all-to-all check
 
 
@@ -40,7 +43,7 @@ class PrecisionProbe:
     supported: bool
     rel_error: float | None = None  # ||low - fp32|| / ||fp32|| for one matmul
     speedup_vs_fp32: float | None = None  # fp32 time / low-precision time; > 1 is faster
-    fast: bool = False  # at least half fp32 speed (the device layer's bf16_fast threshold)
+    fast: bool = False  # at least _FAST[name] x fp32 speed
     error: str | None = None  # why it is unsupported
 
 
@@ -83,7 +86,7 @@ def probe_precision(dev: device_layer.Device, name: str, n: int = 256, repeats: 
         return PrecisionProbe(supported=False, rel_error=rel,
                               error=f"result off by {rel:.3g} (tolerance {_TOLERANCE[name]})")
     speedup = _best_time(dev, lambda: a @ b, repeats) / _best_time(dev, matmul, repeats)
-    return PrecisionProbe(supported=True, rel_error=rel, speedup_vs_fp32=speedup, fast=speedup >= _FAST)
+    return PrecisionProbe(supported=True, rel_error=rel, speedup_vs_fp32=speedup, fast=speedup >= _FAST[name])
 
 
 def precision_report(dev: device_layer.Device) -> dict[str, dict]:
