@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trex.train.trackers import LoggingSection
 from trex.checkpoint.training import CheckpointSection
 from trex.data.config import DataSection
 from trex.parallel.mesh import ParallelSection
@@ -161,3 +162,4 @@ class TrainRecipe:
     sampling: SamplingSection = field(default_factory=SamplingSection)
     grpo: GRPOSection = field(default_factory=GRPOSection)
     distill: DistillSection = field(default_factory=DistillSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)

@@ -53,6 +53,7 @@ from trex.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy, S
 from trex.train.config import TrainRecipe
 from trex.train.dry_run import model_config
 from trex.train.moe_balance import freeze_for_post_training
+from trex.train.trackers import Trackers, flatten
 from trex.train.optim import build_optimizer
 from trex.train.progress import StepProgress
 from trex.train.run_dir import METRICS_FILE, RunDir
@@ -189,6 +190,9 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
         _run_steps(r)
         summary = _summary(r, time.perf_counter() - t_start)
         r.run_dir.write_summary(summary)
+        summary["trackers"] = r.run_dir.trackers.finish(_tracker_tags(summary), r.run_dir.file("summary.json"))
+        if summary["trackers"]:  # the trackers' own record: what each holds and the steps it missed
+            r.run_dir.write_summary(summary)
         r.run_dir.plot_loss()
         r.run_dir.close()
         if r.status.startswith("stopped"):
@@ -298,6 +302,9 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
     run_dir.save_config(recipe)
     moves = _record_move(resumed, run_dir, cfg_train.out, configuration(
         dev.type, policy.name, par.world_size, recipe_io.to_dict(recipe)))
+    run_dir.trackers = Trackers(recipe.logging, run_dir.path, par.is_main)
+    run_dir.trackers.start(start is not None, {**flatten(recipe_io.to_dict(recipe)), "run_dir": os.path.abspath(
+        run_dir.path), **flatten(device_layer.environment_report(dev), "env.")})
     return _Run(recipe, dev, par, policy, run_dir, heartbeat, tokenizer, model, frozen, optimizer, scheduler, guard,
                 objective, fidelity, ckpt, resumed, CompiledGraphs(compile_backend),
                 flops_per_token(model.cfg, recipe.data.seq_len).total, peak, peak_source,
@@ -403,6 +410,14 @@ def _step_metrics(r: _Run, step: int, read: dict, imbalance: dict, lr: float, dt
         "skipped_steps": r.guard.skipped_total, "expert_imbalance_max": max(imbalance.values(), default=1.0),
         "step_time_s": dt, "tokens": r.tokens,
     }
+
+
+def _tracker_tags(summary: dict) -> dict:
+    """What the trackers record at the end: the status, the health statement, and each migration (seam)."""
+    tags = {"status": summary["status"], **flatten(summary["health"], "health.")}
+    for i, move in enumerate(summary["migrations"]):
+        tags.update(flatten(move, f"migration.{i}."))
+    return tags
 
 
 def _summary(r: _Run, wall_time_s: float) -> dict:

@@ -33,6 +33,7 @@ class RunDir:
         self._tb = None
         self._log = None
         self._purge_step: int | None = None
+        self.trackers = None  # trex.train.trackers.Trackers: every scalar TensorBoard gets, they get
         if enabled:
             os.makedirs(path, exist_ok=True)
             self._log = logs.to_file(self.file("train.log"))
@@ -105,6 +106,8 @@ class RunDir:
         for key, value in {**metrics, **(tb_extra or {})}.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 self._tb.add_scalar(key, value, step)
+        if self.trackers is not None:
+            self.trackers.log(step, {**metrics, **(tb_extra or {})})
 
     def write_summary(self, summary: dict) -> None:
         if self.enabled:

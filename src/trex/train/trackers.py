@@ -1,0 +1,156 @@
+"""Experiment trackers beside metrics.jsonl and TensorBoard: ``[logging]`` in the recipe (off by default).
+
+Rank 0 sends every scalar it logs (the same keys and steps as TensorBoard), the flattened recipe, the
+environment and the run directory as parameters, and at the end the run's health and ``summary.json``.
+Each tracker's package is an optional extra, imported only when the tracker is on
+(``pip install 'trex[wandb]'``); a missing package is one line naming the extra.
+
+- Resuming: ``trackers.json`` in the run directory keeps each tracker's run id and the last step it
+  took; a resumed run continues that tracker run and skips the steps it already holds (the ones logged
+  after the checkpoint, before the kill, which the resumed run trains again), so every step appears once.
+- Failures: a tracker that raises (server down, disk full) is reported once, in the log, and the run
+  goes on; the steps it missed are counted in ``summary.json`` (``trackers``).
+
+Weights & Biases (``wandb_project``; ``wandb_mode = "offline"`` writes ``<run>/wandb/offline-run-*`` for
+``wandb sync`` from an air-gapped cluster).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from trex import atomic
+from trex.recipe import check_choices
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trackers.json"
+
+
+@dataclass
+class LoggingSection:
+    """Experiment trackers (trex.train.trackers); each is off until configured."""
+    wandb_project: str = ""
+    """Weights & Biases project (empty: W&B off). Needs ``pip install 'trex[wandb]'``."""
+    wandb_entity: str = ""
+    """W&B entity (team or user); empty: the account's default."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """online, or offline (files under the run directory, for ``wandb sync`` where there is no internet)."""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "logging")
+
+
+class WandbTracker:
+    name = "wandb"
+
+    def __init__(self, section: LoggingSection, directory: str, run_id: str):
+        try:
+            import wandb
+        except ImportError:
+            raise ValueError("logging.wandb_project is set but the wandb package is missing: "
+                             "pip install 'trex[wandb]'") from None
+        self.run = wandb.init(project=section.wandb_project, entity=section.wandb_entity or None,
+                              mode=section.wandb_mode, id=run_id, resume="allow", dir=directory,
+                              settings=wandb.Settings(console="off", silent=True))
+
+    def params(self, values: dict[str, Any]) -> None:
+        self.run.config.update(values, allow_val_change=True)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def tags(self, values: dict[str, Any]) -> None:
+        self.run.summary.update(values)
+
+    def artifact(self, path: str) -> None:
+        self.run.save(path, base_path=os.path.dirname(path), policy="now")
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Trackers:
+    """The configured trackers of a run (none when ``enabled`` is false: ranks other than 0)."""
+
+    def __init__(self, section: LoggingSection, directory: str, enabled: bool):
+        self.directory, self.state_path = directory, os.path.join(directory, STATE_FILE)
+        self.kinds = [WandbTracker] if enabled and section.wandb_project else []
+        self.section = section
+        self.active: dict[str, Any] = {}
+        self.state: dict[str, dict] = {}
+        self.errors: dict[str, str] = {}
+        self.missed: dict[str, list[int]] = {}
+
+    def start(self, resumed: bool, params: dict[str, Any]) -> None:
+        """Open (or, resumed, continue) each tracker's run; a fresh run records ``params``."""
+        if not self.kinds:
+            return
+        if resumed and os.path.exists(self.state_path):
+            with open(self.state_path) as f:
+                self.state = json.load(f)
+        for kind in self.kinds:
+            entry = self.state.setdefault(kind.name, {"id": secrets.token_hex(4), "last_step": -1})
+            self.active[kind.name] = kind(self.section, self.directory, entry["id"])
+            self._call(kind.name, -1, "params", params)
+        self._save()
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """The finite scalars of ``metrics`` at ``step``, to every tracker that does not hold the step yet."""
+        scalars = {k: float(v) for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        for name in self.active:
+            if step <= self.state[name]["last_step"]:
+                continue  # logged before a kill, and trained again after the resume
+            if self._call(name, step, "log", step, scalars):
+                self.state[name]["last_step"] = step
+        if self.active:
+            self._save()
+
+    def finish(self, tags: dict[str, Any], summary_path: str | None) -> dict[str, dict]:
+        """Record ``tags`` (the health statement, migrations), attach ``summary_path``, close; returns what
+        summary.json records per tracker: its run id, the last step it holds, and the steps it missed."""
+        for name in list(self.active):
+            self._call(name, -1, "tags", tags)
+            if summary_path and os.path.exists(summary_path):
+                self._call(name, -1, "artifact", summary_path)
+            self._call(name, -1, "close")
+        self.active.clear()
+        return {name: {"run_id": entry["id"], "last_step": entry["last_step"],
+                       "missed_steps": self.missed.get(name, []),
+                       **({"error": self.errors[name]} if name in self.errors else {})}
+                for name, entry in self.state.items()}
+
+    def _call(self, name: str, step: int, method: str, *args) -> bool:
+        try:
+            getattr(self.active[name], method)(*args)
+            return True
+        except Exception as e:  # a tracker never stops training: reported once, its gap counted
+            if name not in self.errors:
+                self.errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                log.warning("%s tracker failed%s (%s); training goes on, summary.json lists the steps it missed",
+                            name, f" at step {step}" if step >= 0 else "", self.errors[name])
+            if step >= 0:
+                self.missed.setdefault(name, []).append(step)
+            return False
+
+    def _save(self) -> None:
+        atomic.write_json(self.state_path, self.state)
+
+
+def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as one level of "a.b.c" keys (a recipe as tracker parameters)."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
+    return out
