@@ -106,3 +106,90 @@ def test_a_missing_tracker_package_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(ValueError, match=r"wandb package is missing: pip install 'trex\[wandb\]'"):
         train(_recipe(tmp_path))
+
+
+# ---- MLflow, against a real tracking server started here --------------------------------------------------
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """``mlflow server`` on 127.0.0.1 with a SQLite store under tmp_path; yields (url, process)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mlflow = os.path.join(os.path.dirname(sys.executable), "mlflow")
+    proc = subprocess.Popen([mlflow, "server", "--backend-store-uri", f"sqlite:///{tmp_path}/mlflow.db",
+                             "--default-artifact-root", str(tmp_path / "artifacts"), "--host", "127.0.0.1",
+                             "--port", str(port), "--workers", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=1)
+            break
+        except OSError:
+            assert proc.poll() is None and time.time() < deadline, "the MLflow server did not start"
+            time.sleep(0.3)
+    yield url, proc
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and its worker processes
+        proc.wait(timeout=30)
+
+
+def _mlflow_recipe(tmp_path, url, *extra):
+    return _recipe(tmp_path, 'logging.wandb_project=""', f'logging.mlflow_tracking_uri="{url}"',
+                   'logging.mlflow_experiment="trex-test"', *extra)
+
+
+def test_mlflow_holds_every_step_once_across_a_resume_and_survives_its_server(tmp_path, mlflow_server):
+    """A run and its resume (from step 2, into the same directory) show every step once in one MLflow run,
+    read back through MLflow's client, with metrics.jsonl's values; the recipe is its parameters and
+    summary.json its artefact. Then the server is killed after a new run's step 2: that run finishes, and
+    summary.json lists the steps MLflow missed."""
+    import os
+    import signal
+
+    from mlflow.tracking import MlflowClient
+
+    from trex.train import trackers
+    from trex.train.loop import train
+
+    url, proc = mlflow_server
+    train(_mlflow_recipe(tmp_path, url, "checkpoint.save_every=2", "checkpoint.keep_last=0"))
+    first = _jsonl(tmp_path)
+    resumed = train(_mlflow_recipe(tmp_path, url, "checkpoint.save_every=2", "checkpoint.keep_last=0",
+                                   f'checkpoint.resume="{tmp_path}/run/checkpoints/step_2"'))
+    run_id = resumed.summary["trackers"]["mlflow"]["run_id"]
+    client = MlflowClient(tracking_uri=url)
+    history = client.get_metric_history(run_id, "loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4]
+    assert {m.step: m.value for m in history} == pytest.approx(first, rel=1e-6)
+    run = client.get_run(run_id)
+    assert run.data.params["train.steps"] == "4" and run.data.tags["status"] == "completed"
+    assert run.info.status == "FINISHED" and [a.path for a in client.list_artifacts(run_id)] == ["summary.json"]
+    assert len(client.search_runs([run.info.experiment_id])) == 1  # the resume continued it
+
+    log = trackers.MLflowTracker.log
+
+    def then_kill(self, step, scalars):
+        log(self, step, scalars)
+        if step == 2:  # the server and its workers, at once
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    trackers.MLflowTracker.log = then_kill
+    (tmp_path / "outage").mkdir()
+    try:
+        result = train(_mlflow_recipe(tmp_path / "outage", url))
+    finally:
+        trackers.MLflowTracker.log = log
+    assert result.summary["status"] == "completed"
+    assert result.summary["trackers"]["mlflow"]["missed_steps"] == [3, 4]
+    assert result.summary["trackers"]["mlflow"]["last_step"] == 2

@@ -3,7 +3,7 @@
 Rank 0 sends every scalar it logs (the same keys and steps as TensorBoard), the flattened recipe, the
 environment and the run directory as parameters, and at the end the run's health and ``summary.json``.
 Each tracker's package is an optional extra, imported only when the tracker is on
-(``pip install 'trex[wandb]'``); a missing package is one line naming the extra.
+(``pip install 'trex[wandb]'``, ``'trex[mlflow]'``); a missing package is one line naming the extra.
 
 - Resuming: ``trackers.json`` in the run directory keeps each tracker's run id and the last step it
   took; a resumed run continues that tracker run and skips the steps it already holds (the ones logged
@@ -12,7 +12,8 @@ Each tracker's package is an optional extra, imported only when the tracker is o
   goes on; the steps it missed are counted in ``summary.json`` (``trackers``).
 
 Weights & Biases (``wandb_project``; ``wandb_mode = "offline"`` writes ``<run>/wandb/offline-run-*`` for
-``wandb sync`` from an air-gapped cluster).
+``wandb sync`` from an air-gapped cluster) and MLflow (``mlflow_tracking_uri``: a tracking server, the usual
+choice on premises, or a ``file:`` / ``sqlite:`` store).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,6 +45,11 @@ class LoggingSection:
     """W&B entity (team or user); empty: the account's default."""
     wandb_mode: Literal["online", "offline"] = "online"
     """online, or offline (files under the run directory, for ``wandb sync`` where there is no internet)."""
+    mlflow_tracking_uri: str = ""
+    """MLflow tracking server (http://host:5000) or store (sqlite:///..., file:...); empty: MLflow off. Needs
+    ``pip install 'trex[mlflow]'``."""
+    mlflow_experiment: str = "trex"
+    """The MLflow experiment the run goes to (created when missing)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "logging")
@@ -50,14 +58,15 @@ class LoggingSection:
 class WandbTracker:
     name = "wandb"
 
-    def __init__(self, section: LoggingSection, directory: str, run_id: str):
+    def __init__(self, section: LoggingSection, directory: str, run_id: str | None):
         try:
             import wandb
         except ImportError:
             raise ValueError("logging.wandb_project is set but the wandb package is missing: "
                              "pip install 'trex[wandb]'") from None
+        self.run_id = run_id or secrets.token_hex(4)
         self.run = wandb.init(project=section.wandb_project, entity=section.wandb_entity or None,
-                              mode=section.wandb_mode, id=run_id, resume="allow", dir=directory,
+                              mode=section.wandb_mode, id=self.run_id, resume="allow", dir=directory,
                               settings=wandb.Settings(console="off", silent=True))
 
     def params(self, values: dict[str, Any]) -> None:
@@ -76,12 +85,61 @@ class WandbTracker:
         self.run.finish()
 
 
+class MLflowTracker:
+    """A run of ``mlflow_experiment`` through MLflow's client; requests fail fast (no retries, a 10 s timeout,
+    unless the environment sets MLFLOW_HTTP_REQUEST_*), so an outage costs steps, not the run's time."""
+
+    name = "mlflow"
+    _KEY = re.compile(r"[^\w\-. /]")  # the characters MLflow refuses in a metric or parameter name
+
+    def __init__(self, section: LoggingSection, directory: str, run_id: str | None):
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        try:
+            from mlflow.entities import Metric, Param, RunTag
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise ValueError("logging.mlflow_tracking_uri is set but the mlflow package is missing: "
+                             "pip install 'trex[mlflow]'") from None
+        self.Metric, self.Param, self.RunTag = Metric, Param, RunTag
+        self.client = MlflowClient(tracking_uri=section.mlflow_tracking_uri)
+        if run_id is None:
+            experiment = self.client.get_experiment_by_name(section.mlflow_experiment)
+            experiment_id = (experiment.experiment_id if experiment is not None
+                             else self.client.create_experiment(section.mlflow_experiment))
+            run_id = self.client.create_run(experiment_id, run_name=os.path.basename(os.path.abspath(directory))
+                                            ).info.run_id
+        self.run_id = run_id
+
+    def _key(self, key: str) -> str:
+        return self._KEY.sub("_", key)[:250]
+
+    def params(self, values: dict[str, Any]) -> None:
+        items = [self.Param(self._key(k), str(v)[:6000]) for k, v in values.items()]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters a request
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[self.Metric(self._key(k), v, now, step) for k, v in scalars.items()])
+
+    def tags(self, values: dict[str, Any]) -> None:
+        self.client.log_batch(self.run_id, tags=[self.RunTag(self._key(k), str(v)[:5000]) for k, v in values.items()])
+
+    def artifact(self, path: str) -> None:
+        self.client.log_artifact(self.run_id, path)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
 class Trackers:
     """The configured trackers of a run (none when ``enabled`` is false: ranks other than 0)."""
 
     def __init__(self, section: LoggingSection, directory: str, enabled: bool):
         self.directory, self.state_path = directory, os.path.join(directory, STATE_FILE)
-        self.kinds = [WandbTracker] if enabled and section.wandb_project else []
+        self.kinds = [kind for kind, on in ((WandbTracker, section.wandb_project),
+                                            (MLflowTracker, section.mlflow_tracking_uri)) if enabled and on]
         self.section = section
         self.active: dict[str, Any] = {}
         self.state: dict[str, dict] = {}
@@ -96,9 +154,12 @@ class Trackers:
             with open(self.state_path) as f:
                 self.state = json.load(f)
         for kind in self.kinds:
-            entry = self.state.setdefault(kind.name, {"id": secrets.token_hex(4), "last_step": -1})
-            self.active[kind.name] = kind(self.section, self.directory, entry["id"])
-            self._call(kind.name, -1, "params", params)
+            entry = self.state.get(kind.name)
+            tracker = kind(self.section, self.directory, None if entry is None else entry["id"])
+            self.active[kind.name] = tracker
+            if entry is None:  # a new tracker run records the parameters (a continued one has them)
+                self.state[kind.name] = {"id": tracker.run_id, "last_step": -1}
+                self._call(kind.name, -1, "params", params)
         self._save()
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
