@@ -193,3 +193,41 @@ def test_mlflow_holds_every_step_once_across_a_resume_and_survives_its_server(tm
     assert result.summary["status"] == "completed"
     assert result.summary["trackers"]["mlflow"]["missed_steps"] == [3, 4]
     assert result.summary["trackers"]["mlflow"]["last_step"] == 2
+
+
+# ---- SwanLab, offline ------------------------------------------------------------------------------------
+def _swanlab_scalars(directory) -> list[tuple[str, int, float]]:
+    """(key, step, value) of every scalar record of the SwanLab offline files under ``directory``, read with
+    SwanLab's own record reader."""
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    out = []
+    for path in sorted(glob.glob(f"{directory}/swanlog/run-*/run-*.swanlab")):
+        reader = DataStoreReader()
+        reader.open(path)
+        while (data := reader.scan()) is not None:
+            record = Record()
+            record.ParseFromString(data)
+            if record.WhichOneof("record_type") == "scalar":
+                out.append((record.scalar.key, record.scalar.step, record.scalar.value.number))
+    return out
+
+
+def test_swanlab_offline_holds_every_step_once_across_a_resume(tmp_path):
+    """SwanLab in offline mode (its "local" mode needs swanlab[dashboard], whose rich pin conflicts with
+    trex's): a run and its resume from step 2 hold steps 1-4 once each in SwanLab's files, with
+    metrics.jsonl's values."""
+    from trex.train.loop import train
+
+    extra = ('logging.wandb_project=""', 'logging.swanlab_project="trex-test"', 'logging.swanlab_mode="offline"',
+             "checkpoint.save_every=2", "checkpoint.keep_last=0")
+    train(_recipe(tmp_path, *extra))
+    first = _jsonl(tmp_path)
+    result = train(_recipe(tmp_path, *extra, f'checkpoint.resume="{tmp_path}/run/checkpoints/step_2"'))
+    loss = [(step, value) for key, step, value in _swanlab_scalars(tmp_path / "run") if key == "loss"]
+    assert sorted(step for step, _ in loss) == [1, 2, 3, 4]
+    assert dict(loss) == pytest.approx(first, rel=1e-6)
+    assert result.summary["trackers"]["swanlab"]["last_step"] == 4
+    files = glob.glob(f"{tmp_path}/run/swanlog/run-*/run-*.swanlab")
+    assert len(files) == 2 and len({f.rsplit("/", 1)[-1] for f in files}) == 1  # two sessions of one SwanLab run

@@ -3,7 +3,8 @@
 Rank 0 sends every scalar it logs (the same keys and steps as TensorBoard), the flattened recipe, the
 environment and the run directory as parameters, and at the end the run's health and ``summary.json``.
 Each tracker's package is an optional extra, imported only when the tracker is on
-(``pip install 'trex[wandb]'``, ``'trex[mlflow]'``); a missing package is one line naming the extra.
+(``pip install 'trex[wandb]'``, ``'trex[mlflow]'``, ``'trex[swanlab]'``); a missing package is one line naming
+the extra.
 
 - Resuming: ``trackers.json`` in the run directory keeps each tracker's run id and the last step it
   took; a resumed run continues that tracker run and skips the steps it already holds (the ones logged
@@ -13,7 +14,9 @@ Each tracker's package is an optional extra, imported only when the tracker is o
 
 Weights & Biases (``wandb_project``; ``wandb_mode = "offline"`` writes ``<run>/wandb/offline-run-*`` for
 ``wandb sync`` from an air-gapped cluster) and MLflow (``mlflow_tracking_uri``: a tracking server, the usual
-choice on premises, or a ``file:`` / ``sqlite:`` store).
+choice on premises, or a ``file:`` / ``sqlite:`` store) and SwanLab (``swanlab_project``; ``swanlab_mode =
+"offline"`` writes ``<run>/swanlog/run-*`` for ``swanlab sync``; its "local" mode is not offered: it needs
+``swanlab[dashboard]``, whose rich pin conflicts with trex's).
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ class LoggingSection:
     ``pip install 'trex[mlflow]'``."""
     mlflow_experiment: str = "trex"
     """The MLflow experiment the run goes to (created when missing)."""
+    swanlab_project: str = ""
+    """SwanLab project (empty: SwanLab off). Needs ``pip install 'trex[swanlab]'``."""
+    swanlab_mode: Literal["online", "offline"] = "online"
+    """online, or offline (files under the run directory, for ``swanlab sync``)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "logging")
@@ -133,13 +140,46 @@ class MLflowTracker:
         self.client.set_terminated(self.run_id)
 
 
+class SwanlabTracker:
+    name = "swanlab"
+
+    def __init__(self, section: LoggingSection, directory: str, run_id: str | None):
+        try:
+            import swanlab
+        except ImportError:
+            raise ValueError("logging.swanlab_project is set but the swanlab package is missing: "
+                             "pip install 'trex[swanlab]'") from None
+        self.swanlab = swanlab
+        self.run = swanlab.init(project=section.swanlab_project, mode=section.swanlab_mode,
+                                log_dir=os.path.join(directory, "swanlog"), name=os.path.basename(
+                                    os.path.abspath(directory)), id=run_id, resume="allow" if run_id else None)
+        self.run_id = self.run.id
+
+    def params(self, values: dict[str, Any]) -> None:
+        self.swanlab.config.update(values)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.swanlab.log(scalars, step=step)
+
+    def tags(self, values: dict[str, Any]) -> None:
+        self.swanlab.config.update({f"end.{k}": v for k, v in values.items()})
+
+    def artifact(self, path: str) -> None:
+        with open(path) as f:
+            self.swanlab.log({os.path.basename(path): self.swanlab.Text(f.read())})
+
+    def close(self) -> None:
+        self.swanlab.finish()
+
+
 class Trackers:
     """The configured trackers of a run (none when ``enabled`` is false: ranks other than 0)."""
 
     def __init__(self, section: LoggingSection, directory: str, enabled: bool):
         self.directory, self.state_path = directory, os.path.join(directory, STATE_FILE)
-        self.kinds = [kind for kind, on in ((WandbTracker, section.wandb_project),
-                                            (MLflowTracker, section.mlflow_tracking_uri)) if enabled and on]
+        self.kinds = [kind for kind, on in ((WandbTracker, section.wandb_project), (MLflowTracker,
+                                            section.mlflow_tracking_uri), (SwanlabTracker, section.swanlab_project))
+                      if enabled and on]
         self.section = section
         self.active: dict[str, Any] = {}
         self.state: dict[str, dict] = {}
