@@ -21,6 +21,7 @@ choice on premises, or a ``file:`` / ``sqlite:`` store) and SwanLab (``swanlab_p
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
@@ -62,15 +63,20 @@ class LoggingSection:
         check_choices(self, "logging")
 
 
+def _require(package: str, setting: str):
+    """``package`` imported, or ValueError naming the recipe key that turned its tracker on and the extra."""
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise ValueError(f"logging.{setting} is set but the {package} package is missing: "
+                         f"pip install 'trex[{package}]'") from None
+
+
 class WandbTracker:
     name = "wandb"
 
     def __init__(self, section: LoggingSection, directory: str, run_id: str | None):
-        try:
-            import wandb
-        except ImportError:
-            raise ValueError("logging.wandb_project is set but the wandb package is missing: "
-                             "pip install 'trex[wandb]'") from None
+        wandb = _require("wandb", "wandb_project")
         self.run_id = run_id or secrets.token_hex(4)
         self.run = wandb.init(project=section.wandb_project, entity=section.wandb_entity or None,
                               mode=section.wandb_mode, id=self.run_id, resume="allow", dir=directory,
@@ -102,12 +108,9 @@ class MLflowTracker:
     def __init__(self, section: LoggingSection, directory: str, run_id: str | None):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        try:
-            from mlflow.entities import Metric, Param, RunTag
-            from mlflow.tracking import MlflowClient
-        except ImportError:
-            raise ValueError("logging.mlflow_tracking_uri is set but the mlflow package is missing: "
-                             "pip install 'trex[mlflow]'") from None
+        _require("mlflow", "mlflow_tracking_uri")
+        from mlflow.entities import Metric, Param, RunTag
+        from mlflow.tracking import MlflowClient
         self.Metric, self.Param, self.RunTag = Metric, Param, RunTag
         self.client = MlflowClient(tracking_uri=section.mlflow_tracking_uri)
         if run_id is None:
@@ -144,12 +147,7 @@ class SwanlabTracker:
     name = "swanlab"
 
     def __init__(self, section: LoggingSection, directory: str, run_id: str | None):
-        try:
-            import swanlab
-        except ImportError:
-            raise ValueError("logging.swanlab_project is set but the swanlab package is missing: "
-                             "pip install 'trex[swanlab]'") from None
-        self.swanlab = swanlab
+        self.swanlab = swanlab = _require("swanlab", "swanlab_project")
         self.run = swanlab.init(project=section.swanlab_project, mode=section.swanlab_mode,
                                 log_dir=os.path.join(directory, "swanlog"), name=os.path.basename(
                                     os.path.abspath(directory)), id=run_id, resume="allow" if run_id else None)
