@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shlex
 import shutil
 
 import pytest
@@ -141,6 +143,28 @@ def test_export_then_load_pretrained_gives_identical_logits(recipe_file, tmp_pat
     capsys.readouterr()
     assert main(["ckpt", "inspect", str(out / "checkpoints" / "step_3")]) == 2  # a training checkpoint
     assert "`trex ckpt export" in capsys.readouterr().err
+    # a run, its checkpoints, one of them: convert and inspect name the commands that read it (those exported
+    # above; the run directory's export is run here as written)
+    converts = {}
+    for src, trained in ((out, out / "checkpoints"), (out / "checkpoints", out / "checkpoints"),
+                         (out / "checkpoints" / "step_3", out / "checkpoints" / "step_3")):
+        capsys.readouterr()
+        assert main(["ckpt", "inspect", str(src)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "training checkpoint" in err, err
+        commands = re.findall(r"`(trex ckpt [^`]*)`", err)
+        assert commands == [f"trex ckpt verify {trained}", f"trex ckpt export {trained} OUT --layout hf"], err
+        assert main(shlex.split(commands[0])[1:]) == 0
+        dst = tmp_path / "converted"
+        assert main(["ckpt", "convert", str(src), str(dst), "--layout", "official", "--dtype", "fp32"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "training checkpoint" in err and "no such config" not in err, err
+        converts[src] = err.split(": ")[-1].strip()
+        assert converts[src] == f"trex ckpt export {trained} {dst} --layout official --dtype fp32", err
+    assert main(shlex.split(converts[out])[1:]) == 0
+    model = load_pretrained(str(tmp_path / "converted"), dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids).logits, want)
 
 
 class _Position:

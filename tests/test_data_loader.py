@@ -165,7 +165,7 @@ def test_too_few_rows_is_a_clear_error(tmp_path):
 def test_padding_rows_from_synthetic_documents():
     docs = Documents(tokens=np.arange(1, 8, dtype=np.int32), loss_mask=np.array([0, 1, 1, 0, 1, 1, 1], bool),
                      offsets=np.array([0, 3, 7]), records_read=2)
-    rows = PackedRows.build(docs, DataSection(seq_len=5, shuffle=False), pad_id=0)
+    rows = PackedRows.build(docs, DataSection(seq_len=5, shuffle=False, packing="next_fit"), pad_id=0)
     ids, labels, doc_ids = rows.rows(np.array([0, 1]))
     assert ids.tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 7, 0]]
     assert labels.tolist() == [[-100, 2, 3, -100, -100], [-100, 5, 6, 7, -100]]

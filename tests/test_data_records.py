@@ -63,6 +63,16 @@ def test_fail_names_file_line_and_reason(tmp_path, bad_line):
     assert (err.value.line, err.value.reason) == (2, reason)
 
 
+def test_malformed_json_is_reported_at_the_files_line_not_the_parsers(tmp_path):
+    path = tmp_path / "fifth_bad.jsonl"
+    path.write_text("\n".join([GOOD] * 4 + ['{"messages": [], "x": 1,, "y": 2}', GOOD]) + "\n")
+    with pytest.raises(BadRecordError) as err:
+        build_documents(cfg_for(path, "fail"), TOK, BadRecordPolicy("fail"))
+    message = str(err.value)
+    assert message.startswith(f"{path}:5: bad record (malformed_json): ") and "column 25" in message, message
+    assert "line 1" not in message, message  # the JSON parser's line within the record is not the file's
+
+
 def test_skip_counts_every_reason(fixture_file):
     policy = BadRecordPolicy("skip")
     docs = build_documents(cfg_for(fixture_file, "skip"), TOK, policy)

@@ -35,6 +35,16 @@ def test_cpu_single_process_json(single_process, capsys):
     assert "skipped" in report["distributed"] and report["ok"] is True
 
 
+def test_json_holds_a_non_finite_error_as_null(single_process, monkeypatch, capsys):
+    """A matmul that gives NaN on a broken device: its rel_error is null in the JSON, never a bare NaN."""
+    probe = doctor.probe_precision
+    monkeypatch.setattr(doctor, "probe_precision", lambda dev, name, *a, **k: doctor.PrecisionProbe(
+        supported=False, rel_error=float("nan"), error="result off by nan") if name == "fp8" else probe(dev, name, *a, **k))
+    cli.main(["--device", "cpu", "doctor", "--format", "json"])
+    report = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"bare {name} in JSON"))
+    assert report["precision"]["fp8"]["rel_error"] is None and report["precision"]["bf16"]["rel_error"] > 0
+
+
 def test_text_report_lists_every_section(single_process, capsys):
     assert cli.main(["--device", "cpu", "doctor"]) == 0
     out = capsys.readouterr().out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import re
 import shlex
@@ -27,6 +29,24 @@ def test_tiny_model_shards_evenly_across_ranks():
     assert total / 4 <= four["per_rank"]["parameter_elements"] <= total / 4 * 1.05  # FSDP pads a few rows
     assert four["per_rank"]["optimizer_state_bytes"] == 2 * four["per_rank"]["grads_bytes"]  # AdamW: 2 moments
     assert four["mesh"] == {"dp_replicate": 1, "dp_shard": 4, "efsdp": 2, "ep": 2, "cp": 1}
+
+
+def test_bf16_on_a_cpu_where_it_is_slow_is_no_warning_in_a_dry_run(tmp_path, monkeypatch, capsys, caplog):
+    """Nothing runs in a dry run, so nothing "will be slow"; a real run on that CPU is still warned."""
+    from trex import device
+    from trex.cli import main
+    from trex.precision import PrecisionPolicy
+
+    slow = dataclasses.replace(device.Device("cpu").capabilities(), bf16=True, bf16_fast=False)
+    monkeypatch.setattr(device.Device, "capabilities", lambda self: slow)
+    recipe = tmp_path / "bf16.toml"
+    recipe.write_text('[precision]\ndtype = "bf16"\n')
+    assert main(["train", str(recipe), "--dry-run", "--world-size", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "precision bf16" in out and "slow" not in err, err
+    with caplog.at_level(logging.WARNING, logger="trex"):
+        PrecisionPolicy.resolve("bf16", device.Device("cpu"))
+    assert any("will be slow" in r.getMessage() for r in caplog.records)
 
 
 README_DRY_RUN = ".venv/bin/trex train recipes/deepseek_v4_pro_sft.toml --dry-run --world-size 1024"

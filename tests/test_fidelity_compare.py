@@ -326,6 +326,15 @@ def test_cli_exit_codes_table_json_and_png(tmp_path, capsys):
     assert "Ascend" in capsys.readouterr().out
 
 
+def test_cli_json_is_strict_with_a_non_finite_loss(tmp_path, capsys):
+    """A run with a NaN loss: `--format json` writes its non-finite measures as null, never a bare NaN."""
+    ref = write_run(tmp_path / "ref", CURVE)
+    bad = write_run(tmp_path / "bad", [math.nan if i == 5 else v for i, v in enumerate(CURVE)])
+    assert main(["fidelity", "compare", str(bad), str(ref), "--format", "json"]) == 1
+    report = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"bare {name} in JSON"))
+    assert report["verdict"] == "FAIL" and None in [c["value"] for c in report["checks"]]
+
+
 def test_layer_groups_follow_blocks_and_submodules():
     assert layer_group("embed.weight") == "embed"
     assert layer_group("layers.3.attn.wq_a.weight") == "layers.3.attn"

@@ -146,7 +146,12 @@ def test_gradients_match_autograd_through_the_official_forward(official):
     assert any(".engram.embed." in n for n in got) and any(".compressor.wgate" in n for n in got)
     error = {n: ((got[n] - expected[n]).abs().max() / expected[n].abs().max()).item() for n in got}
     tables = {n for n in got if ".engram.embed." in n}
-    assert max(e for n, e in error.items() if n not in tables) < 1e-4
+    # the mHC scales' 3 gradients are sums over every position that cancel to ~1e-5 of their terms: a
+    # machine whose fp32 kernels sum in another order (AVX-512/AMX, measured 2.3e-4 on layers.1.hc_ffn.scale)
+    # moves them past 1e-4 relative; every other parameter stays within 1e-4 (measured 2.8e-5 there)
+    scales = {n for n in got if n.endswith((".hc_attn.scale", ".hc_ffn.scale"))}
+    assert max(e for n, e in error.items() if n not in tables | scales) < 1e-4
+    assert max(error[n] for n in scales) < 1e-3
     # the official lookup casts the dequantised rows to bf16, so its table gradients are bf16-rounded
     assert max(error[n] for n in tables) < 2**-8
 
@@ -310,7 +315,7 @@ def test_fsdp2_expert_and_context_parallelism_on_two_ranks_give_the_losses_of_on
     halo, compression groups crossing the shard boundary, the gathered entries and index keys, the
     candidate pool and picks ranked in one process's order, n-grams looking back across the boundary),
     against one process accumulating the same 2 x 4 sequences: every step's loss and gradient norm within
-    1e-5; the FSDP2 + EP2 run resumed from its step-2 checkpoint repeats step 3 exactly. AdamW at eps 1e-8, as the V4.1 layout tests of GRPO, DPO and distillation (there the reason):
+    1e-5 (cp = 2's gradient norm 2e-5); the FSDP2 + EP2 run resumed from its step-2 checkpoint repeats step 3 exactly. AdamW at eps 1e-8, as the V4.1 layout tests of GRPO, DPO and distillation (there the reason):
     under Muon cp = 2's gradient norm left one process by 1.8e-5 at step 3, with the loss within 1.3e-7."""
     from trex_run import ROOT, trex
 
@@ -331,7 +336,10 @@ def test_fsdp2_expert_and_context_parallelism_on_two_ranks_give_the_losses_of_on
         assert [r["step"] for r in rows[name]] == [1, 2, 3], name
         for a, b in zip(rows["one"], rows[name]):
             for key in ("loss", "grad_norm"):
-                assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (name, key, a["step"], a[key], b[key])
+                # cp = 2's gradient norm sums its halves in another order: 1.5e-5 at step 2 on the fidelity
+                # recipe's best-fit rows (fuller rows than next-fit's, whose 1e-5 it kept)
+                bound = 2e-5 if (name, key) == ("cp2", "grad_norm") else 1e-5
+                assert abs(a[key] - b[key]) <= bound * abs(a[key]), (name, key, a["step"], a[key], b[key])
     # the sharded run resumed from its step-2 checkpoint (tables' shards and their row-wise AdaGrad state
     # through DCP) takes step 3 again, bit for bit
     step2 = tmp_path / "fsdp2-ep2" / "checkpoints" / "step_2"
@@ -642,3 +650,27 @@ def test_trex_fidelity_drafter_reports_a_checkpoint_beside_its_base(tmp_path, ca
     prompts.write_text('{"ids": [3, 4]}\n')
     assert main(["fidelity", "drafter", RELEASED, "--prompts", str(prompts)]) == 2
     assert "no DSpark drafter" in capsys.readouterr().err
+
+
+def test_trex_fidelity_drafter_names_a_path_that_is_no_checkpoint_and_prints_strict_json(tmp_path, capsys):
+    """A missing path, or a run directory (no config.json), is one line naming it and what was expected, exit 2;
+    with no drafting step (every row ends before a draft is verified) the JSON report holds null, not NaN."""
+    from trex.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "the"}\n')
+    expected = "expected a DeepSeek-V4.1 checkpoint directory: config.json and safetensors with its mtp.* stages"
+    missing, run = tmp_path / "missing", tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for argv, line in (([str(missing)], f"{missing}: no such path; {expected}"),
+                       ([str(run)], f"{run}: no config.json; {expected} (a trex run directory: `trex ckpt export "
+                                    "RUN/checkpoints/step_N OUT` writes its model as one)"),
+                       ([DSPARK_RELEASED, "--base", str(missing)], f"{missing}: no such path; {expected}")):
+        assert main(["fidelity", "drafter", *argv, "--prompts", str(prompts)]) == 2
+        assert capsys.readouterr().err == f"trex fidelity drafter: {line}\n"
+    assert main(["fidelity", "drafter", DSPARK_RELEASED, "--prompts", str(prompts), "--max-new-tokens", "2",
+                 "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"bare {name} in JSON"))
+    (entry,) = report.values()
+    assert entry["steps"] == 0 and entry["accepted_per_step"] is None and entry["tokens_per_step"] is None
+    assert entry["rates"] and set(entry["rates"]) == {None}

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -28,6 +29,37 @@ def test_parameter_counts_are_the_meta_model_and_split_by_type():
         indexer = sum(p.numel() for n, p in model.named_parameters() if ".attn.indexer." in n)
         assert facts.experts == experts and facts.trainable == facts.stored - indexer
         assert facts.muon + facts.adamw == facts.trainable and facts.adamw >= facts.by_type["embedding"] * 2
+
+
+def test_the_printed_total_counts_every_parameter_the_trained_ones_among_them(capsys):
+    args = ["plan", "--model", "deepseek-v4-flash", "--hardware", "h200-sxm", "--seq", "4096", "--layout",
+            "dp_shard=64,ep=64", "--recompute", "full"]
+    assert main(args) == 0
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("parameters"))
+    total, main_model, mtp = (float(x) for x in re.search(r"([\d.]+)B total = ([\d.]+)B main model .* \+ ([\d.]+)B MTP",
+                                                          line).groups())
+    trained = float(re.search(r"([\d.]+)B of them trained", line).group(1))
+    every = sum(p.numel() for p in build_model(FLASH, device="meta").parameters())
+    counted = count_parameters(FLASH)
+    assert total == round(every / 1e9, 1) == round((counted.total + counted.mtp) / 1e9, 1) >= trained, line
+    assert main_model == round(counted.total / 1e9, 1) and mtp == round(counted.mtp / 1e9, 1), line
+    assert main([*args, "--format", "json"]) == 0
+    p = json.loads(capsys.readouterr().out)["parameters"]
+    assert p["total_with_mtp"] == every == p["total"] + p["mtp"] and p["total_with_mtp"] >= p["trainable"]
+
+
+def test_a_layout_without_expert_parallelism_says_why(capsys):
+    assert main(["plan", "--model", "deepseek-v4-flash", "--hardware", "h200-sxm", "--seq", "4096", "--devices",
+                 "63"]) == 0
+    out = capsys.readouterr().out
+    assert "ep=1" in out and "note        expert parallelism off (ep=1): ep must divide both dp_shard=63 and the " \
+                             "model's 256 routed experts" in out and "e.g. --devices 64 (dp_shard=64)" in out, out
+    assert main(["plan", "--model", "deepseek-v4-flash", "--hardware", "h200-sxm", "--seq", "4096", "--devices", "63",
+                 "--format", "json"]) == 0
+    assert any(n.startswith("expert parallelism off") for n in json.loads(capsys.readouterr().out)["notes"])
+    # the suggested count does split the experts; a layout that chose ep=1 where ep could be wider has no note
+    assert not any("expert parallelism" in n for n in make_plan(FLASH, Layout(dp_shard=64, ep=64), 4096, H100).notes)
+    assert not any("expert parallelism" in n for n in make_plan(FLASH, Layout(dp_shard=64), 4096, H100).notes)
 
 
 def test_bad_input_gets_a_clear_error(capsys):

@@ -232,6 +232,7 @@ def test_grpo_raises_the_reward_and_logs_rl_metrics(prompt_files, tmp_path, monk
     first = sum(r["reward_mean"] for r in rows[:3]) / 3
     last = sum(r["reward_mean"] for r in rows[-3:]) / 3
     assert last > first + 0.2, (first, last)
+    assert result.summary["warnings"] == [] and result.summary["data"]["steps_with_learning_signal"] > 0
     final = result.summary["eval"]["final"]  # over both files (4 + 24 prompts) and per file
     assert final["eval_exact_match"] == pytest.approx(
         (4 * final["eval_exact_match/heldout"] + 24 * final["eval_exact_match/prompts"]) / 28)
@@ -259,6 +260,33 @@ def test_grpo_resume_mid_batch_reproduces_samples_and_losses(prompt_files, tmp_p
             assert ra[key] == rb[key], (ra["step"], key)
     for (name, p), q in zip(whole.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def test_a_run_in_which_no_step_had_a_learning_signal_ends_with_a_warning(prompt_files, tmp_path, monkeypatch,
+                                                                         capsys):
+    import json
+
+    from trex.cli import main
+
+    (tmp_path / "flat_reward.py").write_text("def constant(c):\n    return 1.0\n")  # equal in every group
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "recipe.toml").write_text("# everything set on the command line\n")
+    sets = ['train.mode="grpo"', 'data.tokenizer="compact"', "data.seq_len=32", "train.progress=false",
+            "fidelity.every=0", "train.steps=2", SMALL_MODEL, f'grpo.prompts=["{prompt_files}/prompts.jsonl"]',
+            'grpo.rewards=["flat_reward:constant"]', "grpo.prompts_per_step=2", "grpo.group_size=2",
+            "grpo.micro_batch_size=4", "sampling.max_new_tokens=2"]
+    out = tmp_path / "run"
+    assert main(["train", str(tmp_path / "recipe.toml"), "--out", str(out),
+                 *[a for s in sets for a in ("--set", s)]]) == 0
+    captured = capsys.readouterr()
+    warned = [line for line in captured.err.splitlines() if "learning signal" in line]
+    assert len(warned) == 1 and warned[0].startswith("trex: warning: grpo: no step had a learning signal: in all "
+                                                     "2 steps every group of 2 completions got equal rewards"), warned
+    assert "check the reward function (flat_reward:constant)" in warned[0] and "grpo.group_size" in warned[0]
+    assert captured.out.startswith("completed: 2 steps")  # the run did complete, and said so after the warning
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["warnings"] == [warned[0].removeprefix("trex: warning: ")]
+    assert summary["data"]["steps_with_learning_signal"] == 0
 
 
 def test_prompt_file_errors_name_the_line(tmp_path):

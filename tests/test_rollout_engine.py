@@ -129,6 +129,37 @@ def test_a_stale_engine_stops_the_run_at_the_gate_in_one_line(tmp_path, monkeypa
     assert str(e.value).startswith("step 2: rollout engine log-prob parity after weight sync v1: k3 ")
 
 
+def test_a_killed_engine_ends_the_run_in_one_line_that_summary_json_keeps(tmp_path, monkeypatch, capsys):
+    """The engine's process killed (SIGKILL, as the out-of-memory killer sends) as step 2 asks it to sample:
+    `trex train` stops at once with exit 4 and one line naming the engine, its pid and the signal, no
+    traceback; summary.json says the run failed, why, and that it completed step 1; train.log keeps it."""
+    import os
+    import signal
+
+    from trex.cli import main
+    from trex.recipe import save
+
+    files = _files(tmp_path)
+    monkeypatch.syspath_prepend(str(files))
+    generate, pids = ServerEngine.generate, []
+
+    def killed(self, *args, **kwargs):
+        pids.append(self._proc.pid)
+        if len(pids) == 2:
+            os.kill(self._proc.pid, signal.SIGKILL)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(ServerEngine, "generate", killed)
+    save(_recipe(files, tmp_path / "run", 'sampling.engine="server"'), str(tmp_path / "recipe.toml"))
+    assert main(["train", str(tmp_path / "recipe.toml")]) == 4
+    err = capsys.readouterr().err
+    reason = f"rollout engine (server, pid {pids[0]}) died: killed by signal 9 (SIGKILL) during sampling at step 2"
+    assert f"trex train: {reason}" in err.splitlines() and "Traceback" not in err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["status"], summary["reason"], summary["steps_completed"]) == ("failed", reason, 1)
+    assert reason in (tmp_path / "run" / "train.log").read_text()  # with the traceback, for whoever debugs it
+
+
 def test_the_decoupled_correction_recovers_the_on_policy_gradient(tiny):
     """An engine whose policy is not the trainer's (its head perturbed: another precision or kernel in
     miniature) samples one-token completions of a prompt with the sampler's own draw; the GRPO gradient

@@ -11,13 +11,12 @@ import struct
 import pytest
 
 
-def _wandb_history(directory) -> list[tuple[str, int, dict]]:
-    """(run id, step, values) of every history record in the W&B offline files under ``directory``: the
-    .wandb format is a 7-byte header, then 32 KiB blocks of records (4-byte checksum, 2-byte length, type:
-    1 whole, 2 first, 3 middle, 4 last), each a wandb_internal_pb2.Record."""
+def _wandb_records(directory):
+    """(run id, record) of every record in the W&B offline files under ``directory``: the .wandb format is a
+    7-byte header, then 32 KiB blocks of records (4-byte checksum, 2-byte length, type: 1 whole, 2 first,
+    3 middle, 4 last), each a wandb_internal_pb2.Record."""
     from wandb.proto import wandb_internal_pb2
 
-    out = []
     for path in sorted(glob.glob(f"{directory}/wandb/offline-run-*/run-*.wandb")):
         data, pos, block, pieces = open(path, "rb").read(), 7, 32768, b""
         while pos + 7 <= len(data):
@@ -31,10 +30,14 @@ def _wandb_history(directory) -> list[tuple[str, int, dict]]:
                 record = wandb_internal_pb2.Record()
                 record.ParseFromString(pieces)
                 pieces = b""
-                if record.WhichOneof("record_type") == "history":
-                    values = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
-                    out.append((path.rsplit("-", 1)[-1][:-6], record.history.step.num, values))
-    return out
+                yield path.rsplit("-", 1)[-1][:-6], record
+
+
+def _wandb_history(directory) -> list[tuple[str, int, dict]]:
+    """(run id, step, values) of every history record in the W&B offline files under ``directory``."""
+    return [(run, r.history.step.num, {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                                       for i in r.history.item})
+            for run, r in _wandb_records(directory) if r.WhichOneof("record_type") == "history"]
 
 
 def _recipe(tmp_path, *extra):
@@ -96,6 +99,44 @@ def test_a_tracker_that_fails_mid_run_costs_a_reported_gap(tmp_path, monkeypatch
     assert record["missed_steps"] == [3] and record["error"].startswith("ConnectionError: tracking server")
     assert sum("wandb tracker failed at step 3" in r.getMessage() for r in caplog.records) == 1
     assert sorted(step for _, step, _ in _wandb_history(tmp_path / "run")) == [1, 2, 4]
+
+
+def _failing_at(monkeypatch, step: int) -> None:
+    """Make the training step ``step`` (1-based) raise, as a bug or a lost device would."""
+    from trex.train import loop
+
+    train_step = loop.train_step
+
+    def planted(*args, **kwargs):
+        if args[5] + 1 == step:
+            raise RuntimeError("planted fault")
+        return train_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", planted)
+
+
+def test_a_run_that_fails_ends_its_wandb_run_as_failed_and_leaves_no_empty_one(tmp_path, monkeypatch):
+    """An error at step 3: summary.json says the run failed and why, after 2 steps; the W&B offline run holds
+    steps 1-2 and ends with exit code 1, which `wandb sync` records as failed. An error at step 1: the W&B
+    session logged no step, and its offline files are gone (`wandb sync` would upload an empty run)."""
+    from trex.train.loop import train
+
+    _failing_at(monkeypatch, 3)
+    with pytest.raises(RuntimeError, match="planted fault"):
+        train(_recipe(tmp_path))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["status"], summary["reason"], summary["steps_completed"]) == ("failed", "RuntimeError: planted "
+                                                                                   "fault", 2)
+    assert summary["trackers"]["wandb"]["last_step"] == 2
+    assert sorted(step for _, step, _ in _wandb_history(tmp_path / "run")) == [1, 2]
+    assert [r.exit.exit_code for _, r in _wandb_records(tmp_path / "run") if r.WhichOneof("record_type") == "exit"] == [1]
+
+    _failing_at(monkeypatch, 1)
+    (tmp_path / "early").mkdir()
+    with pytest.raises(RuntimeError, match="planted fault"):
+        train(_recipe(tmp_path / "early"))
+    assert json.loads((tmp_path / "early" / "run" / "summary.json").read_text())["status"] == "failed"
+    assert not (tmp_path / "early" / "run" / "wandb").exists()
 
 
 def test_a_missing_tracker_package_names_the_extra(tmp_path, monkeypatch):
@@ -193,6 +234,27 @@ def test_mlflow_holds_every_step_once_across_a_resume_and_survives_its_server(tm
     assert result.summary["status"] == "completed"
     assert result.summary["trackers"]["mlflow"]["missed_steps"] == [3, 4]
     assert result.summary["trackers"]["mlflow"]["last_step"] == 2
+
+
+def test_an_mlflow_file_store_holds_a_failed_runs_steps(tmp_path, monkeypatch):
+    """``mlflow_tracking_uri = "file:..."``, a store MLflow refuses unless MLFLOW_ALLOW_FILE_STORE is set (not
+    set here): the run's steps read back through MLflow's client with metrics.jsonl's values; the run, failed
+    at step 3, is FAILED, with the reason among its tags."""
+    from mlflow.tracking import MlflowClient
+
+    from trex.train.loop import train
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "")  # restored (unset) after the test
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    uri = f"file:{tmp_path}/mlruns"
+    _failing_at(monkeypatch, 3)
+    with pytest.raises(RuntimeError, match="planted fault"):
+        train(_mlflow_recipe(tmp_path, uri))
+    run_id = json.loads((tmp_path / "run" / "summary.json").read_text())["trackers"]["mlflow"]["run_id"]
+    client = MlflowClient(tracking_uri=uri)
+    assert {m.step: m.value for m in client.get_metric_history(run_id, "loss")} == pytest.approx(_jsonl(tmp_path))
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED" and run.data.tags["reason"] == "RuntimeError: planted fault"
 
 
 # ---- SwanLab, offline ------------------------------------------------------------------------------------

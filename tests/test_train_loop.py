@@ -323,3 +323,53 @@ def test_qat_and_the_indexer_loss_reach_the_model_through_the_recipe(arithmetic_
     assert all(r["indexer_loss"] > 0 for r in rows["qat"]) and "indexer_loss" not in rows["plain"][0]
     assert rows["qat"][0]["loss"] != rows["plain"][0]["loss"]  # the same weights, seen through the quantisers
     assert abs(rows["qat"][0]["loss"] - rows["plain"][0]["loss"]) < 0.05 * rows["plain"][0]["loss"]
+
+
+@pytest.mark.parametrize("every", [0, 1, 50])
+def test_a_train_after_a_prepare_tokenizes_nothing(arithmetic_files, tmp_path, monkeypatch, every):
+    """`trex data prepare` then `trex train`: the loader and the fidelity probe map the prepared arrays
+    (the probe no longer prepares an unshuffled second copy), at any fidelity.every."""
+    from trex.data.prepared import ensure
+    from trex.data.tokenizer import Tokenizer
+    from trex.train import signals
+    from trex.train.loop import keep_recorded_packing, tokenizer_for
+
+    monkeypatch.setenv("TREX_CACHE_DIR", str(tmp_path / "cache"))
+    recipe = _recipe(arithmetic_files, tmp_path / "run", "train.steps=2", "train.grad_accum=1", "train.eval_every=0",
+                     "eval.paths=[]", f"fidelity.every={every}")
+    ensure(keep_recorded_packing(recipe).data, tokenizer_for("compact"))  # what `trex data prepare` does
+    calls, probes = [], []
+    for name in ("encode", "encode_batch"):
+        real = getattr(Tokenizer, name)
+        monkeypatch.setattr(Tokenizer, name, lambda self, x, _real=real, _n=name: calls.append(_n) or _real(self, x))
+    real_probe = signals.FidelityRecorder.for_recipe.__func__
+
+    def counted(cls, *a, **k):
+        recorder = real_probe(cls, *a, **k)
+        probes.append(recorder.probe is not None)
+        return recorder
+    monkeypatch.setattr(signals.FidelityRecorder, "for_recipe", classmethod(counted))
+    train(recipe)
+    assert calls == []  # nothing tokenized
+    assert len(os.listdir(tmp_path / "cache" / "data")) == 1  # no second, unshuffled copy for the probe
+    assert probes == [every == 1]  # the probe is made only when a step of the run records it
+    assert os.path.exists(tmp_path / "run" / "probe.jsonl") == (every == 1)
+
+
+def test_the_probe_is_the_first_rows_in_file_order_whatever_the_packing(arithmetic_files, tmp_path, monkeypatch):
+    """file_order_batch equals the probe of before: the first rows of an unshuffled next-fit packing."""
+    import dataclasses
+
+    from trex.data import build_loader, compact_tokenizer, file_order_batch
+
+    monkeypatch.setenv("TREX_CACHE_DIR", str(tmp_path / "cache"))
+    tok = compact_tokenizer()
+    data = _recipe(arithmetic_files, tmp_path / "run").data
+    old = next(build_loader(data.on_files(data.paths, shuffle=False, packing="next_fit", micro_batch_size=4), 0, 1, tok))
+    for packing in ("best_fit", "next_fit"):
+        new = file_order_batch(dataclasses.replace(data, packing=packing), tok, 4)
+        for field in ("input_ids", "labels", "doc_ids", "token_mask"):
+            assert torch.equal(getattr(new, field), getattr(old, field)), (packing, field)
+        assert (new.n_loss_tokens, new.n_tokens) == (old.n_loss_tokens, old.n_tokens)
+    with pytest.raises(ValueError, match="fidelity.probe_rows = 100000"):
+        file_order_batch(data, tok, 100_000)

@@ -7,12 +7,16 @@ error propagates. The published file has the permissions of any file the process
 less the umask, so 0644 under the usual 022), not ``mkstemp``'s private 0600: a teammate or a
 dashboard reads a run's summary and plots like the rest of its directory. ``write_text`` and ``write_json`` are the common cases; ``fsync=True`` makes the
 bytes durable before the rename (checkpoint manifests).
+
+``strict_json`` is the JSON a command prints (``--format json``): what any parser reads, a non-finite
+number as null where ``json.dumps`` would write a bare ``NaN`` or ``Infinity``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import secrets
 from collections.abc import Iterator
@@ -48,6 +52,22 @@ def write_text(path: str | os.PathLike, text: str, fsync: bool = False) -> None:
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
+
+
+def strict_json(obj: Any, indent: int | None = 2, default: Any = None) -> str:
+    """``obj`` as strict JSON: NaN and +/-Infinity (floats in dicts, lists and tuples) become null."""
+
+    def finite(value: Any) -> Any:
+        if isinstance(value, float):
+            return value if math.isfinite(value) else None
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v) for v in value]
+        return value
+
+    return json.dumps(finite(obj), indent=indent, allow_nan=False,
+                      default=None if default is None else lambda o: finite(default(o)))
 
 
 def write_json(path: str | os.PathLike, obj: Any, indent: int = 2, fsync: bool = False,

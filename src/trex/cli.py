@@ -74,19 +74,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("env", help="print the device, versions, backend and capabilities")
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--format", choices=("text", "json"), default="text",
+                   help="text: one key per line; json: one object (default: %(default)s)")
     p.set_defaults(func=_cmd_env)
 
     p = sub.add_parser("doctor", help="check devices, versions, precision and collectives before launch")
-    p.add_argument("--format", choices=("text", "json"), default="text")
-    p.add_argument("--size-mb", type=float, default=64.0, help="message size for the bandwidth test (MiB)")
-    p.add_argument("--iters", type=int, default=5, help="timed iterations per collective")
-    p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout in seconds")
+    p.add_argument("--format", choices=("text", "json"), default="text",
+                   help="text: a summary per section; json: the full report (default: %(default)s)")
+    p.add_argument("--size-mb", type=float, default=64.0,
+                   help="message size for the bandwidth test, MiB (default: %(default)s)")
+    p.add_argument("--iters", type=int, default=5, help="timed iterations per collective (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="process-group timeout, seconds (default: %(default)s)")
     p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser("smoke", help="forward + backward + one optimizer step of the tiny model")
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the weights and the random tokens (default: %(default)s)")
     p.set_defaults(func=_cmd_smoke)
 
     for module in COMMAND_MODULES:

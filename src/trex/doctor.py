@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import socket
 import sys
@@ -27,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from trex import device as device_layer
+from trex import logs
+from trex.atomic import strict_json
 
 # Relative Frobenius error of an n x n matmul against fp32 that still counts as working.
 _TOLERANCE = {"bf16": 3e-2, "fp16": 5e-3, "fp8": 1.5e-1}
@@ -233,7 +234,7 @@ def to_text(report: dict) -> str:
     if "skipped" in dist_report:
         out.append(f"  skipped: {dist_report['skipped']}")
     else:
-        out.append(f"  {dist_report['backend']} across {dist_report['world_size']} ranks: "
+        out.append(f"  {dist_report['backend']} across {logs.plural(dist_report['world_size'], 'rank')}: "
                    + ("all-reduce and all-to-all correct" if dist_report["ok"] else "FAILED"))
         out += [f"  {line}" for line in dist_report["failures"]]
         for op, bw in dist_report["busbw_GBps"].items():
@@ -247,5 +248,5 @@ def run(args: argparse.Namespace) -> int:
     dev = device_layer.detect(args.device)
     report = doctor_report(dev, args.size_mb, args.iters, args.timeout)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(report, indent=2) if args.format == "json" else to_text(report))
+        print(strict_json(report) if args.format == "json" else to_text(report))  # a NaN error: null
     return 0 if report["ok"] else 1

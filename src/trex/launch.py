@@ -8,8 +8,8 @@ library), and differs only in how it ends:
   the ranks save a checkpoint and exit, and ``trex launch`` exits 128 + the signal number (143 for
   SIGTERM), where torchrun prints a ``SignalException`` traceback and exits 1;
 - a rank failed: the exit code of the failure that explains it (`first_failure`: 2 a user error,
-  3 stopped on non-finite steps, 4 a rank stopped answering, see docs/training.md; else 128 + the
-  signal that killed a rank, or its code), where torchrun exits 1.
+  3 stopped on non-finite steps, 4 a rank stopped answering or a rank's rollout engine died, see
+  docs/training.md; else 128 + the signal that killed a rank, or its code), where torchrun exits 1.
 
 ``--shutdown-timeout`` (the seconds torchrun waits for the ranks to exit after forwarding a signal
 before it kills them) defaults to 300 here instead of torchrun's 30, so that a rank stopped while it
@@ -25,23 +25,62 @@ import signal
 import sys
 
 SHUTDOWN_TIMEOUT_S = 300
-TREX_EXIT_CODES = (2, 3, 4)
-"""Exit codes by which a trex rank explains itself: a user error, non-finite steps, a lost rank."""
+TREX_EXIT_CODES = {2: "a user error: a recipe, data, path or disk to fix before rerunning",
+                   3: "stopped after precision.max_consecutive_skips non-finite steps",
+                   4: "a rank stopped answering, or a rank's rollout engine died"}
+"""Exit codes by which a trex rank explains itself (docs/training.md), and what each means."""
+
+
+def description() -> str:
+    """What ``trex launch --help`` says before torchrun's options: what trex adds, and its exit codes
+    (the table is built from `TREX_EXIT_CODES` and `launch`'s own rules). Wrapped by hand: the help
+    formatter prints it as it is."""
+    rows = [("0", "every rank completed"), *((str(code), meaning) for code, meaning in TREX_EXIT_CODES.items()),
+            ("128+N", "stopped by signal N (143 SIGTERM, 130 Ctrl-C): the ranks save and exit"),
+            ("other", "a failed rank's own code, or 128 + the signal that killed it")]
+    return ("torchrun for trex commands: runs `python -m trex COMMAND ARGS` on every rank\n"
+            "as `torchrun [options] -m trex COMMAND ARGS` would (torch's own launcher,\n"
+            "called as a library). What trex adds:\n"
+            "  - a COMMAND that is not a trex command is refused in one line (exit 2)\n"
+            "    before any rank starts;\n"
+            f"  - --shutdown-timeout defaults to {SHUTDOWN_TIMEOUT_S} s instead of 30, so that a rank\n"
+            "    stopped while it writes a large checkpoint can finish it;\n"
+            "  - exit codes a scheduler can act on, where torchrun exits 1: after a\n"
+            "    failure, the code of the rank that explains it.\n\n"
+            "exit codes:\n" + "".join(f"  {code:<7}{meaning}\n" for code, meaning in rows) +
+            "\nThe options below are torchrun's.")
 
 
 def register(sub) -> None:
     """Lists the command in ``trex --help``; ``trex.cli.main`` hands its arguments to `launch`."""
     sub.add_parser("launch", help="torchrun for trex commands: exits 143 on SIGTERM and with a failed rank's "
-                                  "own code (trex launch [torchrun flags] COMMAND ...)")
+                                  "own code (trex launch [torchrun flags] COMMAND ...)",
+                   description=description(), formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def torchrun_args(argv: list[str]) -> argparse.Namespace:
-    """torchrun's parsed arguments for ``trex launch ARGV``: the first positional is the trex command."""
+def launcher_parser() -> argparse.ArgumentParser:
+    """torchrun's own parser, as ``trex launch``: trex's `description` first, its positionals named
+    COMMAND and ARGS, and trex's --shutdown-timeout default in that option's help."""
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
     parser.prog = "trex launch"
-    args = parser.parse_args(["--module", *argv])
+    parser.description = description()
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    for action in parser._actions:
+        if action.dest == "training_script":
+            action.metavar, action.help = "COMMAND", "the trex command every rank runs (`trex --help` lists them)"
+        elif action.dest == "training_script_args":
+            action.metavar, action.help = "ARGS", "the command's arguments"
+        elif action.dest == "shutdown_timeout":
+            action.help = (f"seconds the ranks have to exit after a forwarded signal before they are killed (default: "
+                           f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else {SHUTDOWN_TIMEOUT_S}; torchrun's is 30)")
+    return parser
+
+
+def torchrun_args(argv: list[str]) -> argparse.Namespace:
+    """torchrun's parsed arguments for ``trex launch ARGV``: the first positional is the trex command."""
+    args = launcher_parser().parse_args(["--module", *argv])
     args.training_script_args = [args.training_script, *args.training_script_args]
     args.training_script = "trex"
     if args.shutdown_timeout is None and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:

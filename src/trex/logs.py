@@ -76,3 +76,9 @@ def os_error_line(e: OSError) -> str:
         return str(e)
     target = f"{e.filename} -> {e.filename2}" if e.filename2 else str(e.filename)
     return f"{target}: {e.strerror or e}"
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``count`` and its noun, for a message: singular for exactly one ("1 rank", "3 ranks", "1,200 steps");
+    ``nouns`` is an irregular plural (``plural(n, "process", "processes")``)."""
+    return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"

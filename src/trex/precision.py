@@ -109,12 +109,13 @@ class PrecisionPolicy:
     loss_scaling: bool
 
     @classmethod
-    def resolve(cls, name: str, dev: trex_device.Device) -> "PrecisionPolicy":
+    def resolve(cls, name: str, dev: trex_device.Device, warn_slow: bool = True) -> "PrecisionPolicy":
         """The policy for ``name`` ("auto", "fp32", "bf16", "fp16") on ``dev``.
 
         "auto" follows ``dev.default_dtype()``: bf16 on accelerators whose bf16 is fast, fp32
         otherwise (CPU runs are the correctness reference). Forcing bf16 where
-        ``capabilities().bf16_fast`` is False works but warns; a dtype the device lacks is an error.
+        ``capabilities().bf16_fast`` is False works but warns (``warn_slow=False``: not, for what
+        runs nothing, as ``--dry-run``); a dtype the device lacks is an error.
         """
         if name not in PRECISIONS:
             raise ValueError(f"precision.dtype: expected one of {list(PRECISIONS)}, got {name!r}")
@@ -125,7 +126,7 @@ class PrecisionPolicy:
             raise ValueError(f"precision.dtype: bf16 was requested but device {dev.name} has no bf16 support")
         elif name == "fp16" and not caps.fp16:
             raise ValueError(f"precision.dtype: fp16 was requested but device {dev.name} has no fp16 support")
-        if name == "bf16" and not caps.bf16_fast:
+        if name == "bf16" and not caps.bf16_fast and warn_slow:
             log.warning("precision.dtype = bf16 on %s, where bf16 matmul measured slower than fp32; the run will be "
                         "slow (use dtype = \"auto\" or \"fp32\")", dev.name)
         return cls(name=name, param_dtype=torch.float32, compute_dtype=_DTYPES[name], master_dtype=torch.float32,

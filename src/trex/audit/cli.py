@@ -24,7 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "audit", help="find CUDA-only code, kernels and packages and say what replaces them",
         description="Static portability audit. Exit status 1 when a finding reaches --fail-on, 2 on bad usage.")
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or directories to scan")
-    p.add_argument("--format", choices=sorted(FORMATS), default="text")
+    p.add_argument("--format", choices=sorted(FORMATS), default="text",
+                   help="report format; sarif for code-scanning tools (default: %(default)s)")
     p.add_argument("--config", default=None,
                    help="config file (default: the nearest trex-audit.toml in the current directory or above)")
     p.add_argument("--no-config", action="store_true", help="ignore any trex-audit.toml")

@@ -8,6 +8,7 @@ from collections import Counter, defaultdict
 from itertools import groupby
 
 from trex.audit.model import AuditResult, Effort, Severity
+from trex.logs import plural
 from trex.audit.rules import CATEGORIES, RULES
 
 
@@ -30,8 +31,9 @@ def summary(result: AuditResult) -> dict:
 def _summary_line(result: AuditResult) -> str:
     s = summary(result)
     cuda_lines = f"; {s['cuda_source_lines']} lines of CUDA sources" if s["cuda_source_lines"] else ""
-    return (f"{s['findings']} findings ({s['errors']} error, {s['warnings']} warning, {s['info']} info) "
-            f"in {s['files_scanned']} files scanned; {s['suppressed']} suppressed, {s['allowlisted']} allowlisted, "
+    return (f"{plural(s['findings'], 'finding')} ({plural(s['errors'], 'error')}, {plural(s['warnings'], 'warning')}, "
+            f"{s['info']} info) in {plural(s['files_scanned'], 'file')} scanned; {s['suppressed']} suppressed, "
+            f"{s['allowlisted']} allowlisted, "
             f"{s['skipped']} skipped{cuda_lines}; {s['seconds']:.2f}s")
 
 

@@ -10,7 +10,10 @@ import argparse
 import importlib
 import json
 import os
+import shlex
 import sys
+
+from trex.logs import plural
 
 # Modules that add ``trex ckpt`` subcommands through register(ckpt_subparsers).
 CKPT_COMMAND_MODULES: tuple[str, ...] = ("trex.checkpoint.training_cli",)
@@ -18,12 +21,44 @@ CKPT_COMMAND_MODULES: tuple[str, ...] = ("trex.checkpoint.training_cli",)
 
 def add_output_arguments(p: argparse.ArgumentParser) -> None:
     """The options of every command that writes safetensors through the weights writer."""
-    p.add_argument("--layout", choices=("hf", "official"), required=True)
+    p.add_argument("--layout", choices=("hf", "official"), required=True,
+                   help="names to write: hf (transformers modules, fused experts) or official (released checkpoints)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                    help="dtype of unquantised tensors (default: %(default)s; fp32 keeps a full-precision source whole)")
-    p.add_argument("--quantize", choices=("fp8", "fp8+fp4experts"), default=None)
-    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--quantize", choices=("fp8", "fp8+fp4experts"), default=None,
+                   help="fp8: the official FP8 weights with block scales; fp8+fp4experts: routed experts as FP4 "
+                        "too (default: none, every tensor in --dtype)")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="largest safetensors file, e.g. 500MB, 2GiB or bytes (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace the output directory if it exists")
+
+
+def training_checkpoint(path: str) -> str | None:
+    """What ``trex ckpt export`` and ``verify`` take for ``path`` when it is a training checkpoint rather
+    than a safetensors one: a ``step_<N>`` directory (DCP ``.metadata`` or the manifest) or a directory
+    of them (``<run>/checkpoints``) is itself; a run directory stands for its ``checkpoints``. None
+    for anything else."""
+    from trex.checkpoint.manifest import DCP_INDEX, MANIFEST
+    from trex.checkpoint.training import list_checkpoints
+
+    if any(os.path.exists(os.path.join(path, name)) for name in (DCP_INDEX, MANIFEST)) or list_checkpoints(path):
+        return path
+    if os.path.exists(os.path.join(path, "config.json")):
+        return None
+    if os.path.basename(os.path.normpath(path)) == "checkpoints" and os.path.isdir(path):
+        return path
+    run = os.path.join(path, "checkpoints")
+    return run if os.path.isdir(run) else None
+
+
+def _describe(path: str, trained: str) -> str:
+    """``path`` as `training_checkpoint` read it (``trained``)."""
+    if trained != path:
+        return f"a run directory, whose training checkpoints (DCP) are in {trained}"
+    if os.path.isdir(path) and not any(n.endswith(".distcp") or n in (".metadata", "manifest.json")
+                                       for n in os.listdir(path)):
+        return "a directory of training checkpoints (DCP step_<N>; export takes the newest that verifies)"
+    return "a training checkpoint (DCP)"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,14 +69,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("src", help="checkpoint directory (any layout, bf16/fp32/FP8/FP4)")
     p.add_argument("dst", help="new directory (written atomically)")
     add_output_arguments(p)
-    p.add_argument("--src-layout", choices=("auto", "hf", "official"), default="auto")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--src-layout", choices=("auto", "hf", "official"), default="auto",
+                   help="the source's names; auto: read from its tensor names (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: show one)")
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("inspect", help="layout, dtypes, quantisation, parameters, missing/unexpected keys, shards")
-    p.add_argument("path")
-    p.add_argument("--layout", choices=("auto", "hf", "official"), default="auto")
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("path", help="checkpoint directory (safetensors and config.json)")
+    p.add_argument("--layout", choices=("auto", "hf", "official"), default="auto",
+                   help="the checkpoint's names; auto: read from its tensor names (default: %(default)s)")
+    p.add_argument("--format", choices=("text", "json"), default="text",
+                   help="text: a summary; json: the full report (default: %(default)s)")
     p.set_defaults(func=_cmd_inspect)
 
     for module in CKPT_COMMAND_MODULES:
@@ -52,14 +90,23 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from trex.checkpoint.errors import CheckpointError
     from trex.checkpoint.save import convert
 
+    trained = training_checkpoint(args.src)
+    if trained is not None:
+        export = ["trex", "ckpt", "export", trained, args.dst, "--layout", args.layout, "--dtype", args.dtype,
+                  *(["--quantize", args.quantize] if args.quantize else []),
+                  *(["--max-shard-size", args.max_shard_size] if args.max_shard_size != "5GB" else []),
+                  *(["--overwrite"] if args.overwrite else [])]
+        print(f"trex ckpt convert: {args.src} is {_describe(args.src, trained)}, which convert does not read; "
+              f"export it instead, which writes the same output: {shlex.join(export)}", file=sys.stderr)
+        return 2
     try:
         files = convert(args.src, args.dst, layout=args.layout, dtype=args.dtype, quantize=args.quantize,
                         max_shard_size=args.max_shard_size, src_layout=args.src_layout, overwrite=args.overwrite,
                         progress=not args.no_progress)
     except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"trex ckpt convert: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {len(files)} shard(s) to {args.dst}")
+    print(f"wrote {plural(len(files), 'shard')} to {args.dst}")
     return 0
 
 
@@ -67,11 +114,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from trex.checkpoint.errors import CheckpointError
     from trex.checkpoint.inspect import format_report, inspect_checkpoint
 
-    if os.path.exists(os.path.join(args.path, ".metadata")) or os.path.isdir(os.path.join(args.path, "checkpoints")) \
-            or os.path.basename(os.path.normpath(args.path)) == "checkpoints":
-        print(f"trex ckpt inspect: {args.path} is a training checkpoint (DCP) or holds them: `trex ckpt verify "
-              f"{args.path}` checks it, and `trex ckpt export {args.path} OUT` writes its model as safetensors, "
-              "which inspect reads", file=sys.stderr)
+    trained = training_checkpoint(args.path)
+    if trained is not None:
+        print(f"trex ckpt inspect: {args.path} is {_describe(args.path, trained)}, which inspect does not read: "
+              f"`{shlex.join(['trex', 'ckpt', 'verify', trained])}` checks it, and "
+              f"`{shlex.join(['trex', 'ckpt', 'export', trained, 'OUT', '--layout', 'hf'])}` writes its model as "
+              "safetensors, which inspect reads", file=sys.stderr)
         return 2
     try:
         report = inspect_checkpoint(args.path, layout=args.layout)

@@ -7,6 +7,7 @@ import json
 import sys
 
 from trex.checkpoint.cli import add_output_arguments
+from trex.logs import plural
 
 
 def register(sub) -> None:
@@ -15,7 +16,8 @@ def register(sub) -> None:
                                    "sha256 of its manifest. DIR is a step_<N> directory, or a checkpoints "
                                    "directory: then every step_<N> in it is checked. Exit code 1 if any fails.")
     p.add_argument("dir", help="a step_<N> checkpoint directory, or the directory holding them")
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--format", choices=("text", "json"), default="text",
+                   help="text: a verdict per checkpoint; json: a report per checkpoint (default: %(default)s)")
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("export", help="write a training checkpoint's model as safetensors (hf or official layout)")
@@ -52,7 +54,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         files = export_checkpoint(args.dir, args.out, layout=args.layout, dtype=args.dtype, quantize=args.quantize,
                                   max_shard_size=args.max_shard_size, overwrite=args.overwrite, source=args.source)
     except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"trex ckpt export: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {len(files)} shard(s) to {args.out}")
+    print(f"wrote {plural(len(files), 'shard')} to {args.out}")
     return 0

@@ -7,15 +7,19 @@ micro-batches.
     batch = next(loader)            # Batch(input_ids, labels, doc_ids [B, S], n_loss_tokens, n_tokens)
     state = loader.state_dict()     # resume: loader.load_state_dict(state)
     loader.summary()                # for summary.json (skips by reason, packing efficiency, ...)
+    probe = file_order_batch(cfg, tok, rows=4)   # the first rows in file order, from the same prepared data
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from trex.data.config import DataSection
 from trex.data.documents import Documents
 from trex.data.loader import Batch, PackedLoader
+from trex.data.packing import PackedRows, pack
 from trex.data.prepared import PreparedDataError, ensure, every, open_prepared, skips_of
 from trex.data.records import BadRecordError
 from trex.data.tokenizer import Tokenizer, compact_tokenizer, load_tokenizer
@@ -23,7 +27,7 @@ from trex.data.tokenizer import Tokenizer, compact_tokenizer, load_tokenizer
 log = logging.getLogger(__name__)
 
 __all__ = ["DataSection", "Batch", "PackedLoader", "BadRecordError", "PreparedDataError", "Tokenizer", "Documents",
-           "build_loader", "load_tokenizer", "compact_tokenizer"]
+           "build_loader", "file_order_batch", "load_tokenizer", "compact_tokenizer"]
 
 
 def build_loader(cfg: DataSection, rank: int, world_size: int, tokenizer: Tokenizer, *,
@@ -37,9 +41,7 @@ def build_loader(cfg: DataSection, rank: int, world_size: int, tokenizer: Tokeni
     (the recipe key that listed the files) and ``batch_key`` (what sets the rows per rank) when the
     files pack into fewer rows than one step takes."""
     cfg.validate()
-    report = every(30.0, lambda line: log.warning("preparing %s: %s", paths_key, line))
-    path, _, _ = ensure(cfg, tokenizer, cfg.prepare_workers, report=report)
-    rows, manifest = open_prepared(path, tokenizer.pad_id)
+    rows, manifest, path = _open(cfg, tokenizer, paths_key)
     step_rows = cfg.micro_batch_size * world_size
     if len(rows) < step_rows:
         raise ValueError(f"{paths_key} = {list(cfg.paths)}: {len(rows)} packed rows of {cfg.seq_len} tokens, "
@@ -51,3 +53,32 @@ def build_loader(cfg: DataSection, rank: int, world_size: int, tokenizer: Tokeni
              p["seq_len"], p["algorithm"], 100 * p["efficiency"], 100 * p["padding_share"], path)
     return PackedLoader(rows, cfg.micro_batch_size, rank, world_size, cfg.seed, cfg.shuffle, skips_of(manifest),
                         prepared=str(path), loss_tokens=manifest["counts"]["loss_tokens"])
+
+
+def file_order_batch(cfg: DataSection, tokenizer: Tokenizer, rows: int, *, paths_key: str = "data.paths",
+                     batch_key: str = "fidelity.probe_rows") -> Batch:
+    """The first ``rows`` rows of ``cfg``'s documents in file order, packed next-fit (a document never
+    spans rows), as one Batch: the same tokens whatever ``data.seed``, ``shuffle`` or ``packing`` say.
+
+    Read from the prepared directory ``build_loader`` uses for ``cfg`` (prepared first if no process
+    has), so the training set is never tokenized a second time to build it. Reads the offsets of at
+    most ``rows * seq_len`` documents, whatever the data set's size. ValueError naming ``paths_key`` and
+    ``batch_key`` when the documents fill fewer rows."""
+    cfg.validate()
+    packed, _, path = _open(cfg, tokenizer, paths_key)
+    docs, seq_len = packed.docs, packed.seq_len
+    head = min(len(docs), rows * seq_len)  # every document holds a token: enough for ``rows`` full rows
+    bounds = pack(np.diff(docs.offsets[:head + 1]), seq_len)
+    if len(bounds) - 1 < rows:
+        raise ValueError(f"{paths_key} = {list(cfg.paths)}: {len(bounds) - 1} rows of {seq_len} tokens in file "
+                         f"order, but {batch_key} = {rows}; add records or lower {batch_key}")
+    first = PackedRows(docs, np.arange(bounds[rows], dtype=np.int64), bounds[:rows + 1], seq_len, tokenizer.pad_id)
+    return next(PackedLoader(first, rows, 0, 1, cfg.seed, shuffle=False, prepared=str(path)))
+
+
+def _open(cfg: DataSection, tokenizer: Tokenizer, paths_key: str):
+    """(rows, manifest, path) of ``cfg``'s prepared directory, preparing it here if no process has."""
+    report = every(30.0, lambda line: log.info("preparing %s: %s", paths_key, line))
+    path, _, _ = ensure(cfg, tokenizer, cfg.prepare_workers, report=report)
+    rows, manifest = open_prepared(path, tokenizer.pad_id)
+    return rows, manifest, path

@@ -10,7 +10,7 @@ from trex.recipe import check_choices, require_positive
 
 DataMode = Literal["sft", "cpt"]
 DataFormat = Literal["auto", "jsonl", "parquet", "arrow"]
-Packing = Literal["next_fit", "best_fit"]
+Packing = Literal["auto", "next_fit", "best_fit"]
 LossOn = Literal["assistant", "last_assistant", "all"]
 BadRecordPolicyName = Literal["fail", "skip", "truncate"]
 
@@ -78,11 +78,12 @@ class DataSection:
     them by reason. truncate: like skip, but a document longer than seq_len is cut to seq_len instead
     of dropped."""
 
-    packing: Packing = "next_fit"
-    """How documents fill rows. next_fit: in shuffled order, a row takes documents while they fit (the
-    rows of runs before best_fit existed). best_fit: within each window of ``pack_window`` shuffled
-    documents, longest first, each into the fullest row it fits (97-99% of positions hold tokens on
-    long-tailed chat data; docs/data.md)."""
+    packing: Packing = "auto"
+    """How documents fill rows. best_fit: within each window of ``pack_window`` shuffled documents,
+    longest first, each into the fullest row it fits (97-99% of positions hold tokens on long-tailed
+    chat data; docs/data.md). next_fit: in shuffled order, a row takes documents while they fit (the
+    default before best_fit). auto (the default): best_fit, except that `trex train` resuming a run
+    keeps the packing that run recorded (its rows are the ones its checkpoint's position counts)."""
 
     pack_window: int = 16384
     """best_fit: documents packed together (larger: tighter rows, more memory while packing)."""
@@ -102,6 +103,11 @@ class DataSection:
             raise ValueError(f"data.seq_len = {self.seq_len}; expected at least 2")
         if self.prepare_workers < 0:
             raise ValueError(f"data.prepare_workers = {self.prepare_workers}; expected 0 (automatic) or more")
+
+    @property
+    def packing_algorithm(self) -> str:
+        """The packer ``packing`` names: ``auto`` (not resolved by a resumed run) is best_fit."""
+        return "best_fit" if self.packing == "auto" else self.packing
 
     def on_files(self, paths: list[str], **changes) -> "DataSection":
         """These options on other files (a held-out set, the fidelity probe): their own prepared data,

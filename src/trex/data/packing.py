@@ -79,7 +79,7 @@ def plan_rows(lengths: np.ndarray, cfg: DataSection) -> tuple[np.ndarray, np.nda
     ``order[bounds[r]:bounds[r+1]]``."""
     n = len(lengths)
     order = np.random.default_rng(cfg.seed).permutation(n) if cfg.shuffle else np.arange(n, dtype=np.int64)
-    if cfg.packing == "next_fit":
+    if cfg.packing_algorithm == "next_fit":
         return order, pack(lengths[order], cfg.seq_len)
     perm, bounds = pack_best_fit(lengths[order], cfg.seq_len, cfg.pack_window)
     return order[perm], bounds

@@ -20,10 +20,15 @@ a node, and opening reads only the manifest (bench/data_pipeline.py measures bot
 
 The content key hashes the format version, the inputs (path, size, mtime and a sampled digest of each
 file), the tokenizer (a digest of its serialised form), every data option that changes tokens or
-rows, and the packing algorithm; a change to any of them is a new key, never a stale hit. A
-directory is written under a temporary name and renamed when complete, so a killed prepare leaves
-nothing that trains; ``ensure`` lets one process per cache directory prepare (a lock file it keeps
-fresh) while the others wait on the file system, outside any collective.
+rows, and the packing algorithm; a change to any of them is a new key. Beside the key the manifest
+records each input's stamp (inode and change time, which no tool can put back: ``cp -p`` and
+``rsync -a`` write a new inode, ``touch`` sets the change time to now) and a digest of its whole
+content, read once while preparing. A hit whose stamps differ is hashed in full before it is used:
+equal content is recorded as verified (``verified.json``) and used, changed content is prepared
+again (the cache) or refused (``data.prepared``). A directory is written under a temporary name and
+renamed when complete, so a killed prepare leaves nothing that trains; ``ensure`` lets one process
+per cache directory prepare or verify (a lock file it keeps fresh) while the others wait on the
+file system, outside any collective.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from trex.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: inputs' stamps and content digests (version 1 could not tell a restored mtime)
 FILES = {  # name -> (file, dtype)
     "tokens": ("tokens.i32", np.dtype("<i4")), "loss_mask": ("loss_mask.u8", np.dtype("u1")),
     "doc_offsets": ("doc_offsets.i64", np.dtype("<i8")), "order": ("order.i64", np.dtype("<i8")),
@@ -64,10 +69,19 @@ KEYED_OPTIONS = ("format", "mode", "messages_field", "text_field", "thinking", "
 WORKER_BYTES = 32 << 20  # automatic workers: one per this much input
 LOCK_STALE_S = 120.0  # a lock not refreshed for this long belongs to a process that died
 SAMPLE_BLOCKS, SAMPLE_BYTES = 16, 1 << 12  # 64 KiB read per input file to key it
+HASH_BLOCK = 8 << 20  # bytes read at a time when an input is hashed whole
+VERIFIED_FILE = "verified.json"  # stamps whose content was hashed equal to the prepared one after it
 
 
 class PreparedDataError(ValueError):
-    """A prepared directory that cannot be used: names the file and what was expected."""
+    """A prepared directory that cannot be used: names the file and what was expected. ``refresh`` is
+    the directory to prepare again (``trex data prepare RECIPE --out DIR --refresh``), if that fixes it."""
+
+    def __init__(self, message: str, refresh: str = ""):
+        self.detail, self.refresh = message, refresh
+        super().__init__(message + (f"; prepare it again (trex data prepare RECIPE --out {refresh} --refresh, with "
+                                    f"the recipe and --set options you train with) or unset data.prepared"
+                                    if refresh else ""))
 
 
 # ---- the content key ------------------------------------------------------------------------------------
@@ -83,6 +97,25 @@ def file_identity(path: Path) -> dict:
     return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample_digest": h.hexdigest()}
 
 
+def file_stamp(path: Path) -> dict:
+    """What a rewrite of ``path`` cannot keep: its inode and device (a copy or rsync writes a new file)
+    and change time (set to now by every write, chmod or touch, which is how an mtime is put back)."""
+    st = path.stat()
+    return {"inode": st.st_ino, "device": st.st_dev, "ctime_ns": st.st_ctime_ns}
+
+
+def content_digest(path: Path, keep_alive: Callable[[], None] | None = None) -> str:
+    """blake2b of the whole file, HASH_BLOCK bytes at a time (memory stays at one block); ``keep_alive``
+    is called every 128 blocks (1 GiB: a lock's owner refreshes it)."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for n, block in enumerate(iter(lambda: f.read(HASH_BLOCK), b"")):
+            h.update(block)
+            if keep_alive and n % 128 == 127:
+                keep_alive()
+    return h.hexdigest()
+
+
 def identity(cfg: DataSection, tokenizer: Tokenizer, inputs: list[dict] | None = None) -> dict:
     """What the key is made of: format version, inputs (read from ``cfg.paths`` unless given), tokenizer,
     options."""
@@ -90,7 +123,14 @@ def identity(cfg: DataSection, tokenizer: Tokenizer, inputs: list[dict] | None =
         inputs = [{**file_identity(p), "format": kind} for p, kind in resolve_paths(cfg.paths, cfg.format)]
     tok = hashlib.blake2b(tokenizer.backend.to_str().encode(), digest_size=16).hexdigest()
     return {"format_version": FORMAT_VERSION, "inputs": inputs, "tokenizer": {"source": tokenizer.source, "digest": tok},
-            "options": {k: getattr(cfg, k) for k in KEYED_OPTIONS}}
+            "options": {k: cfg.packing_algorithm if k == "packing" else getattr(cfg, k) for k in KEYED_OPTIONS}}
+
+
+def input_stamps(ident: dict, digest: bool = False, keep_alive: Callable[[], None] | None = None) -> dict:
+    """{path: stamp} of the identity's inputs (and each one's content digest when ``digest``)."""
+    return {i["path"]: {**file_stamp(Path(i["path"])),
+                        **({"digest": content_digest(Path(i["path"]), keep_alive)} if digest else {})}
+            for i in ident["inputs"]}
 
 
 def content_key(ident: dict) -> str:
@@ -196,13 +236,15 @@ def _duration(seconds: float) -> str:
 
 
 def write_prepared(cfg: DataSection, tokenizer: Tokenizer, ident: dict, dest: Path, workers: int = 1,
-                   report: Callable[[Progress], None] | None = None) -> dict:
+                   report: Callable[[Progress], None] | None = None,
+                   keep_alive: Callable[[], None] | None = None) -> dict:
     """Prepare ``cfg``'s data into the new directory ``dest`` (its parent must exist) with ``workers``
     processes (0: :func:`auto_workers`); returns the manifest. Bad records go through
     ``cfg.bad_record_policy`` (under ``fail``: BadRecordError, file and line). Memory holds a few chunks
     and the document lengths (8 bytes a document)."""
     policy = BadRecordPolicy(cfg.bad_record_policy)
     dest.mkdir()
+    stamps = input_stamps(ident, digest=True, keep_alive=keep_alive)  # read once more: ~2% of tokenizing
     total = sum(i["size"] for i in ident["inputs"])
     workers = workers or auto_workers(total)
     progress = Progress(total_bytes=total, started=time.perf_counter())
@@ -238,13 +280,16 @@ def write_prepared(cfg: DataSection, tokenizer: Tokenizer, ident: dict, dest: Pa
             f.write(arr.astype(FILES[name][1]).tobytes())
             f.flush()
             os.fsync(f.fileno())
+    if input_stamps(ident) != {p: {k: v for k, v in st.items() if k != "digest"} for p, st in stamps.items()}:
+        raise PreparedDataError(f"{cfg.paths}: an input file changed while it was being prepared; prepare again "
+                                f"once nothing writes to it")
     rows = len(bounds) - 1
     counts = {"records_read": policy.records_read, "documents": n_docs, "tokens": n_tokens,
               "loss_tokens": loss_tokens, "rows": rows}
     efficiency = n_tokens / max(1, rows * cfg.seq_len)
     manifest = {
-        **ident, "key": content_key(ident), "counts": counts, "skips": policy.counter.as_dict(),
-        "packing": {"algorithm": cfg.packing, "window": cfg.pack_window, "seq_len": cfg.seq_len,
+        **ident, "key": content_key(ident), "stamps": stamps, "counts": counts, "skips": policy.counter.as_dict(),
+        "packing": {"algorithm": cfg.packing_algorithm, "window": cfg.pack_window, "seq_len": cfg.seq_len,
                     "efficiency": round(efficiency, 6), "padding_share": round(1 - efficiency, 6),
                     "fingerprint": PackedRows.fingerprint_of(all_lengths[order], bounds, cfg.seq_len)},
         "files": {k: {"file": f, "dtype": dt.str, "count": _count(k, counts),
@@ -262,17 +307,21 @@ def _count(name: str, counts: dict) -> int:
 
 
 def prepare(cfg: DataSection, tokenizer: Tokenizer, dest: Path, workers: int = 1,
-            report: Callable[[Progress], None] | None = None, ident: dict | None = None) -> dict:
+            report: Callable[[Progress], None] | None = None, ident: dict | None = None,
+            replace: bool = False, keep_alive: Callable[[], None] | None = None) -> dict:
     """Write ``dest`` whole or not at all: into ``dest``'s sibling temporary directory, renamed when
-    complete; a failure (bad record, full disk, interrupt) removes the temporary directory. Returns the
-    manifest (the existing one when another process published ``dest`` first)."""
+    complete; a failure (bad record, full disk, interrupt) removes the temporary directory. ``replace``:
+    an existing ``dest`` is swapped for the new one only once that is complete. Returns the manifest
+    (the existing one when another process published ``dest`` first)."""
     ident = ident or identity(cfg, tokenizer)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.tmp-{socket.gethostname()}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
-        manifest = write_prepared(cfg, tokenizer, ident, tmp, workers, report)
+        manifest = write_prepared(cfg, tokenizer, ident, tmp, workers, report, keep_alive)
+        if replace and dest.exists():
+            _retire(dest)
         try:
             os.rename(tmp, dest)
         except OSError:
@@ -340,6 +389,49 @@ def skips_of(manifest: dict) -> SkipCounter:
     return counter
 
 
+# ---- stale inputs -------------------------------------------------------------------------------------
+def _verified(path: Path) -> list[dict]:
+    try:
+        return json.loads((path / VERIFIED_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def unverified_inputs(path: Path, manifest: dict, ident: dict) -> list[str]:
+    """The inputs of ``ident`` whose stamp is neither the one prepared from nor one verified since (a
+    constant-time stat each; empty when the raw data is not here and the manifest speaks for it)."""
+    if ident["inputs"] is manifest.get("inputs"):
+        return []
+    known = [{p: {k: v for k, v in st.items() if k != "digest"} for p, st in manifest.get("stamps", {}).items()},
+             *_verified(path)]
+    now = input_stamps(ident)
+    return [p for p, st in now.items() if not any(k.get(p) == st for k in known)]
+
+
+def verify_inputs(path: Path, manifest: dict, ident: dict, inputs: list[str],
+                  keep_alive: Callable[[], None] | None = None) -> list[str]:
+    """Hash ``inputs`` whole against the digests prepared from; returns those whose content differs.
+    Records the others' stamps as verified (atomically), so the next start is a stat again."""
+    start, size = time.perf_counter(), sum(Path(p).stat().st_size for p in inputs)
+    recorded = manifest.get("stamps", {})
+    changed = [p for p in inputs if content_digest(Path(p), keep_alive) != recorded.get(p, {}).get("digest")]
+    if not changed:
+        now = input_stamps(ident)
+        try:
+            atomic.write_json(path / VERIFIED_FILE, [*_verified(path), {p: now[p] for p in inputs}])
+        except OSError as e:  # a read-only copy: verified again at the next start
+            log.info("%s: could not record the verification (%s)", path, e.strerror)
+        log.info("%s: %d input file(s) rewritten since they were prepared (new inode or change time); their "
+                 "content is unchanged (%.1f GB hashed in %.1fs)", path, len(inputs), size / 1e9,
+                 time.perf_counter() - start)
+    return changed
+
+
+def stale_reason(changed: list[str]) -> str:
+    return (f"{', '.join(changed)} changed since it was prepared, though its size, modification time and sampled "
+            f"blocks did not (an edit with its mtime put back, as cp -p or rsync -a of an edited copy do)")
+
+
 # ---- the cache and who prepares -----------------------------------------------------------------------
 def cache_root(cfg: DataSection) -> Path:
     """data.cache_dir, else $TREX_CACHE_DIR/data, else ~/.cache/trex/data."""
@@ -384,53 +476,126 @@ def _take_lock(lock: Path) -> bool:
 
 
 def ensure(cfg: DataSection, tokenizer: Tokenizer, workers: int = 1, poll_s: float = 0.5,
-           report: Callable[[Progress], None] | None = None, level: int = logging.WARNING) -> tuple[Path, dict, bool]:
+           report: Callable[[Progress], None] | None = None, level: int = logging.INFO,
+           refresh: bool = False) -> tuple[Path, dict, bool]:
     """The prepared directory of ``cfg``: ``data.prepared`` (checked against the recipe), or the cache
     entry of its content key, prepared here, by ``workers`` processes (0: automatic), if no process has
-    (returns path, manifest, prepared_here).
+    (returns path, manifest, prepared_here). ``refresh`` prepares the cache entry again whatever it holds.
 
-    Every rank may call this at once: the first to take ``<key>.lock`` in the cache directory prepares
-    (refreshing the lock as it goes), the others wait for the published directory on the file system.
-    No collective is entered meanwhile, so a long prepare trips no collective timeout. On a shared file
-    system that is one process for the whole job; with node-local cache directories, one per node.
-    Preparing and waiting are logged at ``level`` (a warning inside a job: every rank shows it, and the
-    time belongs before the job, in `trex data prepare`)."""
+    Every rank may call this at once: the first to take ``<key>.lock`` in the cache directory prepares,
+    or hashes inputs whose stamps changed (refreshing the lock as it goes); the others wait for a
+    published, verified directory on the file system. No collective is entered meanwhile, so a long
+    prepare trips no collective timeout. On a shared file system that is one process for the whole
+    job; with node-local cache directories, one per node. Preparing and waiting are logged at ``level``."""
     if cfg.prepared:
-        path = Path(cfg.prepared)
-        manifest = read_manifest(path)
-        try:
-            ident = identity(cfg, tokenizer)
-        except FileNotFoundError:  # the raw data stayed where it was prepared: its manifest speaks for it
-            log.warning("data.prepared = %s: the inputs %s are not here; using the prepared copy as its manifest "
-                        "describes them", cfg.prepared, cfg.paths)
-            ident = identity(cfg, tokenizer, inputs=manifest.get("inputs", []))
-        if manifest.get("key") != content_key(ident):
-            raise PreparedDataError(f"data.prepared = {cfg.prepared}: {path / 'manifest.json'} does not match the "
-                                    f"recipe: {describe_mismatch(ident, manifest)}; prepare it again "
-                                    f"(trex data prepare RECIPE --out {cfg.prepared}) or unset data.prepared")
-        return path, manifest, False
+        return _use_prepared(cfg, tokenizer, poll_s)
     ident = identity(cfg, tokenizer)
     key = content_key(ident)
     root = cache_root(cfg)
-    root.mkdir(parents=True, exist_ok=True)
     path, lock = root / key, root / f"{key}.lock"
     waited = False
-    while not (path / "manifest.json").is_file():
+    while True:
+        manifest = _fresh(path, ident) if not refresh else None
+        if manifest is not None:  # a read-only cache serves its entries: only a writer needs to write
+            return path, manifest, False
+        writable_dir(root, "data.cache_dir" if cfg.cache_dir else "TREX_CACHE_DIR"
+                     if os.environ.get("TREX_CACHE_DIR") else "the data cache")
         if _take_lock(lock):
             try:
-                if not (path / "manifest.json").is_file():
-                    for left in root.glob(f".{key}.tmp-*"):  # a dead preparer's (the lock is ours)
-                        shutil.rmtree(left, ignore_errors=True)
-                    def refresh(p: Progress) -> None:
-                        os.utime(lock)
-                        if report:
-                            report(p)
-                    log.log(level, "preparing %s into %s (once: later starts map it)", cfg.paths, path)
-                    return path, prepare(cfg, tokenizer, path, workers, refresh, ident), True
+                manifest = _fresh(path, ident) if not refresh else None
+                if manifest is not None:
+                    return path, manifest, False
+                if (path / "manifest.json").is_file():
+                    if refresh:
+                        log.log(level, "%s: preparing again (--refresh)", path)
+                    else:
+                        old = read_manifest(path)
+                        changed = verify_inputs(path, old, ident, unverified_inputs(path, old, ident),
+                                                lambda: os.utime(lock))
+                        if not changed:
+                            return path, old, False
+                        log.warning("%s: preparing again", stale_reason(changed))
+                    _retire(path)
+                for left in root.glob(f".{key}.tmp-*"):  # a dead preparer's (the lock is ours)
+                    shutil.rmtree(left, ignore_errors=True)
+
+                def progress(p: Progress) -> None:
+                    os.utime(lock)
+                    if report:
+                        report(p)
+                log.log(level, "preparing %s into %s (once: later starts map it)", cfg.paths, path)
+                return path, prepare(cfg, tokenizer, path, workers, progress, ident,
+                                     keep_alive=lambda: os.utime(lock)), True
             finally:
                 lock.unlink(missing_ok=True)
         if not waited:
             log.log(level, "waiting for another process to prepare %s (%s)", path, lock)
             waited = True
         time.sleep(poll_s)
-    return path, read_manifest(path), False
+
+
+def _fresh(path: Path, ident: dict) -> dict | None:
+    """The manifest of ``path`` if it is published and every input's stamp is known; else None."""
+    if not (path / "manifest.json").is_file():
+        return None
+    manifest = read_manifest(path)
+    return None if unverified_inputs(path, manifest, ident) else manifest
+
+
+def _retire(path: Path) -> None:
+    """Take a published directory out of use: renamed aside first (a reader never sees half of it),
+    then removed (ranks that still map its files keep them until they unmap)."""
+    aside = path.parent / f".{path.name}.old-{socket.gethostname()}-{os.getpid()}"
+    os.rename(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _use_prepared(cfg: DataSection, tokenizer: Tokenizer, poll_s: float) -> tuple[Path, dict, bool]:
+    """``data.prepared``: its manifest checked against the recipe, and its inputs, where they are here,
+    against the content it was prepared from (hashed in full once when their stamps changed)."""
+    path = Path(cfg.prepared)
+    manifest = read_manifest(path)
+    try:
+        ident = identity(cfg, tokenizer)
+    except FileNotFoundError:  # the raw data stayed where it was prepared: its manifest speaks for it
+        log.info("data.prepared = %s: the inputs %s are not here; using the prepared copy as its manifest "
+                 "describes them", cfg.prepared, cfg.paths)
+        ident = identity(cfg, tokenizer, inputs=manifest["inputs"])
+    if manifest.get("key") != content_key(ident):
+        raise PreparedDataError(f"data.prepared = {cfg.prepared}: {path / 'manifest.json'} does not match the "
+                                f"recipe: {describe_mismatch(ident, manifest)}", refresh=cfg.prepared)
+    unverified = unverified_inputs(path, manifest, ident)
+    if unverified:
+        lock = path.parent / f".{path.name}.lock"
+        try:
+            owned = _take_lock(lock)
+        except OSError:  # a read-only place: every process verifies by itself
+            owned = True
+            lock = None
+        if not owned:
+            while lock.exists() and unverified_inputs(path, manifest, ident):
+                time.sleep(poll_s)
+            return _use_prepared(cfg, tokenizer, poll_s)
+        try:
+            changed = verify_inputs(path, manifest, ident, unverified, lock and (lambda: os.utime(lock)))
+        finally:
+            if lock is not None:
+                lock.unlink(missing_ok=True)
+        if changed:
+            raise PreparedDataError(f"data.prepared = {cfg.prepared}: {stale_reason(changed)}",
+                                    refresh=cfg.prepared)
+    return path, manifest, False
+
+
+def writable_dir(path: Path, what: str) -> Path:
+    """``path``, created if missing, after checking that files can be made in it; PreparedDataError
+    naming ``what`` (the option or variable that chose it) and the reason otherwise."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{socket.gethostname()}-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise PreparedDataError(f"{what} = {path}: cannot write there ({e.strerror or e}); choose a writable "
+                                f"directory") from None
+    return path

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
-from trex import atomic
+from trex import atomic, logs
 from trex.data.chat import RecordError
 from trex.data.config import BadRecordPolicyName, DataSection
 from trex.recipe import check_choices
@@ -82,11 +82,13 @@ def describe_skips(data: dict) -> str | None:
     first = data.get("first_seen", {})
     if data.get("skipped"):
         reasons = ", ".join(f"{n} {r} (first {first.get(r, '?')})" for r, n in data["skipped_by_reason"].items())
-        parts.append(f"skipped {data['skipped']} bad records: {reasons}")
+        parts.append(f"skipped {logs.plural(data['skipped'], 'bad record')}: {reasons}")
     if data.get("truncated"):
-        parts.append(f"truncated {data['truncated']} records to seq_len (first {first.get('truncated', '?')})")
+        parts.append(f"truncated {logs.plural(data['truncated'], 'record')} to seq_len (first "
+                     f"{first.get('truncated', '?')})")
     if data.get("files_skipped"):
-        parts.append(f"ignored {data['files_skipped']} files that are not data (first {data['files_skipped_first'][0]})")
+        parts.append(f"ignored {logs.plural(data['files_skipped'], 'non-data file')} (first "
+                     f"{data['files_skipped_first'][0]})")
     return "; ".join(parts) or None
 
 
@@ -186,8 +188,8 @@ def _parse_json_line(raw: bytes) -> dict | RecordError:
         return RecordError("invalid_utf8", f"byte {err.start}: {err.reason}")
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as err:
-        return RecordError("malformed_json", str(err))
+    except json.JSONDecodeError as err:  # the parser's "line 1" is within the record: the file's line is the caller's
+        return RecordError("malformed_json", f"{err.msg} at column {err.colno}")
     if not isinstance(data, dict):
         return RecordError("malformed_json", f"a JSON {type(data).__name__}; expected an object")
     return data

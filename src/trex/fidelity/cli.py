@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 from trex import logs
+from trex.fidelity.profiles import PROFILES
 
 
 def register(sub) -> None:
@@ -17,16 +17,18 @@ def register(sub) -> None:
     c = fid.add_parser("compare", help="does RUN converge like REFERENCE? exit 0 PASS, 1 FAIL, 2 bad input")
     c.add_argument("run", help="run directory (or golden file)")
     c.add_argument("reference", help="run directory or golden reference file")
-    c.add_argument("--profile", default="layout", help="bitwise | layout | precision | vendor (default: layout)")
+    c.add_argument("--profile", choices=PROFILES, default="layout",
+                   help="the tolerances; `trex fidelity profiles` prints them (default: %(default)s)")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="MEASURE=VALUE",
                    help="override one threshold of the profile (VALUE or off); repeatable")
     c.add_argument("--metric", default="loss", help="the metrics.jsonl curve to compare (default: loss)")
     c.add_argument("--prefix", action="store_true", help="the run may stop before the reference ends")
     c.add_argument("--envelope", choices=("note", "widen"), default="note",
-                   help="with a calibrated reference: note thresholds tighter than its own spread (default), or "
-                        "widen them to it")
+                   help="with a calibrated reference: note thresholds tighter than its own spread, or widen them to "
+                        "it (default: %(default)s)")
     c.add_argument("--out", help="report directory (default: RUN/fidelity, or ./fidelity-report for a file)")
-    c.add_argument("--format", choices=("text", "json"), default="text")
+    c.add_argument("--format", choices=("text", "json"), default="text",
+                   help="text: a table of the measures; json: the result (default: %(default)s)")
     c.set_defaults(func=_compare)
 
     e = fid.add_parser("export", help="store a run as a golden reference file")
@@ -36,7 +38,8 @@ def register(sub) -> None:
 
     m = fid.add_parser("matrix", help="run a recipe's variants against its fp32 single-process control")
     m.add_argument("recipe", help="recipe TOML file")
-    m.add_argument("--out", default="runs/fidelity-matrix", help="matrix directory (runs and report)")
+    m.add_argument("--out", default="runs/fidelity-matrix",
+                   help="matrix directory, its runs and report (default: %(default)s)")
     m.add_argument("--steps", type=int, help="optimizer steps of every variant (default: the recipe's)")
     m.add_argument("--only", action="append", default=[], metavar="VARIANT", help="run only these variants")
     m.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -57,8 +60,10 @@ def register(sub) -> None:
                     help="overrides of one run after the first (the runs cycle through them); repeatable")
     ca.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a recipe value for every run; repeatable")
-    ca.add_argument("--profile", default="layout", help="the profile whose measures are taken (default: layout)")
-    ca.add_argument("--out", default="runs/fidelity-calibration", help="directory of the runs and the report")
+    ca.add_argument("--profile", choices=PROFILES, default="layout",
+                    help="the profile whose measures are taken (default: %(default)s)")
+    ca.add_argument("--out", default="runs/fidelity-calibration",
+                    help="directory of the runs and the report (default: %(default)s)")
     ca.add_argument("--overwrite", action="store_true", help="replace what --out holds (default: refuse)")
     ca.set_defaults(func=_calibrate)
 
@@ -70,9 +75,10 @@ def register(sub) -> None:
                                         "directory with those steps (default: train a continuation on the old "
                                         "configuration here)")
     se.add_argument("--at", type=int, help="the move at this step (default: the last)")
-    se.add_argument("--profile", help="override the profile the move's kind chose")
+    se.add_argument("--profile", choices=PROFILES, help="override the profile the move's kind chose")
     se.add_argument("--envelope", choices=("note", "widen"), default="note",
-                    help="with a calibrated golden reference: note or widen thresholds tighter than its spread")
+                    help="with a calibrated golden reference: note or widen thresholds tighter than its spread "
+                         "(default: %(default)s)")
     se.set_defaults(func=_seam)
 
     rec = fid.add_parser("record", help="record the reference side of the ladder's rungs (statistics, not tensors) "
@@ -102,12 +108,13 @@ def register(sub) -> None:
                          "repeatable")
     la.add_argument("--reference-set", dest="reference_set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a recipe value of the reference only; repeatable")
-    la.add_argument("--profile", default="layout", help="the tolerances: bitwise | layout | precision | vendor | "
-                                                        "migration (default: layout)")
+    la.add_argument("--profile", choices=PROFILES, default="layout",
+                    help="the tolerances; `trex fidelity profiles` prints them (default: %(default)s)")
     la.add_argument("--steps", type=int, help="steps of rung 5, the long run (default: the recipe's; with --reference: "
                                               "the record's)")
     la.add_argument("--lr0-steps", type=int, help="steps of rung 4 at lr = 0 (default: the long run's)")
-    la.add_argument("--out", default="runs/fidelity-ladder", help="report directory (and the rungs' runs)")
+    la.add_argument("--out", default="runs/fidelity-ladder",
+                    help="report directory, and the rungs' runs (default: %(default)s)")
     la.add_argument("--overwrite", action="store_true", help="replace what --out holds (default: refuse)")
     la.set_defaults(func=_ladder)
 
@@ -118,7 +125,9 @@ def register(sub) -> None:
     dr.add_argument("--base", help="the checkpoint it was post-trained from, measured on the same prompts")
     dr.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
     dr.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (default 16)")
-    dr.add_argument("--format", choices=("text", "json"), default="text")
+    dr.add_argument("--format", choices=("text", "json"), default="text",
+                    help="text: a table; json: each checkpoint's acceptance histogram and rates (default: "
+                         "%(default)s)")
     dr.set_defaults(func=_drafter)
 
     pr = fid.add_parser("profiles", help="print the tolerance profiles, their thresholds and rationale")
@@ -126,11 +135,14 @@ def register(sub) -> None:
 
 
 def _drafter(args: argparse.Namespace) -> int:
-    from trex.fidelity.drafter import DrafterCheckError, measure, read_prompts, table
+    from trex.atomic import strict_json
+    from trex.fidelity.drafter import DrafterCheckError, check_checkpoint, measure, read_prompts, table
 
     try:
         if args.max_new_tokens < 2 or args.batch_size < 1:
             raise DrafterCheckError("--max-new-tokens must be >= 2 and --batch-size >= 1")
+        for path in [args.checkpoint] + ([args.base] if args.base else []):
+            check_checkpoint(path)
         prompts = read_prompts(args.prompts, args.checkpoint)
         results = {}
         for path in [args.checkpoint] + ([args.base] if args.base else []):
@@ -139,11 +151,11 @@ def _drafter(args: argparse.Namespace) -> int:
         print(f"trex fidelity drafter: {e}", file=sys.stderr)
         return 2
     if args.format == "json":
-        print(json.dumps({p: {"steps": a.steps, "histogram": a.histogram, "accepted_per_step": a.mean_accepted,
-                              "tokens_per_step": a.tokens_per_step, "rates": a.rates()} for p, a in results.items()},
-                         indent=2))
+        print(strict_json({p: {"steps": a.steps, "histogram": a.histogram, "accepted_per_step": a.mean_accepted,
+                               "tokens_per_step": a.tokens_per_step, "rates": a.rates()} for p, a in results.items()}))
     else:
-        print(f"DSpark drafter acceptance: greedy, {len(prompts)} prompts, up to {args.max_new_tokens} tokens each")
+        print(f"DSpark drafter acceptance: greedy, {logs.plural(len(prompts), 'prompt')}, up to "
+              f"{args.max_new_tokens} tokens each")
         print(table(results))
     return 0
 
@@ -165,7 +177,9 @@ def _compare(args: argparse.Namespace) -> int:
     ref_name = os.path.splitext(os.path.basename(os.path.normpath(args.reference)))[0]
     paths = write_all(result, out, f"{profile.name}_vs_{ref_name}")
     if args.format == "json":
-        print(json.dumps(result.to_dict(), indent=2))
+        from trex.atomic import strict_json
+
+        print(strict_json(result.to_dict()))
     else:
         print(table(result))
         print(f"report: {paths['json']}  plot: {paths['png']}")
@@ -180,8 +194,9 @@ def _export(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"trex fidelity export: {e}", file=sys.stderr)
         return 2
-    print(f"{args.out}: {len(golden['metrics'])} metric steps, {len(golden['grad_norms'])} grad-norm records, "
-          f"{len(golden['probe'])} probe records ({os.path.getsize(args.out) / 1024:.0f} KiB)")
+    print(f"{args.out}: {logs.plural(len(golden['metrics']), 'metric step')}, "
+          f"{logs.plural(len(golden['grad_norms']), 'grad-norm record')}, "
+          f"{logs.plural(len(golden['probe']), 'probe record')} ({os.path.getsize(args.out) / 1024:.0f} KiB)")
     return 0
 
 
@@ -300,7 +315,8 @@ def _record(args: argparse.Namespace) -> int:
     if _main_rank():
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(args.out) for f in files)
         print(f"{args.out}: the reference of every rung ({done['model']['parameter_tensors']:,} parameters, "
-              f"{len(done['sets']['blocks'])} blocks, {done['world_size']} ranks on {done['environment']['device']}; "
+              f"{logs.plural(len(done['sets']['blocks']), 'block')}, {logs.plural(done['world_size'], 'rank')} on "
+              f"{done['environment']['device']}; "
               f"{size / 1e6:.1f} MB): copy it to the other cluster and run `trex fidelity ladder RECIPE --reference "
               f"{args.out}` there")
     return 0
@@ -346,5 +362,5 @@ def _profiles(args: argparse.Namespace) -> int:
         print(f"   ladder rungs 1-3: loss {b.loss:g}, block cosine >= {b.cosine:g}, block max-abs <= {b.max_abs_rel:g} "
               f"x max|ref|, gradient {b.grad:g}, update {b.update:g}, floor {b.floor:g}")
         print(f"   EMA weight {profile.ema:g}, layer-norm floor {profile.layer_norm_floor:g} x global norm"
-              + (f", at least {profile.min_steps} steps" if profile.min_steps else "") + "\n")
+              + (f", at least {logs.plural(profile.min_steps, 'step')}" if profile.min_steps else "") + "\n")
     return 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from trex import device
+from trex import device, logs
 from trex.fidelity.profiles import MEASURES, ROLLOUT_MEASURES, Profile
 from trex.fidelity.runs import FidelityInputError, RunSignals, check_reference
 
@@ -272,12 +272,13 @@ def _compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str, al
         Check("first_loss_err", abs(a[0] - b[0]) / max(abs(b[0]), 1.0) if math.isfinite(a[0]) else None,
               t.get("first_loss_err"), f"step {first}: run {a[0]:.6g}, reference {b[0]:.6g}"),
         Check("loss_mean_delta", abs(mean_a - mean_b) / max(abs(mean_b), 1.0) if math.isfinite(mean_a) else None,
-              t.get("loss_mean_delta"), f"means over {len(steps)} steps: run {mean_a:.6g}, reference {mean_b:.6g}"),
+              t.get("loss_mean_delta"), f"means over {logs.plural(len(steps), 'step')}: run {mean_a:.6g}, "
+              f"reference {mean_b:.6g}"),
         Check("missing_steps", float(len(missing) + (0 if allow_prefix else len(not_reached))),
               t.get("missing_steps"), f"{len(missing)} missing inside the run, {len(not_reached)} after its end"
               + (" (prefix run)" if allow_prefix else "")),
         Check("loss_mean_rel_err", sum(_rel(x, y) for x, y in finite) / len(finite) if finite else None,
-              t.get("loss_mean_rel_err"), f"over {len(finite)} steps"),
+              t.get("loss_mean_rel_err"), f"over {logs.plural(len(finite), 'step')}"),
         Check("loss_band_rel", max(band), band_limit,
               f"EMA weight {profile.ema}; first step outside: {outside[0] if outside else 'none'}"),
         Check("final_loss_rel_delta", rel[-1] if math.isfinite(rel[-1]) else None, t.get("final_loss_rel_delta"),
@@ -288,7 +289,7 @@ def _compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str, al
     checks.append(Check("grad_norm_mean_rel_err",
                         sum(_rel(gn_run[s], gn_ref[s]) for s in gn_steps) / len(gn_steps) if gn_steps else None,
                         t.get("grad_norm_mean_rel_err"),
-                        f"over {len(gn_steps)} steps" if gn_steps else "no common grad_norm steps"))
+                        f"over {logs.plural(len(gn_steps), 'step')}" if gn_steps else "no common grad_norm steps"))
     layers, scales = _layer_errors(run, ref, profile.layer_norm_floor) or ({}, {})
     for measure, errors in (("layer_grad_norm_rel_err", layers), ("layer_grad_scale_rel_err", scales)):
         worst = max(errors, key=errors.get) if errors else None

@@ -59,17 +59,31 @@ def _tokenizer(checkpoint: str):
     raise DrafterCheckError(f"{checkpoint}: no tokenizer.json to encode the text prompts with (give {{\"ids\": ...}})")
 
 
+def check_checkpoint(path: str) -> None:
+    """DrafterCheckError unless ``path`` is a directory with a config.json (a checkpoint), naming what it is."""
+    expected = "expected a DeepSeek-V4.1 checkpoint directory: config.json and safetensors with its mtp.* stages"
+    if not os.path.isdir(path):
+        raise DrafterCheckError(f"{path}: {'not a directory' if os.path.exists(path) else 'no such path'}; {expected}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        run = os.path.isdir(os.path.join(path, "checkpoints")) or os.path.isfile(os.path.join(path, "config.toml"))
+        raise DrafterCheckError(f"{path}: no config.json; {expected}" + (
+            " (a trex run directory: `trex ckpt export RUN/checkpoints/step_N OUT` writes its model as one)"
+            if run else ""))
+
+
 def measure(checkpoint: str, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
             device: str | None = None) -> Acceptance:
     """The acceptance of ``checkpoint``'s drafter on its own greedy decoding of ``prompts``."""
     from trex.checkpoint import CheckpointError, load_pretrained
     from trex.checkpoint.load import load_drafter
+    from trex.models.config import ConfigError
     from trex.rollout.speculation import measure_acceptance
 
+    check_checkpoint(checkpoint)
     try:
         drafter = load_drafter(checkpoint, device=device)
         model = load_pretrained(checkpoint, dtype=next(drafter.parameters()).dtype, device=device)
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:
         raise DrafterCheckError(" ".join(line.strip() for line in str(e).splitlines())) from None
     vocab = model.cfg.vocab_size
     bad = next((i for i, p in enumerate(prompts) if max(p) >= vocab), None)

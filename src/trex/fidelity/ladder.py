@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trex import atomic
+from trex import atomic, logs
 from trex import device as device_layer
 from trex.fidelity.compare import compare
 from trex.fidelity.matrix import claim_out, signal_overrides
@@ -117,7 +117,7 @@ def build_parts(side: Side) -> Parts:
     build_scheduler(optimizer, recipe.schedule, recipe.train.steps)  # sets step 1's learning rate
     guard = StepGuard(recipe.precision.max_consecutive_skips, DynamicLossScaler.from_config(recipe.precision, policy))
     objective = build_objective(recipe.train.mode, TrainContext(recipe, par, dev, policy, tokenizer, model))
-    probe = fidelity_recorder(recipe, objective, "", tokenizer, dev.torch_device).probe
+    probe = fidelity_recorder(recipe, objective, "", tokenizer, dev.torch_device, first=0, last=None).probe
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return Parts(recipe, model, params, optimizer, objective, guard, probe, par)
 
@@ -333,7 +333,8 @@ def _loop_rung(number: int, ref: Side, var: Side, profile: Profile, out: str, ov
     for side, side_overrides in ((ref, ref_overrides), (var, var_overrides)):
         run_dir = os.path.join(out, side.name, tag)
         recipe = load(TrainRecipe, recipe_path, [*side_overrides, *overrides, f"train.out={json.dumps(run_dir)}"])
-        print(f"[rung {number}: {RUNGS[number - 1]}] {side.name}: {recipe.train.steps} steps -> {run_dir}", file=sys.stderr)
+        print(f"[rung {number}: {RUNGS[number - 1]}] {side.name}: {logs.plural(recipe.train.steps, 'step')} -> "
+              f"{run_dir}", file=sys.stderr)
         train_side(side, recipe)
         dirs[side.name] = run_dir
     return judge_loop(number, dirs[var.name], dirs[ref.name], profile, out)

@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from trex import atomic
+from trex import atomic, logs
 from trex.fidelity.compare import compare
 from trex.fidelity.profiles import get_profile
 from trex.fidelity.report import write_all
@@ -155,7 +155,7 @@ def run_matrix(recipe_path: str, out: str, steps: int | None = None, only: list[
 
     claim_out(out, "a matrix", overwrite)
     control_dir = os.path.join(out, "control-fp32")
-    print(f"[control] fp32, one process, {steps} steps -> {control_dir}", file=sys.stderr)
+    print(f"[control] fp32, one process, {logs.plural(steps, 'step')} -> {control_dir}", file=sys.stderr)
     _run_inline(recipe_path, control_dir, [*base, *CONTROL])
     control = load_signals(control_dir)
     rows = []
@@ -213,7 +213,7 @@ def _num(value) -> str:
 
 def markdown(report: dict) -> str:
     lines = [f"# Fidelity matrix: {report['recipe']}", "",
-             f"control: fp32, one process, {report['steps']} steps, {report['control_tokens']} tokens "
+             f"control: fp32, one process, {logs.plural(report['steps'], 'step')}, {report['control_tokens']} tokens "
              f"({report['environment'].get('device', '?')}, torch {report['environment'].get('torch', '?')})", "",
              "| variant | profile | verdict | loss mean rel err | worst layer grad-norm rel err (per step) "
              "| worst layer grad scale rel err | probe KL | tokens | note |",

@@ -47,7 +47,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trex import atomic
+from trex import atomic, logs
 from trex import device as device_layer
 from trex.fidelity.ladder import (RUNGS, Rung, Side, block_outputs, build_parts, forward_rung, judge_loop, judge_rows,
                                   ladder_overrides, loss_error, optimizer_step, step_two_loss, tapped_blocks, tensor_errors,
@@ -185,7 +185,7 @@ def measure(recipe: TrainRecipe, edit=None, rms: dict[str, float] | None = None)
 
 def _train_run(recipe_path: str, overrides: list[str], out: str, edit=None) -> None:
     recipe = load(TrainRecipe, recipe_path, [*overrides, f"train.out={json.dumps(out)}"])
-    _say(f"[{os.path.basename(out)}] {recipe.train.steps} steps -> {out}")
+    _say(f"[{os.path.basename(out)}] {logs.plural(recipe.train.steps, 'step')} -> {out}")
     train_side(Side("side", recipe, edit), recipe)
 
 

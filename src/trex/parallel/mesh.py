@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trex import device as device_layer
+from trex.logs import plural
 from trex.recipe import check_choices
 
 
@@ -140,7 +141,7 @@ def resolve_layout(dp_replicate: int, dp_shard: int, ep: int, world_size: int, c
     shard = world_size // (dp_replicate * cp) if dp_shard == -1 else dp_shard
     if dp_replicate * shard * cp != world_size:
         raise ValueError(f"parallel: dp_replicate ({dp_replicate}) x dp_shard ({shard}) x cp ({cp}) = "
-                         f"{dp_replicate * shard * cp} ranks, but the run has {world_size} "
+                         f"{plural(dp_replicate * shard * cp, 'rank')}, but the run has {world_size} "
                          f"(torchrun --nproc-per-node x --nnodes)")
     if shard % ep:
         raise ValueError(f"parallel.ep = {ep} must divide dp_shard = {shard}")

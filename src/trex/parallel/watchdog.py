@@ -124,6 +124,11 @@ class Heartbeat:
         """Main thread: this rank is now at ``phase`` of step ``step`` (1-based; 0 before the first)."""
         self._place = (step, phase)
 
+    @property
+    def place(self) -> tuple[int, str]:
+        """(step, phase) this rank last reported (`at`)."""
+        return self._place
+
     def __enter__(self) -> Heartbeat:
         return self
 

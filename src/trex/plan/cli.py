@@ -22,17 +22,19 @@ def register(sub) -> None:
     p.add_argument("--seq", type=int, help="tokens per sequence")
     p.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (sets grad_accum)")
     p.add_argument("--layout", default="", help="Layout fields, e.g. dp_shard=64,ep=32,pp=1,micro_batch=1")
-    p.add_argument("--recompute", choices=("none", "selective", "full"))
-    p.add_argument("--optimizer", choices=("adamw", "muon"))
+    p.add_argument("--recompute", choices=("none", "selective", "full"),
+                   help="activation recomputation (default: the recipe's, else none)")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), help="optimizer (default: the recipe's, else muon)")
     p.add_argument("--offload", action="store_true", help="optimizer moments in host memory")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="compute dtype (default: recipe or bf16)")
-    p.add_argument("--efficiency", type=float,
-                   help="achieved share of peak FLOP/s while computing (default: trex.plan.timing.TimeAssumptions)")
-    p.add_argument("--fsdp-overlap", type=float, help="share of FSDP traffic hidden behind compute")
-    p.add_argument("--ep-overlap", type=float, help="share of the EP all-to-all hidden behind compute")
+    # the defaults are trex.plan.timing.TimeAssumptions' (which imports torch); tests/test_cli_help.py keeps them equal
+    p.add_argument("--efficiency", type=float, help="achieved share of peak FLOP/s while computing (default: 0.55)")
+    p.add_argument("--fsdp-overlap", type=float, help="share of FSDP traffic hidden behind compute (default: 0.9)")
+    p.add_argument("--ep-overlap", type=float, help="share of the EP all-to-all hidden behind compute (default: 0.5)")
     p.add_argument("--search", action="store_true", help="rank every fitting layout by step time")
-    p.add_argument("--top", type=int, default=15, help="rows of the --search table")
-    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--top", type=int, default=15, help="rows of the --search table (default: %(default)s)")
+    p.add_argument("--format", choices=("table", "json"), default="table",
+                   help="table: for people; json: the plan, for scripts and trex report (default: %(default)s)")
     p.add_argument("--annotate", action="store_true",
                    help="rewrite the recipe's planned lines ('#   512 x h200-sxm: ...') with fresh plans")
     p.set_defaults(func=_run)

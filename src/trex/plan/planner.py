@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass
 
 from trex.hardware import HardwareProfile
+from trex.logs import plural
 from trex.models.config import ModelConfig
 from trex.models.deepseek_v4 import check_shardable
 from trex.plan.layout import Layout, PlanError
@@ -29,6 +31,7 @@ class Plan:
     time: StepTime
     flops_per_token: float
     assumptions: TimeAssumptions
+    routed_experts: int = 0  # per MoE layer (the model's n_routed_experts): what ep must divide
 
     @property
     def usable_bytes(self) -> float:
@@ -67,7 +70,26 @@ class Plan:
             out.append("pipeline parallelism is modelled, but trex train does not run it yet")
         if self.host_fits is None:
             out.append(f"{self.hardware.name} states no host memory: offloaded state is not checked")
+        if ep_note := expert_parallel_note(self.layout, self.routed_experts):
+            out.append(ep_note)
         return out
+
+
+def expert_parallel_note(layout: Layout, experts: int) -> str | None:
+    """Why a layout runs without expert parallelism when its shard group has ranks to split experts
+    over but no ep > 1 divides both (ep must divide dp_shard and the routed experts); None otherwise."""
+    shard = layout.dp_shard
+    if layout.ep != 1 or shard == 1 or experts <= 1 or math.gcd(shard, experts) != 1:
+        return None
+    # the shard size nearest this one (within an eighth) that splits the experts widest
+    near = range(max(2, shard - max(1, shard // 8)), shard + max(1, shard // 8) + 1)
+    better = max(near, key=lambda n: (math.gcd(n, experts), -abs(n - shard)))
+    others = layout.devices // shard
+    devices = f"--devices {better * others} (dp_shard={better})" if others == 1 else f"dp_shard={better}"
+    return (f"expert parallelism off (ep=1): ep must divide both dp_shard={shard} and the model's {experts} routed "
+            f"experts, and only 1 divides both, so FSDP gathers all {experts} experts of each layer on every rank "
+            f"(fsdp_comm); choose a shard size that shares a factor with {experts}, e.g. {devices}, which allows up to "
+            f"ep={math.gcd(better, experts)}")
 
 
 def make_plan(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
@@ -82,7 +104,8 @@ def make_plan(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfil
     return Plan(layout=layout, seq_len=seq_len, hardware=hw, facts=facts,
                 memory=memory(cfg, facts, layout, seq_len, b),
                 time=step_time(cfg, facts, layout, seq_len, hw, assume, b),
-                flops_per_token=training_flops(cfg, seq_len).total, assumptions=assume)
+                flops_per_token=training_flops(cfg, seq_len).total, assumptions=assume,
+                routed_experts=cfg.n_routed_experts)
 
 
 def _divisors(n: int) -> list[int]:
@@ -136,8 +159,8 @@ def no_fit_hint(cfg: ModelConfig, devices: int, seq_len: int, global_batch_token
     tried = search(cfg, devices, seq_len, global_batch_tokens, hw, assume, optimizer, fitting_only=False,
                    train_engram=train_engram)
     if not tried:
-        return (f"no layout on {devices} devices reaches {global_batch_tokens:,} tokens per step exactly (its "
-                f"{global_batch_tokens // seq_len:,} sequences must split evenly over the data-parallel ranks): "
+        return (f"no layout on {plural(devices, 'device')} reaches {global_batch_tokens:,} tokens per step exactly "
+                f"(its {global_batch_tokens // seq_len:,} sequences must split evenly over the data-parallel ranks): "
                 "change --global-batch-tokens or --devices")
     lean = min(tried, key=lambda p: p.memory.total)
     return (f"the leanest layout tried ({lean.layout.describe()}) needs {lean.memory.total / GiB:.1f} GiB per device, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from trex.logs import plural
 from trex.plan.planner import GiB, Plan
 
 
@@ -32,7 +33,9 @@ def plan_dict(plan: Plan, model: str) -> dict:
         "hardware": {"name": plan.hardware.name, "unit": plan.hardware.unit, "device_type": plan.hardware.device_type,
                      "match": plan.hardware.match,
                      "memory_gib": plan.hardware.memory_gib, "source": plan.hardware.source},
-        "parameters": {"total": f.total, "active": f.active, "mtp": f.mtp, "trainable": f.trainable,
+        # total: the main model (DeepSeek's published figure; by_type splits it), total_with_mtp: every parameter
+        "parameters": {"total": f.total, "total_with_mtp": f.total + f.mtp, "active": f.active, "mtp": f.mtp,
+                       "trainable": f.trainable,
                        "muon": f.muon, "adamw": f.adamw, "by_type": f.by_type,
                        "engram_tables": f.engram_tables, "engram_rows": f.engram_rows},
         "memory_bytes": plan.memory.as_dict(),
@@ -58,14 +61,15 @@ def plan_table(plan: Plan, model: str) -> str:
         f"model       {model}",
         f"layout      {plan.layout.describe()}  ({plan.layout.devices} x {hw.name}, one {hw.unit} each)",
         f"batch       {plan.global_batch_tokens:,} tokens per step, sequences of {plan.seq_len}",
-        f"parameters  {f.total / 1e9:.1f}B total, {f.active / 1e9:.1f}B active per token, {f.mtp / 1e9:.1f}B MTP; "
-        f"{f.trainable / 1e9:.1f}B trained ({f.muon / 1e9:.1f}B Muon, {f.adamw / 1e9:.2f}B AdamW)",
+        f"parameters  {(f.total + f.mtp) / 1e9:.1f}B total = {f.total / 1e9:.1f}B main model ({f.active / 1e9:.1f}B "
+        f"active per token) + {f.mtp / 1e9:.1f}B MTP; {f.trainable / 1e9:.1f}B of them trained ({f.muon / 1e9:.1f}B "
+        f"Muon, {f.adamw / 1e9:.2f}B AdamW)",
         "            " + ", ".join(f"{k} {v / 1e9:.2f}B" for k, v in f.by_type.items() if v),
     ]
     if f.engram_tables:
         mode = "trained (row-wise AdaGrad)" if plan.layout.train_engram else "frozen"
         lines.append(f"            Engram tables {f.engram_rows:,} rows, {f.engram_tables / 1e9:.2f}B: {mode}, split by "
-                     f"rows over all {plan.layout.devices} devices (counted apart from the trained)")
+                     f"rows over all {plural(plan.layout.devices, 'device')} (counted apart from the trained)")
     lines.append("memory per device")
     for key, value in m.as_dict().items():
         if key not in ("total", "optimizer_host", "step_peak"):

@@ -26,6 +26,7 @@ from typing import Literal
 
 import torch
 
+from trex import logs
 from trex.data.loader import Batch
 from trex.models import DeepseekV4
 from trex.recipe import check_choices, require_positive
@@ -149,6 +150,7 @@ class GRPOObjective(Objective):
         self.before_inflight: dict | None = None  # the prompt order and sampler state before they were drawn
         self.correction = self.cfg.correction if self.cfg.correction != "auto" else (
             "none" if self.sampling.engine == "in_process" else "decoupled")
+        self.signal = [0, 0]  # steps, and steps with a learning signal (a group whose rewards differ)
 
     # ---- sampling and scoring ------------------------------------------------------------------------
     def _collect(self, model: DeepseekV4, step: int) -> GroupBatch:
@@ -220,6 +222,8 @@ class GRPOObjective(Objective):
             raise RuntimeError(f"grpo: step {step} reuses a sampled batch (ppo_epochs = {cfg.ppo_epochs}) "
                                "but none was sampled or restored")
         batch = self.batch
+        self.signal[0] += 1
+        self.signal[1] += batch.metrics["zero_std_group_frac"] < 1  # read on the host when the batch was scored
         r = batch.rollouts
         device = ctx.dev.torch_device
         n_seq, n_tok = batch.counts
@@ -291,12 +295,14 @@ class GRPOObjective(Objective):
 
     def state_dict(self) -> dict:
         if self.inflight is not None:  # a batch being generated is drawn again on resume
-            return self.before_inflight
+            return {**self.before_inflight, "signal": list(self.signal)}
         return {"order": self.order.state_dict(), "generator": generator_state(self.generator),
-                "batch": _batch_state(self.batch) if self.batch is not None and self.cfg.ppo_epochs > 1 else None}
+                "batch": _batch_state(self.batch) if self.batch is not None and self.cfg.ppo_epochs > 1 else None,
+                "signal": list(self.signal)}
 
     def load_state_dict(self, state: dict) -> None:
         self.order.load_state_dict(state["order"])
+        self.signal = list(state.get("signal", [0, 0]))  # checkpoints before the count: from the resume on
         set_generator_state(self.generator, state["generator"])
         if state.get("batch") is not None:
             self.batch = _batch_from_state(state["batch"], self.ctx.dev.torch_device)
@@ -313,7 +319,19 @@ class GRPOObjective(Objective):
 
     def summary(self) -> dict:
         return {"prompts": len(self.prompts), "eval_prompts": self._n_eval(), "rewards": self.rewards.names,
-                "prompt_epoch": self.order.epoch}
+                "prompt_epoch": self.order.epoch, "steps_with_learning_signal": self.signal[1]}
+
+    def warnings(self) -> list[str]:
+        steps, with_signal = self.signal
+        if not steps or with_signal:
+            return []
+        G = self.cfg.group_size
+        return [f"grpo: no step had a learning signal: in all {logs.plural(steps, 'step')} every group of {G} "
+                "completions got equal rewards (zero_std_group_frac 1 in metrics.jsonl), so every advantage was 0 "
+                f"and the rewards taught nothing; check the reward function ({', '.join(self.rewards.names)}) on "
+                f"a few completions, or make rewards differ within a group: raise grpo.group_size (now {G}) or "
+                f"sampling.temperature (now {self.sampling.temperature:g}), or use prompts the model sometimes "
+                "but not always solves"]
 
     def probe_batch(self, rows: int) -> Batch:
         return probe_batch(self.prompts, rows, self.ctx.recipe.data.seq_len, self.ctx.tokenizer.pad_id)

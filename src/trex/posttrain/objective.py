@@ -97,6 +97,11 @@ class Objective:
         """Data facts for summary.json (records, skips by reason, ...)."""
         return {}
 
+    def warnings(self) -> list[str]:
+        """What a run that completed should still be warned about, from what the steps already read on
+        the host (no sync of its own): the loop logs each as a warning and lists them in summary.json."""
+        return []
+
     def close(self) -> None:
         """Release what the objective started (a rollout engine's process); the loop calls it once, last."""
 

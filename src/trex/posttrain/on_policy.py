@@ -22,6 +22,7 @@ from trex.data.loader import Batch
 from trex.data.packing import IGNORE_INDEX
 from trex.data.records import BadRecordError, iter_records
 from trex.data.tokenizer import Tokenizer
+from trex.logs import plural
 from trex.models.deepseek_v4 import shardable_length
 from trex.parallel.mesh import Parallel
 from trex.posttrain.objective import reshard
@@ -142,7 +143,8 @@ def load_eval_sets(paths: list[str], tokenizer: Tokenizer, thinking: bool, limit
         name = os.path.splitext(os.path.basename(path))[0]
         name = f"{name}_{len(sets)}" if name in sets else name
         if len(prompts) < world_size:
-            raise ValueError(f"{where}.eval_prompts: {path} gives {len(prompts)} prompts for {world_size} ranks")
+            raise ValueError(f"{where}.eval_prompts: {path} gives {plural(len(prompts), 'prompt')} for "
+                             f"{plural(world_size, 'rank')}")
         sets[name] = prompts
     return sets
 

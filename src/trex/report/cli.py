@@ -14,7 +14,7 @@ def register(sub) -> None:
     p = sub.add_parser("report", help="one portability report (Markdown + self-contained HTML) from the audit, "
                                       "doctor, fidelity and plan outputs")
     p.add_argument("--out", required=True, help="directory for report.md, report.html and the plots")
-    p.add_argument("--title", default="Portability report", help="the report's title")
+    p.add_argument("--title", default="Portability report", help="the report's title (default: %(default)s)")
     p.add_argument("--audit", help="`trex audit CODE --format json -o FILE` output")
     p.add_argument("--doctor", action="append", default=[], metavar="CLUSTER=FILE",
                    help="`trex doctor --format json` output of one cluster; repeatable")

@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from trex.device import identity
+from trex.logs import plural
 
 GiB = 2 ** 30
 EFFORT_WEIGHT = {"mechanical": 1, "moderate": 5, "rewrite": 20}  # as trex audit ranks files
@@ -81,8 +82,9 @@ def audit_section(audit: dict) -> list[Block]:
         if f["severity"] != "info":
             files[f["path"]] += EFFORT_WEIGHT.get(f["effort"], 0)
     blocks = [Block("h2", "Portability audit"),
-              Block("p", f"{s['findings']} findings in {s['files_scanned']} files ({s['errors']} error, "
-                         f"{s['warnings']} warning, {s['info']} info; {s['suppressed']} suppressed, "
+              Block("p", f"{plural(s['findings'], 'finding')} in {plural(s['files_scanned'], 'file')} ("
+                         f"{plural(s['errors'], 'error')}, {plural(s['warnings'], 'warning')}, {s['info']} info; "
+                         f"{s['suppressed']} suppressed, "
                          f"{s['allowlisted']} allowlisted). Effort of the error and warning findings: "
                          f"{effort['weight']} points (mechanical 1, moderate 5, rewrite 20 each).")]
     if rows:

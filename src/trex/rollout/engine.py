@@ -9,7 +9,9 @@ weights to it; ``score(rows)`` gives its log-probs of given tokens, the parity p
   default): nothing to transfer, its version is the trainer's.
 - :class:`ServerEngine`: the same sampler in a process of its own (``trex.rollout.server``), on devices
   of its own, reached over loopback: the stand-in for an inference engine, which tests the
-  out-of-process path (transfer, versions, digests, the parity gate).
+  out-of-process path (transfer, versions, digests, the parity gate). If its process dies (the
+  out-of-memory killer, a crash), the request that meets the closed connection raises
+  :class:`EngineDied`: the engine, its pid, how the process ended and what it was doing, in one line.
 
 A sync streams the model's tensors under their official checkpoint names (``gate.bias``, ``tid2eid``,
 the fp32 mHC and sink tensors included, routed experts one per expert), optionally re-quantised to the
@@ -28,6 +30,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,6 +49,34 @@ from trex.rollout.sampling import Samples, SamplingParams, left_pad, sample, who
 
 class SyncError(ValueError):
     """A weight sync or the parity probe after it failed: one line naming the version and the measure."""
+
+
+class EngineDied(RuntimeError):
+    """The rollout engine's process ended while the trainer needed it (killed by the out-of-memory killer,
+    crashed): one line naming the engine, how its process ended, what it was doing and, once the training
+    loop sets ``step``, the step."""
+
+    def __init__(self, kind: str, pid: int, how: str, doing: str, step: int | None = None):
+        super().__init__(kind, pid, how, doing)
+        self.kind, self.pid, self.how, self.doing, self.step = kind, pid, how, doing, step
+
+    def __str__(self) -> str:
+        at = f" at step {self.step}" if self.step else ""
+        return f"rollout engine ({self.kind}, pid {self.pid}) died: {self.how} during {self.doing}{at}"
+
+
+def exit_status(code: int) -> str:
+    """How a process ended, from its return code (negative: the signal that killed it)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"killed by signal {-code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+_DOING = {"hello": "start-up", "generate": "sampling", "begin": "a weight sync", "bucket": "a weight sync",
+          "finish": "a weight sync", "score": "the parity probe", "close": "shut-down"}
 
 
 class Digest:
@@ -156,9 +187,13 @@ class ServerEngine:
         e8m0 = [] if tensors is None else [n for n, t in tensors.items() if t.dtype == torch.float8_e8m0fnu]
         if tensors is not None:
             header = {**header, "e8m0": e8m0}
-        self._conn.send_bytes(json.dumps({**header, "payload": tensors is not None}).encode())
-        if tensors is not None:  # ue8m0 scales travel as their bytes (safetensors' loader has no such dtype)
-            self._conn.send_bytes(save_tensors({n: t.view(torch.uint8) if n in e8m0 else t for n, t in tensors.items()}))
+        try:
+            self._conn.send_bytes(json.dumps({**header, "payload": tensors is not None}).encode())
+            if tensors is not None:  # ue8m0 scales travel as their bytes (safetensors' loader has no such dtype)
+                self._conn.send_bytes(save_tensors({n: t.view(torch.uint8) if n in e8m0 else t
+                                                    for n, t in tensors.items()}))
+        except OSError as e:  # a broken pipe or reset connection: the process is gone
+            raise self._died(header["op"], e) from None
 
     def _ask(self, header: dict, tensors: dict[str, torch.Tensor] | None = None) -> dict:
         """Send a request and wait for its reply."""
@@ -169,12 +204,26 @@ class ServerEngine:
 
     def _receive(self, op: str) -> dict:
         """The next reply (JSON), with its tensors under "arrays" when it has some."""
-        reply = json.loads(self._conn.recv_bytes())
-        if reply.get("payload"):
-            reply["arrays"] = load_tensors(self._conn.recv_bytes())
+        try:
+            reply = json.loads(self._conn.recv_bytes())
+            if reply.get("payload"):
+                reply["arrays"] = load_tensors(self._conn.recv_bytes())
+        except (EOFError, OSError) as e:  # the connection closed under the reply: the process is gone
+            raise self._died(op, e) from None
         if "error" in reply:
             raise SyncError(f"rollout engine ({op}): {reply['error']}")
         return reply
+
+    def _died(self, op: str, error: BaseException) -> EngineDied:
+        """The error for a connection that broke during ``op``: how the process ended (a process still
+        running behind a broken connection is stopped)."""
+        try:
+            how = exit_status(self._proc.wait(timeout=10))
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+            how = f"its connection broke ({type(error).__name__}) while the process still ran (stopped)"
+        return EngineDied("server", self._proc.pid, how, _DOING.get(op, op))
 
     # ---- the engine ----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
@@ -256,7 +305,7 @@ class ServerEngine:
         if self._proc.poll() is None:
             try:
                 self._send({"op": "close"})
-            except OSError:
+            except EngineDied:
                 pass
             try:
                 self._proc.wait(timeout=30)

@@ -26,7 +26,7 @@ def register(sub) -> None:
                    help="replace an earlier run in the run directory instead of refusing (train.overwrite)")
     p.add_argument("--dry-run", action="store_true",
                    help="build the full model on the meta device under a fake process group and print per-rank memory")
-    p.add_argument("--world-size", type=int, default=0, help="ranks for --dry-run")
+    p.add_argument("--world-size", type=int, help="ranks that --dry-run simulates (required with --dry-run)")
     p.set_defaults(func=_run)
 
     data = sub.add_parser("data", help="prepare a recipe's data once, for every rank to memory-map").add_subparsers(
@@ -34,21 +34,29 @@ def register(sub) -> None:
     d = data.add_parser("prepare", help="read, validate, tokenize and pack a recipe's [data] into a prepared "
                                         "directory (default: the cache entry trex train looks up)")
     d.add_argument("recipe", help="recipe TOML file")
-    d.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    d.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a recipe value; repeatable (the same --set as trex train's)")
     d.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="tokenizing processes (default: every core); the result is the same for any number")
+                   help="tokenizing processes (default: %(default)s, every core); the result is the same for any "
+                        "number")
     d.add_argument("--out", help="write this directory (then train with data.prepared = it) instead of the cache")
-    d.add_argument("--format", choices=("text", "json"), default="text", help="json: print the manifest")
+    d.add_argument("--refresh", action="store_true",
+                   help="prepare again even if the cache entry (or --out) exists; the old copy is replaced only "
+                        "once the new one is complete (default: off, an existing entry is reused)")
+    d.add_argument("--format", choices=("text", "json"), default="text",
+                   help="text: one summary line; json: the manifest (default: %(default)s)")
     d.set_defaults(func=_data_prepare)
 
     bench = sub.add_parser("bench", help="benchmarks of a recipe's parts").add_subparsers(
         dest="bench_command", required=True, metavar="WHAT")
     b = bench.add_parser("data", help="data pipeline tokens/s vs the tokens/s the training step consumes")
     b.add_argument("recipe", help="recipe TOML file")
-    b.add_argument("--batches", type=int, default=200, help="micro-batches to time")
-    b.add_argument("--steps", type=int, default=3, help="training steps to time (0: data only)")
-    b.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    b.add_argument("--format", choices=("text", "json"), default="text")
+    b.add_argument("--batches", type=int, default=200, help="micro-batches to time (default: %(default)s)")
+    b.add_argument("--steps", type=int, default=3, help="training steps to time, 0: data only (default: %(default)s)")
+    b.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a recipe value; repeatable")
+    b.add_argument("--format", choices=("text", "json"), default="text",
+                   help="text: tokens/s of build, iteration and training; json: the report (default: %(default)s)")
     b.set_defaults(func=_bench_data)
 
 
@@ -61,9 +69,19 @@ def _run(args: argparse.Namespace) -> int:
     return code
 
 
+def prepare_command(args: argparse.Namespace, out: str) -> str:
+    """The `trex data prepare` command that rewrites ``out`` for the recipe and --set options of this train."""
+    import shlex
+
+    sets = "".join(f" --set {shlex.quote(o)}" for o in args.overrides)
+    return f"trex data prepare {shlex.quote(args.recipe)}{sets} --out {shlex.quote(out)} --refresh"
+
+
 def _run_job(args: argparse.Namespace) -> int:
+    from trex.data.prepared import PreparedDataError
     from trex.recipe import RecipeError, load
     from trex.precision import NonFiniteError
+    from trex.rollout.engine import EngineDied
 
     try:
         if args.recipe is None:
@@ -95,7 +113,7 @@ def _run_job(args: argparse.Namespace) -> int:
         if args.dry_run:
             from trex.train.dry_run import dry_run, format_report
 
-            if args.world_size < 1:
+            if args.world_size is None or args.world_size < 1:
                 raise ValueError("--dry-run needs --world-size N")
             print(format_report(dry_run(recipe, args.world_size)))
             return 0
@@ -106,12 +124,17 @@ def _run_job(args: argparse.Namespace) -> int:
                 print(f"trex train: data: {left_out} (summary.json: data)", file=sys.stderr)
             health = result.summary["health"]
             skips = ("no skipped step, no non-finite loss or gradient" if health["clean"] else
-                     f"{health['skipped_steps']} skipped steps ({health['nonfinite_loss_steps']} non-finite loss, "
-                     f"{health['nonfinite_gradient_steps']} non-finite gradients)")
-            print(f"{result.summary['status']}: {result.summary['steps_completed']} steps, "
+                     f"{logs.plural(health['skipped_steps'], 'skipped step')} ("
+                     f"{logs.plural(health['nonfinite_loss_steps'], 'non-finite loss', 'non-finite losses')}, "
+                     f"{logs.plural(health['nonfinite_gradient_steps'], 'non-finite gradient')})")
+            print(f"{result.summary['status']}: {logs.plural(result.summary['steps_completed'], 'step')}, "
                   f"final loss {result.summary['final'].get('loss', float('nan')):.4f}, {skips}; "
                   f"{result.run_dir}/summary.json")
         return 0
+    except PreparedDataError as e:
+        print(f"trex train: {e.detail}" + (f"; prepare it again: {prepare_command(args, e.refresh)}, or unset "
+                                           f"data.prepared" if e.refresh else ""), file=sys.stderr)
+        return 2
     except (RecipeError, ValueError) as e:  # config, data and checkpoint errors name their source
         print(f"trex train: {e}", file=sys.stderr)
         return 2
@@ -121,6 +144,9 @@ def _run_job(args: argparse.Namespace) -> int:
     except NonFiniteError as e:
         print(f"trex train: {e} (summary.json and loss.png written)", file=sys.stderr)
         return 3
+    except EngineDied as e:  # a process of the job is gone, as a lost rank (4); summary.json says so too
+        print(f"trex train: {e}", file=sys.stderr)
+        return 4
     except KeyboardInterrupt:
         print("trex train: interrupted; summary.json and loss.png written", file=sys.stderr)
         return 130
@@ -130,10 +156,9 @@ def _data_prepare(args: argparse.Namespace) -> int:
     """Prepare the recipe's data (its [data] section) into --out or the cache; one summary line."""
     import dataclasses
     import json
-    import logging
     from pathlib import Path
 
-    from trex.data.prepared import ensure, every, prepare
+    from trex.data.prepared import ensure, every, prepare, writable_dir
     from trex.data.records import describe_skips
     from trex.recipe import RecipeError, load
     from trex.train.config import TrainRecipe
@@ -150,11 +175,13 @@ def _data_prepare(args: argparse.Namespace) -> int:
         tokenizer = tokenizer_for(cfg.tokenizer)
         if args.out:
             out = Path(args.out)
-            if out.exists():
-                raise ValueError(f"--out {out}: exists; expected a new directory (remove it to prepare again)")
-            path, manifest, here = out, prepare(cfg, tokenizer, out, args.workers, report), True
+            if out.exists() and not args.refresh:
+                raise ValueError(f"--out {out}: exists; add --refresh to prepare it again (the old copy is replaced "
+                                 f"once the new one is complete)")
+            writable_dir(out.parent, f"--out {out}: its parent directory")
+            path, manifest, here = out, prepare(cfg, tokenizer, out, args.workers, report, replace=True), True
         else:
-            path, manifest, here = ensure(cfg, tokenizer, args.workers, report=report, level=logging.INFO)
+            path, manifest, here = ensure(cfg, tokenizer, args.workers, report=report, refresh=args.refresh)
     except (RecipeError, ValueError) as e:
         print(f"trex data prepare: {e}", file=sys.stderr)
         return 2
@@ -169,11 +196,12 @@ def _data_prepare(args: argparse.Namespace) -> int:
         return 0
     c, p, t = manifest["counts"], manifest["packing"], manifest["prepared"]
     left_out = describe_skips(manifest["skips"])
-    print(f"{'prepared' if here else 'already prepared'} {path}: {c['records_read']:,} records -> "
-          f"{c['documents']:,} documents, {c['tokens']:,} tokens, {c['rows']:,} rows of {p['seq_len']} "
+    print(f"{'prepared' if here else 'already prepared'} {path}: {logs.plural(c['records_read'], 'record')} -> "
+          f"{logs.plural(c['documents'], 'document')}, {logs.plural(c['tokens'], 'token')}, "
+          f"{logs.plural(c['rows'], 'row')} of {p['seq_len']} "
           f"({p['algorithm']} packing {p['efficiency']:.1%}, padding {p['padding_share']:.1%}); "
-          f"{t['seconds']:.1f}s, {c['tokens'] / max(t['seconds'], 1e-9) / 1e6:.2f}M tokens/s on {t['workers']} "
-          f"worker{'s' if t['workers'] > 1 else ''}" + (f"; {left_out}" if left_out else ""))
+          f"{t['seconds']:.1f}s, {c['tokens'] / max(t['seconds'], 1e-9) / 1e6:.2f}M tokens/s on "
+          f"{logs.plural(t['workers'], 'worker')}" + (f"; {left_out}" if left_out else ""))
     return 0
 
 
@@ -206,9 +234,10 @@ def _bench_data(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(f"build:     {report['build_seconds']:.2f}s, {report['build_tokens_per_s']:,.0f} tokens/s "
-          f"({report['summary']['documents']} documents, packing {report['summary']['packing_efficiency']:.1%}, "
-          f"{report['summary']['skipped']} skipped)")
-    print(f"iterate:   {report['iter_tokens_per_s']:,.0f} tokens/s over {report['batches']} micro-batches")
+          f"({logs.plural(report['summary']['documents'], 'document')}, packing "
+          f"{report['summary']['packing_efficiency']:.1%}, {report['summary']['skipped']} skipped)")
+    batches = logs.plural(report['batches'], 'micro-batch', 'micro-batches')
+    print(f"iterate:   {report['iter_tokens_per_s']:,.0f} tokens/s over {batches}")
     if step_tps:
         verdict = "data keeps up" if report["headroom"] >= 1 else "DATA IS THE BOTTLENECK"
         print(f"training:  {step_tps:,.0f} tokens/s per step -> headroom {report['headroom']:.0f}x ({verdict})")

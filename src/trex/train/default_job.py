@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from trex import atomic
+from trex import atomic, logs
 from trex.checkpoint.save import save_pretrained
 from trex.data.arithmetic import ArithmeticTask, cpt_records, eval_prompts, generate, sft_records
 from trex.data.chat import completion_answer, render_prompt
@@ -165,13 +165,13 @@ def run_default_job(job: DefaultJob) -> dict:
     prompts = eval_prompts(held_out)
     tokenizer = compact_tokenizer()
 
-    say(f"[1/4] continued pretraining: {job.cpt_steps} steps on {len(train_problems)} problems as text",
-          file=sys.stderr)
+    say(f"[1/4] continued pretraining: {logs.plural(job.cpt_steps, 'step')} on "
+        f"{logs.plural(len(train_problems), 'problem')} as text", file=sys.stderr)
     cpt = train(_stage(job, "cpt", [files["cpt"]], [], "cpt", job.cpt_steps), tokenizer=tokenizer)
     say("[2/4] held-out exact match after continued pretraining", file=sys.stderr)
     before, _ = exact_match(cpt.model, tokenizer, prompts)
     say(f"      exact match before SFT: {100 * before:.1f}%", file=sys.stderr)
-    say(f"[3/4] SFT: {job.sft_steps} steps on chat conversations", file=sys.stderr)
+    say(f"[3/4] SFT: {logs.plural(job.sft_steps, 'step')} on chat conversations", file=sys.stderr)
     # SFT starts from the CPT model on disk, so that sft/config.toml alone reproduces the stage
     cpt_model = export_model(cpt.model, os.path.join(job.out, "cpt", "model"))
     sft = train(_stage(job, "sft", [files["sft"]], [files["heldout"]], "sft", job.sft_steps,

@@ -16,9 +16,11 @@ Everything a run writes lands in its run directory (see trex.train.run_dir).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import signal
+import tomllib
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -28,11 +30,13 @@ import torch
 import torch.distributed as dist
 
 from trex import device as device_layer
+from trex import logs
 from trex import recipe as recipe_io
 from trex.checkpoint import load_pretrained
 from trex.checkpoint.migration import configuration, migration
 from trex.checkpoint.migration import describe as describe_move
 from trex.checkpoint.migration import record as record_moves
+from trex.checkpoint.manifest import TRAINER_STATE
 from trex.checkpoint.training import Checkpointer, RunState
 from trex.data import load_tokenizer
 from trex.data.tokenizer import Tokenizer, compact_tokenizer
@@ -49,6 +53,7 @@ from trex.parallel.watchdog import Heartbeat
 from trex.posttrain import Objective, TrainContext, build_objective
 from trex.posttrain.objective import reshard
 from trex.posttrain.sft import accumulate_gradients
+from trex.rollout.engine import EngineDied
 from trex.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy, StepGuard
 from trex.train.config import TrainRecipe
 from trex.train.dry_run import model_config
@@ -102,6 +107,28 @@ def model_for(recipe: TrainRecipe, tokenizer: Tokenizer, dev: device_layer.Devic
     return model
 
 
+def keep_recorded_packing(recipe: TrainRecipe) -> TrainRecipe:
+    """``data.packing = "auto"`` resolved: a run that resumes keeps the packing its checkpoint's recipe
+    (``checkpoint.resume = PATH``) or its run directory's config.toml (``auto``) recorded, so its
+    loader position counts the rows it was trained on; anything else gets best_fit."""
+    if recipe.data.packing != "auto":
+        return recipe
+    spec, recorded = recipe.checkpoint.resume, None
+    try:
+        if spec and spec != "auto":
+            with open(os.path.join(spec, TRAINER_STATE)) as f:
+                recorded = ((json.load(f).get("config") or {}).get("data") or {}).get("packing")
+        elif spec:
+            with open(os.path.join(recipe.train.out, "config.toml"), "rb") as f:
+                recorded = tomllib.load(f).get("data", {}).get("packing")
+    except (OSError, ValueError):  # nothing recorded (a fresh run directory): the checkpoint check speaks
+        recorded = None
+    packing = recorded if recorded in ("next_fit", "best_fit") else "best_fit"
+    if recorded == "next_fit":
+        log.info("data.packing = auto: next_fit, as the resumed run recorded (a new run packs best_fit)")
+    return dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, packing=packing))
+
+
 def check_vocab(model: DeepseekV4, tokenizer: Tokenizer) -> None:
     if model.cfg.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"tokenizer {tokenizer.source} has {tokenizer.vocab_size} ids but the model's vocab_size "
@@ -127,13 +154,15 @@ def peak_flops(dev: device_layer.Device, policy: PrecisionPolicy) -> tuple[float
 
 
 def fidelity_recorder(recipe: TrainRecipe, objective: Objective, run_path: str, tokenizer: Tokenizer,
-                      device: torch.device) -> FidelityRecorder:
-    """The probe batch comes from [fidelity] probe_paths or the SFT/CPT data; other modes' data are
-    not next-token rows, so without probe_paths their objective supplies it."""
+                      device: torch.device, first: int, last: int | None = -1) -> FidelityRecorder:
+    """The recorder of steps ``first + 1`` to ``last`` (-1: ``train.steps``; None: any step). The probe batch comes from [fidelity]
+    probe_paths or the SFT/CPT data; other modes' data are not next-token rows, so without
+    probe_paths their objective supplies it. It is made only if one of those steps records it."""
     section = recipe.fidelity
-    if recipe.train.mode == "sft" or section.probe_paths or not section.every:
-        return FidelityRecorder.for_recipe(recipe, run_path, tokenizer, device)
-    return FidelityRecorder(section, run_path, objective.probe_batch(section.probe_rows), device)
+    last = recipe.train.steps if last == -1 else last
+    if recipe.train.mode == "sft" or section.probe_paths:
+        return FidelityRecorder.for_recipe(recipe, run_path, tokenizer, device, first, last)
+    return FidelityRecorder(section, run_path, lambda: objective.probe_batch(section.probe_rows), device, first, last)
 
 
 class CompiledGraphs:
@@ -187,8 +216,14 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
     with Heartbeat(recipe.parallel.heartbeat_timeout_s) as heartbeat:
         t_start = time.perf_counter()
         r = _set_up(recipe, model, tokenizer, heartbeat)
-        _run_steps(r)
+        try:
+            _run_steps(r)
+        except Exception as e:  # the run directory says how the run ended, the CLI says it in one line
+            _record_failure(r, e, time.perf_counter() - t_start)
+            raise
         summary = _summary(r, time.perf_counter() - t_start)
+        for warning in summary["warnings"] if r.par.is_main else ():  # e.g. GRPO steps that taught nothing
+            log.warning("%s", warning)
         r.run_dir.write_summary(summary)
         summary["trackers"] = r.run_dir.trackers.finish(_tracker_tags(summary), r.run_dir.file("summary.json"))
         if summary["trackers"]:  # the trackers' own record: what each holds and the steps it missed
@@ -242,6 +277,7 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
     """Device, process group, model (built, loaded or loaded into shards) under the parallel plan,
     optimizer, schedule, step guard, objective, fidelity recorder, checkpointer (resumed if asked),
     and the run directory, checked for room before step 1."""
+    recipe = keep_recorded_packing(recipe)
     cfg_train = recipe.train
     if recipe.model.path and not os.path.isfile(os.path.join(recipe.model.path, "config.json")):
         raise ValueError(f"model.path = {recipe.model.path!r}: no model there (expected config.json and safetensors: "
@@ -289,7 +325,6 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
     preflight(par, {"mode": cfg_train.mode, "steps": cfg_train.steps, "grad_accum": cfg_train.grad_accum,
                     **objective.preflight()})
     peak, peak_source = peak_flops(dev, policy)
-    fidelity = fidelity_recorder(recipe, objective, run_dir.path, tokenizer, dev.torch_device)  # rank 0 writes
 
     ckpt = Checkpointer(recipe.checkpoint, cfg_train.out, RunState(model, optimizer, scheduler, guard, objective, dev),
                         config=recipe_io.to_dict(recipe), precision=policy.to_dict())
@@ -297,6 +332,7 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
     resumed = ckpt.resume()
     # --resume auto before the run's first save continues it from step 0: what it logged is trained again
     start = resumed.step if resumed else (0 if recipe.checkpoint.resume == "auto" else None)
+    fidelity = fidelity_recorder(recipe, objective, run_dir.path, tokenizer, dev.torch_device, start or 0)  # rank 0 writes
     run_dir.check_room(cfg_train.steps)
     run_dir.begin(start, cfg_train.overwrite, [METRICS_FILE, *SIGNAL_FILES], ckpt.directory)
     run_dir.save_config(recipe)
@@ -413,11 +449,54 @@ def _step_metrics(r: _Run, step: int, read: dict, imbalance: dict, lr: float, dt
 
 
 def _tracker_tags(summary: dict) -> dict:
-    """What the trackers record at the end: the status, the health statement, and each migration (seam)."""
-    tags = {"status": summary["status"], **flatten(summary["health"], "health.")}
-    for i, move in enumerate(summary["migrations"]):
+    """What the trackers record at the end: the status (and why a failed run failed), the health statement,
+    and each migration (seam)."""
+    tags = {"status": summary["status"], **({"reason": summary["reason"]} if "reason" in summary else {}),
+            **flatten(summary.get("health", {}), "health.")}
+    for i, move in enumerate(summary.get("migrations", [])):
         tags.update(flatten(move, f"migration.{i}."))
     return tags
+
+
+def failure_line(e: BaseException) -> str:
+    """An error as one line (summary.json's ``reason``): trex's own errors (ValueError, EngineDied) and OSErrors
+    as they say it, anything else after its type."""
+    if isinstance(e, OSError):
+        text = logs.os_error_line(e)
+    elif isinstance(e, (ValueError, EngineDied)):
+        text = str(e)
+    else:
+        text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _record_failure(r: _Run, e: Exception, wall_time_s: float) -> None:
+    """A run that ends in an error after set-up: summary.json (rank 0, atomically) says ``"status": "failed"``
+    and the ``reason`` in one line, with what the run did until then; each tracker's run ends as failed
+    (trex.train.trackers); train.log keeps the traceback. A dead rollout engine's error gets the step. The
+    error itself goes on to the caller (the CLI's one line and exit code)."""
+    step, phase = r.heartbeat.place
+    if isinstance(e, EngineDied) and e.step is None:
+        e.step = step or None
+    reason = failure_line(e)
+    log.debug("the run failed at step %d (%s): %s", step, phase, reason, exc_info=e)
+    r.status = "failed"
+    try:
+        summary = _summary(r, wall_time_s)
+    except Exception:  # what the run holds may be what broke: the status and the reason still
+        summary = {"status": r.status, "steps_completed": r.scheduler.last_epoch}
+    summary = {"status": "failed", "reason": reason, **summary}
+    try:
+        r.run_dir.write_summary(summary)
+        trackers = r.run_dir.trackers
+        if trackers is not None:
+            summary["trackers"] = trackers.finish(_tracker_tags(summary), r.run_dir.file("summary.json"), failed=reason)
+            if summary["trackers"]:
+                r.run_dir.write_summary(summary)
+    except Exception as record_error:  # the run's own error is the one to report
+        log.warning("could not record the failure in %s: %s", r.run_dir.path, failure_line(record_error))
+    finally:
+        r.run_dir.close()
 
 
 def _summary(r: _Run, wall_time_s: float) -> dict:
@@ -437,6 +516,7 @@ def _summary(r: _Run, wall_time_s: float) -> dict:
         "migrations": r.moves,
         "nonfinite_events": r.events,
         "data": r.objective.summary(),
+        "warnings": r.objective.warnings(),
         "precision": r.policy.to_dict(),
         "device": device_layer.environment_report(r.dev),
         "frozen_parameters": len(r.frozen),

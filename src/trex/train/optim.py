@@ -34,6 +34,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch import nn
 
 from trex import device as trex_device
+from trex.logs import plural
 from trex.recipe import check_choices
 from trex.models.deepseek_v4 import Attention, Compressor, Experts, HyperConnection, HyperHead, RMSNorm
 from trex.models.deepseek_v41 import Attention as AttentionV41
@@ -397,16 +398,17 @@ class MuonAdamW(torch.optim.Optimizer):
             numel = sum(p.numel() for p in group["params"])
             total += numel
             rule = RULES.get(group.get("rule", ""))
-            summary = f"{len(group['params'])} tensors, {numel:,} parameters"
+            summary = f"{plural(len(group['params']), 'tensor')}, {plural(numel, 'parameter')}"
             if group["algorithm"] == "muon":
                 n = sum(_logical_count(p, rb) for p, rb in zip(group["params"], group["row_blocks"]))
                 matrices += n
-                summary += f", {n} logical matrices"
+                summary += f", {plural(n, 'logical matrix', 'logical matrices')}"
             lines.append(f"  {group['algorithm']:5s} [{group.get('rule', '?')}] {rule.what if rule else ''}")
             lines.append(f"        lr {group['lr']:g}, weight decay {group['weight_decay']:g}; {summary}")
             folded = Counter(re.sub(r"(^|\.)(layers|mtp)\.\d+\.", r"\1\2.*.", n) for n in group["names"])
             lines += [f"        {name}" + (f"  x{count}" if count > 1 else "") for name, count in folded.items()]
-        head = f"optimizer: {len(self.param_groups)} groups, {total:,} parameters, {matrices} Muon logical matrices"
+        head = (f"optimizer: {plural(len(self.param_groups), 'group')}, {plural(total, 'parameter')}, "
+                f"{plural(matrices, 'Muon logical matrix', 'Muon logical matrices')}")
         return "\n".join([head, *lines])
 
 

@@ -10,9 +10,11 @@ Every ``[fidelity] every`` optimizer steps the recorder writes, into the run dir
                       after the step's update, and the top-k next-token log-probabilities at a few
                       fixed positions (the logits fingerprint).
 
-The probe batch is the first ``probe_rows`` packed rows of ``probe_paths`` (default: the [eval]
-files, else the [data] files), read in file order, so every run of a recipe, at any layout or
-precision, sees the same tokens. Positions are evenly spaced over each row's loss targets.
+The probe batch is the first ``probe_rows`` rows of ``probe_paths`` (default: the [eval] files, else
+the [data] files) in file order, packed next-fit, so every run of a recipe, at any layout or
+precision, sees the same tokens. It is read from the prepared data those files already have (the
+training set is never tokenized again for it), and only when a step of the run will record it.
+Positions are evenly spaced over each row's loss targets.
 
 Under torch.distributed every rank computes (the norms and the probe forward involve collectives
 when parameters are sharded) and only rank 0 writes.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -30,6 +33,9 @@ from trex.models import evaluating
 from trex.models.cross_entropy import token_nll
 from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
 from trex.recipe import require_positive
+
+if TYPE_CHECKING:
+    from trex.data import Batch
 
 GRAD_NORMS_FILE = "grad_norms.jsonl"
 PROBE_FILE = "probe.jsonl"
@@ -124,30 +130,35 @@ def probe_positions(targets: torch.Tensor, per_row: int) -> list[tuple[int, int]
 
 
 class FidelityRecorder:
-    """Writes grad_norms.jsonl and probe.jsonl into a run directory every ``section.every`` steps."""
+    """Writes grad_norms.jsonl and probe.jsonl into a run directory every ``section.every`` steps of
+    ``(first, last]``; ``probe`` makes the probe batch, called once, only if a step there is due."""
 
-    def __init__(self, section: FidelitySection, run_path: str, probe, device: torch.device):
+    def __init__(self, section: FidelitySection, run_path: str, probe: Callable[[], Batch], device: torch.device,
+                 first: int = 0, last: int | None = None):
         self.section = section
-        self.enabled = section.every > 0
+        every = section.every
+        self.enabled = every > 0 and (last is None or last // every > first // every)
         self.write = _is_writer()
-        self.probe = probe.to(device) if probe is not None else None
+        self.probe = probe().to(device) if self.enabled else None
         self.grad_path = os.path.join(run_path, GRAD_NORMS_FILE)
         self.probe_path = os.path.join(run_path, PROBE_FILE)
 
     @classmethod
-    def for_recipe(cls, recipe, run_path: str, tokenizer, device: torch.device) -> FidelityRecorder:
-        """Build the probe batch from the recipe's data (nothing is read when ``every`` is 0)."""
-        from trex.data import build_loader
+    def for_recipe(cls, recipe, run_path: str, tokenizer, device: torch.device, first: int = 0,
+                   last: int | None = None) -> FidelityRecorder:
+        """The probe from the recipe's data: the [data] set's own prepared directory (``data.prepared``
+        or its cache entry), or that of the [eval] files or ``probe_paths`` (prepared like SFT's
+        held-out set, so an evaluation and the probe share it)."""
+        from trex.data import file_order_batch
 
         section = recipe.fidelity
-        probe = None
-        if section.every > 0:
-            paths = section.probe_paths or recipe.eval.paths or recipe.data.paths
-            cfg = recipe.data.on_files(paths, shuffle=False, micro_batch_size=section.probe_rows)
-            key = "fidelity.probe_paths" if section.probe_paths else "eval.paths" if recipe.eval.paths else "data.paths"
-            probe = next(build_loader(cfg, rank=0, world_size=1, tokenizer=tokenizer, paths_key=key,
-                                      batch_key="fidelity.probe_rows"))
-        return cls(section, run_path, probe, device)
+        if section.probe_paths or recipe.eval.paths:
+            cfg = recipe.data.on_files(section.probe_paths or recipe.eval.paths, shuffle=False)
+            key = "fidelity.probe_paths" if section.probe_paths else "eval.paths"
+        else:
+            cfg, key = recipe.data, "data.paths"
+        return cls(section, run_path, lambda: file_order_batch(cfg, tokenizer, section.probe_rows, paths_key=key),
+                   device, first, last)
 
     def due(self, step: int) -> bool:
         return self.enabled and step % self.section.every == 0

@@ -10,13 +10,19 @@ the extra.
   took; a resumed run continues that tracker run and skips the steps it already holds (the ones logged
   after the checkpoint, before the kill, which the resumed run trains again), so every step appears once.
 - Failures: a tracker that raises (server down, disk full) is reported once, in the log, and the run
-  goes on; the steps it missed are counted in ``summary.json`` (``trackers``).
+  goes on; the steps it missed are counted in ``summary.json`` (``trackers``). A tracker that cannot start
+  stops the run before step 1, in one line naming it.
+- A run that fails (an error after set-up, a dead rollout engine) ends each tracker's run as failed, with
+  the status and reason as end tags and ``summary.json`` attached: W&B with exit code 1 (its offline files
+  say so to ``wandb sync``), MLflow ``FAILED``, SwanLab ``crashed``. A W&B session that logged no step is
+  removed (offline: its ``offline-run-*`` directory), so that ``wandb sync`` uploads no empty run.
 
 Weights & Biases (``wandb_project``; ``wandb_mode = "offline"`` writes ``<run>/wandb/offline-run-*`` for
 ``wandb sync`` from an air-gapped cluster) and MLflow (``mlflow_tracking_uri``: a tracking server, the usual
-choice on premises, or a ``file:`` / ``sqlite:`` store) and SwanLab (``swanlab_project``; ``swanlab_mode =
-"offline"`` writes ``<run>/swanlog/run-*`` for ``swanlab sync``; its "local" mode is not offered: it needs
-``swanlab[dashboard]``, whose rich pin conflicts with trex's).
+choice on premises, or a ``sqlite:`` / ``file:`` store; a ``file:`` store, which MLflow keeps in maintenance
+mode behind ``MLFLOW_ALLOW_FILE_STORE=true``, gets that setting unless the environment says otherwise) and
+SwanLab (``swanlab_project``; ``swanlab_mode = "offline"`` writes ``<run>/swanlog/run-*`` for ``swanlab
+sync``; its "local" mode is not offered: it needs ``swanlab[dashboard]``, whose rich pin conflicts with trex's).
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ import math
 import os
 import re
 import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import urlparse
 
 from trex import atomic
 from trex.recipe import check_choices
@@ -73,7 +81,7 @@ def _require(package: str, setting: str):
 
 
 class WandbTracker:
-    name = "wandb"
+    name, setting = "wandb", "wandb_project"
 
     def __init__(self, section: LoggingSection, directory: str, run_id: str | None):
         wandb = _require("wandb", "wandb_project")
@@ -81,12 +89,14 @@ class WandbTracker:
         self.run = wandb.init(project=section.wandb_project, entity=section.wandb_entity or None,
                               mode=section.wandb_mode, id=self.run_id, resume="allow", dir=directory,
                               settings=wandb.Settings(console="off", silent=True))
+        self.offline, self.sync_dir, self.steps = section.wandb_mode == "offline", self.run.sync_dir, 0
 
     def params(self, values: dict[str, Any]) -> None:
         self.run.config.update(values, allow_val_change=True)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self.run.log(scalars, step=step)
+        self.steps += 1
 
     def tags(self, values: dict[str, Any]) -> None:
         self.run.summary.update(values)
@@ -94,20 +104,41 @@ class WandbTracker:
     def artifact(self, path: str) -> None:
         self.run.save(path, base_path=os.path.dirname(path), policy="now")
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: str = "") -> None:
+        """Finish the run (exit code 1 if ``failed``); a failed session that logged no step is removed from the
+        offline files, which ``wandb sync`` would upload as an empty run."""
+        self.run.finish(exit_code=1 if failed else 0)
+        if failed and self.offline and not self.steps and os.path.isdir(self.sync_dir):
+            remove_session(self.sync_dir)
+            log.info("W&B: the failed run logged no step: its offline files %s are removed (nothing for wandb sync)",
+                     self.sync_dir)
+
+
+def remove_session(sync_dir: str) -> None:
+    """Remove a W&B session's directory (``wandb/offline-run-*``), the links to it beside it (``latest-run``,
+    ``debug.log``) and ``wandb/`` itself once empty."""
+    parent = os.path.dirname(sync_dir)
+    shutil.rmtree(sync_dir, ignore_errors=True)
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        if os.path.islink(path) and not os.path.exists(path):
+            os.remove(path)
+    if not os.listdir(parent):
+        os.rmdir(parent)
 
 
 class MLflowTracker:
     """A run of ``mlflow_experiment`` through MLflow's client; requests fail fast (no retries, a 10 s timeout,
     unless the environment sets MLFLOW_HTTP_REQUEST_*), so an outage costs steps, not the run's time."""
 
-    name = "mlflow"
+    name, setting = "mlflow", "mlflow_tracking_uri"
     _KEY = re.compile(r"[^\w\-. /]")  # the characters MLflow refuses in a metric or parameter name
 
     def __init__(self, section: LoggingSection, directory: str, run_id: str | None):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        if urlparse(section.mlflow_tracking_uri).scheme in ("", "file"):  # MLflow's file store, in maintenance mode
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         _require("mlflow", "mlflow_tracking_uri")
         from mlflow.entities import Metric, Param, RunTag
         from mlflow.tracking import MlflowClient
@@ -139,12 +170,12 @@ class MLflowTracker:
     def artifact(self, path: str) -> None:
         self.client.log_artifact(self.run_id, path)
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, failed: str = "") -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
 
 class SwanlabTracker:
-    name = "swanlab"
+    name, setting = "swanlab", "swanlab_project"
 
     def __init__(self, section: LoggingSection, directory: str, run_id: str | None):
         self.swanlab = swanlab = _require("swanlab", "swanlab_project")
@@ -166,8 +197,11 @@ class SwanlabTracker:
         with open(path) as f:
             self.swanlab.log({os.path.basename(path): self.swanlab.Text(f.read())})
 
-    def close(self) -> None:
-        self.swanlab.finish()
+    def close(self, failed: str = "") -> None:
+        if failed:
+            self.swanlab.finish(state="crashed", error=failed)
+        else:
+            self.swanlab.finish()
 
 
 class Trackers:
@@ -193,7 +227,14 @@ class Trackers:
                 self.state = json.load(f)
         for kind in self.kinds:
             entry = self.state.get(kind.name)
-            tracker = kind(self.section, self.directory, None if entry is None else entry["id"])
+            try:
+                tracker = kind(self.section, self.directory, None if entry is None else entry["id"])
+            except ValueError:
+                raise
+            except Exception as e:  # a server that does not answer, a store MLflow refuses: before step 1
+                raise ValueError(f"logging.{kind.setting} = {getattr(self.section, kind.setting)!r}: the {kind.name} "
+                                 f"tracker did not start: {type(e).__name__}: {' '.join(str(e).split())[:1000]}"
+                                 ) from None
             self.active[kind.name] = tracker
             if entry is None:  # a new tracker run records the parameters (a continued one has them)
                 self.state[kind.name] = {"id": tracker.run_id, "last_step": -1}
@@ -212,14 +253,15 @@ class Trackers:
         if self.active:
             self._save()
 
-    def finish(self, tags: dict[str, Any], summary_path: str | None) -> dict[str, dict]:
-        """Record ``tags`` (the health statement, migrations), attach ``summary_path``, close; returns what
-        summary.json records per tracker: its run id, the last step it holds, and the steps it missed."""
+    def finish(self, tags: dict[str, Any], summary_path: str | None, failed: str = "") -> dict[str, dict]:
+        """Record ``tags`` (the health statement, migrations), attach ``summary_path``, close (as failed, with
+        ``failed`` the reason, when the run failed); returns what summary.json records per tracker: its run id,
+        the last step it holds, and the steps it missed."""
         for name in list(self.active):
             self._call(name, -1, "tags", tags)
             if summary_path and os.path.exists(summary_path):
                 self._call(name, -1, "artifact", summary_path)
-            self._call(name, -1, "close")
+            self._call(name, -1, "close", failed)
         self.active.clear()
         return {name: {"run_id": entry["id"], "last_step": entry["last_step"],
                        "missed_steps": self.missed.get(name, []),
