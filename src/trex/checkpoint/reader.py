@@ -25,7 +25,8 @@ import torch
 from trex.kernels import quantize as quant
 from trex.checkpoint.errors import CheckpointError
 from trex.checkpoint.safetensors_io import SafetensorsFile
-from trex.models.config_v41 import PASSTHROUGH, V41Config, config_from_file
+from trex.models.config_v41 import PASSTHROUGH, V41Config
+from trex.models.registry import config_from_file
 from trex.checkpoint.naming import LAYOUTS, Target, detect_layout, scale_candidates, trex_targets
 
 Region = tuple[tuple[int, int], ...]
