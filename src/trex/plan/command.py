@@ -25,6 +25,14 @@ DEFAULT_SEQ = 4096
 
 def resolve_model(spec: str) -> ModelConfig | V41Config:
     """A preset name (V4 or V4.1), a config.json, or a checkpoint directory holding one."""
+    cfg = _find_model(spec)
+    if cfg.architecture not in ("deepseek_v4", "deepseek_v41"):
+        raise PlanError(f"model {spec!r}: trex plan models DeepSeek-V4 and V4.1; the {cfg.architecture} family's "
+                        "memory and time models are not written yet")
+    return cfg
+
+
+def _find_model(spec: str):
     if spec in PRESETS:
         return get_preset(spec)
     if os.path.exists(spec):
