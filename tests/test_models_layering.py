@@ -151,6 +151,8 @@ def test_shared_parts_then_families_then_the_dispatch():
     ("deepseek_v4", "deepseek_v41", "violation"),  # V4 importing the family derived from it
     ("config", "registry", "cycle"),  # V4's config asking the registry (the presets' old circle)
     ("deepseek_v4", "decode", "cycle"),  # the model naming its decode cache's class (the old circle)
+    ("deepseek_v3.model", "deepseek_v4", "violation"),  # V3 built over V4's file instead of the shared parts
+    ("deepseek_v3.attention", "config", "violation"),  # V3 reading V4's config
     ("deepseek_v4", "deepseek_v3.config", "violation"),  # V4 reaching into the V3 family
 ])
 def test_the_check_sees_a_bad_import(source, target, what):

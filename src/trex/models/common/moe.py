@@ -33,6 +33,8 @@ class MoEConfig(Protocol):
     routed_scaling_factor: float
     swiglu_limit: float  # <= 0: no clamp
     fp8_block: int
+    # and optionally n_group, topk_group (DeepSeek-V3's group-limited routing, ``limit_groups``); a config
+    # without them (DeepSeek-V4's) routes over one group
 
 
 @dataclass
@@ -137,12 +139,26 @@ class Experts(nn.Module):
         return combine(y, sort.token, x.shape[0])
 
 
+def limit_groups(biased: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing: the experts [T, E] split into ``n_group`` groups of E / n_group,
+    each group scored by the sum of its two best (biased) scores; the experts outside a token's
+    ``topk_group`` best groups get -inf, so its top-k comes from those groups only."""
+    T, E = biased.shape
+    grouped = biased.view(T, n_group, E // n_group)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
+    keep = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+    return grouped.masked_fill(~mask[:, :, None], float("-inf")).view(T, E)
+
+
 class Gate(nn.Module):
-    """Router: sqrt(softplus) affinities in fp32; top-k with the aux-loss-free bias, or a hash table."""
+    """Router: sqrt(softplus), sigmoid or softmax affinities in fp32; top-k with the aux-loss-free bias
+    (within the best groups when the config has ``n_group`` > 1: DeepSeek-V3), or a hash table."""
 
     def __init__(self, cfg: MoEConfig, hashed: bool):
         super().__init__()
         self.cfg, self.hashed = cfg, hashed
+        self.n_group, self.topk_group = getattr(cfg, "n_group", 1), getattr(cfg, "topk_group", 1)
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         if hashed:
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
@@ -163,7 +179,10 @@ class Gate(nn.Module):
         if self.hashed:
             idx = self.tid2eid[input_ids.reshape(-1)].long()
         else:
-            idx = (s + self.bias).topk(self.cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+            biased = s + self.bias
+            if self.n_group > 1:
+                biased = limit_groups(biased, self.n_group, self.topk_group)
+            idx = biased.topk(self.cfg.num_experts_per_tok, dim=-1, sorted=False).indices
         if replay is not None:
             idx = torch.where(replay[:, :1] >= 0, replay, idx)
         w = s.gather(1, idx)

@@ -10,6 +10,7 @@ The names load on first use (trex.lazy): the config's arithmetic does not import
 
 from trex.lazy import lazy_exports
 
-__all__ = ["V3Config", "V3_PRESETS", "YarnMScale", "is_v3"]
+__all__ = ["DeepseekV3", "MLA", "V3Config", "V3_PRESETS", "YarnMScale", "is_v3"]
 __getattr__ = lazy_exports(__name__, {
-    "V3Config": "config", "V3_PRESETS": "config", "YarnMScale": "config", "is_v3": "config"})
+    "V3Config": "config", "V3_PRESETS": "config", "YarnMScale": "config", "is_v3": "config", "MLA": "attention",
+    "DeepseekV3": "model"})

@@ -212,6 +212,7 @@ class V3Config:
              f"({self.num_experts_per_tok})")
         need(self.first_k_dense_replace <= self.num_hidden_layers, "first_k_dense_replace",
              f"({self.first_k_dense_replace}) exceeds num_hidden_layers ({self.num_hidden_layers})")
+        need(not self.tie_word_embeddings, "tie_word_embeddings", "the DeepSeek-V3 family's head is untied")
         need(self.rms_norm_eps > 0, "rms_norm_eps", f"must be positive, got {self.rms_norm_eps!r}")
         need(self.routed_scaling_factor > 0, "routed_scaling_factor",
              f"must be positive, got {self.routed_scaling_factor!r}")
