@@ -86,7 +86,7 @@ class PrecisionSection:
 
 
     def quant_sim(self) -> QuantSim:
-        """What ``qat`` asks the model to simulate (trex.models.deepseek_v4.QuantSim)."""
+        """What ``qat`` asks the model to simulate (trex.models.common.linear.QuantSim)."""
         if self.qat == "none":
             return QuantSim()
         parts = QuantSim.PARTS if self.qat == "official" else tuple(self.qat.split("+"))

@@ -21,7 +21,8 @@ from trex.checkpoint.layouts import SAVE_DTYPES, TrexTensor, plan_outputs
 from trex.checkpoint.reader import CheckpointReader
 from trex.checkpoint.save import checkpoint_config, passthrough_tensors, tokenizer_files
 from trex.checkpoint.writer import check_destination, write_checkpoint
-from trex.models.config_v41 import V41Config, config_from_dict
+from trex.models.config_v41 import V41Config
+from trex.models.registry import config_from_dict
 from trex.models.build import build_model
 from trex.checkpoint.naming import LAYOUTS
 from trex.checkpoint.manifest import MANIFEST, TRAINER_STATE, SafeFileSystemReader, verify_checkpoint

@@ -15,6 +15,14 @@ Two are written: ``official`` and ``hf`` (the transformers module names, which t
 loads as they are; MTP tensors, which transformers ignores, keep an unprefixed ``mtp.0.``).
 FP8/FP4 scales sit next to their weight: ``X.scale`` (official) or ``X.weight_scale_inv``
 (HF / V3 style; ``X_scale_inv`` for a fused expert tensor ``X``).
+
+The DeepSeek-V3 family (``arch="deepseek_v3"``) has its own tables, read-only for now: trex names are
+DeepSeek's inference names (its ``convert.py``: ``layers.5.attn.wkv_a.weight``, ``layers.5.ffn.w1.weight``,
+``layers.5.ffn.gate.bias``), routed experts stacked, and the MTP layer, released as
+``model.layers.{num_hidden_layers + j}``, as ``mtp.j`` (its ``shared_head.norm`` as ``mtp.j.norm``; its
+copies of ``embed_tokens`` and ``shared_head.head`` are skipped: trex shares the main model's). Read:
+the released / ``save_pretrained`` names (per-expert ``mlp.experts.E.gate_proj``), transformers' module
+names (fused ``gate_up_proj``, 3-D ``down_proj``) and DeepSeek's own names.
 """
 
 from __future__ import annotations
@@ -102,6 +110,38 @@ _STACKED = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
 
 LAYOUTS = ("official", "hf")
 
+# ---- the DeepSeek-V3 family --------------------------------------------------------------------
+V3_ARCHITECTURES = ("deepseek_v3",)
+# transformers / released names (``model.`` stripped, MTP already renumbered) -> DeepSeek's names; anchored
+# on whole components (DeepSeek's convert.py replaces substrings)
+_V3_FROM_HF = [(re.compile(p), r) for p, r in [
+    (r"^embed_tokens\.", "embed."),
+    (r"^lm_head\.", "head."),
+    (r"\.input_layernorm\.", ".attn_norm."),
+    (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.self_attn\.", ".attn."),
+    (r"\.mlp\.", ".ffn."),
+    (r"\.q_proj\.", ".wq."),
+    (r"\.q_a_proj\.", ".wq_a."),
+    (r"\.q_a_layernorm\.", ".q_norm."),
+    (r"\.q_b_proj\.", ".wq_b."),
+    (r"\.kv_a_proj_with_mqa\.", ".wkv_a."),
+    (r"\.kv_a_layernorm\.", ".kv_norm."),
+    (r"\.kv_b_proj\.", ".wkv_b."),
+    (r"\.o_proj\.", ".wo."),
+    (r"\.gate_proj\.", ".w1."),
+    (r"\.up_proj\.", ".w3."),
+    (r"\.down_proj\.", ".w2."),
+    (r"\.experts\.down_proj$", ".experts.w2"),
+    (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+    (r"^(mtp\.\d+)\.shared_head\.norm\.", r"\1.norm."),
+    (r"^(mtp\.\d+)\.post_norm\.", r"\1.norm."),  # transformers' MtpLayer module name
+]]
+_V3_LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
+# tensors trex does not load: the MTP layer's copies of the embedding and head (trex shares the main model's),
+# Kimi-K2's stored RoPE frequencies
+_V3_SKIP = re.compile(r"^mtp\.\d+\.(embed_tokens|embed|shared_head\.head)\.weight$|\.rotary_emb\.inv_freq$")
+
 
 @dataclass(frozen=True)
 class Target:
@@ -118,9 +158,14 @@ def detect_layout(names: list[str]) -> str:
     return "hf" if any(n.startswith(("model.", "lm_head.")) for n in names) else "official"
 
 
-def trex_targets(name: str, layout: str = "auto") -> list[Target]:
-    """Where checkpoint tensor ``name`` goes. ``layout`` "official" applies only the official
-    renames; "hf" and "auto" also strip ``model.`` and undo the transformers module names."""
+def trex_targets(name: str, layout: str = "auto", arch: str = "deepseek_v4", n_layers: int | None = None
+                 ) -> list[Target]:
+    """Where checkpoint tensor ``name`` goes (none: a tensor trex does not load). ``layout`` "official"
+    applies only the official renames; "hf" and "auto" also strip ``model.`` and undo the transformers
+    module names. ``arch``: the config's architecture (DeepSeek-V3's family has its own names and needs
+    ``n_layers``, its num_hidden_layers, to tell the MTP layer apart)."""
+    if arch in V3_ARCHITECTURES:
+        return _v3_targets(name, layout, n_layers)
     key = name
     if layout != "official":
         key = name[len("model."):] if name.startswith("model.") else name
@@ -137,14 +182,35 @@ def trex_targets(name: str, layout: str = "auto") -> list[Target]:
     return [Target(key)]
 
 
-def to_trex(name: str, tensor: torch.Tensor, layout: str = "auto") -> list[tuple[str, int | None, torch.Tensor]]:
-    """One checkpoint tensor -> [(trex name, expert index or None, tensor)].
+def _v3_targets(name: str, layout: str, n_layers: int | None) -> list[Target]:
+    key = name[len("model."):] if layout != "official" and name.startswith("model.") else name
+    m = _V3_LAYER.match(key)
+    if m and n_layers is not None and int(m.group(1)) >= n_layers:  # the MTP layer(s), released after the last
+        key = f"mtp.{int(m.group(1)) - n_layers}.{m.group(2)}"
+    key = re.sub(r"^(mtp\.\d+)\.mtp_block\.", r"\1.", key)  # transformers' MtpLayer keeps the block apart
+    if _V3_SKIP.search(key):
+        return []
+    if layout != "official":
+        for pattern, repl in _V3_FROM_HF:
+            key = pattern.sub(repl, key)
+    m = _GATE_UP.match(key)
+    if m and layout != "official":
+        return [Target(f"{m.group(1)}.w1", half=0), Target(f"{m.group(1)}.w3", half=1)]
+    m = _EXPERT.match(key)
+    if m:
+        return [Target(f"{m.group(1)}.{m.group(3)}", expert=int(m.group(2)))]
+    return [Target(key)]
+
+
+def to_trex(name: str, tensor: torch.Tensor, layout: str = "auto", arch: str = "deepseek_v4",
+            n_layers: int | None = None) -> list[tuple[str, int | None, torch.Tensor]]:
+    """One checkpoint tensor -> [(trex name, expert index or None, tensor)] (none: not loaded).
 
     An expert index J means the tensor fills slice J of a stacked [E, ...] expert parameter.
     The fused transformers gate/up tensor yields two entries (w1 and w3, all experts).
     """
     out = []
-    for t in trex_targets(name, layout):
+    for t in trex_targets(name, layout, arch, n_layers):
         value = tensor
         if t.half is not None:
             inter = tensor.shape[1] // 2

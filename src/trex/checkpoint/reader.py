@@ -1,4 +1,4 @@
-"""Read a DeepSeek-V4 or V4.1 checkpoint directory tensor by tensor, in any layout and precision.
+"""Read a DeepSeek-V4, V4.1 or V3-family checkpoint directory tensor by tensor, in any layout and precision.
 
 ``CheckpointReader(path)`` opens every shard header (nothing else), pairs each FP8/FP4 weight
 with its block scale and maps every tensor to the trex key it fills. ``check(expected)``
@@ -25,7 +25,8 @@ import torch
 from trex.kernels import quantize as quant
 from trex.checkpoint.errors import CheckpointError
 from trex.checkpoint.safetensors_io import SafetensorsFile
-from trex.models.config_v41 import PASSTHROUGH, V41Config, config_from_file
+from trex.models.config_v41 import PASSTHROUGH, V41Config
+from trex.models.registry import config_from_file
 from trex.checkpoint.naming import LAYOUTS, Target, detect_layout, scale_candidates, trex_targets
 
 Region = tuple[tuple[int, int], ...]
@@ -89,7 +90,8 @@ class Source:
 
     @property
     def codec(self) -> str:
-        """plain, fp8 (e4m3 + ue8m0 block scales: 128x128, 32x32 or 1x32) or fp4 (packed e2m1 + 1x32 scales)."""
+        """plain, fp8 (e4m3 + block scales: ue8m0 128x128, 32x32 or 1x32; V3's fp32 128x128) or fp4 (packed
+        e2m1 + 1x32 scales)."""
         if self.scale is None:
             return "plain"
         return "fp4" if self.file.tensors[self.name].dtype in (torch.int8, torch.uint8) else "fp8"
@@ -143,7 +145,7 @@ class CheckpointReader:
             if problem:
                 self.problems.append(f"{file.path}: {name}: {problem}")
                 continue
-            for target in trex_targets(name, self.layout):
+            for target in trex_targets(name, self.layout, self.config.architecture, self.config.num_hidden_layers):
                 (self.drafter_sources if drafter else self.sources).setdefault(target.key, []).append(
                     Source(file, name, target, located[scale] if scale else None, scale))
         self.quantized = sorted({s.codec for srcs in self.sources.values() for s in srcs} - {"plain"})

@@ -2,7 +2,8 @@
 quantisation of quantisation-aware training, with the official inference kernels' rules.
 
 - FP8 block: ``float8_e4m3fn`` values, one ``ue8m0`` scale per 128x128 block of the last two
-  dims: ``W[r, c] = q[r, c] * scale[r // 128, c // 128]``.
+  dims: ``W[r, c] = q[r, c] * scale[r // 128, c // 128]`` (DeepSeek-V3's released checkpoints: the same
+  with fp32 scales, amax / 448, which ``dequantize_fp8`` reads too).
 - FP4 (routed experts): int8 bytes holding two e2m1 codes each, the low nibble for column 2j
   and the high nibble for column 2j+1, one ``ue8m0`` scale per 1x32 block of the last dim:
   ``W[r, c] = E2M1[code[r, c]] * scale[r, c // 32]``.
@@ -107,15 +108,25 @@ def check_fp8_scale(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...])
     return None
 
 
+def decode_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A block scale as float32: ue8m0 (``float8_e8m0fnu`` or uint8 bytes: DeepSeek-V4's) decoded, a
+    floating scale (DeepSeek-V3's released ``weight_scale_inv`` are fp32 amax / 448) as its value."""
+    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+        return decode_e8m0(scale)
+    if not scale.is_floating_point() or scale.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise QuantFormatError(f"a block scale is ue8m0 or a float (fp32, bf16, fp16), got {scale.dtype}")
+    return scale.float()
+
+
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """e4m3 weight [..., R, C] and ue8m0 scale [..., ceil(R/br), ceil(C/bc)] (a block of FP8_BLOCKS, read
-    from the shapes) -> dtype [..., R, C]."""
+    """e4m3 weight [..., R, C] and its scale [..., ceil(R/br), ceil(C/bc)] (a block of FP8_BLOCKS, read
+    from the shapes; ue8m0, or fp32 as DeepSeek-V3 releases them) -> dtype [..., R, C]."""
     problem = check_fp8_scale(tuple(weight.shape), tuple(scale.shape))
     if problem:
         raise QuantFormatError(problem)
     *_, rows, cols = weight.shape
     br, bc = fp8_block_of(tuple(weight.shape), tuple(scale.shape))
-    return (weight.float() * _expand(decode_e8m0(scale), br, bc, rows, cols)).to(dtype)
+    return (weight.float() * _expand(decode_scale(scale), br, bc, rows, cols)).to(dtype)
 
 
 def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,13 +9,13 @@ names (``dim``, ``n_layers``, ...). Presets: ``deepseek-v4-flash``, ``deepseek-v
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from dataclasses import dataclass, field
+
+from trex.models.common.config import (GENERIC_FIELDS, HASH_MOE, MOE, ConfigError, YarnScaling, lookup_preset, need,
+                                       read_config_json, rope_fields)
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
-HASH_MOE, MOE = "hash_moe", "moe"
 MLP_LAYER_TYPES = (HASH_MOE, MOE)
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 
@@ -46,21 +46,6 @@ _IGNORED_FIELDS = {
     "rope_scaling", "compress_ratios", "num_hash_layers", "layer_types", "mlp_layer_types",
     "keys_to_ignore_at_inference", "intermediate_size", "num_local_experts", "kv_lora_rank",
 }
-# What ``transformers.PretrainedConfig.to_dict()`` writes for every model (4.x and 5.x): task heads,
-# output switches, generation defaults, serialisation flags. None changes the architecture.
-_GENERIC_FIELDS = {
-    "id2label", "label2id", "problem_type", "finetuning_task", "num_labels", "return_dict", "output_attentions",
-    "output_hidden_states", "output_scores", "return_dict_in_generate", "use_return_dict", "torchscript",
-    "use_bfloat16", "tf_legacy_loss", "pruned_heads", "chunk_size_feed_forward", "is_encoder_decoder",
-    "is_decoder", "add_cross_attention", "cross_attention_hidden_size", "tie_encoder_decoder",
-    "tokenizer_class", "prefix", "task_specific_params", "sep_token_id", "decoder_start_token_id",
-    "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
-    "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
-    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
-    "num_return_sequences", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
-    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
-}
-
 
 # Later checkpoints trex cannot train as they are, recognised by their config fields (vLLM's DSpark
 # loader, public: the drafter's stages sit under ``mtp.N`` while num_nextn_predict_layers stays 1):
@@ -71,16 +56,6 @@ _VARIANTS = (
      "module to train them. Remove the dspark_* fields and the mtp.* tensors (or set num_nextn_predict_layers "
      "to 0 and drop mtp.*) to post-train the main model"),
 )
-
-
-class ConfigError(ValueError):
-    """An invalid model configuration; the message names the field."""
-
-
-def need(cond: bool, fld: str, msg: str) -> None:
-    """ConfigError naming config field ``fld`` unless ``cond``."""
-    if not cond:
-        raise ConfigError(f"config field `{fld}`: {msg}")
 
 
 def validate_shared(cfg) -> None:
@@ -97,16 +72,6 @@ def validate_shared(cfg) -> None:
          f"({cfg.num_experts_per_tok}) exceeds n_routed_experts ({cfg.n_routed_experts})")
     need(cfg.scoring_func in ("sqrtsoftplus", "sigmoid", "softmax"), "scoring_func",
          f"unknown scoring function {cfg.scoring_func!r}")
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    """YaRN on compressed layers (no attention scaling: the reference applies no mscale)."""
-
-    factor: float = 16.0
-    original_max_position_embeddings: int = 65536
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
 
 
 @dataclass
@@ -226,7 +191,7 @@ class ModelConfig:
             if found:
                 raise ConfigError(f"{source}: {variant} (fields {found[:3]}{' ...' if len(found) > 3 else ''}): {missing}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in d if k not in known and k not in _IGNORED_FIELDS | _GENERIC_FIELDS)
+        unknown = sorted(k for k in d if k not in known and k not in _IGNORED_FIELDS | GENERIC_FIELDS)
         if unknown:
             raise ConfigError(f"{source}: unknown config field(s) {unknown}")
         kw = {k: v for k, v in d.items() if k in known and k not in ("rope_scaling", "layer_types", "mlp_layer_types")}
@@ -282,54 +247,6 @@ class ModelConfig:
         return cls.from_dict(raw, source=path)
 
 
-def read_config_json(path: str) -> tuple[dict, str]:
-    """(the JSON object, its file) of a config.json or of a directory's; a missing or invalid file is a
-    ConfigError naming it."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    try:
-        with open(path) as f:
-            return json.load(f), path
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
-
-
-def rope_fields(d: dict) -> dict:
-    """The RoPE fields of a config dict (HF or official names): nested HF ``rope_parameters``
-    {"main", "compress"}, a flat ``rope_scaling``, or the official ``rope_factor`` / ``original_seq_len``
-    -> the ``rope_theta``, ``compress_rope_theta`` and ``rope_scaling`` (YarnScaling or None) they set."""
-    kw: dict = {}
-    rp = d.get("rope_parameters") or {}
-    yarn_src = None
-    if isinstance(rp.get("compress"), dict):
-        compress = rp["compress"]
-        if "rope_theta" in compress:
-            kw["compress_rope_theta"] = compress["rope_theta"]
-        if isinstance(rp.get("main"), dict) and "rope_theta" in rp["main"]:
-            kw["rope_theta"] = rp["main"]["rope_theta"]
-        yarn_src = compress if compress.get("rope_type", compress.get("type")) == "yarn" else None
-        if yarn_src is None:
-            kw["rope_scaling"] = None
-    elif d.get("rope_scaling") or rp:
-        src = d.get("rope_scaling") or rp
-        yarn_src = src if src.get("type", src.get("rope_type")) == "yarn" else None
-        if yarn_src is None:
-            kw["rope_scaling"] = None
-    elif "rope_factor" in d:
-        yarn_src = {"factor": d["rope_factor"], "original_max_position_embeddings": d.get("original_seq_len", 65536),
-                    "beta_fast": d.get("beta_fast", 32), "beta_slow": d.get("beta_slow", 1)}
-    if yarn_src is not None:
-        kw["rope_scaling"] = YarnScaling(
-            factor=float(yarn_src.get("factor", 16.0)),
-            original_max_position_embeddings=int(yarn_src.get("original_max_position_embeddings", 65536)),
-            beta_fast=float(yarn_src.get("beta_fast") or 32.0),
-            beta_slow=float(yarn_src.get("beta_slow") or 1.0),
-        )
-    return kw
-
-
 def _default_layer_types(n: int) -> list[str]:
     """V4-Flash schedule: two sliding layers, then CSA/HCA alternating starting with CSA."""
     return [SLIDING] * min(n, 2) + [CSA if i % 2 == 0 else HCA for i in range(max(n - 2, 0))]
@@ -371,11 +288,7 @@ def tiny(**overrides) -> ModelConfig:
 PRESETS = {"deepseek-v4-flash": v4_flash, "deepseek-v4-pro": v4_pro, "tiny": tiny}
 
 
-def get_preset(name: str):
-    """A preset's config: V4's (PRESETS) or V4.1's (``deepseek-v4.1-flash``, ``tiny-v4.1``)."""
-    from trex.models.config_v41 import V41_PRESETS
-
-    presets = {**PRESETS, **V41_PRESETS}
-    if name not in presets:
-        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(presets)} or a config.json path")
-    return presets[name]()
+def get_preset(name: str) -> ModelConfig:
+    """A DeepSeek-V4 preset's config (PRESETS). Every architecture's presets: trex.models.registry.get_preset
+    (``trex.models.get_preset``), which this module cannot reach: the registry imports it."""
+    return lookup_preset(PRESETS, name)

@@ -18,8 +18,10 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from trex.models.config import (_GENERIC_FIELDS, MOE, SLIDING, ConfigError, YarnScaling, need, read_config_json,
-                                rope_fields, validate_shared)
+from trex.models.common.config import (GENERIC_FIELDS, MOE, ConfigError, YarnScaling, need, read_config_json,
+                                       rope_fields)
+from trex.models.config import SLIDING, ModelConfig, validate_shared
+from trex.models.engram_layout import EngramLayout
 
 CSA2 = "csa2"  # the layer type of every compressed V4.1 layer; its rate is the layer's own ratio
 
@@ -197,9 +199,7 @@ class V41Config:
         return max((i for i in self.index_source_layer_ids if i <= layer), default=None)
 
     def engram_layout(self):
-        """The Engram tables' bucket layout (trex.models.engram.EngramLayout)."""
-        from trex.models.engram import EngramLayout
-
+        """The Engram tables' bucket layout (trex.models.engram_layout.EngramLayout)."""
         return EngramLayout.build(self.engram_layer_ids, self.engram_max_ngram_size, self.engram_n_heads,
                                   self.engram_vocab_size)
 
@@ -222,7 +222,7 @@ class V41Config:
             raw = {**{k: v for k, v in raw.items() if k != "text_config"}, **raw["text_config"]}
         d = {_OFFICIAL_NAMES.get(k, k): v for k, v in raw.items() if not k.startswith(_VISION_PREFIX)}
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in d if k not in known and k not in _IGNORED_FIELDS | _GENERIC_FIELDS)
+        unknown = sorted(k for k in d if k not in known and k not in _IGNORED_FIELDS | GENERIC_FIELDS)
         if unknown:
             raise ConfigError(f"{source}: unknown config field(s) {unknown}")
         kw = {k: v for k, v in d.items() if k in known and k != "rope_scaling"}
@@ -261,8 +261,6 @@ def tiny_v41(**overrides) -> V41Config:
     )
     base.update(overrides)
     if base.get("engram_layer_ids") and not any(base["engram_num_embeddings"]):
-        from trex.models.engram import EngramLayout
-
         layout = EngramLayout.build(base["engram_layer_ids"], base["engram_max_ngram_size"], base["engram_n_heads"],
                                     base["engram_vocab_size"])
         base["engram_num_embeddings"] = list(layout.rows)
@@ -287,9 +285,8 @@ def is_v41(raw: dict) -> bool:
 
 def config_from_dict(raw: dict, source: str = "<dict>"):
     """The config of the architecture ``raw`` describes: V41Config for DeepSeek-V4.1, else ModelConfig
-    (DeepSeek-V4, which names the variants it cannot train, such as V4-Flash-0731's DSpark drafter)."""
-    from trex.models.config import ModelConfig
-
+    (DeepSeek-V4, which names the variants it cannot train, such as V4-Flash-0731's DSpark drafter). The
+    V4 family's dispatch; every architecture's: trex.models.registry.config_from_dict."""
     return V41Config.from_dict(raw, source) if is_v41(raw) else ModelConfig.from_dict(raw, source)
 
 

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trex.kernels.sparse_attention import gather_rows, scores_fp32
-from trex.models.deepseek_v4 import Attention, Compressor, Indexer, SeqContext, WindowLayout, linear_fp32
+from trex.models.common.linear import linear_fp32
+from trex.models.deepseek_v4 import Attention, Compressor, Indexer, SeqContext, WindowLayout
 
 
 # ---- the cache: per attention layer the raw K=V of the last W tokens, and per compressor the

@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from trex.kernels import quantize
+from trex.models.common.linear import linear_fp32
+from trex.models.common.rope import apply_rope
 from trex.models.decode import DecodeCache, decode_attention
-from trex.models.deepseek_v4 import SeqContext, apply_rope, grouped_output, linear_fp32
+from trex.models.deepseek_v4 import SeqContext, grouped_output
 from trex.models.deepseek_v41 import Attention, Shared
 
 

@@ -1,8 +1,10 @@
 """DeepSeek-V4 (Flash / Pro) for training, in plain PyTorch.
 
-Read top to bottom: RoPE, the per-sequence context (positions within documents, compressed
-window layout), the compressor and lightning indexer, the sparse attention core, attention,
-MoE, mHC, the block, MTP, and the model. The math follows the official ``inference/model.py``
+Read top to bottom: the per-sequence context (the compressed-window layouts, context-parallel
+halos), the compressor and lightning indexer, the sparse attention core, attention, mHC, the block,
+MTP, and the model. What every DeepSeek family shares is in ``trex.models.common`` (RoPE, norms, the
+fp32 and FP8 linears, the MoE, the sequence context's base, the output and initialisation) and is
+imported here under its old names (``from trex.models.deepseek_v4 import Experts`` still works). The math follows the official ``inference/model.py``
 as summarised in the project's reference notes; parameter names follow the official checkpoint
 (``attn.wq_a``, ``ffn.experts.w1`` ...), with routed experts stacked per layer as [E, out, in].
 
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,71 +39,26 @@ from torch import nn
 from trex import kernels
 from trex.kernels import quantize
 from trex.kernels.sparse_attention import entry_scores, gather_rows
+# the shared parts (trex.models.common); the ones this file does not use are imported for the callers of
+# their old path, trex.models.deepseek_v4 (segments, _LinearFP32, the MoE's pieces)
+from trex.models.common.context import (DecodeCacheLike, SequenceContext, SequenceShard, segments,
+                                        shift_labels)
+from trex.models.common.heads import ModelOutput, init_parameters
+from trex.models.common.linear import QuantLinear, QuantSim, _LinearFP32, linear_fp32, spread_quant
+from trex.models.common.moe import (ExpertSort, Experts, Gate, MoE, MoEStats, SharedExpert, clamped_swiglu,
+                                    combine, expert_counts, expert_ffn, sort_by_expert)
+from trex.models.common.norm import RMSNorm, unweighted_rms_norm
+from trex.models.common.rope import apply_rope, rope_inv_freq
+from trex.models.config import CSA, MOE, SLIDING, ModelConfig
 from trex.models.cross_entropy import IGNORE_INDEX, head_nll, token_nll
-from trex.models.config import CSA, HASH_MOE, MOE, SLIDING, ModelConfig, YarnScaling
-
-if TYPE_CHECKING:  # the decode cache's module imports this one
-    from trex.models.decode import DecodeCache
 
 _BIG = 1 << 40  # sentinel index for padded compressed entries
 
 
 # ==================================================================================================
-# RoPE: interleaved pairs on the last `rd` dims; plain on sliding layers, YaRN on compressed ones.
+# Sequence context: the compressed-window layouts and the context-parallel halos, built once per
+# forward and shared by every layer (positions within documents: common.context.SequenceContext).
 # ==================================================================================================
-def rope_inv_freq(dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
-    """Inverse frequencies [dim/2] (YaRN blend between interpolation and extrapolation; no mscale)."""
-    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    if yarn is None:
-        return freqs
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolate = 1 - ramp
-    return freqs / yarn.factor * (1 - extrapolate) + freqs * extrapolate
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the last 2*cos.shape[-1] dims of x as interleaved pairs (x[2i], x[2i+1]).
-
-    x: [..., D]; cos, sin: broadcastable to [..., rd/2]. ``inverse`` rotates by -angle.
-    """
-    rd = 2 * cos.shape[-1]
-    nope, rope = x[..., :-rd], x[..., -rd:]
-    pairs = torch.view_as_complex(rope.float().unflatten(-1, (-1, 2)).contiguous())  # x[2i] + i x[2i+1]
-    rotated = torch.view_as_real(pairs * torch.complex(cos, -sin if inverse else sin))
-    return torch.cat((nope, rotated.flatten(-2).to(x.dtype)), dim=-1)
-
-
-# ==================================================================================================
-# Sequence context: positions within documents and the compressed-window layout, built once per
-# forward and shared by every layer.
-# ==================================================================================================
-class SequenceShard(Protocol):
-    """This rank's part of sequences split over a context-parallel group of ``size`` ranks: rows
-    [rank * S/size, (rank + 1) * S/size) of every row. The model does the arithmetic; the group's two
-    collectives come from trex.parallel.context_parallel, both differentiable (gradients go back to the
-    rows' owners, summed over the group):
-
-      gather(x)             x [B, s, ...] -> [B, size * s, ...]: every rank's x, in rank order
-      exchange(head, tail)  head [B, f, ...], tail [B, b, ...] -> (the previous rank's tail [B, b, ...],
-                            the next rank's head [B, f, ...]); zeros where there is no such rank
-    """
-
-    rank: int
-    size: int
-
-    def gather(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    def exchange(self, head: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
 def shard_halo(cfg: ModelConfig, layer_type: str) -> tuple[int, int]:
     """Rows (before, after) a shard of a layer of ``layer_type`` needs from its neighbours' inputs: the
     sliding window's W - 1 keys before it (and CSA's previous window, m rows), and the m - 1 rows a
@@ -185,63 +141,22 @@ class WindowLayout:
         return seen if self.canonical is None else seen & self.valid[:, None, :]
 
 
-def segments(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """doc_ids [B, S] -> (segment [B, S] long, position [B, S] long). A document is a run of equal ids:
-    an id that comes back after another one starts a new document (segment numbers 1, 2, ... per row),
-    so masks that compare segments never join two runs that share an id. Positions restart at 0 in
-    each run."""
-    B, S = doc_ids.shape
-    new_doc = torch.ones(B, S, dtype=torch.bool, device=doc_ids.device)
-    new_doc[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    arange = torch.arange(S, device=doc_ids.device)
-    doc_start = torch.where(new_doc, arange, torch.zeros_like(arange)).cummax(dim=1).values
-    return new_doc.long().cumsum(dim=1), arange - doc_start
-
-
-class SeqContext:
-    """Per-forward facts shared by all layers: ids, document ids, positions, RoPE tables, layouts.
-
-    With a filled ``cache`` (a decode step) input_ids is [B, 1] and positions come from the cache.
-    With a ``shard`` (context parallelism; never with a cache) input_ids and doc_ids are the whole
-    rows [B, S] and this rank computes rows t0..t1-1: ``input_ids``, ``doc``, ``pos`` and ``rope``
-    are those rows', ``full_doc`` and the layouts the whole rows'. Without one, t0 = 0 and t1 = S."""
+class SeqContext(SequenceContext):
+    """Per-forward facts shared by all layers (common.context.SequenceContext: ids, document ids,
+    positions, the rows this rank computes), with V4's own: RoPE tables of two kinds ("main", plain, on
+    sliding layers; "compress", YaRN, on compressed ones), the compressed-window layouts of every rate
+    the layers use (of the whole rows), and the rows a shard's sliding window sees before it."""
 
     def __init__(self, cfg: ModelConfig, input_ids: torch.Tensor, doc_ids: torch.Tensor | None,
-                 cache: DecodeCache | None = None, shard: SequenceShard | None = None):
-        B, S = input_ids.shape
-        dev = input_ids.device
-        self.cfg = cfg
-        self.cache = cache
-        self.decoding = cache is not None and cache.prefilled
-        self.shard = shard = None if cache is not None or (shard is not None and shard.size == 1) else shard
-        arange = torch.arange(S, device=dev)
-        if self.decoding:
-            if S != 1:
-                raise ValueError(f"a decode step takes input_ids of shape [B, 1], got {tuple(input_ids.shape)}")
-            doc = torch.ones(B, 1, dtype=torch.long, device=dev)
-            pos = cache.pos[:, None]
-        elif doc_ids is None:
-            doc = torch.zeros(B, S, dtype=torch.long, device=dev)
-            pos = arange.expand(B, S)
-        else:
-            if doc_ids.shape != input_ids.shape:
-                raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)}; expected {tuple(input_ids.shape)}")
-            doc, pos = segments(doc_ids)
+                 cache: DecodeCacheLike | None = None, shard: SequenceShard | None = None):
+        rd = cfg.qk_rope_head_dim
+        inv_freq = {"main": rope_inv_freq(rd, cfg.rope_theta, None),
+                    "compress": rope_inv_freq(rd, cfg.compress_rope_theta, cfg.rope_scaling)}
+        super().__init__(cfg, input_ids, doc_ids, inv_freq, cache, shard)
+        shard = self.shard
         shards = 1 if shard is None else shard.size
         if shard is not None:
-            check_shardable(cfg, S, shards)
-        self.seq_len = S
-        self.t0 = 0 if shard is None else shard.rank * (S // shards)
-        self.t1 = S if shard is None else self.t0 + S // shards
-        self.full_doc, self.full_pos = doc, pos
-        self.input_ids = input_ids[:, self.t0:self.t1]
-        self.doc, self.pos = doc[:, self.t0:self.t1], pos[:, self.t0:self.t1]
-        rd = cfg.qk_rope_head_dim
-        self._inv_freq = {
-            "main": rope_inv_freq(rd, cfg.rope_theta, None).to(dev),
-            "compress": rope_inv_freq(rd, cfg.compress_rope_theta, cfg.rope_scaling).to(dev),
-        }
-        self.rope = {kind: self.rope_at(self.pos, kind) for kind in self._inv_freq}
+            check_shardable(cfg, self.seq_len, shards)
         # every layout a layer will ask for, built before the first block: blocks only read the context
         # (a compiled block then sees the same context structure in every call, and never recompiles)
         rates = set(cfg.layer_rates()) - {0}
@@ -252,20 +167,11 @@ class SeqContext:
         if shard is not None:
             lo = self.t0 - self.window_halo
             pad = max(0, -lo)
-            self.window_doc = F.pad(doc[:, max(lo, 0):self.t1], (pad, 0), value=-1)
-            window_pos = F.pad(pos[:, max(lo, 0):self.t1], (pad, 0))
+            self.window_doc = F.pad(self.full_doc[:, max(lo, 0):self.t1], (pad, 0), value=-1)
+            window_pos = F.pad(self.full_pos[:, max(lo, 0):self.t1], (pad, 0))
             self.window_rope = {kind: self.rope_at(window_pos, kind) for kind in self._inv_freq}
-        self.recording = True  # off once the forward returns: a checkpoint's recompute keeps no MoE stats
         self.align_indexer = False  # the model's forward sets it: CSA layers keep their indexer alignment
-        self.token_mask: torch.Tensor | None = None  # and this: [B, t1 - t0] the real tokens (MoE statistics)
-        self.routes: dict[str, torch.Tensor] | None = None  # and these: routing replay and recording (MoE.forward)
-        self.route_log: dict[str, torch.Tensor] | None = None
         self.measure_recall = False  # and this: CSA layers measure how much attention their picks cover
-
-    def rope_at(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [*positions.shape, rd/2] in fp32."""
-        angles = positions[..., None].float() * self._inv_freq[kind]
-        return angles.cos(), angles.sin()
 
     def layout(self, m: int) -> WindowLayout:
         return self._layouts[m]
@@ -276,22 +182,6 @@ class SeqContext:
         if self.shard is None:
             return slice(0, layout.n)
         return slice(self.shard.rank * layout.per_shard, (self.shard.rank + 1) * layout.per_shard)
-
-    def extend(self, x: torch.Tensor, before: int, after: int) -> torch.Tensor:
-        """This rank's rows x [B, s, ...] -> rows t0 - before .. t1 + after - 1 [B, before + s + after, ...],
-        the neighbours' rows exchanged (zeros beyond the sequence)."""
-        if self.shard is None:
-            return x
-        prev_tail, next_head = self.shard.exchange(x[:, :after], x[:, x.shape[1] - before:])
-        return torch.cat((prev_tail, x, next_head), dim=1)
-
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, s, ...] per rank -> [B, shards * s, ...], every rank's in rank order."""
-        return x if self.shard is None else self.shard.gather(x)
-
-    def shard_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, ...] per rank -> the sum over the group's ranks (differentiable)."""
-        return x if self.shard is None else self.shard.gather(x.unsqueeze(1)).sum(dim=1)
 
     def _build_layout(self, m: int, shards: int) -> WindowLayout:
         B, S = self.full_pos.shape
@@ -326,99 +216,8 @@ class SeqContext:
 
 
 # ==================================================================================================
-# Norms and small helpers
+# The served model's KV and indexer quantisation, simulated (the linears' and experts': trex.models.common)
 # ==================================================================================================
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.get("rms_norm", x.device.type)(x, self.weight, self.eps)
-
-
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return kernels.get("rms_norm", x.device.type)(x, None, eps)
-
-
-class _LinearFP32(torch.autograd.Function):
-    """x.float() @ weight.float().T that keeps x and weight in their own dtype for backward: at bf16
-    an fp32 copy of the weight (the LM head's [V, d]: 3.5 GiB on V4-Pro, per head call) is re-made
-    in backward instead of kept. Gradients come back in the inputs' dtypes, as autograd's casts do."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        return F.linear(x.float(), weight.float())
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        dx = (grad @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = (grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
-        return dx, dw
-
-
-def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[..., in] x [out, in] -> [..., out] in fp32 whatever the inputs' dtype."""
-    return _LinearFP32.apply(x, weight)
-
-
-# ==================================================================================================
-# The served model's quantisation, simulated in the forward (quantisation-aware training)
-# ==================================================================================================
-@dataclass(frozen=True)
-class QuantSim:
-    """Which quantisations of the official inference code the forward reproduces, each with the
-    official quantiser's rules (trex.kernels.quantize) and a straight-through gradient:
-
-    experts: routed experts' weights through FP4 (e2m1, 1x32 ue8m0 scales), as released;
-    linears: the FP8-stored linears' weights (``QuantLinear``; block scales of the architecture's
-        ``fp8_block``: V4 128x128, V4.1 32x32, and V4.1's Engram table rows 1x32);
-    activations: the inputs of those linears and of the experts through FP8 (1 x ``fp8_block``), as the
-        official ``linear`` quantises them before its FP8 / FP4 GEMM (``wo_a``, dequantised to bf16
-        by the official converter, takes its input as it is);
-    kv: the non-RoPE dims of the attention KV and of the main compressor's entries through FP8
-        (blocks of 64);
-    indexer: the indexer's queries and keys rotated by a Hadamard transform and put through FP4
-        (blocks of 32).
-    All off is the unquantised model."""
-
-    experts: bool = False
-    linears: bool = False
-    activations: bool = False
-    kv: bool = False
-    indexer: bool = False
-
-    PARTS = ("experts", "linears", "activations", "kv", "indexer")
-
-    @property
-    def active(self) -> bool:
-        return any(getattr(self, part) for part in self.PARTS)
-
-
-class QuantLinear(nn.Linear):
-    """A linear the released checkpoints store in FP8 (``block`` x ``block`` scales: the config's
-    ``fp8_block``); with ``quant`` it computes as the official ``linear`` does on such a weight."""
-
-    quant = QuantSim()
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, block: int = quantize.FP8_BLOCK):
-        super().__init__(in_features, out_features, bias=bias)
-        self.block = block
-
-    def quantized_weight(self) -> torch.Tensor:
-        return quantize.fake_fp8_weight(self.weight, (self.block, self.block)) if self.quant.linears else self.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant.activations:
-            x = quantize.fake_fp8_act(x, self.block)
-        return F.linear(x, self.quantized_weight())
-
-
 def fake_kv(x: torch.Tensor, rd: int) -> torch.Tensor:
     """The official KV simulation: the first c - rd dims of x [..., c] through FP8 in blocks of 64,
     the RoPE dims as they are."""
@@ -736,198 +535,6 @@ class Attention(nn.Module):
         """Attention output o [B, S, H, c] -> de-rotated, grouped output projection [B, S, d]."""
         return grouped_output(self, o, *ctx.rope[self.rope_kind])
 
-# ==================================================================================================
-# Mixture of experts
-# ==================================================================================================
-@dataclass
-class MoEStats:
-    """Per-layer routing facts for the training loop (balance loss, bias update, load metrics)."""
-
-    layer: str
-    counts: torch.Tensor  # [E] tokens routed to each expert (detached)
-    balance_loss: torch.Tensor | None  # sequence-wise balance loss (score-routed layers, training only)
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(gate) * up in fp32, gate clamped above and up to [-limit, limit]; ``limit <= 0`` means no
-    clamp (as the official ``Expert`` reads ``swiglu_limit = 0``)."""
-    gate, up = gate.float(), up.float()
-    if limit > 0:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return F.silu(gate) * up
-
-
-class SharedExpert(nn.Module):
-    def __init__(self, dim: int, inter: int, limit: float, block: int):
-        super().__init__()
-        self.limit = limit
-        self.w1 = QuantLinear(dim, inter, block=block)
-        self.w2 = QuantLinear(inter, dim, block=block)
-        self.w3 = QuantLinear(dim, inter, block=block)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
-
-
-def expert_counts(idx: torch.Tensor, n_experts: int, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """idx [T, k] expert ids -> [E] long rows per expert, on the device (``bincount`` reads its
-    input's maximum back to the host on accelerators; a scatter-add does not); with ``valid`` [T]
-    only the valid tokens' rows."""
-    flat = idx.reshape(-1)
-    ones = torch.ones_like(flat) if valid is None else valid.long()[:, None].expand_as(idx).reshape(-1)
-    return flat.new_zeros(n_experts).scatter_add_(0, flat, ones)
-
-
-@dataclass
-class ExpertSort:
-    """The (token, expert) pairs of a routed batch, sorted by expert: ``order`` [T*k] positions into
-    the flattened [T, k] choices, ``token`` [T*k] the token of each sorted row, ``counts`` [E] rows
-    per expert (long, on the device)."""
-
-    order: torch.Tensor
-    token: torch.Tensor
-    counts: torch.Tensor
-
-
-def sort_by_expert(idx: torch.Tensor, n_experts: int) -> ExpertSort:
-    """Sort the choices idx [T, k] by expert (stable: tokens keep their order within an expert)."""
-    order = idx.reshape(-1).argsort(stable=True)
-    return ExpertSort(order, order // idx.shape[1], expert_counts(idx, n_experts))
-
-
-def expert_ffn(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-               row_weights: torch.Tensor, limit: float, quant: QuantSim = QuantSim(),
-               act_block: int = quantize.FP8_BLOCK) -> torch.Tensor:
-    """The routed experts on rows sorted by expert: xs [R, d], counts [E] rows per expert (device
-    tensor), w1/w3 [E, I, d], w2 [E, d, I], row_weights [R] each row's routing weight, applied to the
-    fp32 SwiGLU output before w2 (as the official code does) -> [R, d]. Grouped matmuls over device-side
-    offsets: no host read. ``quant``: FP4 weights and FP8 inputs (blocks of ``act_block``) of both GEMMs,
-    as served."""
-    offsets = counts.cumsum(0).to(torch.int32)
-    mm = kernels.get("grouped_mm", xs.device.type)
-    if quant.experts:
-        w1, w2, w3 = (quantize.fake_fp4_weight(w) for w in (w1, w2, w3))
-    act = (lambda t: quantize.fake_fp8_act(t, act_block)) if quant.activations else (lambda t: t)
-    xs = act(xs)
-    h = clamped_swiglu(mm(xs, w1, offsets), mm(xs, w3, offsets), limit)
-    return mm(act((h * row_weights[:, None].float()).to(xs.dtype)), w2, offsets)
-
-
-def combine(y: torch.Tensor, token: torch.Tensor, T: int) -> torch.Tensor:
-    """Sum the sorted rows' outputs y [R, d] back into their tokens -> fp32 [T, d] (the official MoE
-    accumulates its experts in fp32; a bf16 sum would round after every expert)."""
-    return y.new_zeros(T, y.shape[1], dtype=torch.float32).index_add_(0, token, y.float())
-
-
-class Experts(nn.Module):
-    """E routed experts stacked as w1, w3: [E, I, d] and w2: [E, d, I]. The forward is the dispatch
-    every layout shares: sort by expert, grouped SwiGLU, combine; expert parallelism
-    (trex.parallel.expert_parallel) moves the sorted rows between the sort and the FFN."""
-
-    quant = QuantSim()
-
-    def __init__(self, n: int, dim: int, inter: int, limit: float, act_block: int = quantize.FP8_BLOCK):
-        super().__init__()
-        self.limit, self.act_block = limit, act_block
-        self.w1 = nn.Parameter(torch.empty(n, inter, dim))
-        self.w2 = nn.Parameter(torch.empty(n, dim, inter))
-        self.w3 = nn.Parameter(torch.empty(n, inter, dim))
-
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x: [T, d]; idx, weights: [T, k] -> sum_k weights * expert_idx(x): fp32 [T, d]."""
-        sort = sort_by_expert(idx, self.w1.shape[0])
-        y = expert_ffn(x[sort.token], sort.counts, self.w1, self.w2, self.w3, weights.reshape(-1)[sort.order],
-                       self.limit, self.quant, self.act_block)
-        return combine(y, sort.token, x.shape[0])
-
-
-class Gate(nn.Module):
-    """Router: sqrt(softplus) affinities in fp32; top-k with the aux-loss-free bias, or a hash table."""
-
-    def __init__(self, cfg: ModelConfig, hashed: bool):
-        super().__init__()
-        self.cfg, self.hashed = cfg, hashed
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
-        if hashed:
-            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
-        else:
-            self.register_buffer("bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
-
-    def scores(self, x: torch.Tensor) -> torch.Tensor:
-        logits = linear_fp32(x, self.weight)
-        fn = self.cfg.scoring_func
-        if fn == "sqrtsoftplus":
-            return F.softplus(logits).sqrt()
-        return logits.sigmoid() if fn == "sigmoid" else logits.softmax(dim=-1)
-
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, replay: torch.Tensor | None = None):
-        """x: [T, d] -> (weights [T, k] fp32, idx [T, k], scores [T, E] fp32). ``replay`` [T, k]: routing replay,
-        the experts each token takes (its row -1: route it here); the weights are this router's scores of them."""
-        s = self.scores(x)
-        if self.hashed:
-            idx = self.tid2eid[input_ids.reshape(-1)].long()
-        else:
-            idx = (s + self.bias).topk(self.cfg.num_experts_per_tok, dim=-1, sorted=False).indices
-        if replay is not None:
-            idx = torch.where(replay[:, :1] >= 0, replay, idx)
-        w = s.gather(1, idx)
-        if self.cfg.norm_topk_prob and self.cfg.scoring_func != "softmax":
-            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * self.cfg.routed_scaling_factor, idx, s
-
-
-class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, mlp_type: str, name: str):
-        super().__init__()
-        self.name = name
-        self.routing: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (counts, balance loss)
-        self.gate = Gate(cfg, hashed=mlp_type == HASH_MOE)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
-                               cfg.fp8_block)
-        self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                           cfg.swiglu_limit, cfg.fp8_block)
-
-    def forward(self, x: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
-        B, S, d = x.shape
-        flat = x.reshape(-1, d)
-        replay = None if ctx.routes is None else ctx.routes.get(self.name)
-        if replay is not None:  # [B, S, k] over whole rows, -1 where the sampler recorded none
-            replay = replay[:, ctx.t0:ctx.t1].reshape(B * S, -1).to(flat.device)
-        weights, idx, scores = self.gate(flat, ctx.input_ids, replay)
-        if ctx.route_log is not None:  # routing recording: the experts of this forward's tokens
-            ctx.route_log[self.name] = idx.view(B, S, -1)
-        y = (self.experts(flat, idx, weights) + self.shared_experts(flat).float()).to(x.dtype)  # fp32 sum
-        balance = self._balance_loss(scores, idx, B, ctx) if self.training and not self.gate.hashed else None
-        if ctx.recording:  # kept for the model to collect (take_stats) once its forward is done; a recompute
-            # in backward (activation checkpointing) keeps nothing, or its graph would outlive the step
-            valid = None if ctx.token_mask is None else ctx.token_mask.reshape(-1)
-            self.routing = (expert_counts(idx, scores.shape[-1], valid), balance)
-        return y.view(B, S, d)
-
-    def take_stats(self) -> MoEStats:
-        """This layer's MoEStats from its last forward (and forget them)."""
-        counts, balance = self.routing
-        self.routing = None
-        return MoEStats(self.name, counts, balance)
-
-    @staticmethod
-    def _balance_loss(scores: torch.Tensor, idx: torch.Tensor, B: int, ctx: SeqContext) -> torch.Tensor:
-        """Sequence-wise balance loss sum_i f_i * P_i averaged over sequences (DeepSeek-V3 form), over
-        whole sequences (a context-parallel group sums its shards' counts and probabilities), over a
-        sequence's real tokens (``ctx.token_mask``; all S without one)."""
-        E, k = scores.shape[-1], idx.shape[-1]
-        chosen = torch.zeros_like(scores).scatter_(1, idx, 1.0).view(B, -1, E)
-        p = (scores / scores.sum(dim=-1, keepdim=True)).view(B, -1, E)
-        if ctx.token_mask is None:
-            sums = ctx.shard_sum(torch.stack((chosen.sum(dim=1), p.sum(dim=1)), dim=1))  # [B, 2, E]
-            S = ctx.seq_len
-        else:
-            w = ctx.token_mask.view(B, -1, 1).float()
-            n = w.sum(dim=1).expand(B, E)
-            sums = ctx.shard_sum(torch.stack(((chosen * w).sum(dim=1), (p * w).sum(dim=1), n), dim=1))  # [B, 3, E]
-            S = sums[:, 2].clamp(min=1)
-        return (sums[:, 0] * (E / (k * S)) * (sums[:, 1] / S)).sum(dim=-1).mean()
-
 
 # ==================================================================================================
 # mHC: manifold-constrained hyper-connections around every sublayer
@@ -1061,68 +668,6 @@ class MTPBlock(Block):
         return Z, self.norm(self.hc_head(Z))
 
 
-@dataclass
-class ModelOutput:
-    """logits [B, S, V] fp32 (None when the forward was asked for none); loss: mean next-token CE over
-    labelled tokens; mtp_logits[j] predicts token t + 2 + j and mtp_loss averages their CE; token_nll:
-    per head (main, then MTP), fp32 [B, S] NLL of the ``targets`` the forward was given; moe_stats per
-    MoE layer (main, then MTP)."""
-
-    logits: torch.Tensor | None
-    loss: torch.Tensor | None = None
-    mtp_logits: list[torch.Tensor] = field(default_factory=list)
-    mtp_loss: torch.Tensor | None = None
-    indexer_loss: torch.Tensor | None = None  # mean over CSA layers of the indexer alignment (align_indexer)
-    indexer_recall: torch.Tensor | None = None  # mean over CSA layers of the picks' attention mass (measure_recall)
-    token_nll: list[torch.Tensor] = field(default_factory=list)
-    moe_stats: list[MoEStats] = field(default_factory=list)
-    hidden: torch.Tensor | None = None  # V4.1 with tap_layers: [B, S, k d] the DSpark drafter's input
-
-
-def shift_labels(labels: torch.Tensor, shift: int, doc: torch.Tensor | None) -> torch.Tensor:
-    """targets[t] = labels[t + shift], IGNORE_INDEX past the end or across a document boundary."""
-    B, S = labels.shape
-    targets = torch.full_like(labels, IGNORE_INDEX)
-    if shift < S:
-        targets[:, : S - shift] = labels[:, shift:]
-        if doc is not None:
-            doc = segments(doc)[0]
-            crosses = doc[:, shift:] != doc[:, : S - shift]
-            targets[:, : S - shift] = targets[:, : S - shift].masked_fill(crosses, IGNORE_INDEX)
-    return targets
-
-
-def spread_quant(model: nn.Module, quant: QuantSim, kinds: tuple[type, ...]) -> None:
-    """``quant`` on ``model`` and on each of its modules of ``kinds`` (the ones whose forward reads it)."""
-    model.quant = quant
-    for module in model.modules():
-        if isinstance(module, kinds):
-            module.quant = quant
-
-
-@torch.no_grad()
-def init_parameters(model: nn.Module, std: float, seed: int | None, ones: tuple[str, ...] = ()) -> torch.Generator | None:
-    """Normal(0, std) for every matrix of ``model``; ones for norms, mHC scales and the ``ones`` leaf
-    names; zeros for mHC bases, sinks, ``ape`` and the routers' bias. Seeded: draws from a generator
-    made from ``seed`` (returned, for further draws), so the same seed gives the same weights."""
-    gen = None
-    device = next(model.parameters()).device
-    if seed is not None and device.type != "meta":
-        gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in ("base", "attn_sink", "ape"):
-            p.zero_()
-        elif leaf == "scale" or leaf in ones or (leaf == "weight" and p.dim() == 1):
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, std, generator=gen)
-    for module in model.modules():
-        if isinstance(module, Gate) and not module.hashed:
-            module.bias.zero_()
-    return gen
-
-
 class DeepseekV4(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -1174,7 +719,7 @@ class DeepseekV4(nn.Module):
                 module.tid2eid.copy_(rand.argsort(dim=-1)[:, :k])
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, cache: DecodeCache | None = None, *,
+                doc_ids: torch.Tensor | None = None, cache: DecodeCacheLike | None = None, *,
                 targets: list[torch.Tensor] | None = None, return_logits: bool = True,
                 token_mask: torch.Tensor | None = None, routes: dict[str, torch.Tensor] | None = None,
                 route_log: dict[str, torch.Tensor] | None = None) -> ModelOutput:

@@ -4,9 +4,11 @@ A file of its own beside ``deepseek_v4``, not a switch inside it: V4.1 changes t
 blocks (each block's mHC collapse uses the coefficients the previous sublayer computed; layers read
 compressed entries and indexer picks that earlier layers published; Engram writes into the streams
 before two blocks), so a switch would branch most of V4's classes. What V4.1 keeps unchanged is
-imported from ``deepseek_v4``: RoPE, the per-forward context and its window layouts, RMSNorm, the
-MoE (V4.1 has no hash-routed layers), the Sinkhorn mHC coefficients, the sparse attention core, the
-fp32 LM head and the loss plumbing. Parameter names follow the official checkpoint.
+imported: from ``trex.models.common`` the parts every DeepSeek family shares (RoPE, RMSNorm, the MoE
+(V4.1 has no hash-routed layers), the fp32 and FP8 linears, the output and the loss plumbing), from
+``deepseek_v4`` V4's own (the per-forward context and its window layouts, the Sinkhorn mHC
+coefficients, the attention's projections and the sparse attention core). Parameter names follow the
+official checkpoint.
 
 Read top to bottom: the shared state layers hand down, the compressor, the indexer and the candidate
 pool, attention, the block, the model. Shapes as in ``deepseek_v4``; N compressed entries of a ratio
@@ -27,13 +29,17 @@ from torch import nn
 
 from trex.kernels import quantize
 from trex.kernels.sparse_attention import gather_rows
-from trex.models.config import MOE
+from trex.models.common.config import MOE
+from trex.models.common.context import shift_labels
+from trex.models.common.heads import ModelOutput, init_parameters
+from trex.models.common.linear import QuantLinear, QuantSim, linear_fp32, spread_quant
+from trex.models.common.moe import Experts, MoE
+from trex.models.common.norm import RMSNorm
+from trex.models.common.rope import apply_rope
 from trex.models.config_v41 import CSA2, V41Config
 from trex.models.cross_entropy import IGNORE_INDEX, head_nll, token_nll
-from trex.models.deepseek_v4 import (Experts, HyperConnection, ModelOutput, MoE, QuantLinear, QuantSim, RMSNorm,
-                                     SeqContext, WindowLayout, _pad_rows, add_projections, apply_rope, grouped_output,
-                                     init_parameters, linear_fp32, shard_halo, shift_labels, sparse_attention,
-                                     spread_quant)
+from trex.models.deepseek_v4 import (HyperConnection, SeqContext, WindowLayout, _pad_rows, add_projections,
+                                     grouped_output, shard_halo, sparse_attention)
 from trex.models.engram import Engram, NgramHasher
 
 

@@ -32,10 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from trex.kernels import quantize
+from trex.models.common.heads import init_parameters
+from trex.models.common.linear import QuantLinear, QuantSim, linear_fp32, spread_quant
+from trex.models.common.norm import RMSNorm
+from trex.models.common.rope import apply_rope, rope_inv_freq
 from trex.models.config_v41 import V41Config
 from trex.models.decode import decode_attention
-from trex.models.deepseek_v4 import (HyperConnection, QuantLinear, QuantSim, RMSNorm, add_projections, apply_rope,
-                                     grouped_output, init_parameters, linear_fp32, rope_inv_freq, spread_quant)
+from trex.models.deepseek_v4 import HyperConnection, add_projections, grouped_output
 from trex.models.deepseek_v41 import Block, Shared
 
 

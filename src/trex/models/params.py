@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from trex.models.config import ModelConfig
 from trex.models.config_v41 import V41Config
+from trex.models.deepseek_v3.config import V3Config
 
 
 @dataclass(frozen=True)
@@ -21,8 +22,12 @@ class ParamCount:
     engram: int = 0
 
 
-def count_parameters(cfg: ModelConfig | V41Config) -> ParamCount:
+def count_parameters(cfg: ModelConfig | V41Config | V3Config) -> ParamCount:
+    """Counted on the model built on the meta device (no memory): inactive = the routed experts a token
+    skips in each MoE layer of the main model (E - k of each layer's E; V3's dense first layers have
+    none), and V4.1's Engram rows not read."""
     from trex.models.build import build_model
+    from trex.models.common.moe import Experts
 
     model = build_model(cfg, device="meta")
     total = mtp = engram = 0
@@ -32,8 +37,12 @@ def count_parameters(cfg: ModelConfig | V41Config) -> ParamCount:
         else:
             total += p.numel()
             engram += p.numel() if ".engram.embed." in name else 0
-    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    inactive = cfg.num_hidden_layers * (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
+    inactive = 0
+    for name, module in model.named_modules():
+        if isinstance(module, Experts) and not name.startswith("mtp."):
+            n = module.w1.shape[0]
+            per_expert = sum(w.numel() for w in (module.w1, module.w2, module.w3)) // n
+            inactive += (n - cfg.num_experts_per_tok) * per_expert
     if isinstance(cfg, V41Config):
         rows_read = len(cfg.engram_layer_ids) * (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         inactive += engram - rows_read * cfg.engram_head_dim

@@ -1,6 +1,6 @@
 """Context parallelism: each sequence split into contiguous shards over the "cp" mesh dimension.
 
-The model does the arithmetic of a shard (``trex.models.deepseek_v4.SequenceShard``: which rows, which
+The model does the arithmetic of a shard (``trex.models.common.context.SequenceShard``: which rows, which
 compression windows, which halo each layer needs); this module gives it the group's two
 collectives, both from PyTorch's functional collectives, so they are differentiable (autograd runs
 the reverse exchange in backward) and traceable by torch.compile:

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from trex.models.config import PRESETS
-from trex.models.config_v41 import V41_PRESETS
+from trex.models.registry import PRESETS
 
 
 def register(sub) -> None:
@@ -16,7 +15,7 @@ def register(sub) -> None:
                        description="Plan a full-parameter post-training run: parameters, memory per device, "
                                    "whether it fits, step time, tokens/s and MFU (docs/planning.md).")
     p.add_argument("recipe", nargs="?", help="recipe TOML: model, seq_len, micro-batch, grad_accum, [parallel]")
-    p.add_argument("--model", help=f"preset ({', '.join(sorted({**PRESETS, **V41_PRESETS}))}) or a config.json path")
+    p.add_argument("--model", help=f"preset ({', '.join(sorted(PRESETS))}) or a config.json path")
     p.add_argument("--hardware", help="hardware profile name (trex plan --hardware list)")
     p.add_argument("--devices", type=int, help="devices (ranks: one card, or one die on Ascend 910C)")
     p.add_argument("--seq", type=int, help="tokens per sequence")

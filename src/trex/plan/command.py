@@ -10,8 +10,10 @@ import sys
 
 from trex import atomic, logs
 from trex.hardware import HardwareProfile, load_profiles
-from trex.models.config import PRESETS, ConfigError, ModelConfig, get_preset
-from trex.models.config_v41 import V41_PRESETS, V41Config, config_from_file
+from trex.models.common.config import ConfigError
+from trex.models.config import ModelConfig
+from trex.models.config_v41 import V41Config
+from trex.models.registry import PRESETS, config_from_file, get_preset
 from trex.plan import annotate
 from trex.plan.layout import Layout, PlanError, parse_layout
 from trex.plan.planner import fewest_devices, make_plan, no_fit_hint, search
@@ -23,16 +25,23 @@ DEFAULT_SEQ = 4096
 
 def resolve_model(spec: str) -> ModelConfig | V41Config:
     """A preset name (V4 or V4.1), a config.json, or a checkpoint directory holding one."""
-    presets = {**PRESETS, **V41_PRESETS}
-    if spec in presets:
+    cfg = _find_model(spec)
+    if cfg.architecture not in ("deepseek_v4", "deepseek_v41"):
+        raise PlanError(f"model {spec!r}: trex plan models DeepSeek-V4 and V4.1; the {cfg.architecture} family's "
+                        "memory and time models are not written yet")
+    return cfg
+
+
+def _find_model(spec: str):
+    if spec in PRESETS:
         return get_preset(spec)
     if os.path.exists(spec):
         return config_from_file(spec)
     guess = os.path.basename(os.path.normpath(spec)).lower()
-    if guess in presets:  # a recipe's checkpoint path on another machine, named after the model
+    if guess in PRESETS:  # a recipe's checkpoint path on another machine, named after the model
         print(f"note: {spec} is not here; planning with the {guess} preset", file=sys.stderr)
         return get_preset(guess)
-    raise PlanError(f"model {spec!r}: not a preset ({', '.join(sorted(presets))}) and no such config file")
+    raise PlanError(f"model {spec!r}: not a preset ({', '.join(sorted(PRESETS))}) and no such config file")
 
 
 def resolve_hardware(name: str | None) -> HardwareProfile:

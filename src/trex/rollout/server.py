@@ -28,7 +28,7 @@ from safetensors.torch import save as save_tensors
 from trex.checkpoint.naming import scale_name, to_trex
 from trex.kernels import quantize
 from trex.models import build_model
-from trex.models.config_v41 import config_from_dict
+from trex.models.registry import config_from_dict
 from trex.rollout.engine import Digest, score_rows
 from trex.rollout.sampling import SamplingParams, sample
 

@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor
 
 from trex import device as device_layer
 from trex.models import ModelConfig, build_model, get_preset
-from trex.models.config_v41 import V41Config, config_from_file
+from trex.models.config_v41 import V41Config
+from trex.models.registry import config_from_file
 from trex.parallel.mesh import init_parallel
 from trex.parallel.plan import apply_parallelism
 from trex.train.config import TrainRecipe

@@ -1,0 +1,51 @@
+"""What every model's forward returns (``ModelOutput``) and how a model's parameters start (``init_parameters``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from trex.models.common.moe import Gate, MoEStats
+
+
+@dataclass
+class ModelOutput:
+    """logits [B, S, V] fp32 (None when the forward was asked for none); loss: mean next-token CE over
+    labelled tokens; mtp_logits[j] predicts token t + 2 + j and mtp_loss averages their CE; token_nll:
+    per head (main, then MTP), fp32 [B, S] NLL of the ``targets`` the forward was given; moe_stats per
+    MoE layer (main, then MTP)."""
+
+    logits: torch.Tensor | None
+    loss: torch.Tensor | None = None
+    mtp_logits: list[torch.Tensor] = field(default_factory=list)
+    mtp_loss: torch.Tensor | None = None
+    indexer_loss: torch.Tensor | None = None  # mean over CSA layers of the indexer alignment (align_indexer)
+    indexer_recall: torch.Tensor | None = None  # mean over CSA layers of the picks' attention mass (measure_recall)
+    token_nll: list[torch.Tensor] = field(default_factory=list)
+    moe_stats: list[MoEStats] = field(default_factory=list)
+    hidden: torch.Tensor | None = None  # V4.1 with tap_layers: [B, S, k d] the DSpark drafter's input
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, std: float, seed: int | None, ones: tuple[str, ...] = ()) -> torch.Generator | None:
+    """Normal(0, std) for every matrix of ``model``; ones for norms, mHC scales and the ``ones`` leaf
+    names; zeros for mHC bases, sinks, ``ape`` and the routers' bias. Seeded: draws from a generator
+    made from ``seed`` (returned, for further draws), so the same seed gives the same weights."""
+    gen = None
+    device = next(model.parameters()).device
+    if seed is not None and device.type != "meta":
+        gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("base", "attn_sink", "ape"):
+            p.zero_()
+        elif leaf == "scale" or leaf in ones or (leaf == "weight" and p.dim() == 1):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, std, generator=gen)
+    for module in model.modules():
+        if isinstance(module, Gate) and not module.hashed:
+            module.bias.zero_()
+    return gen

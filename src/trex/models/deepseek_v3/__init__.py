@@ -1,0 +1,16 @@
+"""The DeepSeek-V3 family (V3 / R1 / V3.1, V3.2's config, Kimi-K2, Moonlight), built over the shared parts
+(``trex.models.common``) and nothing of another family's.
+
+    config.py     V3Config, YarnMScale, the presets, config.json detection (no torch)
+    attention.py  MLA in its MHA form for training
+    model.py      Block (dense or MoE), MTPLayer, DeepseekV3
+
+The names load on first use (trex.lazy): the config's arithmetic does not import torch.
+"""
+
+from trex.lazy import lazy_exports
+
+__all__ = ["DeepseekV3", "MLA", "V3Config", "V3_PRESETS", "YarnMScale", "is_v3"]
+__getattr__ = lazy_exports(__name__, {
+    "V3Config": "config", "V3_PRESETS": "config", "YarnMScale": "config", "is_v3": "config", "MLA": "attention",
+    "DeepseekV3": "model"})

@@ -1,0 +1,89 @@
+"""Multi-head latent attention (MLA) of DeepSeek-V3, in its MHA form for training.
+
+Queries: ``wq_a`` -> ``q_norm`` -> ``wq_b`` (the query latent), or one ``wq`` when ``q_lora_rank`` is 0
+(Moonlight); per head [nope | pe]. Keys and values: ``wkv_a`` -> [latent (kv_lora_rank) | k_pe
+(qk_rope_head_dim)], ``kv_norm`` on the latent, ``wkv_b`` -> per head [k_nope | v]; k_pe is one head every
+query head shares. RoPE rotates interleaved pairs of the pe dims (``common.rope.apply_rope``: the last
+qk_rope_head_dim dims of a query head, the whole k_pe), as DeepSeek's checkpoints store them. Scores in
+fp32 with scale qk_head_dim^-0.5 x YaRN's m(mscale_all_dim)^2 (``YarnMScale``), the causal mask within
+each packed document, fp32 softmax, probabilities cast to the values' dtype (as DeepSeek's
+``softmax(dtype=float32).type_as(x)``), then ``wo``.
+
+The latent norms take eps 1e-6 whatever the config's ``rms_norm_eps`` (DeepSeek's code and transformers
+build them with the default; Moonlight's 1e-5 is the blocks' norms').
+
+The core is plain PyTorch over [B, H, S, S] scores (memory quadratic in the sequence, no host read);
+decoding's absorbed MQA form over the cached [latent | k_pe] and a fused kernel path are not written yet.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trex.kernels.sparse_attention import scores_fp32
+from trex.models.common.context import SequenceContext
+from trex.models.common.linear import QuantLinear
+from trex.models.common.norm import RMSNorm
+from trex.models.common.rope import apply_rope
+from trex.models.deepseek_v3.config import V3Config
+
+LATENT_NORM_EPS = 1e-6
+
+
+def document_causal_mask(doc: torch.Tensor) -> torch.Tensor:
+    """doc [B, S] segment ids -> [B, 1, S, S] bool: query t sees key s <= t of its own document."""
+    S = doc.shape[1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=doc.device).tril()
+    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, visible: torch.Tensor
+                    ) -> torch.Tensor:
+    """q, k [B, S, H, dk], v [B, S, H, dv], visible [B, 1, S, S] -> [B, S, H, dv]: fp32 scores and softmax,
+    the probabilities in v's dtype. Every query sees at least itself."""
+    scores = scores_fp32(q.transpose(1, 2), k.permute(0, 2, 3, 1)) * scale  # [B, H, S, S]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    p = scores.softmax(dim=-1).to(v.dtype)
+    return (p @ v.transpose(1, 2)).transpose(1, 2)
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: V3Config):
+        super().__init__()
+        d, H, block = cfg.hidden_size, cfg.num_attention_heads, cfg.fp8_block
+        self.n_heads, self.nope, self.rope, self.v_dim = H, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora = cfg.kv_lora_rank
+        qk = cfg.qk_head_dim
+        self.q_latent = cfg.q_lora_rank > 0
+        if self.q_latent:
+            self.wq_a = QuantLinear(d, cfg.q_lora_rank, block=block)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.wq_b = QuantLinear(cfg.q_lora_rank, H * qk, block=block)
+        else:
+            self.wq = QuantLinear(d, H * qk, block=block)
+        self.wkv_a = QuantLinear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, block=block)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
+        self.wkv_b = QuantLinear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), block=block)
+        self.wo = QuantLinear(H * cfg.v_head_dim, d, block=block)
+        yarn = cfg.rope_scaling
+        self.softmax_scale = qk ** -0.5 * (yarn.softmax_scale if yarn is not None else 1.0)
+        self.rope_scale = yarn.rope_scale if yarn is not None else 1.0
+
+    def forward(self, x: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
+        """x [B, S, d] (normed) -> [B, S, d]."""
+        B, S, _ = x.shape
+        H = self.n_heads
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_latent else self.wq(x)
+        q = q.view(B, S, H, self.nope + self.rope)
+        latent, k_pe = self.wkv_a(x).split([self.kv_lora, self.rope], dim=-1)
+        cos, sin = ctx.rope["main"]  # [B, S, rope/2] fp32
+        if self.rope_scale != 1.0:  # transformers' cos/sin factor when the two mscale fields differ
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+        k_pe = apply_rope(k_pe, cos, sin)
+        kv = self.wkv_b(self.kv_norm(latent)).view(B, S, H, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_pe[:, :, None].expand(B, S, H, self.rope)), dim=-1)
+        o = dense_attention(q, k, v, self.softmax_scale, document_causal_mask(ctx.doc))
+        return self.wo(o.flatten(2))

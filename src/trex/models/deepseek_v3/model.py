@@ -1,0 +1,176 @@
+"""DeepSeek-V3 (and R1, V3.1, Kimi-K2, Moonlight) for training, in plain PyTorch, over the shared parts.
+
+Read top to bottom: the block (pre-norm residual: multi-head latent attention, then a dense SwiGLU MLP in
+the first ``first_k_dense_replace`` layers and the MoE after), the multi-token-prediction layer, and the
+model. Parameter names follow DeepSeek's inference code (``attn.wq_a``, ``attn.wkv_b``, ``ffn.w1``,
+``ffn.gate.bias``, ``ffn.shared_experts.w1`` ...) with routed experts stacked per layer as [E, out, in]
+and the MTP layer (released as ``model.layers.{num_hidden_layers}``) as ``mtp.0``
+(trex.checkpoint.naming reads transformers' and the released layouts).
+
+The forward is DeepseekV4's contract (``labels``, ``targets``, ``return_logits``, ``doc_ids``,
+``token_mask``, ``routes``, ``route_log`` -> ModelOutput), so one training loop trains either. Packed
+documents attend only within themselves and restart their positions. Not yet: a decode cache,
+context parallelism, V3.2's sparse attention (a V3.2 config is refused), and the official-code harness.
+
+MTP (transformers' ``MtpLayer``): h' = eh_proj([enorm(embed(token t + j)), hnorm(h)]) -> a full MoE
+block -> the module's ``norm`` (released ``shared_head.norm``) -> the shared head, where h is the main
+model's hidden state after its final norm (for j > 1, the previous MTP module's normed output), as
+transformers' ``MtpModel`` feeds it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trex.models.common.config import MOE
+from trex.models.common.context import DecodeCacheLike, SequenceContext, shift_labels
+from trex.models.common.heads import ModelOutput, init_parameters
+from trex.models.common.linear import QuantLinear, QuantSim, linear_fp32, spread_quant
+from trex.models.common.moe import Experts, MoE, SharedExpert
+from trex.models.common.norm import RMSNorm
+from trex.models.common.rope import rope_inv_freq
+from trex.models.cross_entropy import IGNORE_INDEX, head_nll, token_nll
+from trex.models.deepseek_v3.attention import MLA
+from trex.models.deepseek_v3.config import V3Config
+
+
+def sequence_context(cfg: V3Config, input_ids: torch.Tensor, doc_ids: torch.Tensor | None) -> SequenceContext:
+    """The per-forward context: documents, positions within them, and the MLA's RoPE table ("main": YaRN
+    when the config has it, at every length)."""
+    return SequenceContext(cfg, input_ids, doc_ids, {"main": rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta,
+                                                                            cfg.rope_scaling)})
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: V3Config, dense: bool, name: str):
+        super().__init__()
+        d = cfg.hidden_size
+        self.moe = not dense
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.attn = MLA(cfg)
+        self.ffn = MoE(cfg, MOE, name) if self.moe else SharedExpert(d, cfg.intermediate_size, 0.0, cfg.fp8_block)
+
+    def forward(self, x: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), ctx)
+        h = self.ffn_norm(x)
+        return x + (self.ffn(h, ctx) if self.moe else self.ffn(h))
+
+
+class MTPLayer(Block):
+    """Multi-token prediction module j: a full MoE block fed eh_proj([enorm(next embedding), hnorm(h)]).
+    ``eh_proj`` is stored in bf16 in the release (no FP8 simulation)."""
+
+    def __init__(self, cfg: V3Config, name: str):
+        super().__init__(cfg, dense=False, name=name)
+        d = cfg.hidden_size
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, next_emb: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
+        """h [B, S, d]: the normed hidden state the previous head read; next_emb [B, S, d]: the embedding
+        of the token j ahead -> this module's normed hidden state [B, S, d] (its head's input). Every
+        parameter of the module is used here, so it can be one FSDP unit."""
+        x = self.eh_proj(torch.cat((self.enorm(next_emb), self.hnorm(h)), dim=-1))
+        return self.norm(super().forward(x, ctx))
+
+
+class DeepseekV3(nn.Module):
+    def __init__(self, cfg: V3Config):
+        super().__init__()
+        if cfg.sparse:
+            raise NotImplementedError(f"{cfg.model_type}: DeepSeek Sparse Attention (V3.2's indexer, index_topk "
+                                      f"{cfg.index_topk}) is not built yet; trex builds the dense V3 family")
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.embed = nn.Embedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(Block(cfg, i < cfg.first_k_dense_replace, f"layers.{i}")
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPLayer(cfg, f"mtp.{j}") for j in range(cfg.num_nextn_predict_layers))
+        self.sequence_shard = None  # context parallelism: not written for V3 yet (the forward refuses one)
+        self.quant = QuantSim()  # the served model's quantisation, simulated (set_quant)
+        self.align_indexer = False  # no indexer (V3.2's is not built): nothing to align or measure
+        self.measure_recall = False
+        self.init_weights()
+
+    def set_quant(self, quant: QuantSim) -> None:
+        """Simulate ``quant`` in every forward from now on (QuantSim() turns it off): FP8 128x128 linears and
+        experts' weights (``linears``), FP8 1x128 activations (``activations``). V3's released experts are
+        FP8, not FP4: ``experts`` (the FP4 simulation) does not describe a V3 checkpoint."""
+        spread_quant(self, quant, (QuantLinear, Experts))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Normal(0, initializer_range) for matrices, ones for norms, zeros for the routers' bias."""
+        init_parameters(self, self.cfg.initializer_range, seed)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None, cache: DecodeCacheLike | None = None, *,
+                targets: list[torch.Tensor] | None = None, return_logits: bool = True,
+                token_mask: torch.Tensor | None = None, routes: dict[str, torch.Tensor] | None = None,
+                route_log: dict[str, torch.Tensor] | None = None) -> ModelOutput:
+        """input_ids, doc_ids: [B, S]; tokens of different ``doc_ids`` never attend to each other and
+        restart positions. ``token_mask`` [B, S] bool marks the real tokens (MoE statistics only).
+        ``routes`` / ``route_log``: routing replay and recording by MoE layer name (``layers.3``,
+        ``mtp.0``), as DeepseekV4. ``targets`` (one [B, S] per head, shifted) fill ``token_nll``, with
+        ``return_logits=False`` fusing each head with its loss; ``labels`` (HF-style, aligned with
+        input_ids) give ``loss`` and ``mtp_loss``."""
+        if cache is not None:
+            raise NotImplementedError("DeepSeek-V3 generation (the MLA decode cache) is not written yet")
+        if self.sequence_shard is not None and self.sequence_shard.size > 1:
+            raise NotImplementedError("context parallelism is not written for DeepSeek-V3 yet")
+        if targets is not None and len(targets) > 1 + len(self.mtp):
+            raise ValueError(f"targets: at most one [B, S] tensor per head (1 + {len(self.mtp)} MTP), "
+                             f"got {len(targets)}")
+        ctx = sequence_context(self.cfg, input_ids, doc_ids)
+        if token_mask is not None:
+            if token_mask.shape != input_ids.shape:
+                raise ValueError(f"token_mask has shape {tuple(token_mask.shape)}; expected {tuple(input_ids.shape)}")
+            ctx.token_mask = token_mask.bool()
+        ctx.routes, ctx.route_log = routes, route_log
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        out = ModelOutput(logits=None)
+        mtp_losses = []
+        h = self.norm(x)
+        for j in range(1 + len(self.mtp)):  # head 0 is the main one; head j > 0 is MTP module j - 1
+            if j > 0:
+                ahead = F.pad(input_ids[:, j:], (0, j), value=0)
+                h = self.mtp[j - 1](h, self.embed(ahead), ctx)
+            logits = self.logits(h) if return_logits else None
+            if logits is not None and j == 0:
+                out.logits = logits
+            elif logits is not None:
+                out.mtp_logits.append(logits)
+            if targets is not None and j < len(targets):
+                out.token_nll.append(token_nll(logits, targets[j]) if logits is not None
+                                     else self.head_nll(h, targets[j]))
+            if labels is not None:
+                shifted = shift_labels(labels, j + 1, doc_ids)
+                nll = token_nll(logits, shifted) if logits is not None else self.head_nll(h, shifted)
+                loss = nll.sum() / (shifted != IGNORE_INDEX).sum().clamp(min=1)
+                if j == 0:
+                    out.loss = loss
+                else:
+                    mtp_losses.append(loss)
+        if mtp_losses:
+            out.mtp_loss = torch.stack(mtp_losses).mean()
+        out.moe_stats = [block.ffn.take_stats() for block in [*self.layers, *self.mtp] if block.moe]
+        ctx.recording = False  # activation checkpointing re-runs blocks in backward with this ctx
+        return out
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """LM head in fp32: [B, S, d] -> [B, S, V]."""
+        return linear_fp32(h, self.head.weight)
+
+    def head_nll(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The LM head fused with the loss: h [B, S, d], targets [B, S] -> fp32 per-token NLL [B, S]
+        (0 where IGNORE_INDEX), with no [B, S, V] logits (``trex.models.cross_entropy.head_nll``)."""
+        return head_nll(h, self.head.weight, targets)

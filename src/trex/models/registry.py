@@ -1,0 +1,62 @@
+"""Every architecture trex builds, by name, without torch: the union of their presets, a preset's config,
+which architecture's config a config.json describes, and the model class of a config.
+
+It sits above each architecture's config module (no module of trex.models below it imports it:
+tests/test_models_layering.py), so that a family's config never has to know the others: a new family
+joins here. Today: DeepSeek-V4 (``trex.models.config``), V4.1 (``trex.models.config_v41``) and the
+DeepSeek-V3 family (``trex.models.deepseek_v3.config``: V3, R1, V3.1, V3.2, Kimi-K2, Moonlight).
+``config_from_dict`` asks the V3 family first (its model_type, or fields only it has), then the V4
+family's own dispatch (config_v41 tells V4.1 from V4: V4.1 derives from V4). Model classes are named by
+string and imported on use (``model_class``), so the registry stays torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from trex.models.common.config import lookup_preset, read_config_json
+from trex.models.config import PRESETS as V4_PRESETS
+from trex.models.config import ModelConfig
+from trex.models.config_v41 import V41_PRESETS, V41Config, is_v41
+from trex.models.config_v41 import config_from_dict as v4_family_config
+from trex.models.deepseek_v3.config import V3_PRESETS, V3Config, is_v3
+
+__all__ = ["ARCHITECTURES", "PRESETS", "config_from_dict", "config_from_file", "get_preset", "is_v3", "is_v41",
+           "model_class"]
+
+PRESETS = {**V4_PRESETS, **V41_PRESETS, **V3_PRESETS}
+
+# a config's ``architecture`` -> "module:class" of its model
+ARCHITECTURES = {
+    "deepseek_v4": "trex.models.deepseek_v4:DeepseekV4",
+    "deepseek_v41": "trex.models.deepseek_v41:DeepseekV41",
+    "deepseek_v3": "trex.models.deepseek_v3.model:DeepseekV3",
+}
+
+AnyConfig = ModelConfig | V41Config | V3Config
+
+
+def get_preset(name: str) -> AnyConfig:
+    """A preset's config, of any architecture (PRESETS: DeepSeek-V4's, V4.1's and the V3 family's)."""
+    return lookup_preset(PRESETS, name)
+
+
+def config_from_dict(raw: dict, source: str = "<dict>") -> AnyConfig:
+    """The config of the architecture ``raw`` (a config.json's object) describes: V3Config for the DeepSeek-V3
+    family, V41Config for DeepSeek-V4.1, else ModelConfig (DeepSeek-V4)."""
+    if is_v3(raw):
+        return V3Config.from_dict(raw, source)
+    return v4_family_config(raw, source)
+
+
+def config_from_file(path: str) -> AnyConfig:
+    """``config_from_dict`` of a config.json (or of a directory's); a missing or invalid file is a
+    ConfigError naming it."""
+    raw, path = read_config_json(path)
+    return config_from_dict(raw, source=path)
+
+
+def model_class(cfg: AnyConfig) -> type:
+    """The model class of ``cfg``'s architecture (imports torch and the model's module)."""
+    module, _, name = ARCHITECTURES[cfg.architecture].partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,172 @@
+"""Inside trex.models, every import points down too (tests/test_layering.py checks the packages).
+
+The modules of src/trex/models sit in groups, lowest first: the shared parts (``common/``, and the
+leaves ``cross_entropy`` and ``modes``), the architecture families (each its config, model, decode
+cache ...; a family imports only the shared parts, itself and the family it derives from), and on top
+what dispatches over every architecture (``registry``, ``build``, ``params``, ``flops``, the package's
+lazy ``__init__``), which nothing below imports. Within all that, no circle. Every import counts: at
+module level, inside functions, under ``if TYPE_CHECKING:``, and the submodules a ``lazy_exports`` table
+names.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "trex", "models")
+
+SHARED_LEAVES = {"cross_entropy", "modes"}  # shared parts that stay beside the families (a test patches
+#                                              cross_entropy's module global, which a re-export would miss)
+FAMILIES = {  # family -> its modules
+    "deepseek_v4": {"config", "deepseek_v4", "decode"},
+    "deepseek_v41": {"config_v41", "deepseek_v41", "decode_v41", "dspark", "engram", "engram_layout"},
+    "deepseek_v3": {"deepseek_v3.__init__", "deepseek_v3.config", "deepseek_v3.attention", "deepseek_v3.model"},
+}
+DERIVES = {"deepseek_v41": "deepseek_v4"}  # a family -> the one it imports what it keeps from
+TOP = {"__init__", "registry", "build", "params", "flops"}
+TORCH_FREE = ("common.config", "config", "config_v41", "engram_layout", "deepseek_v3", "deepseek_v3.config",
+              "registry")  # read by `trex --help`
+
+
+def module_files() -> dict[str, str]:
+    """Dotted name below trex.models (``common.moe``; a package's ``common.__init__``) -> its file."""
+    found = {}
+    for d, _, files in os.walk(MODELS):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(d, f)
+                found[os.path.relpath(path, MODELS)[:-3].replace(os.sep, ".")] = path
+    return found
+
+
+def resolve(name: str, modules: dict[str, str]) -> str | None:
+    """``trex.models.common.moe`` -> ``common.moe``; the package -> ``__init__``; None outside trex.models."""
+    if name != "trex.models" and not name.startswith("trex.models."):
+        return None
+    rel = name[len("trex.models."):] if name != "trex.models" else ""
+    if rel in modules:
+        return rel
+    return f"{rel}.__init__" if rel else "__init__"
+
+
+def model_imports(module: str, path: str, modules: dict[str, str]) -> list[tuple[int, str]]:
+    """(line, imported module of trex.models) for every import of the file, at any depth."""
+    package = ".".join(["trex", "models", *module.split(".")[:-1]])  # the package the module is in
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            source = node.module or ""
+            if node.level:  # relative: from the module's package, up level - 1
+                parts = package.split(".")
+                source = ".".join(parts[: len(parts) - node.level + 1] + ([source] if source else []))
+            # `from package import submodule` imports the submodule; `from package import name`, the package
+            targets = [f"{source}.{a.name}" if resolve(f"{source}.{a.name}", modules) in modules else source
+                       for a in node.names]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_exports"
+              and len(node.args) == 2 and isinstance(node.args[1], ast.Dict)):  # name -> submodule, imported on use
+            targets = [f"{package}.{v.value}" for v in node.args[1].values if isinstance(v, ast.Constant)]
+        for target in targets:
+            resolved = resolve(target, modules)
+            if resolved is not None and resolved != module:
+                found.append((node.lineno, resolved))
+    return found
+
+
+def graph() -> dict[str, list[tuple[int, str]]]:
+    modules = module_files()
+    return {m: model_imports(m, p, modules) for m, p in modules.items()}
+
+
+def group_of(module: str) -> str:
+    if module.startswith("common.") or module in SHARED_LEAVES:
+        return "shared"
+    if module in TOP:
+        return "top"
+    for family, members in FAMILIES.items():
+        if module in members:
+            return family
+    return "?"
+
+
+def cycles(edges: dict[str, list[tuple[int, str]]]) -> list[list[str]]:
+    """Every import circle found by a depth-first search (each as the modules around it)."""
+    found, state, stack = [], {}, []
+
+    def visit(m: str) -> None:
+        state[m] = "open"
+        stack.append(m)
+        for target in sorted({target for _, target in edges.get(m, [])}):
+            if state.get(target) == "open":
+                found.append(stack[stack.index(target):] + [target])
+            elif target not in state:
+                visit(target)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+    return found
+
+
+def violations(edges: dict[str, list[tuple[int, str]]]) -> list[str]:
+    bad = []
+    for module, imports in sorted(edges.items()):
+        group = group_of(module)
+        for line, target in imports:
+            to = group_of(target)
+            where = f"models/{module.replace('.', '/')}.py:{line}: {module} ({group}) imports {target} ({to})"
+            if group == "shared" and to != "shared":
+                bad.append(where + ": a shared part imports no architecture and nothing above them")
+            elif group not in ("shared", "top") and to not in ("shared", group, DERIVES.get(group)):
+                bad.append(where + f": a family imports the shared parts, itself and {DERIVES.get(group) or 'nothing else'}")
+            elif to == "top" and group != "top":
+                bad.append(where + ": what dispatches over the architectures sits on top")
+    return bad
+
+
+def test_every_module_has_a_group():
+    assert [m for m in module_files() if group_of(m) == "?"] == []
+
+
+def test_no_import_circle_in_models():
+    assert cycles(graph()) == []
+
+
+def test_shared_parts_then_families_then_the_dispatch():
+    assert violations(graph()) == []
+
+
+@pytest.mark.parametrize("source, target, what", [
+    ("common.moe", "deepseek_v4", "violation"),  # a shared part reaching into V4
+    ("deepseek_v4", "deepseek_v41", "violation"),  # V4 importing the family derived from it
+    ("config", "registry", "cycle"),  # V4's config asking the registry (the presets' old circle)
+    ("deepseek_v4", "decode", "cycle"),  # the model naming its decode cache's class (the old circle)
+    ("deepseek_v3.model", "deepseek_v4", "violation"),  # V3 built over V4's file instead of the shared parts
+    ("deepseek_v3.attention", "config", "violation"),  # V3 reading V4's config
+    ("deepseek_v4", "deepseek_v3.config", "violation"),  # V4 reaching into the V3 family
+])
+def test_the_check_sees_a_bad_import(source, target, what):
+    edges = graph()
+    edges[source] = edges[source] + [(1, target)]
+    assert bool(violations(edges) if what == "violation" else cycles(edges))
+
+
+def test_configs_and_the_registry_import_no_torch():
+    """A fresh interpreter reads every preset (V4.1's validate their Engram tables) and dispatches a
+    config.json without importing torch."""
+    code = ("import sys\nfrom trex.models.registry import PRESETS, config_from_dict, get_preset\n"
+            "for name in PRESETS:\n    config_from_dict(get_preset(name).to_hf_dict())\n"
+            + "".join(f"import trex.models.{m}\n" for m in TORCH_FREE)
+            + "print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "False", proc.stderr[-2000:]
