@@ -1,13 +1,14 @@
-"""One training step (forward + backward + AdamW) of trex vs transformers' DeepseekV4ForCausalLM,
-and trex eager vs trex compiled (trex.parallel.plan.apply_compile: each block, the mHC head and the
-fused LM head + loss).
+"""One training step (forward + backward + AdamW) of trex vs transformers' DeepseekV4ForCausalLM and
+DeepseekV3ForCausalLM, and trex eager vs trex compiled (trex.parallel.plan.apply_compile: each block,
+the mHC head and the fused LM head + loss).
 
 Same tiny config, same weights, CPU, fp32, batch 1, at several sequence lengths. Each
 (implementation, length) runs in a fresh subprocess so peak memory (Linux VmHWM) is its own. For
 trex it also counts the host syncs of one step (trex.syncs.SyncCounter) and, compiled, the graphs
 torch.compile built. Prints markdown tables; --write puts them between markers in docs/benchmarks.md.
 
-    .venv/bin/python bench/model_step.py --write         # S = 512 ... 8192, compiled at 512/2048/4096
+    .venv/bin/python bench/model_step.py --write         # V4 and V3, S = 512 ... 8192, compiled at 512/2048/4096
+    .venv/bin/python bench/model_step.py --family v3 --seqs 512 1024 2048 4096 --compiled-seqs --write
     .venv/bin/python bench/model_step.py --seqs 256 --compiled-seqs 256   # printed only
 """
 
@@ -37,9 +38,21 @@ BENCH_CONFIG = dict(
     rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
                   "beta_fast": 32, "beta_slow": 1},
 )
+# V3 proportions at toy width: MLA with a latent of hidden/2 + a rope key of 32, 8 heads of 64 + 32 (query/key)
+# and 64 (value), a dense first layer, 8 experts in 4 groups (top 2 groups) top-2, YaRN with mscale
+BENCH_V3_CONFIG = dict(
+    vocab_size=1024, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=4,
+    num_attention_heads=8, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32,
+    v_head_dim=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+    first_k_dense_replace=1, routed_scaling_factor=2.5, num_nextn_predict_layers=0,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+)
 # transformers materialises [S, S + S/m] scores per layer; above this it would not fit in 24 GiB.
 REFERENCE_MAX_SEQ = 4096
-MARK_BEGIN, MARK_END = "<!-- model-step-bench:begin -->", "<!-- model-step-bench:end -->"
+MARKS = {"v4": ("<!-- model-step-bench:begin -->", "<!-- model-step-bench:end -->"),
+         "v3": ("<!-- model-step-v3-bench:begin -->", "<!-- model-step-v3-bench:end -->")}
+MARK_BEGIN, MARK_END = MARKS["v4"]
 
 
 def _status_kib(field: str) -> int:
@@ -50,7 +63,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(field)
 
 
-def run_one(impl: str, seq: int, ckpt: str, steps: int) -> dict:
+def run_one(impl: str, seq: int, ckpt: str, steps: int, family: str = "v4") -> dict:
     """Runs in a subprocess: load, warm up (compiling, for trex-compiled), time `steps` training steps,
     report peak memory, and for trex the host syncs of one step and the compiled graphs."""
     import torch
@@ -65,12 +78,13 @@ def run_one(impl: str, seq: int, ckpt: str, steps: int) -> dict:
 
             apply_compile(model)
     else:
-        from transformers import DeepseekV4ForCausalLM
+        from transformers import DeepseekV3ForCausalLM, DeepseekV4ForCausalLM
 
-        model = DeepseekV4ForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        reference = DeepseekV3ForCausalLM if family == "v3" else DeepseekV4ForCausalLM
+        model = reference.from_pretrained(ckpt, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, BENCH_CONFIG["vocab_size"], (1, seq))
+    ids = torch.randint(0, 1024, (1, seq))  # both families' vocab
 
     def forward_backward():
         loss = model(ids, labels=ids).loss
@@ -111,24 +125,30 @@ def run_one(impl: str, seq: int, ckpt: str, steps: int) -> dict:
             "peak_step_bytes": (peak - base) * 1024, **extra}
 
 
-def measure(impl: str, seq: int, ckpt: str, steps: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", impl, str(seq), ckpt, str(steps)]
+def measure(impl: str, seq: int, ckpt: str, steps: int, family: str = "v4") -> dict:
+    cmd = [sys.executable, __file__, "--child", impl, str(seq), ckpt, str(steps), family]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"impl": impl, "seq": seq, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def table(results: dict, seqs: list[int], steps: int) -> str:
+CONFIG_LINES = {
+    "v4": "Config: hidden 128, 4 layers (sliding, CSA, HCA, CSA), 8 heads x 128 (V4's heads x head_dim = 8 x hidden), "
+          "window 128, CSA m=4 top-64, HCA m=128, 8 experts top-2, hc_mult 4, vocab 1024.",
+    "v3": "Config: hidden 128, 4 layers (1 dense, 3 MoE), MLA with q/kv latents of 64 and 8 heads of 64 + 32 rope "
+          "(value 64), 8 experts in 4 groups (top 2 groups) top-2 + 1 shared, YaRN 4x, vocab 1024.",
+}
+
+
+def table(results: dict, seqs: list[int], steps: int, family: str = "v4") -> str:
     import torch
 
     lines = [
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads, fp32, batch 1, AdamW step included; "
         f"time = the fastest of {steps} steps after one warm-up step.",
-        "Config: hidden 128, 4 layers (sliding, CSA, HCA, CSA), 8 heads x 128 (V4's heads x head_dim = 8 x hidden), "
-        "window 128, CSA m=4 top-64, "
-        "HCA m=128, 8 experts top-2, hc_mult 4, vocab 1024. Peak = resident-set growth during a step.",
+        CONFIG_LINES[family] + " Peak = resident-set growth during a step.",
         "",
         "| S | trex tok/s | reference tok/s | speed ratio | trex peak MiB | reference peak MiB | memory ratio "
         "| trex s/token vs S=1024 |",
@@ -172,7 +192,12 @@ def compiled_table(results: dict, seqs: list[int]) -> str:
     return "\n".join(lines)
 
 
-def write_section(text: str) -> None:
+def write_section(text: str, family: str = "v4") -> None:
+    if family == "v3":
+        write_docs_section(*MARKS["v3"], "## Model training step, DeepSeek-V3: trex vs transformers (CPU)\n\n"
+                           "Command: `.venv/bin/python bench/model_step.py --family v3 --seqs 512 1024 2048 4096 "
+                           f"--compiled-seqs --write`\n\n{text}")
+        return
     targets = ("Targets (issue: foundation): >= 10x the reference's tokens/s at S=4096, not slower at S=512, "
                "time per token at S=8192 within 1.5x of S=1024, peak memory at S=4096 <= 1/4 of the reference.")
     write_docs_section(MARK_BEGIN, MARK_END, "## Model training step: trex vs transformers (CPU)\n\n"
@@ -210,31 +235,44 @@ def main() -> None:
     # raises its mmap threshold as blocks are freed); the minimum over 4 timed steps, for both models
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--write", action="store_true", help="put the tables into docs/benchmarks.md (default: print)")
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--family", choices=("v4", "v3", "both"), default="both",
+                        help="DeepSeek-V4 (against DeepseekV4ForCausalLM), V3 (against DeepseekV3ForCausalLM) or both "
+                             "(default: %(default)s)")
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        impl, seq, ckpt, steps = args.child
-        print(json.dumps(run_one(impl, int(seq), ckpt, int(steps))))
+        impl, seq, ckpt, steps, family = args.child
+        print(json.dumps(run_one(impl, int(seq), ckpt, int(steps), family)))
         return
+    for family in ("v4", "v3") if args.family == "both" else (args.family,):
+        text = bench_family(family, args.seqs, args.compiled_seqs, args.steps)
+        print(text)
+        if args.write:
+            write_section(text, family)
 
-    from hf_oracle import hf_config, random_hf_model
 
+def bench_family(family: str, seqs: list[int], compiled_seqs: list[int], steps: int) -> str:
+    """The tables of one family: trex vs transformers over ``seqs``, eager vs compiled over ``compiled_seqs``."""
+    if family == "v3":
+        from hf_oracle_v3 import hf_config, random_hf_model
+        config = BENCH_V3_CONFIG
+    else:
+        from hf_oracle import hf_config, random_hf_model
+        config = BENCH_CONFIG
     with tempfile.TemporaryDirectory() as ckpt:
-        random_hf_model(hf_config(**BENCH_CONFIG), seed=0).save_pretrained(ckpt)
+        random_hf_model(hf_config(**config), seed=0).save_pretrained(ckpt)
         results = {}
-        for seq in sorted(set(args.seqs) | set(args.compiled_seqs)):
+        for seq in sorted(set(seqs) | set(compiled_seqs)):
             for impl in ("trex", "trex-compiled", "hf"):
-                if (impl == "hf" and (seq > REFERENCE_MAX_SEQ or seq not in args.seqs)
-                        or impl == "trex-compiled" and seq not in args.compiled_seqs):
+                if (impl == "hf" and (seq > REFERENCE_MAX_SEQ or seq not in seqs)
+                        or impl == "trex-compiled" and seq not in compiled_seqs):
                     continue
-                results[(impl, seq)] = r = measure(impl, seq, ckpt, args.steps)
-                print(json.dumps(r), flush=True)
-    text = table(results, args.seqs, args.steps)
-    if args.compiled_seqs:
-        text += "\n\n### Eager vs compiled\n\n" + compiled_table(results, args.compiled_seqs)
-    print(text)
-    if args.write:
-        write_section(text)
+                results[(impl, seq)] = r = measure(impl, seq, ckpt, steps, family)
+                print(json.dumps({"family": family, **r}), flush=True)
+    text = table(results, seqs, steps, family)
+    if compiled_seqs:
+        text += "\n\n### Eager vs compiled\n\n" + compiled_table(results, compiled_seqs)
+    return text
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """`trex data prepare` then `trex train` on the same recipe, as a user runs them: the seconds of each,
 and what the train tokenizes (tokenizer calls and tokens), with the fidelity probe due (fidelity.every
-= 1) and not due (the default, every 10 steps, in a 2-step run).
+= 1) and not due (the default, every 10 steps, in a 2-step run). The train runs first with every = 10, then
+with every = 1 (which finds what the first one prepared).
 
     .venv/bin/python bench/prepare_then_train.py                     # 100,000 records
     .venv/bin/python bench/prepare_then_train.py --records 100000 --write   # figures into docs/benchmarks.md
@@ -78,8 +79,9 @@ def main() -> None:
         prep_s, _ = run([sys.executable, "-m", "trex", "data", "prepare", str(recipe), "--workers", "2"], env)
         figures = {"records": args.records, "input_mb": data.stat().st_size / 1e6, "prepare_s": prep_s}
         for every in (10, 1):
+            # data.prepare_workers = 1: whatever the train tokenizes, it tokenizes in this process, where it is counted
             _, out = run([sys.executable, "-c", COUNTED_TRAIN, "train", str(recipe), "--out", str(tmp / f"run{every}"),
-                          "--set", f"fidelity.every={every}"], env)
+                          "--set", f"fidelity.every={every}", "--set", "data.prepare_workers=1"], env)
             figures[f"train_every{every}"] = json.loads(out.strip().splitlines()[-1])
         try:
             from trex.data.prepared import content_digest
