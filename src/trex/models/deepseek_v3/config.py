@@ -10,7 +10,8 @@ YaRN carries two mscale fields (``YarnMScale``, a subclass of the shared ``YarnS
 written config.json does not change): the attention's softmax scale is qk_head_dim^-0.5 x m(mscale_all_dim)^2
 and the RoPE cos/sin are scaled by m(mscale) / m(mscale_all_dim), with m(x) = 0.1 x ln(factor) + 1 (1
 for factor <= 1). That is transformers' split; DeepSeek's code scales the softmax by m(mscale)^2, the
-same whenever the two fields are equal (every released config: 1.0 and 1.0). A YaRN config that names
+same whenever the two fields are equal (every released config: 1.0 and 1.0); DeepSeek's inference config
+names one ``mscale`` (its softmax's), which sets both. A YaRN config that names
 neither field reads as DeepSeek's code reads it (1.0 each); transformers would then scale cos/sin by
 m(1) instead (reference trap). YaRN applies at every length (DeepSeek's code only past its cache length
 ``max_seq_len > original_seq_len``: reference trap 1).
@@ -109,9 +110,11 @@ def rope_fields(d: dict, source: str) -> dict:
         if kind not in ("yarn", "default"):
             raise ConfigError(f"{source}: config field `rope_scaling`: RoPE type {kind!r}; DeepSeek-V3 uses yarn or none")
         kw["rope_scaling"] = _yarn(src) if kind == "yarn" else None
-    elif "rope_factor" in d:
+    elif "rope_factor" in d:  # DeepSeek's one ``mscale`` scales the softmax by m(mscale)^2 and not cos/sin:
+        # both fields equal (mscale_all_dim alone would leave a cos/sin factor m(mscale) / m(1))
         kw["rope_scaling"] = _yarn({"factor": d["rope_factor"], "beta_fast": d.get("beta_fast"),
                                     "beta_slow": d.get("beta_slow"), "mscale": d.get("mscale"),
+                                    "mscale_all_dim": d.get("mscale"),
                                     "original_max_position_embeddings": d.get("original_seq_len", 4096)})
     elif "rope_scaling" in d or "rope_parameters" in d:  # written as null
         kw["rope_scaling"] = None

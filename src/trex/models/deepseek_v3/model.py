@@ -9,8 +9,9 @@ and the MTP layer (released as ``model.layers.{num_hidden_layers}``) as ``mtp.0`
 
 The forward is DeepseekV4's contract (``labels``, ``targets``, ``return_logits``, ``doc_ids``,
 ``token_mask``, ``routes``, ``route_log`` -> ModelOutput), so one training loop trains either. Packed
-documents attend only within themselves and restart their positions. Not yet: a decode cache,
-context parallelism, V3.2's sparse attention (a V3.2 config is refused), and the official-code harness.
+documents attend only within themselves and restart their positions (DeepSeek's official inference
+code as the oracle: tests/test_official_v3.py). Not yet: a decode cache, context parallelism, V3.2's
+sparse attention (a V3.2 config is refused).
 
 MTP (transformers' ``MtpLayer``): h' = eh_proj([enorm(embed(token t + j)), hnorm(h)]) -> a full MoE
 block -> the module's ``norm`` (released ``shared_head.norm``) -> the shared head, where h is the main
