@@ -1,4 +1,5 @@
-"""trex.rollout.sample: greedy/top-p/temperature behaviour, determinism, stop tokens, log-probs."""
+"""trex.rollout.sample: greedy/top-p/temperature behaviour, the draw's distribution and its robustness to
+near-ties, determinism, stop tokens, log-probs."""
 
 from __future__ import annotations
 
@@ -31,6 +32,70 @@ def test_choose_tokens_follows_temperature_and_top_p():
     assert (torch.bincount(hot, minlength=4).float() / len(hot)).min() > 0.2
     greedy, _ = choose_tokens(logits, SamplingParams(temperature=0.0), None)
     assert bool((greedy == 0).all())
+
+
+def _sorted_inversion(logits: torch.Tensor, top_p: float, u: torch.Tensor) -> torch.Tensor:
+    """The former draw, for contrast: the CDF inverted over the tokens sorted by probability."""
+    probs, order = logits.float().softmax(dim=-1).sort(dim=-1, descending=True, stable=True)
+    keep = (probs.cumsum(dim=-1) - probs) < top_p
+    cdf = (probs * keep).cumsum(dim=-1)
+    pick = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).clamp(max=keep.sum(-1, keepdim=True) - 1)
+    return order.gather(1, pick).squeeze(1)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_a_near_tie_swapped_by_rounding_noise_does_not_change_the_token(top_p):
+    """Tokens 3 and 6 have nearly equal logits (gap 1e-5) and are the most likely; a perturbation of 2e-5
+    on token 3 (what another layout's fp32 reduction order does to the logits) swaps their order in a
+    sort. Inverted over the sorted tokens, the same uniform then picks the other token of the pair, and
+    every later token's interval moves; inverted in vocabulary order (choose_tokens) it picks the same
+    token for every uniform, on the pair and elsewhere."""
+    base = torch.tensor([0.1, -1.0, 0.4, 2.0, -0.5, 0.0, 2.0 + 1e-5, 0.8])
+    a = base[None].expand(64, -1).clone()
+    b = a.clone()
+    b[:, 3] += 2e-5  # token 3 now above token 6 by 1e-5
+    assert bool((a.argmax(-1) == 6).all()) and bool((b.argmax(-1) == 3).all())
+    u = (torch.arange(64) + 0.5) / 64  # a grid of uniforms, none within 1e-5 of an interval's edge
+    params = SamplingParams(top_p=top_p)
+    new_a, _ = choose_tokens(a, params, None, u)
+    new_b, _ = choose_tokens(b, params, None, u)
+    assert torch.equal(new_a, new_b)
+    assert {3, 6} <= set(new_a.tolist())  # the grid lands on both tokens of the pair
+    old_a, old_b = _sorted_inversion(a, top_p, u), _sorted_inversion(b, top_p, u)
+    on_pair = u < 0.2  # the first sorted interval: the top token, 6 before the swap and 3 after it
+    assert bool((old_a[on_pair] == 6).all()) and bool((old_b[on_pair] == 3).all())
+    # a row's token depends on its logits and its uniform only, not on the batch around it
+    alone = torch.cat([choose_tokens(a[i:i + 1], params, None, u[i:i + 1])[0] for i in range(0, 64, 7)])
+    assert torch.equal(alone, new_a[::7])
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8), (1.3, 0.6)])
+def test_the_draw_samples_the_tempered_top_p_distribution(temperature, top_p):
+    """The token frequencies over many uniforms are the softmax of logits / temperature restricted to
+    top-p's kept set (the smallest set of most likely tokens whose probability reaches top_p) and
+    renormalised: with an even grid of uniforms each token's frequency is its interval's width, so they
+    match to 1/n; with the generator's uniforms to within 5 standard errors."""
+    logits = torch.randn(2, 24, generator=torch.Generator().manual_seed(7)) * 2
+    probs = (logits.double() / temperature).softmax(-1)
+    ranked, order = probs.sort(-1, descending=True)
+    kept = torch.zeros_like(probs, dtype=torch.bool).scatter(1, order, (ranked.cumsum(-1) - ranked) < top_p)
+    expected = probs * kept / (probs * kept).sum(-1, keepdim=True)
+    if top_p < 1:
+        assert bool((kept.sum(-1) < 24).all()) and bool((kept.sum(-1) > 1).all())  # top-p cuts something
+    n = 200_000
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    grid = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    gen = torch.Generator().manual_seed(0)
+    for row in range(2):
+        rows = logits[row][None].expand(n, -1)
+        tokens, _ = choose_tokens(rows, params, None, grid.float())
+        freq = torch.bincount(tokens, minlength=24).double() / n
+        torch.testing.assert_close(freq, expected[row], atol=2e-5, rtol=0)
+        assert bool((freq[~kept[row]] == 0).all())
+        tokens, _ = choose_tokens(rows, params, gen)
+        freq = torch.bincount(tokens, minlength=24).double() / n
+        se = (expected[row] * (1 - expected[row]) / n).sqrt()
+        assert bool(((freq - expected[row]).abs() <= 5 * se + 1e-12).all()), (freq, expected[row])
 
 
 @pytest.mark.slow

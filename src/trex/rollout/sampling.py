@@ -71,23 +71,39 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
 
     Sampling takes one uniform in [0, 1) per row (``uniform`` [B], else drawn from ``generator`` on
     the generator's device) and inverts the CDF of the temperature-scaled, top-p-truncated
-    distribution over tokens sorted by probability.
+    distribution. The probability sort decides only top-p's kept set (the smallest set of most likely
+    tokens whose probability reaches ``top_p``, the most likely always in it); the CDF is then taken
+    over the kept tokens in **vocabulary order**, not in probability order. The distribution is the
+    same (each kept token owns an interval of [0, 1) as wide as its renormalised probability; only
+    where the intervals lie changes), but the token a given uniform picks becomes robust to
+    near-ties: two tokens of nearly equal probability that rounding noise swaps in a sort (the same
+    model under another layout, 1 process vs 2, moves the fp32 logits by ~1e-5) keep their places in
+    vocabulary order, so a uniform that lands on them still picks the same token; it picks another
+    only when it falls within the noise of an interval's edge. In sorted order one such swap moves
+    every later token's interval. Static shapes, no host sync; with ``uniform`` given per row a row's
+    token depends on its logits and its uniform only (not on the batch or rank it lands in).
+    ``temperature`` 0 is the argmax.
     """
     logits = logits.float()
     logp = F.log_softmax(logits, dim=-1)
     if params.temperature == 0:
         tokens = logits.argmax(dim=-1)
     else:
-        probs, order = (logits / params.temperature).softmax(dim=-1).sort(dim=-1, descending=True, stable=True)
-        cdf = probs.cumsum(dim=-1)
-        keep = (cdf - probs) < params.top_p  # the first token is always kept
-        cdf = (probs * keep).cumsum(dim=-1)
+        probs = (logits / params.temperature).softmax(dim=-1)
+        if params.top_p < 1:  # the kept set is decided in probability order; the draw is not
+            ranked, order = probs.sort(dim=-1, descending=True, stable=True)
+            kept = (ranked.cumsum(dim=-1) - ranked) < params.top_p  # the first token is always kept
+            probs = probs * torch.zeros_like(kept).scatter(1, order, kept)
+        cdf = probs.cumsum(dim=-1)  # in vocabulary order (see the docstring)
         if uniform is None:
             gen_device = generator.device if generator is not None else logits.device
             uniform = torch.rand(logits.shape[0], generator=generator, device=gen_device)
         u = uniform.float().to(logits.device)[:, None]
-        pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=keep.sum(dim=-1, keepdim=True) - 1)
-        tokens = order.gather(1, pick).squeeze(1)
+        # the first token whose CDF exceeds u * total (right=True: never a zero-probability token, whose
+        # CDF equals its predecessor's); u * total rounding up to the total picks the last kept token
+        ids = torch.arange(probs.shape[-1], device=probs.device)
+        last = torch.where(probs > 0, ids, 0).amax(dim=-1, keepdim=True)
+        tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=last).squeeze(1)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
