@@ -196,8 +196,8 @@ def _post(task, mode: str) -> list[str]:
     if mode == "dpo":
         sets = ['train.mode="dpo"', f'data.paths=["{task}/pairs.jsonl"]', "data.micro_batch_size=4", "dpo.beta=0.5"]
     elif mode == "grpo":
-        sets = ['train.mode="grpo"', f'grpo.prompts=["{task}/prompts.jsonl"]', 'grpo.rewards=["digit_reward:first_digit"]',
-                "grpo.prompts_per_step=2", "grpo.group_size=4", "grpo.micro_batch_size=8", "sampling.max_new_tokens=2",
+        sets = ['train.mode="grpo"', f'grpo.prompts=["{task}/prompts.jsonl"]',
+                'grpo.rewards=["digit_reward:first_digit"]', "grpo.prompts_per_step=2", "grpo.group_size=4", "grpo.micro_batch_size=8", "sampling.max_new_tokens=2",
                 "grpo.kl_coef=0.05"]
     else:
         sets = ['train.mode="distill"', f'distill.teachers=[{{path="{task}/teacher", weight=1.0}}]',
