@@ -65,7 +65,9 @@ def _syncs_per_step(monkeypatch, sft_file, out, *extra) -> list[SyncCounter]:
     # DeepSeek-V4.1: CSA2 with shared KV and picks, the candidate pool, Engram's hashing and lookup, single-pass
     # mHC; every served rounding point simulated (32x32 FP8 linears, Engram rows, FP4 experts, KV, indexer)
     ('model.preset="tiny-v4.1"', 'precision.qat="official"'),
-], ids=["fp32-muon", "bf16-adamw-recompute", "v4.1-qat"])
+    # DeepSeek-V3: MLA, group-limited routing, a dense first layer, MTP
+    ('model.preset="tiny-v3"', "model.overrides={}"),
+], ids=["fp32-muon", "bf16-adamw-recompute", "v4.1-qat", "v3"])
 def test_training_step_has_no_host_sync(monkeypatch, sft_file, tmp_path, extra):
     """Every layer type (sliding, CSA with the indexer, HCA; V4.1's CSA2 and Engram), hash and score MoE, MTP,
     clipping, the guard, the optimizer and the router-bias update: zero host reads from forward to the

@@ -99,7 +99,8 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
             full = source.read(key)
             return full if expert is None else full[expert]
         tensors.append(TrexTensor(key, tuple(v.shape), v.dtype, get))
-    groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, cfg.architecture)
+    groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, cfg.architecture,
+                          n_layers=cfg.num_hidden_layers)
     carried, copies = [], {}
     if origin is not None:
         reader = CheckpointReader(origin)

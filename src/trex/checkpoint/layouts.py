@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from trex.kernels import quantize as quant
-from trex.checkpoint.naming import hf_name, official_name, scale_name
+from trex.checkpoint.naming import hf_name, official_name, scale_name, v3_hf_name
 from trex.checkpoint.safetensors_io import PlannedTensor
 
 QUANTIZE_MODES = (None, "fp8", "fp8+fp4experts")
@@ -70,11 +70,15 @@ def codec_for(key: str, quantize: str | None, arch: str = "deepseek_v4") -> str:
 
 
 def plan_outputs(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, quantize: str | None,
-                 arch: str = "deepseek_v4", scale_hint: ScaleHint | None = None) -> list[list[PlannedTensor]]:
-    """Groups of tensors to write for ``layout`` ("official" or "hf"), in the order given. ``scale_hint``
+                 arch: str = "deepseek_v4", scale_hint: ScaleHint | None = None, n_layers: int | None = None
+                 ) -> list[list[PlannedTensor]]:
+    """Groups of tensors to write for ``layout`` ("official" or "hf"), in the order given. A DeepSeek-V3
+    family model (``arch`` "deepseek_v3", ``n_layers`` its num_hidden_layers) is written by ``_plan_v3``. ``scale_hint``
     (a scale's name -> the tensor of that name in the checkpoint the model came from, or None): a
     quantised weight that this scale still represents exactly is written with it (``quantize_fp8_as``)."""
 
+    if arch == "deepseek_v3":
+        return _plan_v3(tensors, layout, dtype, quantize, n_layers)
     by_key = {t.key: t for t in tensors}
     groups: list[list[PlannedTensor]] = []
     for t in tensors:
@@ -99,6 +103,32 @@ def plan_outputs(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, qua
         else:
             name = official_name(t.key) if layout == "official" else hf_name(t.key)
             groups.append(_encode(name, t.shape, out_dtype, codec, layout, lambda t=t: t.get(None), scale_hint))
+    return groups
+
+
+def _plan_v3(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, quantize: str | None,
+             n_layers: int | None) -> list[list[PlannedTensor]]:
+    """A DeepSeek-V3 family model in the released / ``save_pretrained`` names (``naming.v3_hf_name``), routed
+    experts one tensor each, the gate bias in fp32. Only layout "hf" and unquantised for now: DeepSeek's
+    inference names and the released FP8 codec (fp32 ``weight_scale_inv``) are not written yet."""
+    if layout != "hf":
+        raise ValueError(f"DeepSeek-V3 family checkpoints are written in the hf layout (the released names), "
+                         f"not {layout!r}")
+    if quantize is not None:
+        raise ValueError("DeepSeek-V3 family checkpoints are written unquantised for now (bf16 or fp32): the "
+                         "released FP8 codec with fp32 block scales is not written yet")
+    if n_layers is None:
+        raise ValueError("plan_outputs: a DeepSeek-V3 family model needs n_layers (its num_hidden_layers)")
+    groups: list[list[PlannedTensor]] = []
+    for t in tensors:
+        out_dtype = _plain_dtype(t, dtype)
+        if _STACKED_EXPERTS.match(t.key):
+            for j in range(t.shape[0]):
+                groups.append(_encode(v3_hf_name(t.key, n_layers, j), t.shape[1:], out_dtype, "plain", layout,
+                                      lambda t=t, j=j: t.get(j)))
+        else:
+            groups.append(_encode(v3_hf_name(t.key, n_layers), t.shape, out_dtype, "plain", layout,
+                                  lambda t=t: t.get(None)))
     return groups
 
 

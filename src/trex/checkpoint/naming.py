@@ -16,13 +16,15 @@ loads as they are; MTP tensors, which transformers ignores, keep an unprefixed `
 FP8/FP4 scales sit next to their weight: ``X.scale`` (official) or ``X.weight_scale_inv``
 (HF / V3 style; ``X_scale_inv`` for a fused expert tensor ``X``).
 
-The DeepSeek-V3 family (``arch="deepseek_v3"``) has its own tables, read-only for now: trex names are
+The DeepSeek-V3 family (``arch="deepseek_v3"``) has its own tables: trex names are
 DeepSeek's inference names (its ``convert.py``: ``layers.5.attn.wkv_a.weight``, ``layers.5.ffn.w1.weight``,
 ``layers.5.ffn.gate.bias``), routed experts stacked, and the MTP layer, released as
 ``model.layers.{num_hidden_layers + j}``, as ``mtp.j`` (its ``shared_head.norm`` as ``mtp.j.norm``; its
 copies of ``embed_tokens`` and ``shared_head.head`` are skipped: trex shares the main model's). Read:
 the released / ``save_pretrained`` names (per-expert ``mlp.experts.E.gate_proj``), transformers' module
-names (fused ``gate_up_proj``, 3-D ``down_proj``) and DeepSeek's own names.
+names (fused ``gate_up_proj``, 3-D ``down_proj``) and DeepSeek's own names. Written (``v3_hf_name``, layout
+"hf" only, unquantised): the released / ``save_pretrained`` names, without the MTP layer's copies of the
+embedding and head.
 """
 
 from __future__ import annotations
@@ -141,6 +143,49 @@ _V3_LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
 # tensors trex does not load: the MTP layer's copies of the embedding and head (trex shares the main model's),
 # Kimi-K2's stored RoPE frequencies
 _V3_SKIP = re.compile(r"^mtp\.\d+\.(embed_tokens|embed|shared_head\.head)\.weight$|\.rotary_emb\.inv_freq$")
+
+
+# DeepSeek's names -> transformers / released names (written); the inverse of _V3_FROM_HF on trex's keys
+_V3_TO_HF = [(re.compile(p), r) for p, r in [
+    (r"^embed\.", "embed_tokens."),
+    (r"^head\.", "lm_head."),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"\.wq\.", ".q_proj."),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.q_norm\.", ".q_a_layernorm."),
+    (r"\.wq_b\.", ".q_b_proj."),
+    (r"\.wkv_a\.", ".kv_a_proj_with_mqa."),
+    (r"\.kv_norm\.", ".kv_a_layernorm."),
+    (r"\.wkv_b\.", ".kv_b_proj."),
+    (r"\.wo\.", ".o_proj."),
+    (r"\.w1\.", ".gate_proj."),
+    (r"\.w3\.", ".up_proj."),
+    (r"\.w2\.", ".down_proj."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"^(mtp\.\d+)\.norm\.", r"\1.shared_head.norm."),
+]]
+
+
+def v3_hf_name(key: str, n_layers: int, expert: int | None = None) -> str:
+    """trex name of a DeepSeek-V3 family model -> the released / ``save_pretrained`` name (what
+    transformers' DeepseekV3ForCausalLM, vLLM and SGLang read): ``model.`` prefixed module names, routed
+    experts one by one (``mlp.experts.7.gate_proj.weight``: a stacked key needs ``expert``), the gate bias as
+    ``e_score_correction_bias``, MTP module j as ``model.layers.{n_layers + j}`` with its norm as
+    ``shared_head.norm``. ``trex_targets(..., arch="deepseek_v3")`` reads every name back to ``key``."""
+    m = _STACKED.match(key)
+    if m:
+        if expert is None:
+            raise ValueError(f"{key} is a stacked expert tensor: name one expert")
+        key = f"{m.group(1)}.{expert}.{m.group(2)}.weight"
+    for pattern, repl in _V3_TO_HF:
+        key = pattern.sub(repl, key)
+    m = re.match(r"^mtp\.(\d+)\.(.*)$", key)
+    if m:
+        key = f"layers.{n_layers + int(m.group(1))}.{m.group(2)}"
+    return key if key.startswith("lm_head.") else "model." + key
 
 
 @dataclass(frozen=True)

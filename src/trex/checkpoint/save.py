@@ -126,7 +126,8 @@ def _write(tensors: list[TrexTensor], cfg: ModelConfig | V41Config, path: str, l
     if arch == "deepseek_v41" and layout != "official":
         raise ValueError("DeepSeek-V4.1 is written in the official layout, which is what its Hugging Face repository "
                          "holds: transformers has no V4.1 module names to write")
-    groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, arch, scale_hint) + list(carried)
+    groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, arch, scale_hint,
+                          cfg.num_hidden_layers) + list(carried)
     config = checkpoint_config(cfg, layout, dtype, quantize)
     if not progress:
         return write_checkpoint(path, groups, config, max_shard_size, overwrite, sources=sources, copies=files)

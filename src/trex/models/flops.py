@@ -1,4 +1,4 @@
-"""Model FLOPs per token for DeepSeek-V4, the numerator of MFU (docs/mfu.md).
+"""Model FLOPs per token for DeepSeek-V4, V4.1 and the DeepSeek-V3 family, the numerator of MFU (docs/mfu.md).
 
 Counts the useful work of the architecture, not of a particular kernel: masked or padded
 entries that an implementation computes and throws away are not counted. A multiply-add is
@@ -111,11 +111,52 @@ def _layer_v41(cfg: V41Config, layer: int, S: int) -> tuple[float, float, float,
     return dense, routed, 2 * H * c * keys, indexer
 
 
+def _layer_v3(cfg, moe: bool, S: int) -> tuple[float, float, float, float]:
+    """``_layer`` for a DeepSeek-V3 family block (trex.models.deepseek_v3): MLA in its MHA form (the query
+    latent ``wq_a`` + ``wq_b``, or Moonlight's one ``wq``; ``wkv_a`` to [latent | k_pe]; ``wkv_b`` to per
+    head [k_nope | v]; ``wo``), causal attention over (S + 1) / 2 keys on average (q.k over qk_head_dim,
+    p.v over v_head_dim), then a dense SwiGLU MLP or the MoE (router, shared experts, k routed experts).
+    No indexer (V3.2's sparse attention is not built)."""
+    d, H = cfg.hidden_size, cfg.num_attention_heads
+    qk, dv = cfg.qk_head_dim, cfg.v_head_dim
+    q = d * cfg.q_lora_rank + cfg.q_lora_rank * H * qk if cfg.q_lora_rank else d * H * qk
+    dense = q + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * H * (cfg.qk_nope_head_dim + dv)
+    dense += H * dv * d
+    routed = 0.0
+    if moe:
+        dense += cfg.n_routed_experts * d + 3 * cfg.moe_intermediate_size * d * cfg.n_shared_experts
+        routed = 3 * cfg.moe_intermediate_size * d * cfg.num_experts_per_tok
+    else:
+        dense += 3 * cfg.intermediate_size * d
+    keys = _mean_window_keys(S, S)  # causal: (S + 1) / 2
+    return dense, routed, H * (qk + dv) * keys, 0.0
+
+
+def _flops_v3(cfg, seq_len: int, mult: int, with_mtp: bool) -> FlopsPerToken:
+    dense = routed = attention = 0.0
+    for i in range(cfg.num_hidden_layers):
+        a, b, c_, _ = _layer_v3(cfg, i >= cfg.first_k_dense_replace, seq_len)
+        dense, routed, attention = dense + a, routed + b, attention + c_
+    d = cfg.hidden_size
+    head = cfg.vocab_size * d
+    mtp = 0.0
+    if with_mtp:
+        for _ in range(cfg.num_nextn_predict_layers):
+            a, b, c_, _ = _layer_v3(cfg, True, seq_len)
+            mtp += a + b + c_ + 2 * d * d  # its MoE block and eh_proj
+            head += cfg.vocab_size * d  # the shared head, once more
+    return FlopsPerToken(dense_matmuls=2 * mult * dense, routed_experts=2 * mult * routed,
+                         attention_core=2 * mult * attention, indexer=0.0, head=2 * mult * head, mtp=2 * mult * mtp)
+
+
 def flops_per_token(cfg: ModelConfig | V41Config, seq_len: int, training: bool = True,
                     with_mtp: bool = True) -> FlopsPerToken:
     """Model FLOPs per token for sequences (or packed documents) of ``seq_len`` tokens. V4.1's ``mtp.*``
-    (the DSpark drafter, carried through untrained) count nothing."""
+    (the DSpark drafter, carried through untrained) count nothing. A DeepSeek-V3 family config
+    (``architecture`` "deepseek_v3") counts by ``_layer_v3``."""
     mult = 3 if training else 1
+    if getattr(cfg, "architecture", None) == "deepseek_v3":
+        return _flops_v3(cfg, seq_len, mult, with_mtp)
     dense = routed = attention = indexer = 0.0
     v41 = isinstance(cfg, V41Config)
     parts = (_layer_v41(cfg, i, seq_len) if v41 else _layer(cfg, t, seq_len) for i, t in enumerate(cfg.layer_types))

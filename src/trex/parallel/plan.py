@@ -161,7 +161,8 @@ def apply_compile(model: DeepseekV4, fullgraph: bool = True, backend: str = "ind
 
     for block in [*model.layers, *model.mtp]:
         block.forward = compile_(block.forward)
-    model.hc_head.forward = compile_(model.hc_head.forward)
+    if hasattr(model, "hc_head"):  # DeepSeek-V4's mHC head (V3 has none: its final norm runs in head_nll's caller)
+        model.hc_head.forward = compile_(model.hc_head.forward)
     model.head_nll = compile_(model.head_nll)
 
 
@@ -213,8 +214,9 @@ def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
         # whole experts per rank when they divide evenly, else split every expert's rows (no padding)
         placement = Shard(0) if local_experts % efsdp == 0 else Shard(1)
         for block in [*model.layers, *model.mtp]:
-            fully_shard(block.ffn.experts, mesh=par.expert_dp_mesh, mp_policy=mp,
-                        shard_placement_fn=lambda p: placement)
+            if hasattr(block.ffn, "experts"):  # DeepSeek-V3's first first_k_dense_replace layers are dense
+                fully_shard(block.ffn.experts, mesh=par.expert_dp_mesh, mp_policy=mp,
+                            shard_placement_fn=lambda p: placement)
     for block in [*model.layers, *model.mtp]:
         fully_shard(block, mesh=par.dp_mesh, mp_policy=mp, ignored_params=tables)
     fully_shard(model, mesh=par.dp_mesh, mp_policy=mp, ignored_params=tables)

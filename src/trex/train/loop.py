@@ -283,9 +283,13 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
         raise ValueError(f"model.path = {recipe.model.path!r}: no model there (expected config.json and safetensors: "
                          "the model/ of an earlier trex train job, or `trex ckpt export` output); if the recipe "
                          "starts from another run's model, its header says which command makes it")
+    layout = recipe.parallel
+    cfg_model = (model.cfg if model is not None else model_config(recipe)) if layout.cp > 1 else None
+    if cfg_model is not None and cfg_model.architecture == "deepseek_v3":
+        raise ValueError(f"parallel.cp = {layout.cp}: context parallelism is not written for the DeepSeek-V3 family "
+                         "yet (its MLA core holds whole sequences); use parallel.cp = 1")
     dev = device_layer.detect(cfg_train.device or None)
     dev.set_current()
-    layout = recipe.parallel
     par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev,
                         trace_dir=os.path.join(cfg_train.out, "flight_recorder"), cp=layout.cp)
     heartbeat.start()
@@ -303,7 +307,7 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
 
     if layout.cp > 1:  # every row of SFT/CPT and DPO is data.seq_len long
         try:
-            check_shardable(model.cfg if model is not None else model_config(recipe), recipe.data.seq_len, layout.cp)
+            check_shardable(cfg_model, recipe.data.seq_len, layout.cp)
         except ValueError as e:
             raise ValueError(f"data.seq_len = {recipe.data.seq_len} with parallel.cp = {layout.cp}: {e}") from None
     if model is None and recipe.model.path and par.distributed:

@@ -14,8 +14,8 @@ functions so that a sharded (FSDP/DTensor) version can reuse it: `momentum_direc
 elementwise and runs on local shards; `orthogonalized_update` needs each logical matrix whole
 (gather, update, re-shard). See docs/optimizers.md.
 
-`build_optimizer` groups a DeepSeek-V4 model's parameters by the rules in `classify`; parameters
-with ``requires_grad=False`` are left out. Parameters stored in a dtype other than fp32 get an
+`build_optimizer` groups a DeepSeek-V4, V4.1 or V3-family model's parameters by the rules in
+`classify`; parameters with ``requires_grad=False`` are left out. Parameters stored in a dtype other than fp32 get an
 fp32 master copy in the optimizer state; the update is computed on the master and copied back.
 """
 
@@ -183,7 +183,8 @@ class Rule:
 
 
 RULES = {r.key: r for r in (
-    Rule("matrix", True, True, "matrices (attention, shared experts, router, MTP projections, mHC head fn), whole"),
+    Rule("matrix", True, True, "matrices (attention, shared experts, router, MTP projections, mHC head fn), whole; "
+         "DeepSeek-V3's MLA wkv_a [latent | k_pe] and wkv_b [per head k_nope | v] too, as Moonlight trains them"),
     Rule("experts", True, True, "routed experts [E, out, in], each expert a separate matrix"),
     Rule("mhc_fn", True, True, "mHC fn [(2+n)n, nd], rows split into pre (n) / post (n) / comb (n*n)"),
     Rule("csa_halves", True, True, "CSA compressor wkv/wgate [2c, d], rows split [0:c] / [c:2c]"),

@@ -81,6 +81,8 @@ class MTPLayer(Block):
 
 
 class DeepseekV3(nn.Module):
+    decode_cache = False  # no MLA decode cache yet: the sampler re-runs the prefix (trex.rollout.sampling)
+
     def __init__(self, cfg: V3Config):
         super().__init__()
         if cfg.sparse:
