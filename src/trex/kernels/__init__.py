@@ -11,8 +11,8 @@ vendor-neutral paths with no registration, and overrides what it has faster.
 fidelity runs, debugging); or per op, comma-separated ``op=impl`` with impl ``reference``, ``auto``
 or a named alternative (``sparse_attention=flex``: FlexAttention, trex.kernels.flex_attention).
 Each fast path and alternative has an equivalence test against its reference
-(tests/test_kernels.py, tests/test_flex_attention.py). Vendor plugins register their kernels with
-``register``.
+(tests/test_kernels.py, tests/test_flex_attention.py, tests/test_dense_attention.py). Vendor plugins
+register their kernels with ``register``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import importlib
 import os
 from collections.abc import Callable
 
+from trex.kernels import dense_attention as _dense_attention
 from trex.kernels import reference
 from trex.kernels import sparse_attention as _sparse_attention
 
@@ -28,6 +29,7 @@ _REFERENCE: dict[str, Callable] = {
     "rms_norm": reference.rms_norm,
     "grouped_mm": reference.grouped_mm,
     "sparse_attention": _sparse_attention.reference,
+    "dense_attention": _dense_attention.reference,
 }
 _FAST: dict[tuple[str, str], Callable] = {}
 ANY = "*"  # the device type of a vendor-neutral default
@@ -92,3 +94,7 @@ register("rms_norm", ANY, _fused.rms_norm)
 register("rms_norm", "cpu", reference.rms_norm)
 # a hand-written backward in plain PyTorch: faster and leaner than autograd's on every device
 register("sparse_attention", ANY, _sparse_attention.fused_backward)
+# PyTorch's fused scaled-dot-product attention with the document-causal mask: no [B, H, S, S] fp32 scores;
+# on CPU with the values zero-padded to the key width, which its fused kernel needs
+register("dense_attention", ANY, _dense_attention.sdpa)
+register("dense_attention", "cpu", _dense_attention.sdpa_padded_values)

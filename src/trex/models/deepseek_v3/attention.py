@@ -4,16 +4,17 @@ Queries: ``wq_a`` -> ``q_norm`` -> ``wq_b`` (the query latent), or one ``wq`` wh
 (Moonlight); per head [nope | pe]. Keys and values: ``wkv_a`` -> [latent (kv_lora_rank) | k_pe
 (qk_rope_head_dim)], ``kv_norm`` on the latent, ``wkv_b`` -> per head [k_nope | v]; k_pe is one head every
 query head shares. RoPE rotates interleaved pairs of the pe dims (``common.rope.apply_rope``: the last
-qk_rope_head_dim dims of a query head, the whole k_pe), as DeepSeek's checkpoints store them. Scores in
-fp32 with scale qk_head_dim^-0.5 x YaRN's m(mscale_all_dim)^2 (``YarnMScale``), the causal mask within
-each packed document, fp32 softmax, probabilities cast to the values' dtype (as DeepSeek's
-``softmax(dtype=float32).type_as(x)``), then ``wo``.
+qk_rope_head_dim dims of a query head, the whole k_pe), as DeepSeek's checkpoints store them. The core is
+the kernel op ``dense_attention`` (trex.kernels.dense_attention): softmax scale qk_head_dim^-0.5 x YaRN's
+m(mscale_all_dim)^2 (``YarnMScale``), the causal mask within each packed document; its reference keeps
+fp32 scores and softmax and casts the probabilities to the values' dtype (as DeepSeek's
+``softmax(dtype=float32).type_as(x)``), its default path is PyTorch's fused scaled-dot-product attention
+(no [B, H, S, S] scores). Then ``wo``.
 
 The latent norms take eps 1e-6 whatever the config's ``rms_norm_eps`` (DeepSeek's code and transformers
 build them with the default; Moonlight's 1e-5 is the blocks' norms').
 
-The core is plain PyTorch over [B, H, S, S] scores (memory quadratic in the sequence, no host read);
-decoding's absorbed MQA form over the cached [latent | k_pe] and a fused kernel path are not written yet.
+Decoding's absorbed MQA form over the cached [latent | k_pe] is not written yet.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trex.kernels.sparse_attention import scores_fp32
+from trex import kernels
 from trex.models.common.context import SequenceContext
 from trex.models.common.linear import QuantLinear
 from trex.models.common.norm import RMSNorm
@@ -29,23 +30,6 @@ from trex.models.common.rope import apply_rope
 from trex.models.deepseek_v3.config import V3Config
 
 LATENT_NORM_EPS = 1e-6
-
-
-def document_causal_mask(doc: torch.Tensor) -> torch.Tensor:
-    """doc [B, S] segment ids -> [B, 1, S, S] bool: query t sees key s <= t of its own document."""
-    S = doc.shape[1]
-    causal = torch.ones(S, S, dtype=torch.bool, device=doc.device).tril()
-    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
-
-
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, visible: torch.Tensor
-                    ) -> torch.Tensor:
-    """q, k [B, S, H, dk], v [B, S, H, dv], visible [B, 1, S, S] -> [B, S, H, dv]: fp32 scores and softmax,
-    the probabilities in v's dtype. Every query sees at least itself."""
-    scores = scores_fp32(q.transpose(1, 2), k.permute(0, 2, 3, 1)) * scale  # [B, H, S, S]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    p = scores.softmax(dim=-1).to(v.dtype)
-    return (p @ v.transpose(1, 2)).transpose(1, 2)
 
 
 class MLA(nn.Module):
@@ -85,5 +69,5 @@ class MLA(nn.Module):
         kv = self.wkv_b(self.kv_norm(latent)).view(B, S, H, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_pe[:, :, None].expand(B, S, H, self.rope)), dim=-1)
-        o = dense_attention(q, k, v, self.softmax_scale, document_causal_mask(ctx.doc))
+        o = kernels.get("dense_attention", q.device.type)(q, k, v, self.softmax_scale, ctx.doc)
         return self.wo(o.flatten(2))
