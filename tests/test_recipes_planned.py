@@ -18,11 +18,12 @@ from trex.train.config import TrainRecipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER_RECIPES = sorted(p for p in glob.glob(os.path.join(ROOT, "recipes", "*.toml"))
-                         if recipe_io.load(TrainRecipe, p).model.preset.startswith("deepseek-v4"))
+                         if recipe_io.load(TrainRecipe, p).model.preset.startswith(("deepseek-v", "kimi-k2")))
 
 
 def test_the_cluster_recipes_are_found():
-    assert {os.path.basename(p) for p in CLUSTER_RECIPES} >= {"deepseek_v4_pro_sft.toml", "deepseek_v4_flash_sft.toml"}
+    assert {os.path.basename(p) for p in CLUSTER_RECIPES} >= {"deepseek_v4_pro_sft.toml", "deepseek_v4_flash_sft.toml",
+                                                            "deepseek_v31_sft.toml", "kimi_k2_sft.toml"}
 
 
 @pytest.mark.parametrize("path", CLUSTER_RECIPES, ids=os.path.basename)

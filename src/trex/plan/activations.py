@@ -55,6 +55,8 @@ class LayerActivations:
 def layer_kinds(cfg: ModelConfig | V41Config) -> list[str]:
     """Each main layer's kind: V4's layer type; for V4.1 ``"csa2/<ratio>"`` (``"/kv"`` for a KV source)
     or the sliding type, with ``"+engram"`` where Engram writes before the block."""
+    if is_v3(cfg):
+        return v3_kinds(cfg)
     if not isinstance(cfg, V41Config):
         return list(cfg.layer_types)
     kinds = []
@@ -76,6 +78,23 @@ def layer_kind(cfg: ModelConfig | V41Config, kind: str) -> tuple[str, int, bool,
 def mtp_blocks(cfg: ModelConfig | V41Config) -> int:
     """MTP blocks the model trains (V4.1's DSpark stages are carried through, not built)."""
     return 0 if isinstance(cfg, V41Config) else cfg.num_nextn_predict_layers
+
+
+def main_blocks(cfg) -> list[tuple[str, str]]:
+    """(layer kind, FFN type) of each main layer."""
+    if is_v3(cfg):
+        return [(k, "dense" if k == V3_DENSE else "moe") for k in v3_kinds(cfg)]
+    return list(zip(layer_kinds(cfg), cfg.mlp_layer_types))
+
+
+def mtp_kind(cfg) -> str:
+    """The layer kind of an MTP block."""
+    return V3_MTP if is_v3(cfg) else cfg.mtp_layer_type
+
+
+def stream_bytes(cfg, b: int) -> float:
+    """Per token, a block's input: all a checkpointed block keeps (V4's hc_mult streams, V3's one)."""
+    return b * cfg.hidden_size * (1 if is_v3(cfg) else cfg.hc_mult)
 
 
 def _rms_norm(D: int) -> float:
@@ -190,6 +209,8 @@ def moe(cfg: ModelConfig, mlp_type: str, b: int) -> float:
 
 
 def block(cfg: ModelConfig, layer_type: str, mlp_type: str, S: int, b: int, cp: int = 1) -> LayerActivations:
+    if is_v3(cfg):
+        return v3_block(cfg, layer_type, S, b)
     balance = F32 * cfg.n_routed_experts if mlp_type != HASH_MOE else 0  # per-sequence expert fractions
     return LayerActivations(mhc=2 * mhc_site(cfg, b) * (S // cp), attention=attention(cfg, layer_type, S, b, cp),
                             moe=moe(cfg, mlp_type, b) * (S // cp) + balance)
@@ -202,6 +223,8 @@ def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: in
     entries (HCA, and CSA whose top-k covers half of them) the probabilities as one matmul operand;
     for gathered top-k, one query chunk's stacked [2H] operands and [T, k, c] per-pick gradients).
     Checked end to end by the full-recompute cases of tests/test_plan_memory_cpu.py, where it shows."""
+    if is_v3(cfg):
+        return v3_backward_workspace(cfg, S, b)
     n, d, H, c = cfg.hc_mult, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     total = 2 * F32 * n * d * (S // cp)
     if layer_kind(cfg, layer_type)[0] != SLIDING:
@@ -218,6 +241,8 @@ def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: in
 
 def weight_copies(cfg: ModelConfig, layer_type: str, b: int) -> float:
     """fp32 copies of weights that one block keeps at bf16 (0 at fp32, where .float() is free)."""
+    if is_v3(cfg):
+        return v3_weight_copies(cfg, layer_type, b)
     if b == F32:
         return 0.0
     n, d, c = cfg.hc_mult, cfg.hidden_size, cfg.head_dim
@@ -251,6 +276,8 @@ def head_backward_workspace(cfg: ModelConfig, tokens: int) -> float:
 def model_level(cfg: ModelConfig, S: int, b: int, heads: bool = True) -> float:
     """Per-sequence bytes outside the blocks: ids, document ids, heads, MTP inputs, weight copies.
     ``heads=False``: what is left once the heads and MTP modules are back-propagated."""
+    if is_v3(cfg):
+        return v3_model_level(cfg, S, b, heads)
     n, d = cfg.hc_mult, cfg.hidden_size
     cp = 0 if b == F32 else F32
     mtp = mtp_blocks(cfg)
@@ -269,8 +296,106 @@ def model_level(cfg: ModelConfig, S: int, b: int, heads: bool = True) -> float:
 def forward_saved(cfg: ModelConfig, S: int, b: int) -> float:
     """Everything autograd keeps for one sequence of S tokens (the whole model, MTP included)."""
     total = model_level(cfg, S, b)
-    for lt, mt in zip(layer_kinds(cfg), cfg.mlp_layer_types):
+    for lt, mt in main_blocks(cfg):
         total += block(cfg, lt, mt, S, b).total + weight_copies(cfg, lt, b)
     for _ in range(mtp_blocks(cfg)):
-        total += block(cfg, cfg.mtp_layer_type, "moe", S, b).total + weight_copies(cfg, cfg.mtp_layer_type, b)
+        total += block(cfg, mtp_kind(cfg), "moe", S, b).total + weight_copies(cfg, mtp_kind(cfg), b)
     return total
+
+
+# ---- the DeepSeek-V3 family (trex.models.deepseek_v3) ---------------------------------------------
+# MLA in its MHA form over a plain residual stream at the compute dtype (no mHC), a dense SwiGLU MLP in
+# the first first_k_dense_replace layers and the MoE (sigmoid router, group-limited top-k) after, an MTP
+# block fed eh_proj([enorm(next embedding), hnorm(h)]). The attention core is plain PyTorch over
+# [B, H, S, S] scores (trex.models.deepseek_v3.attention), so it saves the fp32 probabilities (and
+# their compute-dtype cast) and the [S, S] document-causal mask: quadratic in S, per layer.
+# V3.2's lightning indexer is counted from its config (its top-k indices), though trex does not build
+# the V3.2 model yet; its attention is planned as the dense MLA core. Layer kinds: "mla/dense",
+# "mla/moe" and "mla/mtp" (an MTP block's extra norms and eh_proj input). Checked against autograd on
+# tiny-v3 (tests/test_plan_activations.py).
+V3_DENSE, V3_MOE, V3_MTP = "mla/dense", "mla/moe", "mla/mtp"
+
+
+def is_v3(cfg) -> bool:
+    return getattr(cfg, "architecture", None) == "deepseek_v3"
+
+
+def v3_attention(cfg, S: int, b: int) -> float:
+    """One sequence of S tokens through attn_norm and MLA."""
+    d, H, q, kv, rd = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    qk, nope, dv = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    per_tok = _rms_norm(d) + b * d  # attn_norm; wq_a / wkv_a input (one tensor)
+    if q:
+        per_tok += _rms_norm(q) + b * q  # q_norm, wq_b input
+    per_tok += 2 * F32 * rd  # RoPE of q and k_pe: each keeps its complex rotation [rd/2]
+    # kv_norm: its fp32 input (at fp32 the split view keeps wkv_a's whole [latent | k_pe] output), rstd,
+    # normalised latent; wkv_b input
+    per_tok += F32 * (kv + rd if b == F32 else kv) + F32 * (kv + 1) + b * kv
+    per_tok += 2 * F32 * H * qk  # q and k as the fp32 operands of the scores (scores_fp32)
+    per_tok += b * H * (nope + dv)  # v: a view of wkv_b's output, which it keeps whole
+    per_tok += b * H * dv  # wo input
+    if cfg.index_topk:  # V3.2: the indexer's top-k indices (its scores run without gradient)
+        per_tok += I64 * min(cfg.index_topk, S)
+    per_seq = S * S * (1 + H * (F32 + (b if b != F32 else 0)))  # mask; fp32 probabilities and their cast
+    return per_tok * S + per_seq
+
+
+def v3_ffn(cfg, moe_layer: bool, b: int) -> float:
+    """Per token, ffn_norm and the dense SwiGLU MLP or the MoE (router, k routed experts, shared experts)."""
+    d = cfg.hidden_size
+    per = _rms_norm(d) + b * d  # ffn_norm; the FFN's input
+    if not moe_layer:
+        return per + (3 * F32 + b) * cfg.intermediate_size  # gate, up, silu(gate) in fp32; w2 input
+    E, k, inter, g = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.n_group
+    per += F32 * E  # sigmoid scores
+    if g > 1:  # group limit: each group's top-2 index, the groups' top-k index, the kept-group mask
+        per += I64 * 2 * g + I64 * cfg.topk_group + g
+    per += I64 * k + F32 * (k + 1)  # top-k index; gathered weights and their sum
+    per += F32  # balance loss: score sums
+    per += 2 * I64 * k + b * d * k  # sort order and token index of the k copies; permuted inputs
+    per += ((4 * F32 + b) * inter + F32) * k  # gate, up, silu, h (fp32), w2 input; row weight
+    per += F32 * d * k  # expert outputs as the fp32 copies the combine sums
+    per += (3 * F32 + b) * inter * cfg.n_shared_experts
+    return per
+
+
+def v3_block(cfg, kind: str, S: int, b: int) -> LayerActivations:
+    moe_layer = kind != V3_DENSE
+    per_seq = (4 * cfg.n_routed_experts + 2 * F32 * cfg.n_routed_experts) if moe_layer else 0  # offsets; balance
+    d = cfg.hidden_size
+    # enorm, hnorm (at fp32 its input is the previous head's input, saved already), eh_proj input [2d]; the
+    # module's final norm
+    mtp = (3 * _rms_norm(d) - (F32 * d if b == F32 else 0) + 2 * b * d) * S if kind == V3_MTP else 0.0
+    return LayerActivations(mhc=0.0, attention=v3_attention(cfg, S, b) + mtp,
+                            moe=v3_ffn(cfg, moe_layer, b) * S + per_seq)
+
+
+def v3_weight_copies(cfg, kind: str, b: int) -> float:
+    """fp32 copies of the RMSNorm weights one block keeps at bf16 (0 at fp32)."""
+    if b == F32:
+        return 0.0
+    d = cfg.hidden_size
+    return F32 * (2 * d + cfg.q_lora_rank + cfg.kv_lora_rank + (3 * d if kind == V3_MTP else 0))
+
+
+def v3_model_level(cfg, S: int, b: int, heads: bool = True) -> float:
+    """Per-sequence bytes outside the blocks: token ids, the final norm, each head's input and loss terms."""
+    heads_n = 1 + cfg.num_nextn_predict_layers
+    total = I64 * heads_n * S  # ids for the embeddings (main and each MTP module's tokens ahead)
+    if heads:
+        d = cfg.hidden_size
+        total += (_rms_norm(d) + heads_n * (b * d + F32 + I64 + 1)) * S + 8 * heads_n  # norm; head input, lse, target
+        total += F32 * d if b != F32 else 0.0
+    return total
+
+
+def v3_backward_workspace(cfg, S: int, b: int) -> float:
+    """Transient bytes while one V3 block runs backward: the gradients of its output and input streams,
+    and the attention core's [H, S, S] gradients (of the probabilities at the compute dtype, of the fp32
+    scores through softmax and the mask). An estimate, not measured."""
+    H = cfg.num_attention_heads
+    return 2 * b * cfg.hidden_size * S + (2 * F32 + b) * H * S * S
+
+
+def v3_kinds(cfg) -> list[str]:
+    return [V3_DENSE if i < cfg.first_k_dense_replace else V3_MOE for i in range(cfg.num_hidden_layers)]

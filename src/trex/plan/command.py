@@ -24,11 +24,11 @@ DEFAULT_SEQ = 4096
 
 
 def resolve_model(spec: str) -> ModelConfig | V41Config:
-    """A preset name (V4 or V4.1), a config.json, or a checkpoint directory holding one."""
+    """A preset name (V4, V4.1 or the DeepSeek-V3 family), a config.json, or a checkpoint directory holding one."""
     cfg = _find_model(spec)
-    if cfg.architecture not in ("deepseek_v4", "deepseek_v41"):
-        raise PlanError(f"model {spec!r}: trex plan models DeepSeek-V4 and V4.1; the {cfg.architecture} family's "
-                        "memory and time models are not written yet")
+    if cfg.architecture not in ("deepseek_v4", "deepseek_v41", "deepseek_v3"):
+        raise PlanError(f"model {spec!r}: trex plan models DeepSeek-V4, V4.1 and the V3 family; the "
+                        f"{cfg.architecture} family's memory and time models are not written yet")
     return cfg
 
 

@@ -20,6 +20,17 @@ from trex.models.config import ModelConfig
 from trex.models.deepseek_v4 import check_shardable
 
 RECOMPUTE = ("none", "selective", "full")
+NO_CP_V3 = "context parallelism is not written for the DeepSeek-V3 family: cp = 1 only"
+
+
+def check_context_parallel(cfg: ModelConfig, seq_len: int, cp: int) -> None:
+    """ValueError unless a sequence of ``seq_len`` splits over ``cp`` context-parallel ranks (V4 and V4.1:
+    trex.models.deepseek_v4.check_shardable; the DeepSeek-V3 family: cp = 1 only, as trex trains it)."""
+    if getattr(cfg, "architecture", None) == "deepseek_v3":
+        if cp != 1:
+            raise ValueError(f"cp={cp}: {NO_CP_V3}")
+        return
+    check_shardable(cfg, seq_len, cp)
 
 
 class PlanError(ValueError):
@@ -95,7 +106,7 @@ class Layout:
             raise PlanError(f"sequence length {seq_len} is outside 1..{cfg.max_position_embeddings} "
                             "(the model's max_position_embeddings)")
         try:
-            check_shardable(cfg, seq_len, self.cp)
+            check_context_parallel(cfg, seq_len, self.cp)
         except ValueError as e:
             raise PlanError(f"layout: {e}") from None
 

@@ -90,10 +90,10 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
     exist before this backward (gradient accumulation), so it adds none."""
     S, mb, cp = seq_len, layout.micro_batch, layout.cp
     S_local = S // cp  # a context-parallel rank's rows of each sequence
-    main = list(zip(act.layer_kinds(cfg), cfg.mlp_layer_types))[: cfg.num_hidden_layers // layout.pp]
+    main = act.main_blocks(cfg)[: cfg.num_hidden_layers // layout.pp]
     n_mtp = act.mtp_blocks(cfg)
-    blocks = main + [(cfg.mtp_layer_type, "moe")] * n_mtp
-    stream = b * cfg.hc_mult * cfg.hidden_size * S_local  # a block's input, all a checkpointed block keeps
+    blocks = main + [(act.mtp_kind(cfg), "moe")] * n_mtp
+    stream = act.stream_bytes(cfg, b) * S_local  # a block's input, all a checkpointed block keeps
     # per block: kept from the forward; recomputed in its backward (by then the block's FFN site, run
     # first in backward, has freed what it kept: only the block's input is left of its own)
     def kind(lt: str, mt: str) -> tuple[float, float, float]:

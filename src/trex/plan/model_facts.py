@@ -6,6 +6,12 @@ post-training, `trex.train.moe_balance.freeze_indexer`), which optimizer each on
 Newton-Schulz work of one Muon step. DeepSeek-V4.1's Engram tables are counted apart: they are
 split by rows over every rank outside FSDP (trex.parallel.engram), frozen or trained with row-wise
 AdaGrad by ``[train] engram``, so no other count includes them.
+
+The DeepSeek-V3 family (trex.models.deepseek_v3) is read the same way. DeepSeek-V3.2's lightning indexer
+is counted from its config (per layer, MTP included: wq_b [q_lora_rank -> index_n_heads x index_head_dim],
+wk [hidden -> index_head_dim], k_norm's LayerNorm weight and bias, weights_proj [hidden -> index_n_heads],
+as DeepSeek's inference code builds it) on top of the dense V3 model, since trex does not build V3.2 yet;
+it is frozen, as V4's indexer in post-training.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ MODULE_TYPES = (
     ("routed_experts", r"\.ffn\.experts\."),
     ("shared_expert", r"\.ffn\.shared_experts\."),
     ("router", r"\.ffn\.gate\."),
+    ("dense_mlp", r"\.ffn\.w[123]\."),  # the DeepSeek-V3 family's first first_k_dense_replace layers
     ("mhc", r"(^|\.)hc_(attn|ffn|head)\."),
     ("norms", r"norm\.weight$"),
     ("mtp_projections", r"\.(e_proj|h_proj)\."),
@@ -89,10 +96,25 @@ def _ns_flops(shape: tuple[int, ...], row_blocks: list[int]) -> float:
     return total
 
 
+def v32_indexer_per_layer(cfg) -> int:
+    """Parameters of one DeepSeek-V3.2 indexer (0 for a dense V3 config)."""
+    if getattr(cfg, "architecture", None) != "deepseek_v3" or not cfg.index_topk:
+        return 0
+    h, dh, d = cfg.index_n_heads, cfg.index_head_dim, cfg.hidden_size
+    return cfg.q_lora_rank * h * dh + d * dh + 2 * dh + d * h
+
+
 def _build_facts(cfg: ModelConfig | V41Config) -> ModelFacts:
     from trex.models import build_model
     from trex.train.optim import classify
 
+    indexer = v32_indexer_per_layer(cfg)
+    if indexer:  # V3.2: the dense V3 model, the indexers added below
+        import dataclasses
+
+        from trex.models.deepseek_v3.config import V3
+
+        cfg = dataclasses.replace(cfg, index_n_heads=0, index_head_dim=0, index_topk=0, model_type=V3)
     model = build_model(cfg, device="meta")
     by_type: dict[str, int] = {kind: 0 for kind, _ in MODULE_TYPES}
     mtp = experts = trainable = muon = tables = rows = 0
@@ -128,9 +150,15 @@ def _build_facts(cfg: ModelConfig | V41Config) -> ModelFacts:
             ns += _ns_flops(tuple(p.shape), row_blocks)
             if p.dim() == 2:
                 largest = max(largest, p.numel())
+    if indexer:  # frozen: stored, in each block's FSDP unit, never trained
+        by_type["indexer"] += cfg.num_hidden_layers * indexer
+        mtp += cfg.num_nextn_predict_layers * indexer
+        for entry in blocks.values():
+            entry[0] += indexer
     total = sum(by_type.values())
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    inactive = cfg.num_hidden_layers * (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
+    moe_layers = cfg.moe_layers() if hasattr(cfg, "moe_layers") else cfg.num_hidden_layers
+    inactive = moe_layers * (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
     if tables:  # a token reads (max_ngram - 1) x heads rows of each table
         read = len(cfg.engram_layer_ids) * (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim
         inactive += tables - read

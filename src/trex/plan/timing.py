@@ -86,9 +86,16 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str) ->
     trained_forward = (f.total - f.indexer) / 3
     if recompute == "full":
         return trained_forward + f.indexer
-    layers = cfg.num_hidden_layers + mtp_blocks(cfg)
+    layers = _moe_layers(cfg, cfg.num_hidden_layers) + mtp_blocks(cfg)
     moe_dense = 2 * layers * (cfg.n_routed_experts + 3 * cfg.moe_intermediate_size * cfg.n_shared_experts) * cfg.hidden_size
+    moe_dense += 2 * getattr(cfg, "first_k_dense_replace", 0) * 3 * getattr(cfg, "intermediate_size", 0) * cfg.hidden_size
     return (f.dense_matmuls + f.attention_core) / 3 - moe_dense + f.indexer
+
+
+def _moe_layers(cfg: ModelConfig, layers: int) -> int:
+    """MoE layers among ``layers`` main layers (the DeepSeek-V3 family's first first_k_dense_replace are dense;
+    a pipeline stage is charged as the busiest, all MoE)."""
+    return min(layers, cfg.num_hidden_layers - getattr(cfg, "first_k_dense_replace", 0))
 
 
 def busiest_shard_flops(cfg: ModelConfig, seq_len: int, cp: int) -> float:
@@ -149,7 +156,7 @@ def step_time(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int,
     replicate = 2 * _group_seconds(4 * facts.stored / layout.pp / shard, layout.dp_replicate, hw, shard)
     fsdp = gather + reduce + replicate
 
-    layers = cfg.num_hidden_layers // layout.pp + mtp_blocks(cfg)
+    layers = _moe_layers(cfg, cfg.num_hidden_layers // layout.pp) + mtp_blocks(cfg)
     a2a_bytes = 4 * b * layout.micro_batch * seq_len * cfg.num_experts_per_tok * cfg.hidden_size * layers * micro
     ep = _group_seconds(a2a_bytes / layout.cp, layout.ep, hw)
     if facts.engram_tables:  # fp32 rows (and their gradients when trained) and int64 ids, every table
