@@ -201,14 +201,23 @@ def _tool_calls_text(tool_calls: list[dict]) -> str:
 
 
 def render_conversation(messages: list[dict], *, thinking: bool, drop_thinking: bool = True,
-                        loss_on: str = "assistant", require_assistant: bool = True) -> list[Segment]:
+                        loss_on: str = "assistant", require_assistant: bool = True,
+                        chat_format: str = "deepseek-v4") -> list[Segment]:
     """Render a conversation as consecutive text segments, each flagged trainable or not.
 
     ``loss_on``: "assistant" (every assistant turn), "last_assistant" (assistant turns after the last
     user/tool turn) or "all". A conversation ending in a user message ends with the generation
     prompt ``<｜Assistant｜></think>`` (chat) or ``<｜Assistant｜><think>`` (thinking).
+
+    ``chat_format``: deepseek-v4 (the default), deepseek-v3 (V3/V3-0324; with ``thinking``, R1's form)
+    or deepseek-v3.1, each rendered as the released chat template renders it (docs/data.md).
     """
     validate_conversation(messages, require_assistant=require_assistant)
+    if chat_format != "deepseek-v4":
+        if chat_format not in CHAT_FORMATS:
+            raise ValueError(f"chat_format {chat_format!r}; expected one of {', '.join(CHAT_FORMATS)}")
+        return _render_v3(messages, chat_format=chat_format, thinking=thinking, drop_thinking=drop_thinking,
+                          loss_on=loss_on, prompt=not require_assistant)
     turns = _merge_turns(messages)
     keep_reasoning = not drop_thinking or any(t["role"] == "system" and t.get("tools") for t in turns)
     last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=-1)
@@ -246,9 +255,10 @@ def check_utf8(text: str) -> None:
         raise RecordError("invalid_utf8", f"text is not valid UTF-8 ({err.reason} at {err.start})") from None
 
 
-def render_prompt(messages: list[dict], *, thinking: bool) -> str:
+def render_prompt(messages: list[dict], *, thinking: bool, chat_format: str = "deepseek-v4") -> str:
     """The generation prompt for a conversation that ends with a user message (evaluation)."""
-    return "".join(s.text for s in render_conversation(messages, thinking=thinking, require_assistant=False))
+    return "".join(s.text for s in render_conversation(messages, thinking=thinking, require_assistant=False,
+                                                       chat_format=chat_format))
 
 
 def encode_segments(docs: list[list[Segment]], tokenizer: Tokenizer) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -276,3 +286,100 @@ def completion_answer(text: str, *, thinking: bool) -> str:
         head, sep, tail = text.partition(THINK_END)
         return tail if sep else ""
     return text
+
+
+# ---- DeepSeek-V3 / R1 / V3.1 chat formats ----------------------------------------------------------
+# Plain-Python renderings of the chat templates DeepSeek released in tokenizer_config.json (tests render
+# the released Jinja text with jinja2 and compare). The system message opens the text; no tools block
+# (the released templates render none), so records that define tools are refused.
+CHAT_FORMATS = ("deepseek-v4", "deepseek-v3", "deepseek-v3.1")
+TOOL_CALLS_BEGIN, TOOL_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+TOOL_OUTPUT_BEGIN, TOOL_OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
+R1_THINK_OPEN = THINK_START + "\n"  # R1's template ends its generation prompt with "<think>\n"
+R1_THINK_CLOSE = "\n" + THINK_END + "\n\n"  # and R1 writes "<think>\n{reasoning}\n</think>\n\n{answer}"
+
+
+def _check_v3_record(messages: list[dict], chat_format: str, thinking: bool) -> None:
+    for i, msg in enumerate(messages):
+        if msg.get("tools") or msg.get("response_format"):
+            raise RecordError("unsupported_tools", f"message {i} defines tools/response_format, which the released "
+                              f"{chat_format} template does not render; describe them in the system text instead")
+        has_tools = msg["role"] == "tool" or msg.get("tool_calls") is not None
+        if has_tools and chat_format == "deepseek-v3":
+            raise RecordError("unsupported_tools", f"message {i} has tool calls/results, which data.chat_format = "
+                              "'deepseek-v3' does not train (the released V3 template renders them inconsistently); "
+                              "use chat_format 'deepseek-v3.1'")
+        if has_tools and thinking:
+            raise RecordError("unsupported_tools", f"message {i} has tool calls/results; DeepSeek-V3.1 calls tools in "
+                              "non-thinking mode only: set data.thinking = false for these records")
+
+
+def _v31_tool_calls(msg: dict) -> str:
+    calls = msg["tool_calls"]
+    text = ""
+    for k, call in enumerate(calls):
+        args = call["function"]["arguments"]
+        args = args if isinstance(args, str) else _to_json(args)
+        head = ((msg.get("content") or "") + TOOL_CALLS_BEGIN) if k == 0 else ""
+        text += head + TOOL_CALL_BEGIN + call["function"]["name"] + TOOL_SEP + args + TOOL_CALL_END
+    return text + TOOL_CALLS_END + EOS
+
+
+def _render_v3(messages: list[dict], *, chat_format: str, thinking: bool, drop_thinking: bool, loss_on: str,
+               prompt: bool) -> list[Segment]:
+    """V3 (no thinking; ``thinking``: DeepSeek-R1's form) or V3.1 (``</think>``/``<think>`` after
+    ``<｜Assistant｜>``). ``prompt``: end a conversation whose last message is a user turn with the
+    generation prompt (the template's ``add_generation_prompt``)."""
+    _check_v3_record(messages, chat_format, thinking)
+    v31 = chat_format == "deepseek-v3.1"
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    last_input = max((i for i, m in enumerate(messages) if m["role"] in ("user", "tool")), default=-1)
+    segments = [Segment(BOS, False)]
+    is_last_user = False
+    for i, msg in enumerate(messages):
+        role, content = msg["role"], msg.get("content")
+        if role == "system":
+            segments.append(Segment(content, False))
+        elif role == "user":
+            segments.append(Segment(USER + content, False))
+        elif role == "tool":
+            segments.append(Segment(TOOL_OUTPUT_BEGIN + content + TOOL_OUTPUT_END, False))
+        else:
+            reasons = thinking and (i > last_user or not drop_thinking)
+            if v31:
+                if msg.get("tool_calls") is not None:
+                    head, body = ASSISTANT + THINK_END, _v31_tool_calls(msg)
+                else:
+                    head = ASSISTANT + (THINK_START if reasons else THINK_END)
+                    if reasons:
+                        body = (msg.get("reasoning_content") or "") + THINK_END + content
+                    elif messages[i - 1]["role"] == "tool":
+                        body = content
+                    else:
+                        body = content.split(THINK_END, 1)[1] if THINK_END in content else content
+                    body += EOS
+                if not is_last_user:
+                    head = ""
+            elif reasons:
+                # the "\n" after <think> is the prompt's in R1's template; it rides with the trained text so
+                # that the segment boundary sits next to a special token (a leading "\n" would merge)
+                head = ASSISTANT + THINK_START
+                body = "\n" + (msg.get("reasoning_content") or "") + R1_THINK_CLOSE + content + EOS
+            else:
+                head = ASSISTANT
+                body = (content.split(THINK_END)[-1] if thinking else content) + EOS
+            if head:
+                segments.append(Segment(head, False))
+            segments.append(Segment(body, loss_on != "last_assistant" or i > last_input))
+        is_last_user = role == "user"
+    if prompt and is_last_user:
+        if v31:
+            segments.append(Segment(ASSISTANT + (THINK_START if thinking else THINK_END), False))
+        else:
+            segments.append(Segment(ASSISTANT + (R1_THINK_OPEN if thinking else ""), False))
+    if loss_on == "all":
+        segments = [Segment(s.text, True) for s in segments]
+    for s in segments:
+        check_utf8(s.text)
+    return segments

@@ -12,6 +12,7 @@ DataMode = Literal["sft", "cpt"]
 DataFormat = Literal["auto", "jsonl", "parquet", "arrow"]
 Packing = Literal["auto", "next_fit", "best_fit"]
 LossOn = Literal["assistant", "last_assistant", "all"]
+ChatFormat = Literal["deepseek-v4", "deepseek-v3", "deepseek-v3.1"]
 BadRecordPolicyName = Literal["fail", "skip", "truncate"]
 
 
@@ -37,6 +38,13 @@ class DataSection:
     mode: DataMode = "sft"
     """sft: each record holds a ``messages`` conversation, encoded in the DeepSeek-V4 chat format.
     cpt: each record holds plain ``text`` (continued pretraining), encoded as BOS text EOS."""
+
+    chat_format: ChatFormat = "deepseek-v4"
+    """sft: deepseek-v4 (the default), deepseek-v3 (DeepSeek-V3/V3-0324's released chat template; with
+    ``thinking``, DeepSeek-R1's <think> form) or deepseek-v3.1 (V3.1's template: ``</think>`` after
+    <｜Assistant｜> for chat, ``<think>`` for thinking). Each renders text exactly as its released
+    template does (tests compare with jinja2); records with tools the format cannot render are bad
+    records. docs/data.md "DeepSeek-V3 / R1 / V3.1 chat formats"."""
 
     messages_field: str = "messages"
     """Record key holding the conversation (sft)."""

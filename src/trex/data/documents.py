@@ -53,7 +53,8 @@ def record_segments(record: Record, cfg: DataSection) -> list[Segment]:
         check_utf8(text)
         return [Segment(BOS + text + EOS, True)]
     return render_conversation(conversation(record.data, cfg.messages_field), thinking=cfg.thinking,
-                               drop_thinking=cfg.drop_thinking, loss_on=cfg.loss_on)
+                               drop_thinking=cfg.drop_thinking, loss_on=cfg.loss_on,
+                               chat_format=cfg.chat_format)
 
 
 def conversation(data: dict, field: str = "messages"):

@@ -110,7 +110,8 @@ def pair_segments(record: Record, cfg: DataSection) -> list[list]:
     if data["chosen"] == data["rejected"]:
         raise RecordError("identical_responses", "chosen and rejected are the same")
     return [render_conversation(prompt + _response_messages(data[key], key), thinking=cfg.thinking,
-                                drop_thinking=cfg.drop_thinking, loss_on="last_assistant") for key in RESPONSES]
+                                drop_thinking=cfg.drop_thinking, loss_on="last_assistant",
+                                chat_format=cfg.chat_format) for key in RESPONSES]
 
 
 def _fit(record: Record, ids: np.ndarray, mask: np.ndarray, cfg: DataSection, policy: BadRecordPolicy):

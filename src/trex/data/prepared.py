@@ -64,7 +64,7 @@ FILES = {  # name -> (file, dtype)
     "bounds": ("bounds.i64", np.dtype("<i8")),
 }
 # the options of [data] that change the tokens or the rows (micro_batch_size and encode_chunk do not)
-KEYED_OPTIONS = ("format", "mode", "messages_field", "text_field", "thinking", "drop_thinking", "loss_on",
+KEYED_OPTIONS = ("format", "mode", "chat_format", "messages_field", "text_field", "thinking", "drop_thinking", "loss_on",
                  "bad_record_policy", "seq_len", "seed", "shuffle", "packing", "pack_window")
 WORKER_BYTES = 32 << 20  # automatic workers: one per this much input
 LOCK_STALE_S = 120.0  # a lock not refreshed for this long belongs to a process that died
@@ -123,7 +123,8 @@ def identity(cfg: DataSection, tokenizer: Tokenizer, inputs: list[dict] | None =
         inputs = [{**file_identity(p), "format": kind} for p, kind in resolve_paths(cfg.paths, cfg.format)]
     tok = hashlib.blake2b(tokenizer.backend.to_str().encode(), digest_size=16).hexdigest()
     return {"format_version": FORMAT_VERSION, "inputs": inputs, "tokenizer": {"source": tokenizer.source, "digest": tok},
-            "options": {k: cfg.packing_algorithm if k == "packing" else getattr(cfg, k) for k in KEYED_OPTIONS}}
+            "options": {k: cfg.packing_algorithm if k == "packing" else getattr(cfg, k) for k in KEYED_OPTIONS
+                        if k != "chat_format" or cfg.chat_format != "deepseek-v4"}}  # V4 data keeps its old key
 
 
 def input_stamps(ident: dict, digest: bool = False, keep_alive: Callable[[], None] | None = None) -> dict:

@@ -7,6 +7,7 @@ format uses encodes to exactly one id.
 
 from __future__ import annotations
 
+import json
 import os
 import string
 from importlib import resources
@@ -93,12 +94,38 @@ def load_tokenizer(spec: str = "deepseek-v4") -> Tokenizer:
     if spec == "compact":
         return compact_tokenizer()
     path = deepseek_v4_tokenizer_path() if spec == "deepseek-v4" else Path(spec)
+    _refuse_remote_code(path)
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer {spec!r}: no file {path}; expected deepseek-v4, compact, "
                                 "a tokenizer.json path or a directory holding one")
     return Tokenizer(HFTokenizer.from_file(str(path)), source=str(path))
+
+
+def _refuse_remote_code(path: Path) -> None:
+    """A tokenizer that only loads through remote code (Kimi-K2's tokenization_kimi.py over tiktoken.model)
+    is refused in one line; nothing in the directory is imported or executed."""
+    folder = path if path.is_dir() else path.parent
+    if (folder / "tokenizer.json").is_file() and path.is_dir() or path.suffix == ".json":
+        return
+    config, remote = folder / "tokenizer_config.json", []
+    if config.is_file():
+        try:
+            auto_map = json.loads(config.read_text(encoding="utf-8")).get("auto_map")
+        except (ValueError, OSError, AttributeError):
+            auto_map = None
+        if auto_map:
+            remote.append("tokenizer_config.json auto_map (remote code)")
+    remote += [p.name for p in sorted(folder.glob("tokenization_*.py"))]
+    remote += [p.name for p in sorted(folder.glob("*.tiktoken")) + sorted(folder.glob("tiktoken.model"))]
+    if remote or path.suffix in (".model", ".tiktoken", ".py"):
+        raise ValueError(f"tokenizer {str(path)!r} needs remote code ({', '.join(remote) or path.name}; e.g. Kimi-K2's "
+                         "tiktoken tokenizer), which trex never runs: convert it once to a tokenizer.json (in a "
+                         "trusted environment: transformers AutoTokenizer.from_pretrained(dir, trust_remote_code="
+                         "True) then .backend_tokenizer.save('tokenizer.json') on a fast tokenizer, or "
+                         "transformers.integrations.tiktoken's convert_tiktoken_to_fast) and point data.tokenizer "
+                         "at that file")
 
 
 def compact_tokenizer() -> Tokenizer:
