@@ -1,7 +1,15 @@
-"""DeepSeek-V3 / V3.1 chat formats against the released chat templates (tests/fixtures/chat_templates,
-rendered here with jinja2's sandbox as transformers does; trex's renderer is plain Python)."""
+"""DeepSeek-V3 / V3.1 chat formats against the released chat templates; trex's renderer is plain Python.
+
+The released templates' renderings of these conversations are recorded in
+tests/fixtures/chat_templates/expected.json (the templates themselves are not in the repository). To
+record them again from the `chat_template` of the models' tokenizer_config.json, saved as
+`deepseek-v3.jinja` and `deepseek-v3.1.jinja` in DIR (rendered with jinja2's sandbox, as transformers does):
+
+    TREX_CHAT_TEMPLATES=DIR .venv/bin/python -m pytest -q tests/test_data_chat_v3.py
+"""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -9,16 +17,23 @@ import pytest
 from trex.data.chat import RecordError, encode_segments, render_conversation, render_prompt
 from trex.data.tokenizer import BOS, EOS, load_tokenizer
 
-jinja2 = pytest.importorskip("jinja2")
-from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
-
-TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+EXPECTED = Path(__file__).parent / "fixtures" / "chat_templates" / "expected.json"
+TEMPLATES = os.environ.get("TREX_CHAT_TEMPLATES")  # recording mode: a directory of the released templates
 
 
 def released(fmt, messages, **kw):
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)  # transformers' settings
-    return env.from_string((TEMPLATES / f"{fmt}.jinja").read_text()).render(
-        messages=messages, bos_token=BOS, eos_token=EOS, **kw)
+    """What the released ``fmt`` template renders for ``messages`` (its generation-prompt flags in ``kw``):
+    recorded, or rendered from TREX_CHAT_TEMPLATES and recorded."""
+    key = json.dumps([fmt, messages, kw], sort_keys=True, ensure_ascii=False)
+    recorded = json.loads(EXPECTED.read_text()) if EXPECTED.exists() else {}
+    if TEMPLATES:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)  # transformers' settings
+        recorded[key] = env.from_string((Path(TEMPLATES) / f"{fmt}.jinja").read_text()).render(
+            messages=messages, bos_token=BOS, eos_token=EOS, **kw)
+        EXPECTED.write_text(json.dumps(recorded, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+    return recorded[key]
 
 
 def text(messages, fmt, **kw):
