@@ -306,9 +306,11 @@ def forward_saved(cfg: ModelConfig, S: int, b: int) -> float:
 # ---- the DeepSeek-V3 family (trex.models.deepseek_v3) ---------------------------------------------
 # MLA in its MHA form over a plain residual stream at the compute dtype (no mHC), a dense SwiGLU MLP in
 # the first first_k_dense_replace layers and the MoE (sigmoid router, group-limited top-k) after, an MTP
-# block fed eh_proj([enorm(next embedding), hnorm(h)]). The attention core is plain PyTorch over
-# [B, H, S, S] scores (trex.models.deepseek_v3.attention), so it saves the fp32 probabilities (and
-# their compute-dtype cast) and the [S, S] document-causal mask: quadratic in S, per layer.
+# block fed eh_proj([enorm(next embedding), hnorm(h)]). The attention core is counted as the kernel
+# registry's reference for ``dense_attention`` (plain PyTorch over [B, H, S, S] scores), which saves the
+# fp32 probabilities (and their compute-dtype cast) and the [S, S] document-causal mask: quadratic in S,
+# per layer. The fused default (SDPA) keeps a logsumexp instead of the probabilities, so this is an upper
+# bound on what a run saves; modelling the fused path exactly is left to do (docs/planning.md).
 # V3.2's lightning indexer is counted from its config (its top-k indices), though trex does not build
 # the V3.2 model yet; its attention is planned as the dense MLA core. Layer kinds: "mla/dense",
 # "mla/moe" and "mla/mtp" (an MTP block's extra norms and eh_proj input). Checked against autograd on
