@@ -218,6 +218,12 @@ def trex_targets(name: str, layout: str = "auto", arch: str = "deepseek_v4", n_l
             key = pattern.sub(repl, key)
     for pattern, repl in _FROM_OFFICIAL:
         key = pattern.sub(repl, key)
+    return _expert_targets(key, layout)
+
+
+def _expert_targets(key: str, layout: str) -> list[Target]:
+    """A trex-named ``key``'s targets: transformers' fused gate_up halves (w1, w3), one routed expert's
+    slice of the stacked tensor, or the key itself."""
     m = _GATE_UP.match(key)
     if m and layout != "official":
         return [Target(f"{m.group(1)}.w1", half=0), Target(f"{m.group(1)}.w3", half=1)]
@@ -238,13 +244,7 @@ def _v3_targets(name: str, layout: str, n_layers: int | None) -> list[Target]:
     if layout != "official":
         for pattern, repl in _V3_FROM_HF:
             key = pattern.sub(repl, key)
-    m = _GATE_UP.match(key)
-    if m and layout != "official":
-        return [Target(f"{m.group(1)}.w1", half=0), Target(f"{m.group(1)}.w3", half=1)]
-    m = _EXPERT.match(key)
-    if m:
-        return [Target(f"{m.group(1)}.{m.group(3)}", expert=int(m.group(2)))]
-    return [Target(key)]
+    return _expert_targets(key, layout)
 
 
 def to_trex(name: str, tensor: torch.Tensor, layout: str = "auto", arch: str = "deepseek_v4",

@@ -43,14 +43,14 @@ from trex.kernels.sparse_attention import entry_scores, gather_rows
 # their old path, trex.models.deepseek_v4 (segments, _LinearFP32, the MoE's pieces)
 from trex.models.common.context import (DecodeCacheLike, SequenceContext, SequenceShard, segments,
                                         shift_labels)
-from trex.models.common.heads import ModelOutput, init_parameters
+from trex.models.common.heads import ModelOutput, UntiedHead, init_parameters
 from trex.models.common.linear import QuantLinear, QuantSim, _LinearFP32, linear_fp32, spread_quant
 from trex.models.common.moe import (ExpertSort, Experts, Gate, MoE, MoEStats, SharedExpert, clamped_swiglu,
                                     combine, expert_counts, expert_ffn, sort_by_expert)
 from trex.models.common.norm import RMSNorm, unweighted_rms_norm
 from trex.models.common.rope import apply_rope, rope_inv_freq
 from trex.models.config import CSA, MOE, SLIDING, ModelConfig
-from trex.models.cross_entropy import IGNORE_INDEX, head_nll, token_nll
+from trex.models.cross_entropy import IGNORE_INDEX, token_nll
 
 _BIG = 1 << 40  # sentinel index for padded compressed entries
 
@@ -668,7 +668,7 @@ class MTPBlock(Block):
         return Z, self.norm(self.hc_head(Z))
 
 
-class DeepseekV4(nn.Module):
+class DeepseekV4(UntiedHead, nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -807,11 +807,3 @@ class DeepseekV4(nn.Module):
         ctx.recording = False  # activation checkpointing re-runs blocks in backward with this ctx
         return out
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """LM head in fp32: [B, S, d] -> [B, S, V]."""
-        return linear_fp32(h, self.head.weight)
-
-    def head_nll(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The LM head fused with the loss: h [B, S, d], targets [B, S] -> fp32 per-token NLL [B, S]
-        (0 where IGNORE_INDEX), with no [B, S, V] logits (``trex.models.cross_entropy.head_nll``)."""
-        return head_nll(h, self.head.weight, targets)

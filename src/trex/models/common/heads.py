@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from trex.models.common.linear import linear_fp32
 from trex.models.common.moe import Gate, MoEStats
+from trex.models.cross_entropy import head_nll
 
 
 @dataclass
@@ -49,3 +51,18 @@ def init_parameters(model: nn.Module, std: float, seed: int | None, ones: tuple[
         if isinstance(module, Gate) and not module.hashed:
             module.bias.zero_()
     return gen
+
+
+class UntiedHead:
+    """The LM head of a model whose ``head`` is its own [V, d] linear (not tied to the embedding)."""
+
+    head: nn.Linear
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """LM head in fp32: [B, S, d] -> [B, S, V]."""
+        return linear_fp32(h, self.head.weight)
+
+    def head_nll(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The LM head fused with the loss: h [B, S, d], targets [B, S] -> fp32 per-token NLL [B, S]
+        (0 where IGNORE_INDEX), with no [B, S, V] logits (``trex.models.cross_entropy.head_nll``)."""
+        return head_nll(h, self.head.weight, targets)

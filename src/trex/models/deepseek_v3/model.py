@@ -27,12 +27,12 @@ from torch import nn
 
 from trex.models.common.config import MOE
 from trex.models.common.context import DecodeCacheLike, SequenceContext, shift_labels
-from trex.models.common.heads import ModelOutput, init_parameters
-from trex.models.common.linear import QuantLinear, QuantSim, linear_fp32, spread_quant
+from trex.models.common.heads import ModelOutput, UntiedHead, init_parameters
+from trex.models.common.linear import QuantLinear, QuantSim, spread_quant
 from trex.models.common.moe import Experts, MoE, SharedExpert
 from trex.models.common.norm import RMSNorm
 from trex.models.common.rope import rope_inv_freq
-from trex.models.cross_entropy import IGNORE_INDEX, head_nll, token_nll
+from trex.models.cross_entropy import IGNORE_INDEX, token_nll
 from trex.models.deepseek_v3.attention import MLA
 from trex.models.deepseek_v3.config import V3Config
 
@@ -80,7 +80,7 @@ class MTPLayer(Block):
         return self.norm(super().forward(x, ctx))
 
 
-class DeepseekV3(nn.Module):
+class DeepseekV3(UntiedHead, nn.Module):
     decode_cache = False  # no MLA decode cache yet: the sampler re-runs the prefix (trex.rollout.sampling)
 
     def __init__(self, cfg: V3Config):
@@ -169,11 +169,3 @@ class DeepseekV3(nn.Module):
         ctx.recording = False  # activation checkpointing re-runs blocks in backward with this ctx
         return out
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """LM head in fp32: [B, S, d] -> [B, S, V]."""
-        return linear_fp32(h, self.head.weight)
-
-    def head_nll(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The LM head fused with the loss: h [B, S, d], targets [B, S] -> fp32 per-token NLL [B, S]
-        (0 where IGNORE_INDEX), with no [B, S, V] logits (``trex.models.cross_entropy.head_nll``)."""
-        return head_nll(h, self.head.weight, targets)
