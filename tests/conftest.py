@@ -12,6 +12,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`: two workers share the 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # and so do the trex processes a test starts
     # Inductor compiles in its own process, not in a pool of one per core beside the other worker's tests
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    # each worker its own Inductor cache (and the processes it starts): two workers writing one
+    # precompiled header at once once failed a compile with "'at::vec' has not been declared"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        tempfile.gettempdir(), f"torchinductor-{os.getuid()}-{os.environ['PYTEST_XDIST_WORKER']}"))
 else:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # the machine's measured matmul peak (trex.device.cached_peak_flops) is kept out of the user's home
