@@ -12,8 +12,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`: two workers share the 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # and so do the trex processes a test starts
     # Inductor compiles in its own process, not in a pool of one per core beside the other worker's tests
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    # each worker its own Inductor cache (and the processes it starts): two workers writing one
-    # precompiled header at once once failed a compile with "'at::vec' has not been declared"
+    # each worker its own Inductor cache (and the processes it starts): a test's compiled kernels are
+    # built by its own worker, not loaded from what a test in the other worker compiled under its settings
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
         tempfile.gettempdir(), f"torchinductor-{os.getuid()}-{os.environ['PYTEST_XDIST_WORKER']}"))
 else:
