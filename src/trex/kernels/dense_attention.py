@@ -18,7 +18,9 @@ training), registered as the op ``dense_attention``:
   5.7 ms and 321 MiB not, fp32 46 vs 37 ms.
 
 Shapes: q, k [B, S, H, dk]; v [B, S, H, dv]; doc [B, S] segment ids (packed documents; a left-padding run is
-a segment of its own, so every query sees at least itself). Returns [B, S, H, dv] in v's dtype.
+a segment of its own, so every query sees at least itself); ``keep`` [B, S, S] bool (optional; DeepSeek-V3.2's
+sparse attention: the keys each query's indexer picked) restricts the keys further, and must keep each
+query's own position (an empty row would be a softmax over nothing). Returns [B, S, H, dv] in v's dtype.
 """
 
 from __future__ import annotations
@@ -29,34 +31,38 @@ import torch.nn.functional as F
 from trex.kernels.sparse_attention import scores_fp32
 
 
-def document_causal_mask(doc: torch.Tensor) -> torch.Tensor:
-    """doc [B, S] segment ids -> [B, 1, S, S] bool: query t sees key s <= t of its own document."""
+def document_causal_mask(doc: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """doc [B, S] segment ids -> [B, 1, S, S] bool: query t sees key s <= t of its own document (and, with
+    ``keep`` [B, S, S], only the keys it keeps)."""
     S = doc.shape[1]
     causal = torch.ones(S, S, dtype=torch.bool, device=doc.device).tril()
-    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+    visible = causal & (doc[:, :, None] == doc[:, None, :])
+    return (visible if keep is None else visible & keep)[:, None]
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc: torch.Tensor) -> torch.Tensor:
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc: torch.Tensor,
+              keep: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [B, H, S, S] scores and softmax, the probabilities in v's dtype (see the module docstring)."""
-    visible = document_causal_mask(doc)
+    visible = document_causal_mask(doc, keep)
     scores = scores_fp32(q.transpose(1, 2), k.permute(0, 2, 3, 1)) * scale  # [B, H, S, S]
     scores = scores.masked_fill(~visible, float("-inf"))
     p = scores.softmax(dim=-1).to(v.dtype)
     return (p @ v.transpose(1, 2)).transpose(1, 2)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc: torch.Tensor) -> torch.Tensor:
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc: torch.Tensor,
+         keep: torch.Tensor | None = None) -> torch.Tensor:
     """``reference``'s contract through ``F.scaled_dot_product_attention`` (see the module docstring)."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=document_causal_mask(doc), scale=scale)
+                                         attn_mask=document_causal_mask(doc, keep), scale=scale)
     return out.transpose(1, 2)
 
 
-def sdpa_padded_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc: torch.Tensor
-                       ) -> torch.Tensor:
+def sdpa_padded_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc: torch.Tensor,
+                       keep: torch.Tensor | None = None) -> torch.Tensor:
     """``sdpa`` with v zero-padded to q's head dim, the padding sliced off (see the module docstring)."""
     dv = v.shape[-1]
     pad = q.shape[-1] - dv
     if pad <= 0:
-        return sdpa(q, k, v, scale, doc)
-    return sdpa(q, k, F.pad(v, (0, pad)), scale, doc)[..., :dv]
+        return sdpa(q, k, v, scale, doc, keep)
+    return sdpa(q, k, F.pad(v, (0, pad)), scale, doc, keep)[..., :dv]

@@ -58,8 +58,8 @@ class MLA(nn.Module):
         """x [B, S, d] (normed) -> [B, S, d]."""
         B, S, _ = x.shape
         H = self.n_heads
-        q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_latent else self.wq(x)
-        q = q.view(B, S, H, self.nope + self.rope)
+        qr = self.q_norm(self.wq_a(x)) if self.q_latent else None  # the query latent (V3.2's indexer reads it)
+        q = (self.wq_b(qr) if self.q_latent else self.wq(x)).view(B, S, H, self.nope + self.rope)
         latent, k_pe = self.wkv_a(x).split([self.kv_lora, self.rope], dim=-1)
         cos, sin = ctx.rope["main"]  # [B, S, rope/2] fp32
         if self.rope_scale != 1.0:  # transformers' cos/sin factor when the two mscale fields differ
@@ -69,5 +69,11 @@ class MLA(nn.Module):
         kv = self.wkv_b(self.kv_norm(latent)).view(B, S, H, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_pe[:, :, None].expand(B, S, H, self.rope)), dim=-1)
-        o = kernels.get("dense_attention", q.device.type)(q, k, v, self.softmax_scale, ctx.doc)
-        return self.wo(o.flatten(2))
+        return self.wo(self.attend(x, qr, q, k, v, ctx).flatten(2))
+
+    def attend(self, x: torch.Tensor, qr: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               ctx: SequenceContext) -> torch.Tensor:
+        """The attention core: q, k [B, S, H, qk_head_dim], v [B, S, H, v_head_dim] -> [B, S, H, v_head_dim],
+        causal within each document. V3.2's ``SparseMLA`` (deepseek_v3.dsa) keeps only its indexer's picks
+        of x and the query latent qr [B, S, q_lora_rank]."""
+        return kernels.get("dense_attention", q.device.type)(q, k, v, self.softmax_scale, ctx.doc)
