@@ -129,4 +129,9 @@ class SparseMLA(MLA):
                     target = picked.masked_fill(~valid[:, :, None], float("-inf")).softmax(dim=-1).mean(dim=2)
             if align:
                 self.indexer.alignment = self.indexer.align(x, qr, ctx, idx, valid, target)
-        return kernels.get("dense_attention", q.device.type)(q, k, v, self.softmax_scale, ctx.doc, keep)
+        o = kernels.get("dense_attention", q.device.type)(q, k, v, self.softmax_scale, ctx.doc, keep)
+        if warmup and align:  # only the indexer trains: 0 x its KL gives the block's output a gradient, as
+            # FSDP2 gathers a unit's parameters for backward when its outputs get one (the KL's own path
+            # reaches the indexer's parameters only after that)
+            o = o + 0.0 * self.indexer.alignment[:, 0].sum()
+        return o
