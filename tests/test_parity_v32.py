@@ -33,7 +33,7 @@ def test_logits_loss_and_gradients_match_transformers(tmp_path):
     r = ref(ids, labels=labels)
     o = ours(ids, labels=labels)
     assert (r.logits - o.logits).abs().max().item() <= 1e-4
-    assert _rel(o.logits, r.logits) <= 1e-5  # measured 1.9e-7
+    assert _rel(o.logits, r.logits) <= 1e-5  # measured 5.2e-7
     assert abs(r.loss.item() - o.loss.item()) <= 1e-5 * abs(r.loss.item())
     ref.config.index_topk = ours.cfg.index_topk = 64  # every visible key: the picks above did matter
     for layer in [*ref.model.layers]:
