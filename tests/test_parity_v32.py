@@ -4,7 +4,8 @@ A random-weight tiny model (the indexer keeping 8 of up to 37 keys: really spars
 ``save_pretrained`` and loaded with ``trex.checkpoint.load_pretrained``: logits, loss and every gradient
 transformers has must match in fp32. transformers' indexer runs under ``no_grad`` (no gradient, no KL
 loss), so its parameters have no gradient there, and none in trex without ``align_indexer`` (the top-k
-takes no LM gradient); the indexer's own loss is tested against its definition in test_train_v32.py.
+takes no LM gradient); the indexer's own loss is tested against its definition in test_train_v32.py. And the other way: what trex
+writes in the released names, transformers reads.
 """
 
 from __future__ import annotations
@@ -61,3 +62,28 @@ def test_logits_loss_and_gradients_match_transformers(tmp_path):
     assert len(indexer) == 5 * n_layers  # wq_b, wk, k_norm weight and bias, weights_proj
     main = {k for k in ours_params if not k.startswith("mtp.")}  # transformers' V3.2 has no MTP
     assert compared | indexer == main
+
+
+def test_save_pretrained_is_read_by_load_pretrained_and_transformers(tmp_path):
+    """A tiny-v3.2 (the k_norm's bias random) written in the released names (``self_attn.indexer.wq_b`` keeps
+    its name): trex reads it back to the same logits exactly, transformers' DeepseekV32ForCausalLM to within
+    fp32 rounding (measured 2.2e-7 norm-relative; it ignores the MTP layer, which it does not build)."""
+    import transformers
+
+    from trex.checkpoint.save import save_pretrained
+    from trex.models import build_model, get_preset
+
+    model = build_model(get_preset("tiny-v3.2"), seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("k_norm.bias"):
+                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(1))
+    save_pretrained(model, str(tmp_path / "m"), dtype="fp32")
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model.eval()(ids).logits
+        assert torch.equal(load_pretrained(str(tmp_path / "m")).eval()(ids).logits, want)
+        hf = transformers.DeepseekV32ForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.float32,
+                                                                 attn_implementation="eager").eval()
+        got = hf(ids).logits
+    assert (got - want).abs().max() < 1e-5 and (got - want).norm() / want.norm() < 1e-6
