@@ -21,8 +21,8 @@ from trex.models.config_v41 import V41_PRESETS, V41Config, is_v41
 from trex.models.config_v41 import config_from_dict as v4_family_config
 from trex.models.deepseek_v3.config import V3_PRESETS, V3Config, is_v3
 
-__all__ = ["ARCHITECTURES", "PRESETS", "config_from_dict", "config_from_file", "get_preset", "is_v3", "is_v41",
-           "model_class"]
+__all__ = ["ARCHITECTURES", "DECODE_CACHES", "PRESETS", "config_from_dict", "config_from_file", "decode_cache",
+           "get_preset", "is_v3", "is_v41", "model_class"]
 
 PRESETS = {**V4_PRESETS, **V41_PRESETS, **V3_PRESETS}
 
@@ -31,6 +31,13 @@ ARCHITECTURES = {
     "deepseek_v4": "trex.models.deepseek_v4:DeepseekV4",
     "deepseek_v41": "trex.models.deepseek_v41:DeepseekV41",
     "deepseek_v3": "trex.models.deepseek_v3.model:DeepseekV3",
+}
+
+# a config's ``architecture`` -> "module:class" of its decode cache (the sampler's incremental generation)
+DECODE_CACHES = {
+    "deepseek_v4": "trex.models.decode:DecodeCache",
+    "deepseek_v41": "trex.models.decode_v41:V41DecodeCache",
+    "deepseek_v3": "trex.models.deepseek_v3.decode:V3DecodeCache",
 }
 
 AnyConfig = ModelConfig | V41Config | V3Config
@@ -58,5 +65,15 @@ def config_from_file(path: str) -> AnyConfig:
 
 def model_class(cfg: AnyConfig) -> type:
     """The model class of ``cfg``'s architecture (imports torch and the model's module)."""
-    module, _, name = ARCHITECTURES[cfg.architecture].partition(":")
+    return _load(ARCHITECTURES[cfg.architecture])
+
+
+def _load(target: str) -> type:
+    module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def decode_cache(cfg: AnyConfig, max_new_tokens: int):
+    """An empty decode cache of ``cfg``'s architecture for at most ``max_new_tokens`` decode steps (imports
+    torch and the cache's module)."""
+    return _load(DECODE_CACHES[cfg.architecture])(max_new_tokens)
