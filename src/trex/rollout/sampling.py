@@ -8,8 +8,8 @@ Decoding is incremental: the prompt batch runs once through the ordinary forward
 architecture's decode cache (``trex.models.registry.decode_cache``: V4's :class:`~trex.models.decode.DecodeCache`,
 V4.1's ``decode_v41``, DeepSeek-V3's MLA latents ``deepseek_v3.decode``); every later token is one forward
 of [B, 1] against it (``use_cache=False`` re-runs the whole sequence per token instead, the reference the
-cache is tested against; so does a model whose ``decode_cache`` attribute is False). Under context
-parallelism every rank of the group samples whole rows (its forwards run unsharded).
+cache is tested against). Under context parallelism every rank of the group samples whole rows (its
+forwards run unsharded).
 
 The sampler reads the live model weights and works on the plain and on the FSDP2/EP-sharded model:
 when torch.distributed is initialised every rank runs the same number of forward calls (the number
@@ -156,7 +156,6 @@ def _sample_batch(model, prompts: list[list[int]], params: SamplingParams, pad_i
     device = done.device
     ids, docs = left_pad(prompts, pad_id, device)
     stop = torch.tensor(params.stop_ids, dtype=torch.long, device=device)
-    use_cache = use_cache and getattr(model, "decode_cache", True)  # a model may opt out: re-run the prefix
     cache = decode_cache(model.cfg, params.max_new_tokens) if use_cache else None
     finished = torch.zeros_like(done)
     tokens, logprobs = [], []
