@@ -139,8 +139,8 @@ def test_v3_cached_logits_match_full_recompute_at_every_step(preset):
 
 def test_v3_sampler_decodes_through_the_cache(monkeypatch):
     """The sampler on tiny-v3 prefills once and then feeds one token per row per forward (a fallback to
-    re-running the prefix would feed the whole rows); its greedy tokens and log-probs are the re-running
-    sampler's."""
+    re-running the prefix would feed the whole rows); its greedy tokens, log-probs and recorded experts
+    (routing replay) are the re-running sampler's."""
     from trex.models.deepseek_v3.model import DeepseekV3
     from trex.models.registry import get_preset
 
@@ -154,14 +154,17 @@ def test_v3_sampler_decodes_through_the_cache(monkeypatch):
 
     monkeypatch.setattr(DeepseekV3, "forward", counting)
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
-    cached = sample(model, V3_PROMPTS, params, pad_id=0)
+    cached = sample(model, V3_PROMPTS, params, pad_id=0, record_routes=True)
     assert widths == [(60, True)] + [(1, True)] * 5
     widths.clear()
-    full = sample(model, V3_PROMPTS, params, pad_id=0, use_cache=False)
+    full = sample(model, V3_PROMPTS, params, pad_id=0, use_cache=False, record_routes=True)
     assert widths == [(60 + i, False) for i in range(6)]
     assert cached.completion_ids == full.completion_ids
     for a, b in zip(cached.logprobs, full.logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+    assert set(cached.routes[0]) == {"layers.1", "layers.2"}  # the dense first layer routes nothing
+    for a, b in zip(cached.routes, full.routes):
+        assert all(torch.equal(a[name], b[name]) for name in a)
 
 
 def test_v3_cache_refuses_labels_and_more_steps_than_it_was_sized_for():
