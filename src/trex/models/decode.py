@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from trex.kernels.sparse_attention import gather_rows, scores_fp32
 from trex.models.common.context import DecodeSteps
 from trex.models.common.linear import linear_fp32
