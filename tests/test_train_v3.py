@@ -230,11 +230,23 @@ def test_dpo_on_tiny_v3(task, tmp_path):
     assert rows[1]["reward_margin"] != 0  # the policy left its reference
 
 
-def test_grpo_on_tiny_v3_samples_by_rerunning_the_prefix(task, tmp_path):
-    """GRPO samples from the training model (no decode cache: each token re-runs the prefix); the trainer's
-    recomputed log-probs equal the sampler's, the KL to the reference copy starts at 0."""
+def test_grpo_on_tiny_v3_samples_through_the_decode_cache(task, tmp_path, monkeypatch):
+    """GRPO samples from the training model through its MLA decode cache (each sampled batch prefills once,
+    then decodes a token per forward: counted); the trainer's recomputed log-probs equal the sampler's, the
+    KL to the reference copy starts at 0."""
+    from trex.models.deepseek_v3.decode import V3DecodeCache
+
+    steps, step = [], V3DecodeCache.step
+
+    def counted(self, attn, x, ctx):
+        steps.append(x.shape)
+        return step(self, attn, x, ctx)
+
+    monkeypatch.setattr(V3DecodeCache, "step", counted)
     p = trex([*_post(task, "grpo"), "--out", str(tmp_path / "grpo")], env={**CPU, "PYTHONPATH": str(task)})
     assert p.returncode == 0, p.stderr[-3000:]
+    # 3 steps x 8 rows x one decode step (max_new_tokens 2) in each of the 3 layers
+    assert steps == [torch.Size([8, 1, 64])] * 3 * 3
     rows = _rows(tmp_path / "grpo")
     assert len(rows) == 3 and all(r["response_length"] == 2 for r in rows)
     assert rows[0]["kl"] == 0 and rows[-1]["kl"] > 0
@@ -277,8 +289,8 @@ def test_fsdp2_and_expert_parallelism_give_the_losses_of_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_under_fsdp2_ep2_gives_the_samples_and_losses_of_one_process(task, tmp_path):
-    """GRPO on tiny-v3 on two ranks as FSDP2 + EP2 (each rank samples its prompts through the sharded model,
-    re-running the prefix): the same rewards and lengths, every step's loss, KL, entropy and gradient norm
+    """GRPO on tiny-v3 on two ranks as FSDP2 + EP2 (each rank samples its prompts through the sharded model
+    and its decode cache): the same rewards and lengths, every step's loss, KL, entropy and gradient norm
     within 1e-5 of one process."""
     env = {**CPU, "PYTHONPATH": f"{task}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     one = trex([*_post(task, "grpo"), "--out", str(tmp_path / "one")], env=env)

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA) of DeepSeek-V3, in its MHA form for training.
+"""Multi-head latent attention (MLA) of DeepSeek-V3, in its MHA form for training and prefill.
 
 Queries: ``wq_a`` -> ``q_norm`` -> ``wq_b`` (the query latent), or one ``wq`` when ``q_lora_rank`` is 0
 (Moonlight); per head [nope | pe]. Keys and values: ``wkv_a`` -> [latent (kv_lora_rank) | k_pe
@@ -14,7 +14,8 @@ fp32 scores and softmax and casts the probabilities to the values' dtype (as Dee
 The latent norms take eps 1e-6 whatever the config's ``rms_norm_eps`` (DeepSeek's code and transformers
 build them with the default; Moonlight's 1e-5 is the blocks' norms').
 
-Decoding's absorbed MQA form over the cached [latent | k_pe] is not written yet.
+Decoding (trex.models.deepseek_v3.decode) caches each token's normed latent and rotated k_pe and attends
+in the absorbed MQA form; this module hands it the projections (``query``, ``latent_kv``).
 """
 
 from __future__ import annotations
@@ -54,19 +55,44 @@ class MLA(nn.Module):
         self.softmax_scale = qk ** -0.5 * (yarn.softmax_scale if yarn is not None else 1.0)
         self.rope_scale = yarn.rope_scale if yarn is not None else 1.0
 
+    def rope_table(self, ctx: SequenceContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, S, rope/2] fp32 of the context's positions, times transformers' cos/sin factor when
+        the two mscale fields differ."""
+        cos, sin = ctx.rope["main"]
+        if self.rope_scale != 1.0:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        return cos, sin
+
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qr: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        """x [B, S, d] -> q [B, S, H, nope + rope], the pe dims rotated; ``qr``: x's query latent when the
+        caller has it already (``q_norm(wq_a(x))``)."""
+        B, S, _ = x.shape
+        if self.q_latent and qr is None:
+            qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr) if self.q_latent else self.wq(x)
+        return apply_rope(q.view(B, S, self.n_heads, self.nope + self.rope), cos[:, :, None], sin[:, :, None])
+
+    def latent_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, S, d] -> (the normed latent [B, S, kv_lora_rank], the rotated k_pe [B, S, rope]): what a
+        decode cache keeps per token (trex.models.deepseek_v3.decode)."""
+        latent, k_pe = self.wkv_a(x).split([self.kv_lora, self.rope], dim=-1)
+        return self.kv_norm(latent), apply_rope(k_pe, cos, sin)
+
     def forward(self, x: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
-        """x [B, S, d] (normed) -> [B, S, d]."""
+        """x [B, S, d] (normed) -> [B, S, d]. With a decode cache: a prefill hands the layer's latents to
+        ``cache.prefill``; a decode step (x [B, 1, d]) is ``cache.step``'s."""
+        if ctx.decoding:
+            return ctx.cache.step(self, x, ctx)
         B, S, _ = x.shape
         H = self.n_heads
+        cos, sin = self.rope_table(ctx)
         qr = self.q_norm(self.wq_a(x)) if self.q_latent else None  # the query latent (V3.2's indexer reads it)
-        q = (self.wq_b(qr) if self.q_latent else self.wq(x)).view(B, S, H, self.nope + self.rope)
-        latent, k_pe = self.wkv_a(x).split([self.kv_lora, self.rope], dim=-1)
-        cos, sin = ctx.rope["main"]  # [B, S, rope/2] fp32
-        if self.rope_scale != 1.0:  # transformers' cos/sin factor when the two mscale fields differ
-            cos, sin = cos * self.rope_scale, sin * self.rope_scale
-        q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-        k_pe = apply_rope(k_pe, cos, sin)
-        kv = self.wkv_b(self.kv_norm(latent)).view(B, S, H, self.nope + self.v_dim)
+        q = self.query(x, cos, sin, qr)
+        latent, k_pe = self.latent_kv(x, cos, sin)
+        if ctx.cache is not None:
+            ctx.cache.prefill(self, latent, k_pe, ctx)
+        kv = self.wkv_b(latent).view(B, S, H, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_pe[:, :, None].expand(B, S, H, self.rope)), dim=-1)
         return self.wo(self.attend(x, qr, q, k, v, ctx).flatten(2))

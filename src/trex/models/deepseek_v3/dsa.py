@@ -66,24 +66,32 @@ class Indexer(nn.Module):
         self.alignment: torch.Tensor | None = None  # [B, 2] (KL sum, queries) of the last training forward
         self.recall: torch.Tensor | None = None  # [B, 2] (main attention's mass on the picks, queries)
 
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, S, d], qr [B, S, q_lora_rank], cos, sin [B, S, rope/2] -> queries [B, S, H_I, c_I] and head
+        weights [B, S, H_I] (the scales H_I^-0.5 c_I^-0.5 folded in), fp32."""
+        B, S, _ = x.shape
+        q = apply_rope_half(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos[:, :, None], sin[:, :, None])
+        w = F.linear(x.float(), self.weights_proj.weight.float()) * (self.n_heads * self.head_dim) ** -0.5
+        return q.float(), w
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, S, d] -> the index keys [B, S, c_I], fp32."""
+        return apply_rope_half(self.k_norm(self.wk(x)), cos, sin).float()
+
     def project(self, x: torch.Tensor, qr: torch.Tensor, ctx: SequenceContext
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, S, d], qr [B, S, q_lora_rank] -> queries [B, S, H_I, c_I], head weights [B, S, H_I] (the
-        scales H_I^-0.5 c_I^-0.5 folded in), keys [B, S, c_I]; fp32."""
-        B, S, _ = x.shape
+        """``queries`` and ``keys`` at the context's positions."""
         cos, sin = ctx.rope["main"]
-        q = apply_rope_half(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos[:, :, None], sin[:, :, None])
-        keys = apply_rope_half(self.k_norm(self.wk(x)), cos, sin)
-        w = F.linear(x.float(), self.weights_proj.weight.float()) * (self.n_heads * self.head_dim) ** -0.5
-        return q.float(), w, keys.float()
+        return *self.queries(x, qr, cos, sin), self.keys(x, cos, sin)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: SequenceContext, visible: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The picks: (idx [B, S, k] long, valid [B, S, k] bool), k = min(index_topk, S), among the keys
-        each query may see (visible [B, S, S])."""
+        each query may see (visible [B, S, S]); and the keys [B, S, c_I] (a decode cache keeps them)."""
         q, w, keys = self.project(x, qr, ctx)
-        return select_topk(q, w, keys, visible, min(self.topk, x.shape[1]))
+        return *select_topk(q, w, keys, visible, min(self.topk, x.shape[1])), keys
 
     def align(self, x: torch.Tensor, qr: torch.Tensor, ctx: SequenceContext, idx: torch.Tensor, valid: torch.Tensor,
               target: torch.Tensor) -> torch.Tensor:
@@ -114,8 +122,10 @@ class SparseMLA(MLA):
         if warmup:
             idx, valid, keep = torch.arange(S, device=x.device).expand(B, S, S), visible, None
         else:
-            idx, valid = self.indexer(x, qr, ctx, visible)
+            idx, valid, keys = self.indexer(x, qr, ctx, visible)
             keep = torch.zeros_like(visible).scatter_(-1, idx, valid)
+            if ctx.cache is not None:  # a prefill: the decode steps pick among these keys too
+                ctx.cache.prefill_index(self, keys)
         align = getattr(ctx, "align_indexer", False) and ctx.recording
         if align or getattr(ctx, "measure_recall", False):
             with torch.no_grad():  # the main attention's fp32 scores [B, S, H, S], per head
@@ -135,3 +145,15 @@ class SparseMLA(MLA):
             # reaches the indexer's parameters only after that)
             o = o + 0.0 * self.indexer.alignment[:, 0].sum()
         return o
+
+    @torch.no_grad()
+    def decode_picks(self, x: torch.Tensor, qr: torch.Tensor, ctx: SequenceContext, keys: torch.Tensor, slot: int,
+                     visible: torch.Tensor) -> torch.Tensor:
+        """A decode step's picks (trex.models.deepseek_v3.decode): x, qr [B, 1, *] the new token, written into
+        ``keys`` [B, N, c_I] at ``slot``; returns [B, N] bool, its top min(index_topk, N) of the ``visible``
+        [B, N] slots."""
+        cos, sin = ctx.rope["main"]
+        q, w = self.indexer.queries(x, qr, cos, sin)
+        keys[:, slot] = self.indexer.keys(x, cos, sin)[:, 0]
+        idx, valid = select_topk(q, w, keys, visible[:, None], min(self.indexer.topk, keys.shape[1]))
+        return torch.zeros_like(visible).scatter_(-1, idx[:, 0], valid[:, 0])

@@ -10,9 +10,10 @@ and the MTP layer (released as ``model.layers.{num_hidden_layers}``) as ``mtp.0`
 The forward is DeepseekV4's contract (``labels``, ``targets``, ``return_logits``, ``doc_ids``,
 ``token_mask``, ``routes``, ``route_log`` -> ModelOutput), so one training loop trains either. Packed
 documents attend only within themselves and restart their positions (DeepSeek's official inference
-code as the oracle: tests/test_official_v3.py). V3.2 (``cfg.sparse``): every block's attention is
-``dsa.SparseMLA`` (the lightning indexer, its two training stages). Not yet: a decode cache, context
-parallelism.
+code as the oracle: tests/test_official_v3.py). Generation: ``cache`` (trex.models.deepseek_v3.decode's
+``V3DecodeCache``, the MLA latents) as DeepseekV4's forward takes one. V3.2 (``cfg.sparse``): every
+block's attention is ``dsa.SparseMLA`` (the lightning indexer, its two training stages; the cache keeps
+its keys too). Not yet: context parallelism.
 
 MTP (transformers' ``MtpLayer``): h' = eh_proj([enorm(embed(token t + j)), hnorm(h)]) -> a full MoE
 block -> the module's ``norm`` (released ``shared_head.norm``) -> the shared head, where h is the main
@@ -40,11 +41,12 @@ from trex.models.deepseek_v3.config import V3Config
 from trex.models.deepseek_v3.dsa import SparseMLA
 
 
-def sequence_context(cfg: V3Config, input_ids: torch.Tensor, doc_ids: torch.Tensor | None) -> SequenceContext:
-    """The per-forward context: documents, positions within them, and the MLA's RoPE table ("main": YaRN
-    when the config has it, at every length)."""
+def sequence_context(cfg: V3Config, input_ids: torch.Tensor, doc_ids: torch.Tensor | None,
+                     cache: DecodeCacheLike | None = None) -> SequenceContext:
+    """The per-forward context: documents, positions within them (a decode step's from the cache), and the
+    MLA's RoPE table ("main": YaRN when the config has it, at every length)."""
     return SequenceContext(cfg, input_ids, doc_ids, {"main": rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta,
-                                                                            cfg.rope_scaling)})
+                                                                            cfg.rope_scaling)}, cache)
 
 
 class Block(nn.Module):
@@ -84,8 +86,6 @@ class MTPLayer(Block):
 
 
 class DeepseekV3(UntiedHead, nn.Module):
-    decode_cache = False  # no MLA decode cache yet: the sampler re-runs the prefix (trex.rollout.sampling)
-
     def __init__(self, cfg: V3Config):
         super().__init__()
         self.cfg = cfg
@@ -126,16 +126,20 @@ class DeepseekV3(UntiedHead, nn.Module):
         ``routes`` / ``route_log``: routing replay and recording by MoE layer name (``layers.3``,
         ``mtp.0``), as DeepseekV4. ``targets`` (one [B, S] per head, shifted) fill ``token_nll``, with
         ``return_logits=False`` fusing each head with its loss; ``labels`` (HF-style, aligned with
-        input_ids) give ``loss`` and ``mtp_loss``."""
+        input_ids) give ``loss`` and ``mtp_loss``. Generation: ``cache`` (``V3DecodeCache``) empty, a
+        prefill that fills it (generation continues each row's last document); filled, input_ids [B, 1];
+        logits of the last position only, no MTP, no labels."""
         if cache is not None:
-            raise NotImplementedError("DeepSeek-V3 generation (the MLA decode cache) is not written yet")
+            if labels is not None:
+                raise ValueError("forward with a decode cache takes no labels (generation only)")
+            cache.count_step()
         if self.sequence_shard is not None and self.sequence_shard.size > 1:
             raise NotImplementedError("context parallelism is not written for DeepSeek-V3 yet")
         if targets is not None and len(targets) > 1 + len(self.mtp):
             raise ValueError(f"targets: at most one [B, S] tensor per head (1 + {len(self.mtp)} MTP), "
                              f"got {len(targets)}")
-        ctx = sequence_context(self.cfg, input_ids, doc_ids)
-        if token_mask is not None:
+        ctx = sequence_context(self.cfg, input_ids, doc_ids, cache)
+        if token_mask is not None and cache is None:
             if token_mask.shape != input_ids.shape:
                 raise ValueError(f"token_mask has shape {tuple(token_mask.shape)}; expected {tuple(input_ids.shape)}")
             ctx.token_mask = token_mask.bool()
@@ -145,6 +149,11 @@ class DeepseekV3(UntiedHead, nn.Module):
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, ctx)
+        if cache is not None:
+            cache.pos = ctx.pos[:, -1] + 1
+            ctx.recording = False
+            return ModelOutput(logits=self.logits(self.norm(x[:, -1:])),
+                               moe_stats=[block.ffn.take_stats() for block in self.layers if block.moe])
         out = ModelOutput(logits=None)
         mtp_losses = []
         h = self.norm(x)
