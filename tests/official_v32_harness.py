@@ -8,7 +8,8 @@ into a directory, then
     .venv/bin/python tests/official_v32_harness.py --official DIR
 
 rewrites tests/fixtures/v32/official.safetensors: numbers only (the tiny model's weights under the official
-names, the input ids, the official fp32 logits at every position and the gradients of every parameter)
+names, the input ids, the official fp32 logits at every position, those of its incremental decode and the
+gradients of every parameter)
 and, in its metadata, the official ``ModelArgs`` and what the harness measured. tests/test_official_v32.py
 reads it. Its ``kernel.py`` (tilelang, GPU only) is replaced by torch stand-ins written from the kernels'
 contracts (``act_quant``, ``fp8_gemm`` never reached with bf16/fp32 weights, ``fp8_index``).
@@ -29,11 +30,15 @@ What the harness does to the official code, and why (nothing else is changed):
   position by running the official ``Block``s directly: as tests/official_v3_harness.py (which this
   reuses), with V3.2's fused-residual blocks.
 
-One run: fp32 (logits, and the gradients of the mean next-token cross-entropy by autograd through the
-official modules; the indexer's picks take no gradient there either). The config: 3 layers (one dense,
+Two runs, fp32: the forward over every position (logits, and the gradients of the mean next-token
+cross-entropy by autograd through the official modules; the indexer's picks take no gradient there
+either), and the official incremental decode (``Transformer.forward(tokens, start_pos)`` unchanged: a
+prefill of 10 ids, then one id a call to 24, past the original length), whose every step's indexer
+scores the cached keys and keeps its top 8. The config: 3 layers (one dense,
 two MoE), a query latent, 8 experts in 4 groups with 2 kept, YaRN factor 4 with mscale 0.8 over 16
 positions, and the indexer (16 heads of 128) keeping 8 of up to 24 keys. The metadata records the smallest
-gap between a query's 8th and 9th index score (far from ties: fp32 roundings cannot flip a pick).
+gap between a query's 8th and 9th index score, in the forward and in the decode (far from ties: fp32
+roundings cannot flip a pick).
 """
 
 from __future__ import annotations
@@ -174,16 +179,29 @@ def forward_all(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def pick_margin(k: int) -> float:
-    """The smallest gap between a query's k-th and (k+1)-th index score over every indexer call, among the
-    queries that see more than k keys."""
+    """The smallest gap between a query's k-th and (k+1)-th index score over every indexer call since the
+    last ``INDEX_SCORES.clear()``, among the queries that see more than k keys (a prefill's [B, S, S]
+    scores are causal; a decode step's [B, 1, N] see every slot)."""
     gaps = []
     for score in INDEX_SCORES:
-        S = score.shape[-1]
-        causal = torch.ones(S, S, dtype=torch.bool).tril()
-        top = score.masked_fill(~causal, float("-inf")).topk(k + 1, dim=-1).values
-        sees_more = causal.sum(-1) > k
-        gaps.append((top[..., k - 1] - top[..., k])[:, sees_more].min())
+        M, N = score.shape[-2:]
+        seen = torch.ones(M, N, dtype=torch.bool).tril(N - M)
+        if not bool((seen.sum(-1) > k).any()):
+            continue
+        top = score.masked_fill(~seen, float("-inf")).topk(k + 1, dim=-1).values
+        gaps.append((top[..., k - 1] - top[..., k])[:, seen.sum(-1) > k].min())
     return min(g.item() for g in gaps)
+
+
+def decode(module, args, weights: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """The official incremental decode in fp32, ``Transformer.forward`` unchanged: ``model(ids[:, :P], 0)``,
+    then ``model(ids[:, t:t+1], t)`` for each later position t -> the logits of positions P - 1 .. S - 1,
+    [B, S - P + 1, V]. Each step's indexer scores every cached key and keeps its top min(k, t + 1)."""
+    model = build(module, args)
+    model.load_state_dict(weights, strict=True)
+    P = v3.DECODE_PREFILL
+    steps = [model(ids[:, :P], 0)] + [model(ids[:, t:t + 1], t) for t in range(P, ids.size(1))]
+    return torch.stack(steps, dim=1).clone()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,15 +226,21 @@ def main(argv: list[str] | None = None) -> int:
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     margin = pick_margin(args.index_topk)
     INDEX_SCORES.clear()
+    decoded = decode(module, args, weights, ids)
+    decode_margin = pick_margin(args.index_topk)
+    INDEX_SCORES.clear()
     with torch.no_grad():
         gate_margin = v3.routing_margin(module, model, ids, forward=forward_all)
     tensors = {f"weight.{k}": v.bfloat16() for k, v in weights.items()}  # exact: drawn bf16-representable
     tensors["input_ids"] = ids
     tensors["logits.fp32"] = logits.detach().contiguous()
+    tensors["logits.decode_fp32"] = decoded.contiguous()
     tensors.update({f"grad.{k}": v.contiguous() for k, v in grads.items()})
     meta = {"args": json.dumps(vars(args)), "revision": REVISION, "model_py_blob": MODEL_PY_BLOB,
             "rope_fix": "indexer RoPE half-split (DeepSeek's 8631a81), applied to the text by the harness",
-            "index_pick_margin": f"{margin:.3e}", "routing_margin": f"{gate_margin:.3e}"}
+            "index_pick_margin": f"{margin:.3e}", "routing_margin": f"{gate_margin:.3e}",
+            "decode_prefill": str(v3.DECODE_PREFILL), "decode_index_pick_margin": f"{decode_margin:.3e}",
+            "decode_vs_forward_logits": f"{v3._rel(decoded, logits.detach()[:, v3.DECODE_PREFILL - 1:]):.3e}"}
     os.makedirs(os.path.dirname(opts.out), exist_ok=True)
     save_file(tensors, opts.out, metadata=meta)
     size = os.path.getsize(opts.out)

@@ -5,9 +5,10 @@ deepseek-ai/DeepSeek-V3.2-Exp at 3b99a53, with DeepSeek's later fix of the index
 pairs applied by the harness) computed in fp32 on a tiny config: a query latent, a dense layer then two
 MoE layers, 4 expert groups with 2 kept, YaRN (factor 4, mscale 0.8) past the original length, and the
 lightning indexer keeping 8 of up to 24 keys per query: the logits of every position and every
-parameter's gradient of the mean next-token cross-entropy (tests/official_v32_harness.py regenerates it
-and says what it changes in the official run). trex, given the same weights under the official names and
-the official ``ModelArgs``, must reproduce them. Prefill only (trex has no V3 decode cache yet).
+parameter's gradient of the mean next-token cross-entropy, and the logits of its incremental decode
+(tests/official_v32_harness.py regenerates it and says what it changes in the official run). trex, given
+the same weights under the official names and the official ``ModelArgs``, must reproduce them, the decode
+through its own cache (trex.models.deepseek_v3.decode).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from trex.checkpoint.naming import to_trex
 from trex.models.common.rope import apply_rope
 from trex.models.deepseek_v3 import dsa
 from trex.models.deepseek_v3.config import V3Config
+from trex.models.deepseek_v3.decode import V3DecodeCache
 from trex.models.deepseek_v3.model import DeepseekV3
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "v32", "official.safetensors")
@@ -88,6 +90,22 @@ def test_fp32_logits_match_the_official_forward(official, monkeypatch):
             block.attn.indexer.topk = model.cfg.index_topk
         monkeypatch.setattr(dsa, "apply_rope_half", _interleaved_first)
         assert _rel(model(tensors["input_ids"]).logits, ref) > 1e-2
+
+
+def test_incremental_decode_matches_the_official_decode(official):
+    """trex's prefill of the first ``decode_prefill`` ids into a V3DecodeCache (the MLA latents and the
+    indexer's keys), then one id per call, against the official ``Transformer.forward(tokens, start_pos)``
+    loop, whose indexer keeps each step's top 8 of the cached keys: the logits of the prefill's last
+    position and of every step within 1e-4 relative (measured 3.2e-7: docs/model.md)."""
+    tensors, meta = official
+    model = official_model(tensors, meta)
+    ids, P = tensors["input_ids"], int(meta["decode_prefill"])
+    assert model.cfg.index_topk < P < ids.shape[1] and float(meta["decode_index_pick_margin"]) > 1e-5
+    cache = V3DecodeCache(ids.shape[1] - P)
+    with torch.no_grad():
+        steps = [model(ids[:, :P], cache=cache).logits[:, -1]]
+        steps += [model(ids[:, t:t + 1], cache=cache).logits[:, -1] for t in range(P, ids.shape[1])]
+    assert _rel(torch.stack(steps, dim=1), tensors["logits.decode_fp32"]) < 1e-4
 
 
 def test_gradients_match_autograd_through_the_official_forward(official):
