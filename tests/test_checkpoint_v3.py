@@ -232,7 +232,9 @@ def test_an_mtp_copy_that_is_not_the_main_tensor_is_refused(released, tmp_path):
     assert any(name in p and "does not match" in p for p in inspect_checkpoint(str(tmp_path / "bad"))["problems"])
 
 
-def test_kimi_k2_writes_its_config_and_refuses_fp4_in_one_line(tmp_path, capsys):
+def test_kimi_k2_keeps_its_config_and_remote_code_and_refuses_fp4_in_one_line(tmp_path, capsys):
+    """Kimi-K2 as Moonshot releases it: model_type kimi_k2, FP8, no MTP, and the remote code its config.json
+    and tokenizer_config.json name in auto_map (engines load it with trust_remote_code), kept by convert."""
     from trex.cli import main
 
     kimi = build_model(tiny_v3(model_type="kimi_k2", n_group=1, topk_group=1, num_nextn_predict_layers=0,
@@ -245,6 +247,23 @@ def test_kimi_k2_writes_its_config_and_refuses_fp4_in_one_line(tmp_path, capsys)
     assert not any(k.startswith(f"model.layers.{kimi.cfg.num_hidden_layers}.") for k in disk)  # no MTP
     assert disk["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == torch.float8_e4m3fn
     assert load_pretrained(str(tmp_path / "k2"), dtype=torch.float32).cfg == kimi.cfg
+
+    auto_map = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+    config.update(auto_map=auto_map, quantization_config={**QUANT_CONFIG, "scale_fmt": "ue8m0"})
+    (tmp_path / "k2" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "k2" / "tokenizer_config.json").write_text(
+        json.dumps({"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}}))
+    for name in ("configuration_deepseek.py", "modeling_deepseek.py", "tokenization_kimi.py", "tiktoken.model"):
+        (tmp_path / "k2" / name).write_text(f"raise SystemExit('{name} is copied, never run')\n")
+    convert(str(tmp_path / "k2"), str(tmp_path / "again"), quantize="fp8")
+    again = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert again["auto_map"] == auto_map and again["quantization_config"]["scale_fmt"] == "ue8m0"
+    for name in ("configuration_deepseek.py", "modeling_deepseek.py", "tokenization_kimi.py", "tiktoken.model",
+                 "tokenizer_config.json"):
+        assert (tmp_path / "again" / name).read_text() == (tmp_path / "k2" / name).read_text(), name
+    convert(str(tmp_path / "k2"), str(tmp_path / "bf16"))
+    assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert main(["ckpt", "convert", str(tmp_path / "k2"), str(tmp_path / "fp4"), "--layout", "hf",
                  "--quantize", "fp8+fp4experts", "--no-progress"]) == 2
     err = capsys.readouterr().err
