@@ -1,7 +1,7 @@
 """The one training loop on DeepSeek-V3 (``model.preset = "tiny-v3"``: the query latent, group-limited
 routing, a dense first layer, MTP, YaRN): SFT/CPT, DPO, GRPO and on-policy distillation on one process;
 one process against FSDP2 and FSDP2 + EP2 on two; resume; export to the released names read back by
-trex and by transformers; the FLOPs count, Muon's grouping and the refusal of context parallelism."""
+trex and by transformers; context parallelism against one process; the FLOPs count and Muon's grouping."""
 
 from __future__ import annotations
 
@@ -162,16 +162,18 @@ def test_save_pretrained_is_read_by_load_pretrained_and_transformers(tmp_path):
         save_pretrained(model, str(tmp_path / "o"), layout="official")
 
 
-def test_context_parallelism_is_refused_in_one_line(tmp_path):
-    from trex.recipe import load
-    from trex.train.config import TrainRecipe
-    from trex.train.loop import train
+def test_context_parallelism_splits_any_sequence_into_equal_shards():
+    """MLA gathers the whole rows' latents: no window or halo, so a sequence splits wherever its shards are equal
+    (the loop checks data.seq_len with this rule before step one; GRPO pads its rows to shardable_length)."""
+    from trex.models.registry import check_shardable, shardable_length
 
-    recipe = load(TrainRecipe, path=FIDELITY, overrides=['model.preset="tiny-v3"', "model.overrides={}",
-                                                         "parallel.cp=2", "parallel.dp_shard=1",
-                                                         f'train.out="{tmp_path}/cp"'])
-    with pytest.raises(ValueError, match="context parallelism is not written for the DeepSeek-V3 family"):
-        train(recipe)
+    cfg = get_preset("tiny-v3")
+    check_shardable(cfg, 64, 4)
+    check_shardable(cfg, 6, 3)
+    with pytest.raises(ValueError, match="seq_len must be a multiple of 2; 62 or 64 would work"):
+        check_shardable(cfg, 63, 2)
+    assert [shardable_length(cfg, n, 4) for n in (1, 4, 5, 63)] == [4, 4, 8, 64]
+    assert shardable_length(get_preset("tiny"), 5, 2) > 8  # V4's rule: its windows and halos
 
 
 # ---- post-training on one process -------------------------------------------------------------------------
@@ -285,6 +287,23 @@ def test_fsdp2_and_expert_parallelism_give_the_losses_of_one_process(tmp_path):
         for a, b in zip(rows["one"], rows[name]):
             for key in ("loss", "grad_norm"):
                 assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (name, key, a["step"], a[key], b[key])
+
+
+@pytest.mark.slow
+def test_context_parallelism_gives_the_losses_of_one_process(tmp_path):
+    """SFT of tiny-v3 at cp = 2 (each rank its half of every sequence, MLA gathering the KV latents; FSDP2 over
+    the two) against one process on the same rows: every step's loss and gradient norm within 1e-5."""
+    common = ["train", FIDELITY, "--steps", "3", *V3, *_sets('optim.name="adamw"', "optim.eps=1e-8")]
+    rows = {}
+    for name, procs, extra in (("one", 1, []), ("cp2", 2, _sets("parallel.cp=2", "parallel.dp_shard=1"))):
+        p = trex([*common, *extra, "--out", str(tmp_path / name)], procs=procs, env=CPU)
+        assert p.returncode == 0, (name, p.stderr[-3000:])
+        rows[name] = _rows(tmp_path / name)
+    assert [r["step"] for r in rows["cp2"]] == [1, 2, 3]
+    for a, b in zip(rows["one"], rows["cp2"]):
+        assert a["tokens"] == b["tokens"]  # a cp group counts its rows once
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a["step"], a[key], b[key])
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from trex.data.packing import IGNORE_INDEX
 from trex.data.records import BadRecordError, iter_records
 from trex.data.tokenizer import Tokenizer
 from trex.logs import plural
-from trex.models.deepseek_v4 import shardable_length
+from trex.models.registry import shardable_length
 from trex.parallel.mesh import Parallel
 from trex.posttrain.objective import reshard
 from trex.posttrain.rewards import Completion, exact_match
