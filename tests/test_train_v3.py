@@ -1,6 +1,6 @@
 """The one training loop on DeepSeek-V3 (``model.preset = "tiny-v3"``: the query latent, group-limited
 routing, a dense first layer, MTP, YaRN): SFT/CPT, DPO, GRPO and on-policy distillation on one process;
-one process against FSDP2 and FSDP2 + EP2 on two; resume; export to the released names read back by
+one process against FSDP2 and FSDP2 + EP2 on two (SFT, DPO, GRPO, distillation); resume; export to the released names read back by
 trex and by transformers; context parallelism against one process; the FLOPs count and Muon's grouping."""
 
 from __future__ import annotations
@@ -321,3 +321,24 @@ def test_grpo_under_fsdp2_ep2_gives_the_samples_and_losses_of_one_process(task, 
         assert x["reward_mean"] == y["reward_mean"] and x["response_length"] == y["response_length"]
         for key in ("loss", "kl", "entropy", "grad_norm"):
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (x["step"], key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,keys", [("dpo", ("loss", "reward_margin", "grad_norm")),
+                                       ("distill", ("loss", "reverse_kl/teacher0", "grad_norm"))])
+def test_dpo_and_distillation_under_fsdp2_ep2_give_the_losses_of_one_process(task, teacher, tmp_path, mode, keys):
+    """DPO and on-policy distillation of tiny-v3 on two ranks as FSDP2 + EP2 against one process: DPO's two
+    ranks read 2 x 4 pairs a step (one process accumulates them over two micro-batches); distillation's ranks
+    each sample half of the step's prompts (the same completions as one process: per-row uniforms) and score
+    them against the frozen teacher. Every step's loss, its mode's signal and the gradient norm within 1e-5."""
+    one_extra = _sets("train.grad_accum=2") if mode == "dpo" else []
+    one = trex([*_post(task, mode), *one_extra, "--out", str(tmp_path / "one")], env=CPU)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = trex([*_post(task, mode), *_sets("parallel.dp_shard=2", "parallel.ep=2"), "--out", str(tmp_path / "two")],
+               procs=2, env=CPU)
+    assert two.returncode == 0, two.stderr[-3000:]
+    for x, y in zip(_rows(tmp_path / "one"), _rows(tmp_path / "two"), strict=True):
+        if mode == "distill":
+            assert x["response_length"] == y["response_length"]
+        for key in keys:
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (x["step"], key, x[key], y[key])
