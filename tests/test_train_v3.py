@@ -342,3 +342,35 @@ def test_dpo_and_distillation_under_fsdp2_ep2_give_the_losses_of_one_process(tas
             assert x["response_length"] == y["response_length"]
         for key in keys:
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (x["step"], key, x[key], y[key])
+
+
+@pytest.mark.parametrize("mode,chat_format,thinking", [("grpo", "deepseek-v3", False), ("grpo", "deepseek-v3", True),
+                                                       ("distill", "deepseek-v3", False)])
+def test_on_policy_prompts_render_in_the_recipes_chat_format(task, teacher, mode, chat_format, thinking):
+    """A V3 recipe's ``data.chat_format`` renders the prompts GRPO and distillation sample from and those they
+    evaluate on, as its SFT data renders conversations (V3: no ``</think>`` after the assistant tag; R1's
+    thinking prompt opens ``<think>`` and a newline), not in V4's format."""
+    from trex import device as device_layer
+    from trex.data.chat import render_prompt
+    from trex.parallel.mesh import Parallel
+    from trex.posttrain import TrainContext, build_objective
+    from trex.precision import PrecisionPolicy
+    from trex.recipe import load
+    from trex.train.config import TrainRecipe
+    from trex.train.loop import model_for, tokenizer_for
+
+    args = _post(task, mode)[2:]
+    overrides = [*args[1::2], f'data.chat_format="{chat_format}"', f"data.thinking={str(thinking).lower()}",
+                 f'{mode}.eval_prompts=["{task}/prompts.jsonl"]', "grpo.kl_coef=0", 'grpo.rewards=["exact_match"]']
+    recipe = load(TrainRecipe, str(task / "recipe.toml"), overrides)
+    dev = device_layer.Device("cpu")
+    policy = PrecisionPolicy.resolve("fp32", dev)
+    tokenizer = tokenizer_for(recipe.data.tokenizer)
+    objective = build_objective(mode, TrainContext(recipe, Parallel(), dev, policy, tokenizer,
+                                                   model_for(recipe, tokenizer, dev, policy)))
+    eval_prompts = [p for prompts in objective.eval_sets.values() for p in prompts]
+    for prompts in (objective.prompts, eval_prompts):
+        first = [{"role": "user", "content": prompts[0].record["prompt"]}]
+        text = tokenizer.decode(prompts[0].ids)
+        assert text == render_prompt(first, thinking=thinking, chat_format=chat_format)
+        assert text != render_prompt(first, thinking=thinking)  # V4's
