@@ -162,8 +162,9 @@ def test_a_v41_run_moves_its_micro_batch_split_and_continues_the_run_that_never_
 @pytest.mark.slow
 def test_a_v3_run_moves_onto_two_context_parallel_ranks_and_continues_the_run_that_never_moved(tmp_path):
     """DeepSeek-V3 through a checkpoint and a layout move: one process for 2 steps, then every row split over
-    two ranks (cp = 2, MLA gathering its KV latents), resumed from step 2; every step within 1e-5 of the run
-    that never moved, and the move recorded under the layout profile."""
+    two ranks (cp = 2, MLA gathering its KV latents; FSDP2 over the two), resumed from step 2; every step's loss
+    and gradient norm within 1e-5 of the run that never moved (so also `trex train` at cp = 2 against one
+    process), and the move recorded under the layout profile."""
     v3 = ('model.preset="tiny-v3"', "model.overrides={}", "fidelity.every=0", 'optim.name="adamw"')
     straight, run = tmp_path / "straight", tmp_path / "run"
     _leg(straight, 4, *v3)
