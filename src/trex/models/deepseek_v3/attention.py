@@ -112,6 +112,7 @@ def gather_latent(ctx: SequenceContext, latent: torch.Tensor, k_pe: torch.Tensor
     weight's gradient is summed over the group as every parameter's is). Each rank's queries then attend to all
     S keys under the document-causal mask offset by its first row (``dense_attention``'s ``q_start``): every
     rank scores s x S, the group together S x S, as one process does. RoPE is applied before the gather at each
-    row's own position."""
+    row's own position. Memory: the expanded keys and values of all S rows live on every rank for the layer's
+    backward (docs/distributed.md: what does not shrink with cp)."""
     both = ctx.gather(torch.cat((latent, k_pe), dim=-1))
     return both.split([latent.shape[-1], k_pe.shape[-1]], dim=-1)
