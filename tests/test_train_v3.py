@@ -134,6 +134,15 @@ def test_sft_learns_writes_every_output_resumes_bit_for_bit_and_exports(tmp_path
     ids = torch.randint(0, model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(model.eval()(ids).logits, direct.eval()(ids).logits)
+    # exported as released (FP8 with fp32 block scales): the trained weights quantised by the release's rule
+    from trex.checkpoint.export import export_checkpoint
+    from trex.kernels.quantize import dequantize_fp8, quantize_fp8
+
+    export_checkpoint(str(tmp_path / "a" / "checkpoints" / "step_8"), str(tmp_path / "fp8"), quantize="fp8")
+    fp8 = load_pretrained(str(tmp_path / "fp8"), dtype=torch.float32)
+    w = source.read("layers.1.ffn.experts.w2")[5]
+    assert torch.equal(fp8.layers[1].ffn.experts.w2[5], dequantize_fp8(*quantize_fp8(w, scale_fmt="fp32")))
+    assert torch.equal(fp8.layers[1].ffn.gate.bias, bias)  # fp32 on disk
 
 
 def test_save_pretrained_is_read_by_load_pretrained_and_transformers(tmp_path):
