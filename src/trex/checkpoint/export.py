@@ -107,8 +107,8 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
         carried = passthrough_tensors(reader) if isinstance(cfg, V41Config) else []
         copies = tokenizer_files(origin)
         log.info("carrying %d untrained tensors and %s from %s", len(carried), sorted(copies) or "no tokenizer", origin)
-    return write_checkpoint(out, groups + carried, checkpoint_config(cfg, layout, dtype, quantize), max_shard_size,
-                            overwrite, sources=(*sources, origin), copies=copies)
+    return write_checkpoint(out, groups + carried, checkpoint_config(cfg, layout, dtype, quantize, origin),
+                            max_shard_size, overwrite, sources=(*sources, origin), copies=copies)
 
 
 def _origin(path: str, source: str | None, cfg) -> str | None:

@@ -21,8 +21,8 @@ from trex.models.config_v41 import V41_PRESETS, V41Config, is_v41
 from trex.models.config_v41 import config_from_dict as v4_family_config
 from trex.models.deepseek_v3.config import V3_PRESETS, V3Config, is_v3
 
-__all__ = ["ARCHITECTURES", "DECODE_CACHES", "PRESETS", "config_from_dict", "config_from_file", "decode_cache",
-           "get_preset", "is_v3", "is_v41", "model_class"]
+__all__ = ["ARCHITECTURES", "DECODE_CACHES", "PRESETS", "check_shardable", "config_from_dict", "config_from_file",
+           "decode_cache", "get_preset", "is_v3", "is_v41", "model_class", "shardable_length"]
 
 PRESETS = {**V4_PRESETS, **V41_PRESETS, **V3_PRESETS}
 
@@ -41,6 +41,13 @@ DECODE_CACHES = {
 }
 
 AnyConfig = ModelConfig | V41Config | V3Config
+
+# a config's ``architecture`` -> the module of its context-parallel split rule (check_shardable, shardable_length)
+SPLIT_RULES = {
+    "deepseek_v4": "trex.models.deepseek_v4",
+    "deepseek_v41": "trex.models.deepseek_v4",
+    "deepseek_v3": "trex.models.deepseek_v3.config",
+}
 
 
 def get_preset(name: str) -> AnyConfig:
@@ -77,3 +84,18 @@ def decode_cache(cfg: AnyConfig, max_new_tokens: int):
     """An empty decode cache of ``cfg``'s architecture for at most ``max_new_tokens`` decode steps (imports
     torch and the cache's module)."""
     return _load(DECODE_CACHES[cfg.architecture])(max_new_tokens)
+
+
+def check_shardable(cfg: AnyConfig, seq_len: int, shards: int) -> None:
+    """ValueError unless a sequence of ``seq_len`` splits into ``shards`` context-parallel shards, by the rule of
+    ``cfg``'s architecture (V4's compression windows and halos; the V3 family's equal shards); the message names
+    lengths that would work."""
+    if shards > 1:
+        importlib.import_module(SPLIT_RULES[cfg.architecture]).check_shardable(cfg, seq_len, shards)
+
+
+def shardable_length(cfg: AnyConfig, length: int, shards: int) -> int:
+    """The shortest sequence length >= ``length`` that ``check_shardable`` accepts."""
+    if shards == 1:
+        return length
+    return importlib.import_module(SPLIT_RULES[cfg.architecture]).shardable_length(cfg, length, shards)

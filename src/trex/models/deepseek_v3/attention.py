@@ -16,6 +16,9 @@ build them with the default; Moonlight's 1e-5 is the blocks' norms').
 
 Decoding (trex.models.deepseek_v3.decode) caches each token's normed latent and rotated k_pe and attends
 in the absorbed MQA form; this module hands it the projections (``query``, ``latent_kv``).
+
+Context parallelism (``SequenceContext.shard``): the queries are this rank's rows; the keys and values the
+whole rows', made from the gathered latent (``gather_latent``).
 """
 
 from __future__ import annotations
@@ -92,14 +95,36 @@ class MLA(nn.Module):
         latent, k_pe = self.latent_kv(x, cos, sin)
         if ctx.cache is not None:
             ctx.cache.prefill(self, latent, k_pe, ctx)
-        kv = self.wkv_b(latent).view(B, S, H, self.nope + self.v_dim)
+        latent, k_pe = gather_latent(ctx, latent, k_pe)  # the whole rows' under context parallelism
+        T = latent.shape[1]
+        kv = self.wkv_b(latent).view(B, T, H, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat((k_nope, k_pe[:, :, None].expand(B, S, H, self.rope)), dim=-1)
+        k = torch.cat((k_nope, k_pe[:, :, None].expand(B, T, H, self.rope)), dim=-1)
         return self.wo(self.attend(x, qr, q, k, v, ctx).flatten(2))
 
     def attend(self, x: torch.Tensor, qr: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                ctx: SequenceContext) -> torch.Tensor:
-        """The attention core: q, k [B, S, H, qk_head_dim], v [B, S, H, v_head_dim] -> [B, S, H, v_head_dim],
-        causal within each document. V3.2's ``SparseMLA`` (deepseek_v3.dsa) keeps only its indexer's picks
-        of x and the query latent qr [B, S, q_lora_rank]."""
-        return kernels.get("dense_attention", q.device.type)(q, k, v, self.softmax_scale, ctx.doc)
+        """The attention core: this rank's queries q [B, s, H, qk_head_dim] against the whole rows' k [B, S, H,
+        qk_head_dim], v [B, S, H, v_head_dim] -> [B, s, H, v_head_dim], causal within each document. V3.2's
+        ``SparseMLA`` (deepseek_v3.dsa) keeps only its indexer's picks of x and the query latent qr [B, s,
+        q_lora_rank]."""
+        return kernels.get("dense_attention", q.device.type)(q, k, v, self.softmax_scale, ctx.full_doc, q_start=ctx.t0)
+
+
+def gather_latent(ctx: SequenceContext, latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context parallelism's hook in MLA: this rank's rows of the normed KV latent [B, s, kv_lora_rank] and the
+    rotated k_pe [B, s, rope] -> the whole rows' [B, S, ...] (the identity without a shard).
+
+    What crosses ranks is what MLA caches: kv_lora_rank + qk_rope_head_dim values per token (512 + 64 = 576 at
+    the released size), one all-gather of their concatenation per layer, forward; its backward reduce-scatters
+    the gradients back to the rows' owners. The expanded keys and values would be H x (qk_head_dim + v_head_dim)
+    = 128 x (192 + 128) = 40,960 per token, 71x more. The price: each rank runs ``wkv_b`` over every row of the
+    sequence, not only its own (2 x kv_lora_rank x H x (nope + v) = 33.6 MFLOP per token and layer forward at the
+    released size for each other rank's rows, 2.9% of the layer's matmuls outside the attention core; its
+    weight's gradient is summed over the group as every parameter's is). Each rank's queries then attend to all
+    S keys under the document-causal mask offset by its first row (``dense_attention``'s ``q_start``): every
+    rank scores s x S, the group together S x S, as one process does. RoPE is applied before the gather at each
+    row's own position. Memory: the expanded keys and values of all S rows live on every rank for the layer's
+    backward (docs/distributed.md: what does not shrink with cp)."""
+    both = ctx.gather(torch.cat((latent, k_pe), dim=-1))
+    return both.split([latent.shape[-1], k_pe.shape[-1]], dim=-1)

@@ -25,6 +25,10 @@ Two training stages (``Indexer.align``, weighted by ``[train] indexer_loss``):
 The indexer's inputs are detached in ``align`` and its selection runs without a gradient, so the LM
 loss never reaches the indexer and the KL never reaches the rest of the model.
 
+Context parallelism: each rank scores its queries against the whole rows' index keys (gathered, 128 numbers
+a token at the released size, beside MLA's gathered latents), and the KL's key gradients go back to their
+rows' owners.
+
 Scaling: the picks become a [B, S, S] boolean mask over MLA's dense scores (the ``dense_attention``
 kernel's ``keep``), the selection scores [B, S, H_I, S] in one go, and ``align`` gathers [B, S, k, c_I]
 picked keys and scores the main attention's [B, S, H, S] probabilities without a gradient: fine at
@@ -81,17 +85,20 @@ class Indexer(nn.Module):
 
     def project(self, x: torch.Tensor, qr: torch.Tensor, ctx: SequenceContext
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``queries`` and ``keys`` at the context's positions."""
+        """``queries`` of this rank's rows x, qr [B, s, *] and ``keys`` of the whole rows [B, S, c_I] (gathered
+        over a context-parallel group: 128 numbers a token at the released size), at the context's
+        positions."""
         cos, sin = ctx.rope["main"]
-        return *self.queries(x, qr, cos, sin), self.keys(x, cos, sin)
+        return *self.queries(x, qr, cos, sin), ctx.gather(self.keys(x, cos, sin))
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: SequenceContext, visible: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The picks: (idx [B, S, k] long, valid [B, S, k] bool), k = min(index_topk, S), among the keys
-        each query may see (visible [B, S, S]); and the keys [B, S, c_I] (a decode cache keeps them)."""
+        """The picks of this rank's queries: (idx [B, s, k] long, valid [B, s, k] bool), k = min(index_topk,
+        S), among the keys each may see (visible [B, s, S]); and the keys [B, S, c_I] (a decode cache keeps
+        them)."""
         q, w, keys = self.project(x, qr, ctx)
-        return *select_topk(q, w, keys, visible, min(self.topk, x.shape[1])), keys
+        return *select_topk(q, w, keys, visible, min(self.topk, keys.shape[1])), keys
 
     def align(self, x: torch.Tensor, qr: torch.Tensor, ctx: SequenceContext, idx: torch.Tensor, valid: torch.Tensor,
               target: torch.Tensor) -> torch.Tensor:
@@ -115,12 +122,14 @@ class SparseMLA(MLA):
     def attend(self, x: torch.Tensor, qr: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                ctx: SequenceContext) -> torch.Tensor:
         """MLA.attend over the picks (``ctx.dense_warmup``: over every visible key); records the indexer's
-        KL (``ctx.align_indexer``, training forwards) and recall (``ctx.measure_recall``)."""
-        B, S = x.shape[:2]
-        visible = document_causal_mask(ctx.doc)[:, 0]  # [B, S, S]
+        KL (``ctx.align_indexer``, training forwards) and recall (``ctx.measure_recall``). This rank's s
+        queries against the whole rows' S keys."""
+        B, s = x.shape[:2]
+        S = k.shape[1]
+        visible = document_causal_mask(ctx.full_doc, ctx.t0, s)[:, 0]  # [B, s, S]
         warmup = getattr(ctx, "dense_warmup", False)
         if warmup:
-            idx, valid, keep = torch.arange(S, device=x.device).expand(B, S, S), visible, None
+            idx, valid, keep = torch.arange(S, device=x.device).expand(B, s, S), visible, None
         else:
             idx, valid, keys = self.indexer(x, qr, ctx, visible)
             keep = torch.zeros_like(visible).scatter_(-1, idx, valid)
@@ -128,18 +137,18 @@ class SparseMLA(MLA):
                 ctx.cache.prefill_index(self, keys)
         align = getattr(ctx, "align_indexer", False) and ctx.recording
         if align or getattr(ctx, "measure_recall", False):
-            with torch.no_grad():  # the main attention's fp32 scores [B, S, H, S], per head
-                s = torch.einsum("bthd,bshd->bths", q.float(), k.float()).mul_(self.softmax_scale)
-                s.masked_fill_(~visible[:, :, None], float("-inf"))
-                p = s.softmax(dim=-1)
+            with torch.no_grad():  # the main attention's fp32 scores [B, s, H, S], per head
+                scores = torch.einsum("bthd,bshd->bths", q.float(), k.float()).mul_(self.softmax_scale)
+                scores.masked_fill_(~visible[:, :, None], float("-inf"))
                 if getattr(ctx, "measure_recall", False) and not warmup:
-                    self.indexer.recall = picked_mass(p.mean(dim=2), idx, valid, visible)
+                    self.indexer.recall = picked_mass(scores.softmax(dim=-1).mean(dim=2), idx, valid, visible)
                 if align:
-                    picked = s.gather(-1, idx[:, :, None].expand(-1, -1, s.shape[2], -1))
+                    picked = scores.gather(-1, idx[:, :, None].expand(-1, -1, scores.shape[2], -1))
                     target = picked.masked_fill(~valid[:, :, None], float("-inf")).softmax(dim=-1).mean(dim=2)
             if align:
                 self.indexer.alignment = self.indexer.align(x, qr, ctx, idx, valid, target)
-        o = kernels.get("dense_attention", q.device.type)(q, k, v, self.softmax_scale, ctx.doc, keep)
+        o = kernels.get("dense_attention", q.device.type)(q, k, v, self.softmax_scale, ctx.full_doc, q_start=ctx.t0,
+                                                          keep=keep)
         if warmup and align:  # only the indexer trains: 0 x its KL gives the block's output a gradient, as
             # FSDP2 gathers a unit's parameters for backward when its outputs get one (the KL's own path
             # reaches the indexer's parameters only after that)
