@@ -48,3 +48,26 @@ def random_hf_model(cfg: DeepseekV3Config, seed: int = 0) -> DeepseekV3ForCausal
     model = DeepseekV3ForCausalLM(cfg).float().eval()
     randomize(model, seed)
     return model
+
+
+def hf_config_v32(**overrides):
+    """A tiny DeepseekV32Config: BASE plus the indexer (8 heads of 16, top 8: fewer than a test's
+    sequence). transformers' V3.2 config has no MTP field."""
+    from transformers import DeepseekV32Config
+
+    kw = {**BASE, "index_n_heads": 8, "index_head_dim": 16, "index_topk": 8, **overrides}
+    kw.pop("num_nextn_predict_layers")
+    kw["num_key_value_heads"] = kw["num_attention_heads"]
+    rp = kw["rope_parameters"]
+    kw["max_position_embeddings"] = int(rp["factor"] * rp["original_max_position_embeddings"])
+    cfg = DeepseekV32Config(**kw)
+    cfg._attn_implementation = "eager"  # the indexer's picks as a mask over the dense scores
+    return cfg
+
+
+def random_hf_v32(cfg, seed: int = 0):
+    from transformers import DeepseekV32ForCausalLM
+
+    model = DeepseekV32ForCausalLM(cfg).float().eval()
+    randomize(model, seed)
+    return model

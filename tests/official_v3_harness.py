@@ -145,10 +145,11 @@ def random_weights(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def routing_margin(module, model: nn.Module, ids: torch.Tensor) -> float:
+def routing_margin(module, model: nn.Module, ids: torch.Tensor, forward=None) -> float:
     """The smallest gap, over MoE layers and tokens, between the k-th and (k+1)-th biased score after the
     group limit, and between the kept and dropped groups' scores: how far the fixture is from a tie that
-    an fp32 rounding could flip."""
+    an fp32 rounding could flip. ``forward(model, ids)``: ``forward_all`` by default (V3.2's harness
+    passes its own)."""
     gaps = []
 
     def hook(gate, inputs, output):
@@ -167,7 +168,7 @@ def routing_margin(module, model: nn.Module, ids: torch.Tensor) -> float:
     handles = [gate.register_forward_hook(hook) for gate in gates]
     try:
         with torch.no_grad():
-            forward_all(model, ids)
+            (forward or forward_all)(model, ids)
     finally:
         for h in handles:
             h.remove()

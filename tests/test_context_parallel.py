@@ -140,6 +140,17 @@ def test_deepseek_v3_under_fsdp2_ep2_cp2_gives_the_losses_and_gradients_of_one_p
     _assert_as_one_process(torch.load(tmp_path / "one.pt"), _run_worker(tmp_path, 4, 2, 2, 2, 0, v3=1))
 
 
+@pytest.mark.slow
+def test_deepseek_v32_under_cp2_gives_the_losses_and_gradients_of_one_process(tmp_path):
+    """tiny-v3.2 on two ranks, every row split in two, the indexer's KL trained (the sparse stage): each rank's
+    queries pick among the whole rows' gathered index keys, and the loss, the NLL and every gradient (the
+    indexers' from the KL through the gathered keys included) are one process's."""
+    worker.step(str(tmp_path / "one.pt"), v3=2)
+    one = torch.load(tmp_path / "one.pt")
+    assert any(".attn.indexer." in name for name in one["grads"])
+    _assert_as_one_process(one, _run_worker(tmp_path, 2, 1, 1, 2, 0, v3=2))
+
+
 def _assert_as_one_process(one: dict, got: dict) -> None:
     assert torch.allclose(got["loss"], one["loss"], rtol=1e-5, atol=0)
     for a, b in zip(one["nll"], got["nll"]):  # every position of a row, gathered from its shards

@@ -48,9 +48,18 @@ def test_released_parameter_counts_from_the_meta_model(name, shapes, released):
     assert (count.total, count.active, count.mtp) == _released_count(*shapes) == released
 
 
-def test_v32_is_refused_until_sparse_attention_exists():
-    with pytest.raises(NotImplementedError, match="Sparse Attention"):
-        build_model(get_preset("deepseek-v3.2"), device="meta")
+def test_v32_adds_one_indexer_per_layer_to_the_v3_count():
+    """DeepSeek-V3.2 = V3's shapes + a lightning indexer in every layer and in the MTP layer: wq_b [64 x 128,
+    1536], wk [128, 7168], k_norm's weight and bias [128], weights_proj [64, 7168] = 13,959,424 each:
+    671,877,929,216 in all (38.40B active, 11.62B MTP; with the MTP layer's stored copies of the embedding
+    and head, 685.36B: the release's "685B")."""
+    v3, v32 = count_parameters(get_preset("deepseek-v3")), count_parameters(get_preset("deepseek-v3.2"))
+    per_layer = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
+    assert per_layer == 13_959_424
+    assert (v32.total, v32.active, v32.mtp) == (v3.total + 61 * per_layer, v3.active + 61 * per_layer,
+                                                 v3.mtp + per_layer)
+    assert (v32.total, v32.active, v32.mtp) == (671_877_929_216, 38_403_807_488, 11_624_027_392)
+    assert v32.total + v32.mtp + 2 * 129280 * 7168 == 685_355_314_688
 
 
 def test_group_limit_keeps_the_best_groups_by_their_top_two():

@@ -120,12 +120,13 @@ def test_v41_cached_logits_match_full_recompute_at_every_step(quant):
 V3_PROMPTS = [[5, 6, 7], list(range(9, 69)), [3], list(range(40, 53))]  # the 60-token row decodes past 64
 
 
-@pytest.mark.parametrize("preset", ["tiny-v3", "tiny-moonlight"])
+@pytest.mark.parametrize("preset", ["tiny-v3", "tiny-moonlight", "tiny-v3.2"])
 def test_v3_cached_logits_match_full_recompute_at_every_step(preset):
     """The absorbed decode over the cached latents and k_pe, prompts of 1 to 60 tokens left-padded in one
     batch, 8 new tokens: at every step the cached logits equal the whole rows' forward within 1e-5
     (measured 4e-7 relative). tiny-v3 (query latent, YaRN over 64 positions: the long row decodes past
-    them, MTP unused) and tiny-moonlight (one query projection, no YaRN)."""
+    them, MTP unused), tiny-moonlight (one query projection, no YaRN) and tiny-v3.2 (the indexer's keys
+    cached too, each step attending to its top 8 of up to 68 slots)."""
     from trex.models.deepseek_v3.decode import V3DecodeCache
     from trex.models.registry import get_preset
 

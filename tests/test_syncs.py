@@ -67,7 +67,9 @@ def _syncs_per_step(monkeypatch, sft_file, out, *extra) -> list[SyncCounter]:
     ('model.preset="tiny-v4.1"', 'precision.qat="official"'),
     # DeepSeek-V3: MLA, group-limited routing, a dense first layer, MTP
     ('model.preset="tiny-v3"', "model.overrides={}"),
-], ids=["fp32-muon", "bf16-adamw-recompute", "v4.1-qat", "v3"])
+    # DeepSeek-V3.2's sparse stage: the indexer's picks, MLA over them, the indexer's KL trained
+    ('model.preset="tiny-v3.2"', "model.overrides={}", "train.indexer_loss=0.1", "train.freeze_indexer=false"),
+], ids=["fp32-muon", "bf16-adamw-recompute", "v4.1-qat", "v3", "v3.2-sparse"])
 def test_training_step_has_no_host_sync(monkeypatch, sft_file, tmp_path, extra):
     """Every layer type (sliding, CSA with the indexer, HCA; V4.1's CSA2 and Engram), hash and score MoE, MTP,
     clipping, the guard, the optimizer and the router-bias update: zero host reads from forward to the

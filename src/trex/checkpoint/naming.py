@@ -156,7 +156,7 @@ _V3_TO_HF = [(re.compile(p), r) for p, r in [
     (r"\.wq\.", ".q_proj."),
     (r"\.wq_a\.", ".q_a_proj."),
     (r"\.q_norm\.", ".q_a_layernorm."),
-    (r"\.wq_b\.", ".q_b_proj."),
+    (r"(?<!\.indexer)\.wq_b\.", ".q_b_proj."),  # the V3.2 indexer's wq_b keeps its name
     (r"\.wkv_a\.", ".kv_a_proj_with_mqa."),
     (r"\.kv_norm\.", ".kv_a_layernorm."),
     (r"\.wkv_b\.", ".kv_b_proj."),

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from trex.kernels.sparse_attention import gather_rows, scores_fp32
 from trex.models.common.context import DecodeSteps
+from trex.models.common.indexer import select_topk
 from trex.models.common.linear import linear_fp32
 from trex.models.deepseek_v4 import Attention, Compressor, Indexer, SeqContext, WindowLayout
 
@@ -151,7 +152,7 @@ def indexer_step(indexer: Indexer, x: torch.Tensor, qr: torch.Tensor, ctx: SeqCo
     q, w = indexer._query(x, qr, ctx)
     cap = cache.entries.shape[1]
     visible = (torch.arange(cap, device=x.device) < cache.count[:, None])[:, None]
-    return indexer._select(q, w, cache.entries.float(), visible, min(indexer.topk, cap))
+    return select_topk(q, w, cache.entries.float(), visible, min(indexer.topk, cap))
 
 
 def decode_attention(

@@ -44,6 +44,7 @@ from trex.kernels.sparse_attention import entry_scores, gather_rows
 from trex.models.common.context import (DecodeCacheLike, SequenceContext, SequenceShard, segments,
                                         shift_labels)
 from trex.models.common.heads import ModelOutput, UntiedHead, init_parameters
+from trex.models.common.indexer import alignment_kl, picked_mass, select_topk, take_indexer_measures
 from trex.models.common.linear import QuantLinear, QuantSim, _LinearFP32, linear_fp32, spread_quant
 from trex.models.common.moe import (ExpertSort, Experts, Gate, MoE, MoEStats, SharedExpert, clamped_swiglu,
                                     combine, expert_counts, expert_ffn, sort_by_expert)
@@ -329,7 +330,7 @@ class Indexer(nn.Module):
             visible = layout.visible(ctx.t0 + t0, ctx.t0 + t1)
             if canonical is not None:
                 visible = visible.gather(2, canonical[:, None, :].expand_as(visible))
-            top_idx, top_valid = self._select(q[:, t0:t1], w[:, t0:t1], keys, visible, k)
+            top_idx, top_valid = select_topk(q[:, t0:t1], w[:, t0:t1], keys, visible, k)
             if canonical is not None:
                 top_idx = canonical.gather(1, top_idx.flatten(1)).view_as(top_idx)
             idx.append(top_idx)
@@ -368,7 +369,7 @@ class Indexer(nn.Module):
         qi, w = (t.float() for t in self._query(x.detach(), qr.detach(), ctx))  # the loss in fp32
         B, S = idx.shape[:2]
         chunk = max(1, self.chunk_elems // max(1, B * self.n_heads * idx.shape[-1]))
-        kl = [torch.utils.checkpoint.checkpoint(_alignment_kl, qi[:, t0:t0 + chunk], w[:, t0:t0 + chunk], keys,
+        kl = [torch.utils.checkpoint.checkpoint(alignment_kl, qi[:, t0:t0 + chunk], w[:, t0:t0 + chunk], keys,
                                                 idx[:, t0:t0 + chunk], valid[:, t0:t0 + chunk],
                                                 target[:, t0:t0 + chunk], use_reentrant=False)
               for t0 in range(0, S, chunk)]
@@ -385,36 +386,7 @@ class Indexer(nn.Module):
         training-time path. Returns [B, 2]: per row the summed coverage of queries that see an
         entry, and their number."""
         s = entry_scores(q, compressed, None, fp32=True).mul_(scale).masked_fill_(~visible[:, :, None], float("-inf"))
-        p = torch.nan_to_num(s.softmax(dim=-1), nan=0.0).mean(dim=2)  # [B, S, N]
-        covered = (p.gather(2, idx) * valid).sum(dim=-1)
-        seen = visible.any(dim=-1)
-        return torch.stack(((covered * seen).sum(dim=1), seen.sum(dim=1).float()), dim=1)
-
-    @staticmethod
-    def _select(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, k: int):
-        """Top-k entries of I[t, s] for queries q [B, T, H_I, c_I] over keys [B, N, c_I] (visible [B, T, N]),
-        in q's dtype: fp32, or bf16 as the official code scores under the indexer's simulation
-        (``_query``; its einsum, ReLU, head weighting and head sum all round to bf16)."""
-        scores = torch.einsum("bthc,bnc->bthn", q, keys.to(q.dtype)).relu_()
-        if q.dtype == torch.float32:
-            scores = torch.einsum("bthn,bth->btn", scores, w)
-        else:  # the official order: weight each head's scores, then sum the heads
-            scores = (scores * w.unsqueeze(-1)).sum(dim=2)
-        scores.masked_fill_(~visible, float("-inf"))
-        top = scores.topk(k, dim=-1)
-        return top.indices, top.values > float("-inf")
-
-
-def _alignment_kl(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
-                  target: torch.Tensor) -> torch.Tensor:
-    """KL(target || softmax of the index scores) per query over its picks: q [B, T, H_I, c_I], w [B, T, H_I],
-    keys [B, N, c_I], idx, valid, target [B, T, k] -> [B, T]."""
-    picked = gather_rows(keys, idx)  # [B, T, k, c_I]
-    scores = torch.einsum("bthc,btkc->bthk", q, picked).relu()
-    scores = torch.einsum("bthk,bth->btk", scores, w).masked_fill(~valid, float("-inf"))
-    logq = torch.log_softmax(scores, dim=-1)
-    terms = target * (torch.log(target.clamp(min=1e-30)) - logq)
-    return torch.where(valid & (target > 0), terms, 0.0).sum(dim=-1) * (valid.sum(dim=-1) > 1)
+        return picked_mass(torch.nan_to_num(s.softmax(dim=-1), nan=0.0).mean(dim=2), idx, valid, visible)
 
 
 # ==================================================================================================
@@ -687,21 +659,6 @@ class DeepseekV4(UntiedHead, nn.Module):
         self.measure_recall = False  # forwards also return the indexer's recall (Indexer.picked_mass)
         self.init_weights()
 
-    def _take_indexer(self, ctx: SeqContext, what: str) -> torch.Tensor | None:
-        """The mean over CSA layers (the MTP block's included) of each indexer's ``what`` ("alignment":
-        the KL, "recall": the picks' mass) averaged over the queries of the whole batch (a
-        context-parallel group sums its shards); None when not measured."""
-        parts = []
-        for block in [*self.layers, *self.mtp]:
-            indexer = block.attn.indexer
-            if indexer is not None and getattr(indexer, what) is not None:
-                parts.append(getattr(indexer, what))
-                setattr(indexer, what, None)
-        if not parts:
-            return None
-        sums = ctx.shard_sum(torch.stack(parts, dim=1)).sum(dim=0)  # [layers, 2]
-        return (sums[:, 0] / sums[:, 1].clamp(min=1)).mean()
-
     def set_quant(self, quant: QuantSim) -> None:
         """Simulate ``quant`` in every forward from now on (QuantSim() turns it off). Parameters and
         their names are unchanged: the fp32 (or compute-dtype) weights stay the masters."""
@@ -802,8 +759,8 @@ class DeepseekV4(UntiedHead, nn.Module):
         if mtp_losses:
             out.mtp_loss = torch.stack(mtp_losses).mean()
         out.moe_stats = [block.ffn.take_stats() for block in [*self.layers, *self.mtp]]
-        out.indexer_loss = self._take_indexer(ctx, "alignment")
-        out.indexer_recall = self._take_indexer(ctx, "recall")
+        out.indexer_loss = take_indexer_measures([*self.layers, *self.mtp], ctx, "alignment")
+        out.indexer_recall = take_indexer_measures([*self.layers, *self.mtp], ctx, "recall")
         ctx.recording = False  # activation checkpointing re-runs blocks in backward with this ctx
         return out
 

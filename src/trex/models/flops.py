@@ -118,7 +118,8 @@ def _layer_v3(cfg, moe: bool, S: int) -> tuple[float, float, float, float]:
     p.v over v_head_dim), then a dense SwiGLU MLP or the MoE (router, shared experts, k routed experts).
     V3.2 (``index_topk`` > 0) counts its lightning indexer from the config (wq_b from the query latent, wk,
     weights_proj, and index_n_heads x index_head_dim scores over the causal keys: forward only, no gradient)
-    and attention over each query's min(t + 1, index_topk) picks, though trex does not build V3.2 yet."""
+    and attention over each query's min(t + 1, index_topk) picks: the sparse training stage (the dense
+    warm-up attends to every key and trains the indexer, which this does not count)."""
     d, H = cfg.hidden_size, cfg.num_attention_heads
     qk, dv = cfg.qk_head_dim, cfg.v_head_dim
     q = d * cfg.q_lora_rank + cfg.q_lora_rank * H * qk if cfg.q_lora_rank else d * H * qk

@@ -91,7 +91,13 @@ class TrainSection:
     indexer_loss: float = 0.0
     """Weight of the indexer alignment loss: the KL from the main attention's distribution over the
     picked compressed entries to the indexer's, on every CSA layer, indexer inputs detached
-    (trex.models.deepseek_v4.Indexer.align; logged as ``indexer_loss``). Needs freeze_indexer = false."""
+    (trex.models.deepseek_v4.Indexer.align; logged as ``indexer_loss``). Needs freeze_indexer = false.
+    DeepSeek-V3.2 (trex.models.deepseek_v3.dsa): the same KL over each query's picked tokens, the sparse
+    training stage of DeepSeek's V3.2 report."""
+    indexer_warmup: bool = False
+    """DeepSeek-V3.2's dense warm-up stage: the attention stays dense, every parameter but the lightning
+    indexer's is frozen (the routers too), and the indexer learns ``indexer_loss`` x its KL to the main
+    attention over every visible token. Needs indexer_loss > 0 and a V3.2 model."""
     log_every: int = 1
     """Steps between metric lines (metrics.jsonl, TensorBoard, progress bar)."""
     eval_every: int = 0
@@ -114,7 +120,8 @@ class TrainSection:
 
     def router_frozen(self) -> bool:
         """Whether the routers stay fixed (see ``router``)."""
-        return self.router == "frozen" or (self.router == "auto" and self.mode in ("grpo", "distill"))
+        return (self.router == "frozen" or (self.router == "auto" and self.mode in ("grpo", "distill"))
+                or self.indexer_warmup)
 
     def router_bias_gamma(self) -> float:
         """The bias update speed this run applies: ``bias_gamma``, or 0 with the routers frozen."""
@@ -136,6 +143,9 @@ class TrainSection:
         if self.indexer_loss > 0 and self.freeze_indexer:
             raise ValueError("train.indexer_loss > 0 trains the indexer, which train.freeze_indexer = true keeps "
                              "fixed: set train.freeze_indexer = false")
+        if self.indexer_warmup and self.indexer_loss <= 0:
+            raise ValueError("train.indexer_warmup trains only the indexer, by train.indexer_loss x its KL: set "
+                             "train.indexer_loss > 0 (and train.freeze_indexer = false)")
 
 
 @dataclass

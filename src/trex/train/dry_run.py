@@ -48,7 +48,8 @@ def dry_run(recipe: TrainRecipe, world_size: int) -> dict:
                                          cpu, warn_slow=False)
         cfg = model_config(recipe)
         model = build_model(cfg, device="meta")
-        freeze_for_post_training(model, recipe.train.freeze_indexer, recipe.train.engram, recipe.train.router_frozen())
+        freeze_for_post_training(model, recipe.train.freeze_indexer, recipe.train.engram, recipe.train.router_frozen(),
+                                 only_indexer=recipe.train.indexer_warmup)
         apply_parallelism(model, par, policy, layout.activation_checkpointing)
         optimizer = build_optimizer(model, recipe.optim, cpu)
         algorithm = {id(p): g["algorithm"] for g in optimizer.param_groups for p in g["params"]}

@@ -200,9 +200,15 @@ def prepare_model(m: DeepseekV4, recipe: TrainRecipe, par: Parallel, policy: Pre
     process holds parameters in the policy's dtype; sharded runs keep fp32 shards (the master
     weights) and let FSDP cast to the compute dtype."""
     m.to(dtype=torch.float32 if par.distributed else policy.param_dtype).train()
-    frozen = freeze_for_post_training(m, recipe.train.freeze_indexer, recipe.train.engram, recipe.train.router_frozen())
+    warmup = recipe.train.indexer_warmup
+    if warmup and not hasattr(m, "dense_warmup"):
+        raise ValueError(f"train.indexer_warmup: {m.cfg.architecture} has no dense warm-up stage (DeepSeek-V3.2 has)")
+    frozen = freeze_for_post_training(m, recipe.train.freeze_indexer, recipe.train.engram, recipe.train.router_frozen(),
+                                      only_indexer=warmup)
     m.set_quant(recipe.precision.quant_sim())
     m.align_indexer = recipe.train.indexer_loss > 0
+    if warmup:
+        m.dense_warmup = True  # DeepSeek-V3.2's dense warm-up: dense attention, the indexer fitted to it
     layout = recipe.parallel
     apply_parallelism(m, par, policy, layout.activation_checkpointing, layout.reduce_every_micro_batch,
                       compile=compile_backend)

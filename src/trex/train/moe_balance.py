@@ -75,9 +75,13 @@ def update_router_bias(model: nn.Module, stats: Sequence[MoEStats], gamma: float
     return counts
 
 
-def freeze_for_post_training(model: nn.Module, indexer: bool, engram: str, router: bool = False) -> list[str]:
-    """What ``[train] freeze_indexer``, ``[train] engram`` and ``[train] router`` keep fixed; returns the frozen
-    names. A model without Engram tables refuses ``engram = "train"``."""
+def freeze_for_post_training(model: nn.Module, indexer: bool, engram: str, router: bool = False,
+                             only_indexer: bool = False) -> list[str]:
+    """What ``[train] freeze_indexer``, ``[train] engram``, ``[train] router`` and ``[train] indexer_warmup``
+    (``only_indexer``: everything but the indexer) keep fixed; returns the frozen names. A model without
+    Engram tables refuses ``engram = "train"``."""
+    if only_indexer:
+        return freeze_all_but_indexer(model)
     frozen = freeze_indexer(model) if indexer else []
     if router:
         frozen += freeze_router(model)
@@ -122,4 +126,17 @@ def freeze_indexer(model: nn.Module) -> list[str]:
         if INDEXER_MARK in f".{name}":
             p.requires_grad_(False)
             frozen.append(name)
+    return frozen
+
+
+def freeze_all_but_indexer(model: nn.Module) -> list[str]:
+    """Set requires_grad=False on every parameter but the lightning indexers' (DeepSeek-V3.2's dense
+    warm-up, ``[train] indexer_warmup``). Returns the frozen names; a model without an indexer is refused."""
+    frozen = []
+    for name, p in model.named_parameters():
+        if INDEXER_MARK not in f".{name}":
+            p.requires_grad_(False)
+            frozen.append(name)
+    if len(frozen) == len(list(model.parameters())):
+        raise ValueError(f"train.indexer_warmup: this model ({model.cfg.architecture}) has no lightning indexer")
     return frozen

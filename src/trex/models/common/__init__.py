@@ -2,8 +2,11 @@
 
     config.py   ConfigError, need, read_config_json, the generic config.json fields, YarnScaling,
                 rope_fields, the MoE layer kinds, preset lookup (no torch: ``trex --help`` reads presets)
-    rope.py     rope_inv_freq (YaRN), apply_rope (interleaved pairs)
-    norm.py     RMSNorm, unweighted_rms_norm
+    rope.py     rope_inv_freq (YaRN), apply_rope (interleaved pairs), apply_rope_half (half-split pairs)
+    norm.py     RMSNorm, unweighted_rms_norm, LayerNorm (fp32, with a bias)
+    indexer.py  the lightning indexer's scores and top-k (select_topk), its KL to the main attention
+                (alignment_kl), the picks' recall (picked_mass), the per-forward
+                measures collected over blocks (take_indexer_measures)
     linear.py   linear_fp32, QuantSim, QuantLinear, spread_quant (the served quantisation, simulated)
     moe.py      the router (Gate), routed experts sorted by expert (Experts), SharedExpert, MoE, MoEStats
     context.py  segments, SequenceShard, SequenceContext (ids, documents, positions, shard rows, RoPE

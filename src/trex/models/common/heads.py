@@ -33,7 +33,7 @@ class ModelOutput:
 @torch.no_grad()
 def init_parameters(model: nn.Module, std: float, seed: int | None, ones: tuple[str, ...] = ()) -> torch.Generator | None:
     """Normal(0, std) for every matrix of ``model``; ones for norms, mHC scales and the ``ones`` leaf
-    names; zeros for mHC bases, sinks, ``ape`` and the routers' bias. Seeded: draws from a generator
+    names; zeros for mHC bases, sinks, ``ape``, the norms' bias and the routers' bias. Seeded: draws from a generator
     made from ``seed`` (returned, for further draws), so the same seed gives the same weights."""
     gen = None
     device = next(model.parameters()).device
@@ -41,7 +41,7 @@ def init_parameters(model: nn.Module, std: float, seed: int | None, ones: tuple[
         gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in ("base", "attn_sink", "ape"):
+        if leaf in ("base", "attn_sink", "ape") or (leaf == "bias" and p.dim() == 1):
             p.zero_()
         elif leaf == "scale" or leaf in ones or (leaf == "weight" and p.dim() == 1):
             p.fill_(1.0)

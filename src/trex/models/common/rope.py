@@ -1,5 +1,6 @@
-"""RoPE: rotary position embeddings as interleaved pairs (x[2i], x[2i+1]) on a head's last dims, and
-YaRN's frequency blend (DeepSeek-V4's plain tables on sliding layers, YaRN on compressed ones)."""
+"""RoPE: rotary position embeddings as interleaved pairs (x[2i], x[2i+1]) on a head's last dims, or as
+half-split pairs (x[i], x[i + rd/2]) on its first dims (DeepSeek-V3.2's indexer), and YaRN's frequency
+blend (DeepSeek-V4's plain tables on sliding layers, YaRN on compressed ones)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     pairs = torch.view_as_complex(rope.float().unflatten(-1, (-1, 2)).contiguous())  # x[2i] + i x[2i+1]
     rotated = torch.view_as_real(pairs * torch.complex(cos, -sin if inverse else sin))
     return torch.cat((nope, rotated.flatten(-2).to(x.dtype)), dim=-1)
+
+
+def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first 2*cos.shape[-1] dims of x as half-split pairs (x[i], x[i + rd/2]) ("NeoX" RoPE,
+    transformers' ``rotate_half``; DeepSeek's ``apply_rotary_emb(..., interleaved=False)``), in fp32.
+
+    x: [..., D]; cos, sin: broadcastable to [..., rd/2]. Returns x's dtype."""
+    rd = 2 * cos.shape[-1]
+    a, b, rest = x[..., :rd // 2].float(), x[..., rd // 2:rd].float(), x[..., rd:]
+    return torch.cat((a * cos - b * sin, b * cos + a * sin, rest.float()), dim=-1).to(x.dtype)

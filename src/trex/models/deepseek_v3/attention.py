@@ -66,10 +66,14 @@ class MLA(nn.Module):
             cos, sin = cos * self.rope_scale, sin * self.rope_scale
         return cos, sin
 
-    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, S, d] -> q [B, S, H, nope + rope], the pe dims rotated."""
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qr: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        """x [B, S, d] -> q [B, S, H, nope + rope], the pe dims rotated; ``qr``: x's query latent when the
+        caller has it already (``q_norm(wq_a(x))``)."""
         B, S, _ = x.shape
-        q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_latent else self.wq(x)
+        if self.q_latent and qr is None:
+            qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr) if self.q_latent else self.wq(x)
         return apply_rope(q.view(B, S, self.n_heads, self.nope + self.rope), cos[:, :, None], sin[:, :, None])
 
     def latent_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +90,8 @@ class MLA(nn.Module):
         B, S, _ = x.shape
         H = self.n_heads
         cos, sin = self.rope_table(ctx)
-        q = self.query(x, cos, sin)
+        qr = self.q_norm(self.wq_a(x)) if self.q_latent else None  # the query latent (V3.2's indexer reads it)
+        q = self.query(x, cos, sin, qr)
         latent, k_pe = self.latent_kv(x, cos, sin)
         if ctx.cache is not None:
             ctx.cache.prefill(self, latent, k_pe, ctx)
@@ -95,8 +100,15 @@ class MLA(nn.Module):
         kv = self.wkv_b(latent).view(B, T, H, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_pe[:, :, None].expand(B, T, H, self.rope)), dim=-1)
-        o = kernels.get("dense_attention", q.device.type)(q, k, v, self.softmax_scale, ctx.full_doc, q_start=ctx.t0)
-        return self.wo(o.flatten(2))
+        return self.wo(self.attend(x, qr, q, k, v, ctx).flatten(2))
+
+    def attend(self, x: torch.Tensor, qr: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               ctx: SequenceContext) -> torch.Tensor:
+        """The attention core: this rank's queries q [B, s, H, qk_head_dim] against the whole rows' k [B, S, H,
+        qk_head_dim], v [B, S, H, v_head_dim] -> [B, s, H, v_head_dim], causal within each document. V3.2's
+        ``SparseMLA`` (deepseek_v3.dsa) keeps only its indexer's picks of x and the query latent qr [B, s,
+        q_lora_rank]."""
+        return kernels.get("dense_attention", q.device.type)(q, k, v, self.softmax_scale, ctx.full_doc, q_start=ctx.t0)
 
 
 def gather_latent(ctx: SequenceContext, latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

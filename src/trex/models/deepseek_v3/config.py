@@ -371,8 +371,17 @@ def tiny_moonlight(**overrides) -> V3Config:
     return V3Config(**base)
 
 
+def tiny_v32(**overrides) -> V3Config:
+    """DeepSeek-V3.2 at toy sizes: tiny-v3 (a dense layer then MoE layers, 4 expert groups, MTP, YaRN) plus
+    the indexer (8 heads of 16 over the 8 rope dims) keeping 8 keys per query, fewer than a test's
+    sequence: the attention is really sparse."""
+    base = dict(index_n_heads=8, index_head_dim=16, index_topk=8, model_type=V32)
+    base.update(overrides)
+    return tiny_v3(**base)
+
+
 V3_PRESETS = {"deepseek-v3": deepseek_v3, "deepseek-v3.2": deepseek_v32, "kimi-k2": kimi_k2, "moonlight": moonlight,
-              "tiny-v3": tiny_v3, "tiny-moonlight": tiny_moonlight}
+              "tiny-v3": tiny_v3, "tiny-v3.2": tiny_v32, "tiny-moonlight": tiny_moonlight}
 
 
 def get_preset(name: str) -> V3Config:

@@ -17,7 +17,9 @@ through FP8 before ``wkv_b`` and the absorbed form does not (as DeepSeek's two `
 Shapes are static: the buffers hold the prompt batch's width plus ``max_new_tokens`` slots from the
 prefill on; a step writes its slot and attends to every slot under a mask. Everything visible belongs
 to the LAST document of each row (left padding is an earlier document). The MTP layer takes no part in
-decoding. tests/test_rollout_cache.py checks it against the whole row's forward, and
+decoding. DeepSeek-V3.2 also caches each layer's indexer keys (index_head_dim fp32 numbers per token) and
+attends to the indexer's top-k of the visible slots (``SparseMLA.decode_picks``), as DeepSeek's decode does.
+tests/test_rollout_cache.py checks it against the whole row's forward, and
 tests/test_official_v3.py against the official ``Transformer.forward(tokens, start_pos)`` loop.
 """
 
@@ -40,6 +42,7 @@ class LatentCache:
 
     latent: torch.Tensor
     k_pe: torch.Tensor
+    index_keys: torch.Tensor | None = None  # V3.2: the indexer's keys [B, N, index_head_dim] fp32
 
 
 class V3DecodeCache(DecodeSteps):
@@ -62,6 +65,11 @@ class V3DecodeCache(DecodeSteps):
         room = (0, 0, 0, self.max_new_tokens)
         self.layers[attn] = LatentCache(F.pad(latent, room), F.pad(k_pe, room))
 
+    def prefill_index(self, attn: MLA, keys: torch.Tensor) -> None:
+        """Keep a V3.2 layer's indexer keys [B, S, index_head_dim] after the prefill (``SparseMLA`` calls it
+        after ``prefill``)."""
+        self.layers[attn].index_keys = F.pad(keys, (0, 0, 0, self.max_new_tokens))
+
     def step(self, attn: MLA, x: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
         """``attn``'s output for one token per row, x [B, 1, d] (``MLA.forward`` calls it)."""
         return mla_step(attn, x, ctx)
@@ -72,7 +80,8 @@ def mla_step(attn: MLA, x: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
     cache, H, nope = ctx.cache, attn.n_heads, attn.nope
     state = cache.layers[attn]
     cos, sin = attn.rope_table(ctx)
-    q_nope, q_pe = attn.query(x, cos, sin)[:, 0].split([nope, attn.rope], dim=-1)  # [B, H, nope], [B, H, rope]
+    qr = attn.q_norm(attn.wq_a(x)) if attn.q_latent else None
+    q_nope, q_pe = attn.query(x, cos, sin, qr)[:, 0].split([nope, attn.rope], dim=-1)  # [B, H, nope], [B, H, rope]
     latent, k_pe = attn.latent_kv(x, cos, sin)
     slot = cache.width + cache.steps - 1
     state.latent[:, slot] = latent[:, 0]
@@ -83,6 +92,8 @@ def mla_step(attn: MLA, x: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
               + scores_fp32(q_pe, state.k_pe.transpose(1, 2))) * attn.softmax_scale  # [B, H, N] fp32
     slots = torch.arange(state.latent.shape[1], device=x.device)
     visible = (slots >= cache.start[:, None]) & (slots <= slot)  # the last document, up to this token
+    if state.index_keys is not None:  # V3.2: only the indexer's picks among them (dsa.SparseMLA.decode_picks)
+        visible = attn.decode_picks(x, qr, ctx, state.index_keys, slot, visible)
     probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(dim=-1).to(x.dtype)
     o = torch.einsum("bhc,hdc->bhd", probs @ state.latent, wkv_b[:, nope:])  # the value rows lift the latent sum
     return attn.wo(o.flatten(1)[:, None])

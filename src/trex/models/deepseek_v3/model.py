@@ -11,12 +11,14 @@ The forward is DeepseekV4's contract (``labels``, ``targets``, ``return_logits``
 ``token_mask``, ``routes``, ``route_log`` -> ModelOutput), so one training loop trains either. Packed
 documents attend only within themselves and restart their positions (DeepSeek's official inference
 code as the oracle: tests/test_official_v3.py). Generation: ``cache`` (trex.models.deepseek_v3.decode's
-``V3DecodeCache``, the MLA latents) as DeepseekV4's forward takes one. Not yet: V3.2's sparse attention (a
-V3.2 config is refused).
+``V3DecodeCache``, the MLA latents) as DeepseekV4's forward takes one. V3.2 (``cfg.sparse``): every
+block's attention is ``dsa.SparseMLA`` (the lightning indexer, its two training stages; the cache keeps
+its keys too).
 
 Context parallelism, as DeepseekV4's: with ``sequence_shard`` set (trex.parallel.context_parallel) every rank of
 a group is given the whole rows and computes its contiguous S/P of them; MLA gathers the group's KV latents
-(``attention.gather_latent``), and the logits, per-token losses and balance sums come back whole on every rank.
+(``attention.gather_latent``), V3.2's indexer its keys, and the logits, per-token losses and balance sums come
+back whole on every rank.
 
 MTP (transformers' ``MtpLayer``): h' = eh_proj([enorm(embed(token t + j)), hnorm(h)]) -> a full MoE
 block -> the module's ``norm`` (released ``shared_head.norm``) -> the shared head, where h is the main
@@ -33,6 +35,7 @@ from torch import nn
 from trex.models.common.config import MOE
 from trex.models.common.context import DecodeCacheLike, SequenceContext, SequenceShard, shift_labels
 from trex.models.common.heads import ModelOutput, UntiedHead, init_parameters
+from trex.models.common.indexer import take_indexer_measures
 from trex.models.common.linear import QuantLinear, QuantSim, spread_quant
 from trex.models.common.moe import Experts, MoE, SharedExpert
 from trex.models.common.norm import RMSNorm
@@ -40,6 +43,7 @@ from trex.models.common.rope import rope_inv_freq
 from trex.models.cross_entropy import IGNORE_INDEX, token_nll
 from trex.models.deepseek_v3.attention import MLA
 from trex.models.deepseek_v3.config import V3Config
+from trex.models.deepseek_v3.dsa import SparseMLA
 
 
 def sequence_context(cfg: V3Config, input_ids: torch.Tensor, doc_ids: torch.Tensor | None,
@@ -58,7 +62,7 @@ class Block(nn.Module):
         self.moe = not dense
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.attn = MLA(cfg)
+        self.attn = SparseMLA(cfg) if cfg.sparse else MLA(cfg)
         self.ffn = MoE(cfg, MOE, name) if self.moe else SharedExpert(d, cfg.intermediate_size, 0.0, cfg.fp8_block)
 
     def forward(self, x: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
@@ -90,9 +94,6 @@ class MTPLayer(Block):
 class DeepseekV3(UntiedHead, nn.Module):
     def __init__(self, cfg: V3Config):
         super().__init__()
-        if cfg.sparse:
-            raise NotImplementedError(f"{cfg.model_type}: DeepSeek Sparse Attention (V3.2's indexer, index_topk "
-                                      f"{cfg.index_topk}) is not built yet; trex builds the dense V3 family")
         self.cfg = cfg
         d = cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, d)
@@ -103,8 +104,11 @@ class DeepseekV3(UntiedHead, nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(cfg, f"mtp.{j}") for j in range(cfg.num_nextn_predict_layers))
         self.sequence_shard: SequenceShard | None = None  # context parallelism (trex.parallel.context_parallel)
         self.quant = QuantSim()  # the served model's quantisation, simulated (set_quant)
-        self.align_indexer = False  # no indexer (V3.2's is not built): nothing to align or measure
+        # V3.2 (deepseek_v3.dsa): training forwards also return the indexer's KL to the main attention, forwards
+        # its recall; the dense warm-up stage attends densely and fits the indexer over every visible token
+        self.align_indexer = False
         self.measure_recall = False
+        self.dense_warmup = False
         self.init_weights()
 
     def set_quant(self, quant: QuantSim) -> None:
@@ -147,6 +151,8 @@ class DeepseekV3(UntiedHead, nn.Module):
                 raise ValueError(f"token_mask has shape {tuple(token_mask.shape)}; expected {tuple(input_ids.shape)}")
             ctx.token_mask = token_mask[:, ctx.t0:ctx.t1].bool()
         ctx.routes, ctx.route_log = routes, route_log
+        ctx.align_indexer, ctx.measure_recall = self.align_indexer and self.training, self.measure_recall
+        ctx.dense_warmup = self.dense_warmup
         x = self.embed(ctx.input_ids)
         for layer in self.layers:
             x = layer(x, ctx)
@@ -185,6 +191,8 @@ class DeepseekV3(UntiedHead, nn.Module):
         if mtp_losses:
             out.mtp_loss = torch.stack(mtp_losses).mean()
         out.moe_stats = [block.ffn.take_stats() for block in [*self.layers, *self.mtp] if block.moe]
+        out.indexer_loss = take_indexer_measures([*self.layers, *self.mtp], ctx, "alignment")
+        out.indexer_recall = take_indexer_measures([*self.layers, *self.mtp], ctx, "recall")
         ctx.recording = False  # activation checkpointing re-runs blocks in backward with this ctx
         return out
 

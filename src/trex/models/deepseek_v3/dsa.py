@@ -1,0 +1,168 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2): the lightning indexer, MLA over its picks, and the indexer's
+loss in the two training stages of DeepSeek's V3.2 report.
+
+The indexer (official ``Indexer``, DeepSeek-V3.2-Exp ``inference/model.py``; transformers'
+``DeepseekV32Indexer``), per layer: queries ``wq_b`` from MLA's normed query latent qr (H_I heads of
+c_I), one key per token ``k_norm(wk(x))`` (a LayerNorm with a bias), head weights ``weights_proj(x)``
+(fp32). RoPE rotates the first qk_rope_head_dim dims of each query head and of the key as half-split
+pairs (DeepSeek's fixed code: ``apply_rotary_emb(..., interleaved=False)``; MLA's own RoPE stays
+interleaved), with MLA's (YaRN) frequencies and no cos/sin factor. Scores
+
+    I[t, s] = sum_h weights_proj(x_t)[h] * H_I^-0.5 * c_I^-0.5 * relu(q[t, h] . k[s])
+
+over the tokens t may see (causal, same document); each query keeps its top min(index_topk, visible).
+DeepSeek's code rotates q and k by a Hadamard transform (orthonormal: the dot products are unchanged) and
+scores them in FP8; trex scores in fp32 (as transformers does).
+
+Two training stages (``Indexer.align``, weighted by ``[train] indexer_loss``):
+
+  dense warm-up  ``dense_warmup`` on the model: MLA attends densely, and the indexer is fitted to the
+                 main attention over every visible token: KL(p_t || softmax_s I[t, s]) with p_t the
+                 main attention's probabilities summed over heads and L1-normalised (their mean).
+  sparse         MLA attends to the picks only; the same KL restricted to each query's picks (the main
+                 attention renormalised over them).
+
+The indexer's inputs are detached in ``align`` and its selection runs without a gradient, so the LM
+loss never reaches the indexer and the KL never reaches the rest of the model.
+
+Context parallelism: each rank scores its queries against the whole rows' index keys (gathered, 128 numbers
+a token at the released size, beside MLA's gathered latents), and the KL's key gradients go back to their
+rows' owners.
+
+Scaling: the picks become a [B, S, S] boolean mask over MLA's dense scores (the ``dense_attention``
+kernel's ``keep``), the selection scores [B, S, H_I, S] in one go, and ``align`` gathers [B, S, k, c_I]
+picked keys and scores the main attention's [B, S, H, S] probabilities without a gradient: fine at
+test sizes, quadratic in S. At the released size (S = 128K, k = 2048, 128 heads) a run needs the query
+chunking of DeepSeek-V4's ``Indexer`` for the selection and the KL, and a gather-based sparse MLA
+over the 576-wide latents of the picks once k < S / 2 (as V4's compressed-sparse attention gathers).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trex import kernels
+from trex.kernels.dense_attention import document_causal_mask
+from trex.models.common.context import SequenceContext
+from trex.models.common.indexer import alignment_kl, picked_mass, select_topk
+from trex.models.common.linear import QuantLinear
+from trex.models.common.norm import LayerNorm
+from trex.models.common.rope import apply_rope_half
+from trex.models.deepseek_v3.attention import MLA
+from trex.models.deepseek_v3.config import V3Config
+
+K_NORM_EPS = 1e-6  # DeepSeek's LayerNorm default and transformers' k_norm
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of one V3.2 layer (module docstring): ``wq_b``, ``wk``, ``k_norm``,
+    ``weights_proj``, under MLA's ``attn.indexer``."""
+
+    def __init__(self, cfg: V3Config):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = QuantLinear(cfg.q_lora_rank, self.n_heads * self.head_dim, block=cfg.fp8_block)
+        self.wk = QuantLinear(cfg.hidden_size, self.head_dim, block=cfg.fp8_block)
+        self.k_norm = LayerNorm(self.head_dim, K_NORM_EPS)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.alignment: torch.Tensor | None = None  # [B, 2] (KL sum, queries) of the last training forward
+        self.recall: torch.Tensor | None = None  # [B, 2] (main attention's mass on the picks, queries)
+
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, S, d], qr [B, S, q_lora_rank], cos, sin [B, S, rope/2] -> queries [B, S, H_I, c_I] and head
+        weights [B, S, H_I] (the scales H_I^-0.5 c_I^-0.5 folded in), fp32."""
+        B, S, _ = x.shape
+        q = apply_rope_half(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos[:, :, None], sin[:, :, None])
+        w = F.linear(x.float(), self.weights_proj.weight.float()) * (self.n_heads * self.head_dim) ** -0.5
+        return q.float(), w
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, S, d] -> the index keys [B, S, c_I], fp32."""
+        return apply_rope_half(self.k_norm(self.wk(x)), cos, sin).float()
+
+    def project(self, x: torch.Tensor, qr: torch.Tensor, ctx: SequenceContext
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``queries`` of this rank's rows x, qr [B, s, *] and ``keys`` of the whole rows [B, S, c_I] (gathered
+        over a context-parallel group: 128 numbers a token at the released size), at the context's
+        positions."""
+        cos, sin = ctx.rope["main"]
+        return *self.queries(x, qr, cos, sin), ctx.gather(self.keys(x, cos, sin))
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: SequenceContext, visible: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The picks of this rank's queries: (idx [B, s, k] long, valid [B, s, k] bool), k = min(index_topk,
+        S), among the keys each may see (visible [B, s, S]); and the keys [B, S, c_I] (a decode cache keeps
+        them)."""
+        q, w, keys = self.project(x, qr, ctx)
+        return *select_topk(q, w, keys, visible, min(self.topk, keys.shape[1])), keys
+
+    def align(self, x: torch.Tensor, qr: torch.Tensor, ctx: SequenceContext, idx: torch.Tensor, valid: torch.Tensor,
+              target: torch.Tensor) -> torch.Tensor:
+        """KL(target || softmax of the index scores) over each query's entries idx (valid) [B, S, k], the
+        target [B, S, k] the main attention's distribution over them (no gradient). The inputs x, qr are
+        detached: only the indexer learns. Returns [B, 2]: per row the KL summed over queries with at
+        least two valid entries, and their number (as DeepSeek-V4's ``Indexer.align``)."""
+        q, w, keys = self.project(x.detach(), qr.detach(), ctx)
+        kl = alignment_kl(q, w, keys, idx, valid, target)
+        counted = valid.sum(dim=-1) > 1
+        return torch.stack((kl.sum(dim=1), counted.sum(dim=1).float()), dim=1)
+
+
+class SparseMLA(MLA):
+    """MLA whose queries attend only to their indexer's picks (dense in the warm-up stage)."""
+
+    def __init__(self, cfg: V3Config):
+        super().__init__(cfg)
+        self.indexer = Indexer(cfg)
+
+    def attend(self, x: torch.Tensor, qr: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               ctx: SequenceContext) -> torch.Tensor:
+        """MLA.attend over the picks (``ctx.dense_warmup``: over every visible key); records the indexer's
+        KL (``ctx.align_indexer``, training forwards) and recall (``ctx.measure_recall``). This rank's s
+        queries against the whole rows' S keys."""
+        B, s = x.shape[:2]
+        S = k.shape[1]
+        visible = document_causal_mask(ctx.full_doc, ctx.t0, s)[:, 0]  # [B, s, S]
+        warmup = getattr(ctx, "dense_warmup", False)
+        if warmup:
+            idx, valid, keep = torch.arange(S, device=x.device).expand(B, s, S), visible, None
+        else:
+            idx, valid, keys = self.indexer(x, qr, ctx, visible)
+            keep = torch.zeros_like(visible).scatter_(-1, idx, valid)
+            if ctx.cache is not None:  # a prefill: the decode steps pick among these keys too
+                ctx.cache.prefill_index(self, keys)
+        align = getattr(ctx, "align_indexer", False) and ctx.recording
+        if align or getattr(ctx, "measure_recall", False):
+            with torch.no_grad():  # the main attention's fp32 scores [B, s, H, S], per head
+                scores = torch.einsum("bthd,bshd->bths", q.float(), k.float()).mul_(self.softmax_scale)
+                scores.masked_fill_(~visible[:, :, None], float("-inf"))
+                if getattr(ctx, "measure_recall", False) and not warmup:
+                    self.indexer.recall = picked_mass(scores.softmax(dim=-1).mean(dim=2), idx, valid, visible)
+                if align:
+                    picked = scores.gather(-1, idx[:, :, None].expand(-1, -1, scores.shape[2], -1))
+                    target = picked.masked_fill(~valid[:, :, None], float("-inf")).softmax(dim=-1).mean(dim=2)
+            if align:
+                self.indexer.alignment = self.indexer.align(x, qr, ctx, idx, valid, target)
+        o = kernels.get("dense_attention", q.device.type)(q, k, v, self.softmax_scale, ctx.full_doc, q_start=ctx.t0,
+                                                          keep=keep)
+        if warmup and align:  # only the indexer trains: 0 x its KL gives the block's output a gradient, as
+            # FSDP2 gathers a unit's parameters for backward when its outputs get one (the KL's own path
+            # reaches the indexer's parameters only after that)
+            o = o + 0.0 * self.indexer.alignment[:, 0].sum()
+        return o
+
+    @torch.no_grad()
+    def decode_picks(self, x: torch.Tensor, qr: torch.Tensor, ctx: SequenceContext, keys: torch.Tensor, slot: int,
+                     visible: torch.Tensor) -> torch.Tensor:
+        """A decode step's picks (trex.models.deepseek_v3.decode): x, qr [B, 1, *] the new token, written into
+        ``keys`` [B, N, c_I] at ``slot``; returns [B, N] bool, its top min(index_topk, N) of the ``visible``
+        [B, N] slots."""
+        cos, sin = ctx.rope["main"]
+        q, w = self.indexer.queries(x, qr, cos, sin)
+        keys[:, slot] = self.indexer.keys(x, cos, sin)[:, 0]
+        idx, valid = select_topk(q, w, keys, visible[:, None], min(self.indexer.topk, keys.shape[1]))
+        return torch.zeros_like(visible).scatter_(-1, idx[:, 0], valid[:, 0])
