@@ -58,3 +58,76 @@ def test_the_section_names_the_key_it_refuses(key, value, message):
     with pytest.raises(ValueError, match="all 0"):
         DrafterSection(ce=0, tv=0, confidence=0)
     assert (DrafterSection().ce, DrafterSection().tv, DrafterSection().confidence) == (0.1, 0.9, 1.0)
+
+
+# ---- the re-fit in the training loop ------------------------------------------------------------------------
+DSPARK_OVERRIDES = ("model.overrides={num_nextn_predict_layers=2, dspark_target_layer_ids=[4,5], dspark_block_size=3, "
+                    "dspark_markov_rank=16, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2, "
+                    "dspark_noise_token_id=3, hc_sinkhorn_iters=3}")
+
+
+def _sft_with_drafter(tmp_path, out, *extra):
+    from arithmetic_data import write_sft
+
+    from trex.recipe import load
+    from trex.train.config import TrainRecipe
+
+    data = tmp_path / "sft.jsonl"
+    if not data.exists():
+        write_sft(tmp_path, n_train=40, n_eval=4)
+    return load(TrainRecipe, overrides=[
+        DSPARK_OVERRIDES, 'model.preset="tiny-v4.1"', f'data.paths=["{data}"]', 'data.tokenizer="compact"',
+        "data.seq_len=64", "train.steps=1", "train.progress=false", "fidelity.every=0", f'train.out="{out}"',
+        "drafter.enabled=true", "drafter.steps=4", "drafter.new_tokens=6", "drafter.prompts_per_step=2",
+        "drafter.held_out=1", "drafter.measure_tokens=6", "drafter.lr=1e-3", "checkpoint.save_every=2", *extra])
+
+
+def _dcp_tensors(path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(path), str(path) + ".pt")
+    return torch.load(str(path) + ".pt", weights_only=True)
+
+
+def test_an_sft_job_refits_its_drafter_and_a_resumed_refit_repeats_it_bit_for_bit(tmp_path):
+    """SFT on a tiny V4.1 with ``[drafter]``: after the main steps the drafter trains 4 re-fit steps on the
+    target's continuations of the SFT records' prompts, checkpointed like main steps (drafter/step_2, step_4);
+    summary.json carries acceptance (a) base, (b) post-trained with the old drafter, (c) re-fit, and the
+    re-fit's cost; the drafter is exported in the released mtp.* layout, which ``load_drafter`` reads back.
+    The same run resumed from its re-fit checkpoint at step 2 (the main step done) takes steps 3 and 4 again
+    bit for bit: their losses, gradient norms, the step-4 checkpoint's every tensor and the exported bytes."""
+    from trex.checkpoint.load import load_drafter
+    from trex.train.loop import train
+
+    out = tmp_path / "run"
+    summary = train(_sft_with_drafter(tmp_path, out)).summary
+    drafter = summary["drafter"]
+    assert drafter["steps"] == 4 and drafter["phases"] == 1
+    assert set(drafter["acceptance"]) == {"base", "post_trained_old", "refit"}
+    assert all(a["steps"] > 0 for a in drafter["acceptance"].values())
+    assert drafter["time_s"] > 0 and drafter["main_time_s"] > 0
+    rows = [json.loads(line) for line in open(out / "drafter_metrics.jsonl")]
+    assert [r["drafter_step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["drafter/loss"] < rows[0]["drafter/loss"]
+    ckpts = out / "checkpoints" / "drafter"
+    assert sorted(os.listdir(ckpts)) == ["released", "step_2", "step_4"]
+    refit = _dcp_tensors(ckpts / "step_4")
+    loaded = load_drafter(str(ckpts / "released"), dtype=torch.float32, device="cpu")
+    for key, value in loaded.state_dict().items():  # as exported: bf16 (sinks, gains fp32) or FP8 / FP4
+        assert torch.allclose(value, refit["model"][key], rtol=2**-8, atol=0), key
+    exported = (ckpts / "released" / "model-00001-of-00001.safetensors").read_bytes()
+
+    import shutil
+
+    shutil.rmtree(ckpts / "step_4")
+    shutil.rmtree(ckpts / "released")
+    again = train(_sft_with_drafter(tmp_path, out, 'checkpoint.resume="auto"')).summary["drafter"]
+    rows_again = [json.loads(line) for line in open(out / "drafter_metrics.jsonl")]
+    assert [r["drafter_step"] for r in rows_again] == [1, 2, 3, 4]
+    for a, b in zip(rows, rows_again):
+        assert {k: v for k, v in a.items() if k != "drafter/step_time_s"} == \
+               {k: v for k, v in b.items() if k != "drafter/step_time_s"}
+    resumed = _dcp_tensors(ckpts / "step_4")
+    assert set(resumed["model"]) == set(refit["model"])
+    assert all(torch.equal(resumed["model"][k], refit["model"][k]) for k in refit["model"])
+    assert (ckpts / "released" / "model-00001-of-00001.safetensors").read_bytes() == exported
+    assert again["acceptance"] == drafter["acceptance"]  # (a) kept from the first start, (b) and (c) measured again

@@ -35,7 +35,7 @@ SAVE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _FP8_LINEARS = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.shared_experts\.w[123]"
                           r"|^mtp\.\d+\.(e_proj|h_proj))\.weight$")
 _V41_FP8_LINEARS = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.shared_experts\.w[123]"
-                              r"|\.engram\.wkv)\.weight$")
+                              r"|\.engram\.wkv|^mtp\.\d+\.main_proj)\.weight$")
 _V41_TABLES = re.compile(r"\.engram\.embed\.weight$")
 _STACKED_EXPERTS = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
 ScaleHint = Callable[[str], "torch.Tensor | None"]

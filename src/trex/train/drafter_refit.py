@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from trex.checkpoint.training import CheckpointSection, Checkpointer, RunState
 from trex.models import evaluating
 from trex.models.decode_v41 import V41DecodeCache
+from trex.posttrain.objective import reshard
 from trex.precision import StepGuard
 from trex.recipe import check_choices
 from trex.rollout.sampling import SamplingParams, choose_tokens, left_pad
@@ -269,7 +270,7 @@ class DrafterRefit:
         self.pad_id, self.stop_ids = pad_id, stop_ids
         self.block = section.block_size or drafter.cfg.dspark_block_size
         self.width = max(len(p) for p in prompts)
-        self.initial = {k: v.detach().clone() for k, v in drafter.state_dict().items()}  # the loaded drafter
+        self.initial = {k: _full(v).clone() for k, v in drafter.state_dict().items()}  # the loaded drafter
         drafter.requires_grad_(True)
         optim = OptimSection(name="adamw", lr=section.lr, weight_decay=section.weight_decay, eps=1e-8,
                              grad_clip=section.grad_clip)
@@ -352,6 +353,7 @@ class DrafterRefit:
             self.ckpt.close()
             for p in trained:
                 p.requires_grad_(True)
+            reshard(model)  # the no-grad forwards left FSDP's root gathered
             self.peak_bytes = max(self.peak_bytes, self.dev.max_memory_allocated())
         return status
 
@@ -360,12 +362,15 @@ class DrafterRefit:
         """``trex fidelity drafter``'s measure on the held-out prompts: ``model`` with ``drafter`` (default:
         the re-fit one)."""
         drafter = drafter or self.drafter
-        return measure_acceptance(model, drafter, self.held_out, self.section.measure_tokens, self.pad_id,
-                                  self.stop_ids, batch_size=max(1, len(self.held_out)))
+        measured = measure_acceptance(model, drafter, self.held_out, self.section.measure_tokens, self.pad_id,
+                                      self.stop_ids, batch_size=max(1, len(self.held_out)))
+        reshard(model)
+        return measured
 
     def loaded_drafter(self):
         """A copy of the drafter as loaded (before any re-fit)."""
-        copy = type(self.drafter)(self.drafter.cfg).to(next(self.drafter.parameters()).device)
+        first = next(iter(self.initial.values()))
+        copy = type(self.drafter)(self.drafter.cfg).to(device=first.device, dtype=first.dtype)
         copy.load_state_dict(self.initial)
         return copy
 
@@ -382,3 +387,243 @@ def write_json(path: str, obj) -> None:
     from trex import atomic
 
     atomic.write_text(path, json.dumps(obj, indent=1) + "\n")
+
+
+# ---- the job's view: set-up, phases, acceptance, export ---------------------------------------------------
+ACCEPTANCE_FILE = "drafter_acceptance.json"
+METRICS_FILE = "drafter_metrics.jsonl"
+
+
+def job_prompt_files(recipe) -> tuple[list[str], str]:
+    """The prompt files the re-fit reads and the recipe key that names them."""
+    if recipe.drafter.prompts:
+        return recipe.drafter.prompts, "drafter.prompts"
+    mode = recipe.train.mode
+    if mode in ("grpo", "distill"):
+        return getattr(recipe, mode).prompts, f"{mode}.prompts"
+    return recipe.data.paths, "data.paths"
+
+
+def load_job_prompts(recipe, tokenizer) -> list[list[int]]:
+    """The job's prompts as token ids (trex.posttrain.on_policy.load_prompts: an SFT record's conversation
+    before its last assistant turn); ValueError in one line naming the key on records without prompts."""
+    from trex.data.records import BadRecordError
+    from trex.posttrain.on_policy import load_prompts
+
+    files, key = job_prompt_files(recipe)
+    try:
+        return [p.ids for p in load_prompts(files, tokenizer, recipe.data.thinking)]
+    except BadRecordError as e:
+        line = " ".join(str(e).split())
+        raise ValueError(f"{key} (the drafter's prompts): {line}; set drafter.prompts to prompt files") from None
+
+
+def shard_drafter(drafter, par, policy) -> None:
+    """The drafter under the main job's layout: routed experts by EP over ``ep``, then FSDP2 (the experts on
+    the expert data-parallel mesh, the drafter as one unit: its forward gathers the stages); gradients
+    summed, as the main model's."""
+    if not par.distributed:
+        return
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    from trex.parallel.expert_parallel import shard_experts
+
+    mp = MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=policy.reduce_dtype)
+    if par.ep > 1 and shard_experts(drafter, par.ep_mesh):
+        local = drafter.cfg.dspark_n_routed_experts // par.ep
+        placement = Shard(0) if local % par.expert_dp_mesh.size(1) == 0 else Shard(1)
+        for stage in drafter.mtp:
+            fully_shard(stage.ffn.experts, mesh=par.expert_dp_mesh, mp_policy=mp, shard_placement_fn=lambda p: placement)
+    fully_shard(drafter, mesh=par.dp_mesh, mp_policy=mp)
+    for module in drafter.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+class gathered:
+    """The drafter's stages whole while drafting (``prefill`` and ``draft`` reach into them outside its
+    forward); a no-op unsharded."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __enter__(self):
+        if hasattr(self.module, "unshard"):
+            self.module.unshard()
+        return self.module
+
+    def __exit__(self, *_):
+        if hasattr(self.module, "reshard"):
+            self.module.reshard()
+
+
+class JobRefit:
+    """``[drafter]`` in a training job: ``start`` (after set-up: the drafter loaded, sharded, resumed, and
+    acceptance (a) measured on a fresh run), ``after_step`` (GRPO / distillation every ``every_n``),
+    ``finish`` (after the main steps: (b), the last phase, (c), the export), ``summary``."""
+
+    def __init__(self, recipe, model, tokenizer, par, dev, policy, out: str, config: dict):
+        section = recipe.drafter
+        section.check_against(recipe.train.mode, model.cfg)
+        self.section, self.par, self.out = section, par, out
+        self.main_steps = recipe.train.steps
+        self.source = recipe.model.path
+        drafter = self._load(model.cfg, dev, policy, recipe.model.init_seed)
+        shard_drafter(drafter, par, policy)
+        stop = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
+        self.refit = DrafterRefit(section, drafter, load_job_prompts(recipe, tokenizer), par, dev, tokenizer.pad_id,
+                                  stop, recipe.checkpoint, out, config)
+        self.checkpoints = self.refit.ckpt.directory
+        self.acceptance: dict = {}
+        self.main_time_s = 0.0  # the main steps' time in this process (a resumed run: since it resumed)
+        self.exported: str | None = None
+
+    def _load(self, cfg, dev, policy, seed: int):
+        from trex.checkpoint.load import load_drafter
+        from trex.models.common.heads import init_parameters
+        from trex.models.dspark import DSparkDrafter
+
+        dtype = torch.float32 if self.par.distributed else policy.param_dtype
+        if self.source:
+            try:
+                return load_drafter(self.source, dtype=dtype, device=dev.name)
+            except Exception as e:  # noqa: BLE001 -- any load problem is the same user fault here
+                raise ValueError(f"drafter.enabled: model.path {self.source}: {' '.join(str(e).split())}") from None
+        log.warning("drafter: the model is a preset: its drafter starts from a fresh initialisation")
+        with torch.device(dev.torch_device):
+            drafter = DSparkDrafter(cfg).to(dtype)
+        init_parameters(drafter, cfg.initializer_range, seed)  # the same in a resumed run (its RNG is restored)
+        return drafter
+
+    def phases(self) -> int:
+        """Phases in the run: one each ``every_n`` main steps before the last, and the last."""
+        n = self.section.every_n
+        return ((self.main_steps - 1) // n if n else 0) + 1
+
+    def start(self, model, resumed_step: int | None) -> None:
+        """Resume the re-fit where the run's checkpoints put it; measure (a) on a fresh run."""
+        path = os.path.join(self.out, ACCEPTANCE_FILE)
+        if resumed_step is None:
+            with gathered(self.refit.drafter):
+                self.acceptance = {"base": acceptance_dict(self.refit.acceptance(model))}
+            if self.par.is_main:
+                write_json(path, self.acceptance)
+            _keep_metrics(os.path.join(self.out, METRICS_FILE), 0, self.par.is_main)
+            return
+        if os.path.exists(path):
+            with open(path) as f:
+                self.acceptance = json.load(f)
+        self._resume(resumed_step)
+
+    def _resume(self, main_step: int) -> None:
+        """The re-fit checkpoint that belongs with main checkpoint ``main_step``: the newest whose step K
+        the run had reached by then (K <= the started phases' steps, a later one is the next attempt's)."""
+        from trex.checkpoint.training import list_checkpoints
+        from trex.checkpoint.manifest import verify_checkpoint
+
+        R, n = self.section.steps, self.section.every_n
+        started = (min(main_step, self.main_steps - 1) // n if n else 0) + (main_step >= self.main_steps)
+        complete = (main_step // n if n and main_step < self.main_steps else started - (main_step >= self.main_steps))
+        ok = [(k, p) for k, p in list_checkpoints(self.checkpoints) if k <= started * R and verify_checkpoint(p).ok]
+        if not ok:
+            if complete:
+                raise ValueError(f"checkpoint.resume: the run resumes at main step {main_step}, after "
+                                 f"{complete} re-fit phase(s), and {self.checkpoints} holds no re-fit checkpoint "
+                                 f"of them (drafter step <= {started * R})")
+            return
+        k, path = ok[-1]
+        if k < complete * R:
+            raise ValueError(f"checkpoint.resume: main step {main_step} follows re-fit step {complete * R}; the "
+                             f"newest re-fit checkpoint in {self.checkpoints} at or before it is step {k}")
+        self.refit.ckpt.section = dataclasses.replace(self.refit.ckpt.section, resume=path)
+        self.refit.resume()
+        _keep_metrics(os.path.join(self.out, METRICS_FILE), self.refit.done, self.par.is_main)
+
+    def _log(self, row: dict) -> None:
+        if self.par.is_main:
+            with open(os.path.join(self.out, METRICS_FILE), "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def after_step(self, model, step: int) -> str:
+        """After main step ``step`` (and its checkpoint): a phase when ``every_n`` divides it (not the last)."""
+        n = self.section.every_n
+        if not n or step % n or step >= self.main_steps:
+            return "completed"
+        return self.refit.phase(model, step // n * self.section.steps, self._log)
+
+    def finish(self, model) -> str:
+        """After the main steps: (b) the post-trained target with the loaded drafter, the last phase, (c)."""
+        if "post_trained_old" not in self.acceptance or self.refit.done < self.phases() * self.section.steps:
+            old = self.refit.loaded_drafter()
+            self.acceptance["post_trained_old"] = acceptance_dict(self.refit.acceptance(model, old))
+        status = self.refit.phase(model, self.phases() * self.section.steps, self._log)
+        if status != "completed":
+            return status
+        with gathered(self.refit.drafter):
+            self.acceptance["refit"] = acceptance_dict(self.refit.acceptance(model))
+        if self.par.is_main:
+            write_json(os.path.join(self.out, ACCEPTANCE_FILE), self.acceptance)
+        self.exported = export_drafter(self.refit.drafter, self.source, os.path.join(self.checkpoints, "released"),
+                                       self.main_steps, self.par.is_main)
+        return status
+
+    def summary(self) -> dict:
+        """summary.json's ``drafter``: the three acceptances (base = (a), post_trained_old = (b), refit =
+        (c)), (c) against (a), the re-fit's steps, time against the main steps' and peak memory."""
+        a, c = (self.acceptance.get(k, {}).get("mean_accepted") for k in ("base", "refit"))
+        rows = self.refit.metrics
+        return {"acceptance": self.acceptance, "refit_vs_base": None if a is None or c is None else c - a,
+                "steps": self.refit.done, "phases": self.phases(), "time_s": self.refit.time_s,
+                "main_time_s": self.main_time_s, "peak_memory_bytes": self.refit.peak_bytes,
+                "first": rows[0] if rows else None, "last": rows[-1] if rows else None,
+                "export": self.exported}
+
+
+def _keep_metrics(path: str, upto: int, main: bool) -> None:
+    """drafter_metrics.jsonl keeps the rows of re-fit steps <= ``upto`` (a resumed run writes the rest again)."""
+    if not main or not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = [line for line in f if line.strip() and json.loads(line)["drafter_step"] <= upto]
+    from trex import atomic
+
+    atomic.write_text(path, "".join(rows))
+
+
+def export_drafter(drafter, source: str | None, path: str, target_step: int, main: bool) -> str | None:
+    """Write the drafter's stages in the released ``mtp.*`` layout (official names; FP8 32x32 linears and FP4
+    experts when the source checkpoint stored its stages so, else bf16) with the run's config.json, where
+    ``load_drafter`` reads them and ``trex ckpt export`` carries them (``target.json``: the main step whose
+    target they were fitted to). Every rank calls it (a sharded drafter is gathered); rank 0 writes."""
+    from trex.checkpoint.layouts import TrexTensor, plan_outputs
+    from trex.checkpoint.reader import CheckpointReader
+    from trex.checkpoint.save import checkpoint_config
+    from trex.checkpoint.writer import write_checkpoint
+
+    state = {k: _full(v) for k, v in drafter.state_dict().items()}
+    if not main:
+        return None
+    quantize, hint = None, None
+    if source:
+        reader = CheckpointReader(source)
+        codecs = {s.codec for sources in reader.drafter_sources.values() for s in sources} - {"plain"}
+        if codecs:
+            quantize = "fp8+fp4experts" if "fp4" in codecs else "fp8"
+            hint = reader.stored if reader.layout == "official" else None  # unchanged blocks keep their scales
+    tensors = [TrexTensor(k, tuple(v.shape), v.dtype, lambda e, v=v: v if e is None else v[e]) for k, v in state.items()]
+    cfg = drafter.cfg
+    groups = plan_outputs(tensors, "official", torch.bfloat16, quantize, cfg.architecture, hint, cfg.num_hidden_layers)
+    write_checkpoint(path, groups, checkpoint_config(cfg, "official", "bf16", quantize), overwrite=True,
+                     copies={"target.json": _target_file(path, target_step)})
+    return path
+
+
+def _target_file(path: str, step: int) -> str:
+    import tempfile
+
+    fd, name = tempfile.mkstemp(suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"target_step": step}, f)
+    return name
