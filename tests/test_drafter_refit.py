@@ -131,3 +131,62 @@ def test_an_sft_job_refits_its_drafter_and_a_resumed_refit_repeats_it_bit_for_bi
     assert all(torch.equal(resumed["model"][k], refit["model"][k]) for k in refit["model"])
     assert (ckpts / "released" / "model-00001-of-00001.safetensors").read_bytes() == exported
     assert again["acceptance"] == drafter["acceptance"]  # (a) kept from the first start, (b) and (c) measured again
+
+
+# ---- the demonstration: acceptance falls with post-training, the re-fit restores it -----------------------------
+def _counting(start: int, stride: int, n: int) -> list[int]:
+    """A task's sequence: ids 4 .. 51 counting by ``stride`` (mod 48) from ``start``."""
+    return [4 + (start + stride * j) % 48 for j in range(n)]
+
+
+def _post_train(model, stride: int, steps: int) -> None:
+    """SFT of the target on counting by ``stride`` (AdamW, lr 3e-3, 8 rows of 16)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for s in range(steps):
+        rows = torch.tensor([_counting(5 * s + 3 * i, stride, 16) for i in range(8)])
+        model(rows, labels=rows).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.slow
+def test_a_post_trained_target_accepts_fewer_drafts_and_the_refit_restores_them(tmp_path):
+    """A tiny V4.1 (two DSpark stages, blocks of 3) trained to count by 1; its drafter fitted to it by the re-fit
+    (``DrafterRefit.phase``): (a) its acceptance on held-out prompts, measured as ``trex fidelity drafter`` does.
+    The target is then post-trained to count by 3: with the old drafter (b) falls below (a); re-fitted on the
+    new target's continuations, (c) is at least (a). The re-fit step reads the host only for the prompts it
+    draws (none: its one read is the loop's)."""
+    from trex import device as device_layer
+    from trex.checkpoint.training import CheckpointSection
+    from trex.models.config_v41 import tiny_v41
+    from trex.models.deepseek_v41 import DeepseekV41
+    from trex.models.dspark import DSparkDrafter
+    from trex.parallel.mesh import Parallel
+    from trex.syncs import SyncCounter
+    from trex.train.drafter_refit import DrafterRefit
+
+    cfg = tiny_v41(vocab_size=64, num_nextn_predict_layers=2, dspark_target_layer_ids=[4, 5], dspark_block_size=3,
+                   dspark_markov_rank=16, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2,
+                   dspark_noise_token_id=63, engram_compressed_vocab_size=64, hc_sinkhorn_iters=3)
+    torch.manual_seed(0)
+    model = DeepseekV41(cfg)
+    model.init_weights(0)
+    model.set_engram_token_map(list(range(64)), 64)
+    prompts = [_counting(5 * i % 48, 1, 3) + _counting(5 * i % 48 + 7, 3, 2) for i in range(20)]  # both tasks' steps
+    section = DrafterSection(enabled=True, steps=20, lr=3e-3, new_tokens=8, prompts_per_step=8, held_out=6,
+                             measure_tokens=12)
+    refit = DrafterRefit(section, DSparkDrafter(cfg), prompts, Parallel(), device_layer.detect("cpu"), 0, (),
+                         CheckpointSection(), str(tmp_path))
+    _post_train(model, 1, 20)
+    refit.phase(model, 20)
+    base = refit.acceptance(model).mean_accepted  # (a)
+    _post_train(model, 3, 20)
+    old = refit.acceptance(model).mean_accepted  # (b)
+    with SyncCounter() as syncs:
+        refit._step(model, 20)
+    assert syncs.count == 0, syncs.report()
+    refit.done = 21
+    refit.phase(model, 40)
+    refit_acc = refit.acceptance(model).mean_accepted  # (c)
+    print(f"acceptance (a) {base:.3f} (b) {old:.3f} (c) {refit_acc:.3f}")
+    assert old < base <= refit_acc, (base, old, refit_acc)

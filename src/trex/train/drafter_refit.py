@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -229,10 +230,13 @@ def _full(weight: torch.Tensor) -> torch.Tensor:
     return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
 
 
-def step_prompts(n: int, per_step: int, seed: int, k: int) -> torch.Tensor:
-    """The prompt indices (of ``n``) re-fit step ``k`` draws, the same at any layout: [per_step]."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + k)
-    picks = torch.cat([torch.randperm(n, generator=g) for _ in range(-(-per_step // n))])
+def step_prompts(n: int, per_step: int, seed: int, k: int) -> list[int]:
+    """The ``per_step`` prompt indices (of ``n``) re-fit step ``k`` draws, the same at any layout (on the host:
+    shuffled passes over the prompts)."""
+    rng = random.Random(seed * 1_000_003 + k)
+    picks: list[int] = []
+    while len(picks) < per_step:
+        picks += rng.sample(range(n), n)
     return picks[:per_step]
 
 
@@ -260,6 +264,9 @@ class DrafterRefit:
 
     def __init__(self, section: DrafterSection, drafter, prompts: list[list[int]], par, dev, pad_id: int,
                  stop_ids: tuple[int, ...], checkpoint: CheckpointSection, out: str, config: dict | None = None):
+        if section.prompts_per_step % par.data_world:
+            raise ValueError(f"drafter.prompts_per_step = {section.prompts_per_step}; expected a multiple of the "
+                             f"{par.data_world} data-parallel ranks")
         if len(prompts) <= section.held_out:
             raise ValueError(f"drafter.held_out = {section.held_out}: the job has {len(prompts)} prompts; expected "
                              "more, some to re-fit on")
@@ -299,7 +306,7 @@ class DrafterRefit:
         s, par = self.section, self.par
         picks = step_prompts(len(self.train_prompts), s.prompts_per_step, s.seed, k)
         share = s.prompts_per_step // par.data_world
-        mine = picks[par.data_rank * share:(par.data_rank + 1) * share].tolist()
+        mine = picks[par.data_rank * share:(par.data_rank + 1) * share]
         uniforms = None
         if s.sampling == "sampled":
             uniforms = step_uniforms(s.prompts_per_step, s.new_tokens, s.seed, k)[
