@@ -447,6 +447,9 @@ def shard_drafter(drafter, par, policy) -> None:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    # drafting (``prefill``, ``draft``) calls the experts' units before any forward of the root: initialise the
+    # root now, or the experts' unit would take itself for one
+    drafter._get_fsdp_state()._lazy_init()
 
 
 class gathered:
@@ -477,7 +480,7 @@ class JobRefit:
         self.section, self.par, self.out = section, par, out
         self.main_steps = recipe.train.steps
         self.source = recipe.model.path
-        drafter = self._load(model.cfg, dev, policy, recipe.model.init_seed)
+        drafter = self._load(model.cfg, dev, policy, recipe.model.init_seed).requires_grad_(True)
         shard_drafter(drafter, par, policy)
         stop = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
         self.refit = DrafterRefit(section, drafter, load_job_prompts(recipe, tokenizer), par, dev, tokenizer.pad_id,
