@@ -93,9 +93,11 @@ def test_an_sft_job_refits_its_drafter_and_a_resumed_refit_repeats_it_bit_for_bi
     """SFT on a tiny V4.1 with ``[drafter]``: after the main steps the drafter trains 4 re-fit steps on the
     target's continuations of the SFT records' prompts, checkpointed like main steps (drafter/step_2, step_4);
     summary.json carries acceptance (a) base, (b) post-trained with the old drafter, (c) re-fit, and the
-    re-fit's cost; the drafter is exported in the released mtp.* layout, which ``load_drafter`` reads back.
+    re-fit's cost; the drafter is exported in the released mtp.* layout, which ``load_drafter`` reads back, and
+    `trex ckpt export` of the run's checkpoint carries it with the model.
     The same run resumed from its re-fit checkpoint at step 2 (the main step done) takes steps 3 and 4 again
     bit for bit: their losses, gradient norms, the step-4 checkpoint's every tensor and the exported bytes."""
+    from trex.checkpoint.export import export_checkpoint
     from trex.checkpoint.load import load_drafter
     from trex.train.loop import train
 
@@ -115,6 +117,9 @@ def test_an_sft_job_refits_its_drafter_and_a_resumed_refit_repeats_it_bit_for_bi
     for key, value in loaded.state_dict().items():  # as exported: bf16 (sinks, gains fp32) or FP8 / FP4
         assert torch.allclose(value, refit["model"][key], rtol=2**-8, atol=0), key
     exported = (ckpts / "released" / "model-00001-of-00001.safetensors").read_bytes()
+    export_checkpoint(str(out / "checkpoints" / "step_1"), str(tmp_path / "export"), layout="official")
+    served = load_drafter(str(tmp_path / "export"), dtype=torch.float32, device="cpu")  # `trex ckpt export` carries it
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in served.state_dict().items())
 
     import shutil
 
