@@ -270,3 +270,37 @@ def test_trex_plan_counts_the_refit_of_a_recipe_with_a_drafter_section(tmp_path,
 
     (_, table) = drafter_blocks([full])
     assert table.rows[0][2] == f"1 x {small['steps']}" and drafter_blocks([{**full, "drafter": None}]) == []
+
+
+def test_grpo_refits_every_n_steps_and_after_the_last(tmp_path, monkeypatch):
+    """GRPO on a tiny V4.1 with ``drafter.every_n = 2`` over 3 steps: a phase after step 2 (the policy still
+    moving) and one after the last, 2 re-fit steps each, on the rollout prompts; every_n in SFT, or a model
+    without a drafter, is one line naming the key."""
+    from trex.cli import main
+    from trex.data.arithmetic import ArithmeticTask, generate
+    from trex.data.records import write_jsonl
+    from trex.models.config_v41 import tiny_v41
+
+    train_p, _ = generate(ArithmeticTask(digits=1, n_train=12, n_eval=1))
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p.question, "answer": p.answer} for p in train_p])
+    (tmp_path / "flat.py").write_text("def constant(c):\n    return 1.0\n")
+    (tmp_path / "recipe.toml").write_text("# everything set on the command line\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the reward plug-in
+    sets = ['train.mode="grpo"', 'data.tokenizer="compact"', "data.seq_len=32", "train.progress=false",
+            "fidelity.every=0", "train.steps=3", DSPARK_OVERRIDES, 'model.preset="tiny-v4.1"',
+            f'grpo.prompts=["{tmp_path}/prompts.jsonl"]', 'grpo.rewards=["flat:constant"]',
+            "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.micro_batch_size=4", "sampling.max_new_tokens=2",
+            "drafter.enabled=true", "drafter.every_n=2", "drafter.steps=2", "drafter.new_tokens=5",
+            "drafter.prompts_per_step=2", "drafter.held_out=1", "drafter.measure_tokens=5"]
+    out = tmp_path / "run"
+    assert main(["train", str(tmp_path / "recipe.toml"), "--out", str(out),
+                 *[a for s in sets for a in ("--set", s)]]) == 0
+    summary = json.loads((out / "summary.json").read_text())["drafter"]
+    assert summary["phases"] == 2 and summary["steps"] == 4
+    rows = [json.loads(line) for line in open(out / "drafter_metrics.jsonl")]
+    assert [r["drafter_step"] for r in rows] == [1, 2, 3, 4]
+    cfg = tiny_v41(num_nextn_predict_layers=2, dspark_target_layer_ids=[4, 5], dspark_block_size=3)
+    with pytest.raises(ValueError, match="drafter.every_n = 2 re-fits during GRPO or distillation; train.mode is 'sft'"):
+        DrafterSection(enabled=True, every_n=2).check_against("sft", cfg)
+    with pytest.raises(ValueError, match="drafter.enabled: the model has no DSpark drafter"):
+        DrafterSection(enabled=True).check_against("grpo", tiny_v41())
