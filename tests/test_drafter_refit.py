@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -120,8 +121,6 @@ def test_an_sft_job_refits_its_drafter_and_a_resumed_refit_repeats_it_bit_for_bi
     export_checkpoint(str(out / "checkpoints" / "step_1"), str(tmp_path / "export"), layout="official")
     served = load_drafter(str(tmp_path / "export"), dtype=torch.float32, device="cpu")  # `trex ckpt export` carries it
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in served.state_dict().items())
-
-    import shutil
 
     shutil.rmtree(ckpts / "step_4")
     shutil.rmtree(ckpts / "released")
@@ -274,8 +273,9 @@ def test_trex_plan_counts_the_refit_of_a_recipe_with_a_drafter_section(tmp_path,
 
 def test_grpo_refits_every_n_steps_and_after_the_last(tmp_path, monkeypatch):
     """GRPO on a tiny V4.1 with ``drafter.every_n = 2`` over 3 steps: a phase after step 2 (the policy still
-    moving) and one after the last, 2 re-fit steps each, on the rollout prompts; every_n in SFT, or a model
-    without a drafter, is one line naming the key."""
+    moving) and one after the last, 2 re-fit steps each, on the rollout prompts; a run resumed inside the
+    first phase finishes it before its next main step and repeats the uninterrupted run's losses; every_n in
+    SFT, or a model without a drafter, is one line naming the key."""
     from trex.cli import main
     from trex.data.arithmetic import ArithmeticTask, generate
     from trex.data.records import write_jsonl
@@ -291,14 +291,26 @@ def test_grpo_refits_every_n_steps_and_after_the_last(tmp_path, monkeypatch):
             f'grpo.prompts=["{tmp_path}/prompts.jsonl"]', 'grpo.rewards=["flat:constant"]',
             "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.micro_batch_size=4", "sampling.max_new_tokens=2",
             "drafter.enabled=true", "drafter.every_n=2", "drafter.steps=2", "drafter.new_tokens=5",
-            "drafter.prompts_per_step=2", "drafter.held_out=1", "drafter.measure_tokens=5"]
+            "drafter.prompts_per_step=2", "drafter.held_out=1", "drafter.measure_tokens=5", "checkpoint.save_every=1"]
     out = tmp_path / "run"
-    assert main(["train", str(tmp_path / "recipe.toml"), "--out", str(out),
-                 *[a for s in sets for a in ("--set", s)]]) == 0
+    args = ["train", str(tmp_path / "recipe.toml"), "--out", str(out), *[a for s in sets for a in ("--set", s)]]
+    assert main(args) == 0
     summary = json.loads((out / "summary.json").read_text())["drafter"]
     assert summary["phases"] == 2 and summary["steps"] == 4
     rows = [json.loads(line) for line in open(out / "drafter_metrics.jsonl")]
+    main_rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["drafter_step"] for r in rows] == [1, 2, 3, 4]
+    # stopped inside the first phase (re-fit step 1 saved, main step 2 saved before it): the resumed run
+    # finishes the phase before main step 3, then the last phase, as the uninterrupted run did
+    ckpts = out / "checkpoints"
+    for name in ("step_3", "drafter/step_2", "drafter/step_3", "drafter/step_4", "drafter/released"):
+        shutil.rmtree(ckpts / name)
+    assert main([*args, "--set", 'checkpoint.resume="auto"']) == 0
+    strip = lambda rs: [{k: v for k, v in r.items() if "time" not in k and "tokens_per_s" not in k and k != "mfu"}  # noqa: E731
+                        for r in rs]
+    assert strip(json.loads(line) for line in open(out / "drafter_metrics.jsonl")) == strip(rows)
+    again = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["loss"] for r in again] == [r["loss"] for r in main_rows] and len(again) == 3
     cfg = tiny_v41(num_nextn_predict_layers=2, dspark_target_layer_ids=[4, 5], dspark_block_size=3)
     with pytest.raises(ValueError, match="drafter.every_n = 2 re-fits during GRPO or distillation; train.mode is 'sft'"):
         DrafterSection(enabled=True, every_n=2).check_against("sft", cfg)

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import random
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -354,7 +355,7 @@ class DrafterRefit:
                         log_row(row)
                     stop = self.ckpt.after_step(k + 1)
                     if stop:
-                        return "terminated" if stop == 15 else "interrupted"
+                        return "terminated" if stop == signal.SIGTERM else "interrupted"
                 self.ckpt.finish(upto)
         finally:
             self.ckpt.close()
@@ -533,15 +534,15 @@ class JobRefit:
         from trex.checkpoint.training import list_checkpoints
         from trex.checkpoint.manifest import verify_checkpoint
 
-        R, n = self.section.steps, self.section.every_n
-        started = (min(main_step, self.main_steps - 1) // n if n else 0) + (main_step >= self.main_steps)
-        complete = (main_step // n if n and main_step < self.main_steps else started - (main_step >= self.main_steps))
+        R = self.section.steps
+        started, complete = self._phases_at(main_step)
         ok = [(k, p) for k, p in list_checkpoints(self.checkpoints) if k <= started * R and verify_checkpoint(p).ok]
         if not ok:
             if complete:
                 raise ValueError(f"checkpoint.resume: the run resumes at main step {main_step}, after "
                                  f"{complete} re-fit phase(s), and {self.checkpoints} holds no re-fit checkpoint "
                                  f"of them (drafter step <= {started * R})")
+            _keep_metrics(os.path.join(self.out, METRICS_FILE), 0, self.par.is_main)
             return
         k, path = ok[-1]
         if k < complete * R:
@@ -550,6 +551,22 @@ class JobRefit:
         self.refit.ckpt.section = dataclasses.replace(self.refit.ckpt.section, resume=path)
         self.refit.resume()
         _keep_metrics(os.path.join(self.out, METRICS_FILE), self.refit.done, self.par.is_main)
+
+    def _phases_at(self, main_step: int) -> tuple[int, int]:
+        """(phases started, phases complete) when main checkpoint ``main_step`` was written: a periodic phase
+        runs after its step's checkpoint, the last one after the final checkpoint."""
+        n, end = self.section.every_n, main_step >= self.main_steps
+        started = (min(main_step, self.main_steps - 1) // n if n else 0) + end
+        complete = started - 1 if end or (n and main_step % n == 0 and main_step) else started
+        return started, max(complete, 0)
+
+    def catch_up(self, model, main_step: int) -> str:
+        """A run resumed at main step ``main_step`` (before the last) inside a periodic phase finishes it
+        before its next main step, as the uninterrupted run did."""
+        started, _ = self._phases_at(main_step)
+        if main_step >= self.main_steps or not self.section.every_n:
+            return "completed"
+        return self.refit.phase(model, started * self.section.steps, self._log)
 
     def _log(self, row: dict) -> None:
         if self.par.is_main:

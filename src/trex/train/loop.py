@@ -382,7 +382,9 @@ def _run_steps(r: _Run) -> None:
     progress = StepProgress(cfg_train.steps, enabled=cfg_train.progress and r.par.is_main, every=cfg_train.log_every)
     with r.ckpt.signals():  # until the summary is written; after a stop signal, until exit
         try:
-            for step in range(r.resumed.step if r.resumed else 0, cfg_train.steps):
+            if r.refit is not None and r.resumed:  # resumed inside a periodic re-fit phase: it finishes first
+                r.status = r.refit.catch_up(r.model, r.resumed.step)
+            for step in range(r.resumed.step if r.resumed else 0, cfg_train.steps if r.status == "completed" else 0):
                 r.heartbeat.at(step + 1, "step")
                 t0 = time.perf_counter()  # the previous step ended with a host read: the device is idle
                 r.dev.reset_peak_memory()
