@@ -67,9 +67,10 @@ class DrafterSection:
     every_n: int = 0
     """GRPO / distillation: also re-fit after every this many main steps; 0: only after the main steps."""
     lr: float = 2e-5
-    """AdamW learning rate, constant after ``warmup_steps`` (SpecForge's V4.1 drafter fine-tune used 2e-5)."""
+    """AdamW learning rate (eps 1e-8), constant after ``warmup_steps`` (SpecForge's V4.1 drafter fine-tune
+    used 2e-5)."""
     warmup_steps: int = 0
-    """Linear warm-up of each phase's first steps."""
+    """Linear warm-up over the re-fit's first steps (at most ``steps``)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     grad_clip: float = 1.0
@@ -337,7 +338,6 @@ class DrafterRefit:
         trained = [p for p in model.parameters() if p.requires_grad]
         for p in trained:
             p.requires_grad_(False)
-        status = "completed"
         self.dev.reset_peak_memory()
         try:
             with self.ckpt.signals():
@@ -363,7 +363,7 @@ class DrafterRefit:
                 p.requires_grad_(True)
             reshard(model)  # the no-grad forwards left FSDP's root gathered
             self.peak_bytes = max(self.peak_bytes, self.dev.max_memory_allocated())
-        return status
+        return "completed"
 
     @torch.no_grad()
     def acceptance(self, model, drafter=None) -> Acceptance:
