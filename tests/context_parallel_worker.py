@@ -1,10 +1,11 @@
 """One SFT step's forward and backward of the tiny model at a layout, for tests/test_context_parallel.py.
 
-    torchrun --nproc-per-node N tests/context_parallel_worker.py OUT.pt DP_SHARD EP CP [COMPILED]
+    torchrun --nproc-per-node N tests/context_parallel_worker.py OUT.pt DP_SHARD EP CP [COMPILED [V3]]
     python tests/context_parallel_worker.py OUT.pt            (one process: the reference)
 
 COMPILED = 1: every block checkpointed (full) and compiled with fullgraph=True (the aot_eager
 backend: the graphs, partitioned for the recompute as Inductor's are, without code generation).
+V3 = 1: DeepSeek-V3's tiny preset (MLA, a dense first layer, group-limited routing, MTP), not V4's.
 
 The global batch (ROWS rows of SEQ tokens, packed documents that cross every shard boundary) is the
 same at every layout; each data-parallel rank takes its rows. Rank 0 saves the step's loss, the
@@ -21,6 +22,7 @@ from trex import device as device_layer
 from trex.data.loader import Batch
 from trex.models import build_model
 from trex.models.config import tiny
+from trex.models.registry import get_preset
 from trex.parallel.mesh import init_parallel, shutdown_distributed
 from trex.parallel.plan import apply_activation_checkpointing, apply_compile, apply_parallelism
 from trex.posttrain.objective import next_token_nll
@@ -48,10 +50,10 @@ def rows(batch: Batch, index: slice) -> Batch:
                  batch.token_mask[index])
 
 
-def step(out: str, dp_shard: int = 1, ep: int = 1, cp: int = 1, compiled: int = 0) -> None:
+def step(out: str, dp_shard: int = 1, ep: int = 1, cp: int = 1, compiled: int = 0, v3: int = 0) -> None:
     dev = device_layer.Device("cpu")
     par = init_parallel(1, dp_shard, ep, 120, dev, cp=cp)
-    model = build_model(tiny(hc_sinkhorn_iters=SINKHORN), seed=0).train()
+    model = build_model(get_preset("tiny-v3") if v3 else tiny(hc_sinkhorn_iters=SINKHORN), seed=0).train()
     if compiled:  # the plan's order: activation checkpointing, compile, then (below) CP, EP and FSDP2
         apply_activation_checkpointing(model, "full")
         apply_compile(model, fullgraph=True, backend="aot_eager")

@@ -8,7 +8,8 @@ in a clone) into a directory, then
     .venv/bin/python tests/official_v3_harness.py --official DIR
 
 rewrites tests/fixtures/v3/official.safetensors: numbers only (the tiny model's weights under the official
-names, the input ids, the official logits at every position and the gradients of every parameter) and, in
+names, the input ids, the official logits at every position, the logits of its incremental decode and the
+gradients of every parameter) and, in
 its metadata, the official ``ModelArgs`` and what the harness measured. tests/test_official_v3.py reads it.
 Its ``kernel.py`` (triton, GPU only) is replaced by the torch stand-ins below, written from the kernels'
 contracts; they are never reached, as the harness runs ``gemm_impl = "bf16"`` with bf16 or fp32 weights.
@@ -25,10 +26,16 @@ What the harness does to the official code, and why (nothing else is changed):
   output over the cached latent): the fixture holds both runs' logits; the absorb run (the default) gives
   the gradients; their largest differences go to the metadata.
 
+- the incremental decode runs the official ``Transformer.forward(tokens, start_pos)`` itself, unchanged: a
+  prefill of the first ``DECODE_PREFILL`` ids (its last position's logits), then one id per call at
+  ``start_pos`` = its position, through the module's own KV cache (absorb: the normed latent and k_pe;
+  naive: per-head K and V), past the original length.
+
 Three runs: ``fp32`` absorb (logits, and the gradients of the mean next-token cross-entropy, by autograd
 through the official modules), ``fp32`` naive (logits, gradients for the comparison only) and ``bf16``
 absorb (the model as served in bf16: the module's own dtypes, the gate bias fp32, its own rounding points;
-logits only). Weights are drawn bf16-representable, so every run (and trex) holds the same values. The
+logits only); then the fp32 incremental decode with each ``attn_impl`` (the absorb one's logits in the
+fixture). Weights are drawn bf16-representable, so every run (and trex) holds the same values. The
 official code takes one sequence per batch row (no document packing): the ids are a plain batch of two.
 
 The config: 3 layers (one dense, two MoE), a query latent, 8 experts in 4 groups with 2 kept, 2 active
@@ -54,6 +61,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "v3", "official.safetensors")
 REVISION = "9b4e9788e4a3a731f7567338ed15d3ec549ce03b"
 MODEL_PY_BLOB = "886849975d3b146bfb84f8ea5fdff265c210fcec"
+DECODE_PREFILL = 10  # the decode's prompt: its steps run past original_seq_len (16) to the ids' end (24)
 SCALE = 0.5  # matrices N(0, SCALE^2 / fan_in): every part matters, and bf16 stays comparable
 
 
@@ -196,6 +204,17 @@ def run(module, args, weights: dict[str, torch.Tensor], ids: torch.Tensor, impl:
         torch.set_default_dtype(torch.float32)
 
 
+def decode(module, args, weights: dict[str, torch.Tensor], ids: torch.Tensor, impl: str) -> torch.Tensor:
+    """The official incremental decode in fp32: ``model(ids[:, :P], 0)``, then ``model(ids[:, t:t+1], t)``
+    for each later position t -> the logits of positions P - 1 .. S - 1, [B, S - P + 1, V]."""
+    torch.set_default_dtype(torch.float32)
+    model = build(module, args, impl, bf16=False)
+    model.load_state_dict({k: weights[k] for k in model.state_dict()}, strict=True)
+    P = DECODE_PREFILL
+    steps = [model(ids[:, :P], 0)] + [model(ids[:, t:t + 1], t) for t in range(P, ids.size(1))]
+    return torch.stack(steps, dim=1).clone()
+
+
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a - ref).abs().max() / ref.abs().max()).item()
 
@@ -217,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     naive, naive_grads = run(module, args, weights, ids, "naive", bf16=False)
     bf16, _ = run(module, args, weights, ids, "absorb", bf16=True)
     assert set(grads) == set(naive_grads)
+    decoded = decode(module, args, weights, ids, "absorb")
+    decoded_naive = decode(module, args, weights, ids, "naive")
     torch.set_default_dtype(torch.float32)
     model = build(module, args, "absorb", bf16=False)
     model.load_state_dict(weights)
@@ -227,11 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     tensors["logits.fp32"] = logits.contiguous()
     tensors["logits.fp32_naive"] = naive.contiguous()
     tensors["logits.bf16"] = bf16.contiguous()
+    tensors["logits.decode_fp32"] = decoded.contiguous()
     tensors.update({f"grad.{k}": v.contiguous() for k, v in grads.items()})
     meta = {"args": json.dumps(vars(args)), "revision": REVISION, "model_py_blob": MODEL_PY_BLOB,
             "naive_vs_absorb_logits": f"{_rel(naive, logits):.3e}",
             "naive_vs_absorb_grads": f"{max(_rel(naive_grads[k], grads[k]) for k in grads):.3e}",
             "bf16_vs_fp32_logits": f"{_rel(bf16, logits):.3e}",
+            "decode_prefill": str(DECODE_PREFILL),
+            "decode_naive_vs_absorb_logits": f"{_rel(decoded_naive, decoded):.3e}",
+            "decode_vs_forward_logits": f"{_rel(decoded, logits[:, DECODE_PREFILL - 1:]):.3e}",
             "routing_margin": f"{margin:.3e}"}
     os.makedirs(os.path.dirname(opts.out), exist_ok=True)
     save_file(tensors, opts.out, metadata=meta)

@@ -86,6 +86,25 @@ def test_sdpa_matches_reference_bf16(fast, dev):
         assert _rel(a, t) <= 1.5 * _rel(b, t) + 1e-3, (name, _rel(a, t), _rel(b, t))
 
 
+@pytest.mark.parametrize("fn", [dense_attention.reference, *FAST], ids=lambda f: f.__name__)
+def test_a_shard_of_queries_gives_its_rows_of_the_whole(fn):
+    """Context parallelism: queries of rows q_start .. q_start + s - 1 against the whole rows' keys give those
+    rows of the whole attention (the causal mask offset by q_start; documents across the shard's edges),
+    and the gradients of k and v summed over the shards are the whole's."""
+    (q, k, v), doc, d_out = _inputs("cpu", torch.float32)
+    whole = fn(q, k, v, 0.2, doc)
+    grads = torch.autograd.grad(whole, (k, v), d_out)
+    summed = [torch.zeros_like(k), torch.zeros_like(v)]
+    for q_start in (0, 16, 32):
+        rows = slice(q_start, q_start + 16)
+        part = fn(q[:, rows], k, v, 0.2, doc, q_start=q_start)
+        assert _rel(part, whole[:, rows]) < 1e-6, q_start
+        for acc, g in zip(summed, torch.autograd.grad(part, (k, v), d_out[:, rows])):
+            acc += g
+    for a, b in zip(summed, grads):
+        assert _rel(a, b) < 1e-5
+
+
 @pytest.mark.parametrize("dev", _devices())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_default_runs_a_fused_kernel_with_the_mask(dev, dtype):

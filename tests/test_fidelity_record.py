@@ -74,6 +74,30 @@ def test_deepseek_v41_records_and_climbs_against_another_micro_batch_split(tmp_p
     assert 0 < report["rungs"][1]["measures"]["worst_parameter_err"] < 1e-3
 
 
+def test_deepseek_v3_records_climbs_finds_a_planted_divergence_and_reports(tmp_path, capsys):
+    """The ladder on V3's blocks (MLA, a dense first layer, group-limited routing, MTP): a record; a run
+    accumulating two micro-batches of two rows climbs every rung against it under the layout profile (not
+    bitwise); a wrong norm epsilon in layer 2 is found at the forward rung in that block; `trex report` reads
+    the ladder beside a plan of the released V3."""
+    v3 = [*PATHS, 'model.preset="tiny-v3"', "model.overrides={}"]
+    record(RECIPE, str(tmp_path / "ref"), v3, steps=STEPS)
+    report = climb(RECIPE, str(tmp_path / "ref"), str(tmp_path / "ladder"), get_profile("layout"),
+                   [*v3, "data.micro_batch_size=2", "train.grad_accum=2"])
+    assert [r["status"] for r in report["rungs"]] == ["PASS"] * 5
+    assert 0 < report["rungs"][1]["measures"]["worst_parameter_err"] < 1e-3
+    planted = climb(RECIPE, str(tmp_path / "ref"), str(tmp_path / "planted"), get_profile("layout"), v3,
+                    edit=wrong_norm_eps)
+    assert planted["first_failing_rung"] == 1 and planted["rungs"][0]["departure"]["block"] == "layers.2"
+    assert main(["plan", "--model", "deepseek-v3", "--hardware", "h200-sxm", "--devices", "256", "--layout",
+                 "dp_shard=256,ep=64,recompute=full", "--format", "json"]) == 0
+    (tmp_path / "plan.json").write_text(capsys.readouterr().out)
+    assert main(["report", "--out", str(tmp_path / "report"), "--fidelity", str(tmp_path / "ladder"),
+                 "--plan", str(tmp_path / "plan.json")]) == 0
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "### deepseek-v3 on 256 x h200-sxm" in md and "### Fidelity ladder on cpu: PASS" in md
+    assert 'model.preset="tiny-v3"' in md and f"`{tmp_path / 'ladder' / 'ladder.json'}`" in md
+
+
 def test_a_candidate_that_starts_from_other_weights_is_named_before_any_block(reference, tmp_path):
     report = climb(RECIPE, str(reference), str(tmp_path / "ladder"), get_profile("layout"), [*PATHS, "model.init_seed=1"])
     assert report["first_failing_rung"] == 1

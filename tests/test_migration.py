@@ -159,6 +159,26 @@ def test_a_v41_run_moves_its_micro_batch_split_and_continues_the_run_that_never_
     assert [(m["step"], m["profile"]) for m in _moves(run)] == [(2, "layout")]
 
 
+@pytest.mark.slow
+def test_a_v3_run_moves_onto_two_context_parallel_ranks_and_continues_the_run_that_never_moved(tmp_path):
+    """DeepSeek-V3 through a checkpoint and a layout move: one process for 2 steps, then every row split over
+    two ranks (cp = 2, MLA gathering its KV latents; FSDP2 over the two), resumed from step 2; every step's loss
+    and gradient norm within 1e-5 of the run that never moved (so also `trex train` at cp = 2 against one
+    process), and the move recorded under the layout profile."""
+    v3 = ('model.preset="tiny-v3"', "model.overrides={}", "fidelity.every=0", 'optim.name="adamw"')
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    _leg(straight, 4, *v3)
+    _leg(run, 2, *v3)
+    moved = _leg(run, 4, *v3, "parallel.cp=2", "parallel.dp_shard=1", procs=2)
+    assert "world_size 1 -> 2" in moved.stderr and "cp 1 -> 2" in moved.stderr, moved.stderr[-2000:]
+    rows, ref = _rows(run), _rows(straight)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for a, b in zip(rows, ref):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (a["step"], key, a[key], b[key])
+    assert [(m["step"], m["profile"]) for m in _moves(run)] == [(2, "layout")]
+
+
 GENERATE = """
 import json, sys, torch
 from trex import device

@@ -92,20 +92,32 @@ def test_training_forward_contract():
     assert counted.sum().item() == 2 * 20 * cfg.num_experts_per_tok
 
 
-@pytest.mark.parametrize("make", [tiny_v3, tiny_moonlight])
-def test_every_block_kind_compiles_without_a_graph_break(make):
+class _TwoShards:
+    """The second of two context-parallel shards, for tracing: ``gather`` stands in for the all-gather (this
+    rank's rows twice; the collective itself is traced in tests/test_context_parallel.py's compiled run)."""
+
+    rank, size = 1, 2
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((x, x), dim=1)
+
+
+@pytest.mark.parametrize("make,shard", [(tiny_v3, None), (tiny_moonlight, None), (tiny_v3, _TwoShards())],
+                         ids=["tiny-v3", "tiny-moonlight", "tiny-v3-cp"])
+def test_every_block_kind_compiles_without_a_graph_break(make, shard):
     """The dense block, the MoE block (group-limited routing for tiny-v3), the MTP layer and the fused LM
-    head + loss: one graph each under torch._dynamo.explain."""
+    head + loss: one graph each under torch._dynamo.explain; under context parallelism too (a shard's rows,
+    MLA's latents gathered, the causal mask offset by the shard's first row)."""
     torch.manual_seed(0)
     cfg = make()
     model = build_model(cfg, seed=0).train()
     ids = torch.randint(0, cfg.vocab_size, (2, 32))
     docs = torch.zeros_like(ids)
     docs[0, 11:] = 1
-    ctx = sequence_context(cfg, ids, docs)
-    x = model.embed(ids)
+    ctx = sequence_context(cfg, ids, docs, shard=shard)
+    x = model.embed(ctx.input_ids)
     cases = [("dense block", model.layers[0], (x, ctx)), ("moe block", model.layers[1], (x, ctx)),
-             ("LM head + loss", model.head_nll, (x, ids))]
+             ("LM head + loss", model.head_nll, (x, ctx.input_ids))]
     cases += [("mtp layer", model.mtp[0], (x, x, ctx))] if model.mtp else []
     for name, fn, args in cases:
         explained = torch._dynamo.explain(fn)(*args)

@@ -25,7 +25,8 @@ SHARED_LEAVES = {"cross_entropy", "modes"}  # shared parts that stay beside the 
 FAMILIES = {  # family -> its modules
     "deepseek_v4": {"config", "deepseek_v4", "decode"},
     "deepseek_v41": {"config_v41", "deepseek_v41", "decode_v41", "dspark", "engram", "engram_layout"},
-    "deepseek_v3": {"deepseek_v3.__init__", "deepseek_v3.config", "deepseek_v3.attention", "deepseek_v3.model"},
+    "deepseek_v3": {"deepseek_v3.__init__", "deepseek_v3.config", "deepseek_v3.attention", "deepseek_v3.model",
+                    "deepseek_v3.decode"},
 }
 DERIVES = {"deepseek_v41": "deepseek_v4"}  # a family -> the one it imports what it keeps from
 TOP = {"__init__", "registry", "build", "params", "flops"}

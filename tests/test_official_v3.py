@@ -3,10 +3,12 @@
 tests/fixtures/v3/official.safetensors holds what the official ``inference/model.py`` (github
 deepseek-ai/DeepSeek-V3 at 9b4e978) computed on a tiny config with a query latent, a dense layer then two
 MoE layers, group-limited routing (4 groups, 2 kept) and YaRN (factor 4, mscale 0.8) past the original
-length: the logits of every position in fp32 (both ``attn_impl``s) and in bf16, and every parameter's
+length: the logits of every position in fp32 (both ``attn_impl``s) and in bf16, the logits of its
+incremental decode (``forward(tokens, start_pos)`` one id at a time after a prefill), and every parameter's
 gradient of the mean next-token cross-entropy (tests/official_v3_harness.py regenerates it and says what
 it changes in the official run; docs/model.md says how). trex, given the same weights under the official
-names and the official ``ModelArgs``, must reproduce them. Only prefill: trex has no V3 decode cache yet.
+names and the official ``ModelArgs``, must reproduce them, the decode through its own cache
+(trex.models.deepseek_v3.decode).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from safetensors import safe_open
 
 from trex.checkpoint.naming import to_trex
 from trex.models.deepseek_v3.config import V3Config
+from trex.models.deepseek_v3.decode import V3DecodeCache
 from trex.models.deepseek_v3.model import DeepseekV3
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "v3", "official.safetensors")
@@ -88,6 +91,24 @@ def test_fp32_logits_match_the_official_forward(official):
         logits = model(tensors["input_ids"]).logits
     assert _rel(logits, tensors["logits.fp32"]) < 1e-4
     assert _rel(logits, tensors["logits.fp32_naive"]) < 1e-4
+
+
+def test_incremental_decode_matches_the_official_decode(official):
+    """trex's prefill of the first ``decode_prefill`` ids into a V3DecodeCache, then one id per call, against
+    the official ``Transformer.forward(tokens, start_pos)`` loop over its absorbed cache: the logits of the
+    prefill's last position and of every step (past the original length) within 1e-4 relative (measured
+    5.0e-7: docs/model.md)."""
+    tensors, meta = official
+    model = official_model(tensors, meta)
+    ids, P = tensors["input_ids"], int(meta["decode_prefill"])
+    expected = tensors["logits.decode_fp32"]
+    assert ids.shape[1] > model.cfg.rope_scaling.original_max_position_embeddings >= P
+    cache = V3DecodeCache(ids.shape[1] - P)
+    with torch.no_grad():
+        steps = [model(ids[:, :P], cache=cache).logits[:, -1]]
+        steps += [model(ids[:, t:t + 1], cache=cache).logits[:, -1] for t in range(P, ids.shape[1])]
+    assert _rel(torch.stack(steps, dim=1), expected) < 1e-4
+    assert float(meta["decode_naive_vs_absorb_logits"]) < 1e-5  # the official caches agree with each other
 
 
 def test_packed_documents_equal_the_official_rows(official):

@@ -89,7 +89,7 @@ def test_packed_documents_give_each_document_alone(tmp_path):
 
 def _released_mtp_tensors(mtp, n: int) -> dict[str, torch.Tensor]:
     """transformers' MtpModel's layer as the release stores it: ``model.layers.{n}.*``, per-expert names,
-    ``shared_head.norm``, and the layer's copies of the embedding and the head (which trex skips)."""
+    ``shared_head.norm``, and the layer's copies of the embedding and the head (which trex compares with its own)."""
     out = {}
     for name, t in mtp.state_dict().items():
         if not name.startswith("layers.0."):
@@ -105,8 +105,8 @@ def _released_mtp_tensors(mtp, n: int) -> dict[str, torch.Tensor]:
                 out[f"model.layers.{n}.{name[:-len('down_proj')]}{e}.down_proj.weight"] = t[e]
         else:
             out[f"model.layers.{n}.{name}"] = t
-    out[f"model.layers.{n}.embed_tokens.weight"] = torch.zeros_like(mtp.embed_tokens.weight)  # skipped on load
-    out[f"model.layers.{n}.shared_head.head.weight"] = torch.zeros_like(mtp.shared_head.weight)
+    out[f"model.layers.{n}.embed_tokens.weight"] = mtp.embed_tokens.weight.detach()  # tied to the main model's:
+    out[f"model.layers.{n}.shared_head.head.weight"] = mtp.shared_head.weight.detach()  # trex checks the copies
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -126,6 +126,29 @@ def test_fp8_quantize_matches_reference(rows, cols):
         assert e4m3_value(int(qbytes[r, c])) == e4m3_value(nearest_code(x, e4m3_value, 256)), (r, c, x)
 
 
+def test_fp8_with_fp32_scales_matches_the_v3_release_rule():
+    """DeepSeek-V3's released weight_scale_inv: fp32 amax / 448 per (partial) 128x128 block, values rounded to
+    the nearest e4m3; a pair whose scale came from another rule is kept when it is exact."""
+    w = _weights(130, 257, seed=7)
+    q, scale = quant.quantize_fp8(w, scale_fmt="fp32")
+    assert scale.dtype == torch.float32 and scale.shape == (2, 3)
+    qbytes = q.view(torch.uint8)
+    g = torch.Generator().manual_seed(8)
+    for r, c in zip(torch.randint(0, 130, (300,), generator=g).tolist(), torch.randint(0, 257, (300,), generator=g).tolist()):
+        amax = w[r // 128 * 128:(r // 128 + 1) * 128, c // 128 * 128:(c // 128 + 1) * 128].abs().max().item()
+        s = float(np.float32(np.float32(amax) / np.float32(448.0)))
+        assert scale[r // 128, c // 128].item() == s
+        x = max(-448.0, min(448.0, float(np.float32(w[r, c].item()) / np.float32(s))))
+        assert e4m3_value(int(qbytes[r, c])) == e4m3_value(nearest_code(x, e4m3_value, 256)), (r, c, x)
+    other = scale * 1.125  # not amax / 448: kept by quantize_fp8_as, byte for byte
+    q2 = (w / other.repeat_interleave(128, 0).repeat_interleave(128, 1)[:130, :257]).to(torch.float8_e4m3fn)
+    kept = quant.quantize_fp8_as(quant.dequantize_fp8(q2, other), other, (128, 128))
+    assert kept is not None and torch.equal(kept[0].view(torch.uint8), q2.view(torch.uint8)) and kept[1] is other
+    assert quant.quantize_fp8_as(w, other, (128, 128)) is None  # w is not on that grid
+    with pytest.raises(ValueError, match="scale_fmt"):
+        quant.quantize_fp8(w, scale_fmt="e4m3")
+
+
 @pytest.mark.parametrize("cols", [70, 69, 96])
 def test_fp4_quantize_matches_reference(cols):
     rows = 9

@@ -87,9 +87,10 @@ def test_reference_kernels_are_caught(monkeypatch, sft_file, tmp_path):
 
 @pytest.mark.slow
 def test_distributed_step_syncs_only_for_expert_parallel_split_sizes(sft_file, tmp_path):
-    """Two FSDP2 ranks: no host read without expert parallelism (context parallelism adds none); with
-    it, exactly one per MoE layer forward (the all-to-all split sizes), in expert_parallel.py, and
-    nothing else. The three layouts (FSDP2, FSDP2 + EP2, cp = 2) run one after the other in one launch."""
+    """Two FSDP2 ranks: no host read without expert parallelism (context parallelism adds none, on V4 and on
+    DeepSeek-V3's MLA); with it, exactly one per MoE layer forward (the all-to-all split sizes), in
+    expert_parallel.py, and nothing else. The four layouts (FSDP2, FSDP2 + EP2, cp = 2, tiny-v3 at cp = 2)
+    run one after the other in one launch."""
     import json
     import os
     import subprocess
@@ -97,15 +98,16 @@ def test_distributed_step_syncs_only_for_expert_parallel_split_sizes(sft_file, t
 
     here = os.path.dirname(os.path.abspath(__file__))
     grad_accum = 2
-    layouts = {"fsdp": (1, 1), "fsdp-ep": (2, 1), "cp": (1, 2)}
-    cases = [[f"parallel.dp_shard={2 // cp}", f"parallel.ep={ep}", f"parallel.cp={cp}", f"train.grad_accum={grad_accum}"]
-             for ep, cp in layouts.values()]
+    layouts = {"fsdp": (1, 1, ()), "fsdp-ep": (2, 1, ()), "cp": (1, 2, ()),
+               "v3-cp": (1, 2, ('model.preset="tiny-v3"', "model.overrides={}"))}
+    cases = [[f"parallel.dp_shard={2 // cp}", f"parallel.ep={ep}", f"parallel.cp={cp}", f"train.grad_accum={grad_accum}",
+              *model] for ep, cp, model in layouts.values()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            os.path.join(here, "syncs_worker.py"), str(tmp_path), str(sft_file), json.dumps(cases)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for i, (name, (ep, cp)) in enumerate(layouts.items()):
+    for i, (name, (ep, cp, _)) in enumerate(layouts.items()):
         for rank in (0, 1):
             result = json.loads((tmp_path / f"case{i}_rank{rank}.json").read_text())
             assert len(result["steps"]) == 2, name

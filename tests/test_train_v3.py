@@ -1,7 +1,9 @@
 """The one training loop on DeepSeek-V3 (``model.preset = "tiny-v3"``: the query latent, group-limited
 routing, a dense first layer, MTP, YaRN): SFT/CPT, DPO, GRPO and on-policy distillation on one process;
-one process against FSDP2 and FSDP2 + EP2 on two; resume; export to the released names read back by
-trex and by transformers; the FLOPs count, Muon's grouping and the refusal of context parallelism."""
+one process against FSDP2 and FSDP2 + EP2 on two (SFT, DPO, GRPO, distillation); resume; export to the released names read back by
+trex and by transformers; the context-parallel split rule; on-policy prompts in the recipe's chat format; the
+FLOPs count and Muon's grouping. (Context parallelism against one process: tests/test_context_parallel.py,
+and in `trex train` tests/test_migration.py's V3 move onto cp = 2.)"""
 
 from __future__ import annotations
 
@@ -132,6 +134,15 @@ def test_sft_learns_writes_every_output_resumes_bit_for_bit_and_exports(tmp_path
     ids = torch.randint(0, model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(model.eval()(ids).logits, direct.eval()(ids).logits)
+    # exported as released (FP8 with fp32 block scales): the trained weights quantised by the release's rule
+    from trex.checkpoint.export import export_checkpoint
+    from trex.kernels.quantize import dequantize_fp8, quantize_fp8
+
+    export_checkpoint(str(tmp_path / "a" / "checkpoints" / "step_8"), str(tmp_path / "fp8"), quantize="fp8")
+    fp8 = load_pretrained(str(tmp_path / "fp8"), dtype=torch.float32)
+    w = source.read("layers.1.ffn.experts.w2")[5]
+    assert torch.equal(fp8.layers[1].ffn.experts.w2[5], dequantize_fp8(*quantize_fp8(w, scale_fmt="fp32")))
+    assert torch.equal(fp8.layers[1].ffn.gate.bias, bias)  # fp32 on disk
 
 
 def test_save_pretrained_is_read_by_load_pretrained_and_transformers(tmp_path):
@@ -162,16 +173,18 @@ def test_save_pretrained_is_read_by_load_pretrained_and_transformers(tmp_path):
         save_pretrained(model, str(tmp_path / "o"), layout="official")
 
 
-def test_context_parallelism_is_refused_in_one_line(tmp_path):
-    from trex.recipe import load
-    from trex.train.config import TrainRecipe
-    from trex.train.loop import train
+def test_context_parallelism_splits_any_sequence_into_equal_shards():
+    """MLA gathers the whole rows' latents: no window or halo, so a sequence splits wherever its shards are equal
+    (the loop checks data.seq_len with this rule before step one; GRPO pads its rows to shardable_length)."""
+    from trex.models.registry import check_shardable, shardable_length
 
-    recipe = load(TrainRecipe, path=FIDELITY, overrides=['model.preset="tiny-v3"', "model.overrides={}",
-                                                         "parallel.cp=2", "parallel.dp_shard=1",
-                                                         f'train.out="{tmp_path}/cp"'])
-    with pytest.raises(ValueError, match="context parallelism is not written for the DeepSeek-V3 family"):
-        train(recipe)
+    cfg = get_preset("tiny-v3")
+    check_shardable(cfg, 64, 4)
+    check_shardable(cfg, 6, 3)
+    with pytest.raises(ValueError, match="seq_len must be a multiple of 2; 62 or 64 would work"):
+        check_shardable(cfg, 63, 2)
+    assert [shardable_length(cfg, n, 4) for n in (1, 4, 5, 63)] == [4, 4, 8, 64]
+    assert shardable_length(get_preset("tiny"), 5, 2) > 8  # V4's rule: its windows and halos
 
 
 # ---- post-training on one process -------------------------------------------------------------------------
@@ -230,11 +243,23 @@ def test_dpo_on_tiny_v3(task, tmp_path):
     assert rows[1]["reward_margin"] != 0  # the policy left its reference
 
 
-def test_grpo_on_tiny_v3_samples_by_rerunning_the_prefix(task, tmp_path):
-    """GRPO samples from the training model (no decode cache: each token re-runs the prefix); the trainer's
-    recomputed log-probs equal the sampler's, the KL to the reference copy starts at 0."""
+def test_grpo_on_tiny_v3_samples_through_the_decode_cache(task, tmp_path, monkeypatch):
+    """GRPO samples from the training model through its MLA decode cache (each sampled batch prefills once,
+    then decodes a token per forward: counted); the trainer's recomputed log-probs equal the sampler's, the
+    KL to the reference copy starts at 0."""
+    from trex.models.deepseek_v3.decode import V3DecodeCache
+
+    steps, step = [], V3DecodeCache.step
+
+    def counted(self, attn, x, ctx):
+        steps.append(x.shape)
+        return step(self, attn, x, ctx)
+
+    monkeypatch.setattr(V3DecodeCache, "step", counted)
     p = trex([*_post(task, "grpo"), "--out", str(tmp_path / "grpo")], env={**CPU, "PYTHONPATH": str(task)})
     assert p.returncode == 0, p.stderr[-3000:]
+    # 3 steps x 8 rows x one decode step (max_new_tokens 2) in each of the 3 layers
+    assert steps == [torch.Size([8, 1, 64])] * 3 * 3
     rows = _rows(tmp_path / "grpo")
     assert len(rows) == 3 and all(r["response_length"] == 2 for r in rows)
     assert rows[0]["kl"] == 0 and rows[-1]["kl"] > 0
@@ -277,8 +302,8 @@ def test_fsdp2_and_expert_parallelism_give_the_losses_of_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_under_fsdp2_ep2_gives_the_samples_and_losses_of_one_process(task, tmp_path):
-    """GRPO on tiny-v3 on two ranks as FSDP2 + EP2 (each rank samples its prompts through the sharded model,
-    re-running the prefix): the same rewards and lengths, every step's loss, KL, entropy and gradient norm
+    """GRPO on tiny-v3 on two ranks as FSDP2 + EP2 (each rank samples its prompts through the sharded model
+    and its decode cache): the same rewards and lengths, every step's loss, KL, entropy and gradient norm
     within 1e-5 of one process."""
     env = {**CPU, "PYTHONPATH": f"{task}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     one = trex([*_post(task, "grpo"), "--out", str(tmp_path / "one")], env=env)
@@ -290,3 +315,56 @@ def test_grpo_under_fsdp2_ep2_gives_the_samples_and_losses_of_one_process(task, 
         assert x["reward_mean"] == y["reward_mean"] and x["response_length"] == y["response_length"]
         for key in ("loss", "kl", "entropy", "grad_norm"):
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (x["step"], key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,keys", [("dpo", ("loss", "reward_margin", "grad_norm")),
+                                       ("distill", ("loss", "reverse_kl/teacher0", "grad_norm"))])
+def test_dpo_and_distillation_under_fsdp2_ep2_give_the_losses_of_one_process(task, teacher, tmp_path, mode, keys):
+    """DPO and on-policy distillation of tiny-v3 on two ranks as FSDP2 + EP2 against one process: DPO's two
+    ranks read 2 x 4 pairs a step (one process accumulates them over two micro-batches); distillation's ranks
+    each sample half of the step's prompts (the same completions as one process: per-row uniforms) and score
+    them against the frozen teacher. Every step's loss, its mode's signal and the gradient norm within 1e-5."""
+    one_extra = _sets("train.grad_accum=2") if mode == "dpo" else []
+    one = trex([*_post(task, mode), *one_extra, "--out", str(tmp_path / "one")], env=CPU)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = trex([*_post(task, mode), *_sets("parallel.dp_shard=2", "parallel.ep=2"), "--out", str(tmp_path / "two")],
+               procs=2, env=CPU)
+    assert two.returncode == 0, two.stderr[-3000:]
+    for x, y in zip(_rows(tmp_path / "one"), _rows(tmp_path / "two"), strict=True):
+        if mode == "distill":
+            assert x["response_length"] == y["response_length"]
+        for key in keys:
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (x["step"], key, x[key], y[key])
+
+
+@pytest.mark.parametrize("mode,chat_format,thinking", [("grpo", "deepseek-v3", False), ("grpo", "deepseek-v3", True),
+                                                       ("distill", "deepseek-v3", False)])
+def test_on_policy_prompts_render_in_the_recipes_chat_format(task, teacher, mode, chat_format, thinking):
+    """A V3 recipe's ``data.chat_format`` renders the prompts GRPO and distillation sample from and those they
+    evaluate on, as its SFT data renders conversations (V3: no ``</think>`` after the assistant tag; R1's
+    thinking prompt opens ``<think>`` and a newline), not in V4's format."""
+    from trex import device as device_layer
+    from trex.data.chat import render_prompt
+    from trex.parallel.mesh import Parallel
+    from trex.posttrain import TrainContext, build_objective
+    from trex.precision import PrecisionPolicy
+    from trex.recipe import load
+    from trex.train.config import TrainRecipe
+    from trex.train.loop import model_for, tokenizer_for
+
+    args = _post(task, mode)[2:]
+    overrides = [*args[1::2], f'data.chat_format="{chat_format}"', f"data.thinking={str(thinking).lower()}",
+                 f'{mode}.eval_prompts=["{task}/prompts.jsonl"]', "grpo.kl_coef=0", 'grpo.rewards=["exact_match"]']
+    recipe = load(TrainRecipe, str(task / "recipe.toml"), overrides)
+    dev = device_layer.Device("cpu")
+    policy = PrecisionPolicy.resolve("fp32", dev)
+    tokenizer = tokenizer_for(recipe.data.tokenizer)
+    objective = build_objective(mode, TrainContext(recipe, Parallel(), dev, policy, tokenizer,
+                                                   model_for(recipe, tokenizer, dev, policy)))
+    eval_prompts = [p for prompts in objective.eval_sets.values() for p in prompts]
+    for prompts in (objective.prompts, eval_prompts):
+        first = [{"role": "user", "content": prompts[0].record["prompt"]}]
+        text = tokenizer.decode(prompts[0].ids)
+        assert text == render_prompt(first, thinking=thinking, chat_format=chat_format)
+        assert text != render_prompt(first, thinking=thinking)  # V4's

@@ -22,12 +22,13 @@ CKPT_COMMAND_MODULES: tuple[str, ...] = ("trex.checkpoint.training_cli",)
 def add_output_arguments(p: argparse.ArgumentParser) -> None:
     """The options of every command that writes safetensors through the weights writer."""
     p.add_argument("--layout", choices=("hf", "official"), required=True,
-                   help="names to write: hf (transformers modules, fused experts) or official (released checkpoints)")
+                   help="names to write: hf (transformers modules, fused experts; for the V3 family its released "
+                        "checkpoints, expert by expert) or official (V4's released checkpoints)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                    help="dtype of unquantised tensors (default: %(default)s; fp32 keeps a full-precision source whole)")
     p.add_argument("--quantize", choices=("fp8", "fp8+fp4experts"), default=None,
-                   help="fp8: the official FP8 weights with block scales; fp8+fp4experts: routed experts as FP4 "
-                        "too (default: none, every tensor in --dtype)")
+                   help="fp8: the released FP8 weights with block scales (V4: ue8m0, V3 family: fp32); "
+                        "fp8+fp4experts: routed experts as FP4 too (default: none, every tensor in --dtype)")
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                    help="largest safetensors file, e.g. 500MB, 2GiB or bytes (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace the output directory if it exists")
@@ -62,7 +63,7 @@ def _describe(path: str, trained: str) -> str:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    group = subparsers.add_parser("ckpt", help="convert and inspect DeepSeek-V4 checkpoints")
+    group = subparsers.add_parser("ckpt", help="convert and inspect DeepSeek-V4 and V3-family checkpoints")
     sub = group.add_subparsers(dest="ckpt_command", required=True, metavar="CKPT_COMMAND")
 
     p = sub.add_parser("convert", help="stream a checkpoint into another layout / precision (bounded memory)")

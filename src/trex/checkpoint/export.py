@@ -113,8 +113,8 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
     if refit is not None:
         carried = [g for g in carried if not g[0].name.startswith("mtp.")] + passthrough_tensors(CheckpointReader(refit))
         log.info("the DSpark stages re-fitted to this model: %s", refit)
-    return write_checkpoint(out, groups + carried, checkpoint_config(cfg, layout, dtype, quantize), max_shard_size,
-                            overwrite, sources=(*sources, origin), copies=copies)
+    return write_checkpoint(out, groups + carried, checkpoint_config(cfg, layout, dtype, quantize, origin),
+                            max_shard_size, overwrite, sources=(*sources, origin), copies=copies)
 
 
 def _refit_drafter(path: str) -> str | None:

@@ -28,6 +28,7 @@ def inspect_checkpoint(path: str, layout: str = "auto") -> dict:
         "tensors": sum(len(f.tensors) for f in reader.files),
         "parameters": {"total": params.total, "active": params.active, "mtp": params.mtp, "engram": params.engram},
         "carried_through": len(reader.passthrough),  # V4.1: vision tower and DSpark stages, kept as stored
+        "mtp_copies": sorted(s.name for copies in reader.copies.values() for s in copies),  # V3: shapes checked
         "missing": diagnosis.missing,
         "missing_optional": diagnosis.missing_optional,
         "unexpected": diagnosis.unexpected,
@@ -42,7 +43,8 @@ def format_report(report: dict) -> str:
     v41 = report["architecture"] == "deepseek_v41"
     mtp = (f"carried:       {report['carried_through']} tensors (DSpark stages, vision tower) kept as stored" if v41
            else f"no MTP:        {len(report['missing_optional'])} tensors" if report["missing_optional"]
-           else "MTP:           present")
+           else "MTP:           present" + (f", with {len(report['mtp_copies'])} copies of the embedding and head"
+                                              if report["mtp_copies"] else ""))
     lines = [
         f"path:          {report['path']}",
         f"architecture:  {report['architecture']}",

@@ -15,6 +15,12 @@ mHC, ``ape``, sinks and the gate bias stay float32 even in a bf16 save; integer 
 DeepSeek-V4.1 (``arch="deepseek_v41"``) as released: the same linears (``wo_a`` included) and Engram's
 ``wkv`` in FP8 with 32x32 blocks, routed experts in FP4, Engram's tables in FP8 with one scale per row
 and 32 columns; the compressor, the indexer's ``wk`` and ``weights_proj`` stay unquantised.
+
+The DeepSeek-V3 family (``arch="deepseek_v3"``: V3, R1, V3.1, V3.2, Kimi-K2) as released (reference §3):
+``quantize="fp8"`` stores every attention projection (V3.2's indexer ``wq_b`` and ``wk`` too), the dense
+MLPs, shared and routed experts, in the main layers and the MTP layer, as e4m3 with one fp32
+``weight_scale_inv`` per 128x128 block (amax / 448); the embedding, head, norms, router ``gate.weight``,
+``eh_proj``, ``weights_proj`` stay in ``dtype`` and ``e_score_correction_bias`` in fp32.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from trex.kernels import quantize as quant
-from trex.checkpoint.naming import hf_name, official_name, scale_name, v3_hf_name
+from trex.checkpoint.naming import hf_name, official_name, scale_name, v3_hf_name, v3_mtp_copies
 from trex.checkpoint.safetensors_io import PlannedTensor
 
 QUANTIZE_MODES = (None, "fp8", "fp8+fp4experts")
@@ -37,10 +43,15 @@ _FP8_LINEARS = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.
 _V41_FP8_LINEARS = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.shared_experts\.w[123]"
                               r"|\.engram\.wkv|^mtp\.\d+\.main_proj)\.weight$")
 _V41_TABLES = re.compile(r"\.engram\.embed\.weight$")
+_V3_FP8_LINEARS = re.compile(r"^(layers|mtp)\.\d+\.(attn\.(wq|wq_a|wq_b|wkv_a|wkv_b|wo|indexer\.wq_b|indexer\.wk)"
+                             r"|ffn\.(shared_experts\.)?w[123])\.weight$")
+_MTP = re.compile(r"^mtp\.(\d+)\.")
 _STACKED_EXPERTS = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
 ScaleHint = Callable[[str], "torch.Tensor | None"]
-# codec -> FP8 block (rows, cols)
-_FP8_BLOCK_OF = {"fp8": (quant.FP8_BLOCK, quant.FP8_BLOCK), "fp8/32": (32, 32), "fp8/1x32": (1, 32)}
+# codec -> FP8 block (rows, cols) and scale format (DeepSeek-V4's ue8m0, DeepSeek-V3's fp32 amax / 448)
+_FP8_CODECS = {"fp8": ((quant.FP8_BLOCK, quant.FP8_BLOCK), "ue8m0"), "fp8/32": ((32, 32), "ue8m0"),
+               "fp8/1x32": ((1, 32), "ue8m0"), "fp8/fp32": ((quant.FP8_BLOCK, quant.FP8_BLOCK), "fp32")}
+_SCALE_DTYPES = {"ue8m0": torch.float8_e8m0fnu, "fp32": torch.float32}
 _KEEP_FP32 = re.compile(r"((^|\.)hc_(attn|ffn|head)\.(fn|base|scale)|\.ape|\.attn_sink|\.gate\.bias)$")
 
 
@@ -56,12 +67,17 @@ class TrexTensor:
 
 
 def codec_for(key: str, quantize: str | None, arch: str = "deepseek_v4") -> str:
-    """plain, fp8 (128x128 blocks), fp8/32 (32x32), fp8/1x32 (a scale per row and 32 columns) or fp4:
-    how trex tensor ``key`` of architecture ``arch`` is stored under ``quantize``."""
+    """plain, fp8 (128x128 blocks), fp8/32 (32x32), fp8/1x32 (a scale per row and 32 columns), fp8/fp32
+    (128x128 blocks, fp32 scales: DeepSeek-V3's) or fp4: how trex tensor ``key`` of architecture ``arch``
+    is stored under ``quantize``."""
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
     if quantize is None:
         return "plain"
+    if arch == "deepseek_v3":
+        if quantize != "fp8":
+            raise ValueError(f"the DeepSeek-V3 family is released as FP8 (quantize 'fp8'), not {quantize!r}")
+        return "fp8/fp32" if _STACKED_EXPERTS.match(key) or _V3_FP8_LINEARS.search(key) else "plain"
     if _STACKED_EXPERTS.match(key):
         return "fp4" if quantize == "fp8+fp4experts" else "fp8/32" if arch == "deepseek_v41" else "fp8"
     if arch == "deepseek_v41":
@@ -78,7 +94,7 @@ def plan_outputs(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, qua
     quantised weight that this scale still represents exactly is written with it (``quantize_fp8_as``)."""
 
     if arch == "deepseek_v3":
-        return _plan_v3(tensors, layout, dtype, quantize, n_layers)
+        return _plan_v3(tensors, layout, dtype, quantize, n_layers, scale_hint)
     by_key = {t.key: t for t in tensors}
     groups: list[list[PlannedTensor]] = []
     for t in tensors:
@@ -107,28 +123,34 @@ def plan_outputs(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, qua
 
 
 def _plan_v3(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, quantize: str | None,
-             n_layers: int | None) -> list[list[PlannedTensor]]:
-    """A DeepSeek-V3 family model in the released / ``save_pretrained`` names (``naming.v3_hf_name``), routed
-    experts one tensor each, the gate bias in fp32. Only layout "hf" and unquantised for now: DeepSeek's
-    inference names and the released FP8 codec (fp32 ``weight_scale_inv``) are not written yet."""
+             n_layers: int | None, scale_hint: ScaleHint | None) -> list[list[PlannedTensor]]:
+    """A DeepSeek-V3 family model as released (``naming.v3_hf_name``): routed experts one tensor each, the
+    gate bias in fp32, each MTP module ``mtp.j`` as ``model.layers.{n_layers + j}`` followed by its copies
+    of the embedding and head; quantised as ``codec_for`` says. Layout "hf" only (DeepSeek's inference
+    names are not written)."""
     if layout != "hf":
         raise ValueError(f"DeepSeek-V3 family checkpoints are written in the hf layout (the released names), "
                          f"not {layout!r}")
-    if quantize is not None:
-        raise ValueError("DeepSeek-V3 family checkpoints are written unquantised for now (bf16 or fp32): the "
-                         "released FP8 codec with fp32 block scales is not written yet")
     if n_layers is None:
         raise ValueError("plan_outputs: a DeepSeek-V3 family model needs n_layers (its num_hidden_layers)")
+    by_key = {t.key: t for t in tensors}
+    last_of_mtp = {int(m.group(1)): i for i, t in enumerate(tensors) if (m := _MTP.match(t.key))}
     groups: list[list[PlannedTensor]] = []
-    for t in tensors:
-        out_dtype = _plain_dtype(t, dtype)
+    for i, t in enumerate(tensors):
+        codec, out_dtype = codec_for(t.key, quantize, "deepseek_v3"), _plain_dtype(t, dtype)
         if _STACKED_EXPERTS.match(t.key):
             for j in range(t.shape[0]):
-                groups.append(_encode(v3_hf_name(t.key, n_layers, j), t.shape[1:], out_dtype, "plain", layout,
-                                      lambda t=t, j=j: t.get(j)))
+                groups.append(_encode(v3_hf_name(t.key, n_layers, j), t.shape[1:], out_dtype, codec, layout,
+                                      lambda t=t, j=j: t.get(j), scale_hint))
         else:
-            groups.append(_encode(v3_hf_name(t.key, n_layers), t.shape, out_dtype, "plain", layout,
-                                  lambda t=t: t.get(None)))
+            groups.append(_encode(v3_hf_name(t.key, n_layers), t.shape, out_dtype, codec, layout,
+                                  lambda t=t: t.get(None), scale_hint))
+        m = _MTP.match(t.key)
+        if m and last_of_mtp[int(m.group(1))] == i:  # MTP module j's last tensor: then its copies
+            for name, key in v3_mtp_copies(n_layers, int(m.group(1))):
+                src = by_key[key]
+                groups.append(_encode(name, src.shape, _plain_dtype(src, dtype), "plain", layout,
+                                      lambda src=src: src.get(None)))
     return groups
 
 
@@ -145,18 +167,19 @@ def _encode(name: str, shape: tuple[int, ...], dtype: torch.dtype, codec: str, l
     if codec == "plain":
         return [PlannedTensor(name, dtype, tuple(shape), lambda: produce().to(dtype))]
     *lead, rows, cols = shape
-    if codec in _FP8_BLOCK_OF:
-        block = _FP8_BLOCK_OF[codec]
+    if codec in _FP8_CODECS:
+        block, scale_fmt = _FP8_CODECS[codec]
         qshape = (*lead, rows, cols), quant.fp8_scale_shape(tuple(shape), block)
-        qdtype, fresh, as_given = (torch.float8_e4m3fn, lambda w: quant.quantize_fp8(w, block),
-                                   lambda w, s: quant.quantize_fp8_as(w, s, block))
+        qdtype, sdtype = torch.float8_e4m3fn, _SCALE_DTYPES[scale_fmt]
+        fresh, as_given = (lambda w: quant.quantize_fp8(w, block, scale_fmt),
+                           lambda w, s: quant.quantize_fp8_as(w, s, block))
     else:
         qshape = (*lead, rows, quant.blocks(cols, 2)), (*lead, rows, quant.blocks(cols, quant.FP4_BLOCK))
-        qdtype, fresh, as_given = torch.int8, quant.quantize_fp4, quant.quantize_fp4_as
+        qdtype, sdtype, fresh, as_given = torch.int8, torch.float8_e8m0fnu, quant.quantize_fp4, quant.quantize_fp4_as
 
     def encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hinted = scale_hint(scale_name(name, layout)) if scale_hint is not None else None
-        if hinted is not None and tuple(hinted.shape) == qshape[1] and hinted.dtype == torch.float8_e8m0fnu:
+        if hinted is not None and tuple(hinted.shape) == qshape[1] and hinted.dtype == sdtype:
             kept = as_given(w, hinted)
             if kept is not None:
                 return kept
@@ -172,13 +195,16 @@ def _encode(name: str, shape: tuple[int, ...], dtype: torch.dtype, codec: str, l
         return cache.pop("scale") if "scale" in cache else encode(produce())[1]
 
     return [PlannedTensor(name, qdtype, qshape[0], weight),
-            PlannedTensor(scale_name(name, layout), torch.float8_e8m0fnu, qshape[1], scale)]
+            PlannedTensor(scale_name(name, layout), sdtype, qshape[1], scale)]
 
 
 def quantization_config(quantize: str | None, arch: str = "deepseek_v4") -> dict | None:
     """The ``quantization_config`` of config.json for ``quantize`` (None when unquantised)."""
     if quantize is None:
         return None
+    if arch == "deepseek_v3":  # as DeepSeek-V3 / R1 and Kimi-K2 release it: fp32 scales, no scale_fmt
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [quant.FP8_BLOCK, quant.FP8_BLOCK]}
     block = 32 if arch == "deepseek_v41" else quant.FP8_BLOCK
     cfg = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
            "weight_block_size": [block, block]}

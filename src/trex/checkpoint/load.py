@@ -31,7 +31,8 @@ def load_pretrained(path: str, dtype: torch.dtype | None = None, device: str | t
     """Load a directory with ``config.json`` and safetensors weights in any DeepSeek-V4 layout.
 
     Official names or HF names (``layout="auto"`` detects them; "official" / "hf" force one),
-    bf16/fp32 tensors, FP8 weights with ue8m0 128x128 scales, FP4 experts with 1x32 scales.
+    bf16/fp32 tensors, FP8 weights with ue8m0 128x128 scales (the V3 family's: fp32 scales), FP4 experts with
+    1x32 scales.
     dtype: parameter dtype (default: the device's default, fp32 on CPUs without fast bf16).
     MTP tensors are loaded when present; when absent they are initialised fresh (logged).
     shard_fn(key, full_shape) -> Region: each parameter holds only that region, and only the

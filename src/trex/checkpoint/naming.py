@@ -20,11 +20,11 @@ The DeepSeek-V3 family (``arch="deepseek_v3"``) has its own tables: trex names a
 DeepSeek's inference names (its ``convert.py``: ``layers.5.attn.wkv_a.weight``, ``layers.5.ffn.w1.weight``,
 ``layers.5.ffn.gate.bias``), routed experts stacked, and the MTP layer, released as
 ``model.layers.{num_hidden_layers + j}``, as ``mtp.j`` (its ``shared_head.norm`` as ``mtp.j.norm``; its
-copies of ``embed_tokens`` and ``shared_head.head`` are skipped: trex shares the main model's). Read:
-the released / ``save_pretrained`` names (per-expert ``mlp.experts.E.gate_proj``), transformers' module
-names (fused ``gate_up_proj``, 3-D ``down_proj``) and DeepSeek's own names. Written (``v3_hf_name``, layout
-"hf" only, unquantised): the released / ``save_pretrained`` names, without the MTP layer's copies of the
-embedding and head.
+copies of ``embed_tokens`` and ``shared_head.head`` fill nothing: trex shares the main model's, and
+``mtp_copy_of`` names what each duplicates, for the reader to check). Read: the released /
+``save_pretrained`` names (per-expert ``mlp.experts.E.gate_proj``), transformers' module names (fused
+``gate_up_proj``, 3-D ``down_proj``) and DeepSeek's own names. Written (``v3_hf_name``, layout "hf"): the
+released names, the MTP layer with its copies of the embedding and head (``v3_mtp_copies``).
 """
 
 from __future__ import annotations
@@ -140,9 +140,9 @@ _V3_FROM_HF = [(re.compile(p), r) for p, r in [
     (r"^(mtp\.\d+)\.post_norm\.", r"\1.norm."),  # transformers' MtpLayer module name
 ]]
 _V3_LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
-# tensors trex does not load: the MTP layer's copies of the embedding and head (trex shares the main model's),
-# Kimi-K2's stored RoPE frequencies
-_V3_SKIP = re.compile(r"^mtp\.\d+\.(embed_tokens|embed|shared_head\.head)\.weight$|\.rotary_emb\.inv_freq$")
+# the MTP layer's copies of the embedding and head (trex shares the main model's: ``mtp_copy_of``)
+_V3_COPIES = re.compile(r"^mtp\.\d+\.(embed_tokens|embed|shared_head\.head)\.weight$")
+_V3_SKIP = re.compile(r"\.rotary_emb\.inv_freq$")  # Kimi-K2's stored RoPE frequencies: not loaded
 
 
 # DeepSeek's names -> transformers / released names (written); the inverse of _V3_FROM_HF on trex's keys
@@ -186,6 +186,13 @@ def v3_hf_name(key: str, n_layers: int, expert: int | None = None) -> str:
     if m:
         key = f"layers.{n_layers + int(m.group(1))}.{m.group(2)}"
     return key if key.startswith("lm_head.") else "model." + key
+
+
+def v3_mtp_copies(n_layers: int, j: int) -> list[tuple[str, str]]:
+    """(released name, trex key) of MTP module j's copies of the embedding and head, which DeepSeek's
+    releases store in the MTP layer ``model.layers.{n_layers + j}`` (trex shares the main model's)."""
+    layer = f"model.layers.{n_layers + j}"
+    return [(f"{layer}.embed_tokens.weight", "embed.weight"), (f"{layer}.shared_head.head.weight", "head.weight")]
 
 
 @dataclass(frozen=True)
@@ -233,13 +240,28 @@ def _expert_targets(key: str, layout: str) -> list[Target]:
     return [Target(key)]
 
 
-def _v3_targets(name: str, layout: str, n_layers: int | None) -> list[Target]:
+def mtp_copy_of(name: str, layout: str = "auto", arch: str = "deepseek_v4", n_layers: int | None = None
+                ) -> str | None:
+    """The trex key (``embed.weight`` or ``head.weight``) that checkpoint tensor ``name`` duplicates: a
+    DeepSeek-V3 family MTP layer's ``embed_tokens`` / ``shared_head.head``; None for any other tensor."""
+    if arch not in V3_ARCHITECTURES:
+        return None
+    m = _V3_COPIES.match(_v3_key(name, layout, n_layers))
+    return None if m is None else "head.weight" if m.group(1).endswith("head") else "embed.weight"
+
+
+def _v3_key(name: str, layout: str, n_layers: int | None) -> str:
+    """``name`` without ``model.``, the MTP layer(s) (released after the last layer) as ``mtp.j``."""
     key = name[len("model."):] if layout != "official" and name.startswith("model.") else name
     m = _V3_LAYER.match(key)
-    if m and n_layers is not None and int(m.group(1)) >= n_layers:  # the MTP layer(s), released after the last
+    if m and n_layers is not None and int(m.group(1)) >= n_layers:
         key = f"mtp.{int(m.group(1)) - n_layers}.{m.group(2)}"
-    key = re.sub(r"^(mtp\.\d+)\.mtp_block\.", r"\1.", key)  # transformers' MtpLayer keeps the block apart
-    if _V3_SKIP.search(key):
+    return re.sub(r"^(mtp\.\d+)\.mtp_block\.", r"\1.", key)  # transformers' MtpLayer keeps the block apart
+
+
+def _v3_targets(name: str, layout: str, n_layers: int | None) -> list[Target]:
+    key = _v3_key(name, layout, n_layers)
+    if _V3_SKIP.search(key) or _V3_COPIES.match(key):
         return []
     if layout != "official":
         for pattern, repl in _V3_FROM_HF:

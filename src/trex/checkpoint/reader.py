@@ -8,6 +8,11 @@ are all reported together, naming file and tensor. ``fill(key, out, region)`` th
 the tensors that overlap ``region`` of the key's full shape and writes them into ``out``,
 dequantised to ``out.dtype``: a rank that owns rows [a, b) of a parameter reads just those.
 
+A DeepSeek-V3 family checkpoint stores, in its MTP layer, copies of the embedding and head that trex shares
+with the main model (``copies``): their shapes are checked with the headers, and ``fill`` of the embedding or
+head compares each copy with what it read (a copy that differs is a ``CheckpointError``: trex would
+silently give the MTP layer the main model's).
+
 A V4.1 checkpoint also holds what trex does not train: the vision tower and the DSpark drafter's
 stages (``passthrough``, with their scales); they are checked for nothing but presence and are copied
 as they are when the model is saved in the official layout.
@@ -27,10 +32,11 @@ from trex.checkpoint.errors import CheckpointError
 from trex.checkpoint.safetensors_io import SafetensorsFile
 from trex.models.config_v41 import PASSTHROUGH, V41Config
 from trex.models.registry import config_from_file
-from trex.checkpoint.naming import LAYOUTS, Target, detect_layout, scale_candidates, trex_targets
+from trex.checkpoint.naming import LAYOUTS, Target, detect_layout, mtp_copy_of, scale_candidates, trex_targets
 
 Region = tuple[tuple[int, int], ...]
 """Per dim [start, stop) of a tensor's full (unsharded) shape."""
+_COMPARE_BYTES = 64 * 2**20  # a copy (MTP's embedding, head) is compared with what was read in pieces this large
 
 
 def full_region(shape: Sequence[int]) -> Region:
@@ -134,6 +140,8 @@ class CheckpointReader:
         # files); the DSpark stages' sources are kept apart, for the drafter (``load_drafter``)
         self.passthrough: dict[str, SafetensorsFile] = {}
         self.drafter_sources: dict[str, list[Source]] = {}
+        self.copies: dict[str, list[Source]] = {}  # trex key -> tensors that duplicate it (V3's MTP embed, head)
+        arch, n_layers = self.config.architecture, self.config.num_hidden_layers
         if isinstance(self.config, V41Config):
             self.passthrough = {n: f for n, f in located.items() if PASSTHROUGH.match(n)}
         for name, file in located.items():
@@ -145,7 +153,11 @@ class CheckpointReader:
             if problem:
                 self.problems.append(f"{file.path}: {name}: {problem}")
                 continue
-            for target in trex_targets(name, self.layout, self.config.architecture, self.config.num_hidden_layers):
+            copy_of = mtp_copy_of(name, self.layout, arch, n_layers)
+            if copy_of is not None:
+                self.copies.setdefault(copy_of, []).append(
+                    Source(file, name, Target(copy_of), located[scale] if scale else None, scale))
+            for target in trex_targets(name, self.layout, arch, n_layers):
                 (self.drafter_sources if drafter else self.sources).setdefault(target.key, []).append(
                     Source(file, name, target, located[scale] if scale else None, scale))
         self.quantized = sorted({s.codec for srcs in self.sources.values() for s in srcs} - {"plain"})
@@ -185,6 +197,8 @@ class CheckpointReader:
                 continue
             problems += [p for s in sources if (p := self._shape_problem(s, tuple(expected[key])))]
             problems += self._coverage_problems(key, sources, tuple(expected[key]))
+        for key, copies in self.copies.items():
+            problems += [p for s in copies if key in expected and (p := self._shape_problem(s, tuple(expected[key])))]
         absent = [k for k in expected if k not in available]
         missing = [k for k in absent if not k.startswith(optional_prefixes)]
         if missing:
@@ -251,6 +265,23 @@ class CheckpointReader:
         region = region or full_region(full_shape)
         for source in self.sources.get(key) or self.drafter_sources[key]:
             self._fill_from(source, tuple(full_shape), out, region)
+        for copy in self.copies.get(key, ()):
+            self._compare_copy(copy, key, tuple(full_shape), out, region)
+
+    def _compare_copy(self, copy: Source, key: str, full: tuple[int, ...], out: torch.Tensor, region: Region) -> None:
+        """CheckpointError unless ``copy`` holds, in ``region``, what ``out`` was filled with; read a block
+        of rows at a time (memory: ``_COMPARE_BYTES``, not a second tensor)."""
+        (start, stop), rest = region[0], region[1:]
+        row_bytes = max(1, out[:1].numel() * out.element_size())
+        step = max(1, _COMPARE_BYTES // row_bytes)
+        for a in range(start, stop, step):
+            b = min(stop, a + step)
+            piece = torch.empty((b - a, *out.shape[1:]), dtype=out.dtype)
+            self._fill_from(copy, full, piece, ((a, b), *rest))
+            if not torch.equal(piece, out[a - start:b - start].to(piece.device)):
+                main = ", ".join(s.where for s in self.sources[key])
+                raise CheckpointError(f"{copy.where}: differs from {main} (rows {a}-{b}): the MTP layer's copy of "
+                                      f"{key} must equal the main model's, which trex shares with the MTP layer")
 
     def read(self, key: str, full_shape: Sequence[int], dtype: torch.dtype, region: Region | None = None
              ) -> torch.Tensor:

@@ -25,8 +25,8 @@ from trex.models.config_v41 import V41Config
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 # what a source checkpoint holds of its tokenizer, copied to the written one (V4.1's Engram hashes through it;
-# a serving engine reads it)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer")
+# a serving engine reads it; Kimi-K2's tiktoken BPE)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer", "tiktoken.model")
 
 
 def save_pretrained(model: torch.nn.Module, path: str, layout: str = "hf", dtype: str = "bf16",
@@ -48,7 +48,7 @@ def save_pretrained(model: torch.nn.Module, path: str, layout: str = "hf", dtype
     reader = CheckpointReader(src) if src else None
     carried = passthrough_tensors(reader) if reader and isinstance(model.cfg, V41Config) else []
     return _write(tensors, model.cfg, path, layout, dtype, quantize, max_shard_size, overwrite, progress, sources,
-                  carried, _scale_hint(reader, layout), tokenizer_files(src))
+                  carried, _scale_hint(reader, layout), src)
 
 
 def convert(src: str, dst: str, layout: str = "hf", dtype: str = "bf16", quantize: str | None = None,
@@ -69,14 +69,47 @@ def convert(src: str, dst: str, layout: str = "hf", dtype: str = "bf16", quantiz
         tensors.append(TrexTensor(key, tuple(v.shape), read_dtype, _reader_getter(reader, key, tuple(v.shape),
                                                                                   read_dtype)))
     return _write(tensors, reader.config, dst, layout, dtype, quantize, max_shard_size, overwrite, progress, (src,),
-                  passthrough_tensors(reader), _scale_hint(reader, layout), tokenizer_files(src))
+                  passthrough_tensors(reader), _scale_hint(reader, layout), src)
 
 
 def tokenizer_files(src: str | None) -> dict[str, str]:
-    """The tokenizer files and folder (``TOKENIZER_FILES``) that checkpoint directory ``src`` holds."""
+    """What checkpoint directory ``src`` holds besides its weights that a checkpoint written from it keeps, by
+    name: the tokenizer files and folder (``TOKENIZER_FILES``) and the code modules that its config.json and
+    tokenizer_config.json name in ``auto_map`` (Kimi-K2's ``configuration_deepseek.py``,
+    ``tokenization_kimi.py``: what engines load with trust_remote_code; trex copies them, never runs them)."""
     if not src:
         return {}
-    return {name: os.path.join(src, name) for name in TOKENIZER_FILES if os.path.exists(os.path.join(src, name))}
+    names = list(TOKENIZER_FILES)
+    for config in ("config.json", "tokenizer_config.json"):
+        auto_map = _json(os.path.join(src, config)).get("auto_map") or {}
+        for ref in auto_map.values():
+            for item in ref if isinstance(ref, list) else [ref]:
+                if isinstance(item, str) and "--" not in item:  # "repo--module.Class" lives in another repository
+                    names.append(item.rsplit(".", 1)[0] + ".py")
+    return {name: os.path.join(src, name) for name in dict.fromkeys(names) if os.path.exists(os.path.join(src, name))}
+
+
+def carried_config(src: str | None, quantize: str | None) -> dict:
+    """Fields of checkpoint ``src``'s config.json that trex does not model and a checkpoint written from it
+    keeps: ``auto_map`` (Kimi-K2's remote code, copied by `tokenizer_files`) and, when it is written
+    quantised, ``quantization_config.scale_fmt`` (DeepSeek-V3.1's ue8m0: how engines quantise activations)."""
+    raw = _json(os.path.join(src, "config.json")) if src else {}
+    out = {"auto_map": raw["auto_map"]} if isinstance(raw.get("auto_map"), dict) else {}
+    scale_fmt = (raw.get("quantization_config") or {}).get("scale_fmt")
+    if quantize is not None and scale_fmt is not None:
+        out["quantization_config"] = {"scale_fmt": scale_fmt}
+    return out
+
+
+def _json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError:
+            return {}
+    return raw if isinstance(raw, dict) else {}
 
 
 def passthrough_tensors(reader: CheckpointReader) -> list[list[PlannedTensor]]:
@@ -117,7 +150,7 @@ def _ordered(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
 def _write(tensors: list[TrexTensor], cfg: ModelConfig | V41Config, path: str, layout: str, dtype: str,
            quantize: str | None, max_shard_size: int | str, overwrite: bool, progress: bool,
            sources: tuple[str | None, ...], carried: list[list[PlannedTensor]] = (), scale_hint=None,
-           files: dict[str, str] | None = None) -> list[str]:
+           origin: str | None = None) -> list[str]:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if dtype not in SAVE_DTYPES:
@@ -128,7 +161,8 @@ def _write(tensors: list[TrexTensor], cfg: ModelConfig | V41Config, path: str, l
                          "holds: transformers has no V4.1 module names to write")
     groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, arch, scale_hint,
                           cfg.num_hidden_layers) + list(carried)
-    config = checkpoint_config(cfg, layout, dtype, quantize)
+    config = checkpoint_config(cfg, layout, dtype, quantize, origin)
+    files = tokenizer_files(origin)
     if not progress:
         return write_checkpoint(path, groups, config, max_shard_size, overwrite, sources=sources, copies=files)
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
@@ -152,16 +186,20 @@ def official_config_fields() -> dict:
         return json.load(f)
 
 
-def checkpoint_config(cfg: ModelConfig, layout: str, dtype: str, quantize: str | None) -> dict:
+def checkpoint_config(cfg: ModelConfig, layout: str, dtype: str, quantize: str | None, origin: str | None = None
+                      ) -> dict:
     """config.json for a saved checkpoint: transformers' fields for "hf"; for "official", every field
     of the released checkpoints' config.json (`official_config_fields`: legacy ``compress_ratios``
     with the MTP entry, ``num_hash_layers``, flat ``rope_scaling``, and the fields serving engines
-    read such as ``hidden_act`` and ``topk_method``). Both read back to ``cfg``."""
+    read such as ``hidden_act`` and ``topk_method``). Both read back to ``cfg``. ``origin``: the checkpoint
+    the model came from, whose fields trex does not model are kept (`carried_config`)."""
     out = cfg.to_hf_dict()
     out["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
+    carried = carried_config(origin, quantize)
+    out.update({k: v for k, v in carried.items() if k != "quantization_config"})
     qcfg = quantization_config(quantize, cfg.architecture)
     if qcfg is not None:
-        out["quantization_config"] = qcfg
+        out["quantization_config"] = {**qcfg, **carried.get("quantization_config", {})}
         if quantize == "fp8+fp4experts":
             out["expert_dtype"] = "fp4"
     if layout == "hf" or isinstance(cfg, V41Config):

@@ -17,8 +17,10 @@ training), registered as the op ``dense_attention``:
   one accelerator (S = 4096, 16 heads, 192/128, forward + backward), bf16 9.7 ms and 449 MiB padded vs
   5.7 ms and 321 MiB not, fp32 46 vs 37 ms.
 
-Shapes: q, k [B, S, H, dk]; v [B, S, H, dv]; doc [B, S] segment ids (packed documents; a left-padding run is
-a segment of its own, so every query sees at least itself). Returns [B, S, H, dv] in v's dtype.
+Shapes: q [B, Sq, H, dk]; k [B, S, H, dk]; v [B, S, H, dv]; doc [B, S] the keys' segment ids (packed
+documents; a left-padding run is a segment of its own, so every query sees at least itself). The queries are
+the keys' rows ``q_start`` .. ``q_start + Sq - 1`` (context parallelism: a rank's shard of queries against the
+whole rows' keys; Sq = S and q_start 0 otherwise). Returns [B, Sq, H, dv] in v's dtype.
 """
 
 from __future__ import annotations
@@ -29,34 +31,39 @@ import torch.nn.functional as F
 from trex.kernels.sparse_attention import scores_fp32
 
 
-def document_causal_mask(doc: torch.Tensor) -> torch.Tensor:
-    """doc [B, S] segment ids -> [B, 1, S, S] bool: query t sees key s <= t of its own document."""
+def document_causal_mask(doc: torch.Tensor, q_start: int = 0, q_len: int | None = None) -> torch.Tensor:
+    """doc [B, S] segment ids -> [B, 1, Sq, S] bool: query row t (of rows q_start .. q_start + Sq - 1, Sq =
+    ``q_len`` or S) sees key s <= t of its own document."""
     S = doc.shape[1]
-    causal = torch.ones(S, S, dtype=torch.bool, device=doc.device).tril()
-    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+    Sq = S if q_len is None else q_len
+    causal = torch.ones(Sq, S, dtype=torch.bool, device=doc.device).tril(q_start)
+    q_doc = doc[:, q_start:q_start + Sq]
+    return (causal & (q_doc[:, :, None] == doc[:, None, :]))[:, None]
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc: torch.Tensor) -> torch.Tensor:
-    """fp32 [B, H, S, S] scores and softmax, the probabilities in v's dtype (see the module docstring)."""
-    visible = document_causal_mask(doc)
-    scores = scores_fp32(q.transpose(1, 2), k.permute(0, 2, 3, 1)) * scale  # [B, H, S, S]
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc: torch.Tensor,
+              q_start: int = 0) -> torch.Tensor:
+    """fp32 [B, H, Sq, S] scores and softmax, the probabilities in v's dtype (see the module docstring)."""
+    visible = document_causal_mask(doc, q_start, q.shape[1])
+    scores = scores_fp32(q.transpose(1, 2), k.permute(0, 2, 3, 1)) * scale  # [B, H, Sq, S]
     scores = scores.masked_fill(~visible, float("-inf"))
     p = scores.softmax(dim=-1).to(v.dtype)
     return (p @ v.transpose(1, 2)).transpose(1, 2)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc: torch.Tensor) -> torch.Tensor:
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc: torch.Tensor,
+         q_start: int = 0) -> torch.Tensor:
     """``reference``'s contract through ``F.scaled_dot_product_attention`` (see the module docstring)."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=document_causal_mask(doc), scale=scale)
+                                         attn_mask=document_causal_mask(doc, q_start, q.shape[1]), scale=scale)
     return out.transpose(1, 2)
 
 
-def sdpa_padded_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc: torch.Tensor
-                       ) -> torch.Tensor:
+def sdpa_padded_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc: torch.Tensor,
+                       q_start: int = 0) -> torch.Tensor:
     """``sdpa`` with v zero-padded to q's head dim, the padding sliced off (see the module docstring)."""
     dv = v.shape[-1]
     pad = q.shape[-1] - dv
     if pad <= 0:
-        return sdpa(q, k, v, scale, doc)
-    return sdpa(q, k, F.pad(v, (0, pad)), scale, doc)[..., :dv]
+        return sdpa(q, k, v, scale, doc, q_start)
+    return sdpa(q, k, F.pad(v, (0, pad)), scale, doc, q_start)[..., :dv]

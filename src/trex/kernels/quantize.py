@@ -3,7 +3,7 @@ quantisation of quantisation-aware training, with the official inference kernels
 
 - FP8 block: ``float8_e4m3fn`` values, one ``ue8m0`` scale per 128x128 block of the last two
   dims: ``W[r, c] = q[r, c] * scale[r // 128, c // 128]`` (DeepSeek-V3's released checkpoints: the same
-  with fp32 scales, amax / 448, which ``dequantize_fp8`` reads too).
+  with fp32 scales, amax / 448, which ``dequantize_fp8`` reads and ``quantize_fp8(scale_fmt="fp32")`` writes).
 - FP4 (routed experts): int8 bytes holding two e2m1 codes each, the low nibble for column 2j
   and the high nibble for column 2j+1, one ``ue8m0`` scale per 1x32 block of the last dim:
   ``W[r, c] = E2M1[code[r, c]] * scale[r, c // 32]``.
@@ -129,24 +129,32 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return (weight.float() * _expand(decode_scale(scale), br, bc, rows, cols)).to(dtype)
 
 
-def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., R, C] -> (e4m3 [..., R, C], ue8m0 scale [..., ceil(R/br), ceil(C/bc)]) for ``block`` (br, bc)."""
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK), scale_fmt: str = "ue8m0"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, C] -> (e4m3 [..., R, C], scale [..., ceil(R/br), ceil(C/bc)]) for ``block`` (br, bc).
+    ``scale_fmt`` "ue8m0": DeepSeek-V4's power-of-two scales; "fp32": DeepSeek-V3's released
+    ``weight_scale_inv``, fp32(max(amax, 1e-4)) / 448 per block (its ``act_quant`` without ``ue8m0``)."""
     *_, rows, cols = w.shape
-    scale = power_of_two_scale(_block_amax(w, *block), E4M3_MAX)
-    q = (w.float() / _expand(decode_e8m0(scale), *block, rows, cols)).clamp(-E4M3_MAX, E4M3_MAX)
+    if scale_fmt == "ue8m0":
+        scale = power_of_two_scale(_block_amax(w, *block), E4M3_MAX)
+    elif scale_fmt == "fp32":
+        scale = _block_amax(w, *block).clamp(min=FP8_AMAX_FLOOR) / E4M3_MAX
+    else:
+        raise ValueError(f"scale_fmt must be ue8m0 or fp32, got {scale_fmt!r}")
+    q = (w.float() / _expand(decode_scale(scale), *block, rows, cols)).clamp(-E4M3_MAX, E4M3_MAX)
     return q.to(torch.float8_e4m3fn), scale
 
 
 def quantize_fp8_as(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(e4m3 w / scale, scale) when the ue8m0 ``scale`` grid represents w [..., R, C] exactly (every
-    quotient an e4m3 value), else None. Re-exporting a loaded checkpoint this way keeps its bytes: a
-    block whose largest value the official rule could have scaled two ways (224 x s or 448 x s/2) keeps
-    the scale it was stored with."""
+    """(e4m3 w / scale, scale) when the ``scale`` grid (ue8m0 or fp32) represents w [..., R, C] exactly
+    (the pair dequantises to w, bit for bit), else None. Re-exporting a loaded checkpoint this way keeps
+    its bytes: a block whose largest value the official rule could have scaled two ways (224 x s or
+    448 x s/2) keeps the scale it was stored with, and an fp32 scale is kept whatever amax rule made it."""
     *_, rows, cols = w.shape
-    x = w.float() / _expand(decode_e8m0(scale), *block, rows, cols)
-    q = x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return (q, scale) if torch.equal(q.float(), x) else None
+    s = _expand(decode_scale(scale), *block, rows, cols)
+    q = (w.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q, scale) if torch.equal(q.float() * s, w.float()) else None
 
 
 # ---- FP4 (e2m1, 1x32 blocks, two codes per byte) ------------------------------------------------

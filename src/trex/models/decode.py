@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from trex.kernels.sparse_attention import gather_rows, scores_fp32
+from trex.models.common.context import DecodeSteps
 from trex.models.common.linear import linear_fp32
 from trex.models.deepseek_v4 import Attention, Compressor, Indexer, SeqContext, WindowLayout
 
@@ -49,32 +49,12 @@ class AttentionCache:
     indexer: CompressorCache | None = None
 
 
-class DecodeCache:
+class DecodeCache(DecodeSteps):
     """Incremental generation state of a whole model, for at most ``max_new_tokens`` decode steps.
 
     Empty until a forward with it (the prefill) fills it; ``pos`` [B] is then the position within
-    its document of the next token each row feeds. A plain class (not a dataclass), so FSDP passes
-    the object itself through forward hooks.
+    its document of the next token each row feeds; ``layers``: each ``Attention``'s AttentionCache.
     """
-
-    def __init__(self, max_new_tokens: int):
-        self.max_new_tokens = max_new_tokens
-        self.steps = 0
-        self.pos: torch.Tensor | None = None
-        self.layers: dict[nn.Module, AttentionCache] = {}
-
-    @property
-    def prefilled(self) -> bool:
-        return self.pos is not None
-
-    def count_step(self) -> None:
-        """A forward with this cache begins: after the prefill each one is a decode step; ValueError past
-        ``max_new_tokens`` (the cache has no room for more)."""
-        if self.prefilled:
-            self.steps += 1
-            if self.steps > self.max_new_tokens:
-                raise ValueError(f"the decode cache was sized for {self.max_new_tokens} decode steps; "
-                                 f"this is step {self.steps}")
 
     def prefill(self, attn: Attention, x: torch.Tensor, kv: torch.Tensor, compressed: torch.Tensor | None,
                 ctx: SeqContext) -> None:

@@ -1,13 +1,13 @@
 """Every architecture trex builds, by name, without torch: the union of their presets, a preset's config,
-which architecture's config a config.json describes, and the model class of a config.
+which architecture's config a config.json describes, and the model class and decode cache of a config.
 
 It sits above each architecture's config module (no module of trex.models below it imports it:
 tests/test_models_layering.py), so that a family's config never has to know the others: a new family
 joins here. Today: DeepSeek-V4 (``trex.models.config``), V4.1 (``trex.models.config_v41``) and the
 DeepSeek-V3 family (``trex.models.deepseek_v3.config``: V3, R1, V3.1, V3.2, Kimi-K2, Moonlight).
 ``config_from_dict`` asks the V3 family first (its model_type, or fields only it has), then the V4
-family's own dispatch (config_v41 tells V4.1 from V4: V4.1 derives from V4). Model classes are named by
-string and imported on use (``model_class``), so the registry stays torch-free.
+family's own dispatch (config_v41 tells V4.1 from V4: V4.1 derives from V4). Model classes and decode caches
+are named by string and imported on use (``model_class``, ``decode_cache``), so the registry stays torch-free.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from trex.models.config_v41 import V41_PRESETS, V41Config, is_v41
 from trex.models.config_v41 import config_from_dict as v4_family_config
 from trex.models.deepseek_v3.config import V3_PRESETS, V3Config, is_v3
 
-__all__ = ["ARCHITECTURES", "PRESETS", "config_from_dict", "config_from_file", "get_preset", "is_v3", "is_v41",
-           "model_class"]
+__all__ = ["ARCHITECTURES", "DECODE_CACHES", "PRESETS", "check_shardable", "config_from_dict", "config_from_file",
+           "decode_cache", "get_preset", "is_v3", "is_v41", "model_class", "shardable_length"]
 
 PRESETS = {**V4_PRESETS, **V41_PRESETS, **V3_PRESETS}
 
@@ -33,7 +33,21 @@ ARCHITECTURES = {
     "deepseek_v3": "trex.models.deepseek_v3.model:DeepseekV3",
 }
 
+# a config's ``architecture`` -> "module:class" of its decode cache (the sampler's incremental generation)
+DECODE_CACHES = {
+    "deepseek_v4": "trex.models.decode:DecodeCache",
+    "deepseek_v41": "trex.models.decode_v41:V41DecodeCache",
+    "deepseek_v3": "trex.models.deepseek_v3.decode:V3DecodeCache",
+}
+
 AnyConfig = ModelConfig | V41Config | V3Config
+
+# a config's ``architecture`` -> the module of its context-parallel split rule (check_shardable, shardable_length)
+SPLIT_RULES = {
+    "deepseek_v4": "trex.models.deepseek_v4",
+    "deepseek_v41": "trex.models.deepseek_v4",
+    "deepseek_v3": "trex.models.deepseek_v3.config",
+}
 
 
 def get_preset(name: str) -> AnyConfig:
@@ -58,5 +72,30 @@ def config_from_file(path: str) -> AnyConfig:
 
 def model_class(cfg: AnyConfig) -> type:
     """The model class of ``cfg``'s architecture (imports torch and the model's module)."""
-    module, _, name = ARCHITECTURES[cfg.architecture].partition(":")
+    return _load(ARCHITECTURES[cfg.architecture])
+
+
+def _load(target: str) -> type:
+    module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def decode_cache(cfg: AnyConfig, max_new_tokens: int):
+    """An empty decode cache of ``cfg``'s architecture for at most ``max_new_tokens`` decode steps (imports
+    torch and the cache's module)."""
+    return _load(DECODE_CACHES[cfg.architecture])(max_new_tokens)
+
+
+def check_shardable(cfg: AnyConfig, seq_len: int, shards: int) -> None:
+    """ValueError unless a sequence of ``seq_len`` splits into ``shards`` context-parallel shards, by the rule of
+    ``cfg``'s architecture (V4's compression windows and halos; the V3 family's equal shards); the message names
+    lengths that would work."""
+    if shards > 1:
+        importlib.import_module(SPLIT_RULES[cfg.architecture]).check_shardable(cfg, seq_len, shards)
+
+
+def shardable_length(cfg: AnyConfig, length: int, shards: int) -> int:
+    """The shortest sequence length >= ``length`` that ``check_shardable`` accepts."""
+    if shards == 1:
+        return length
+    return importlib.import_module(SPLIT_RULES[cfg.architecture]).shardable_length(cfg, length, shards)

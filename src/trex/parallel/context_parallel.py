@@ -71,9 +71,7 @@ class ContextParallelShard:
 
 
 def apply_context_parallel(model: DeepseekV4, cp_mesh: DeviceMesh) -> None:
-    """Make ``model`` compute its rank's shard of every sequence (a no-op for a group of one)."""
+    """Make ``model`` (DeepseekV4, V4.1 or the DeepSeek-V3 family's) compute its rank's shard of every sequence
+    (a no-op for a group of one)."""
     if cp_mesh.size() > 1:
-        if model.cfg.architecture == "deepseek_v3":
-            raise ValueError(f"parallel.cp = {cp_mesh.size()}: context parallelism is not written for the DeepSeek-V3 "
-                             "family yet (its MLA core holds whole sequences); use parallel.cp = 1")
         model.sequence_shard = ContextParallelShard(cp_mesh)

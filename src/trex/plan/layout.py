@@ -20,12 +20,14 @@ from trex.models.config import ModelConfig
 from trex.models.deepseek_v4 import check_shardable
 
 RECOMPUTE = ("none", "selective", "full")
-NO_CP_V3 = "context parallelism is not written for the DeepSeek-V3 family: cp = 1 only"
+NO_CP_V3 = ("trex plan does not model context parallelism for the DeepSeek-V3 family yet (its MLA gathers "
+            "KV latents, not V4's halos and entries; trex train runs it): cp = 1 only")
 
 
 def check_context_parallel(cfg: ModelConfig, seq_len: int, cp: int) -> None:
     """ValueError unless a sequence of ``seq_len`` splits over ``cp`` context-parallel ranks (V4 and V4.1:
-    trex.models.deepseek_v4.check_shardable; the DeepSeek-V3 family: cp = 1 only, as trex trains it)."""
+    trex.models.deepseek_v4.check_shardable; the DeepSeek-V3 family: cp = 1 only, as the timing and memory
+    models here count V4's context-parallel traffic)."""
     if getattr(cfg, "architecture", None) == "deepseek_v3":
         if cp != 1:
             raise ValueError(f"cp={cp}: {NO_CP_V3}")

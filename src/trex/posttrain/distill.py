@@ -99,9 +99,10 @@ class DistillObjective(Objective):
             raise ValueError("distill.prompts is empty; expected JSONL files of {\"prompt\" | \"messages\"}")
         self.teachers = [load_frozen(t.path, ctx) for t in self.cfg.teachers]
         self.weights = [t.weight for t in self.cfg.teachers]
-        self.prompts = load_prompts(self.cfg.prompts, ctx.tokenizer, self.thinking)
+        chat_format = recipe.data.chat_format  # the prompts rendered as the student's SFT data is
+        self.prompts = load_prompts(self.cfg.prompts, ctx.tokenizer, self.thinking, chat_format=chat_format)
         self.eval_sets = load_eval_sets(self.cfg.eval_prompts, ctx.tokenizer, self.thinking, self.cfg.eval_limit,
-                                        par.data_world, "distill")
+                                        par.data_world, "distill", chat_format)
         self.eval_prompts = [p for prompts in self.eval_sets.values() for p in prompts]
         self.order = PromptOrder(len(self.prompts), self.cfg.prompts_per_step, par, self.cfg.seed, "distill")
         self.generator = torch.Generator().manual_seed(self.cfg.seed)  # alike on every rank: rank_uniforms

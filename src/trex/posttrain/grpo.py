@@ -134,9 +134,10 @@ class GRPOObjective(Objective):
         self.thinking = recipe.data.thinking
         if not self.cfg.prompts:
             raise ValueError("grpo.prompts is empty; expected JSONL files of {\"prompt\" | \"messages\", \"answer\"}")
-        self.prompts = load_prompts(self.cfg.prompts, ctx.tokenizer, self.thinking)
+        chat_format = recipe.data.chat_format  # the prompts rendered as the policy's SFT data is
+        self.prompts = load_prompts(self.cfg.prompts, ctx.tokenizer, self.thinking, chat_format=chat_format)
         self.eval_sets = load_eval_sets(self.cfg.eval_prompts, ctx.tokenizer, self.thinking, self.cfg.eval_limit,
-                                        par.data_world, "grpo")
+                                        par.data_world, "grpo", chat_format)
         self.rewards = RewardSet.load(self.cfg.rewards, self.cfg.reward_weights)
         self.order = PromptOrder(len(self.prompts), self.cfg.prompts_per_step, par, self.cfg.seed, "grpo")
         self.generator = torch.Generator().manual_seed(self.cfg.seed)  # alike on every rank: rank_uniforms

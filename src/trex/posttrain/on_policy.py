@@ -23,7 +23,7 @@ from trex.data.packing import IGNORE_INDEX
 from trex.data.records import BadRecordError, iter_records
 from trex.data.tokenizer import Tokenizer
 from trex.logs import plural
-from trex.models.deepseek_v4 import shardable_length
+from trex.models.registry import shardable_length
 from trex.parallel.mesh import Parallel
 from trex.posttrain.objective import reshard
 from trex.posttrain.rewards import Completion, exact_match
@@ -88,14 +88,18 @@ class SamplingSection:
 @dataclass(frozen=True)
 class Prompt:
     ids: list[int]
-    """The rendered generation prompt, tokenized (ends with <｜Assistant｜></think> or <think>)."""
+    """The rendered generation prompt in the recipe's ``data.chat_format``, tokenized (V4: ends with
+    <｜Assistant｜></think>, or <think> when thinking; V3: <｜Assistant｜>, or R1's <think> and a newline)."""
     record: dict
     """The JSONL record it came from (``answer`` and anything a reward needs)."""
 
 
-def load_prompts(paths: list[str], tokenizer: Tokenizer, thinking: bool, limit: int = 0) -> list[Prompt]:
+def load_prompts(paths: list[str], tokenizer: Tokenizer, thinking: bool, limit: int = 0,
+                 chat_format: str = "deepseek-v4") -> list[Prompt]:
     """Prompts of JSONL/Parquet records ``{"prompt": str}`` (one user turn) or ``{"messages": [...]}``
-    (a conversation ending with a user or tool message); at most ``limit`` (0: all).
+    (a conversation ending with a user or tool message); at most ``limit`` (0: all). Each is rendered as
+    ``chat_format``'s generation prompt (trex.data.chat: deepseek-v4, deepseek-v3, deepseek-v3.1), as the
+    SFT data of that format renders the turns the model learnt to continue.
 
     An SFT record (messages ending with an assistant turn) is a prompt too: the conversation before
     that turn, with the turn's content as the ``answer`` unless the record has one."""
@@ -118,7 +122,7 @@ def load_prompts(paths: list[str], tokenizer: Tokenizer, thinking: bool, limit: 
             raise BadRecordError(rec.path, rec.line, "no_prompt",
                                  "messages must end with a user or tool message (or one assistant turn after it)")
         try:
-            text = render_prompt(messages, thinking=thinking)
+            text = render_prompt(messages, thinking=thinking, chat_format=chat_format)
         except RecordError as e:
             raise BadRecordError(rec.path, rec.line, e.reason, e.detail) from None
         prompts.append(Prompt(tokenizer.encode(text).tolist(), data))
@@ -130,7 +134,7 @@ def load_prompts(paths: list[str], tokenizer: Tokenizer, thinking: bool, limit: 
 
 
 def load_eval_sets(paths: list[str], tokenizer: Tokenizer, thinking: bool, limit: int, world_size: int,
-                   where: str) -> dict[str, list[Prompt]]:
+                   where: str, chat_format: str = "deepseek-v4") -> dict[str, list[Prompt]]:
     """Held-out prompts per file, keyed by the file's stem (``_<index>`` added on a repeat), at most
     ``limit`` in all (0: all); each set must give every rank at least one prompt."""
     sets: dict[str, list[Prompt]] = {}
@@ -138,7 +142,7 @@ def load_eval_sets(paths: list[str], tokenizer: Tokenizer, thinking: bool, limit
     for path in paths:
         if limit and left <= 0:
             break
-        prompts = load_prompts([path], tokenizer, thinking, left if limit else 0)
+        prompts = load_prompts([path], tokenizer, thinking, left if limit else 0, chat_format)
         left -= len(prompts)
         name = os.path.splitext(os.path.basename(path))[0]
         name = f"{name}_{len(sets)}" if name in sets else name

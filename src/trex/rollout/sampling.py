@@ -4,12 +4,12 @@ Prompts of different lengths share one batch: each row is left-padded and the pa
 document (``doc_ids`` 0, the prompt and its completion are document 1), so padding never enters
 attention or a compression window and every prompt's positions start at 0.
 
-Decoding is incremental: the prompt batch runs once through the ordinary forward, which fills a
-:class:`~trex.models.decode.DecodeCache`; every later token is one forward of [B, 1] against it
-(``use_cache=False`` re-runs the whole sequence per token instead, the reference the cache is tested
-against). DeepSeek-V4.1 decodes against its own cache (``trex.models.decode_v41``); a model whose class says
-``decode_cache = False`` (DeepSeek-V3, whose MLA cache is not written) always re-runs the prefix. Under context
-parallelism every rank of the group samples whole rows (its forwards run unsharded).
+Decoding is incremental: the prompt batch runs once through the ordinary forward, which fills the
+architecture's decode cache (``trex.models.registry.decode_cache``: V4's :class:`~trex.models.decode.DecodeCache`,
+V4.1's ``decode_v41``, DeepSeek-V3's MLA latents ``deepseek_v3.decode``); every later token is one forward
+of [B, 1] against it (``use_cache=False`` re-runs the whole sequence per token instead, the reference the
+cache is tested against). Under context parallelism every rank of the group samples whole rows (its
+forwards run unsharded).
 
 The sampler reads the live model weights and works on the plain and on the FSDP2/EP-sharded model:
 when torch.distributed is initialised every rank runs the same number of forward calls (the number
@@ -27,8 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trex.models import evaluating
-from trex.models.decode import DecodeCache
-from trex.models.decode_v41 import V41DecodeCache
+from trex.models.registry import decode_cache
 
 
 @dataclass
@@ -157,9 +156,7 @@ def _sample_batch(model, prompts: list[list[int]], params: SamplingParams, pad_i
     device = done.device
     ids, docs = left_pad(prompts, pad_id, device)
     stop = torch.tensor(params.stop_ids, dtype=torch.long, device=device)
-    use_cache = use_cache and getattr(model, "decode_cache", True)  # DeepSeek-V3: no cache yet, re-run the prefix
-    cache = (V41DecodeCache if model.cfg.architecture == "deepseek_v41" else DecodeCache)(params.max_new_tokens) \
-        if use_cache else None
+    cache = decode_cache(model.cfg, params.max_new_tokens) if use_cache else None
     finished = torch.zeros_like(done)
     tokens, logprobs = [], []
     for step in range(params.max_new_tokens):

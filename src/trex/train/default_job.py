@@ -30,7 +30,7 @@ from trex import atomic, logs
 from trex.checkpoint.save import save_pretrained
 from trex.data.arithmetic import ArithmeticTask, cpt_records, eval_prompts, generate, sft_records
 from trex.data.chat import completion_answer, render_prompt
-from trex.data.config import DataSection
+from trex.data.config import ChatFormat, DataSection
 from trex.data.records import write_jsonl
 from trex.data.tokenizer import Tokenizer, compact_tokenizer
 from trex.rollout.generate import greedy_generate
@@ -53,6 +53,9 @@ class DefaultJob:
     """The generated arithmetic task."""
     model: ModelSection = field(default_factory=lambda: ModelSection(overrides={"sliding_window": 32}))
     """The model: the tiny preset, with a window that covers a whole question and answer."""
+    chat_format: ChatFormat = "deepseek-v4"
+    """How the SFT conversations and the held-out prompts are rendered (``[data] chat_format``): deepseek-v3 or
+    deepseek-v3.1 for a model of the DeepSeek-V3 family."""
     seq_len: int = 64
     """Tokens per packed row."""
     micro_batch_size: int = 32
@@ -97,7 +100,7 @@ def _stage(job: DefaultJob, name: str, paths: list[str], eval_paths: list[str], 
                          "use a world size that divides it or --set micro_batch_size=N")
     return TrainRecipe(
         model=model or job.model,
-        data=DataSection(paths=paths, mode=mode, tokenizer="compact", seq_len=job.seq_len,
+        data=DataSection(paths=paths, mode=mode, tokenizer="compact", seq_len=job.seq_len, chat_format=job.chat_format,
                         micro_batch_size=job.micro_batch_size // world, seed=job.seed),
         optim=OptimSection(name=job.optimizer, lr=job.lr, weight_decay=0.0),
         schedule=ScheduleSection(warmup_steps=max(1, steps // 10), decay="cosine", min_lr_ratio=0.1),
@@ -113,9 +116,11 @@ def _stage(job: DefaultJob, name: str, paths: list[str], eval_paths: list[str], 
 
 
 def exact_match(model: DeepseekV4, tokenizer: Tokenizer, prompts: list[tuple[list[dict], str]],
-                max_new_tokens: int = 8) -> tuple[float, list[dict]]:
-    """Greedy answers to chat-format questions; the fraction exactly equal to the expected answer."""
-    encoded = [tokenizer.encode(render_prompt(messages, thinking=False)).tolist() for messages, _ in prompts]
+                max_new_tokens: int = 8, chat_format: str = "deepseek-v4") -> tuple[float, list[dict]]:
+    """Greedy answers to questions rendered as ``chat_format``'s generation prompts; the fraction exactly equal
+    to the expected answer."""
+    encoded = [tokenizer.encode(render_prompt(messages, thinking=False, chat_format=chat_format)).tolist()
+               for messages, _ in prompts]
     outputs = greedy_generate(model, encoded, max_new_tokens, stop_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
     rows = []
     for (messages, expected), ids in zip(prompts, outputs):
@@ -169,7 +174,7 @@ def run_default_job(job: DefaultJob) -> dict:
         f"{logs.plural(len(train_problems), 'problem')} as text", file=sys.stderr)
     cpt = train(_stage(job, "cpt", [files["cpt"]], [], "cpt", job.cpt_steps), tokenizer=tokenizer)
     say("[2/4] held-out exact match after continued pretraining", file=sys.stderr)
-    before, _ = exact_match(cpt.model, tokenizer, prompts)
+    before, _ = exact_match(cpt.model, tokenizer, prompts, chat_format=job.chat_format)
     say(f"      exact match before SFT: {100 * before:.1f}%", file=sys.stderr)
     say(f"[3/4] SFT: {logs.plural(job.sft_steps, 'step')} on chat conversations", file=sys.stderr)
     # SFT starts from the CPT model on disk, so that sft/config.toml alone reproduces the stage
@@ -177,7 +182,7 @@ def run_default_job(job: DefaultJob) -> dict:
     sft = train(_stage(job, "sft", [files["sft"]], [files["heldout"]], "sft", job.sft_steps,
                        ModelSection(path=cpt_model)), tokenizer=tokenizer)
     say("[4/4] held-out exact match after SFT", file=sys.stderr)
-    after, rows = exact_match(sft.model, tokenizer, prompts)
+    after, rows = exact_match(sft.model, tokenizer, prompts, chat_format=job.chat_format)
     model_dir = export_model(sft.model, os.path.join(job.out, "model"))
     summary = {
         "exact_match_before_sft": before,

@@ -642,7 +642,7 @@ def export_drafter(drafter, source: str | None, path: str, target_step: int, mai
     tensors = [TrexTensor(k, tuple(v.shape), v.dtype, lambda e, v=v: v if e is None else v[e]) for k, v in state.items()]
     cfg = drafter.cfg
     groups = plan_outputs(tensors, "official", torch.bfloat16, quantize, cfg.architecture, hint, cfg.num_hidden_layers)
-    write_checkpoint(path, groups, checkpoint_config(cfg, "official", "bf16", quantize), overwrite=True,
+    write_checkpoint(path, groups, checkpoint_config(cfg, "official", "bf16", quantize, source), overwrite=True,
                      copies={"target.json": _target_file(path, target_step)})
     return path
 

@@ -43,8 +43,8 @@ from trex.data.tokenizer import Tokenizer, compact_tokenizer
 from trex.hardware import profile_for_device_name
 from trex.models import DeepseekV4, build_model, get_preset
 from trex.models.engram import compressed_token_map
-from trex.models.deepseek_v4 import check_shardable
 from trex.models.flops import flops_per_token
+from trex.models.registry import check_shardable
 from trex.parallel.load import load_sharded
 from trex.parallel.mesh import Parallel, init_parallel
 from trex.parallel.plan import apply_parallelism
@@ -287,9 +287,6 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
                          "starts from another run's model, its header says which command makes it")
     layout = recipe.parallel
     cfg_model = (model.cfg if model is not None else model_config(recipe)) if layout.cp > 1 else None
-    if cfg_model is not None and cfg_model.architecture == "deepseek_v3":
-        raise ValueError(f"parallel.cp = {layout.cp}: context parallelism is not written for the DeepSeek-V3 family "
-                         "yet (its MLA core holds whole sequences); use parallel.cp = 1")
     dev = device_layer.detect(cfg_train.device or None)
     dev.set_current()
     par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev,

@@ -7,7 +7,7 @@
     linear.py   linear_fp32, QuantSim, QuantLinear, spread_quant (the served quantisation, simulated)
     moe.py      the router (Gate), routed experts sorted by expert (Experts), SharedExpert, MoE, MoEStats
     context.py  segments, SequenceShard, SequenceContext (ids, documents, positions, shard rows, RoPE
-                tables), DecodeCacheLike, shift_labels
+                tables), DecodeCacheLike, DecodeSteps (a cache's shared bookkeeping), shift_labels
     heads.py    ModelOutput, init_parameters
 
 A file here imports only torch, trex.kernels, trex.models.cross_entropy and other files here: never an

@@ -3,9 +3,9 @@
 ``segments`` (documents as runs of equal ids, positions restarting in each), ``SequenceShard`` (a
 context-parallel group's arithmetic), ``SequenceContext`` (ids, documents, positions, the rows this rank
 computes and the collectives over them, RoPE tables by kind, the MoE layers' switches), the decode-cache
-contract it reads (``DecodeCacheLike``), and ``shift_labels`` (next-token targets within documents). An
-architecture derives its own context (DeepSeek-V4: ``deepseek_v4.SeqContext``, with the compressed-window
-layouts).
+contract it reads (``DecodeCacheLike``) and the bookkeeping every cache shares (``DecodeSteps``), and
+``shift_labels`` (next-token targets within documents). An architecture derives its own context
+(DeepSeek-V4: ``deepseek_v4.SeqContext``, with the compressed-window layouts).
 """
 
 from __future__ import annotations
@@ -54,6 +54,33 @@ class DecodeCacheLike(Protocol):
     def prefill(self, *args: Any) -> Any: ...
 
     def step(self, *args: Any) -> Any: ...
+
+
+class DecodeSteps:
+    """The bookkeeping of ``DecodeCacheLike`` every architecture's cache shares, for at most
+    ``max_new_tokens`` decode steps: ``pos`` (the model's forward sets it), ``steps`` taken since the
+    prefill, ``layers`` (each attention module's state, the architecture's own). A plain class (not a
+    dataclass), so FSDP passes the object itself through forward hooks; a subclass adds ``prefill`` and
+    ``step``."""
+
+    def __init__(self, max_new_tokens: int):
+        self.max_new_tokens = max_new_tokens
+        self.steps = 0
+        self.pos: torch.Tensor | None = None
+        self.layers: dict[Any, Any] = {}
+
+    @property
+    def prefilled(self) -> bool:
+        return self.pos is not None
+
+    def count_step(self) -> None:
+        """A forward with this cache begins: after the prefill each one is a decode step; ValueError past
+        ``max_new_tokens`` (the cache has no room for more)."""
+        if self.prefilled:
+            self.steps += 1
+            if self.steps > self.max_new_tokens:
+                raise ValueError(f"the decode cache was sized for {self.max_new_tokens} decode steps; "
+                                 f"this is step {self.steps}")
 
 
 def segments(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

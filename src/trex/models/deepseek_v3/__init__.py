@@ -4,13 +4,14 @@
     config.py     V3Config, YarnMScale, the presets, config.json detection (no torch)
     attention.py  MLA in its MHA form for training
     model.py      Block (dense or MoE), MTPLayer, DeepseekV3
+    decode.py     V3DecodeCache: the MLA latents per token, the absorbed decode step
 
 The names load on first use (trex.lazy): the config's arithmetic does not import torch.
 """
 
 from trex.lazy import lazy_exports
 
-__all__ = ["DeepseekV3", "MLA", "V3Config", "V3_PRESETS", "YarnMScale", "is_v3"]
+__all__ = ["DeepseekV3", "MLA", "V3Config", "V3DecodeCache", "V3_PRESETS", "YarnMScale", "is_v3"]
 __getattr__ = lazy_exports(__name__, {
     "V3Config": "config", "V3_PRESETS": "config", "YarnMScale": "config", "is_v3": "config", "MLA": "attention",
-    "DeepseekV3": "model"})
+    "DeepseekV3": "model", "V3DecodeCache": "decode"})

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA) of DeepSeek-V3, in its MHA form for training.
+"""Multi-head latent attention (MLA) of DeepSeek-V3, in its MHA form for training and prefill.
 
 Queries: ``wq_a`` -> ``q_norm`` -> ``wq_b`` (the query latent), or one ``wq`` when ``q_lora_rank`` is 0
 (Moonlight); per head [nope | pe]. Keys and values: ``wkv_a`` -> [latent (kv_lora_rank) | k_pe
@@ -14,7 +14,11 @@ fp32 scores and softmax and casts the probabilities to the values' dtype (as Dee
 The latent norms take eps 1e-6 whatever the config's ``rms_norm_eps`` (DeepSeek's code and transformers
 build them with the default; Moonlight's 1e-5 is the blocks' norms').
 
-Decoding's absorbed MQA form over the cached [latent | k_pe] is not written yet.
+Decoding (trex.models.deepseek_v3.decode) caches each token's normed latent and rotated k_pe and attends
+in the absorbed MQA form; this module hands it the projections (``query``, ``latent_kv``).
+
+Context parallelism (``SequenceContext.shard``): the queries are this rank's rows; the keys and values the
+whole rows', made from the gathered latent (``gather_latent``).
 """
 
 from __future__ import annotations
@@ -54,20 +58,61 @@ class MLA(nn.Module):
         self.softmax_scale = qk ** -0.5 * (yarn.softmax_scale if yarn is not None else 1.0)
         self.rope_scale = yarn.rope_scale if yarn is not None else 1.0
 
+    def rope_table(self, ctx: SequenceContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, S, rope/2] fp32 of the context's positions, times transformers' cos/sin factor when
+        the two mscale fields differ."""
+        cos, sin = ctx.rope["main"]
+        if self.rope_scale != 1.0:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        return cos, sin
+
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, S, d] -> q [B, S, H, nope + rope], the pe dims rotated."""
+        B, S, _ = x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_latent else self.wq(x)
+        return apply_rope(q.view(B, S, self.n_heads, self.nope + self.rope), cos[:, :, None], sin[:, :, None])
+
+    def latent_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, S, d] -> (the normed latent [B, S, kv_lora_rank], the rotated k_pe [B, S, rope]): what a
+        decode cache keeps per token (trex.models.deepseek_v3.decode)."""
+        latent, k_pe = self.wkv_a(x).split([self.kv_lora, self.rope], dim=-1)
+        return self.kv_norm(latent), apply_rope(k_pe, cos, sin)
+
     def forward(self, x: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
-        """x [B, S, d] (normed) -> [B, S, d]."""
+        """x [B, S, d] (normed) -> [B, S, d]. With a decode cache: a prefill hands the layer's latents to
+        ``cache.prefill``; a decode step (x [B, 1, d]) is ``cache.step``'s."""
+        if ctx.decoding:
+            return ctx.cache.step(self, x, ctx)
         B, S, _ = x.shape
         H = self.n_heads
-        q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_latent else self.wq(x)
-        q = q.view(B, S, H, self.nope + self.rope)
-        latent, k_pe = self.wkv_a(x).split([self.kv_lora, self.rope], dim=-1)
-        cos, sin = ctx.rope["main"]  # [B, S, rope/2] fp32
-        if self.rope_scale != 1.0:  # transformers' cos/sin factor when the two mscale fields differ
-            cos, sin = cos * self.rope_scale, sin * self.rope_scale
-        q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-        k_pe = apply_rope(k_pe, cos, sin)
-        kv = self.wkv_b(self.kv_norm(latent)).view(B, S, H, self.nope + self.v_dim)
+        cos, sin = self.rope_table(ctx)
+        q = self.query(x, cos, sin)
+        latent, k_pe = self.latent_kv(x, cos, sin)
+        if ctx.cache is not None:
+            ctx.cache.prefill(self, latent, k_pe, ctx)
+        latent, k_pe = gather_latent(ctx, latent, k_pe)  # the whole rows' under context parallelism
+        T = latent.shape[1]
+        kv = self.wkv_b(latent).view(B, T, H, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat((k_nope, k_pe[:, :, None].expand(B, S, H, self.rope)), dim=-1)
-        o = kernels.get("dense_attention", q.device.type)(q, k, v, self.softmax_scale, ctx.doc)
+        k = torch.cat((k_nope, k_pe[:, :, None].expand(B, T, H, self.rope)), dim=-1)
+        o = kernels.get("dense_attention", q.device.type)(q, k, v, self.softmax_scale, ctx.full_doc, q_start=ctx.t0)
         return self.wo(o.flatten(2))
+
+
+def gather_latent(ctx: SequenceContext, latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context parallelism's hook in MLA: this rank's rows of the normed KV latent [B, s, kv_lora_rank] and the
+    rotated k_pe [B, s, rope] -> the whole rows' [B, S, ...] (the identity without a shard).
+
+    What crosses ranks is what MLA caches: kv_lora_rank + qk_rope_head_dim values per token (512 + 64 = 576 at
+    the released size), one all-gather of their concatenation per layer, forward; its backward reduce-scatters
+    the gradients back to the rows' owners. The expanded keys and values would be H x (qk_head_dim + v_head_dim)
+    = 128 x (192 + 128) = 40,960 per token, 71x more. The price: each rank runs ``wkv_b`` over every row of the
+    sequence, not only its own (2 x kv_lora_rank x H x (nope + v) = 33.6 MFLOP per token and layer forward at the
+    released size for each other rank's rows, 2.9% of the layer's matmuls outside the attention core; its
+    weight's gradient is summed over the group as every parameter's is). Each rank's queries then attend to all
+    S keys under the document-causal mask offset by its first row (``dense_attention``'s ``q_start``): every
+    rank scores s x S, the group together S x S, as one process does. RoPE is applied before the gather at each
+    row's own position. Memory: the expanded keys and values of all S rows live on every rank for the layer's
+    backward (docs/distributed.md: what does not shrink with cp)."""
+    both = ctx.gather(torch.cat((latent, k_pe), dim=-1))
+    return both.split([latent.shape[-1], k_pe.shape[-1]], dim=-1)

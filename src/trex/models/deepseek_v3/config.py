@@ -302,6 +302,21 @@ def is_v3(raw: dict) -> bool:
     return any(k in raw for k in MARKERS)
 
 
+# ---- context parallelism's split (trex.models.registry.check_shardable) ------------------------------
+def shardable_length(cfg: V3Config, length: int, shards: int) -> int:
+    """The shortest sequence length >= ``length`` that splits into ``shards`` context-parallel shards: MLA
+    attends to the gathered whole rows, so any equal split does (no window, halo or compression unit)."""
+    return -(-length // shards) * shards
+
+
+def check_shardable(cfg: V3Config, seq_len: int, shards: int) -> None:
+    """ValueError unless ``seq_len`` splits into ``shards`` equal shards; the message names lengths that work."""
+    if seq_len % shards:
+        near = sorted({max(shards, seq_len // shards * shards), shardable_length(cfg, seq_len, shards)})
+        raise ValueError(f"a sequence of {seq_len} tokens does not split into cp = {shards} equal shards: seq_len "
+                         f"must be a multiple of {shards}; {' or '.join(map(str, near))} would work")
+
+
 # ---- presets -------------------------------------------------------------------------------------
 def deepseek_v3() -> V3Config:
     """DeepSeek-V3 (and R1, V3-0324, V3.1: the same shapes): 671B parameters, 37B active."""

@@ -10,8 +10,13 @@ and the MTP layer (released as ``model.layers.{num_hidden_layers}``) as ``mtp.0`
 The forward is DeepseekV4's contract (``labels``, ``targets``, ``return_logits``, ``doc_ids``,
 ``token_mask``, ``routes``, ``route_log`` -> ModelOutput), so one training loop trains either. Packed
 documents attend only within themselves and restart their positions (DeepSeek's official inference
-code as the oracle: tests/test_official_v3.py). Not yet: a decode cache, context parallelism, V3.2's
-sparse attention (a V3.2 config is refused).
+code as the oracle: tests/test_official_v3.py). Generation: ``cache`` (trex.models.deepseek_v3.decode's
+``V3DecodeCache``, the MLA latents) as DeepseekV4's forward takes one. Not yet: V3.2's sparse attention (a
+V3.2 config is refused).
+
+Context parallelism, as DeepseekV4's: with ``sequence_shard`` set (trex.parallel.context_parallel) every rank of
+a group is given the whole rows and computes its contiguous S/P of them; MLA gathers the group's KV latents
+(``attention.gather_latent``), and the logits, per-token losses and balance sums come back whole on every rank.
 
 MTP (transformers' ``MtpLayer``): h' = eh_proj([enorm(embed(token t + j)), hnorm(h)]) -> a full MoE
 block -> the module's ``norm`` (released ``shared_head.norm``) -> the shared head, where h is the main
@@ -26,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trex.models.common.config import MOE
-from trex.models.common.context import DecodeCacheLike, SequenceContext, shift_labels
+from trex.models.common.context import DecodeCacheLike, SequenceContext, SequenceShard, shift_labels
 from trex.models.common.heads import ModelOutput, UntiedHead, init_parameters
 from trex.models.common.linear import QuantLinear, QuantSim, spread_quant
 from trex.models.common.moe import Experts, MoE, SharedExpert
@@ -37,11 +42,13 @@ from trex.models.deepseek_v3.attention import MLA
 from trex.models.deepseek_v3.config import V3Config
 
 
-def sequence_context(cfg: V3Config, input_ids: torch.Tensor, doc_ids: torch.Tensor | None) -> SequenceContext:
-    """The per-forward context: documents, positions within them, and the MLA's RoPE table ("main": YaRN
-    when the config has it, at every length)."""
+def sequence_context(cfg: V3Config, input_ids: torch.Tensor, doc_ids: torch.Tensor | None,
+                     cache: DecodeCacheLike | None = None, shard: SequenceShard | None = None) -> SequenceContext:
+    """The per-forward context: documents, positions within them (a decode step's from the cache), the MLA's
+    RoPE table ("main": YaRN when the config has it, at every length), and this rank's rows under context
+    parallelism (never with a cache)."""
     return SequenceContext(cfg, input_ids, doc_ids, {"main": rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta,
-                                                                            cfg.rope_scaling)})
+                                                                            cfg.rope_scaling)}, cache, shard)
 
 
 class Block(nn.Module):
@@ -81,8 +88,6 @@ class MTPLayer(Block):
 
 
 class DeepseekV3(UntiedHead, nn.Module):
-    decode_cache = False  # no MLA decode cache yet: the sampler re-runs the prefix (trex.rollout.sampling)
-
     def __init__(self, cfg: V3Config):
         super().__init__()
         if cfg.sparse:
@@ -96,7 +101,7 @@ class DeepseekV3(UntiedHead, nn.Module):
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.head = nn.Linear(d, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPLayer(cfg, f"mtp.{j}") for j in range(cfg.num_nextn_predict_layers))
-        self.sequence_shard = None  # context parallelism: not written for V3 yet (the forward refuses one)
+        self.sequence_shard: SequenceShard | None = None  # context parallelism (trex.parallel.context_parallel)
         self.quant = QuantSim()  # the served model's quantisation, simulated (set_quant)
         self.align_indexer = False  # no indexer (V3.2's is not built): nothing to align or measure
         self.measure_recall = False
@@ -123,42 +128,56 @@ class DeepseekV3(UntiedHead, nn.Module):
         ``routes`` / ``route_log``: routing replay and recording by MoE layer name (``layers.3``,
         ``mtp.0``), as DeepseekV4. ``targets`` (one [B, S] per head, shifted) fill ``token_nll``, with
         ``return_logits=False`` fusing each head with its loss; ``labels`` (HF-style, aligned with
-        input_ids) give ``loss`` and ``mtp_loss``."""
+        input_ids) give ``loss`` and ``mtp_loss``. Generation: ``cache`` (``V3DecodeCache``) empty, a
+        prefill that fills it (generation continues each row's last document); filled, input_ids [B, 1];
+        logits of the last position only, no MTP, no labels. With ``self.sequence_shard`` (context parallelism)
+        every rank of the group is given the same whole rows and computes its shard of them; logits,
+        ``token_nll`` and the losses come back for the whole rows (gathered over the group; gradients go back
+        to the rows' owners). A generation forward ignores the shard."""
         if cache is not None:
-            raise NotImplementedError("DeepSeek-V3 generation (the MLA decode cache) is not written yet")
-        if self.sequence_shard is not None and self.sequence_shard.size > 1:
-            raise NotImplementedError("context parallelism is not written for DeepSeek-V3 yet")
+            if labels is not None:
+                raise ValueError("forward with a decode cache takes no labels (generation only)")
+            cache.count_step()
         if targets is not None and len(targets) > 1 + len(self.mtp):
             raise ValueError(f"targets: at most one [B, S] tensor per head (1 + {len(self.mtp)} MTP), "
                              f"got {len(targets)}")
-        ctx = sequence_context(self.cfg, input_ids, doc_ids)
-        if token_mask is not None:
+        ctx = sequence_context(self.cfg, input_ids, doc_ids, cache, self.sequence_shard)
+        if token_mask is not None and cache is None:
             if token_mask.shape != input_ids.shape:
                 raise ValueError(f"token_mask has shape {tuple(token_mask.shape)}; expected {tuple(input_ids.shape)}")
-            ctx.token_mask = token_mask.bool()
+            ctx.token_mask = token_mask[:, ctx.t0:ctx.t1].bool()
         ctx.routes, ctx.route_log = routes, route_log
-        x = self.embed(input_ids)
+        x = self.embed(ctx.input_ids)
         for layer in self.layers:
             x = layer(x, ctx)
+        if cache is not None:
+            cache.pos = ctx.pos[:, -1] + 1
+            ctx.recording = False
+            return ModelOutput(logits=self.logits(self.norm(x[:, -1:])),
+                               moe_stats=[block.ffn.take_stats() for block in self.layers if block.moe])
         out = ModelOutput(logits=None)
+
+        def nll(h: torch.Tensor, logits: torch.Tensor | None, tgt: torch.Tensor) -> torch.Tensor:
+            """One head's per-token NLL of the whole rows' targets [B, S]: this rank's rows, then gathered."""
+            tgt = tgt[:, ctx.t0:ctx.t1]
+            return ctx.gather(token_nll(logits, tgt) if logits is not None else self.head_nll(h, tgt))
+
         mtp_losses = []
         h = self.norm(x)
         for j in range(1 + len(self.mtp)):  # head 0 is the main one; head j > 0 is MTP module j - 1
             if j > 0:
-                ahead = F.pad(input_ids[:, j:], (0, j), value=0)
+                ahead = F.pad(input_ids[:, j:], (0, j), value=0)[:, ctx.t0:ctx.t1]
                 h = self.mtp[j - 1](h, self.embed(ahead), ctx)
             logits = self.logits(h) if return_logits else None
             if logits is not None and j == 0:
-                out.logits = logits
+                out.logits = ctx.gather(logits)
             elif logits is not None:
-                out.mtp_logits.append(logits)
+                out.mtp_logits.append(ctx.gather(logits))
             if targets is not None and j < len(targets):
-                out.token_nll.append(token_nll(logits, targets[j]) if logits is not None
-                                     else self.head_nll(h, targets[j]))
+                out.token_nll.append(nll(h, logits, targets[j]))
             if labels is not None:
                 shifted = shift_labels(labels, j + 1, doc_ids)
-                nll = token_nll(logits, shifted) if logits is not None else self.head_nll(h, shifted)
-                loss = nll.sum() / (shifted != IGNORE_INDEX).sum().clamp(min=1)
+                loss = nll(h, logits, shifted).sum() / (shifted != IGNORE_INDEX).sum().clamp(min=1)
                 if j == 0:
                     out.loss = loss
                 else:
