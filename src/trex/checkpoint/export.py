@@ -63,7 +63,9 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
     ``source``: the checkpoint the run started from (default: its recipe's ``model.path``), whose
     tokenizer files, and for DeepSeek-V4.1 the tensors trex carries untrained (vision tower, DSpark
     stages), are written with the model as they are stored, so the export serves as its source did. A
-    V4.1 run that started from a checkpoint which is not here is an error naming it.
+    V4.1 run that started from a checkpoint which is not here is an error naming it. A run whose ``[drafter]``
+    re-fitted the DSpark stages to this checkpoint's model (``<checkpoints>/drafter/released``, fitted to its
+    step) exports those stages instead of the source's.
     """
     from trex.checkpoint.training import find_resume, list_checkpoints
 
@@ -107,8 +109,26 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
         carried = passthrough_tensors(reader) if isinstance(cfg, V41Config) else []
         copies = tokenizer_files(origin)
         log.info("carrying %d untrained tensors and %s from %s", len(carried), sorted(copies) or "no tokenizer", origin)
+    refit = _refit_drafter(path)
+    if refit is not None:
+        carried = [g for g in carried if not g[0].name.startswith("mtp.")] + passthrough_tensors(CheckpointReader(refit))
+        log.info("the DSpark stages re-fitted to this model: %s", refit)
     return write_checkpoint(out, groups + carried, checkpoint_config(cfg, layout, dtype, quantize, origin),
                             max_shard_size, overwrite, sources=(*sources, origin), copies=copies)
+
+
+def _refit_drafter(path: str) -> str | None:
+    """The drafter a ``[drafter]`` re-fit wrote beside training checkpoint ``path`` (trex.train.drafter_refit:
+    ``drafter/released`` in its checkpoint directory) when it was fitted to this checkpoint's step, else None."""
+    released = os.path.join(os.path.dirname(os.path.abspath(path)), "drafter", "released")
+    try:
+        with open(os.path.join(released, "target.json")) as f:
+            fitted = json.load(f).get("target_step")
+        with open(os.path.join(path, TRAINER_STATE)) as f:
+            step = json.load(f).get("step")
+    except (OSError, ValueError):
+        return None
+    return released if fitted == step else None
 
 
 def _origin(path: str, source: str | None, cfg) -> str | None:

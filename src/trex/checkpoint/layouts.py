@@ -41,7 +41,7 @@ SAVE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _FP8_LINEARS = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.shared_experts\.w[123]"
                           r"|^mtp\.\d+\.(e_proj|h_proj))\.weight$")
 _V41_FP8_LINEARS = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.shared_experts\.w[123]"
-                              r"|\.engram\.wkv)\.weight$")
+                              r"|\.engram\.wkv|^mtp\.\d+\.main_proj)\.weight$")
 _V41_TABLES = re.compile(r"\.engram\.embed\.weight$")
 _V3_FP8_LINEARS = re.compile(r"^(layers|mtp)\.\d+\.(attn\.(wq|wq_a|wq_b|wkv_a|wkv_b|wo|indexer\.wq_b|indexer\.wk)"
                              r"|ffn\.(shared_experts\.)?w[123])\.weight$")

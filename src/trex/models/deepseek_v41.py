@@ -281,6 +281,14 @@ class Attention(nn.Module):
 # ==================================================================================================
 # Block and model
 # ==================================================================================================
+class Taps:
+    """The target layers' inputs a forward collects for the DSpark drafter (``hidden``, in layer order). A plain
+    class: FSDP2's forward hooks pass it through as it is (a list argument would be rebuilt, and stay empty)."""
+
+    def __init__(self):
+        self.hidden: list[torch.Tensor] = []
+
+
 class Block(nn.Module):
     """[Engram ->] attention and MoE, each between an mHC collapse and expand. Single-pass mHC: a
     sublayer's input is collapsed with the ``pre`` the sublayer before it computed (the previous block's
@@ -302,15 +310,14 @@ class Block(nn.Module):
                                  cfg.engram_head_dim, cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps, cfg.fp8_block)
 
     def forward(self, X: torch.Tensor, pre: torch.Tensor, shared: Shared, ctx: SeqContext,
-                hashes: torch.Tensor | None, tap: list[torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, Shared]:
+                hashes: torch.Tensor | None, tap: Taps | None = None) -> tuple[torch.Tensor, torch.Tensor, Shared]:
         """X: [B, S, n, d]; pre: [B, S, n] the previous sublayer's; hashes: [B, S, engram layers, cols]
         -> (X, this block's FFN pre, shared). ``tap`` gets the block's input (Engram added) averaged over
         the streams, [B, S, d]: what the DSpark drafter reads of its target layers."""
         if self.engram is not None:
             X = self.engram(X, hashes[:, :, self.engram_slot])
         if tap is not None:
-            tap.append(X.mean(dim=2))
+            tap.hidden.append(X.mean(dim=2))
         attn_pre, post, comb = self.hc_attn.coefficients(X)
         y, shared = self.attn(self.attn_norm(HyperConnection.collapse(X, pre)), ctx, shared)
         X = HyperConnection.expand(y, X, post, comb)
@@ -398,10 +405,10 @@ class DeepseekV41(nn.Module):
         pre = torch.zeros(*X.shape[:3], device=X.device)
         pre[..., 0] = 1.0  # the first attention reads stream 0
         shared = Shared()
-        taps: list[torch.Tensor] = []
+        taps = Taps()
         for i, layer in enumerate(self.layers):
             X, pre, shared = layer(X, pre, shared, ctx, hashes, taps if tap_layers and i in tap_layers else None)
-        hidden = torch.cat(taps, dim=-1) if taps else None
+        hidden = torch.cat(taps.hidden, dim=-1) if taps.hidden else None
         if cache is not None:  # generation: the last position's logits; the cache moves one token on
             cache.pos = ctx.pos[:, -1] + 1
             if self.engram_hasher is not None:

@@ -17,9 +17,12 @@ input, Engram added), the drafter
 
 The prefill over the prompt only seeds the windows with the prompt's main_x. The embedding and head
 are the main model's (the official stages hold references to them); the drafter owns neither, and a
-post-trained backbone drafts through its own. Nothing here trains: the stages are loaded frozen
-(``trex.checkpoint.load.load_drafter``) and exported as loaded, so a post-trained checkpoint keeps its
-drafter. ``tests/test_dspark.py`` checks the drafts, logits and confidences against the official code.
+post-trained backbone drafts through its own. The stages are loaded frozen
+(``trex.checkpoint.load.load_drafter``); a recipe's ``[drafter]`` re-fits them (trex.train.drafter_refit)
+through ``DSparkDrafter.forward``, the training form: every anchor of a sequence drafts its block at once,
+teacher-forced, and each draft equals what :meth:`DSparkDrafter.draft` computes at that step
+(tests/test_drafter_refit.py). ``tests/test_model_v41.py`` checks the drafts, logits and confidences against
+the official code.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trex.kernels import quantize
+from trex.kernels.sparse_attention import scores_fp32
 from trex.models.common.heads import init_parameters
 from trex.models.common.linear import QuantLinear, QuantSim, linear_fp32, spread_quant
 from trex.models.common.norm import RMSNorm
@@ -63,6 +67,27 @@ class DraftContext:
     route_log: dict | None = None
 
 
+@dataclass
+class FitContext:
+    """What the fitting forward hands its stages: A anchors' blocks of T at once, flattened to A T tokens.
+    input_ids [B, A T]; cos, sin [B, A T, rd/2] the blocks' RoPE; main_x [B, N, d] every main position's,
+    at main_cos, main_sin [B, N, rd/2]; window [A, W] the sequence index of each anchor's window slot
+    (its main position and the W - 1 before it); valid [B, A, W] the slots a query sees."""
+
+    input_ids: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    main_x: torch.Tensor
+    main_cos: torch.Tensor
+    main_sin: torch.Tensor
+    window: torch.Tensor
+    valid: torch.Tensor
+    recording: bool = False
+    token_mask: torch.Tensor | None = None
+    routes: dict | None = None
+    route_log: dict | None = None
+
+
 class DraftCache:
     """Each stage's window: [B, W, c] RoPE'd K = V of the main model's last W positions, newest last; ``pos``
     [B] the main position the next step drafts from."""
@@ -89,9 +114,11 @@ class DSparkAttention(nn.Module):
         W = self.cfg.sliding_window
         cache.windows[self] = F.pad(self._kv(main_x, cos, sin)[:, -W:], (0, 0, max(0, W - main_x.shape[1]), 0))
 
-    def forward(self, x: torch.Tensor, ctx: DraftContext, shared: Shared) -> tuple[torch.Tensor, Shared]:
+    def forward(self, x: torch.Tensor, ctx: DraftContext | FitContext, shared: Shared) -> tuple[torch.Tensor, Shared]:
         """x: [B, T, d] the block (attn_norm'ed) -> ([B, T, d], shared unchanged). Pushes the main position's
-        entry into the window first."""
+        entry into the window first. With a FitContext, x is [B, A T, d]: A anchors' blocks (the training ``forward``)."""
+        if isinstance(ctx, FitContext):
+            return self._fit(x, ctx), shared
         B, T, _ = x.shape
         H, c = self.n_heads, self.head_dim
         window = torch.cat([ctx.cache.windows[self][:, 1:], self._kv(ctx.main_x, ctx.main_cos, ctx.main_sin)], dim=1)
@@ -102,6 +129,23 @@ class DSparkAttention(nn.Module):
         o = decode_attention(q.reshape(B, 1, T * H, c), window, ctx.valid, self.attn_sink.repeat(T),
                              self.head_dim**-0.5, block, torch.ones(B, 1, T, dtype=torch.bool, device=x.device))
         return grouped_output(self, o.view(B, T, H, c), ctx.cos, ctx.sin), shared
+
+    def _fit(self, x: torch.Tensor, ctx: FitContext) -> torch.Tensor:
+        """``forward`` at A anchors at once: x [B, A T, d] -> [B, A T, d]. Each anchor's T queries see its own
+        window slots and its own block, one softmax with the sink, as ``decode_attention`` computes it."""
+        B, AT, _ = x.shape
+        A, W = ctx.window.shape
+        T, H, c = AT // A, self.n_heads, self.head_dim
+        q = apply_rope(self.wq_b(self.q_norm(self.wq_a(x))).view(B, AT, H, c), ctx.cos[:, :, None], ctx.sin[:, :, None])
+        block = self._kv(x, ctx.cos, ctx.sin).view(B, A, T, c)
+        window = self._kv(ctx.main_x, ctx.main_cos, ctx.main_sin)[:, ctx.window]  # [B, A, W, c]
+        keys = torch.cat([window, block], dim=2)
+        mask = torch.cat([ctx.valid, ctx.valid.new_ones(B, A, T)], dim=2)
+        logits = scores_fp32(q.view(B, A, T * H, c), keys.transpose(2, 3)) * self.head_dim**-0.5  # [B, A, T H, W + T]
+        logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
+        sink = self.attn_sink.repeat(T).float().view(1, 1, T * H, 1).expand(B, A, T * H, 1)
+        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1].to(q.dtype)
+        return grouped_output(self, (probs @ keys).view(B, AT, H, c), ctx.cos, ctx.sin)
 
 
 class DSparkStage(Block):
@@ -151,7 +195,7 @@ class DSparkDrafter(nn.Module):
         self.mtp = nn.ModuleList(DSparkStage(cfg, i) for i in range(cfg.num_nextn_predict_layers))
         self.quant = QuantSim()
         init_parameters(self, cfg.initializer_range, None)
-        self.requires_grad_(False)  # drafting only: loaded frozen, exported as loaded
+        self.requires_grad_(False)  # loaded frozen; a re-fit (trex.train.drafter_refit) turns its gradients on
         self.eval()
 
     @property
@@ -220,3 +264,43 @@ class DSparkDrafter(nn.Module):
             out[:, i + 1] = sample(logits[:, i])
         confidence = linear_fp32(torch.cat([x, torch.stack(markov, dim=1)], dim=-1), last.confidence_head.proj.weight)
         return Draft(out, logits, confidence.squeeze(-1))
+
+    def forward(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, start: int, anchors: int,
+                embed: torch.Tensor, head: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training form of ``draft`` (the module's forward, so FSDP2 gathers the stages around it): the
+        drafts of ``anchors`` consecutive main positions at once, teacher-forced, each a block of ``block``
+        (default: the config's ``dspark_block_size``; the stages do not depend on it). ids [B, N] a sequence (left padding at positions [B, N] < 0), hidden [B, N', k d] its target
+        hidden (as ``prefill`` takes it; N' >= start + anchors: the positions no anchor reads may be left off); anchor a is sequence index j = start + a (the main position whose
+        hidden the step reads): its block is ids[:, j + 1] then the noise token, and draft position i's Markov
+        bias comes from ids[:, j + 1 + i] (the token a verified draft puts before it), so j + T + 1 < N. embed,
+        head [V, d]: the main model's weights, detached (the drafter's objective never reaches the backbone).
+        -> (logits [B, A, T, V] fp32: position i's predicts ids[:, j + 2 + i]; confidence [B, A, T] fp32
+        logits), each what ``draft`` computes at that step given those tokens."""
+        cfg = self.cfg
+        T, W = block or cfg.dspark_block_size, cfg.sliding_window
+        B, N = ids.shape
+        if start < 0 or start + anchors + T >= N:
+            raise ValueError(f"anchors {start} .. {start + anchors - 1} need ids up to {start + anchors + T}; "
+                             f"the sequence has {N}")
+        device = ids.device
+        anchor = start + torch.arange(anchors, device=device)  # [A] sequence indices
+        after = anchor[:, None] + 1 + torch.arange(T, device=device)  # [A, T]: ids[after] precede each position
+        block = ids.new_full((B, anchors, T), cfg.dspark_noise_token_id)
+        block[:, :, 0] = ids[:, anchor + 1]
+        cos, sin = self._rope((positions[:, anchor, None] + 1 + torch.arange(T, device=device)).flatten(1))
+        main_cos, main_sin = self._rope(positions[:, :hidden.shape[1]])
+        window = anchor[:, None] - W + 1 + torch.arange(W, device=device)  # [A, W], newest last
+        valid = (window >= 0) & (positions[:, window.clamp(min=0)] >= 0)
+        flat = block.flatten(1)
+        ctx = FitContext(flat, cos, sin, self._main_x(hidden), main_cos, main_sin, window.clamp(min=0), valid)
+        X = F.embedding(flat, embed.detach()).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous()
+        pre = torch.zeros(*X.shape[:3], device=X.device)
+        pre[..., 0] = 1.0
+        for stage in self.mtp:
+            X, pre, _ = stage(X, pre, Shared(), ctx, None)
+        last = self.mtp[-1]
+        x = HyperConnection.collapse(X, pre)
+        markov = last.markov_head.embed(ids[:, after].flatten(1))
+        logits = linear_fp32(last.norm(x), head.detach()) + linear_fp32(markov, last.markov_head.head.weight)
+        confidence = linear_fp32(torch.cat([x, markov], dim=-1), last.confidence_head.proj.weight)
+        return logits.view(B, anchors, T, -1), confidence.view(B, anchors, T)

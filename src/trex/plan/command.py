@@ -16,7 +16,7 @@ from trex.models.config_v41 import V41Config
 from trex.models.registry import PRESETS, config_from_file, get_preset
 from trex.plan import annotate
 from trex.plan.layout import Layout, PlanError, parse_layout
-from trex.plan.planner import fewest_devices, make_plan, no_fit_hint, search
+from trex.plan.planner import fewest_devices, make_plan, no_fit_hint, search, with_drafter
 from trex.plan.report import plan_dict, plan_table, search_table
 from trex.plan.timing import TimeAssumptions
 
@@ -78,7 +78,19 @@ def plan_recipe(path: str, devices: int, hardware: str, assume: TimeAssumptions 
     if layout.devices != devices:
         raise PlanError(f"{path}: its layout {layout.describe()} uses {layout.devices} devices, not {devices}")
     assume = dataclasses.replace(assume, dtype=dtype or assume.dtype)
-    return make_plan(resolve_model(spec), layout, seq, resolve_hardware(hardware), assume)
+    cfg = resolve_model(spec)
+    return _with_recipe_drafter(make_plan(cfg, layout, seq, resolve_hardware(hardware), assume), cfg, path)
+
+
+def _with_recipe_drafter(plan, cfg, path: str | None):
+    """``plan`` with the recipe's ``[drafter]`` re-fit counted, when the recipe at ``path`` enables one."""
+    if not path:
+        return plan
+    from trex import recipe as recipe_io
+    from trex.train.config import TrainRecipe
+
+    r = recipe_io.load(TrainRecipe, path)
+    return with_drafter(plan, cfg, r.drafter, r.train.steps) if r.drafter.enabled else plan
 
 
 def _annotate(path: str) -> int:
@@ -221,7 +233,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"note: no recipe or --layout: the fastest of {len(plans)} layouts that fit "
               f"(--search ranks them, --layout picks one)", file=sys.stderr)
         layout = plans[0].layout
-    plan = make_plan(cfg, layout, seq, hw, assume)
+    plan = _with_recipe_drafter(make_plan(cfg, layout, seq, hw, assume), cfg, args.recipe)
     _emit(args, plan_dict(plan, spec), plan_table(plan, spec))
     return 0 if plan.fits else 1
 

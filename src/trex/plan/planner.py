@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from trex.hardware import HardwareProfile
 from trex.logs import plural
 from trex.models.config import ModelConfig
+from trex.plan.drafter import DrafterPlan, drafter_plan
 from trex.plan.layout import NO_CP_V3, Layout, PlanError, check_context_parallel
 from trex.plan.memory import HEADROOM, MemoryBreakdown, memory
 from trex.plan.model_facts import ModelFacts, model_facts
@@ -33,6 +34,7 @@ class Plan:
     routed_experts: int = 0  # per MoE layer (the model's n_routed_experts): what ep must divide
     v3: bool = False  # the DeepSeek-V3 family (no context parallelism)
     v32: bool = False  # DeepSeek-V3.2 (planned from its config; not built)
+    drafter: DrafterPlan | None = None  # a recipe's [drafter] re-fit (trex.plan.drafter)
 
     @property
     def usable_bytes(self) -> float:
@@ -113,6 +115,17 @@ def make_plan(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfil
                 flops_per_token=training_flops(cfg, seq_len).total, assumptions=assume,
                 routed_experts=cfg.n_routed_experts, v3=getattr(cfg, "architecture", None) == "deepseek_v3",
                 v32=bool(getattr(cfg, "index_topk", 0)) and getattr(cfg, "architecture", None) == "deepseek_v3")
+
+
+def with_drafter(plan: Plan, cfg, section, main_steps: int) -> Plan:
+    """``plan`` with the re-fit of ``section`` (a recipe's enabled DrafterSection) counted (``plan.drafter``)."""
+    if not getattr(cfg, "dspark_target_layer_ids", None) or not cfg.num_nextn_predict_layers:
+        raise PlanError("[drafter] enabled: the model has no DSpark drafter (a DeepSeek-V4.1 config with "
+                        "num_nextn_predict_layers and dspark_target_layer_ids)")
+    b = DTYPE_BYTES[plan.assumptions.dtype]
+    refit = drafter_plan(cfg, section, plan.layout, plan.seq_len, plan.hardware, plan.assumptions, b, plan.memory,
+                         plan.facts.active, main_steps)
+    return dataclasses.replace(plan, drafter=refit)
 
 
 def _divisors(n: int) -> list[int]:

@@ -48,6 +48,7 @@ def plan_dict(plan: Plan, model: str) -> dict:
         "mfu": plan.mfu,
         "assumptions": dataclasses.asdict(plan.assumptions),
         "notes": plan.notes,
+        **({"drafter": plan.drafter.as_dict()} if plan.drafter is not None else {}),
     }
 
 
@@ -91,9 +92,27 @@ def plan_table(plan: Plan, model: str) -> str:
     lines.append(f"assumptions compute efficiency {a.compute_efficiency:.0%}, FSDP overlap {a.fsdp_overlap:.0%}, "
                  f"EP overlap {a.ep_overlap:.0%}, CP overlap {a.cp_overlap:.0%}, links {hw.intra_node_gbps:g}/{hw.inter_node_gbps:g} GB/s "
                  f"intra/inter node, {hw.devices_per_node} per node")
+    if plan.drafter is not None:
+        lines += _drafter_lines(plan)
     lines += [f"does not fit: {r}" for r in no_fit_reasons(plan)]
     lines += [f"note        {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _drafter_lines(plan: Plan) -> list[str]:
+    """The [drafter] re-fit: its memory per device during a phase and its time per step (trex.plan.drafter)."""
+    d, usable = plan.drafter, plan.usable_bytes
+    m, t = d.memory, d.time_s
+    fits = "FITS" if m["total"] <= usable else "DOES NOT FIT"
+    lines = [f"drafter re-fit  {plural(d.phases, 'phase')} of {plural(d.steps, 'step')}; the drafter {d.parameters / 1e9:.2f}B "
+             f"({d.active / 1e9:.2f}B active), {d.tokens_per_device:,} drafted tokens per step per device",
+             "  memory per device during a phase"]
+    for key in ("main", "weights", "gradients", "optimizer", "gathered", "continuation", "activations"):
+        lines.append(f"    {key:18s}{_gib(m[key])}")
+    lines.append(f"    {'total':18s}{_gib(m['total'])}   of {_gib(usable).strip()} usable: {fits}")
+    lines.append(f"  time per step   {t['total']:.3f} s (target continuation {t['target']:.3f}, drafter {t['drafter']:.3f}, "
+                 f"FSDP {t['fsdp_comm']:.3f}); a phase {d.phase_s:.1f} s = {d.phase_s / plan.time.total:.1f} main steps")
+    return lines
 
 
 def search_table(plans: list[Plan], top: int) -> str:

@@ -197,7 +197,24 @@ def plan_section(plans: list[dict]) -> list[Block]:
                        "the model's FLOPs."),
             Block("table", header=["model", "cluster", "sequence", "tokens/step", "layout", "fits",
                                    "memory / usable GiB", "step time", "tokens/s/device", "MFU", "source"],
-                  rows=[plan_row(p) for p in plans])]
+                  rows=[plan_row(p) for p in plans]), *drafter_blocks(plans)]
+
+
+def drafter_blocks(plans: list[dict]) -> list[Block]:
+    """The plans of recipes with ``[drafter]``: the DSpark drafter's re-fit, per target cluster."""
+    refits = [p for p in plans if p.get("drafter")]
+    if not refits:
+        return []
+    rows = []
+    for p in refits:
+        d = p["drafter"]
+        rows.append([p["model"], f"{p['layout']['devices']} x {p['hardware']['name']}",
+                     f"{d['phases']} x {d['steps']}", f"{d['memory']['total'] / GiB:.1f} / {p['usable_bytes'] / GiB:.1f}",
+                     _seconds(d["time_s"]["total"]), f"{d['phase_s'] / p['time_s']['total']:.1f}"])
+    return [Block("p", "The DSpark drafter's re-fit (`[drafter]`): memory per device during a phase, time per "
+                       "re-fit step, and a phase's length in main steps."),
+            Block("table", header=["model", "cluster", "phases x steps", "memory / usable GiB", "re-fit step",
+                                   "phase / main step"], rows=rows)]
 
 
 def measured_on(result: dict) -> list[str]:

@@ -13,6 +13,7 @@
     [sampling]   generation settings of on-policy modes (grpo, distill)
     [grpo]       GRPO with verifiable rewards (train.mode = "grpo")
     [distill]    on-policy distillation from frozen teachers (train.mode = "distill")
+    [drafter]    re-fit DeepSeek-V4.1's DSpark drafter against the trained target (trex.train.drafter_refit)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from trex.posttrain.grpo import GRPOSection
 from trex.posttrain.on_policy import SamplingSection
 from trex.precision import PrecisionSection
 from trex.recipe import check_choices, require_positive
+from trex.train.drafter_refit import DrafterSection
 from trex.train.optim import OptimSection
 from trex.train.schedule import ScheduleSection
 from trex.train.signals import FidelitySection
@@ -172,4 +174,5 @@ class TrainRecipe:
     sampling: SamplingSection = field(default_factory=SamplingSection)
     grpo: GRPOSection = field(default_factory=GRPOSection)
     distill: DistillSection = field(default_factory=DistillSection)
+    drafter: DrafterSection = field(default_factory=DrafterSection)
     logging: LoggingSection = field(default_factory=LoggingSection)

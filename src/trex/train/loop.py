@@ -56,6 +56,7 @@ from trex.posttrain.sft import accumulate_gradients
 from trex.rollout.engine import EngineDied
 from trex.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy, StepGuard
 from trex.train.config import TrainRecipe
+from trex.train.drafter_refit import JobRefit
 from trex.train.dry_run import model_config
 from trex.train.moe_balance import freeze_for_post_training
 from trex.train.trackers import Trackers, flatten
@@ -276,6 +277,7 @@ class _Run:
     evals: dict = field(default_factory=dict)  # held-out metrics by step ("final" at the end)
     mfu_warned: bool = False
     moves: list = field(default_factory=list)  # migrations.jsonl: where the run changed device, precision, layout
+    refit: JobRefit | None = None  # [drafter]: the DSpark drafter's re-fit
 
 
 def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer | None,
@@ -345,13 +347,18 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
     run_dir.save_config(recipe)
     moves = _record_move(resumed, run_dir, cfg_train.out, configuration(
         dev.type, policy.name, par.world_size, recipe_io.to_dict(recipe)))
+    refit = None
+    if recipe.drafter.enabled:  # after the resume (the re-fit's own follows it) and the run directory's start
+        refit = JobRefit(recipe, model, tokenizer, par, dev, policy, cfg_train.out, recipe_io.to_dict(recipe))
+        refit.start(model, resumed.step if resumed else None)
+        reshard(model)
     run_dir.trackers = Trackers(recipe.logging, run_dir.path, par.is_main)
     run_dir.trackers.start(start is not None, {**flatten(recipe_io.to_dict(recipe)), "run_dir": os.path.abspath(
         run_dir.path), **flatten(device_layer.environment_report(dev), "env.")})
     return _Run(recipe, dev, par, policy, run_dir, heartbeat, tokenizer, model, frozen, optimizer, scheduler, guard,
                 objective, fidelity, ckpt, resumed, CompiledGraphs(compile_backend),
                 flops_per_token(model.cfg, recipe.data.seq_len).total, peak, peak_source,
-                tokens=resumed.loop.get("tokens", 0) if resumed else 0, moves=moves)
+                tokens=resumed.loop.get("tokens", 0) if resumed else 0, moves=moves, refit=refit)
 
 
 def _record_move(resumed, run_dir: RunDir, out: str, here: dict) -> list[dict]:
@@ -378,7 +385,9 @@ def _run_steps(r: _Run) -> None:
     progress = StepProgress(cfg_train.steps, enabled=cfg_train.progress and r.par.is_main, every=cfg_train.log_every)
     with r.ckpt.signals():  # until the summary is written; after a stop signal, until exit
         try:
-            for step in range(r.resumed.step if r.resumed else 0, cfg_train.steps):
+            if r.refit is not None and r.resumed:  # resumed inside a periodic re-fit phase: it finishes first
+                r.status = r.refit.catch_up(r.model, r.resumed.step)
+            for step in range(r.resumed.step if r.resumed else 0, cfg_train.steps if r.status == "completed" else 0):
                 r.heartbeat.at(step + 1, "step")
                 t0 = time.perf_counter()  # the previous step ended with a host read: the device is idle
                 r.dev.reset_peak_memory()
@@ -418,9 +427,18 @@ def _run_steps(r: _Run) -> None:
                 if stop:
                     r.status = "terminated" if stop == signal.SIGTERM else "interrupted"
                     break
+                if r.refit is not None:  # GRPO / distillation: a re-fit phase every drafter.every_n steps
+                    r.refit.main_time_s += dt
+                    r.heartbeat.at(step + 1, "drafter re-fit")
+                    r.status = r.refit.after_step(r.model, step + 1)
+                    if r.status != "completed":
+                        break
             if r.status == "completed":
                 r.heartbeat.at(r.scheduler.last_epoch, "checkpoint")
                 r.ckpt.finish(r.scheduler.last_epoch, {"tokens": r.tokens})
+            if r.status == "completed" and r.refit is not None:  # the target frozen: the drafter re-fits to it
+                r.heartbeat.at(r.scheduler.last_epoch, "drafter re-fit")
+                r.status = r.refit.finish(r.model)
         except KeyboardInterrupt:
             r.status = "interrupted"
         except NonFiniteError as e:
@@ -531,6 +549,7 @@ def _summary(r: _Run, wall_time_s: float) -> dict:
         "flops_per_token": r.flops,
         "peak_flops": r.peak,
         "peak_flops_source": r.peak_source,
+        **({"drafter": r.refit.summary()} if r.refit is not None else {}),
         "parallel": {"world_size": r.par.world_size, "dp_replicate": r.par.dp_replicate, "dp_shard": r.par.dp_shard,
                      "ep": r.par.ep, "cp": r.par.cp, "activation_checkpointing": layout.activation_checkpointing},
     }

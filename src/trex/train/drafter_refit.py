@@ -1,0 +1,656 @@
+"""``[drafter]``: re-fit DeepSeek-V4.1's DSpark drafter (``mtp.*``) against the target the job post-trained.
+
+Post-training moves the backbone's hidden states and greedy tokens away from the ones the drafter learned,
+and speculative decoding accepts fewer of its drafts (``trex fidelity drafter`` measures it). With
+``[drafter] enabled`` the job restores them itself: after its main steps (and, in GRPO and distillation,
+every ``every_n`` steps, where the policy keeps moving) the target is frozen and the drafter's stages train
+on the target's own continuations of the job's prompts, warm-started from the loaded drafter:
+
+    prompts   the job's: SFT the training records' prompts, GRPO / distillation the rollout prompts, or
+              ``prompts`` (JSONL files), minus the ``held_out`` last ones kept for measuring acceptance
+    data      each re-fit step k: ``prompts_per_step`` prompts drawn with a generator seeded by (seed, k),
+              continued ``new_tokens`` tokens by the target (greedy, or sampled at ``temperature`` with
+              uniforms of the same seed), under no_grad: the tap layers' hidden states and the target's
+              logits of every continuation position come from the same decode
+    forward   ``DSparkDrafter.fit``: every continuation position an anchor, its block of ``block_size``
+              drafted at once, teacher-forced as a verified draft would be
+    loss      ce * CE(draft, target's token) + tv * sum_v |p_draft - p_target| (the L1 distance, twice the
+              total variation) + confidence * BCE(confidence, 1 - TV), the terms and defaults of DeepSpec's
+              loss.py as NeMo Automodel ships them (0.1 / 0.9 / 1.0): 1 - TV is the probability that a
+              sampled draft token is accepted, what the confidence head predicts; averaged over every
+              (anchor, position) before the row's stop token, over all ranks
+
+The step never reads the host (the loss and its parts are read once, as the main loop does); the target
+and its embedding and head get no gradient. Each re-fit step is checkpointed like a main step, in
+``<checkpoint dir>/drafter/step_K`` (K counts re-fit steps over the run's phases), and a run resumed from any
+of them repeats the uninterrupted run bit for bit: a step's data depends only on (seed, K) and the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from trex.checkpoint.training import CheckpointSection, Checkpointer, RunState
+from trex.models import evaluating
+from trex.models.decode_v41 import V41DecodeCache
+from trex.posttrain.objective import reshard
+from trex.precision import StepGuard
+from trex.recipe import check_choices
+from trex.rollout.sampling import SamplingParams, choose_tokens, left_pad
+from trex.rollout.speculation import Acceptance, measure_acceptance
+from trex.train.optim import OptimSection, build_optimizer, clip_grad_norm
+from trex.train.schedule import ScheduleSection, build_scheduler
+from trex.train.step import read_scalars
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DrafterSection:
+    """The ``[drafter]`` section: re-fit V4.1's DSpark drafter in the job (trex.train.drafter_refit)."""
+
+    enabled: bool = False
+    """Re-fit the drafter (a DeepSeek-V4.1 model with ``mtp.*`` stages)."""
+    steps: int = 100
+    """Re-fit steps per phase (after the main steps; and each ``every_n`` steps in GRPO / distillation)."""
+    every_n: int = 0
+    """GRPO / distillation: also re-fit after every this many main steps; 0: only after the main steps."""
+    lr: float = 2e-5
+    """AdamW learning rate (eps 1e-8), constant after ``warmup_steps`` (SpecForge's V4.1 drafter fine-tune
+    used 2e-5)."""
+    warmup_steps: int = 0
+    """Linear warm-up over the re-fit's first steps (at most ``steps``)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Clip the drafter's gradients to this global L2 norm (0: measure only)."""
+    ce: float = 0.1
+    """Weight of the cross-entropy to the target's token (NeMo Automodel's DSpark default)."""
+    tv: float = 0.9
+    """Weight of the L1 distance between the draft's and the target's distributions (twice their total
+    variation, as DeepSpec's loss.py computes it: NeMo's 0.9 means the same here)."""
+    confidence: float = 1.0
+    """Weight of the confidence head's BCE against 1 - TV, the sampled draft's acceptance probability."""
+    block_size: int = 0
+    """Tokens drafted per anchor in training; 0: the config's ``dspark_block_size`` (what is served).
+    SpecForge trains V4.1 blocks of 7 for 5 served: the stages do not depend on the block length."""
+    sampling: Literal["greedy", "sampled"] = "greedy"
+    """How the target continues the prompts: its greedy tokens (what a temperature-0 server verifies) or
+    tokens sampled at ``temperature``."""
+    temperature: float = 1.0
+    """Sampling temperature (sampling = "sampled")."""
+    new_tokens: int = 32
+    """Tokens the target continues each prompt with (each a training anchor, less the block)."""
+    prompts_per_step: int = 8
+    """Prompts per re-fit step (all ranks together; each rank an equal share)."""
+    prompts: list[str] = field(default_factory=list)
+    """JSONL / Parquet prompt files ({"prompt"} or {"messages"}); empty: the job's prompts (SFT / DPO:
+    ``data.paths``; GRPO / distillation: their ``prompts``)."""
+    held_out: int = 8
+    """The last this many prompts are kept out of the re-fit and measure acceptance before and after."""
+    measure_tokens: int = 32
+    """Greedy tokens per held-out prompt when measuring acceptance (``trex fidelity drafter``'s way)."""
+    seed: int = 0
+    """Seeds the re-fit's prompt draws and sampling."""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "drafter")
+        for key in ("steps", "new_tokens", "prompts_per_step", "measure_tokens"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"drafter.{key} = {value!r}; expected an integer >= 1")
+        for key in ("every_n", "block_size", "held_out", "warmup_steps"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"drafter.{key} = {value!r}; expected an integer >= 0")
+        for key in ("lr", "weight_decay", "grad_clip", "ce", "tv", "confidence"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"drafter.{key} = {getattr(self, key)!r}; expected a value >= 0")
+        if self.ce + self.tv + self.confidence == 0:
+            raise ValueError("drafter.ce, drafter.tv and drafter.confidence are all 0; expected a positive weight")
+        if self.temperature <= 0:
+            raise ValueError(f"drafter.temperature = {self.temperature!r}; expected a value > 0 (greedy: "
+                             "drafter.sampling = \"greedy\")")
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"drafter.warmup_steps = {self.warmup_steps}; expected at most drafter.steps = {self.steps}")
+
+    def check_against(self, mode: str, cfg) -> None:
+        """ValueError (one line, naming the key) when this section cannot apply to ``mode`` and model ``cfg``."""
+        if not self.enabled:
+            return
+        if getattr(cfg, "architecture", None) != "deepseek_v41" or not cfg.num_nextn_predict_layers \
+                or not cfg.dspark_target_layer_ids:
+            raise ValueError("drafter.enabled: the model has no DSpark drafter (a DeepSeek-V4.1 config with "
+                             "num_nextn_predict_layers and dspark_target_layer_ids)")
+        if self.every_n and mode not in ("grpo", "distill"):
+            raise ValueError(f"drafter.every_n = {self.every_n} re-fits during GRPO or distillation; train.mode is "
+                             f"{mode!r} (set drafter.every_n = 0: the re-fit follows the main steps)")
+        if self.block_size and self.block_size >= self.new_tokens:
+            raise ValueError(f"drafter.block_size = {self.block_size}; expected fewer than drafter.new_tokens = "
+                             f"{self.new_tokens} (each anchor needs a block of continuation after it)")
+        if not self.block_size and cfg.dspark_block_size >= self.new_tokens:
+            raise ValueError(f"drafter.new_tokens = {self.new_tokens}; expected more than the config's "
+                             f"dspark_block_size = {cfg.dspark_block_size}")
+
+
+# ---- the objective ----------------------------------------------------------------------------------
+def drafter_loss(logits: torch.Tensor, confidence: torch.Tensor, labels: torch.Tensor, target: torch.Tensor,
+                 mask: torch.Tensor, section: DrafterSection, count: torch.Tensor
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """logits [B, A, T, V] fp32 the drafts', confidence [B, A, T] (logits), labels [B, A, T] the target's
+    tokens, target [B, A, T, V] the target's logits there, mask [B, A, T] the pairs that count; count: the
+    number of such pairs over all ranks (0-d). -> (the weighted loss, this rank's share of the mean over
+    ``count``; its parts' shares: ce, tv (total variation), confidence (BCE), accepted (the drafts' argmax
+    equals the label))."""
+    w = mask.float() / count.clamp(min=1)
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(w)
+    tv = 0.5 * (logits.softmax(-1) - target.float().softmax(-1)).abs().sum(-1)
+    bce = F.binary_cross_entropy_with_logits(confidence, (1 - tv).detach().clamp(0, 1), reduction="none")
+    parts = {"ce": (ce * w).sum(), "tv": (tv * w).sum(), "confidence": (bce * w).sum(),
+             "accepted": ((logits.argmax(-1) == labels).float() * w).sum()}
+    loss = section.ce * parts["ce"] + section.tv * 2 * parts["tv"] + section.confidence * parts["confidence"]
+    return loss, {k: v.detach() for k, v in parts.items()}
+
+
+# ---- the data: the target's continuations -------------------------------------------------------------
+@dataclass
+class Continuation:
+    """The target's continuation of left-padded prompts: ids [B, L] (prompt width P, then G new tokens),
+    positions [B, L] (< 0: padding), hidden [B, L - 1, k d] the tap layers' input (the last token's is never
+    read), logits [B, G - 1, V] the target's at positions P .. L - 2 (each predicts the token after it)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    width: int
+
+
+@torch.no_grad()
+def continue_prompts(model, prompts: list[list[int]], new_tokens: int, taps: list[int], pad_id: int, width: int,
+                     temperature: float = 0.0, uniforms: torch.Tensor | None = None) -> Continuation:
+    """Continue ``prompts`` (left-padded to ``width``) by ``new_tokens`` of ``model``'s own tokens (greedy at
+    temperature 0, else sampled with ``uniforms`` [B, new_tokens]) through the decode cache: one prefill and
+    new_tokens - 1 steps, every one's tap hidden and logits kept. Static shapes, no host read."""
+    device = model.embed.weight.device
+    ids, docs = left_pad(prompts, pad_id, device, width)
+    params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens)
+    cache = V41DecodeCache(new_tokens)
+    with evaluating(model):
+        out = model(ids, doc_ids=docs, cache=cache, tap_layers=taps)
+        positions = cache.pos[:, None] - width + torch.arange(width, device=device)
+        hidden, logits = [out.hidden], []
+        token = choose_tokens(out.logits[:, -1], params, None, None if uniforms is None else uniforms[:, 0])[0]
+        tokens = [token]
+        for i in range(1, new_tokens):
+            step = model(token[:, None], cache=cache, tap_layers=taps)
+            hidden.append(step.hidden)
+            logits.append(step.logits[:, -1])
+            token = choose_tokens(step.logits[:, -1], params, None, None if uniforms is None else uniforms[:, i])[0]
+            tokens.append(token)
+    L = width + new_tokens
+    full = torch.cat([ids, torch.stack(tokens, 1)], 1)
+    positions = positions[:, :1] + torch.arange(L, device=device)
+    return Continuation(full, positions, torch.cat(hidden, 1), torch.stack(logits, 1), width)
+
+
+def fit_batch(drafter, model, c: Continuation, block: int, stop_ids: tuple[int, ...]):
+    """The drafter's training forward over continuation ``c``: anchors at every position from the prompt's
+    last (P - 1) to the last whose block fits -> (logits [B, A, T, V], confidence, labels [B, A, T], target
+    logits [B, A, T, V], mask [B, A, T]: labels generated before the row's stop token)."""
+    P, L = c.width, c.ids.shape[1]
+    A = L - P - block
+    a = torch.arange(A, device=c.ids.device)[:, None] + torch.arange(block, device=c.ids.device)  # [A, T]
+    embed, head = _full(model.embed.weight), _full(model.head.weight)
+    logits, confidence = drafter(c.hidden, c.ids, c.positions, P - 1, A, embed, head, block)
+    labels = c.ids[:, P + 1 + a]
+    target = c.logits[:, a]
+    generated = c.ids[:, P:]
+    if stop_ids:  # a label counts when no stop token was generated before it
+        stopped = torch.isin(generated, torch.tensor(stop_ids, device=generated.device)).long().cumsum(1)
+        before = torch.cat([torch.zeros_like(stopped[:, :1]), stopped[:, :-1]], 1) == 0  # [B, G]
+        mask = before[:, 1 + a]
+    else:
+        mask = torch.ones_like(labels, dtype=torch.bool)
+    return logits, confidence, labels, target, mask
+
+
+def _full(weight: torch.Tensor) -> torch.Tensor:
+    """A (maybe FSDP-sharded) weight as a whole local tensor, detached."""
+    weight = weight.detach()
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+
+
+def step_prompts(n: int, per_step: int, seed: int, k: int) -> list[int]:
+    """The ``per_step`` prompt indices (of ``n``) re-fit step ``k`` draws, the same at any layout (on the host:
+    shuffled passes over the prompts)."""
+    rng = random.Random(seed * 1_000_003 + k)
+    picks: list[int] = []
+    while len(picks) < per_step:
+        picks += rng.sample(range(n), n)
+    return picks[:per_step]
+
+
+def step_uniforms(rows: int, new_tokens: int, seed: int, k: int) -> torch.Tensor:
+    """The sampling uniforms of re-fit step ``k``: [rows, new_tokens], the same at any layout."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + k + 7_919)
+    return torch.rand(rows, new_tokens, generator=g)
+
+
+class _Position:
+    """The re-fit's place for the checkpoint (its ``loader``): nothing beyond the step the checkpoint names,
+    since step K's data depends only on (seed, K)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+# ---- the phase runner ------------------------------------------------------------------------------------
+class DrafterRefit:
+    """The re-fit of one job: the drafter, its optimizer and checkpoints, its prompts, and the acceptance it
+    measures. ``phase(model, upto)`` trains re-fit steps up to K = ``upto`` (cumulative over phases)."""
+
+    def __init__(self, section: DrafterSection, drafter, prompts: list[list[int]], par, dev, pad_id: int,
+                 stop_ids: tuple[int, ...], checkpoint: CheckpointSection, out: str, config: dict | None = None):
+        if section.prompts_per_step % par.data_world:
+            raise ValueError(f"drafter.prompts_per_step = {section.prompts_per_step}; expected a multiple of the "
+                             f"{par.data_world} data-parallel ranks")
+        if len(prompts) <= section.held_out:
+            raise ValueError(f"drafter.held_out = {section.held_out}: the job has {len(prompts)} prompts; expected "
+                             "more, some to re-fit on")
+        self.section, self.par, self.dev = section, par, dev
+        self.drafter = drafter
+        self.train_prompts = prompts[:len(prompts) - section.held_out]
+        self.held_out = prompts[len(prompts) - section.held_out:]
+        self.pad_id, self.stop_ids = pad_id, stop_ids
+        self.block = section.block_size or drafter.cfg.dspark_block_size
+        self.width = max(len(p) for p in prompts)
+        self.initial = {k: _full(v).clone() for k, v in drafter.state_dict().items()}  # the loaded drafter
+        drafter.requires_grad_(True)
+        optim = OptimSection(name="adamw", lr=section.lr, weight_decay=section.weight_decay, eps=1e-8,
+                             grad_clip=section.grad_clip)
+        self.optimizer = build_optimizer(drafter, optim, dev)
+        self.params = [p for p in drafter.parameters() if p.requires_grad]
+        self.scheduler = build_scheduler(self.optimizer, ScheduleSection(warmup_steps=section.warmup_steps,
+                                                                         decay="constant"), section.steps)
+        self.guard = StepGuard(8)
+        ckpt = dataclasses.replace(checkpoint, dir=os.path.join(checkpoint.directory(out), "drafter"),
+                                   resume="auto" if checkpoint.resume else "")
+        self.ckpt = Checkpointer(ckpt, out, RunState(drafter, self.optimizer, self.scheduler, self.guard,
+                                                     _Position(), dev), config=config)
+        self.done = 0  # re-fit steps taken (K)
+        self.metrics: list[dict] = []
+        self.time_s = 0.0
+        self.peak_bytes = 0
+
+    def resume(self) -> None:
+        """Continue from the newest re-fit checkpoint, if the run resumes and has one."""
+        resumed = self.ckpt.resume()
+        if resumed:
+            self.done = resumed.step
+
+    def _step(self, model, k: int) -> dict[str, torch.Tensor]:
+        """Re-fit step ``k`` (0-based, cumulative): device tensors, no host read."""
+        s, par = self.section, self.par
+        picks = step_prompts(len(self.train_prompts), s.prompts_per_step, s.seed, k)
+        share = s.prompts_per_step // par.data_world
+        mine = picks[par.data_rank * share:(par.data_rank + 1) * share]
+        uniforms = None
+        if s.sampling == "sampled":
+            uniforms = step_uniforms(s.prompts_per_step, s.new_tokens, s.seed, k)[
+                par.data_rank * share:(par.data_rank + 1) * share]
+        c = continue_prompts(model, [self.train_prompts[i] for i in mine], s.new_tokens, self.drafter.target_layers,
+                             self.pad_id, self.width, s.temperature if uniforms is not None else 0.0, uniforms)
+        logits, confidence, labels, target, mask = fit_batch(self.drafter, model, c, self.block, self.stop_ids)
+        count = mask.sum()
+        if par.distributed:
+            count = par.all_reduce_sum(count)
+        loss, parts = drafter_loss(logits, confidence, labels, target, mask, s, count)
+        loss.backward()
+        norm = clip_grad_norm(self.params, s.grad_clip)
+        finite = self.guard.finite(loss.detach(), norm)
+        self.optimizer.step(apply=finite.all())
+        self.optimizer.zero_grad(set_to_none=True)
+        if par.distributed:  # each rank's share of the global means
+            parts = {k: par.all_reduce_sum(v) for k, v in parts.items()}
+            loss = par.all_reduce_sum(loss.detach())
+        return {"loss": loss.detach(), **parts, "grad_norm": norm, "loss_ok": finite[0], "norm_ok": finite[1]}
+
+    def phase(self, model, upto: int, log_row=None) -> str:
+        """Train re-fit steps self.done .. upto - 1 with ``model`` (the target) frozen; checkpoint like main
+        steps (every ``save_every``, and the phase's last); -> "completed" or the stop signal's status."""
+        if self.done >= upto:
+            return "completed"
+        trained = [p for p in model.parameters() if p.requires_grad]
+        for p in trained:
+            p.requires_grad_(False)
+        self.dev.reset_peak_memory()
+        try:
+            with self.ckpt.signals():
+                for k in range(self.done, upto):
+                    t0 = time.perf_counter()
+                    read = read_scalars(self._step(model, k))  # the step's one host read
+                    self.scheduler.step()
+                    self.guard.record(bool(read.pop("loss_ok")), bool(read.pop("norm_ok")), k + 1)
+                    read["step_time_s"] = time.perf_counter() - t0
+                    self.time_s += read["step_time_s"]
+                    self.done = k + 1
+                    row = {"drafter_step": k + 1, **{f"drafter/{n}": v for n, v in read.items()}}
+                    self.metrics.append(row)
+                    if log_row is not None:
+                        log_row(row)
+                    stop = self.ckpt.after_step(k + 1)
+                    if stop:
+                        return "terminated" if stop == signal.SIGTERM else "interrupted"
+                self.ckpt.finish(upto)
+        finally:
+            self.ckpt.close()
+            for p in trained:
+                p.requires_grad_(True)
+            reshard(model)  # the no-grad forwards left FSDP's root gathered
+            self.peak_bytes = max(self.peak_bytes, self.dev.max_memory_allocated())
+        return "completed"
+
+    @torch.no_grad()
+    def acceptance(self, model, drafter=None) -> Acceptance:
+        """``trex fidelity drafter``'s measure on the held-out prompts: ``model`` with ``drafter`` (default:
+        the re-fit one)."""
+        drafter = drafter or self.drafter
+        measured = measure_acceptance(model, drafter, self.held_out, self.section.measure_tokens, self.pad_id,
+                                      self.stop_ids, batch_size=max(1, len(self.held_out)))
+        reshard(model)
+        return measured
+
+    def loaded_drafter(self):
+        """A copy of the drafter as loaded (before any re-fit)."""
+        first = next(iter(self.initial.values()))
+        copy = type(self.drafter)(self.drafter.cfg).to(device=first.device, dtype=first.dtype)
+        copy.load_state_dict(self.initial)
+        return copy
+
+
+def acceptance_dict(a: Acceptance) -> dict:
+    """An Acceptance as summary.json holds it (NaN as null)."""
+    finite = a.steps > 0
+    return {"steps": a.steps, "mean_accepted": a.mean_accepted if finite else None,
+            "tokens_per_step": a.tokens_per_step if finite else None,
+            "rates": [r if finite else None for r in a.rates()], "histogram": a.histogram}
+
+
+def write_json(path: str, obj) -> None:
+    from trex import atomic
+
+    atomic.write_text(path, json.dumps(obj, indent=1) + "\n")
+
+
+# ---- the job's view: set-up, phases, acceptance, export ---------------------------------------------------
+ACCEPTANCE_FILE = "drafter_acceptance.json"
+METRICS_FILE = "drafter_metrics.jsonl"
+
+
+def job_prompt_files(recipe) -> tuple[list[str], str]:
+    """The prompt files the re-fit reads and the recipe key that names them."""
+    if recipe.drafter.prompts:
+        return recipe.drafter.prompts, "drafter.prompts"
+    mode = recipe.train.mode
+    if mode in ("grpo", "distill"):
+        return getattr(recipe, mode).prompts, f"{mode}.prompts"
+    return recipe.data.paths, "data.paths"
+
+
+def load_job_prompts(recipe, tokenizer) -> list[list[int]]:
+    """The job's prompts as token ids (trex.posttrain.on_policy.load_prompts: an SFT record's conversation
+    before its last assistant turn); ValueError in one line naming the key on records without prompts."""
+    from trex.data.records import BadRecordError
+    from trex.posttrain.on_policy import load_prompts
+
+    files, key = job_prompt_files(recipe)
+    try:
+        return [p.ids for p in load_prompts(files, tokenizer, recipe.data.thinking)]
+    except BadRecordError as e:
+        line = " ".join(str(e).split())
+        raise ValueError(f"{key} (the drafter's prompts): {line}; set drafter.prompts to prompt files") from None
+
+
+def shard_drafter(drafter, par, policy) -> None:
+    """The drafter under the main job's layout: routed experts by EP over ``ep``, then FSDP2 (the experts on
+    the expert data-parallel mesh, the drafter as one unit: its forward gathers the stages); gradients
+    summed, as the main model's."""
+    if not par.distributed:
+        return
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    from trex.parallel.expert_parallel import shard_experts
+
+    mp = MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=policy.reduce_dtype)
+    if par.ep > 1 and shard_experts(drafter, par.ep_mesh):
+        local = drafter.cfg.dspark_n_routed_experts // par.ep
+        placement = Shard(0) if local % par.expert_dp_mesh.size(1) == 0 else Shard(1)
+        for stage in drafter.mtp:
+            fully_shard(stage.ffn.experts, mesh=par.expert_dp_mesh, mp_policy=mp, shard_placement_fn=lambda p: placement)
+    fully_shard(drafter, mesh=par.dp_mesh, mp_policy=mp)
+    for module in drafter.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    # drafting (``prefill``, ``draft``) calls the experts' units before any forward of the root: initialise the
+    # root now, or the experts' unit would take itself for one
+    drafter._get_fsdp_state()._lazy_init()
+
+
+class gathered:
+    """The drafter's stages whole while drafting (``prefill`` and ``draft`` reach into them outside its
+    forward); a no-op unsharded."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __enter__(self):
+        if hasattr(self.module, "unshard"):
+            self.module.unshard()
+        return self.module
+
+    def __exit__(self, *_):
+        if hasattr(self.module, "reshard"):
+            self.module.reshard()
+
+
+class JobRefit:
+    """``[drafter]`` in a training job: ``start`` (after set-up: the drafter loaded, sharded, resumed, and
+    acceptance (a) measured on a fresh run), ``after_step`` (GRPO / distillation every ``every_n``),
+    ``finish`` (after the main steps: (b), the last phase, (c), the export), ``summary``."""
+
+    def __init__(self, recipe, model, tokenizer, par, dev, policy, out: str, config: dict):
+        section = recipe.drafter
+        section.check_against(recipe.train.mode, model.cfg)
+        self.section, self.par, self.out = section, par, out
+        self.main_steps = recipe.train.steps
+        self.source = recipe.model.path
+        drafter = self._load(model.cfg, dev, policy, recipe.model.init_seed).requires_grad_(True)
+        shard_drafter(drafter, par, policy)
+        stop = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
+        self.refit = DrafterRefit(section, drafter, load_job_prompts(recipe, tokenizer), par, dev, tokenizer.pad_id,
+                                  stop, recipe.checkpoint, out, config)
+        self.checkpoints = self.refit.ckpt.directory
+        self.acceptance: dict = {}
+        self.main_time_s = 0.0  # the main steps' time in this process (a resumed run: since it resumed)
+        self.exported: str | None = None
+
+    def _load(self, cfg, dev, policy, seed: int):
+        from trex.checkpoint.load import load_drafter
+        from trex.models.common.heads import init_parameters
+        from trex.models.dspark import DSparkDrafter
+
+        dtype = torch.float32 if self.par.distributed else policy.param_dtype
+        if self.source:
+            try:
+                return load_drafter(self.source, dtype=dtype, device=dev.name)
+            except Exception as e:  # noqa: BLE001 -- any load problem is the same user fault here
+                raise ValueError(f"drafter.enabled: model.path {self.source}: {' '.join(str(e).split())}") from None
+        log.warning("drafter: the model is a preset: its drafter starts from a fresh initialisation")
+        with torch.device(dev.torch_device):
+            drafter = DSparkDrafter(cfg).to(dtype)
+        init_parameters(drafter, cfg.initializer_range, seed)  # the same in a resumed run (its RNG is restored)
+        return drafter
+
+    def phases(self) -> int:
+        """Phases in the run: one each ``every_n`` main steps before the last, and the last."""
+        n = self.section.every_n
+        return ((self.main_steps - 1) // n if n else 0) + 1
+
+    def start(self, model, resumed_step: int | None) -> None:
+        """Resume the re-fit where the run's checkpoints put it; measure (a) on a fresh run."""
+        path = os.path.join(self.out, ACCEPTANCE_FILE)
+        if resumed_step is None:
+            with gathered(self.refit.drafter):
+                self.acceptance = {"base": acceptance_dict(self.refit.acceptance(model))}
+            if self.par.is_main:
+                write_json(path, self.acceptance)
+            _keep_metrics(os.path.join(self.out, METRICS_FILE), 0, self.par.is_main)
+            return
+        if os.path.exists(path):
+            with open(path) as f:
+                self.acceptance = json.load(f)
+        self._resume(resumed_step)
+
+    def _resume(self, main_step: int) -> None:
+        """The re-fit checkpoint that belongs with main checkpoint ``main_step``: the newest whose step K
+        the run had reached by then (K <= the started phases' steps, a later one is the next attempt's)."""
+        from trex.checkpoint.training import list_checkpoints
+        from trex.checkpoint.manifest import verify_checkpoint
+
+        R = self.section.steps
+        started, complete = self._phases_at(main_step)
+        ok = [(k, p) for k, p in list_checkpoints(self.checkpoints) if k <= started * R and verify_checkpoint(p).ok]
+        if not ok:
+            if complete:
+                raise ValueError(f"checkpoint.resume: the run resumes at main step {main_step}, after "
+                                 f"{complete} re-fit phase(s), and {self.checkpoints} holds no re-fit checkpoint "
+                                 f"of them (drafter step <= {started * R})")
+            _keep_metrics(os.path.join(self.out, METRICS_FILE), 0, self.par.is_main)
+            return
+        k, path = ok[-1]
+        if k < complete * R:
+            raise ValueError(f"checkpoint.resume: main step {main_step} follows re-fit step {complete * R}; the "
+                             f"newest re-fit checkpoint in {self.checkpoints} at or before it is step {k}")
+        self.refit.ckpt.section = dataclasses.replace(self.refit.ckpt.section, resume=path)
+        self.refit.resume()
+        _keep_metrics(os.path.join(self.out, METRICS_FILE), self.refit.done, self.par.is_main)
+
+    def _phases_at(self, main_step: int) -> tuple[int, int]:
+        """(phases started, phases complete) when main checkpoint ``main_step`` was written: a periodic phase
+        runs after its step's checkpoint, the last one after the final checkpoint."""
+        n, end = self.section.every_n, main_step >= self.main_steps
+        started = (min(main_step, self.main_steps - 1) // n if n else 0) + end
+        complete = started - 1 if end or (n and main_step % n == 0 and main_step) else started
+        return started, max(complete, 0)
+
+    def catch_up(self, model, main_step: int) -> str:
+        """A run resumed at main step ``main_step`` (before the last) inside a periodic phase finishes it
+        before its next main step, as the uninterrupted run did."""
+        started, _ = self._phases_at(main_step)
+        if main_step >= self.main_steps or not self.section.every_n:
+            return "completed"
+        return self.refit.phase(model, started * self.section.steps, self._log)
+
+    def _log(self, row: dict) -> None:
+        if self.par.is_main:
+            with open(os.path.join(self.out, METRICS_FILE), "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def after_step(self, model, step: int) -> str:
+        """After main step ``step`` (and its checkpoint): a phase when ``every_n`` divides it (not the last)."""
+        n = self.section.every_n
+        if not n or step % n or step >= self.main_steps:
+            return "completed"
+        return self.refit.phase(model, step // n * self.section.steps, self._log)
+
+    def finish(self, model) -> str:
+        """After the main steps: (b) the post-trained target with the loaded drafter, the last phase, (c)."""
+        if "post_trained_old" not in self.acceptance or self.refit.done < self.phases() * self.section.steps:
+            old = self.refit.loaded_drafter()
+            self.acceptance["post_trained_old"] = acceptance_dict(self.refit.acceptance(model, old))
+        status = self.refit.phase(model, self.phases() * self.section.steps, self._log)
+        if status != "completed":
+            return status
+        with gathered(self.refit.drafter):
+            self.acceptance["refit"] = acceptance_dict(self.refit.acceptance(model))
+        if self.par.is_main:
+            write_json(os.path.join(self.out, ACCEPTANCE_FILE), self.acceptance)
+        self.exported = export_drafter(self.refit.drafter, self.source, os.path.join(self.checkpoints, "released"),
+                                       self.main_steps, self.par.is_main)
+        return status
+
+    def summary(self) -> dict:
+        """summary.json's ``drafter``: the three acceptances (base = (a), post_trained_old = (b), refit =
+        (c)), (c) against (a), the re-fit's steps, time against the main steps' and peak memory."""
+        a, c = (self.acceptance.get(k, {}).get("mean_accepted") for k in ("base", "refit"))
+        rows = self.refit.metrics
+        return {"acceptance": self.acceptance, "refit_vs_base": None if a is None or c is None else c - a,
+                "steps": self.refit.done, "phases": self.phases(), "time_s": self.refit.time_s,
+                "main_time_s": self.main_time_s, "peak_memory_bytes": self.refit.peak_bytes,
+                "first": rows[0] if rows else None, "last": rows[-1] if rows else None,
+                "export": self.exported}
+
+
+def _keep_metrics(path: str, upto: int, main: bool) -> None:
+    """drafter_metrics.jsonl keeps the rows of re-fit steps <= ``upto`` (a resumed run writes the rest again)."""
+    if not main or not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = [line for line in f if line.strip() and json.loads(line)["drafter_step"] <= upto]
+    from trex import atomic
+
+    atomic.write_text(path, "".join(rows))
+
+
+def export_drafter(drafter, source: str | None, path: str, target_step: int, main: bool) -> str | None:
+    """Write the drafter's stages in the released ``mtp.*`` layout (official names; FP8 32x32 linears and FP4
+    experts when the source checkpoint stored its stages so, else bf16) with the run's config.json, where
+    ``load_drafter`` reads them and ``trex ckpt export`` carries them (``target.json``: the main step whose
+    target they were fitted to). Every rank calls it (a sharded drafter is gathered); rank 0 writes."""
+    from trex.checkpoint.layouts import TrexTensor, plan_outputs
+    from trex.checkpoint.reader import CheckpointReader
+    from trex.checkpoint.save import checkpoint_config
+    from trex.checkpoint.writer import write_checkpoint
+
+    state = {k: _full(v) for k, v in drafter.state_dict().items()}
+    if not main:
+        return None
+    quantize, hint = None, None
+    if source:
+        reader = CheckpointReader(source)
+        codecs = {s.codec for sources in reader.drafter_sources.values() for s in sources} - {"plain"}
+        if codecs:
+            quantize = "fp8+fp4experts" if "fp4" in codecs else "fp8"
+            hint = reader.stored if reader.layout == "official" else None  # unchanged blocks keep their scales
+    tensors = [TrexTensor(k, tuple(v.shape), v.dtype, lambda e, v=v: v if e is None else v[e]) for k, v in state.items()]
+    cfg = drafter.cfg
+    groups = plan_outputs(tensors, "official", torch.bfloat16, quantize, cfg.architecture, hint, cfg.num_hidden_layers)
+    write_checkpoint(path, groups, checkpoint_config(cfg, "official", "bf16", quantize, source), overwrite=True,
+                     copies={"target.json": _target_file(path, target_step)})
+    return path
+
+
+def _target_file(path: str, step: int) -> str:
+    import tempfile
+
+    fd, name = tempfile.mkstemp(suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"target_step": step}, f)
+    return name
