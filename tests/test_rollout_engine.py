@@ -377,7 +377,7 @@ def test_grpo_through_the_vllm_adapter_against_a_fake_vllm(tmp_path, monkeypatch
     finally:
         fake.close()
     sync = [p for p, _ in fake.calls if not p.startswith("v1/")]
-    assert sync == ["pause?mode=wait", "collective_rpc", "update_weight_version", "resume"] * 3
+    assert sync == ["collective_rpc"] + ["pause?mode=wait", "collective_rpc", "update_weight_version", "resume"] * 3
     assert fake.version == "2" and sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["v0", "v1", "v2"]
     rows = _metrics(tmp_path / "run")
     assert [r["engine/version"] for r in rows] == [0.0, 1.0, 2.0] and all(r["engine/parity_k3"] == 0 for r in rows)

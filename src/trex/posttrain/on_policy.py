@@ -288,7 +288,9 @@ def make_engine(section: SamplingSection, model, dev, policy):
     if section.engine == "vllm":
         from trex.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(section.vllm_url, section.vllm_transport, section.vllm_sync_dir, quantize)
+        engine = VLLMEngine(section.vllm_url, section.vllm_transport, section.vllm_sync_dir, quantize)
+        engine.check(model)  # reachable, and serving the trainer's architecture
+        return engine
     hasher = getattr(model, "engram_hasher", None)
     token_map = None if hasher is None else (hasher.token_map.tolist(), hasher.compressed_vocab)
     dtype = section.engine_dtype or str(policy.compute_dtype).removeprefix("torch.")

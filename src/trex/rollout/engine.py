@@ -99,8 +99,9 @@ class Digest:
 
 
 def stream_weights(model: torch.nn.Module, quantize: str | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Every parameter and persistent buffer of ``model`` as the official checkpoint layout writes it (the
-    export's codec, ``trex.checkpoint.layouts.plan_outputs``): groups of (official name, CPU tensor), a
+    """Every parameter and persistent buffer of ``model`` as its released checkpoint layout writes it
+    (:func:`engine_layout`; the export's codec, ``trex.checkpoint.layouts.plan_outputs``): groups of (name, CPU
+    tensor), a
     weight with its scale when ``quantize`` ("fp8", "fp8+fp4experts") quantises it, routed experts one per
     expert. Each tensor is gathered from its shards when its turn comes, one at a time
     (``DTensor.full_tensor``: every rank of the model must iterate alongside). Unquantised tensors keep the
@@ -120,8 +121,16 @@ def stream_weights(model: torch.nn.Module, quantize: str | None = None) -> Itera
     tensors = [TrexTensor(k, tuple(t.shape), t.dtype, lambda e, k=k: full(k) if e is None else full(k)[e])
                for k, t in state.items()]
     dtype = torch.bfloat16 if quantize else next(t for t in state.values() if t.is_floating_point()).dtype
-    for group in plan_outputs(tensors, "official", dtype, quantize, model.cfg.architecture):
+    arch = model.cfg.architecture
+    layers = model.cfg.num_hidden_layers if arch == "deepseek_v3" else None
+    for group in plan_outputs(tensors, engine_layout(arch), dtype, quantize, arch, n_layers=layers):
         yield [(p.name, p.produce()) for p in group]
+
+
+def engine_layout(architecture: str) -> str:
+    """The checkpoint layout an inference engine reads for ``architecture``: the released names, which are
+    DeepSeek's own ("official") for V4 and V4.1 and the Hugging Face ones ("hf") for the V3 family."""
+    return "hf" if architecture == "deepseek_v3" else "official"
 
 
 @torch.no_grad()
