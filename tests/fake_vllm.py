@@ -62,7 +62,10 @@ class FakeVLLM:
                 except ValueError as e:
                     self._reply(422, {"detail": str(e)})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 128  # the adapter sends one request per row at once (uvicorn's backlog: 2048)
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 

