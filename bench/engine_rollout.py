@@ -3,7 +3,8 @@
 - seconds per weight sync (disk: write, pause, ``trex_reload``, version, resume), the mean of 3;
 - sampling tokens/s through the engine against trex's in-process sampler on the same prompts (every row
   the full ``--new-tokens``: no stop token), each on the same cores, one after the other;
-- the parity gate's figures after the syncs (k3, max |delta log p|).
+- the parity gate's figures after the syncs (k3, max |delta log p|); ``--dtype bfloat16`` serves in bf16
+  against the fp32 trainer (the bound a bf16 engine needs).
 
     make setup-engine
     TREX_ENGINE_PYTHON=.venv-engine/bin/python .venv/bin/python bench/engine_rollout.py
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "engine"))
 SIZES = {"small": dict(layers=3, hidden=64), "large": dict(layers=8, hidden=512)}
 
 
-def measure(python: str, name: str, size: dict, rows: int, new_tokens: int, work: str) -> dict:
+def measure(python: str, name: str, size: dict, rows: int, new_tokens: int, work: str, dtype: str) -> dict:
     from make_model import main as make_model
     from vllm_server import VLLMServer
 
@@ -40,7 +41,7 @@ def measure(python: str, name: str, size: dict, rows: int, new_tokens: int, work
     model_dir = os.path.join(work, name)
     make_model([model_dir, "--layers", str(size["layers"]), "--hidden", str(size["hidden"])])
     model = load_pretrained(model_dir, dtype=torch.float32)
-    server = VLLMServer(python, model_dir, os.path.join(work, f"{name}.log"))
+    server = VLLMServer(python, model_dir, os.path.join(work, f"{name}.log"), dtype=dtype)
     try:
         engine = VLLMEngine(server.url, sync_dir=os.path.join(work, f"{name}-sync"))
         engine.check(model)
@@ -70,7 +71,7 @@ def measure(python: str, name: str, size: dict, rows: int, new_tokens: int, work
     trex_tokens = sum(map(len, ours.completion_ids))
     weights = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
                   if f.endswith(".safetensors"))
-    return {"size": name, **size, "params": sum(p.numel() for p in model.parameters()),
+    return {"size": name, **size, "engine_dtype": dtype, "params": sum(p.numel() for p in model.parameters()),
             "checkpoint_mb": round(weights / 2**20, 1), "sync_s": round(sum(syncs) / len(syncs), 3),
             "sync_s_each": [round(s, 3) for s in syncs], "parity_k3": k3, "parity_max_abs": worst,
             "engine_tokens_per_s": round(engine_tokens / engine_s, 1), "trex_tokens_per_s": round(trex_tokens / trex_s, 1),
@@ -82,12 +83,14 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--sizes", nargs="+", default=list(SIZES))
+    ap.add_argument("--dtype", default="float32", help="the engine's (--dtype of vLLM); the trainer is fp32")
     args = ap.parse_args()
     python = os.environ.get("TREX_ENGINE_PYTHON") or os.path.join(ROOT, ".venv-engine", "bin", "python")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as work:
         for name in args.sizes:
-            print(json.dumps(measure(python, name, SIZES[name], args.rows, args.new_tokens, work)), flush=True)
+            print(json.dumps(measure(python, name, SIZES[name], args.rows, args.new_tokens, work, args.dtype)),
+                  flush=True)
     return 0
 
 

@@ -32,9 +32,9 @@ EXTENSION_DIR = os.path.join(ROOT, "src", "trex", "rollout", "vllm_worker")
 SERVED_NAME = "trex-policy"
 
 
-def serve_command(python: str, model_dir: str, port: int) -> list[str]:
+def serve_command(python: str, model_dir: str, port: int, dtype: str = "float32") -> list[str]:
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
-            "--served-model-name", SERVED_NAME, "--dtype", "float32", "--attention-backend", "CPU_MLA",
+            "--served-model-name", SERVED_NAME, "--dtype", dtype, "--attention-backend", "CPU_MLA",
             "--block-size", "16", "--no-enable-chunked-prefill", "--no-enable-prefix-caching", "--enforce-eager",
             "-cc", json.dumps({"custom_ops": ["-rotary_embedding"]}), "--max-model-len", "256",
             "--max-num-seqs", "64", "--worker-extension-cls", "trex_vllm_worker.TrexWorkerExtension",
@@ -57,13 +57,14 @@ def free_port() -> int:
 class VLLMServer:
     """``vllm`` serving ``model_dir`` on a free loopback port; its output goes to ``log_path``."""
 
-    def __init__(self, python: str, model_dir: str, log_path: str, ready_timeout: float = 300.0):
+    def __init__(self, python: str, model_dir: str, log_path: str, ready_timeout: float = 300.0,
+                 dtype: str = "float32"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         start = time.perf_counter()
         with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(serve_command(python, model_dir, self.port), env=serve_env(), stdout=log,
+            self.proc = subprocess.Popen(serve_command(python, model_dir, self.port, dtype), env=serve_env(), stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         while not self._answers():
             if self.proc.poll() is not None or time.perf_counter() - start > ready_timeout:

@@ -130,7 +130,12 @@ class VLLMEngine:
         """At start: the server answers and serves the trainer's architecture (the fields of
         :data:`CONFIG_FIELDS` either config has are equal), else SyncError naming the field."""
         self._model()
-        reply = self._post("collective_rpc", {"method": "trex_model_config"})
+        try:
+            reply = self._post("collective_rpc", {"method": "trex_model_config"})
+        except SyncError as e:
+            raise SyncError(f"vLLM at {self.url} has no trex worker extension ({e}); start it with "
+                            f"--worker-extension-cls {EXTENSION} and src/trex/rollout/vllm_worker on its "
+                            "PYTHONPATH (docs/rollout_engines.md)") from None
         served = json.loads(reply["results"][0])
         ours = model.cfg.to_hf_dict()
         for key in CONFIG_FIELDS:
