@@ -24,8 +24,8 @@ from trex.rollout.sampling import SamplingParams, sample
 
 
 class FakeVLLM:
-    def __init__(self, model: torch.nn.Module, return_routed_experts: bool = True):
-        self.model, self.routed = model, return_routed_experts
+    def __init__(self, model: torch.nn.Module, return_routed_experts: bool = True, extension: bool = True):
+        self.model, self.routed, self.extension = model, return_routed_experts, extension
         self.calls: list[tuple[str, dict]] = []
         self.paused, self.version = False, "default"
         self.lock = threading.Lock()  # the model answers one request at a time
@@ -103,6 +103,8 @@ class FakeVLLM:
             self.paused = False
             return {"status": "resumed"}
         if path == "collective_rpc":
+            if not self.extension:  # vLLM's answer to a method no worker has
+                raise ValueError(f"'Worker' object has no attribute '{body.get('method')}'")
             if body.get("method") == "trex_model_config":
                 return {"results": [json.dumps(self.model.cfg.to_hf_dict())]}
             if body.get("method") != "trex_reload" or not self.paused:

@@ -385,6 +385,20 @@ def test_grpo_through_the_vllm_adapter_against_a_fake_vllm(tmp_path, monkeypatch
     assert completions and all(b["logprobs"] == 0 and b["return_token_ids"] for b in completions)
 
 
+def test_the_vllm_adapter_refuses_a_server_without_trex_s_worker_extension(tiny):
+    from fake_vllm import FakeVLLM
+
+    from trex.rollout.vllm_engine import VLLMEngine
+
+    fake = FakeVLLM(tiny, extension=False)
+    try:
+        with pytest.raises(SyncError, match=r"^vLLM at .* has no trex worker extension .*--worker-extension-cls "
+                                            r"trex_vllm_worker\.TrexWorkerExtension"):
+            VLLMEngine(fake.url, sync_dir="/tmp").check(tiny)
+    finally:
+        fake.close()
+
+
 def test_the_vllm_adapter_reports_a_server_that_is_not_there_in_one_line():
     from trex.rollout.vllm_engine import VLLMEngine
 
