@@ -61,6 +61,24 @@ def test_a_sync_missing_a_tensor_is_refused_naming_it(tiny):
         engine.close()
 
 
+def test_a_deepseek_v3_syncs_under_its_released_hf_names(tmp_path):
+    """The V3 family streams the names its released checkpoints (and vLLM) use, the routed experts one by
+    one and MTP as layer n_layers: the engine process fills every tensor and serves the trainer's log-probs."""
+    from trex.models.deepseek_v3.config import tiny_v3
+
+    model = build_model(tiny_v3(), device="cpu", dtype=torch.float32, seed=0)
+    names = [n for group in stream_weights(model) for n, _ in group]
+    assert "model.layers.1.mlp.experts.7.up_proj.weight" in names and "lm_head.weight" in names
+    assert any(n.startswith(f"model.layers.{model.cfg.num_hidden_layers}.") for n in names)  # MTP
+    engine = ServerEngine(model.cfg.to_hf_dict(), bucket_bytes=1 << 16)
+    try:
+        engine.sync(model, 0)
+        k3, worst = parity_probe(engine, model, [[5, 6, 7, 8], [9, 10, 11]]).tolist()
+        assert k3 == 0 and worst == 0
+    finally:
+        engine.close()
+
+
 def test_the_weights_are_streamed_under_official_names_with_the_fp32_and_buffer_tensors(tiny):
     names = {n: t for group in stream_weights(tiny) for n, t in group}
     assert "layers.1.ffn.gate.bias" in names and "layers.0.hc_attn_fn" in names and "layers.0.attn.attn_sink" in names
