@@ -54,7 +54,7 @@ def measure(python: str, name: str, size: dict, rows: int, new_tokens: int, work
             engine.sync(model, version)
             syncs.append(time.perf_counter() - start)
         probe = [[5 + i, 17, 30 + i, 44, 12, 9, 60] for i in range(8)]
-        k3, worst = parity_probe(engine, model, probe).tolist()
+        k3, worst, gap = parity_probe(engine, model, probe).tolist()
         prompts = [[5 + i % 50, 17, 30, 44, 12, 9] for i in range(rows)]
         params = SamplingParams(1.0, 1.0, new_tokens, ())
         engine.generate(prompts[:4], params, torch.tensor([0.5]), batch_size=4)  # warm-up
@@ -73,7 +73,7 @@ def measure(python: str, name: str, size: dict, rows: int, new_tokens: int, work
                   if f.endswith(".safetensors"))
     return {"size": name, **size, "engine_dtype": dtype, "params": sum(p.numel() for p in model.parameters()),
             "checkpoint_mb": round(weights / 2**20, 1), "sync_s": round(sum(syncs) / len(syncs), 3),
-            "sync_s_each": [round(s, 3) for s in syncs], "parity_k3": k3, "parity_max_abs": worst,
+            "sync_s_each": [round(s, 3) for s in syncs], "parity_k3": k3, "parity_max_abs": worst, "parity_pearson": 1 - gap,
             "engine_tokens_per_s": round(engine_tokens / engine_s, 1), "trex_tokens_per_s": round(trex_tokens / trex_s, 1),
             "rows": rows, "new_tokens": new_tokens, "server_ready_s": round(server.ready_s, 1)}
 

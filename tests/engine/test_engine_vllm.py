@@ -60,7 +60,7 @@ def _load(model_dir):
 
 
 def _measures(engine, model) -> tuple[float, float]:
-    k3, worst = parity_probe(engine, model, PROBE).tolist()
+    k3, worst, _ = parity_probe(engine, model, PROBE).tolist()
     return k3, worst
 
 
@@ -169,8 +169,10 @@ def test_grpo_trains_through_the_engine_gated_after_every_sync(served, tmp_path,
     assert [r["engine/version"] for r in rows] == [0.0, 1.0, 2.0]
     for r in rows:
         assert r["engine/parity_k3"] <= BOUND and r["engine/parity_max_abs"] < 1e-4
+        assert r["engine/parity_pearson"] > 0.999999
         assert r["rollout/pearson"] > 0.999 and r["rollout/k3_kl"] < 1e-5
         report(figure="grpo_step", step=r["step"], parity_k3=r["engine/parity_k3"],
+               parity_pearson=r["engine/parity_pearson"],
                parity_max_abs=r["engine/parity_max_abs"], rollout_k3=r["rollout/k3_kl"],
                rollout_pearson=r["rollout/pearson"], logprob_diff_max=r["logprob_diff_max"],
                is_mean=r["rollout_corr/is_mean"])
@@ -223,6 +225,7 @@ def test_a_stale_sync_stops_the_run_at_the_gate(served, tmp_path, monkeypatch):
         _train(_overrides(server.url, model_dir, tmp_path))
     assert "\n" not in str(e.value)
     assert str(e.value).startswith("step 2: rollout engine log-prob parity after weight sync v1: k3 ")
+    report(figure="stale_sync_line", line=str(e.value))
 
 
 def test_a_sync_missing_a_tensor_is_refused_naming_it(served, tmp_path, monkeypatch):
