@@ -1,11 +1,14 @@
 """A fake of the vLLM HTTP surface trex.rollout.vllm_engine speaks (vLLM 0.32's OpenAI completions and RL
-routes), for the adapter's protocol tests: a trex model answers completions and prompt log-probs, and
-``reload_weights`` loads the synced safetensors. It is not vLLM: it checks the requests' shapes and order
-as vLLM's handlers would, records them, and generates with trex's sampler."""
+routes, and trex's worker extension's ``trex_reload`` / ``trex_model_config``), for the adapter's protocol
+tests: a trex model answers completions (one prompt or several per request) and prompt log-probs, and
+``trex_reload`` loads the synced safetensors and reports as the extension does. It is not vLLM: it checks
+the requests' shapes and order as vLLM's handlers would, records them, and generates with trex's sampler
+(one request at a time). The real server is tested by ``make test-engine`` (tests/engine/)."""
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import threading
@@ -21,10 +24,11 @@ from trex.rollout.sampling import SamplingParams, sample
 
 
 class FakeVLLM:
-    def __init__(self, model: torch.nn.Module, return_routed_experts: bool = True):
-        self.model, self.routed = model, return_routed_experts
+    def __init__(self, model: torch.nn.Module, return_routed_experts: bool = True, extension: bool = True):
+        self.model, self.routed, self.extension = model, return_routed_experts, extension
         self.calls: list[tuple[str, dict]] = []
         self.paused, self.version = False, "default"
+        self.lock = threading.Lock()  # the model answers one request at a time
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -52,15 +56,22 @@ class FakeVLLM:
                 path = self.path.lstrip("/")
                 fake.calls.append((path, body))
                 try:
-                    self._reply(200, fake.handle(path.split("?")[0], body))
+                    with fake.lock:
+                        reply = fake.handle(path.split("?")[0], body)
+                    self._reply(200, reply)
                 except ValueError as e:
                     self._reply(422, {"detail": str(e)})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 128  # the adapter sends one request per row at once (uvicorn's backlog: 2048)
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def handle(self, path: str, body: dict) -> dict:
+        if path == "v1/completions" and body["prompt"] and isinstance(body["prompt"][0], int):
+            body = {**body, "prompt": [body["prompt"]]}  # one prompt: vLLM takes a list of ids as one
         if path == "v1/completions":
             if body.get("prompt_logprobs") is not None:
                 return {"choices": [{"index": i, "prompt_logprobs": [None] + [{str(t): {"logprob": lp}} for t, lp in
@@ -92,14 +103,24 @@ class FakeVLLM:
             self.paused = False
             return {"status": "resumed"}
         if path == "collective_rpc":
-            if body.get("method") != "reload_weights" or not self.paused:
-                raise ValueError("reload_weights only while paused")
-            state = self.model.state_dict()
+            if not self.extension:  # vLLM's answer to a method no worker has
+                raise ValueError(f"'Worker' object has no attribute '{body.get('method')}'")
+            if body.get("method") == "trex_model_config":
+                return {"results": [json.dumps(self.model.cfg.to_hf_dict())]}
+            if body.get("method") != "trex_reload" or not self.paused:
+                raise ValueError("trex_reload only while paused")
+            state, filled, digest = self.model.state_dict(), set(), hashlib.sha256()
+            tensors = load_file(f"{body['kwargs']['weights_path']}/model.safetensors")
             with torch.no_grad():
-                for name, t in load_file(f"{body['kwargs']['weights_path']}/model.safetensors").items():
+                for name in sorted(tensors):
+                    t = tensors[name]
+                    digest.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+                    digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
                     for key, expert, part in to_trex(name, t, layout="official"):
                         (state[key] if expert is None else state[key][expert]).copy_(part)
-            return {"results": [None]}
+                        filled.add(key)
+            return {"results": [{"tensors": len(tensors), "digest": digest.hexdigest(), "missing": [],
+                                 "not_loaded": sorted(set(state) - filled), "repacked_moe_layers": 0}]}
         if path == "update_weight_version":
             self.version = body["new_version"]
             return {"success": True, "new_version": self.version}

@@ -32,7 +32,7 @@ def test_the_server_engine_samples_what_the_in_process_sampler_samples(tiny):
         ours = InProcessEngine(tiny).generate(prompts, params, uniforms, 8)
         theirs = engine.generate(prompts, params, uniforms, 8)
         assert theirs.completion_ids == ours.completion_ids and theirs.logprobs == ours.logprobs
-        assert parity_probe(engine, tiny, prompts).tolist() == [0.0, 0.0] and engine.version == 3
+        assert parity_probe(engine, tiny, prompts).tolist() == [0.0, 0.0, 0.0] and engine.version == 3
         moved = copy.deepcopy(tiny)
         with torch.no_grad():
             moved.head.weight.mul_(1.5)
@@ -57,6 +57,24 @@ def test_a_sync_missing_a_tensor_is_refused_naming_it(tiny):
                                             r"layers\.1\.attn\.wkv\.weight$"):
             engine.sync(tiny, 1)
         assert engine.version == -1
+    finally:
+        engine.close()
+
+
+def test_a_deepseek_v3_syncs_under_its_released_hf_names(tmp_path):
+    """The V3 family streams the names its released checkpoints (and vLLM) use, the routed experts one by
+    one and MTP as layer n_layers: the engine process fills every tensor and serves the trainer's log-probs."""
+    from trex.models.deepseek_v3.config import tiny_v3
+
+    model = build_model(tiny_v3(), device="cpu", dtype=torch.float32, seed=0)
+    names = [n for group in stream_weights(model) for n, _ in group]
+    assert "model.layers.1.mlp.experts.7.up_proj.weight" in names and "lm_head.weight" in names
+    assert any(n.startswith(f"model.layers.{model.cfg.num_hidden_layers}.") for n in names)  # MTP
+    engine = ServerEngine(model.cfg.to_hf_dict(), bucket_bytes=1 << 16)
+    try:
+        engine.sync(model, 0)
+        k3, worst, _ = parity_probe(engine, model, [[5, 6, 7, 8], [9, 10, 11]]).tolist()
+        assert k3 == 0 and worst == 0
     finally:
         engine.close()
 
@@ -345,8 +363,8 @@ def test_a_quantised_sync_serves_what_the_exported_checkpoint_serves(tiny, tmp_p
     try:
         engine.sync(tiny, 1)
         rows = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
-        assert parity_probe(engine, served, rows).tolist() == [0.0, 0.0]
-        k3, worst = parity_probe(engine, tiny, rows).tolist()
+        assert parity_probe(engine, served, rows).tolist() == [0.0, 0.0, 0.0]
+        k3, worst, _ = parity_probe(engine, tiny, rows).tolist()
         assert 0 < k3 < 1e-2 and worst > 0
     finally:
         engine.close()
@@ -377,12 +395,26 @@ def test_grpo_through_the_vllm_adapter_against_a_fake_vllm(tmp_path, monkeypatch
     finally:
         fake.close()
     sync = [p for p, _ in fake.calls if not p.startswith("v1/")]
-    assert sync == ["pause?mode=wait", "collective_rpc", "update_weight_version", "resume"] * 3
+    assert sync == ["collective_rpc"] + ["pause?mode=wait", "collective_rpc", "update_weight_version", "resume"] * 3
     assert fake.version == "2" and sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["v0", "v1", "v2"]
     rows = _metrics(tmp_path / "run")
     assert [r["engine/version"] for r in rows] == [0.0, 1.0, 2.0] and all(r["engine/parity_k3"] == 0 for r in rows)
     completions = [b for p, b in fake.calls if p == "v1/completions" and "logprobs" in b]
     assert completions and all(b["logprobs"] == 0 and b["return_token_ids"] for b in completions)
+
+
+def test_the_vllm_adapter_refuses_a_server_without_trex_s_worker_extension(tiny):
+    from fake_vllm import FakeVLLM
+
+    from trex.rollout.vllm_engine import VLLMEngine
+
+    fake = FakeVLLM(tiny, extension=False)
+    try:
+        with pytest.raises(SyncError, match=r"^vLLM at .* has no trex worker extension .*--worker-extension-cls "
+                                            r"trex_vllm_worker\.TrexWorkerExtension"):
+            VLLMEngine(fake.url, sync_dir="/tmp").check(tiny)
+    finally:
+        fake.close()
 
 
 def test_the_vllm_adapter_reports_a_server_that_is_not_there_in_one_line():

@@ -51,9 +51,11 @@ class SamplingSection:
     vLLM server at ``vllm_url``, trex.rollout.vllm_engine; docs/post_training.md)."""
     vllm_url: str = "http://127.0.0.1:8000"
     """The vLLM server (engine = "vllm"), started with VLLM_SERVER_DEV_MODE=1."""
-    vllm_transport: Literal["disk", "broadcast"] = "disk"
-    """How weights reach vLLM: disk (an official-layout checkpoint in ``vllm_sync_dir``, reloaded in place) |
-    broadcast (vLLM's weight-transfer API with its collective backend, rank 0 broadcasting; CUDA)."""
+    vllm_transport: Literal["disk", "files", "broadcast"] = "disk"
+    """How weights reach vLLM: disk (a checkpoint in the released layout in ``vllm_sync_dir``, reloaded in
+    place) | files (vLLM's weight-transfer API with trex's ``trex_files`` engine: buckets of
+    ``sync_bucket_mb`` as files in ``vllm_sync_dir``, e.g. /dev/shm on one host) | broadcast (vLLM's
+    weight-transfer API with its collective backend, rank 0 broadcasting; CUDA). docs/rollout_engines.md."""
     vllm_sync_dir: str = ""
     """A directory the trainer's rank 0 and the vLLM server both see (the disk transport)."""
     engine_device: str = ""
@@ -292,7 +294,10 @@ def make_engine(section: SamplingSection, model, dev, policy):
     if section.engine == "vllm":
         from trex.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(section.vllm_url, section.vllm_transport, section.vllm_sync_dir, quantize)
+        engine = VLLMEngine(section.vllm_url, section.vllm_transport, section.vllm_sync_dir, quantize,
+                            bucket_bytes=section.sync_bucket_mb << 20)
+        engine.check(model)  # reachable, and serving the trainer's architecture
+        return engine
     hasher = getattr(model, "engram_hasher", None)
     token_map = None if hasher is None else (hasher.token_map.tolist(), hasher.compressed_vocab)
     dtype = section.engine_dtype or str(policy.compute_dtype).removeprefix("torch.")

@@ -99,8 +99,9 @@ class Digest:
 
 
 def stream_weights(model: torch.nn.Module, quantize: str | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Every parameter and persistent buffer of ``model`` as the official checkpoint layout writes it (the
-    export's codec, ``trex.checkpoint.layouts.plan_outputs``): groups of (official name, CPU tensor), a
+    """Every parameter and persistent buffer of ``model`` as its released checkpoint layout writes it
+    (:func:`engine_layout`; the export's codec, ``trex.checkpoint.layouts.plan_outputs``): groups of (name, CPU
+    tensor), a
     weight with its scale when ``quantize`` ("fp8", "fp8+fp4experts") quantises it, routed experts one per
     expert. Each tensor is gathered from its shards when its turn comes, one at a time
     (``DTensor.full_tensor``: every rank of the model must iterate alongside). Unquantised tensors keep the
@@ -120,8 +121,16 @@ def stream_weights(model: torch.nn.Module, quantize: str | None = None) -> Itera
     tensors = [TrexTensor(k, tuple(t.shape), t.dtype, lambda e, k=k: full(k) if e is None else full(k)[e])
                for k, t in state.items()]
     dtype = torch.bfloat16 if quantize else next(t for t in state.values() if t.is_floating_point()).dtype
-    for group in plan_outputs(tensors, "official", dtype, quantize, model.cfg.architecture):
+    arch = model.cfg.architecture
+    layers = model.cfg.num_hidden_layers if arch == "deepseek_v3" else None
+    for group in plan_outputs(tensors, engine_layout(arch), dtype, quantize, arch, n_layers=layers):
         yield [(p.name, p.produce()) for p in group]
+
+
+def engine_layout(architecture: str) -> str:
+    """The checkpoint layout an inference engine reads for ``architecture``: the released names, which are
+    DeepSeek's own ("official") for V4 and V4.1 and the Hugging Face ones ("hf") for the V3 family."""
+    return "hf" if architecture == "deepseek_v3" else "official"
 
 
 @torch.no_grad()
@@ -318,22 +327,29 @@ class ServerEngine:
 
 
 def parity_probe(engine, model: torch.nn.Module, rows: list[list[int]]) -> torch.Tensor:
-    """Score ``rows`` with the engine and the trainer's ``model`` -> fp64 [2]: the mean k3 KL between them over
-    the probe's tokens and the largest |delta log p| (every rank of a sharded model must call it)."""
+    """Score ``rows`` with the engine and the trainer's ``model`` -> fp64 [3], each larger when worse (so that
+    a MAX over ranks is the worst rank): the mean k3 KL between them over the probe's tokens, the largest
+    |delta log p|, and 1 - the Pearson correlation of the two sides' token probabilities (0 when they agree
+    exactly; 1 when either side's do not vary and they differ). Every rank of a sharded model must call it."""
     ours = score_rows(model, rows)
     theirs = engine.score(rows)
     a = torch.tensor([v for row in ours for v in row], dtype=torch.float64)
     b = torch.tensor([v for row in theirs for v in row], dtype=torch.float64)
     d = a - b
-    return torch.stack([(torch.expm1(d) - d).mean(), d.abs().max()])  # k3: KL(engine || trainer), >= 0
+    pa, pb = a.exp() - a.exp().mean(), b.exp() - b.exp().mean()
+    norm = (pa.square().sum() * pb.square().sum()).sqrt()
+    pearson = (pa * pb).sum() / norm if norm > 0 else torch.tensor(1.0 if torch.equal(a, b) else 0.0,
+                                                                    dtype=torch.float64)
+    # k3: KL(engine || trainer), >= 0
+    return torch.stack([(torch.expm1(d) - d).mean(), d.abs().max(), (1 - pearson).clamp(min=0)])
 
 
 def check_parity(measures: list[float], bound: float, step: int, version: int) -> dict[str, float]:
-    """The gate on :func:`parity_probe`'s measures (k3, max |delta log p|): SyncError naming the step, the
-    weight version and the measure when k3 exceeds ``bound``; else the measures as metrics."""
-    k3, worst = measures
+    """The gate on :func:`parity_probe`'s measures (k3, max |delta log p|, 1 - pearson): SyncError naming the
+    step, the weight version and the measures when k3 exceeds ``bound``; else the measures as metrics."""
+    k3, worst, gap = measures
     if not k3 <= bound:
         raise SyncError(f"step {step}: rollout engine log-prob parity after weight sync v{version}: k3 {k3:.3g} > "
-                        f"bound {bound:g} (max |delta log p| {worst:.3g}): the engine does not serve the trainer's "
-                        "weights")
-    return {"engine/parity_k3": k3, "engine/parity_max_abs": worst}
+                        f"bound {bound:g} (max |delta log p| {worst:.3g}, pearson {1 - gap:.6g}): the engine does "
+                        "not serve the trainer's weights")
+    return {"engine/parity_k3": k3, "engine/parity_max_abs": worst, "engine/parity_pearson": 1 - gap}

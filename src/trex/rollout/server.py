@@ -4,7 +4,7 @@ Connects back to the trainer at ``TREX_ENGINE_ADDRESS`` with the key ``TREX_ENGI
 the hello message describes (weights uninitialised until the first sync) and answers, in order:
 
 - ``generate``: prompts, sampling params, optional uniforms -> completions, untempered log-probs, version;
-- ``begin`` / ``bucket`` / ``finish``: a weight sync; tensors arrive under official names, are mapped to
+- ``begin`` / ``bucket`` / ``finish``: a weight sync; tensors arrive under their released names, are mapped to
   the model's (``trex.checkpoint.naming``) and copied in; ``finish`` returns the digest of what arrived
   and the model tensors no bucket filled;
 - ``score``: the log-probs of given rows (the parity probe);
@@ -29,7 +29,7 @@ from trex.checkpoint.naming import scale_name, to_trex
 from trex.kernels import quantize
 from trex.models import build_model
 from trex.models.registry import config_from_dict
-from trex.rollout.engine import Digest, score_rows
+from trex.rollout.engine import Digest, engine_layout, score_rows
 from trex.rollout.sampling import SamplingParams, sample
 
 
@@ -41,6 +41,9 @@ class Server:
         if hello.get("engram_token_map"):
             self.model.set_engram_token_map(*hello["engram_token_map"])
         self.state = self.model.state_dict()
+        arch = cfg.architecture  # the names a sync sends: the released layout (trex.rollout.engine.engine_layout)
+        self.naming = {"layout": engine_layout(arch), "arch": arch,
+                       "n_layers": cfg.num_hidden_layers if arch == "deepseek_v3" else None}
         self.version = -1
         self._pending: tuple[int, Digest, set[str]] | None = None
 
@@ -70,7 +73,7 @@ class Server:
             digest.add(name, t)
             if name.endswith(".scale"):
                 continue  # taken with its weight
-            for key, expert, part in to_trex(name, self._dequantized(name, t, tensors), layout="official"):
+            for key, expert, part in to_trex(name, self._dequantized(name, t, tensors), **self.naming):
                 if key not in self.state:
                     raise ValueError(f"{name}: the engine's model has no {key}")
                 target = self.state[key] if expert is None else self.state[key][expert]
