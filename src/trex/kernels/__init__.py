@@ -11,7 +11,8 @@ vendor-neutral paths with no registration, and overrides what it has faster.
 fidelity runs, debugging); or per op, comma-separated ``op=impl`` with impl ``reference``, ``auto``
 or a named alternative (``sparse_attention=flex``: FlexAttention, trex.kernels.flex_attention).
 Each fast path and alternative has an equivalence test against its reference
-(tests/test_kernels.py, tests/test_flex_attention.py, tests/test_dense_attention.py). Vendor plugins
+(tests/test_kernels.py, tests/test_flex_attention.py, tests/test_dense_attention.py,
+tests/test_sparse_mla.py). Vendor plugins
 register their kernels with ``register``.
 """
 
@@ -24,12 +25,14 @@ from collections.abc import Callable
 from trex.kernels import dense_attention as _dense_attention
 from trex.kernels import reference
 from trex.kernels import sparse_attention as _sparse_attention
+from trex.kernels import sparse_mla as _sparse_mla
 
 _REFERENCE: dict[str, Callable] = {
     "rms_norm": reference.rms_norm,
     "grouped_mm": reference.grouped_mm,
     "sparse_attention": _sparse_attention.reference,
     "dense_attention": _dense_attention.reference,
+    "sparse_mla": _sparse_mla.reference,
 }
 _FAST: dict[tuple[str, str], Callable] = {}
 ANY = "*"  # the device type of a vendor-neutral default
@@ -98,3 +101,5 @@ register("sparse_attention", ANY, _sparse_attention.fused_backward)
 # on CPU with the values zero-padded to the key width, which its fused kernel needs
 register("dense_attention", ANY, _dense_attention.sdpa)
 register("dense_attention", "cpu", _dense_attention.sdpa_padded_values)
+# DeepSeek-V3.2's MLA over the indexer's picks: chunked gathers, linear in S (the mask form is quadratic)
+register("sparse_mla", ANY, _sparse_mla.gathered)
