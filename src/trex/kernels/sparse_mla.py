@@ -119,3 +119,18 @@ def gathered(q: torch.Tensor, kv: torch.Tensor, scale: float, idx: torch.Tensor,
              v_dim: int) -> torch.Tensor:
     """``reference``'s signature and result by ``GatheredMLA`` (see the module docstring)."""
     return GatheredMLA.apply(q, kv, idx, valid, scale, v_dim)
+
+
+@torch.no_grad()
+def pick_probs(q: torch.Tensor, kv: torch.Tensor, scale: float, idx: torch.Tensor, valid: torch.Tensor
+               ) -> torch.Tensor:
+    """The attention's distribution over each query's picks, averaged over heads (the indexer's KL target):
+    q [B, s, H, c], kv [B, S, c], idx, valid [B, s, k] -> fp32 [B, s, k], 0 on invalid picks. By chunks, as
+    ``gathered``."""
+    B, s = idx.shape[:2]
+    out = torch.empty(B, s, idx.shape[-1], dtype=torch.float32, device=q.device)
+    for t0, t1 in _chunks(q, idx.shape[-1]):
+        picked = take_rows(kv, idx[:, t0:t1]).flatten(0, 1)
+        scores = _scores(q[:, t0:t1].flatten(0, 1), picked, valid[:, t0:t1].flatten(0, 1), scale)
+        out[:, t0:t1] = scores.softmax(dim=-1).mean(dim=1).unflatten(0, (B, -1))
+    return out

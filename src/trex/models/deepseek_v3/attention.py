@@ -87,8 +87,6 @@ class MLA(nn.Module):
         ``cache.prefill``; a decode step (x [B, 1, d]) is ``cache.step``'s."""
         if ctx.decoding:
             return ctx.cache.step(self, x, ctx)
-        B, S, _ = x.shape
-        H = self.n_heads
         cos, sin = self.rope_table(ctx)
         qr = self.q_norm(self.wq_a(x)) if self.q_latent else None  # the query latent (V3.2's indexer reads it)
         q = self.query(x, cos, sin, qr)
@@ -96,18 +94,19 @@ class MLA(nn.Module):
         if ctx.cache is not None:
             ctx.cache.prefill(self, latent, k_pe, ctx)
         latent, k_pe = gather_latent(ctx, latent, k_pe)  # the whole rows' under context parallelism
-        T = latent.shape[1]
+        return self.wo(self.core(x, qr, q, latent, k_pe, ctx).flatten(2))
+
+    def core(self, x: torch.Tensor, qr: torch.Tensor | None, q: torch.Tensor, latent: torch.Tensor,
+             k_pe: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
+        """The attention core: this rank's queries q [B, s, H, qk_head_dim] against the whole rows' normed
+        latent [B, S, kv_lora_rank] and rotated k_pe [B, S, rope], expanded by ``wkv_b`` into keys and values
+        -> [B, s, H, v_head_dim], causal within each document. V3.2's ``SparseMLA`` (deepseek_v3.dsa) reads x
+        and the query latent qr [B, s, q_lora_rank] too, and attends to its indexer's picks only."""
+        B, T = latent.shape[:2]
+        H = self.n_heads
         kv = self.wkv_b(latent).view(B, T, H, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_pe[:, :, None].expand(B, T, H, self.rope)), dim=-1)
-        return self.wo(self.attend(x, qr, q, k, v, ctx).flatten(2))
-
-    def attend(self, x: torch.Tensor, qr: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               ctx: SequenceContext) -> torch.Tensor:
-        """The attention core: this rank's queries q [B, s, H, qk_head_dim] against the whole rows' k [B, S, H,
-        qk_head_dim], v [B, S, H, v_head_dim] -> [B, s, H, v_head_dim], causal within each document. V3.2's
-        ``SparseMLA`` (deepseek_v3.dsa) keeps only its indexer's picks of x and the query latent qr [B, s,
-        q_lora_rank]."""
         return kernels.get("dense_attention", q.device.type)(q, k, v, self.softmax_scale, ctx.full_doc, q_start=ctx.t0)
 
 
