@@ -43,7 +43,7 @@ def test_query_chunks_give_the_results_of_one_chunk(monkeypatch, warmup):
     indexer = model.layers[0].attn.indexer
     assert len(indexer.chunks(2, 40, 40, cfg.num_attention_heads)) == 1
     monkeypatch.setattr(dsa, "CHUNK_BYTES", 8 * 3 * 4 * 2 * (indexer.n_heads + cfg.num_attention_heads) * 40)
-    per_query = 2 * cfg.index_topk * (4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + 3 * 4 * cfg.num_attention_heads)
+    per_query = 2 * cfg.index_topk * (12 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + 4 * 4 * cfg.num_attention_heads)
     monkeypatch.setattr(sparse_mla, "CHUNK_BYTES", 6 * per_query)  # 6 queries a chunk
     assert len(indexer.chunks(2, 40, 40, cfg.num_attention_heads)) == 5
     chunked = _step(model, ids, docs)

@@ -45,7 +45,7 @@ import torch
 
 from trex.kernels.sparse_attention import picks_as_mask, query_chunks, scores_fp32, take_rows
 
-CHUNK_BYTES = 256 << 20  # transients of one query chunk (gathered rows and the [T, H, k] fp32 scores)
+CHUNK_BYTES = 64 << 20  # transients of one query chunk (gathered rows and the [T, H, k] fp32 scores)
 
 
 def reference(q: torch.Tensor, kv: torch.Tensor, scale: float, idx: torch.Tensor, valid: torch.Tensor,
@@ -59,10 +59,11 @@ def reference(q: torch.Tensor, kv: torch.Tensor, scale: float, idx: torch.Tensor
 
 
 def _chunks(q: torch.Tensor, k: int):
-    """Query ranges whose gathered rows and fp32 scores (3 copies: scores, probabilities, their gradient)
-    fit CHUNK_BYTES."""
+    """Query ranges whose transients fit CHUNK_BYTES: per query the gathered rows [k, c] and, in backward,
+    the picks' fp32 gradient (two [k, c] copies), and four fp32 [H, k] (scores, probabilities, their
+    gradient and its cast)."""
     B, s, H, c = q.shape
-    return query_chunks(s, B * k * (c * q.element_size() + 3 * H * 4), CHUNK_BYTES)
+    return query_chunks(s, B * k * (c * (q.element_size() + 8) + 4 * H * 4), CHUNK_BYTES)
 
 
 def _scores(q: torch.Tensor, picked: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
