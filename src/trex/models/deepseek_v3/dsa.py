@@ -29,12 +29,11 @@ Context parallelism: each rank scores its queries against the whole rows' index 
 a token at the released size, beside MLA's gathered latents), and the KL's key gradients go back to their
 rows' owners.
 
-Scaling: the picks become a [B, S, S] boolean mask over MLA's dense scores (the ``dense_attention``
-kernel's ``keep``), the selection scores [B, S, H_I, S] in one go, and ``align`` gathers [B, S, k, c_I]
-picked keys and scores the main attention's [B, S, H, S] probabilities without a gradient: fine at
-test sizes, quadratic in S. At the released size (S = 128K, k = 2048, 128 heads) a run needs the query
-chunking of DeepSeek-V4's ``Indexer`` for the selection and the KL, and a gather-based sparse MLA
-over the 576-wide latents of the picks once k < S / 2 (as V4's compressed-sparse attention gathers).
+Scaling: MLA attends to the picks through the kernel op ``sparse_mla`` in the absorbed form (``SparseMLA.absorbed``:
+q_nope through ``wkv_b``'s key rows, the picks' 576-wide latent + k_pe gathered by query chunks, the latent sum
+lifted by the value rows), linear in S; its reference is the mask form. The selection, the KL and the recall
+run by query chunks (``Indexer.chunks``, CHUNK_BYTES): nothing [S, S, heads] is alive at once, and each KL
+chunk is checkpointed with its target recomputed inside, so backward holds one chunk too.
 """
 
 from __future__ import annotations
