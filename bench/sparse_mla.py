@@ -122,11 +122,13 @@ def main() -> None:
         cells = " | ".join(f"{ms[c]:.1f} | {peak[c]:.0f}" for c in CORES)
         rows.append(f"| {S} | {args.topk} | {cells} | {min(ms[c] for c in CORES[:2]) / ms['gathered']:.1f}x |")
     lines = ["## V3.2 sparse MLA: mask forms vs gathered picks (bench/sparse_mla.py)", "",
-             f"Command: `.venv/bin/python bench/sparse_mla.py --seqs {' '.join(map(str, args.seqs))} --topk {args.topk}"
-             f"{' --write' if args.write else ''}`", "",
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {meta['torch']}, {meta['threads']} threads, "
-             f"fp32, batch 1; {H} heads, latent {LATENT} + rope {ROPE} (expanded: nope {NOPE} + rope {ROPE}, value "
-             f"{V}); forward + backward of the core, the three interleaved, the fastest of 5 rounds after a warm-up; peak = resident-set growth over a warm-up and a step, each core in a process of its own.", "",
+             f"Command: `.venv/bin/python bench/sparse_mla.py --seqs {' '.join(map(str, args.seqs))} "
+             f"--topk {args.topk}{' --write' if args.write else ''}`", "",
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {meta['torch']}, {meta['threads']} "
+             f"threads, fp32, batch 1; {H} heads, latent {LATENT} + rope {ROPE} (expanded: nope {NOPE} + rope "
+             f"{ROPE}, value {V}); forward + backward of the core, the three interleaved, the fastest of 5 rounds "
+             "after a warm-up; peak = resident-set growth over a warm-up and a step, each core in a process of its "
+             "own.", "",
              "| S | k | mask, expanded ms | peak MiB | mask, absorbed ms | peak MiB | gathered ms | peak MiB "
              "| gathered speed-up vs the faster mask form |",
              "|---|---|---|---|---|---|---|---|---|", *rows]
