@@ -75,7 +75,7 @@ def _interleaved_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 
 def test_fp32_logits_match_the_official_forward(official, monkeypatch):
-    """Every position within 1e-4 relative (measured 3.2e-7: docs/model.md). Both the picks and the RoPE
+    """Every position within 1e-4 relative (measured 4.0e-7: docs/model.md). Both the picks and the RoPE
     fix matter: attending to every key, or rotating the indexer's dims as interleaved pairs (the unfixed
     official code), misses by far more."""
     tensors, meta = official
@@ -96,7 +96,7 @@ def test_incremental_decode_matches_the_official_decode(official):
     """trex's prefill of the first ``decode_prefill`` ids into a V3DecodeCache (the MLA latents and the
     indexer's keys), then one id per call, against the official ``Transformer.forward(tokens, start_pos)``
     loop, whose indexer keeps each step's top 8 of the cached keys: the logits of the prefill's last
-    position and of every step within 1e-4 relative (measured 3.2e-7: docs/model.md)."""
+    position and of every step within 1e-4 relative (measured 3.9e-7: docs/model.md)."""
     tensors, meta = official
     model = official_model(tensors, meta)
     ids, P = tensors["input_ids"], int(meta["decode_prefill"])
@@ -110,7 +110,7 @@ def test_incremental_decode_matches_the_official_decode(official):
 
 def test_gradients_match_autograd_through_the_official_forward(official):
     """Every parameter's gradient of the mean next-token cross-entropy within 1e-4 relative of autograd
-    through the official modules (measured 1.4e-6 at most, layers.1.ffn.experts.w3); the indexer's parameters have none in either (its top-k takes none)."""
+    through the official modules (measured 1.6e-6 at most, layers.1.ffn.experts.w3); the indexer's parameters have none in either (its top-k takes none)."""
     tensors, meta = official
     model = official_model(tensors, meta)
     model(tensors["input_ids"], labels=tensors["input_ids"]).loss.backward()
