@@ -23,7 +23,7 @@ needs none of these. Each query needs at least one valid pick (every token sees 
 Cost per query token and layer, forward, at the released shape (H = 128, c = 512 + 64, v_dim = 512, k =
 2048; MLA's expanded head dims 192 / 128), S the sequence:
 
-  mask form (the expanded MHA with ``dense_attention``'s ``keep``, or ``reference``): 2 H S (192 + 128)
+  mask form (the former path: the expanded MHA, the picks a mask; or ``reference``): 2 H S (192 + 128)
       = 82 K x S FLOP (10.7 GFLOP at S = 128K; the causal half skipped by no dense kernel that takes an
       arbitrary mask), the [S] mask row (S bytes: 16 GiB for a 128K sequence), and ``reference``'s fp32
       scores 4 H S bytes (64 MiB a token).

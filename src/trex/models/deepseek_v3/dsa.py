@@ -181,8 +181,12 @@ class SparseMLA(MLA):
         the absorbed form; records the indexer's KL (``ctx.align_indexer``, training forwards) and recall
         (``ctx.measure_recall``), by query chunks. This rank's s queries against the whole rows' S keys."""
         B, s = x.shape[:2]
-        q_abs, kv, w_v = self.absorbed(q, latent, k_pe)
         warmup = getattr(ctx, "dense_warmup", False)
+        align = getattr(ctx, "align_indexer", False) and ctx.recording
+        if warmup and not align:
+            return super().core(x, qr, q, latent, k_pe, ctx)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not warmup):  # warm-up: only the KL's target
+            q_abs, kv, w_v = self.absorbed(q, latent, k_pe)
         if warmup:
             idx = valid = None
             o = super().core(x, qr, q, latent, k_pe, ctx)
@@ -198,7 +202,7 @@ class SparseMLA(MLA):
                 picked_mass(dense_probs(q_main[:, t0:t1], kv_main, scale, visible_rows(ctx, t0, t1)),
                             idx[:, t0:t1], valid[:, t0:t1], visible_rows(ctx, t0, t1))
                 for t0, t1 in self.indexer.chunks(B, s, kv.shape[1], self.n_heads))
-        if getattr(ctx, "align_indexer", False) and ctx.recording:
+        if align:
             def target(t0: int, t1: int) -> torch.Tensor:
                 if idx is None:
                     return dense_probs(q_main[:, t0:t1], kv_main, scale, visible_rows(ctx, t0, t1))
