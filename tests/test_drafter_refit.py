@@ -204,9 +204,10 @@ def test_fsdp2_and_expert_parallelism_on_two_ranks_refit_with_the_losses_of_one_
     micro_batch_size x grad_accum x ranks): the main step's loss and gradient norm within 1e-6, every one of 4
     re-fit steps' loss, parts and gradient norm within 1e-5 of one process's, and the updated drafter (its DCP
     checkpoint) within 2% of the step's lr (AdamW's update is about lr g / |g|, and an element whose gradient
-    is near 0 moves by its rounding). The main step leaves the target as it was (lr 0; its router-bias update,
-    which lr does not scale, counts the same tokens at both layouts: with one row in one process it moved 6
-    biases 2e-3 apart, and a prompt alone on a rank was continued with logits 5e-3 apart)."""
+    is near 0 moves by its rounding). Re-fit steps 3 and 4 each put a left-padded prompt alone on a rank. The
+    main step (lr 0) moves only the routers' biases (``bias_gamma``, which lr does not scale), alike at both
+    layouts since they count the same tokens; with one row in one process 6 biases ended 2e-3 apart and
+    step 2's prompt 36 was continued with logits 5e-3 apart."""
     from arithmetic_data import write_sft
     from trex_run import trex
 
