@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from test_official_v3 import _rel
+from test_official_v3 import _rel, official_gradients
 from trex.checkpoint.naming import to_trex
 from trex.models.common.rope import apply_rope
 from trex.models.deepseek_v3 import dsa
@@ -115,15 +115,7 @@ def test_gradients_match_autograd_through_the_official_forward(official):
     model = official_model(tensors, meta)
     model(tensors["input_ids"], labels=tensors["input_ids"]).loss.backward()
     params = dict(model.named_parameters())
-    expected: dict[str, torch.Tensor] = {}
-    for name, value in tensors.items():
-        if name.startswith("grad."):
-            for key, expert, part in to_trex(name[len("grad."):], value, layout="official",
-                                             arch=model.cfg.architecture, n_layers=model.cfg.num_hidden_layers):
-                if expert is None:
-                    expected[key] = part
-                else:
-                    expected.setdefault(key, torch.zeros_like(params[key]))[expert] = part
+    expected = official_gradients(model, tensors)
     got = {n: p.grad for n, p in params.items() if p.grad is not None}
     assert set(got) == set(expected), sorted(set(got) ^ set(expected))
     assert not any(".indexer." in n for n in got) and any(".indexer." in n for n in params)
