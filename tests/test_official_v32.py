@@ -13,48 +13,24 @@ through its own cache (trex.models.deepseek_v3.decode).
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from test_official_v3 import _rel, official_gradients
-from trex.checkpoint.naming import to_trex
+from test_official_v3 import _rel, official_gradients, official_model  # V3.2's args name the indexer
 from trex.models.common.rope import apply_rope
 from trex.models.deepseek_v3 import dsa
-from trex.models.deepseek_v3.config import V3Config
 from trex.models.deepseek_v3.decode import V3DecodeCache
-from trex.models.deepseek_v3.model import DeepseekV3
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "v32", "official.safetensors")
-_RUNTIME = ("max_batch_size", "max_seq_len", "dtype", "scale_fmt")
 
 
 @pytest.fixture(scope="module")
 def official():
     with safe_open(FIXTURE, "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
-
-
-def official_model(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> DeepseekV3:
-    """trex's V3.2 from the fixture's ``ModelArgs`` (no MTP in that code), holding its weights read through
-    the official-name mapping."""
-    args = {k: v for k, v in json.loads(meta["args"]).items() if k not in _RUNTIME}
-    cfg = V3Config.from_dict({**args, "num_nextn_predict_layers": 0}, source=FIXTURE)
-    model = DeepseekV3(cfg)
-    state = model.state_dict()
-    filled = set()
-    for name, value in tensors.items():
-        if name.startswith("weight."):
-            for key, expert, part in to_trex(name[len("weight."):], value.float(), layout="official",
-                                             arch=cfg.architecture, n_layers=cfg.num_hidden_layers):
-                (state[key] if expert is None else state[key][expert]).copy_(part)
-                filled.add(key)
-    assert filled == set(state), sorted(set(state) ^ filled)
-    model.load_state_dict(state)
-    return model.eval()
 
 
 def test_the_fixture_is_sparse_and_far_from_ties(official):
