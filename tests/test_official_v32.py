@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from test_official_v3 import _rel, official_gradients, official_model  # V3.2's args name the indexer
+from test_official_v3 import _rel, gradients_against_the_official, official_model  # V3.2's args name the indexer
 from trex.models.common.rope import apply_rope
 from trex.models.deepseek_v3 import dsa
 from trex.models.deepseek_v3.decode import V3DecodeCache
@@ -87,13 +87,5 @@ def test_incremental_decode_matches_the_official_decode(official):
 def test_gradients_match_autograd_through_the_official_forward(official):
     """Every parameter's gradient of the mean next-token cross-entropy within 1e-4 relative of autograd
     through the official modules (measured 1.4e-6 at most, layers.1.ffn.experts.w3); the indexer's parameters have none in either (its top-k takes none)."""
-    tensors, meta = official
-    model = official_model(tensors, meta)
-    model(tensors["input_ids"], labels=tensors["input_ids"]).loss.backward()
-    params = dict(model.named_parameters())
-    expected = official_gradients(model, tensors)
-    got = {n: p.grad for n, p in params.items() if p.grad is not None}
-    assert set(got) == set(expected), sorted(set(got) ^ set(expected))
+    params, got, expected = gradients_against_the_official(*official)
     assert not any(".indexer." in n for n in got) and any(".indexer." in n for n in params)
-    error = {n: _rel(got[n], expected[n]) for n in got}
-    assert max(error.values()) < 1e-4, sorted(error.items(), key=lambda kv: -kv[1])[:5]
