@@ -125,7 +125,7 @@ class _Chunked(torch.autograd.Function):
                 l[:, :, t0:t1] = l[:, :, t0:t1] * alpha + p.sum(-1)
                 acc[:, :, t0:t1] = acc[:, :, t0:t1] * alpha[..., None] + p @ v
                 m[:, :, t0:t1] = m_new
-        out = (acc / l[..., None]).transpose(1, 2).to(q.dtype)  # [B, Sq, H, dv]
+        out = (acc / l[..., None]).transpose(1, 2).to(q.dtype).contiguous()  # [B, Sq, H, dv]: flatten(2) a view
         lse = m + torch.log(l)
         ctx.save_for_backward(q, latent, k_pe, w_kv, doc, out, lse)
         ctx.scale, ctx.q_start, ctx.chunk, ctx.tile = scale, q_start, chunk, tile
