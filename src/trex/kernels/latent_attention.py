@@ -100,6 +100,16 @@ def _chunk_kv(latent: torch.Tensor, w: torch.Tensor, heads: int, nope: int, k0: 
     return kv[..., :nope].permute(0, 2, 3, 1), kv[..., nope:].transpose(1, 2)
 
 
+def _scores(q: torch.Tensor, k_nope: torch.Tensor, pe: torch.Tensor, scale: float, visible: torch.Tensor
+            ) -> torch.Tensor:
+    """fp32 scores [B, H, Tq, C] of queries q [B, H, Tq, nope + rope] against a chunk's keys, -inf where not
+    visible; one new tile, the rest in place (the tiles are this kernel's transient memory)."""
+    nope = k_nope.shape[-2]
+    s = q[..., :nope] @ k_nope
+    s.add_(q[..., nope:] @ pe).mul_(scale)
+    return s.masked_fill_(~visible, float("-inf"))
+
+
 class _Chunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, latent, k_pe, w_kv, doc, scale, q_start, chunk, tile):
@@ -116,12 +126,11 @@ class _Chunked(torch.autograd.Function):
             k_nope, v = _chunk_kv(latent, w, H, nope, k0, k1)
             pe = k_pe[:, None, k0:k1].float().transpose(-1, -2)  # [B, 1, rope, C]: one head all heads share
             for t0, t1 in _spans(Sq, tile):
-                s = (qh[:, :, t0:t1, :nope] @ k_nope + qh[:, :, t0:t1, nope:] @ pe) * scale
-                s = s.masked_fill(~_visible(doc, q_start + t0, q_start + t1, k0, k1), float("-inf"))
+                s = _scores(qh[:, :, t0:t1], k_nope, pe, scale, _visible(doc, q_start + t0, q_start + t1, k0, k1))
                 m_new = torch.maximum(m[:, :, t0:t1], s.amax(-1))
                 base = torch.where(m_new == float("-inf"), 0.0, m_new)  # a tile that sees no key yet
                 alpha = torch.exp(m[:, :, t0:t1] - base)
-                p = torch.exp(s - base[..., None])
+                p = s.sub_(base[..., None]).exp_()
                 l[:, :, t0:t1] = l[:, :, t0:t1] * alpha + p.sum(-1)
                 acc[:, :, t0:t1] = acc[:, :, t0:t1] * alpha[..., None] + p @ v
                 m[:, :, t0:t1] = m_new
@@ -152,11 +161,10 @@ class _Chunked(torch.autograd.Function):
             dk_pe = q.new_zeros((B, k1 - k0, rope), dtype=torch.float32)
             dv = torch.zeros_like(v)
             for t0, t1 in _spans(Sq, ctx.tile):
-                s = (qh[:, :, t0:t1, :nope] @ k_nope + qh[:, :, t0:t1, nope:] @ pe) * scale
-                s = s.masked_fill(~_visible(doc, q_start + t0, q_start + t1, k0, k1), float("-inf"))
-                p = torch.exp(s - lse[:, :, t0:t1, None])  # [B, H, Tq, C]
+                s = _scores(qh[:, :, t0:t1], k_nope, pe, scale, _visible(doc, q_start + t0, q_start + t1, k0, k1))
+                p = s.sub_(lse[:, :, t0:t1, None]).exp_()  # [B, H, Tq, C]
                 dv = dv + p.transpose(-1, -2) @ do[:, :, t0:t1]
-                ds = p * (do[:, :, t0:t1] @ v.transpose(-1, -2) - delta[:, :, t0:t1, None]) * scale
+                ds = (do[:, :, t0:t1] @ v.transpose(-1, -2)).sub_(delta[:, :, t0:t1, None]).mul_(p).mul_(scale)
                 dq[:, :, t0:t1, :nope] += ds @ k_nope.transpose(-1, -2)
                 dq[:, :, t0:t1, nope:] += ds @ pe.transpose(-1, -2)
                 dk_nope = dk_nope + ds.transpose(-1, -2) @ qh[:, :, t0:t1, :nope]

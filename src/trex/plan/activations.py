@@ -311,7 +311,9 @@ def forward_saved(cfg: ModelConfig, S: int, b: int) -> float:
 # registry's reference for ``dense_attention`` (plain PyTorch over [B, H, S, S] scores), which saves the
 # fp32 probabilities (and their compute-dtype cast) and the [S, S] document-causal mask: quadratic in S,
 # per layer. The fused default (SDPA) keeps a logsumexp instead of the probabilities, so this is an upper
-# bound on what a run saves; modelling the fused path exactly is left to do (docs/planning.md).
+# bound on what a run saves; modelling the fused path exactly is left to do (docs/planning.md). Under context
+# parallelism (cp > 1) the dense core is ``latent_attention``'s, counted as it saves (no [S, S] terms; checked
+# against autograd on tiny-v3 as rank 1 of 2, tests/test_plan_v3.py).
 # V3.2's lightning indexer is counted from its config (its top-k indices), though trex does not build
 # the V3.2 model yet; its attention is planned as the dense MLA core. Layer kinds: "mla/dense",
 # "mla/moe" and "mla/mtp" (an MTP block's extra norms and eh_proj input). Checked against autograd on
@@ -328,8 +330,9 @@ def v3_attention(cfg, S: int, b: int, cp: int = 1) -> float:
     rows). At cp > 1 the dense MLA runs the kernel op ``latent_attention`` (trex.kernels.latent_attention: keys
     and values expanded a chunk at a time and again in backward): it keeps the gathered [S, kv_lora_rank +
     qk_rope_head_dim] latent and k_pe and the rows' document ids, and of its own rows q, the output (wo's input
-    is a view of it) and the fp32 log-sum-exp per head, nothing quadratic. V3.2's sparse MLA expands every row's keys and values as at
-    cp = 1: its per-key terms count S rows, its per-query terms s rows, the mask and probabilities s x S."""
+    is a view of it) and the fp32 log-sum-exp per head, nothing quadratic. V3.2's sparse MLA expands every
+    row's keys and values as at cp = 1: its per-key terms count S rows, its per-query terms s rows, the mask
+    and probabilities s x S."""
     d, H, q, kv, rd = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     qk, nope, dv = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     s = S // cp
@@ -407,13 +410,14 @@ def v3_backward_workspace(cfg, S: int, b: int, cp: int = 1) -> float:
     """Transient bytes while one V3 block runs backward on one of ``cp`` ranks: the gradients of its output and
     input streams (its s = S / cp rows), and the attention core's: [H, s, S] gradients (of the probabilities
     at the compute dtype, of the fp32 scores through softmax and the mask); at cp > 1 for the dense MLA
-    ``latent_attention``'s fp32 dq, the gathered latent's and k_pe's fp32 gradients and four fp32
-    [H, tile, chunk] tiles (scores, probabilities, their gradient, dS). An estimate, not measured."""
+    ``latent_attention``'s fp32 dq, the gathered latent's and k_pe's fp32 gradients and three fp32
+    [H, tile, chunk] tiles (the scores turned probabilities in place, a matmul's output, dP turned dS). An
+    estimate, not measured."""
     H, s = cfg.num_attention_heads, S // cp
     streams = 2 * b * cfg.hidden_size * s
     if cp > 1 and not cfg.index_topk:
         tile = min(latent_attention.TILE, s) * min(latent_attention.CHUNK, S)
-        return streams + F32 * (H * cfg.qk_head_dim * s + (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * S + 4 * H * tile)
+        return streams + F32 * (H * cfg.qk_head_dim * s + (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * S + 3 * H * tile)
     return streams + (2 * F32 + b) * H * s * S
 
 
