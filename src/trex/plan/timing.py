@@ -120,7 +120,8 @@ def v3_cp_extra_flops(cfg, cp: int) -> float:
     gathered latent of all S = cp x s rows through ``wkv_b`` (2 x kv_lora_rank x H x (nope + v) a row) in
     forward, again in ``latent_attention``'s backward, and back-propagates it (dX and dW, twice that): 4 x cp
     expansions per own row against one process's 3, in every layer and MTP block. V3.2's sparse MLA expands
-    once in forward: 3 x cp."""
+    once in forward: 3 x cp. A recomputed forward's expansion of the other ranks' rows is not counted (1 x cp
+    - 1 more per row and layer under recomputation)."""
     per_row = 2 * cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
     runs = (3 if cfg.index_topk else 4) * cp - 3
     return runs * per_row * (cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
