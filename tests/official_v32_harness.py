@@ -148,13 +148,8 @@ def load_official(directory: str):
 
 
 def tiny_args(module):
-    return module.ModelArgs(
-        max_batch_size=2, max_seq_len=64, dtype="bf16", vocab_size=64, dim=32, inter_dim=48, moe_inter_dim=16,
-        n_layers=3, n_dense_layers=1, n_heads=2, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2,
-        n_expert_groups=4, n_limited_groups=2, score_func="sigmoid", route_scale=2.5, q_lora_rank=16,
-        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, original_seq_len=16,
-        rope_theta=10000.0, rope_factor=4.0, beta_fast=32, beta_slow=1, mscale=0.8,
-        index_n_heads=16, index_head_dim=128, index_topk=8)
+    """V3's fixture args (official_v3_harness.tiny_args) plus the indexer: 16 heads of 128, top 8."""
+    return v3.tiny_args(module, index_n_heads=16, index_head_dim=128, index_topk=8)
 
 
 def build(module, args) -> nn.Module:

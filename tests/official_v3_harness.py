@@ -106,9 +106,10 @@ def load_official(directory: str):
     return importlib.import_module("official_v3_model")
 
 
-def tiny_args(module):
+def tiny_args(module, **extra):
+    """The fixture's tiny ModelArgs; ``extra`` adds fields (V3.2's indexer: tests/official_v32_harness.py)."""
     return module.ModelArgs(
-        max_batch_size=2, max_seq_len=64, dtype="bf16", vocab_size=64, dim=32, inter_dim=48, moe_inter_dim=16,
+        **extra, max_batch_size=2, max_seq_len=64, dtype="bf16", vocab_size=64, dim=32, inter_dim=48, moe_inter_dim=16,
         n_layers=3, n_dense_layers=1, n_heads=2, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2,
         n_expert_groups=4, n_limited_groups=2, score_func="sigmoid", route_scale=2.5, q_lora_rank=16,
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, original_seq_len=16,

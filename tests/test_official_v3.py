@@ -125,13 +125,8 @@ def test_packed_documents_equal_the_official_rows(official):
     assert _rel(logits, tensors["logits.fp32"]) < 1e-4
 
 
-def test_gradients_match_autograd_through_the_official_forward(official):
-    """Every parameter's gradient of the mean next-token cross-entropy against autograd through the
-    official modules in fp32, within 1e-4 relative (measured 1.9e-6 at most, on layers.1.attn.kv_norm.weight;
-    no parameter needs a looser bound). The routers' bias chooses experts only: no gradient in either."""
-    tensors, meta = official
-    model = official_model(tensors, meta)
-    model(tensors["input_ids"], labels=tensors["input_ids"]).loss.backward()
+def official_gradients(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fixture's ``grad.<official name>`` tensors under trex's names (experts stacked, as trex holds them)."""
     params = dict(model.named_parameters())
     expected: dict[str, torch.Tensor] = {}
     for name, value in tensors.items():
@@ -142,11 +137,29 @@ def test_gradients_match_autograd_through_the_official_forward(official):
                     expected[key] = part
                 else:
                     expected.setdefault(key, torch.zeros_like(params[key]))[expert] = part
+    return expected
+
+
+def gradients_against_the_official(tensors, meta):
+    """(trex's parameters, their gradients, the fixture's) of the mean next-token cross-entropy over the
+    fixture's ids, after checking both name the same parameters and agree within 1e-4 relative."""
+    model = official_model(tensors, meta)
+    model(tensors["input_ids"], labels=tensors["input_ids"]).loss.backward()
+    params = dict(model.named_parameters())
+    expected = official_gradients(model, tensors)
     got = {n: p.grad for n, p in params.items() if p.grad is not None}
     assert set(got) == set(expected), sorted(set(got) ^ set(expected))
-    assert any(n.endswith("ffn.gate.weight") for n in got) and any(".experts." in n for n in got)
     error = {n: _rel(got[n], expected[n]) for n in got}
     assert max(error.values()) < 1e-4, sorted(error.items(), key=lambda kv: -kv[1])[:5]
+    return params, got, expected
+
+
+def test_gradients_match_autograd_through_the_official_forward(official):
+    """Every parameter's gradient of the mean next-token cross-entropy against autograd through the
+    official modules in fp32, within 1e-4 relative (measured 1.9e-6 at most, on layers.1.attn.kv_norm.weight;
+    no parameter needs a looser bound). The routers' bias chooses experts only: no gradient in either."""
+    params, got, expected = gradients_against_the_official(*official)
+    assert any(n.endswith("ffn.gate.weight") for n in got) and any(".experts." in n for n in got)
 
 
 def test_bf16_logits_stay_near_the_official_bf16_run(official):

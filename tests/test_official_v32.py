@@ -13,48 +13,24 @@ through its own cache (trex.models.deepseek_v3.decode).
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from test_official_v3 import _rel
-from trex.checkpoint.naming import to_trex
+from test_official_v3 import _rel, gradients_against_the_official, official_model  # V3.2's args name the indexer
 from trex.models.common.rope import apply_rope
 from trex.models.deepseek_v3 import dsa
-from trex.models.deepseek_v3.config import V3Config
 from trex.models.deepseek_v3.decode import V3DecodeCache
-from trex.models.deepseek_v3.model import DeepseekV3
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "v32", "official.safetensors")
-_RUNTIME = ("max_batch_size", "max_seq_len", "dtype", "scale_fmt")
 
 
 @pytest.fixture(scope="module")
 def official():
     with safe_open(FIXTURE, "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
-
-
-def official_model(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> DeepseekV3:
-    """trex's V3.2 from the fixture's ``ModelArgs`` (no MTP in that code), holding its weights read through
-    the official-name mapping."""
-    args = {k: v for k, v in json.loads(meta["args"]).items() if k not in _RUNTIME}
-    cfg = V3Config.from_dict({**args, "num_nextn_predict_layers": 0}, source=FIXTURE)
-    model = DeepseekV3(cfg)
-    state = model.state_dict()
-    filled = set()
-    for name, value in tensors.items():
-        if name.startswith("weight."):
-            for key, expert, part in to_trex(name[len("weight."):], value.float(), layout="official",
-                                             arch=cfg.architecture, n_layers=cfg.num_hidden_layers):
-                (state[key] if expert is None else state[key][expert]).copy_(part)
-                filled.add(key)
-    assert filled == set(state), sorted(set(state) ^ filled)
-    model.load_state_dict(state)
-    return model.eval()
 
 
 def test_the_fixture_is_sparse_and_far_from_ties(official):
@@ -111,21 +87,5 @@ def test_incremental_decode_matches_the_official_decode(official):
 def test_gradients_match_autograd_through_the_official_forward(official):
     """Every parameter's gradient of the mean next-token cross-entropy within 1e-4 relative of autograd
     through the official modules (measured 1.6e-6 at most, layers.1.ffn.experts.w3); the indexer's parameters have none in either (its top-k takes none)."""
-    tensors, meta = official
-    model = official_model(tensors, meta)
-    model(tensors["input_ids"], labels=tensors["input_ids"]).loss.backward()
-    params = dict(model.named_parameters())
-    expected: dict[str, torch.Tensor] = {}
-    for name, value in tensors.items():
-        if name.startswith("grad."):
-            for key, expert, part in to_trex(name[len("grad."):], value, layout="official",
-                                             arch=model.cfg.architecture, n_layers=model.cfg.num_hidden_layers):
-                if expert is None:
-                    expected[key] = part
-                else:
-                    expected.setdefault(key, torch.zeros_like(params[key]))[expert] = part
-    got = {n: p.grad for n, p in params.items() if p.grad is not None}
-    assert set(got) == set(expected), sorted(set(got) ^ set(expected))
+    params, got, expected = gradients_against_the_official(*official)
     assert not any(".indexer." in n for n in got) and any(".indexer." in n for n in params)
-    error = {n: _rel(got[n], expected[n]) for n in got}
-    assert max(error.values()) < 1e-4, sorted(error.items(), key=lambda kv: -kv[1])[:5]

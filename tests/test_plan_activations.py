@@ -16,8 +16,10 @@ from trex.models.config import tiny
 from trex.plan import activations as act
 
 
-def _saved_bytes(cfg, S: int, dtype: torch.dtype) -> Counter:
+def _saved_bytes(cfg, S: int, dtype: torch.dtype, shard=None) -> Counter:
+    """Saved bytes by block; ``shard``: the model computes that SequenceShard's rows (context parallelism)."""
     model = build_model(cfg, device="cpu", dtype=dtype, seed=0)
+    model.sequence_shard = shard
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     stack = ["model"]
     for name, module in model.named_modules():

@@ -1,8 +1,10 @@
 """`trex plan` for the DeepSeek-V3 family (deepseek-v3, deepseek-v3.2, kimi-k2): model facts, fit as the
-numbers say, no context parallelism, and the Kimi-K2 dry run at 1,024 ranks."""
+numbers say, context parallelism (MLA's gathered latents) by hand-checked numbers and against autograd, and the
+Kimi-K2 dry run at 1,024 ranks."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -10,13 +12,16 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from trex.cli import main
 from trex.hardware import load_profiles
 from trex.models import count_parameters, get_preset
+from trex.plan import activations as act
 from trex.plan.layout import Layout, PlanError
 from trex.plan.model_facts import model_facts
-from trex.plan.planner import GiB, make_plan, search
+from trex.plan.planner import GiB, make_plan
+from trex.plan.timing import cp_traffic, v3_cp_extra_flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H200, DIE = load_profiles()["h200-sxm"], load_profiles()["ascend-910c-die"]
@@ -54,21 +59,64 @@ def test_each_preset_fits_or_not_as_the_numbers_say(name, devices, hw, ep, fits)
     assert 0 < plan.mfu < 0.6
 
 
-def test_no_context_parallelism_for_v3():
+def test_context_parallelism_for_v3_by_hand():
+    """deepseek-v3 at S = 4096 over cp = 2, bf16, counted by hand from the released shapes (hidden 7168, 128
+    heads, q_lora 1536, kv_lora 512, rope 64, qk 192, v 128; 61 layers + 1 MTP block)."""
     cfg = get_preset("deepseek-v3")
-    with pytest.raises(PlanError, match="cp = 1 only"):
-        make_plan(cfg, Layout(dp_shard=128, cp=2, ep=128), 4096, H200)
-    plans = search(cfg, 256, 4096, 256 * 4096, H200, micro_batches=(1,), recompute=("full",), offload=(False,))
-    assert plans and {p.layout.cp for p in plans} == {1}
+    # traffic: every MLA layer all-gathers [latent | k_pe] of every row forward and reduce-scatters its gradient
+    # backward: 2 x 576 values x 2 bytes a token and layer, no halo
+    assert cp_traffic(cfg, 4096, 2) == (0.0, 62 * 4096 * 2 * 576 * 2)
+    # a rank's attention activations: its 2048 rows' norms, projections' inputs, RoPE and kv_norm (91,660 bytes a
+    # row), q (128 x 192) and the output (128 x 128) in bf16 and the fp32 log-sum-exp per head; every row's
+    # gathered latent and k_pe (576 x 2 bytes) and document id (8)
+    norms = 4 * (2 * 7168 + 1) + 2 * 7168 + 4 * (2 * 1536 + 1) + 2 * 1536 + 2 * 4 * 64 + 4 * 512 + 4 * 513
+    assert norms == 91_660
+    assert act.v3_attention(cfg, 4096, 2, cp=2) == (norms + 2 * 128 * 320 + 4 * 128) * 2048 + (2 * 576 + 8) * 4096
+    # nothing quadratic is left: the whole-row terms grow linearly with S, the rank's with S / cp
+    assert act.v3_attention(cfg, 8192, 2, cp=4) == act.v3_attention(cfg, 4096, 2, cp=2) + (2 * 576 + 8) * 4096
+    # each rank also expands the other ranks' latents through wkv_b (2 x 512 x 128 x 256 FLOPs a row), forward,
+    # in latent_attention's backward, and back-propagates them: 4 x cp - 3 more per own row and layer
+    assert v3_cp_extra_flops(cfg, 2) == 5 * 2 * 512 * 128 * 256 * 62
+    plan1 = make_plan(cfg, Layout(dp_shard=256, ep=256, recompute="full"), 4096, H200)
+    plan2 = make_plan(cfg, Layout(dp_shard=128, cp=2, ep=128, recompute="full"), 4096, H200)
+    assert plan2.time.cp_comm > 0 == plan1.time.cp_comm and plan2.memory.activations < plan1.memory.activations / 2
+    assert plan2.fits and not any("cp = 1" in n for n in plan2.notes)
+    with pytest.raises(PlanError, match="multiple of 3"):
+        make_plan(cfg, Layout(dp_shard=128, cp=3, ep=128), 4096, H200)
+
+
+def test_v3_activations_under_cp_are_what_autograd_saves():
+    """tiny-v3 as rank 1 of 2 (its gather stands in for the all-gather), fp32 and bf16: every block's saved
+    bytes as the model counts them (measured: the first block exact, the later ones 0.3% over, as the rows'
+    document ids one tensor every layer saves)."""
+    from test_plan_activations import _saved_bytes
+    from trex.models.deepseek_v3.config import tiny_v3
+
+    class TwoShards:
+        rank, size = 1, 2
+
+        def gather(self, x):
+            return torch.cat((x, x), dim=1)
+
+    cfg = tiny_v3()
+    names = [f"layers.{i}" for i in range(cfg.num_hidden_layers)] + ["mtp.0"]
+    for dtype in (torch.float32, torch.bfloat16):
+        b = dtype.itemsize
+        measured = _saved_bytes(cfg, 64, dtype, shard=TwoShards())
+        for name, (kind, mt) in zip(names, act.main_blocks(cfg) + [(act.mtp_kind(cfg), "moe")]):
+            expected = act.block(cfg, kind, mt, 64, b, cp=2).total + act.weight_copies(cfg, kind, b)
+            assert measured[name] == pytest.approx(expected, rel=0.01), (name, dtype)
 
 
 @pytest.mark.parametrize("model", ["deepseek-v3", "deepseek-v3.2", "kimi-k2"])
 def test_the_cli_plans_the_v3_family(model, capsys):
     assert main(["plan", "--model", model, "--hardware", "h200-sxm", "--devices", "256"]) == 0
     out = capsys.readouterr().out
-    assert "FITS" in out and "cp = 1 only" in out
-    assert main(["plan", "--model", model, "--hardware", "h200-sxm", "--devices", "256", "--search", "--top", "3"]) == 0
-    assert "cp=" not in capsys.readouterr().out  # every layout searched has cp = 1
+    assert "FITS" in out and "cp = 1 only" not in out
+    assert main(["plan", "--model", model, "--hardware", "h200-sxm", "--devices", "256", "--seq", "4096",
+                 "--layout", "dp_shard=128,cp=2,ep=128", "--recompute", "full", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"]["cp"] == 2 and out["time_s"]["cp_comm"] > 0
 
 
 DRY_RUN = "-m trex train recipes/kimi_k2_sft.toml --dry-run --world-size 1024"

@@ -73,10 +73,18 @@ def test_cached_greedy_equals_recompute_token_for_token(name):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
 
 
-def test_cache_refuses_more_steps_than_it_was_sized_for_and_labels():
-    model = _model(CONFIGS["hc4 topk<entries hca8"])
+def _v3_model_and_cache():
+    from trex.models.deepseek_v3.decode import V3DecodeCache
+    from trex.models.registry import get_preset
+
+    return build_model(get_preset("tiny-moonlight"), seed=0).eval(), V3DecodeCache
+
+
+@pytest.mark.parametrize("family", ["v4", "v3"])
+def test_cache_refuses_more_steps_than_it_was_sized_for_and_labels(family):
+    model, Cache = (_model(CONFIGS["hc4 topk<entries hca8"]), DecodeCache) if family == "v4" else _v3_model_and_cache()
     ids = torch.tensor([[5, 6, 7]])
-    cache = DecodeCache(1)
+    cache = Cache(1)
     with torch.no_grad():
         with pytest.raises(ValueError, match="no labels"):
             model(ids, labels=ids, cache=cache)
@@ -85,7 +93,7 @@ def test_cache_refuses_more_steps_than_it_was_sized_for_and_labels():
         with pytest.raises(ValueError, match="sized for 1 decode steps"):
             model(ids[:, :1], cache=cache)
     with pytest.raises(ValueError, match=r"shape \[B, 1\]"), torch.no_grad():
-        cache = DecodeCache(4)
+        cache = Cache(4)
         model(ids, cache=cache)
         model(ids, cache=cache)
 
@@ -166,19 +174,3 @@ def test_v3_sampler_decodes_through_the_cache(monkeypatch):
     assert set(cached.routes[0]) == {"layers.1", "layers.2"}  # the dense first layer routes nothing
     for a, b in zip(cached.routes, full.routes):
         assert all(torch.equal(a[name], b[name]) for name in a)
-
-
-def test_v3_cache_refuses_labels_and_more_steps_than_it_was_sized_for():
-    from trex.models.deepseek_v3.decode import V3DecodeCache
-    from trex.models.registry import get_preset
-
-    model = build_model(get_preset("tiny-moonlight"), seed=0).eval()
-    ids = torch.tensor([[5, 6, 7]])
-    cache = V3DecodeCache(1)
-    with torch.no_grad():
-        with pytest.raises(ValueError, match="no labels"):
-            model(ids, labels=ids, cache=cache)
-        model(ids, cache=cache)
-        model(ids[:, :1], cache=cache)
-        with pytest.raises(ValueError, match="sized for 1 decode steps"):
-            model(ids[:, :1], cache=cache)

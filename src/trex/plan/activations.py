@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trex.kernels import latent_attention
 from trex.kernels.sparse_attention import CHUNK_BYTES, DENSE_TOPK_FRACTION
 from trex.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
 from trex.models.config_v41 import CSA2, V41Config
@@ -210,7 +211,7 @@ def moe(cfg: ModelConfig, mlp_type: str, b: int) -> float:
 
 def block(cfg: ModelConfig, layer_type: str, mlp_type: str, S: int, b: int, cp: int = 1) -> LayerActivations:
     if is_v3(cfg):
-        return v3_block(cfg, layer_type, S, b)
+        return v3_block(cfg, layer_type, S, b, cp)
     balance = F32 * cfg.n_routed_experts if mlp_type != HASH_MOE else 0  # per-sequence expert fractions
     return LayerActivations(mhc=2 * mhc_site(cfg, b) * (S // cp), attention=attention(cfg, layer_type, S, b, cp),
                             moe=moe(cfg, mlp_type, b) * (S // cp) + balance)
@@ -224,7 +225,7 @@ def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: in
     for gathered top-k, one query chunk's stacked [2H] operands and [T, k, c] per-pick gradients).
     Checked end to end by the full-recompute cases of tests/test_plan_memory_cpu.py, where it shows."""
     if is_v3(cfg):
-        return v3_backward_workspace(cfg, S, b)
+        return v3_backward_workspace(cfg, S, b, cp)
     n, d, H, c = cfg.hc_mult, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     total = 2 * F32 * n * d * (S // cp)
     if layer_kind(cfg, layer_type)[0] != SLIDING:
@@ -310,7 +311,9 @@ def forward_saved(cfg: ModelConfig, S: int, b: int) -> float:
 # registry's reference for ``dense_attention`` (plain PyTorch over [B, H, S, S] scores), which saves the
 # fp32 probabilities (and their compute-dtype cast) and the [S, S] document-causal mask: quadratic in S,
 # per layer. The fused default (SDPA) keeps a logsumexp instead of the probabilities, so this is an upper
-# bound on what a run saves; modelling the fused path exactly is left to do (docs/planning.md).
+# bound on what a run saves; modelling the fused path exactly is left to do (docs/planning.md). Under context
+# parallelism (cp > 1) the dense core is ``latent_attention``'s, counted as it saves (no [S, S] terms; checked
+# against autograd on tiny-v3 as rank 1 of 2, tests/test_plan_v3.py).
 # V3.2's lightning indexer is counted from its config (its top-k indices), though trex does not build
 # the V3.2 model yet; its attention is planned as the dense MLA core. Layer kinds: "mla/dense",
 # "mla/moe" and "mla/mtp" (an MTP block's extra norms and eh_proj input). Checked against autograd on
@@ -322,24 +325,35 @@ def is_v3(cfg) -> bool:
     return getattr(cfg, "architecture", None) == "deepseek_v3"
 
 
-def v3_attention(cfg, S: int, b: int) -> float:
-    """One sequence of S tokens through attn_norm and MLA."""
+def v3_attention(cfg, S: int, b: int, cp: int = 1) -> float:
+    """One sequence of S tokens through attn_norm and MLA, on one of ``cp`` context-parallel ranks (its s = S / cp
+    rows). At cp > 1 the dense MLA runs the kernel op ``latent_attention`` (trex.kernels.latent_attention: keys
+    and values expanded a chunk at a time and again in backward): it keeps the gathered [S, kv_lora_rank +
+    qk_rope_head_dim] latent and k_pe and the rows' document ids, and of its own rows q, the output (wo's input
+    is a view of it) and the fp32 log-sum-exp per head, nothing quadratic. V3.2's sparse MLA expands every
+    row's keys and values as at cp = 1: its per-key terms count S rows, its per-query terms s rows, the mask
+    and probabilities s x S."""
     d, H, q, kv, rd = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     qk, nope, dv = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    s = S // cp
     per_tok = _rms_norm(d) + b * d  # attn_norm; wq_a / wkv_a input (one tensor)
     if q:
         per_tok += _rms_norm(q) + b * q  # q_norm, wq_b input
     per_tok += 2 * F32 * rd  # RoPE of q and k_pe: each keeps its complex rotation [rd/2]
     # kv_norm: its fp32 input (at fp32 the split view keeps wkv_a's whole [latent | k_pe] output), rstd,
-    # normalised latent; wkv_b input
-    per_tok += F32 * (kv + rd if b == F32 else kv) + F32 * (kv + 1) + b * kv
-    per_tok += 2 * F32 * H * qk  # q and k as the fp32 operands of the scores (scores_fp32)
-    per_tok += b * H * (nope + dv)  # v: a view of wkv_b's output, which it keeps whole
+    # normalised latent
+    per_tok += F32 * (kv + rd if b == F32 else kv) + F32 * (kv + 1)
+    if cp > 1 and not cfg.index_topk:  # latent_attention: q, the output, the log-sum-exp; the gathered latent,
+        return (per_tok + b * H * (qk + dv) + F32 * H) * s + (b * (kv + rd) + I64) * S  # the rows' document ids
+    per_tok += F32 * H * qk  # q as the fp32 operand of the scores (scores_fp32)
     per_tok += b * H * dv  # wo input
     if cfg.index_topk:  # V3.2: the indexer's top-k indices (its scores run without gradient)
         per_tok += I64 * min(cfg.index_topk, S)
-    per_seq = S * S * (1 + H * (F32 + (b if b != F32 else 0)))  # mask; fp32 probabilities and their cast
-    return per_tok * S + per_seq
+    # per key row: wkv_b's input (at cp > 1 a view of the gathered [latent | k_pe]); k as the fp32 operand of the
+    # scores; v, a view of wkv_b's output, which it keeps whole
+    per_key = b * (kv if cp == 1 else kv + rd) + F32 * H * qk + b * H * (nope + dv)
+    per_seq = s * S * (1 + H * (F32 + (b if b != F32 else 0)))  # mask; fp32 probabilities and their cast
+    return per_tok * s + per_key * S + per_seq
 
 
 def v3_ffn(cfg, moe_layer: bool, b: int) -> float:
@@ -361,15 +375,16 @@ def v3_ffn(cfg, moe_layer: bool, b: int) -> float:
     return per
 
 
-def v3_block(cfg, kind: str, S: int, b: int) -> LayerActivations:
+def v3_block(cfg, kind: str, S: int, b: int, cp: int = 1) -> LayerActivations:
     moe_layer = kind != V3_DENSE
+    s = S // cp
     per_seq = (4 * cfg.n_routed_experts + 2 * F32 * cfg.n_routed_experts) if moe_layer else 0  # offsets; balance
     d = cfg.hidden_size
     # enorm, hnorm (at fp32 its input is the previous head's input, saved already), eh_proj input [2d]; the
     # module's final norm
-    mtp = (3 * _rms_norm(d) - (F32 * d if b == F32 else 0) + 2 * b * d) * S if kind == V3_MTP else 0.0
-    return LayerActivations(mhc=0.0, attention=v3_attention(cfg, S, b) + mtp,
-                            moe=v3_ffn(cfg, moe_layer, b) * S + per_seq)
+    mtp = (3 * _rms_norm(d) - (F32 * d if b == F32 else 0) + 2 * b * d) * s if kind == V3_MTP else 0.0
+    return LayerActivations(mhc=0.0, attention=v3_attention(cfg, S, b, cp) + mtp,
+                            moe=v3_ffn(cfg, moe_layer, b) * s + per_seq)
 
 
 def v3_weight_copies(cfg, kind: str, b: int) -> float:
@@ -391,12 +406,19 @@ def v3_model_level(cfg, S: int, b: int, heads: bool = True) -> float:
     return total
 
 
-def v3_backward_workspace(cfg, S: int, b: int) -> float:
-    """Transient bytes while one V3 block runs backward: the gradients of its output and input streams,
-    and the attention core's [H, S, S] gradients (of the probabilities at the compute dtype, of the fp32
-    scores through softmax and the mask). An estimate, not measured."""
-    H = cfg.num_attention_heads
-    return 2 * b * cfg.hidden_size * S + (2 * F32 + b) * H * S * S
+def v3_backward_workspace(cfg, S: int, b: int, cp: int = 1) -> float:
+    """Transient bytes while one V3 block runs backward on one of ``cp`` ranks: the gradients of its output and
+    input streams (its s = S / cp rows), and the attention core's: [H, s, S] gradients (of the probabilities
+    at the compute dtype, of the fp32 scores through softmax and the mask); at cp > 1 for the dense MLA
+    ``latent_attention``'s fp32 dq, the gathered latent's and k_pe's fp32 gradients and three fp32
+    [H, tile, chunk] tiles (the scores turned probabilities in place, a matmul's output, dP turned dS). An
+    estimate, not measured."""
+    H, s = cfg.num_attention_heads, S // cp
+    streams = 2 * b * cfg.hidden_size * s
+    if cp > 1 and not cfg.index_topk:
+        tile = min(latent_attention.TILE, s) * min(latent_attention.CHUNK, S)
+        return streams + F32 * (H * cfg.qk_head_dim * s + (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * S + 3 * H * tile)
+    return streams + (2 * F32 + b) * H * s * S
 
 
 def v3_kinds(cfg) -> list[str]:

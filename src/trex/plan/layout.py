@@ -17,21 +17,15 @@ import dataclasses
 from dataclasses import dataclass
 
 from trex.models.config import ModelConfig
-from trex.models.deepseek_v4 import check_shardable
+from trex.models.registry import check_shardable
 
 RECOMPUTE = ("none", "selective", "full")
-NO_CP_V3 = ("trex plan does not model context parallelism for the DeepSeek-V3 family yet (its MLA gathers "
-            "KV latents, not V4's halos and entries; trex train runs it): cp = 1 only")
 
 
 def check_context_parallel(cfg: ModelConfig, seq_len: int, cp: int) -> None:
-    """ValueError unless a sequence of ``seq_len`` splits over ``cp`` context-parallel ranks (V4 and V4.1:
-    trex.models.deepseek_v4.check_shardable; the DeepSeek-V3 family: cp = 1 only, as the timing and memory
-    models here count V4's context-parallel traffic)."""
-    if getattr(cfg, "architecture", None) == "deepseek_v3":
-        if cp != 1:
-            raise ValueError(f"cp={cp}: {NO_CP_V3}")
-        return
+    """ValueError unless a sequence of ``seq_len`` splits over ``cp`` context-parallel ranks, by the rule of the
+    model's family (trex.models.registry.check_shardable: V4's compression windows and halos, the V3 family's
+    equal shards); the message names lengths that would work."""
     check_shardable(cfg, seq_len, cp)
 
 

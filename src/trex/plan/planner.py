@@ -12,7 +12,7 @@ from trex.hardware import HardwareProfile
 from trex.logs import plural
 from trex.models.config import ModelConfig
 from trex.plan.drafter import DrafterPlan, drafter_plan
-from trex.plan.layout import NO_CP_V3, Layout, PlanError, check_context_parallel
+from trex.plan.layout import Layout, PlanError, check_context_parallel
 from trex.plan.memory import HEADROOM, MemoryBreakdown, memory
 from trex.plan.model_facts import ModelFacts, model_facts
 from trex.plan.timing import StepTime, TimeAssumptions, step_time, training_flops
@@ -32,7 +32,6 @@ class Plan:
     flops_per_token: float
     assumptions: TimeAssumptions
     routed_experts: int = 0  # per MoE layer (the model's n_routed_experts): what ep must divide
-    v3: bool = False  # the DeepSeek-V3 family (no context parallelism)
     v32: bool = False  # DeepSeek-V3.2 (planned from its config; not built)
     drafter: DrafterPlan | None = None  # a recipe's [drafter] re-fit (trex.plan.drafter)
 
@@ -75,8 +74,6 @@ class Plan:
             out.append(f"{self.hardware.name} states no host memory: offloaded state is not checked")
         if ep_note := expert_parallel_note(self.layout, self.routed_experts):
             out.append(ep_note)
-        if self.v3:
-            out.append(f"{NO_CP_V3} (the planner offers no other)")
         if self.v32:
             out.append("DeepSeek-V3.2 is planned from its config (the indexer's parameters and FLOPs, attention over its "
                        "top-k; activations as the dense MLA core plus the top-k indices): trex does not build V3.2 yet")
@@ -113,7 +110,7 @@ def make_plan(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfil
                 memory=memory(cfg, facts, layout, seq_len, b),
                 time=step_time(cfg, facts, layout, seq_len, hw, assume, b),
                 flops_per_token=training_flops(cfg, seq_len).total, assumptions=assume,
-                routed_experts=cfg.n_routed_experts, v3=getattr(cfg, "architecture", None) == "deepseek_v3",
+                routed_experts=cfg.n_routed_experts,
                 v32=bool(getattr(cfg, "index_topk", 0)) and getattr(cfg, "architecture", None) == "deepseek_v3")
 
 

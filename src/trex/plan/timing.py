@@ -12,10 +12,15 @@ Communication per step and device, ring algorithms (a device moves (g-1)/g of th
          there and back, and the rows' gradients back when the tables train (counted with EP);
   CP     per layer and micro-batch, forward and backward (and again in a recompute): the halo
          exchange of the layer's input rows with the neighbours, the all-gather of the compressed
-         entries (and the indexer's keys, forward only), the reduce-scatter of their gradients.
+         entries (and the indexer's keys, forward only), the reduce-scatter of their gradients; for
+         the DeepSeek-V3 family no halo, the all-gather of every row's MLA latent and k_pe
+         (kv_lora_rank + qk_rope_head_dim values a token) and the reduce-scatter of its gradient
+         (and V3.2's index keys, forward only).
 Context-parallel ranks of one group wait for the busiest: with contiguous shards the last one,
 whose queries see the most compressed entries (HCA attention and the CSA indexer's scores grow with
-the position); its FLOPs per token are the mean over the last S / cp positions.
+the position); its FLOPs per token are the mean over the last S / cp positions. The V3 family's
+shards do equal work (the dense document-causal mask skips nothing), the mean per token, plus the
+``wkv_b`` expansion of the other ranks' rows (``v3_cp_extra_flops``).
 A group of g ranks runs at the intra-node bandwidth when it fits in one node, at the
 inter-node bandwidth otherwise. ``fsdp_overlap`` / ``ep_overlap`` of that time hides behind
 compute (never more than the compute itself). Optimizer: the Newton-Schulz FLOPs of Muon split
@@ -32,7 +37,7 @@ from trex.models.config import CSA, ModelConfig
 from trex.models.config_v41 import CSA2
 from trex.models.deepseek_v4 import shard_halo
 from trex.models.flops import FlopsPerToken, flops_per_token
-from trex.plan.activations import layer_kind, layer_kinds, mtp_blocks
+from trex.plan.activations import is_v3, layer_kind, layer_kinds, mtp_blocks
 from trex.plan.layout import Layout
 from trex.plan.model_facts import ModelFacts
 
@@ -104,8 +109,22 @@ def busiest_shard_flops(cfg: ModelConfig, seq_len: int, cp: int) -> float:
     total = training_flops(cfg, seq_len).total
     if cp == 1:
         return total
+    if is_v3(cfg):
+        return total + v3_cp_extra_flops(cfg, cp)
     before = seq_len - seq_len // cp
     return (seq_len * total - before * training_flops(cfg, before).total) / (seq_len - before)
+
+
+def v3_cp_extra_flops(cfg, cp: int) -> float:
+    """Training FLOPs per token a V3-family rank runs at cp > 1 beyond one process's: each rank expands the
+    gathered latent of all S = cp x s rows through ``wkv_b`` (2 x kv_lora_rank x H x (nope + v) a row) in
+    forward, again in ``latent_attention``'s backward, and back-propagates it (dX and dW, twice that): 4 x cp
+    expansions per own row against one process's 3, in every layer and MTP block. V3.2's sparse MLA expands
+    once in forward: 3 x cp. A recomputed forward's expansion of the other ranks' rows is not counted (1 x cp
+    - 1 more per row and layer under recomputation)."""
+    per_row = 2 * cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    runs = (3 if cfg.index_topk else 4) * cp - 3
+    return runs * per_row * (cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
 
 
 def cp_traffic(cfg: ModelConfig, seq_len: int, b: int) -> tuple[float, float]:
@@ -114,6 +133,11 @@ def cp_traffic(cfg: ModelConfig, seq_len: int, b: int) -> tuple[float, float]:
     ring-collective buffer bytes: each compressed layer's entries, all-gathered forward and their
     gradients reduce-scattered backward, and the CSA indexer's keys, forward only)."""
     halo = gathered = 0.0
+    if is_v3(cfg):  # no halo; every MLA layer (MTP blocks too) gathers [latent | k_pe], V3.2 its index keys
+        layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+        gathered = layers * seq_len * b * (2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+                                           + (cfg.index_head_dim if cfg.index_topk else 0))
+        return halo, gathered
     kinds = (*layer_kinds(cfg), *[cfg.mtp_layer_type] * mtp_blocks(cfg))
     for kind, n in Counter(kinds).items():
         lt, m, computes_entries, _ = layer_kind(cfg, kind)

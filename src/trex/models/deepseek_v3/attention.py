@@ -18,7 +18,10 @@ Decoding (trex.models.deepseek_v3.decode) caches each token's normed latent and 
 in the absorbed MQA form; this module hands it the projections (``query``, ``latent_kv``).
 
 Context parallelism (``SequenceContext.shard``): the queries are this rank's rows; the keys and values the
-whole rows', made from the gathered latent (``gather_latent``).
+whole rows', made from the gathered latent (``gather_latent``) by the kernel op ``latent_attention``
+(trex.kernels.latent_attention), which expands them a chunk of keys at a time inside an online softmax and
+again in backward, so that a rank holds the S x 576 latent, not S x H x (qk_head_dim + v_head_dim) keys and
+values. V3.2's ``SparseMLA`` overrides ``core``: it attends to its picks in the absorbed form.
 """
 
 from __future__ import annotations
@@ -100,8 +103,12 @@ class MLA(nn.Module):
              k_pe: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
         """The attention core: this rank's queries q [B, s, H, qk_head_dim] against the whole rows' normed
         latent [B, S, kv_lora_rank] and rotated k_pe [B, S, rope], expanded by ``wkv_b`` into keys and values
-        -> [B, s, H, v_head_dim], causal within each document. V3.2's ``SparseMLA`` (deepseek_v3.dsa) reads x
-        and the query latent qr [B, s, q_lora_rank] too, and attends to its indexer's picks only."""
+        -> [B, s, H, v_head_dim], causal within each document; under context parallelism a chunk of keys and
+        values at a time (``latent_attention``). V3.2's ``SparseMLA`` (deepseek_v3.dsa) reads x and the query
+        latent qr [B, s, q_lora_rank] too, and attends to its indexer's picks only."""
+        if ctx.shard is not None:
+            return kernels.get("latent_attention", q.device.type)(q, latent, k_pe, self.wkv_b.quantized_weight(),
+                                                                  self.softmax_scale, ctx.full_doc, q_start=ctx.t0)
         B, T = latent.shape[:2]
         H = self.n_heads
         kv = self.wkv_b(latent).view(B, T, H, self.nope + self.v_dim)
@@ -121,9 +128,10 @@ def gather_latent(ctx: SequenceContext, latent: torch.Tensor, k_pe: torch.Tensor
     sequence, not only its own (2 x kv_lora_rank x H x (nope + v) = 33.6 MFLOP per token and layer forward at the
     released size for each other rank's rows, 2.9% of the layer's matmuls outside the attention core; its
     weight's gradient is summed over the group as every parameter's is). Each rank's queries then attend to all
-    S keys under the document-causal mask offset by its first row (``dense_attention``'s ``q_start``): every
-    rank scores s x S, the group together S x S, as one process does. RoPE is applied before the gather at each
-    row's own position. Memory: the expanded keys and values of all S rows live on every rank for the layer's
-    backward (docs/distributed.md: what does not shrink with cp)."""
+    S keys under the document-causal mask offset by its first row (``q_start``): every rank scores s x S, the
+    group together S x S, as one process does. RoPE is applied before the gather at each row's own position.
+    Memory: ``latent_attention`` expands the keys and values a chunk at a time and recomputes them in backward,
+    so a rank holds the gathered S x 576 and its own rows' queries and outputs, not all S rows' keys and values
+    (16.5 GB a layer at S = 128K, cp = 8 in bf16 before, 1.5 GB after: trex.kernels.latent_attention)."""
     both = ctx.gather(torch.cat((latent, k_pe), dim=-1))
     return both.split([latent.shape[-1], k_pe.shape[-1]], dim=-1)
