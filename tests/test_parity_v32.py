@@ -34,7 +34,7 @@ def test_logits_loss_and_gradients_match_transformers(tmp_path):
     r = ref(ids, labels=labels)
     o = ours(ids, labels=labels)
     assert (r.logits - o.logits).abs().max().item() <= 1e-4
-    assert _rel(o.logits, r.logits) <= 1e-5  # measured 5.2e-7
+    assert _rel(o.logits, r.logits) <= 1e-5  # measured 6.0e-7
     assert abs(r.loss.item() - o.loss.item()) <= 1e-5 * abs(r.loss.item())
     ref.config.index_topk = ours.cfg.index_topk = 64  # every visible key: the picks above did matter
     for layer in [*ref.model.layers]:
@@ -67,7 +67,7 @@ def test_logits_loss_and_gradients_match_transformers(tmp_path):
 def test_save_pretrained_is_read_by_load_pretrained_and_transformers(tmp_path):
     """A tiny-v3.2 (the k_norm's bias random) written in the released names (``self_attn.indexer.wq_b`` keeps
     its name): trex reads it back to the same logits exactly, transformers' DeepseekV32ForCausalLM to within
-    fp32 rounding (measured 2.2e-7 norm-relative; it ignores the MTP layer, which it does not build)."""
+    fp32 rounding (measured 2.5e-7 norm-relative; it ignores the MTP layer, which it does not build)."""
     import transformers
 
     from trex.checkpoint.save import save_pretrained

@@ -12,7 +12,7 @@ fidelity runs, debugging); or per op, comma-separated ``op=impl`` with impl ``re
 or a named alternative (``sparse_attention=flex``: FlexAttention, trex.kernels.flex_attention).
 Each fast path and alternative has an equivalence test against its reference
 (tests/test_kernels.py, tests/test_flex_attention.py, tests/test_dense_attention.py,
-tests/test_latent_attention.py). Vendor plugins
+tests/test_latent_attention.py, tests/test_sparse_mla.py). Vendor plugins
 register their kernels with ``register``.
 """
 
@@ -26,6 +26,7 @@ from trex.kernels import dense_attention as _dense_attention
 from trex.kernels import latent_attention as _latent_attention
 from trex.kernels import reference
 from trex.kernels import sparse_attention as _sparse_attention
+from trex.kernels import sparse_mla as _sparse_mla
 
 _REFERENCE: dict[str, Callable] = {
     "rms_norm": reference.rms_norm,
@@ -33,6 +34,7 @@ _REFERENCE: dict[str, Callable] = {
     "sparse_attention": _sparse_attention.reference,
     "dense_attention": _dense_attention.reference,
     "latent_attention": _latent_attention.reference,
+    "sparse_mla": _sparse_mla.reference,
 }
 _FAST: dict[tuple[str, str], Callable] = {}
 ANY = "*"  # the device type of a vendor-neutral default
@@ -104,3 +106,5 @@ register("dense_attention", "cpu", _dense_attention.sdpa_padded_values)
 # MLA's core from the gathered latent under context parallelism: keys and values expanded a chunk at a time,
 # an online softmax, recomputed in backward (what a rank holds shrinks with cp)
 register("latent_attention", ANY, _latent_attention.chunked)
+# DeepSeek-V3.2's MLA over the indexer's picks: chunked gathers, linear in S (the mask form is quadratic)
+register("sparse_mla", ANY, _sparse_mla.gathered)

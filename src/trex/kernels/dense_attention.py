@@ -20,9 +20,8 @@ training), registered as the op ``dense_attention``:
 Shapes: q [B, Sq, H, dk]; k [B, S, H, dk]; v [B, S, H, dv]; doc [B, S] the keys' segment ids (packed
 documents; a left-padding run is a segment of its own, so every query sees at least itself). The queries are
 the keys' rows ``q_start`` .. ``q_start + Sq - 1`` (context parallelism: a rank's shard of queries against the
-whole rows' keys; Sq = S and q_start 0 otherwise). ``keep`` [B, Sq, S] bool (optional; DeepSeek-V3.2's sparse
-attention: the keys each query's indexer picked) restricts the keys further, and must leave each query a
-visible key (an empty row would be a softmax over nothing). Returns [B, Sq, H, dv] in v's dtype.
+whole rows' keys; Sq = S and q_start 0 otherwise). Returns [B, Sq, H, dv] in v's dtype. (DeepSeek-V3.2's MLA
+over its indexer's picks is the op ``sparse_mla``.)
 """
 
 from __future__ import annotations
@@ -33,22 +32,21 @@ import torch.nn.functional as F
 from trex.kernels.sparse_attention import scores_fp32
 
 
-def document_causal_mask(doc: torch.Tensor, q_start: int = 0, q_len: int | None = None,
-                         keep: torch.Tensor | None = None) -> torch.Tensor:
+def document_causal_mask(doc: torch.Tensor, q_start: int = 0, q_len: int | None = None) -> torch.Tensor:
     """doc [B, S] segment ids -> [B, 1, Sq, S] bool: query row t (of rows q_start .. q_start + Sq - 1, Sq =
-    ``q_len`` or S) sees key s <= t of its own document (and, with ``keep`` [B, Sq, S], only the keys it keeps)."""
+    ``q_len`` or S) sees key s <= t of its own document."""
     S = doc.shape[1]
     Sq = S if q_len is None else q_len
     causal = torch.ones(Sq, S, dtype=torch.bool, device=doc.device).tril(q_start)
     q_doc = doc[:, q_start:q_start + Sq]
     visible = causal & (q_doc[:, :, None] == doc[:, None, :])
-    return (visible if keep is None else visible & keep)[:, None]
+    return visible[:, None]
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc: torch.Tensor,
-              q_start: int = 0, keep: torch.Tensor | None = None) -> torch.Tensor:
+              q_start: int = 0) -> torch.Tensor:
     """fp32 [B, H, Sq, S] scores and softmax, the probabilities in v's dtype (see the module docstring)."""
-    visible = document_causal_mask(doc, q_start, q.shape[1], keep)
+    visible = document_causal_mask(doc, q_start, q.shape[1])
     scores = scores_fp32(q.transpose(1, 2), k.permute(0, 2, 3, 1)) * scale  # [B, H, Sq, S]
     scores = scores.masked_fill(~visible, float("-inf"))
     p = scores.softmax(dim=-1).to(v.dtype)
@@ -56,18 +54,18 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, d
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc: torch.Tensor,
-         q_start: int = 0, keep: torch.Tensor | None = None) -> torch.Tensor:
+         q_start: int = 0) -> torch.Tensor:
     """``reference``'s contract through ``F.scaled_dot_product_attention`` (see the module docstring)."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=document_causal_mask(doc, q_start, q.shape[1], keep), scale=scale)
+                                         attn_mask=document_causal_mask(doc, q_start, q.shape[1]), scale=scale)
     return out.transpose(1, 2)
 
 
 def sdpa_padded_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc: torch.Tensor,
-                       q_start: int = 0, keep: torch.Tensor | None = None) -> torch.Tensor:
+                       q_start: int = 0) -> torch.Tensor:
     """``sdpa`` with v zero-padded to q's head dim, the padding sliced off (see the module docstring)."""
     dv = v.shape[-1]
     pad = q.shape[-1] - dv
     if pad <= 0:
-        return sdpa(q, k, v, scale, doc, q_start, keep)
-    return sdpa(q, k, F.pad(v, (0, pad)), scale, doc, q_start, keep)[..., :dv]
+        return sdpa(q, k, v, scale, doc, q_start)
+    return sdpa(q, k, F.pad(v, (0, pad)), scale, doc, q_start)[..., :dv]

@@ -205,13 +205,13 @@ class SparseAttention(torch.autograd.Function):
 CHUNK_BYTES = 8 << 20
 
 
-def _chunks(S: int, per_query_bytes: int):
-    """Query ranges [t0, t1) of at most CHUNK_BYTES // per_query_bytes queries."""
-    step = max(1, CHUNK_BYTES // max(1, per_query_bytes))
+def query_chunks(S: int, per_query_bytes: int, budget: int = CHUNK_BYTES):
+    """Query ranges [t0, t1) of at most budget // per_query_bytes queries (budget: CHUNK_BYTES)."""
+    step = max(1, budget // max(1, per_query_bytes))
     return [(t0, min(S, t0 + step)) for t0 in range(0, S, step)]
 
 
-def _take(compressed: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def take_rows(compressed: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """compressed [B, N, c], idx [B, T, k] -> [B, T, k, c] by one row lookup."""
     B, N, c = compressed.shape
     flat = (idx + torch.arange(B, device=idx.device).view(B, 1, 1) * N).reshape(-1)
@@ -226,8 +226,8 @@ def entry_scores(x: torch.Tensor, compressed: torch.Tensor, idx: torch.Tensor | 
     if idx is None:
         return mm(x.reshape(B, S * H, c), compressed.transpose(1, 2)).view(B, S, H, -1)
     out = x.new_empty(B, S, H, idx.shape[-1], dtype=torch.float32 if fp32 else x.dtype)
-    for t0, t1 in _chunks(S, B * idx.shape[-1] * c * x.element_size()):
-        entries = _take(compressed, idx[:, t0:t1]).flatten(0, 1)  # [B*T, k, c]
+    for t0, t1 in query_chunks(S, B * idx.shape[-1] * c * x.element_size()):
+        entries = take_rows(compressed, idx[:, t0:t1]).flatten(0, 1)  # [B*T, k, c]
         out[:, t0:t1] = mm(x[:, t0:t1].flatten(0, 1), entries.transpose(1, 2)).unflatten(0, (B, -1))
     return out
 
@@ -239,8 +239,8 @@ def _values(p: torch.Tensor, compressed: torch.Tensor, idx: torch.Tensor | None)
     if idx is None:
         return (p.reshape(B, S * H, -1) @ compressed).view(B, S, H, c)
     out = p.new_empty(B, S, H, c)
-    for t0, t1 in _chunks(S, B * idx.shape[-1] * c * p.element_size()):
-        entries = _take(compressed, idx[:, t0:t1]).flatten(0, 1)  # [B*T, k, c]
+    for t0, t1 in query_chunks(S, B * idx.shape[-1] * c * p.element_size()):
+        entries = take_rows(compressed, idx[:, t0:t1]).flatten(0, 1)  # [B*T, k, c]
         out[:, t0:t1] = torch.bmm(p[:, t0:t1].flatten(0, 1), entries).unflatten(0, (B, -1))
     return out
 
@@ -259,7 +259,7 @@ def _entry_grads(ds: torch.Tensor, p: torch.Tensor, q: torch.Tensor, d_out: torc
     k = idx.shape[-1]
     grad = torch.zeros(B * N, c, dtype=q.dtype, device=q.device)
     offset = torch.arange(B, device=idx.device).view(B, 1, 1) * N
-    for t0, t1 in _chunks(S, B * k * c * q.element_size()):
+    for t0, t1 in query_chunks(S, B * k * c * q.element_size()):
         w = torch.cat((ds[:, t0:t1], p[:, t0:t1]), dim=2).flatten(0, 1)  # [B*T, 2H, k]
         per_pick = torch.bmm(w.transpose(1, 2), torch.cat((q[:, t0:t1], d_out[:, t0:t1]), dim=2).flatten(0, 1))
         grad.index_add_(0, (idx[:, t0:t1] + offset).reshape(-1), per_pick.reshape(-1, c))

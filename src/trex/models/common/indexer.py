@@ -31,13 +31,16 @@ def select_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: t
     return top.indices, top.values > float("-inf")
 
 
-def alignment_kl(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
-                 target: torch.Tensor) -> torch.Tensor:
+def alignment_kl(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor | None,
+                 valid: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """KL(target || softmax of the index scores) per query over the entries idx names: q [B, T, H_I, c_I],
     w [B, T, H_I], keys [B, N, c_I], idx, valid, target [B, T, k] (target: a distribution over each query's
-    valid entries) -> [B, T]; 0 for a query with fewer than two valid entries (nothing to learn)."""
-    picked = gather_rows(keys, idx)  # [B, T, k, c_I]
-    scores = torch.einsum("bthc,btkc->bthk", q, picked).relu()
+    valid entries) -> [B, T]; 0 for a query with fewer than two valid entries (nothing to learn). idx None:
+    over all N entries (valid, target [B, T, N]; the dense warm-up), no gather."""
+    if idx is None:
+        scores = torch.einsum("bthc,bnc->bthn", q, keys).relu()
+    else:
+        scores = torch.einsum("bthc,btkc->bthk", q, gather_rows(keys, idx)).relu()  # [B, T, k, c_I] picked
     scores = torch.einsum("bthk,bth->btk", scores, w).masked_fill(~valid, float("-inf"))
     logq = torch.log_softmax(scores, dim=-1)
     terms = target * (torch.log(target.clamp(min=1e-30)) - logq)

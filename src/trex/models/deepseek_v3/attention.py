@@ -21,7 +21,7 @@ Context parallelism (``SequenceContext.shard``): the queries are this rank's row
 whole rows', made from the gathered latent (``gather_latent``) by the kernel op ``latent_attention``
 (trex.kernels.latent_attention), which expands them a chunk of keys at a time inside an online softmax and
 again in backward, so that a rank holds the S x 576 latent, not S x H x (qk_head_dim + v_head_dim) keys and
-values. A subclass with an ``attend`` of its own (V3.2's ``SparseMLA``) gets the expanded keys and values.
+values. V3.2's ``SparseMLA`` overrides ``core``: it attends to its picks in the absorbed form.
 """
 
 from __future__ import annotations
@@ -90,8 +90,6 @@ class MLA(nn.Module):
         ``cache.prefill``; a decode step (x [B, 1, d]) is ``cache.step``'s."""
         if ctx.decoding:
             return ctx.cache.step(self, x, ctx)
-        B, S, _ = x.shape
-        H = self.n_heads
         cos, sin = self.rope_table(ctx)
         qr = self.q_norm(self.wq_a(x)) if self.q_latent else None  # the query latent (V3.2's indexer reads it)
         q = self.query(x, cos, sin, qr)
@@ -99,22 +97,23 @@ class MLA(nn.Module):
         if ctx.cache is not None:
             ctx.cache.prefill(self, latent, k_pe, ctx)
         latent, k_pe = gather_latent(ctx, latent, k_pe)  # the whole rows' under context parallelism
-        if ctx.shard is not None and type(self).attend is MLA.attend:  # keys and values a chunk at a time
-            o = kernels.get("latent_attention", x.device.type)(q, latent, k_pe, self.wkv_b.quantized_weight(),
-                                                               self.softmax_scale, ctx.full_doc, q_start=ctx.t0)
-            return self.wo(o.flatten(2))
-        T = latent.shape[1]
+        return self.wo(self.core(x, qr, q, latent, k_pe, ctx).flatten(2))
+
+    def core(self, x: torch.Tensor, qr: torch.Tensor | None, q: torch.Tensor, latent: torch.Tensor,
+             k_pe: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
+        """The attention core: this rank's queries q [B, s, H, qk_head_dim] against the whole rows' normed
+        latent [B, S, kv_lora_rank] and rotated k_pe [B, S, rope], expanded by ``wkv_b`` into keys and values
+        -> [B, s, H, v_head_dim], causal within each document; under context parallelism a chunk of keys and
+        values at a time (``latent_attention``). V3.2's ``SparseMLA`` (deepseek_v3.dsa) reads x and the query
+        latent qr [B, s, q_lora_rank] too, and attends to its indexer's picks only."""
+        if ctx.shard is not None:
+            return kernels.get("latent_attention", q.device.type)(q, latent, k_pe, self.wkv_b.quantized_weight(),
+                                                                  self.softmax_scale, ctx.full_doc, q_start=ctx.t0)
+        B, T = latent.shape[:2]
+        H = self.n_heads
         kv = self.wkv_b(latent).view(B, T, H, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_pe[:, :, None].expand(B, T, H, self.rope)), dim=-1)
-        return self.wo(self.attend(x, qr, q, k, v, ctx).flatten(2))
-
-    def attend(self, x: torch.Tensor, qr: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               ctx: SequenceContext) -> torch.Tensor:
-        """The attention core: this rank's queries q [B, s, H, qk_head_dim] against the whole rows' k [B, S, H,
-        qk_head_dim], v [B, S, H, v_head_dim] -> [B, s, H, v_head_dim], causal within each document. V3.2's
-        ``SparseMLA`` (deepseek_v3.dsa) keeps only its indexer's picks of x and the query latent qr [B, s,
-        q_lora_rank]."""
         return kernels.get("dense_attention", q.device.type)(q, k, v, self.softmax_scale, ctx.full_doc, q_start=ctx.t0)
 
 

@@ -29,22 +29,27 @@ Context parallelism: each rank scores its queries against the whole rows' index 
 a token at the released size, beside MLA's gathered latents), and the KL's key gradients go back to their
 rows' owners.
 
-Scaling: the picks become a [B, S, S] boolean mask over MLA's dense scores (the ``dense_attention``
-kernel's ``keep``), the selection scores [B, S, H_I, S] in one go, and ``align`` gathers [B, S, k, c_I]
-picked keys and scores the main attention's [B, S, H, S] probabilities without a gradient: fine at
-test sizes, quadratic in S. At the released size (S = 128K, k = 2048, 128 heads) a run needs the query
-chunking of DeepSeek-V4's ``Indexer`` for the selection and the KL, and a gather-based sparse MLA
-over the 576-wide latents of the picks once k < S / 2 (as V4's compressed-sparse attention gathers).
+Scaling: MLA attends to the picks through the kernel op ``sparse_mla`` in the absorbed form (``SparseMLA.absorbed``:
+q_nope through ``wkv_b``'s key rows, the picks' 576-wide latent + k_pe gathered by query chunks, the latent sum
+lifted by the value rows), linear in S; its reference is the mask form. The selection, the KL and the recall
+run by query chunks (``Indexer.chunks``, CHUNK_BYTES): nothing [S, S, heads] is alive at once, and each KL
+chunk is checkpointed with its target recomputed inside, so backward holds one chunk too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from trex import kernels
+from trex.kernels import quantize
 from trex.kernels.dense_attention import document_causal_mask
+from trex.kernels.sparse_attention import query_chunks, scores_fp32
+from trex.kernels.sparse_mla import pick_probs
 from trex.models.common.context import SequenceContext
 from trex.models.common.indexer import alignment_kl, picked_mass, select_topk
 from trex.models.common.linear import QuantLinear
@@ -54,6 +59,7 @@ from trex.models.deepseek_v3.attention import MLA
 from trex.models.deepseek_v3.config import V3Config
 
 K_NORM_EPS = 1e-6  # DeepSeek's LayerNorm default and transformers' k_norm
+CHUNK_BYTES = 256 << 20  # the indexer's fp32 scores (and the KL's target) of one query chunk
 
 
 class Indexer(nn.Module):
@@ -91,25 +97,61 @@ class Indexer(nn.Module):
         cos, sin = ctx.rope["main"]
         return *self.queries(x, qr, cos, sin), ctx.gather(self.keys(x, cos, sin))
 
+    def chunks(self, B: int, s: int, N: int, heads: int = 0) -> list[tuple[int, int]]:
+        """Query ranges of this rank's s queries against N entries whose fp32 index scores [B, T, H_I, N] (and,
+        ``heads`` > 0, the main attention's [B, T, heads, N]: the KL's target) fit CHUNK_BYTES (a few copies)."""
+        return query_chunks(s, 3 * 4 * B * (self.n_heads + heads) * N, CHUNK_BYTES)
+
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: SequenceContext, visible: torch.Tensor
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: SequenceContext
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The picks of this rank's queries: (idx [B, s, k] long, valid [B, s, k] bool), k = min(index_topk,
-        S), among the keys each may see (visible [B, s, S]); and the keys [B, S, c_I] (a decode cache keeps
-        them)."""
+        S), among the keys each may see (causal, same document); and the keys [B, S, c_I] (a decode cache keeps
+        them). Scored by query chunks (``chunks``)."""
         q, w, keys = self.project(x, qr, ctx)
-        return *select_topk(q, w, keys, visible, min(self.topk, keys.shape[1])), keys
+        B, s = x.shape[:2]
+        S = keys.shape[1]
+        picks = [select_topk(q[:, t0:t1], w[:, t0:t1], keys, visible_rows(ctx, t0, t1), min(self.topk, S))
+                 for t0, t1 in self.chunks(B, s, S)]
+        return torch.cat([i for i, _ in picks], dim=1), torch.cat([v for _, v in picks], dim=1), keys
 
-    def align(self, x: torch.Tensor, qr: torch.Tensor, ctx: SequenceContext, idx: torch.Tensor, valid: torch.Tensor,
-              target: torch.Tensor) -> torch.Tensor:
-        """KL(target || softmax of the index scores) over each query's entries idx (valid) [B, S, k], the
-        target [B, S, k] the main attention's distribution over them (no gradient). The inputs x, qr are
-        detached: only the indexer learns. Returns [B, 2]: per row the KL summed over queries with at
+    def align(self, x: torch.Tensor, qr: torch.Tensor, ctx: SequenceContext, idx: torch.Tensor | None,
+              valid: torch.Tensor | None, target: Callable[[int, int], torch.Tensor], heads: int) -> torch.Tensor:
+        """KL(target || softmax of the index scores) per query: over its picks idx, valid [B, s, k] (the sparse
+        stage), or with idx None over every key it may see (the dense warm-up). ``target(t0, t1)``: the main
+        attention's distribution (``heads`` heads, averaged) of queries t0..t1 over the same entries [B, T, k
+        | S], no gradient. The inputs x, qr are detached: only the indexer learns. By query chunks
+        (``chunks``), each checkpointed with its target computed inside: the index scores and the target live
+        one chunk at a time, forward and backward. Returns [B, 2]: per row the KL summed over queries with at
         least two valid entries, and their number (as DeepSeek-V4's ``Indexer.align``)."""
         q, w, keys = self.project(x.detach(), qr.detach(), ctx)
-        kl = alignment_kl(q, w, keys, idx, valid, target)
-        counted = valid.sum(dim=-1) > 1
+        B, s = x.shape[:2]
+
+        def entries(t0: int, t1: int) -> torch.Tensor:
+            return visible_rows(ctx, t0, t1) if idx is None else valid[:, t0:t1]
+
+        def chunk_kl(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+            return alignment_kl(q, w, keys, None if idx is None else idx[:, t0:t1], entries(t0, t1), target(t0, t1))
+
+        ranges = self.chunks(B, s, keys.shape[1] if idx is None else idx.shape[-1], heads)
+        kl = torch.cat([checkpoint(chunk_kl, q[:, t0:t1], w[:, t0:t1], keys, t0, t1, use_reentrant=False)
+                        for t0, t1 in ranges], dim=1)
+        counted = torch.cat([entries(t0, t1).sum(dim=-1) > 1 for t0, t1 in ranges], dim=1)
         return torch.stack((kl.sum(dim=1), counted.sum(dim=1).float()), dim=1)
+
+
+def visible_rows(ctx: SequenceContext, t0: int, t1: int) -> torch.Tensor:
+    """[B, t1 - t0, S] bool: the keys this rank's queries t0..t1 - 1 may see (causal, same document)."""
+    return document_causal_mask(ctx.full_doc, ctx.t0 + t0, t1 - t0)[:, 0]
+
+
+@torch.no_grad()
+def dense_probs(q: torch.Tensor, kv: torch.Tensor, scale: float, visible: torch.Tensor) -> torch.Tensor:
+    """The main attention's distribution over every key, averaged over heads, in the absorbed form: q [B, T, H,
+    c], kv [B, S, c], visible [B, T, S] -> fp32 [B, T, S]."""
+    B, T, H, c = q.shape
+    scores = scores_fp32(q.reshape(B, T * H, c), kv.transpose(1, 2)).view(B, T, H, -1).mul_(scale)
+    return scores.masked_fill_(~visible[:, :, None], float("-inf")).softmax(dim=-1).mean(dim=2)
 
 
 class SparseMLA(MLA):
@@ -119,40 +161,58 @@ class SparseMLA(MLA):
         super().__init__(cfg)
         self.indexer = Indexer(cfg)
 
-    def attend(self, x: torch.Tensor, qr: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               ctx: SequenceContext) -> torch.Tensor:
-        """MLA.attend over the picks (``ctx.dense_warmup``: over every visible key); records the indexer's
-        KL (``ctx.align_indexer``, training forwards) and recall (``ctx.measure_recall``). This rank's s
-        queries against the whole rows' S keys."""
+    def absorbed(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """MLA in its absorbed (MQA) form: q [B, s, H, nope + rope], the whole rows' latent, k_pe -> (q_nope
+        through ``wkv_b``'s key rows then q_pe [B, s, H, kv_lora_rank + rope], the keys [latent | k_pe] [B, S,
+        kv_lora_rank + rope], ``wkv_b``'s value rows [H, v_head_dim, kv_lora_rank]). The latent takes
+        ``wkv_b``'s FP8 input rounding when the forward simulates it, so the scores and values are the
+        expanded form's."""
+        w = self.wkv_b.quantized_weight().view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
+        if self.wkv_b.quant.activations:
+            latent = quantize.fake_fp8_act(latent, self.wkv_b.block)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        q_abs = torch.cat((torch.einsum("bshd,hdc->bshc", q_nope, w[:, :self.nope]), q_pe), dim=-1)
+        return q_abs, torch.cat((latent, k_pe), dim=-1), w[:, self.nope:]
+
+    def core(self, x: torch.Tensor, qr: torch.Tensor | None, q: torch.Tensor, latent: torch.Tensor,
+             k_pe: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
+        """MLA over the picks (``ctx.dense_warmup``: MLA.core over every visible key), the op ``sparse_mla`` in
+        the absorbed form; records the indexer's KL (``ctx.align_indexer``, training forwards) and recall
+        (``ctx.measure_recall``), by query chunks. This rank's s queries against the whole rows' S keys."""
         B, s = x.shape[:2]
-        S = k.shape[1]
-        visible = document_causal_mask(ctx.full_doc, ctx.t0, s)[:, 0]  # [B, s, S]
         warmup = getattr(ctx, "dense_warmup", False)
+        align = getattr(ctx, "align_indexer", False) and ctx.recording
+        if warmup and not align:
+            return super().core(x, qr, q, latent, k_pe, ctx)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not warmup):  # warm-up: only the KL's target
+            q_abs, kv, w_v = self.absorbed(q, latent, k_pe)
         if warmup:
-            idx, valid, keep = torch.arange(S, device=x.device).expand(B, s, S), visible, None
+            idx = valid = None
+            o = super().core(x, qr, q, latent, k_pe, ctx)
         else:
-            idx, valid, keys = self.indexer(x, qr, ctx, visible)
-            keep = torch.zeros_like(visible).scatter_(-1, idx, valid)
+            idx, valid, keys = self.indexer(x, qr, ctx)
             if ctx.cache is not None:  # a prefill: the decode steps pick among these keys too
                 ctx.cache.prefill_index(self, keys)
-        align = getattr(ctx, "align_indexer", False) and ctx.recording
-        if align or getattr(ctx, "measure_recall", False):
-            with torch.no_grad():  # the main attention's fp32 scores [B, s, H, S], per head
-                scores = torch.einsum("bthd,bshd->bths", q.float(), k.float()).mul_(self.softmax_scale)
-                scores.masked_fill_(~visible[:, :, None], float("-inf"))
-                if getattr(ctx, "measure_recall", False) and not warmup:
-                    self.indexer.recall = picked_mass(scores.softmax(dim=-1).mean(dim=2), idx, valid, visible)
-                if align:
-                    picked = scores.gather(-1, idx[:, :, None].expand(-1, -1, scores.shape[2], -1))
-                    target = picked.masked_fill(~valid[:, :, None], float("-inf")).softmax(dim=-1).mean(dim=2)
-            if align:
-                self.indexer.alignment = self.indexer.align(x, qr, ctx, idx, valid, target)
-        o = kernels.get("dense_attention", q.device.type)(q, k, v, self.softmax_scale, ctx.full_doc, q_start=ctx.t0,
-                                                          keep=keep)
-        if warmup and align:  # only the indexer trains: 0 x its KL gives the block's output a gradient, as
-            # FSDP2 gathers a unit's parameters for backward when its outputs get one (the KL's own path
-            # reaches the indexer's parameters only after that)
-            o = o + 0.0 * self.indexer.alignment[:, 0].sum()
+            o_latent = kernels.get("sparse_mla", q.device.type)(q_abs, kv, self.softmax_scale, idx, valid, self.kv_lora)
+            o = torch.einsum("bshc,hdc->bshd", o_latent, w_v)
+        q_main, kv_main, scale = q_abs.detach(), kv.detach(), self.softmax_scale
+        if getattr(ctx, "measure_recall", False) and not warmup:
+            self.indexer.recall = sum(
+                picked_mass(dense_probs(q_main[:, t0:t1], kv_main, scale, visible_rows(ctx, t0, t1)),
+                            idx[:, t0:t1], valid[:, t0:t1], visible_rows(ctx, t0, t1))
+                for t0, t1 in self.indexer.chunks(B, s, kv.shape[1], self.n_heads))
+        if align:
+            def target(t0: int, t1: int) -> torch.Tensor:
+                if idx is None:
+                    return dense_probs(q_main[:, t0:t1], kv_main, scale, visible_rows(ctx, t0, t1))
+                return pick_probs(q_main[:, t0:t1], kv_main, scale, idx[:, t0:t1], valid[:, t0:t1])
+
+            self.indexer.alignment = self.indexer.align(x, qr, ctx, idx, valid, target, self.n_heads)
+            if warmup:  # only the indexer trains: 0 x its KL gives the block's output a gradient, as FSDP2
+                # gathers a unit's parameters for backward when its outputs get one (the KL's own path reaches
+                # the indexer's parameters only after that)
+                o = o + 0.0 * self.indexer.alignment[:, 0].sum()
         return o
 
     @torch.no_grad()
