@@ -28,9 +28,14 @@ def _saved_bytes(cfg, S: int, dtype: torch.dtype, shard=None) -> Counter:
         module.register_forward_pre_hook(lambda m, i, label=label: stack.append(label) and None)
         module.register_forward_hook(lambda m, i, o: stack.pop() and None)
     seen: dict[int, tuple[str, int]] = {}
+    # every saved tensor held until the count is made: one whose part of the graph is dropped during the forward
+    # (the model's formulas count it) would otherwise free its storage, and the allocator could give the address
+    # to a later saved tensor, which the count would then skip (a count depending on the tests run before)
+    held = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
+        held.append(t)
         if storage.data_ptr() not in params and storage.data_ptr() not in seen:
             seen[storage.data_ptr()] = (stack[-1], storage.nbytes())
         return t
