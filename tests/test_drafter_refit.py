@@ -322,3 +322,30 @@ def test_grpo_refits_every_n_steps_and_after_the_last(tmp_path, monkeypatch):
         DrafterSection(enabled=True, every_n=2).check_against("sft", cfg)
     with pytest.raises(ValueError, match="drafter.enabled: the model has no DSpark drafter"):
         DrafterSection(enabled=True).check_against("grpo", tiny_v41())
+
+
+def test_the_refit_export_of_a_released_drafter_is_the_released_drafter_byte_for_byte(tmp_path):
+    """The export writes what DeepSeek's code loads: the official harness wrote tests/fixtures/v41/dspark_released
+    from the official model's own weights (FP8 ``main_proj`` with 32x32 scales, bf16 heads); that drafter loaded
+    and exported by the re-fit's writer unchanged gives every ``mtp.*`` tensor of it again, name, dtype and bytes."""
+    from test_model_v41 import DSPARK_RELEASED
+    from trex.checkpoint.load import load_drafter
+    from trex.train.drafter_refit import export_drafter
+
+    drafter = load_drafter(DSPARK_RELEASED, dtype=torch.float32, device="cpu")
+    out = export_drafter(drafter, DSPARK_RELEASED, str(tmp_path / "released"), target_step=0, main=True)
+
+    def stages(directory):
+        found = {}
+        for name in sorted(os.listdir(directory)):
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(directory, name), "pt") as f:
+                    found.update({k: f.get_tensor(k) for k in f.keys() if k.startswith("mtp.")})
+        return found
+
+    released, exported = stages(DSPARK_RELEASED), stages(out)
+    assert released and set(exported) == set(released), sorted(set(exported) ^ set(released))
+    assert any(t.dtype == torch.float8_e4m3fn for t in released.values())  # the quantised stages are in the check
+    for name, tensor in released.items():
+        assert exported[name].dtype == tensor.dtype and exported[name].shape == tensor.shape, name
+        assert torch.equal(exported[name].view(torch.uint8), tensor.view(torch.uint8)), name
