@@ -112,7 +112,7 @@ def test_an_sft_job_refits_its_drafter_and_a_resumed_refit_repeats_it_bit_for_bi
     rows = [json.loads(line) for line in open(out / "drafter_metrics.jsonl")]
     assert [r["drafter_step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["drafter/loss"] < rows[0]["drafter/loss"]
     ckpts = out / "checkpoints" / "drafter"
-    assert sorted(os.listdir(ckpts)) == ["released", "step_2", "step_4"]
+    assert sorted(os.listdir(ckpts)) == ["before", "released", "step_2", "step_4"]
     refit = _dcp_tensors(ckpts / "step_4")
     loaded = load_drafter(str(ckpts / "released"), dtype=torch.float32, device="cpu")
     for key, value in loaded.state_dict().items():  # as exported: bf16 (sinks, gains fp32) or FP8 / FP4
@@ -167,7 +167,7 @@ def test_a_post_trained_target_accepts_fewer_drafts_and_the_refit_restores_them(
     from trex.models.dspark import DSparkDrafter
     from trex.parallel.mesh import Parallel
     from trex.syncs import SyncCounter
-    from trex.train.drafter_refit import DrafterRefit
+    from trex.train.drafter_refit import DrafterRefit, trainable
 
     cfg = tiny_v41(vocab_size=64, num_nextn_predict_layers=2, dspark_target_layer_ids=[4, 5], dspark_block_size=3,
                    dspark_markov_rank=16, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2,
@@ -186,7 +186,7 @@ def test_a_post_trained_target_accepts_fewer_drafts_and_the_refit_restores_them(
     base = refit.acceptance(model).mean_accepted  # (a)
     _post_train(model, 3, 20)
     old = refit.acceptance(model).mean_accepted  # (b)
-    with SyncCounter() as syncs:
+    with SyncCounter() as syncs, trainable(refit.params):
         refit._step(model, 20)
     assert syncs.count == 0, syncs.report()
     refit.done = 21
@@ -320,7 +320,7 @@ def test_grpo_refits_every_n_steps_and_after_the_last(tmp_path, monkeypatch):
     cfg = tiny_v41(num_nextn_predict_layers=2, dspark_target_layer_ids=[4, 5], dspark_block_size=3)
     with pytest.raises(ValueError, match="drafter.every_n = 2 re-fits during GRPO or distillation; train.mode is 'sft'"):
         DrafterSection(enabled=True, every_n=2).check_against("sft", cfg)
-    with pytest.raises(ValueError, match="drafter.enabled: the model has no DSpark drafter"):
+    with pytest.raises(ValueError, match="drafter.enabled: the model has no drafter to re-fit"):
         DrafterSection(enabled=True).check_against("grpo", tiny_v41())
 
 

@@ -16,6 +16,7 @@ from collections import OrderedDict
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 
 from trex.checkpoint.layouts import SAVE_DTYPES, TrexTensor, plan_outputs
 from trex.checkpoint.reader import CheckpointReader
@@ -65,7 +66,8 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
     stages), are written with the model as they are stored, so the export serves as its source did. A
     V4.1 run that started from a checkpoint which is not here is an error naming it. A run whose ``[drafter]``
     re-fitted the DSpark stages to this checkpoint's model (``<checkpoints>/drafter/released``, fitted to its
-    step) exports those stages instead of the source's.
+    step) exports those stages instead of the source's; one that re-fitted the model's multi-token prediction
+    modules (``<checkpoints>/drafter/mtp``) exports them in place of the checkpoint's.
     """
     from trex.checkpoint.training import find_resume, list_checkpoints
 
@@ -92,13 +94,20 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
     origin = _origin(path, source, cfg)
     meta_model = build_model(cfg, device="meta")
     source = _TensorSource(path)
+    refit_mtp = _refit_drafter(path, "mtp")
+    if refit_mtp is not None:
+        log.info("the multi-token prediction modules re-fitted to this model: %s", refit_mtp)
     tensors = []
     for key, v in [*meta_model.named_parameters(), *meta_model.named_buffers()]:
         if f"model.{key}" not in source.index:
             raise ValueError(f"{path}: the checkpoint has no tensor model.{key}")
 
         def get(expert: int | None, key: str = key) -> torch.Tensor:
-            full = source.read(key)
+            if refit_mtp is not None and key.startswith("mtp."):
+                with safe_open(os.path.join(refit_mtp, "model.safetensors"), "pt") as f:
+                    full = f.get_tensor(key)
+            else:
+                full = source.read(key)
             return full if expert is None else full[expert]
         tensors.append(TrexTensor(key, tuple(v.shape), v.dtype, get))
     groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, cfg.architecture,
@@ -109,7 +118,7 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
         carried = passthrough_tensors(reader) if isinstance(cfg, V41Config) else []
         copies = tokenizer_files(origin)
         log.info("carrying %d untrained tensors and %s from %s", len(carried), sorted(copies) or "no tokenizer", origin)
-    refit = _refit_drafter(path)
+    refit = _refit_drafter(path, "released")
     if refit is not None:
         carried = [g for g in carried if not g[0].name.startswith("mtp.")] + passthrough_tensors(CheckpointReader(refit))
         log.info("the DSpark stages re-fitted to this model: %s", refit)
@@ -117,10 +126,11 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
                             max_shard_size, overwrite, sources=(*sources, origin), copies=copies)
 
 
-def _refit_drafter(path: str) -> str | None:
+def _refit_drafter(path: str, name: str) -> str | None:
     """The drafter a ``[drafter]`` re-fit wrote beside training checkpoint ``path`` (trex.train.drafter_refit:
-    ``drafter/released`` in its checkpoint directory) when it was fitted to this checkpoint's step, else None."""
-    released = os.path.join(os.path.dirname(os.path.abspath(path)), "drafter", "released")
+    ``drafter/<name>`` in its checkpoint directory: ``released`` DSpark stages, ``mtp`` modules) when it was
+    fitted to this checkpoint's step, else None."""
+    released = os.path.join(os.path.dirname(os.path.abspath(path)), "drafter", name)
     try:
         with open(os.path.join(released, "target.json")) as f:
             fitted = json.load(f).get("target_step")

@@ -1,12 +1,19 @@
-"""How much of its DSpark drafter's output a DeepSeek-V4.1 model accepts: speculative decoding's yield.
+"""How much of a drafter's output a model accepts: speculative decoding's yield.
 
-The drafter (``trex.models.dspark``) was trained against the released backbone's hidden states; post-
-training moves them, and the drafts' acceptance with them. This measures it on greedy decoding, where a
-drafted token is accepted exactly when it equals the model's own greedy token at that place and every
-draft token before it was accepted: the number a speculative decoder at temperature 0 would accept. Each
-decode step of the model (one token) drafts ``dspark_block_size`` tokens from the step's greedy token and
-the target layers' hidden; a step counts once the row has generated every token its draft is compared
-with (its stop token ends the row).
+Two drafters: DeepSeek-V4.1's DSpark stages (``trex.models.dspark``: a block of ``dspark_block_size`` tokens
+per step from the target layers' hidden states) and the multi-token-prediction modules of DeepSeek-V4 and
+the V3 family (``model.mtp``: module j drafts the token j + 2 ahead from the model's last stream and the
+tokens before it; vLLM and SGLang serve them as a one-token-per-module drafter). Each was trained against
+a backbone that post-training moves, and the drafts' acceptance moves with it. This measures it on greedy
+decoding, where a drafted token is accepted exactly when it equals the model's own greedy token at that
+place and every draft token before it was accepted: the number a speculative decoder at temperature 0
+would accept. Each decode step of the model (one token) drafts a block from the step's greedy token; a step
+counts once the row has generated every token its draft is compared with (its stop token ends the row).
+
+An MTP draft at a verified position depends only on the verified tokens (the modules attend over the
+positions before it, fed the model's streams and the tokens one ahead), so one teacher-forced forward over
+the greedy continuation gives every step's draft: what the decoder drafts, step by step, when the earlier
+drafts' tokens are the greedy ones, which is the only case in which the later ones count.
 """
 
 from __future__ import annotations
@@ -16,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from trex.models import evaluating
-from trex.models.decode_v41 import V41DecodeCache
-from trex.rollout.sampling import left_pad
+from trex.models.registry import decode_cache
+from trex.rollout.sampling import SamplingParams, choose_tokens, left_pad
 
 
 @dataclass
@@ -58,18 +65,35 @@ def measure_acceptance(model, drafter, prompts: list[list[int]], max_new_tokens:
     """Greedy-decode up to ``max_new_tokens`` tokens per prompt (token ids) with ``model`` (a V4.1
     ``DeepseekV41``), drafting at every step with ``drafter`` (its ``DSparkDrafter``); the acceptance over
     all prompts. Reads the host once per batch, after it is decoded."""
-    T = drafter.cfg.dspark_block_size
-    total = Acceptance(T)
+    total = Acceptance(drafter.cfg.dspark_block_size)
     for b in range(0, len(prompts), batch_size):
-        generated, drafted = draft_steps(model, drafter, prompts[b:b + batch_size], max_new_tokens, pad_id)
-        for row, row_drafts in zip(generated.tolist(), drafted.tolist()):
-            n = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))  # tokens this row generated
-            for k, draft in enumerate(row_drafts):
-                if k + 1 + T >= n:  # the draft reaches past the row's end: not comparable
-                    break
-                truth = row[k + 2:k + 2 + T]
-                total.histogram[next((i for i in range(T) if draft[i] != truth[i]), T)] += 1
+        tally(total, *draft_steps(model, drafter, prompts[b:b + batch_size], max_new_tokens, pad_id), stop_ids)
     return total
+
+
+@torch.no_grad()
+def measure_mtp_acceptance(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int,
+                           stop_ids: tuple[int, ...] = (), batch_size: int = 16) -> Acceptance:
+    """The same measure for the multi-token-prediction modules of ``model`` (DeepSeek-V4 or the V3 family,
+    ``len(model.mtp)`` tokens drafted per step): greedy-decode, then one teacher-forced forward per batch.
+    Reads the host once per batch."""
+    total = Acceptance(len(model.mtp))
+    for b in range(0, len(prompts), batch_size):
+        tally(total, *mtp_draft_steps(model, prompts[b:b + batch_size], max_new_tokens, pad_id), stop_ids)
+    return total
+
+
+def tally(total: Acceptance, generated: torch.Tensor, drafted: torch.Tensor, stop_ids: tuple[int, ...]) -> None:
+    """Add one batch's steps to ``total``: generated [B, N] the greedy tokens g_0 ..., drafted [B, N - 1, T]
+    step k's draft of g_{k+2} ... g_{k+1+T} (one host read)."""
+    T = total.block_size
+    for row, row_drafts in zip(generated.tolist(), drafted.tolist()):
+        n = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))  # tokens this row generated
+        for k, draft in enumerate(row_drafts):
+            if k + 1 + T >= n:  # the draft reaches past the row's end: not comparable
+                break
+            truth = row[k + 2:k + 2 + T]
+            total.histogram[next((i for i in range(T) if draft[i] != truth[i]), T)] += 1
 
 
 @torch.no_grad()
@@ -80,7 +104,7 @@ def draft_steps(model, drafter, prompts: list[list[int]], max_new_tokens: int, p
     g_{k+1+T}, made from g_{k+1} and the hidden of the step that fed g_k); N = max_new_tokens."""
     device = model.embed.weight.device
     ids, docs = left_pad(prompts, pad_id, device)
-    cache = V41DecodeCache(max_new_tokens)
+    cache = decode_cache(model.cfg, max_new_tokens)
     taps = drafter.target_layers
     with evaluating(model):
         out = model(ids, doc_ids=docs, cache=cache, tap_layers=taps)
@@ -96,3 +120,65 @@ def draft_steps(model, drafter, prompts: list[list[int]], max_new_tokens: int, p
     T = drafter.cfg.dspark_block_size
     drafted = torch.stack(drafts, dim=1) if drafts else torch.zeros(len(prompts), 0, T, dtype=torch.long, device=device)
     return torch.stack(tokens, dim=1), drafted
+
+
+@torch.no_grad()
+def mtp_draft_steps(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``draft_steps`` for the MTP modules: (generated [B, N], drafted [B, N - 1, T]) with T = len(model.mtp);
+    step k's draft of g_{k+2 + j} is module j's argmax at g_k's position (fed the stream there and g_{k+1})."""
+    c = continue_prompts(model, prompts, max_new_tokens, pad_id)
+    P = c.width
+    with evaluating(model):
+        out = model(c.ids, doc_ids=(c.positions >= 0).long())
+    drafted = torch.stack([logits[:, P:P + max_new_tokens - 1].argmax(-1) for logits in out.mtp_logits], -1)
+    return c.ids[:, P:], drafted
+
+
+# ---- the target's own continuation ------------------------------------------------------------------------
+@dataclass
+class Continuation:
+    """The target's continuation of left-padded prompts: ids [B, L] (prompt width P, then G new tokens),
+    positions [B, L] (< 0: padding), logits [B, G - 1, V] the target's at positions P .. L - 2 (each predicts
+    the token after it), hidden [B, L - 1, k d] the tap layers' input (the last token's is never read; None
+    without taps)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    logits: torch.Tensor
+    width: int
+    hidden: torch.Tensor | None = None
+
+
+@torch.no_grad()
+def continue_prompts(model, prompts: list[list[int]], new_tokens: int, pad_id: int, width: int | None = None,
+                     temperature: float = 0.0, uniforms: torch.Tensor | None = None,
+                     taps: list[int] | None = None) -> Continuation:
+    """Continue ``prompts`` (left-padded to ``width``, default the longest) by ``new_tokens`` of ``model``'s own
+    tokens (greedy at temperature 0, else sampled with ``uniforms`` [B, new_tokens]) through the architecture's
+    decode cache: one prefill and new_tokens - 1 steps, every step's logits (and with ``taps``, a V4.1 model's
+    tap layers' hidden) kept. Static shapes, no host read: a row's stop token does not end it."""
+    device = model.embed.weight.device
+    ids, docs = left_pad(prompts, pad_id, device, width)
+    width = ids.shape[1]
+    params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens)
+    cache = decode_cache(model.cfg, new_tokens)
+    tap = {"tap_layers": taps} if taps else {}
+
+    def choose(logits: torch.Tensor, i: int) -> torch.Tensor:
+        return choose_tokens(logits, params, None, None if uniforms is None else uniforms[:, i])[0]
+
+    with evaluating(model):
+        out = model(ids, doc_ids=docs, cache=cache, **tap)
+        positions = cache.pos[:, None] - width + torch.arange(width, device=device)
+        hidden, logits = [out.hidden], []
+        tokens = [choose(out.logits[:, -1], 0)]
+        for i in range(1, new_tokens):
+            step = model(tokens[-1][:, None], cache=cache, **tap)
+            hidden.append(step.hidden)
+            logits.append(step.logits[:, -1])
+            tokens.append(choose(step.logits[:, -1], i))
+    L = width + new_tokens
+    full = torch.cat([ids, torch.stack(tokens, 1)], 1)
+    positions = positions[:, :1] + torch.arange(L, device=device)
+    return Continuation(full, positions, torch.stack(logits, 1), width, torch.cat(hidden, 1) if taps else None)

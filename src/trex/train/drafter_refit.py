@@ -1,10 +1,13 @@
-"""``[drafter]``: re-fit DeepSeek-V4.1's DSpark drafter (``mtp.*``) against the target the job post-trained.
+"""``[drafter]``: re-fit the model's drafter against the target the job post-trained.
 
-Post-training moves the backbone's hidden states and greedy tokens away from the ones the drafter learned,
-and speculative decoding accepts fewer of its drafts (``trex fidelity drafter`` measures it). With
-``[drafter] enabled`` the job restores them itself: after its main steps (and, in GRPO and distillation,
-every ``every_n`` steps, where the policy keeps moving) the target is frozen and the drafter's stages train
-on the target's own continuations of the job's prompts, warm-started from the loaded drafter:
+Two drafters: DeepSeek-V4.1's DSpark stages (``mtp.*``, a module of their own, ``trex.models.dspark``) and
+the multi-token-prediction modules of DeepSeek-V4 and the V3 family (the model's own ``mtp``, which vLLM and
+SGLang serve as a drafter of one token per module; ``MTPDrafter``). Post-training moves the backbone's
+hidden states and greedy tokens away from the ones the drafter learned, and speculative decoding accepts
+fewer of its drafts (``trex fidelity drafter`` measures it). With ``[drafter] enabled`` the job restores them
+itself: after its main steps (and, in GRPO and distillation, every ``every_n`` steps, where the policy keeps
+moving) the target is frozen and the drafter trains on the target's own continuations of the job's prompts,
+warm-started from the drafter it has:
 
     prompts   the job's: SFT the training records' prompts, GRPO / distillation the rollout prompts, or
               ``prompts`` (JSONL files), minus the ``held_out`` last ones kept for measuring acceptance
@@ -12,16 +15,26 @@ on the target's own continuations of the job's prompts, warm-started from the lo
               continued ``new_tokens`` tokens by the target (greedy, or sampled at ``temperature`` with
               uniforms of the same seed), under no_grad: the tap layers' hidden states and the target's
               logits of every continuation position come from the same decode
-    forward   ``DSparkDrafter.fit``: every continuation position an anchor, its block of ``block_size``
-              drafted at once, teacher-forced as a verified draft would be
+    forward   every continuation position an anchor, its block drafted at once, teacher-forced as a
+              verified draft would be: DSpark's ``DSparkDrafter.forward`` over the tap layers' hidden
+              (blocks of ``block_size``); the MTP modules' through one forward of the model over the
+              continuation, only the modules trained (module j drafts the token j + 2 ahead)
     loss      ce * CE(draft, target's token) + tv * sum_v |p_draft - p_target| (the L1 distance, twice the
               total variation) + confidence * BCE(confidence, 1 - TV), the terms and defaults of DeepSpec's
               loss.py as NeMo Automodel ships them (0.1 / 0.9 / 1.0): 1 - TV is the probability that a
-              sampled draft token is accepted, what the confidence head predicts; averaged over every
-              (anchor, position) before the row's stop token, over all ranks
+              sampled draft token is accepted, what DSpark's confidence head predicts (the MTP modules have
+              none: CE and TV); averaged over every (anchor, position) before the row's stop token, over
+              all ranks
+
+The MTP modules are the model's: in SFT / CPT they train with the main loss (``train.mtp_weight``) and the
+re-fit follows the main steps; in DPO, GRPO and distillation they get no gradient from the objective, so
+with ``[drafter]`` they are frozen in the main steps (no weight decay drifts them) and only the re-fit moves
+them. The re-fit trains the MTP parameters the recipe's freezes leave (``train.freeze_indexer``, a frozen
+router), and ``trex ckpt export`` of the main checkpoint the last phase fitted writes the re-fit modules.
 
 The step never reads the host (the loss and its parts are read once, as the main loop does); the target
-and its embedding and head get no gradient. Each re-fit step is checkpointed like a main step, in
+and its embedding and head get no gradient. Acceptance (b) is measured with the drafter as the first phase
+found it (kept in ``<checkpoint dir>/drafter/before``). Each re-fit step is checkpointed like a main step, in
 ``<checkpoint dir>/drafter/step_K`` (K counts re-fit steps over the run's phases), and a run resumed from any
 of them repeats the uninterrupted run bit for bit: a step's data depends only on (seed, K) and the target.
 """
@@ -40,15 +53,15 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from trex.checkpoint.training import CheckpointSection, Checkpointer, RunState
 from trex.models import evaluating
-from trex.models.decode_v41 import V41DecodeCache
 from trex.posttrain.objective import reshard
 from trex.precision import StepGuard
 from trex.recipe import check_choices
-from trex.rollout.sampling import SamplingParams, choose_tokens, left_pad
-from trex.rollout.speculation import Acceptance, measure_acceptance
+from trex.rollout.speculation import Acceptance, Continuation, continue_prompts, measure_acceptance, \
+    measure_mtp_acceptance
 from trex.train.optim import OptimSection, build_optimizer, clip_grad_norm
 from trex.train.schedule import ScheduleSection, build_scheduler
 from trex.train.step import read_scalars
@@ -58,10 +71,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DrafterSection:
-    """The ``[drafter]`` section: re-fit V4.1's DSpark drafter in the job (trex.train.drafter_refit)."""
+    """The ``[drafter]`` section: re-fit the model's drafter in the job (trex.train.drafter_refit)."""
 
     enabled: bool = False
-    """Re-fit the drafter (a DeepSeek-V4.1 model with ``mtp.*`` stages)."""
+    """Re-fit the drafter: DeepSeek-V4.1's DSpark stages, or the multi-token prediction modules of DeepSeek-V4
+    and the V3 family."""
     steps: int = 100
     """Re-fit steps per phase (after the main steps; and each ``every_n`` steps in GRPO / distillation)."""
     every_n: int = 0
@@ -81,10 +95,12 @@ class DrafterSection:
     """Weight of the L1 distance between the draft's and the target's distributions (twice their total
     variation, as DeepSpec's loss.py computes it: NeMo's 0.9 means the same here)."""
     confidence: float = 1.0
-    """Weight of the confidence head's BCE against 1 - TV, the sampled draft's acceptance probability."""
+    """Weight of DSpark's confidence head's BCE against 1 - TV, the sampled draft's acceptance probability
+    (the MTP modules have no confidence head: not used)."""
     block_size: int = 0
-    """Tokens drafted per anchor in training; 0: the config's ``dspark_block_size`` (what is served).
-    SpecForge trains V4.1 blocks of 7 for 5 served: the stages do not depend on the block length."""
+    """DSpark: tokens drafted per anchor in training; 0: the config's ``dspark_block_size`` (what is served).
+    SpecForge trains V4.1 blocks of 7 for 5 served: the stages do not depend on the block length. MTP: 0 (one
+    token per module)."""
     sampling: Literal["greedy", "sampled"] = "greedy"
     """How the target continues the prompts: its greedy tokens (what a temperature-0 server verifies) or
     tokens sampled at ``temperature``."""
@@ -129,13 +145,22 @@ class DrafterSection:
         """ValueError (one line, naming the key) when this section cannot apply to ``mode`` and model ``cfg``."""
         if not self.enabled:
             return
-        if getattr(cfg, "architecture", None) != "deepseek_v41" or not cfg.num_nextn_predict_layers \
-                or not cfg.dspark_target_layer_ids:
-            raise ValueError("drafter.enabled: the model has no DSpark drafter (a DeepSeek-V4.1 config with "
-                             "num_nextn_predict_layers and dspark_target_layer_ids)")
+        kind = drafter_kind(cfg)
+        if kind is None:
+            raise ValueError("drafter.enabled: the model has no drafter to re-fit (DeepSeek-V4.1's DSpark stages: "
+                             "num_nextn_predict_layers and dspark_target_layer_ids; or the multi-token prediction "
+                             "modules of DeepSeek-V4 and the V3 family: num_nextn_predict_layers > 0)")
         if self.every_n and mode not in ("grpo", "distill"):
             raise ValueError(f"drafter.every_n = {self.every_n} re-fits during GRPO or distillation; train.mode is "
                              f"{mode!r} (set drafter.every_n = 0: the re-fit follows the main steps)")
+        if kind == "mtp":
+            if self.block_size:
+                raise ValueError(f"drafter.block_size = {self.block_size}: the model's {cfg.num_nextn_predict_layers} "
+                                 "multi-token prediction module(s) draft one token each; set drafter.block_size = 0")
+            if cfg.num_nextn_predict_layers >= self.new_tokens:
+                raise ValueError(f"drafter.new_tokens = {self.new_tokens}; expected more than the model's "
+                                 f"{cfg.num_nextn_predict_layers} multi-token prediction module(s)")
+            return
         if self.block_size and self.block_size >= self.new_tokens:
             raise ValueError(f"drafter.block_size = {self.block_size}; expected fewer than drafter.new_tokens = "
                              f"{self.new_tokens} (each anchor needs a block of continuation after it)")
@@ -144,76 +169,97 @@ class DrafterSection:
                              f"dspark_block_size = {cfg.dspark_block_size}")
 
 
+def drafter_kind(cfg) -> Literal["dspark", "mtp"] | None:
+    """Which drafter a model config has: "dspark" (DeepSeek-V4.1's stages), "mtp" (DeepSeek-V4's and the V3
+    family's multi-token prediction modules) or None."""
+    if getattr(cfg, "architecture", None) == "deepseek_v41":
+        return "dspark" if cfg.num_nextn_predict_layers and cfg.dspark_target_layer_ids else None
+    return "mtp" if getattr(cfg, "num_nextn_predict_layers", 0) else None
+
+
 # ---- the objective ----------------------------------------------------------------------------------
-def drafter_loss(logits: torch.Tensor, confidence: torch.Tensor, labels: torch.Tensor, target: torch.Tensor,
+def drafter_loss(logits: torch.Tensor, confidence: torch.Tensor | None, labels: torch.Tensor, target: torch.Tensor,
                  mask: torch.Tensor, section: DrafterSection, count: torch.Tensor
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """logits [B, A, T, V] fp32 the drafts', confidence [B, A, T] (logits), labels [B, A, T] the target's
-    tokens, target [B, A, T, V] the target's logits there, mask [B, A, T] the pairs that count; count: the
-    number of such pairs over all ranks (0-d). -> (the weighted loss, this rank's share of the mean over
-    ``count``; its parts' shares: ce, tv (total variation), confidence (BCE), accepted (the drafts' argmax
-    equals the label))."""
+    """logits [B, A, T, V] fp32 the drafts', confidence [B, A, T] (logits; None: a drafter without a confidence
+    head), labels [B, A, T] the target's tokens, target [B, A, T, V] the target's logits there, mask [B, A, T]
+    the pairs that count; count: the number of such pairs over all ranks (0-d). -> (the weighted loss, this
+    rank's share of the mean over ``count``; its parts' shares: ce, tv (total variation), confidence (BCE),
+    accepted (the drafts' argmax equals the label))."""
     w = mask.float() / count.clamp(min=1)
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(w)
     tv = 0.5 * (logits.softmax(-1) - target.float().softmax(-1)).abs().sum(-1)
-    bce = F.binary_cross_entropy_with_logits(confidence, (1 - tv).detach().clamp(0, 1), reduction="none")
-    parts = {"ce": (ce * w).sum(), "tv": (tv * w).sum(), "confidence": (bce * w).sum(),
-             "accepted": ((logits.argmax(-1) == labels).float() * w).sum()}
-    loss = section.ce * parts["ce"] + section.tv * 2 * parts["tv"] + section.confidence * parts["confidence"]
+    parts = {"ce": (ce * w).sum(), "tv": (tv * w).sum(), "accepted": ((logits.argmax(-1) == labels).float() * w).sum()}
+    loss = section.ce * parts["ce"] + section.tv * 2 * parts["tv"]
+    if confidence is not None:
+        bce = F.binary_cross_entropy_with_logits(confidence, (1 - tv).detach().clamp(0, 1), reduction="none")
+        parts["confidence"] = (bce * w).sum()
+        loss = loss + section.confidence * parts["confidence"]
     return loss, {k: v.detach() for k, v in parts.items()}
 
 
-# ---- the data: the target's continuations -------------------------------------------------------------
-@dataclass
-class Continuation:
-    """The target's continuation of left-padded prompts: ids [B, L] (prompt width P, then G new tokens),
-    positions [B, L] (< 0: padding), hidden [B, L - 1, k d] the tap layers' input (the last token's is never
-    read), logits [B, G - 1, V] the target's at positions P .. L - 2 (each predicts the token after it)."""
+# ---- the drafters' training forwards ----------------------------------------------------------------------
+class MTPDrafter(nn.Module):
+    """The multi-token prediction modules of a DeepSeek-V4 or V3-family ``model`` as the re-fit's drafter: the
+    model's own ``mtp`` (shared, not copied: its state_dict is the model's ``mtp.*``). ``trainable``: the
+    parameters the re-fit trains, those the recipe's post-training freezes (``freeze``, called on this module:
+    the indexer, a frozen router) leave."""
 
-    ids: torch.Tensor
-    positions: torch.Tensor
-    hidden: torch.Tensor
-    logits: torch.Tensor
-    width: int
+    def __init__(self, model, freeze=None):
+        super().__init__()
+        self.cfg = model.cfg
+        self.mtp = model.mtp
+        held = {p: p.requires_grad for p in self.parameters()}
+        self.requires_grad_(True)
+        if freeze is not None:
+            freeze(self)
+        self.trainable = [p for p in self.parameters() if p.requires_grad]
+        for p, was in held.items():
+            p.requires_grad_(was)
+
+    @property
+    def block_size(self) -> int:
+        return len(self.mtp)
+
+    def draft_logits(self, model, c: Continuation, anchors: int) -> torch.Tensor:
+        """Module j's logits at anchors P - 1 .. P - 2 + ``anchors`` of continuation ``c`` (each drafts the
+        token j + 2 ahead) -> [B, anchors, T, V] fp32, from one forward of ``model`` over the continuation
+        (evaluation mode: no balance loss, no indexer alignment; only the trainable modules record a graph)."""
+        P = c.width
+        with evaluating(model):
+            out = model(c.ids, doc_ids=(c.positions >= 0).long())
+        return torch.stack([logits[:, P - 1:P - 1 + anchors] for logits in out.mtp_logits], 2)
 
 
-@torch.no_grad()
-def continue_prompts(model, prompts: list[list[int]], new_tokens: int, taps: list[int], pad_id: int, width: int,
-                     temperature: float = 0.0, uniforms: torch.Tensor | None = None) -> Continuation:
-    """Continue ``prompts`` (left-padded to ``width``) by ``new_tokens`` of ``model``'s own tokens (greedy at
-    temperature 0, else sampled with ``uniforms`` [B, new_tokens]) through the decode cache: one prefill and
-    new_tokens - 1 steps, every one's tap hidden and logits kept. Static shapes, no host read."""
-    device = model.embed.weight.device
-    ids, docs = left_pad(prompts, pad_id, device, width)
-    params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens)
-    cache = V41DecodeCache(new_tokens)
-    with evaluating(model):
-        out = model(ids, doc_ids=docs, cache=cache, tap_layers=taps)
-        positions = cache.pos[:, None] - width + torch.arange(width, device=device)
-        hidden, logits = [out.hidden], []
-        token = choose_tokens(out.logits[:, -1], params, None, None if uniforms is None else uniforms[:, 0])[0]
-        tokens = [token]
-        for i in range(1, new_tokens):
-            step = model(token[:, None], cache=cache, tap_layers=taps)
-            hidden.append(step.hidden)
-            logits.append(step.logits[:, -1])
-            token = choose_tokens(step.logits[:, -1], params, None, None if uniforms is None else uniforms[:, i])[0]
-            tokens.append(token)
-    L = width + new_tokens
-    full = torch.cat([ids, torch.stack(tokens, 1)], 1)
-    positions = positions[:, :1] + torch.arange(L, device=device)
-    return Continuation(full, positions, torch.cat(hidden, 1), torch.stack(logits, 1), width)
+def trainable_parameters(drafter) -> list[torch.Tensor]:
+    """The parameters the re-fit trains: an MTPDrafter's ``trainable``, all of a DSpark drafter's."""
+    return drafter.trainable if isinstance(drafter, MTPDrafter) else list(drafter.parameters())
+
+
+def hold_mtp(model, recipe) -> list[str]:
+    """``[drafter]`` on a model whose MTP modules are its drafter, in DPO / GRPO / distillation (where the
+    objective gives them no gradient): freeze them for the main steps, so that only the re-fit moves them
+    (no weight decay drifts them, and the main optimizer holds no state for them). Returns the names."""
+    if not recipe.drafter.enabled or recipe.train.mode not in ("dpo", "grpo", "distill") \
+            or drafter_kind(model.cfg) != "mtp":
+        return []
+    for p in model.mtp.parameters():
+        p.requires_grad_(False)
+    return [f"mtp.{n}" for n, _ in model.mtp.named_parameters()]
 
 
 def fit_batch(drafter, model, c: Continuation, block: int, stop_ids: tuple[int, ...]):
     """The drafter's training forward over continuation ``c``: anchors at every position from the prompt's
-    last (P - 1) to the last whose block fits -> (logits [B, A, T, V], confidence, labels [B, A, T], target
+    last (P - 1) to the last whose block fits -> (logits [B, A, T, V], confidence (None: MTP), labels [B, A, T], target
     logits [B, A, T, V], mask [B, A, T]: labels generated before the row's stop token)."""
     P, L = c.width, c.ids.shape[1]
     A = L - P - block
     a = torch.arange(A, device=c.ids.device)[:, None] + torch.arange(block, device=c.ids.device)  # [A, T]
-    embed, head = _full(model.embed.weight), _full(model.head.weight)
-    logits, confidence = drafter(c.hidden, c.ids, c.positions, P - 1, A, embed, head, block)
+    if isinstance(drafter, MTPDrafter):
+        logits, confidence = drafter.draft_logits(model, c, A), None
+    else:
+        embed, head = _full(model.embed.weight), _full(model.head.weight)
+        logits, confidence = drafter(c.hidden, c.ids, c.positions, P - 1, A, embed, head, block)
     labels = c.ids[:, P + 1 + a]
     target = c.logits[:, a]
     generated = c.ids[:, P:]
@@ -277,21 +323,22 @@ class DrafterRefit:
         self.train_prompts = prompts[:len(prompts) - section.held_out]
         self.held_out = prompts[len(prompts) - section.held_out:]
         self.pad_id, self.stop_ids = pad_id, stop_ids
-        self.block = section.block_size or drafter.cfg.dspark_block_size
+        self.mtp = isinstance(drafter, MTPDrafter)
+        self.block = drafter.block_size if self.mtp else section.block_size or drafter.cfg.dspark_block_size
         self.width = max(len(p) for p in prompts)
-        self.initial = {k: _full(v).clone() for k, v in drafter.state_dict().items()}  # the loaded drafter
-        drafter.requires_grad_(True)
-        optim = OptimSection(name="adamw", lr=section.lr, weight_decay=section.weight_decay, eps=1e-8,
-                             grad_clip=section.grad_clip)
-        self.optimizer = build_optimizer(drafter, optim, dev)
-        self.params = [p for p in drafter.parameters() if p.requires_grad]
+        self.params = trainable_parameters(drafter)
+        with trainable(self.params):  # the optimizer takes the parameters that require grad
+            optim = OptimSection(name="adamw", lr=section.lr, weight_decay=section.weight_decay, eps=1e-8,
+                                 grad_clip=section.grad_clip)
+            self.optimizer = build_optimizer(drafter, optim, dev)
         self.scheduler = build_scheduler(self.optimizer, ScheduleSection(warmup_steps=section.warmup_steps,
                                                                          decay="constant"), section.steps)
         self.guard = StepGuard(8)
-        ckpt = dataclasses.replace(checkpoint, dir=os.path.join(checkpoint.directory(out), "drafter"),
-                                   resume="auto" if checkpoint.resume else "")
+        directory = os.path.join(checkpoint.directory(out), "drafter")
+        ckpt = dataclasses.replace(checkpoint, dir=directory, resume="auto" if checkpoint.resume else "")
         self.ckpt = Checkpointer(ckpt, out, RunState(drafter, self.optimizer, self.scheduler, self.guard,
                                                      _Position(), dev), config=config)
+        self.before_dir = os.path.join(directory, "before")  # the drafter as the first phase found it
         self.done = 0  # re-fit steps taken (K)
         self.metrics: list[dict] = []
         self.time_s = 0.0
@@ -313,8 +360,9 @@ class DrafterRefit:
         if s.sampling == "sampled":
             uniforms = step_uniforms(s.prompts_per_step, s.new_tokens, s.seed, k)[
                 par.data_rank * share:(par.data_rank + 1) * share]
-        c = continue_prompts(model, [self.train_prompts[i] for i in mine], s.new_tokens, self.drafter.target_layers,
-                             self.pad_id, self.width, s.temperature if uniforms is not None else 0.0, uniforms)
+        c = continue_prompts(model, [self.train_prompts[i] for i in mine], s.new_tokens, self.pad_id, self.width,
+                             s.temperature if uniforms is not None else 0.0, uniforms,
+                             None if self.mtp else self.drafter.target_layers)
         logits, confidence, labels, target, mask = fit_batch(self.drafter, model, c, self.block, self.stop_ids)
         count = mask.sum()
         if par.distributed:
@@ -332,15 +380,18 @@ class DrafterRefit:
 
     def phase(self, model, upto: int, log_row=None) -> str:
         """Train re-fit steps self.done .. upto - 1 with ``model`` (the target) frozen; checkpoint like main
-        steps (every ``save_every``, and the phase's last); -> "completed" or the stop signal's status."""
+        steps (every ``save_every``, and the phase's last); -> "completed" or the stop signal's status. The
+        first phase first keeps the drafter as it found it (``before``, for acceptance (b))."""
         if self.done >= upto:
             return "completed"
+        if self.done == 0:
+            self._keep_before()
         trained = [p for p in model.parameters() if p.requires_grad]
         for p in trained:
             p.requires_grad_(False)
         self.dev.reset_peak_memory()
         try:
-            with self.ckpt.signals():
+            with self.ckpt.signals(), trainable(self.params):
                 for k in range(self.done, upto):
                     t0 = time.perf_counter()
                     read = read_scalars(self._step(model, k))  # the step's one host read
@@ -366,21 +417,77 @@ class DrafterRefit:
         return "completed"
 
     @torch.no_grad()
-    def acceptance(self, model, drafter=None) -> Acceptance:
-        """``trex fidelity drafter``'s measure on the held-out prompts: ``model`` with ``drafter`` (default:
-        the re-fit one)."""
-        drafter = drafter or self.drafter
-        measured = measure_acceptance(model, drafter, self.held_out, self.section.measure_tokens, self.pad_id,
-                                      self.stop_ids, batch_size=max(1, len(self.held_out)))
+    def acceptance(self, model) -> Acceptance:
+        """``trex fidelity drafter``'s measure on the held-out prompts: ``model`` with the drafter as it is."""
+        s = self.section
+        if self.mtp:
+            measured = measure_mtp_acceptance(model, self.held_out, s.measure_tokens, self.pad_id, self.stop_ids,
+                                              batch_size=max(1, len(self.held_out)))
+        else:
+            with gathered(self.drafter):
+                measured = measure_acceptance(model, self.drafter, self.held_out, s.measure_tokens, self.pad_id,
+                                              self.stop_ids, batch_size=max(1, len(self.held_out)))
         reshard(model)
         return measured
 
-    def loaded_drafter(self):
-        """A copy of the drafter as loaded (before any re-fit)."""
-        first = next(iter(self.initial.values()))
-        copy = type(self.drafter)(self.drafter.cfg).to(device=first.device, dtype=first.dtype)
-        copy.load_state_dict(self.initial)
-        return copy
+    @torch.no_grad()
+    def acceptance_before(self, model) -> Acceptance:
+        """The acceptance of ``model`` with the drafter as the first phase found it: the drafter as it is when
+        no phase has run, else ``before`` put in its place for the measure (and taken out again)."""
+        if self.done == 0:
+            return self.acceptance(model)
+        import torch.distributed.checkpoint as dcp
+
+        state = self.drafter.state_dict()
+        now = {k: v.detach().clone() for k, v in state.items()}
+        dcp.load(state, checkpoint_id=self.before_dir)  # in place, at any layout
+        try:
+            return self.acceptance(model)
+        finally:
+            for k, v in state.items():
+                v.copy_(now[k])
+
+    def _keep_before(self) -> None:
+        """Write the drafter's state to ``before`` (DCP, every rank its shards; replaced whole)."""
+        import shutil
+
+        import torch.distributed.checkpoint as dcp
+
+        tmp = self.before_dir + ".tmp"
+        if self.par.is_main and os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        _barrier(self.par)
+        dcp.save(self.drafter.state_dict(), checkpoint_id=tmp)
+        _barrier(self.par)
+        if self.par.is_main:
+            if os.path.exists(self.before_dir):
+                shutil.rmtree(self.before_dir)
+            os.replace(tmp, self.before_dir)
+        _barrier(self.par)
+
+
+class trainable:
+    """``params`` require grad inside the block; afterwards each has the flag it had (the MTP modules are
+    frozen in a DPO / GRPO / distillation job's main steps)."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+
+    def __enter__(self):
+        self.held = [p.requires_grad for p in self.params]
+        for p in self.params:
+            p.requires_grad_(True)
+
+    def __exit__(self, *_):
+        for p, was in zip(self.params, self.held):
+            p.requires_grad_(was)
+
+
+def _barrier(par) -> None:
+    if par.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
 
 
 def acceptance_dict(a: Acceptance) -> dict:
@@ -481,8 +588,16 @@ class JobRefit:
         self.section, self.par, self.out = section, par, out
         self.main_steps = recipe.train.steps
         self.source = recipe.model.path
-        drafter = self._load(model.cfg, dev, policy, recipe.model.init_seed).requires_grad_(True)
-        shard_drafter(drafter, par, policy)
+        self.kind = drafter_kind(model.cfg)
+        if self.kind == "mtp":  # the model's own modules: loaded, sharded and resumed with it
+            from trex.train.moe_balance import freeze_for_post_training
+
+            t = recipe.train
+            drafter = MTPDrafter(model, lambda m: freeze_for_post_training(m, t.freeze_indexer, "frozen",
+                                                                           t.router_frozen()))
+        else:
+            drafter = self._load(model.cfg, dev, policy, recipe.model.init_seed).requires_grad_(True)
+            shard_drafter(drafter, par, policy)
         stop = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
         self.refit = DrafterRefit(section, drafter, load_job_prompts(recipe, tokenizer), par, dev, tokenizer.pad_id,
                                   stop, recipe.checkpoint, out, config)
@@ -517,8 +632,7 @@ class JobRefit:
         """Resume the re-fit where the run's checkpoints put it; measure (a) on a fresh run."""
         path = os.path.join(self.out, ACCEPTANCE_FILE)
         if resumed_step is None:
-            with gathered(self.refit.drafter):
-                self.acceptance = {"base": acceptance_dict(self.refit.acceptance(model))}
+            self.acceptance = {"base": acceptance_dict(self.refit.acceptance(model))}
             if self.par.is_main:
                 write_json(path, self.acceptance)
             _keep_metrics(os.path.join(self.out, METRICS_FILE), 0, self.par.is_main)
@@ -581,19 +695,22 @@ class JobRefit:
         return self.refit.phase(model, step // n * self.section.steps, self._log)
 
     def finish(self, model) -> str:
-        """After the main steps: (b) the post-trained target with the loaded drafter, the last phase, (c)."""
+        """After the main steps: (b) the post-trained target with the drafter the first phase found (the loaded
+        one; for MTP modules in SFT, as the main steps trained them), the last phase, (c), the export."""
         if "post_trained_old" not in self.acceptance or self.refit.done < self.phases() * self.section.steps:
-            old = self.refit.loaded_drafter()
-            self.acceptance["post_trained_old"] = acceptance_dict(self.refit.acceptance(model, old))
+            self.acceptance["post_trained_old"] = acceptance_dict(self.refit.acceptance_before(model))
         status = self.refit.phase(model, self.phases() * self.section.steps, self._log)
         if status != "completed":
             return status
-        with gathered(self.refit.drafter):
-            self.acceptance["refit"] = acceptance_dict(self.refit.acceptance(model))
+        self.acceptance["refit"] = acceptance_dict(self.refit.acceptance(model))
         if self.par.is_main:
             write_json(os.path.join(self.out, ACCEPTANCE_FILE), self.acceptance)
-        self.exported = export_drafter(self.refit.drafter, self.source, os.path.join(self.checkpoints, "released"),
-                                       self.main_steps, self.par.is_main)
+        if self.kind == "mtp":
+            self.exported = export_mtp(self.refit.drafter, os.path.join(self.checkpoints, "mtp"), self.main_steps,
+                                       self.par.is_main)
+        else:
+            self.exported = export_drafter(self.refit.drafter, self.source, os.path.join(self.checkpoints, "released"),
+                                           self.main_steps, self.par.is_main)
         return status
 
     def summary(self) -> dict:
@@ -601,7 +718,7 @@ class JobRefit:
         (c)), (c) against (a), the re-fit's steps, time against the main steps' and peak memory."""
         a, c = (self.acceptance.get(k, {}).get("mean_accepted") for k in ("base", "refit"))
         rows = self.refit.metrics
-        return {"acceptance": self.acceptance, "refit_vs_base": None if a is None or c is None else c - a,
+        return {"kind": self.kind, "acceptance": self.acceptance, "refit_vs_base": None if a is None or c is None else c - a,
                 "steps": self.refit.done, "phases": self.phases(), "time_s": self.refit.time_s,
                 "main_time_s": self.main_time_s, "peak_memory_bytes": self.refit.peak_bytes,
                 "first": rows[0] if rows else None, "last": rows[-1] if rows else None,
@@ -644,6 +761,28 @@ def export_drafter(drafter, source: str | None, path: str, target_step: int, mai
     groups = plan_outputs(tensors, "official", torch.bfloat16, quantize, cfg.architecture, hint, cfg.num_hidden_layers)
     write_checkpoint(path, groups, checkpoint_config(cfg, "official", "bf16", quantize, source), overwrite=True,
                      copies={"target.json": _target_file(path, target_step)})
+    return path
+
+
+def export_mtp(drafter: MTPDrafter, path: str, target_step: int, main: bool) -> str | None:
+    """Write the re-fit MTP modules (trex names ``mtp.*``, as trained) to ``path``/model.safetensors with
+    ``target.json`` (the main step whose target they were fitted to): `trex ckpt export` of that step's
+    checkpoint writes them in place of the checkpoint's (which the main steps left). Every rank calls it (the
+    modules' shards are gathered); rank 0 writes, the directory replaced whole."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    state = {k: _full(v).contiguous().cpu() for k, v in drafter.state_dict().items()}
+    if not main:
+        return None
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_file(state, os.path.join(tmp, "model.safetensors"))
+    write_json(os.path.join(tmp, "target.json"), {"target_step": target_step})
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
     return path
 
 

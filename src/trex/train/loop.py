@@ -56,7 +56,7 @@ from trex.posttrain.sft import accumulate_gradients
 from trex.rollout.engine import EngineDied
 from trex.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy, StepGuard
 from trex.train.config import TrainRecipe
-from trex.train.drafter_refit import JobRefit
+from trex.train.drafter_refit import JobRefit, hold_mtp
 from trex.train.dry_run import model_config
 from trex.train.moe_balance import freeze_for_post_training
 from trex.train.trackers import Trackers, flatten
@@ -206,6 +206,7 @@ def prepare_model(m: DeepseekV4, recipe: TrainRecipe, par: Parallel, policy: Pre
         raise ValueError(f"train.indexer_warmup: {m.cfg.architecture} has no dense warm-up stage (DeepSeek-V3.2 has)")
     frozen = freeze_for_post_training(m, recipe.train.freeze_indexer, recipe.train.engram, recipe.train.router_frozen(),
                                       only_indexer=warmup)
+    frozen += hold_mtp(m, recipe)  # [drafter] on MTP modules in DPO / GRPO / distillation: only the re-fit moves them
     m.set_quant(recipe.precision.quant_sim())
     m.align_indexer = recipe.train.indexer_loss > 0
     if warmup:
@@ -277,7 +278,7 @@ class _Run:
     evals: dict = field(default_factory=dict)  # held-out metrics by step ("final" at the end)
     mfu_warned: bool = False
     moves: list = field(default_factory=list)  # migrations.jsonl: where the run changed device, precision, layout
-    refit: JobRefit | None = None  # [drafter]: the DSpark drafter's re-fit
+    refit: JobRefit | None = None  # [drafter]: the drafter's re-fit
 
 
 def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer | None,
