@@ -239,13 +239,15 @@ def trainable_parameters(drafter) -> list[torch.Tensor]:
 def hold_mtp(model, recipe) -> list[str]:
     """``[drafter]`` on a model whose MTP modules are its drafter, in DPO / GRPO / distillation (where the
     objective gives them no gradient): freeze them for the main steps, so that only the re-fit moves them
-    (no weight decay drifts them, and the main optimizer holds no state for them). Returns the names."""
+    (no weight decay drifts them, and the main optimizer holds no state for them). Returns the names of those
+    it froze (the recipe's freezes may have frozen some already)."""
     if not recipe.drafter.enabled or recipe.train.mode not in ("dpo", "grpo", "distill") \
             or drafter_kind(model.cfg) != "mtp":
         return []
-    for p in model.mtp.parameters():
+    held = [(n, p) for n, p in model.mtp.named_parameters() if p.requires_grad]
+    for _, p in held:
         p.requires_grad_(False)
-    return [f"mtp.{n}" for n, _ in model.mtp.named_parameters()]
+    return [f"mtp.{n}" for n, _ in held]
 
 
 def fit_batch(drafter, model, c: Continuation, block: int, stop_ids: tuple[int, ...]):

@@ -1,0 +1,183 @@
+"""``[drafter]`` on DeepSeek-V4's multi-token prediction modules (trex.train.drafter_refit.MTPDrafter): whether
+the re-fit helps them as a drafter (the demonstration docs/post_training.md quotes), and the job around it:
+`trex train` in SFT and GRPO, resumed bit for bit, exported."""
+
+import json
+import os
+
+import shutil
+
+import pytest
+import torch
+from test_drafter_refit import _counting, _dcp_tensors
+
+from trex.train.drafter_refit import DrafterSection
+
+
+def _tiny_v4_mtp():
+    from trex.models.config import tiny
+
+    return tiny(vocab_size=64, num_nextn_predict_layers=1)
+
+
+def _post_train(model, stride: int, steps: int, mtp_weight: float) -> None:
+    """SFT on counting by ``stride`` (AdamW lr 3e-3, 8 rows of 16): the main loss plus ``mtp_weight`` x the MTP
+    modules' (0: the modules get no gradient, as in DPO / GRPO / distillation, and are left out of the step)."""
+    params = [p for n, p in model.named_parameters() if mtp_weight or not n.startswith("mtp.")]
+    opt = torch.optim.AdamW(params, lr=3e-3)
+    for s in range(steps):
+        rows = torch.tensor([_counting(5 * s + 3 * i, stride, 16) for i in range(8)])
+        out = model(rows, labels=rows)
+        (out.loss + mtp_weight * out.mtp_loss).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _refit(model, tmp_path):
+    from trex import device as device_layer
+    from trex.checkpoint.training import CheckpointSection
+    from trex.parallel.mesh import Parallel
+    from trex.train.drafter_refit import DrafterRefit, MTPDrafter
+
+    prompts = [_counting(5 * i % 48, 1, 3) + _counting(5 * i % 48 + 7, 3, 2) for i in range(20)]  # both tasks
+    section = DrafterSection(enabled=True, steps=20, lr=3e-3, new_tokens=8, prompts_per_step=8, held_out=6,
+                             measure_tokens=12)
+    return DrafterRefit(section, MTPDrafter(model), prompts, Parallel(), device_layer.detect("cpu"), 0, (),
+                        CheckpointSection(), str(tmp_path))
+
+
+@pytest.mark.slow
+def test_the_refit_restores_the_mtp_drafter_where_the_objective_left_it_behind(tmp_path):
+    """A tiny V4 with one MTP module trained to count by 1 with the main and MTP losses: (a) its modules'
+    acceptance on held-out prompts as `trex fidelity drafter` measures it. Post-trained to count by 3 as RL
+    does (the modules get no gradient): (b) falls below (a); re-fit, (c) >= (a). The same shift as SFT (main +
+    0.1 MTP loss): the figures of (b) and (c) the docs quote. Only the MTP modules move in a re-fit, and its
+    step reads nothing from the host."""
+    from trex.models.deepseek_v4 import DeepseekV4
+    from trex.syncs import SyncCounter
+    from trex.train.drafter_refit import trainable
+
+    torch.manual_seed(0)
+    base = DeepseekV4(_tiny_v4_mtp())
+    base.init_weights(0)
+    _post_train(base, 1, 20, mtp_weight=1.0)
+    figures = {}
+    for name, weight in (("rl", 0.0), ("sft", 0.1)):
+        model = DeepseekV4(base.cfg)
+        model.load_state_dict(base.state_dict())
+        refit = _refit(model, tmp_path / name)
+        a = refit.acceptance(model).mean_accepted
+        _post_train(model, 3, 20, mtp_weight=weight)
+        b = refit.acceptance(model).mean_accepted
+        backbone = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("mtp.")}
+        model.requires_grad_(False)  # the target frozen, as in a phase
+        with SyncCounter() as syncs, trainable(refit.params):
+            refit._step(model, 0)
+        assert syncs.count == 0, syncs.report()
+        refit.done = 1
+        refit.phase(model, 20)
+        c = refit.acceptance(model).mean_accepted
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in backbone.items())
+        figures[name] = (a, b, c)
+    print("MTP acceptance (a, b, c): " + ", ".join(f"{k} {a:.3f} {b:.3f} {c:.3f}" for k, (a, b, c) in figures.items()))
+    a, b, c = figures["rl"]
+    assert b < a <= c, figures
+
+
+# ---- the re-fit in the training loop ------------------------------------------------------------------------
+def _sft_with_mtp_refit(tmp_path, out, *extra):
+    from arithmetic_data import write_sft
+
+    from trex.recipe import load
+    from trex.train.config import TrainRecipe
+
+    data = tmp_path / "sft.jsonl"
+    if not data.exists():
+        write_sft(tmp_path, n_train=40, n_eval=4)
+    return load(TrainRecipe, overrides=[
+        'model.preset="tiny"', f'data.paths=["{data}"]', 'data.tokenizer="compact"', "data.seq_len=64",
+        "train.steps=1", "train.progress=false", "fidelity.every=0", f'train.out="{out}"', "drafter.enabled=true",
+        "drafter.steps=4", "drafter.new_tokens=6", "drafter.prompts_per_step=2", "drafter.held_out=1",
+        "drafter.measure_tokens=6", "drafter.lr=1e-3", "checkpoint.save_every=2", *extra])
+
+
+def test_an_sft_job_refits_the_mtp_modules_resumes_bit_for_bit_and_exports_them(tmp_path):
+    """SFT on the tiny V4 preset (one MTP module) with ``[drafter]``: 4 re-fit steps of the model's own MTP module
+    after the main step (summary kind "mtp", acceptance (a), (b), (c)); the main checkpoint keeps the modules the
+    main step trained, drafter/mtp the re-fit ones, and `trex ckpt export` of the main checkpoint writes the
+    re-fit ones; the run resumed from re-fit step 2 repeats steps 3 and 4 bit for bit."""
+    from trex.checkpoint.export import export_checkpoint
+    from trex.checkpoint.load import load_pretrained
+    from trex.train.loop import train
+
+    out = tmp_path / "run"
+    summary = train(_sft_with_mtp_refit(tmp_path, out)).summary["drafter"]
+    assert summary["kind"] == "mtp" and summary["steps"] == 4 and summary["phases"] == 1
+    assert set(summary["acceptance"]) == {"base", "post_trained_old", "refit"}
+    assert all(a["steps"] > 0 and len(a["rates"]) == 1 for a in summary["acceptance"].values())  # one module
+    rows = [json.loads(line) for line in open(out / "drafter_metrics.jsonl")]
+    assert [r["drafter_step"] for r in rows] == [1, 2, 3, 4] and "drafter/confidence" not in rows[0]
+    ckpts = out / "checkpoints"
+    assert sorted(os.listdir(ckpts / "drafter")) == ["before", "mtp", "step_2", "step_4"]
+    main_step = _dcp_tensors(ckpts / "step_1")["model"]
+    refit = _dcp_tensors(ckpts / "drafter" / "step_4")["model"]
+    assert set(refit) == {k for k in main_step if k.startswith("mtp.")}
+    assert not all(torch.equal(refit[k], main_step[k]) for k in refit)  # the re-fit moved them
+    export_checkpoint(str(ckpts / "step_1"), str(tmp_path / "export"), layout="hf", dtype="fp32")
+    exported = load_pretrained(str(tmp_path / "export"), dtype=torch.float32, device="cpu").state_dict()
+    assert all(torch.equal(exported[k], refit[k]) for k in refit)
+    assert all(torch.equal(exported[k], main_step[k]) for k in main_step if not k.startswith("mtp."))
+
+    written = (ckpts / "drafter" / "mtp" / "model.safetensors").read_bytes()
+    shutil.rmtree(ckpts / "drafter" / "step_4")
+    shutil.rmtree(ckpts / "drafter" / "mtp")
+    again = train(_sft_with_mtp_refit(tmp_path, out, 'checkpoint.resume="auto"')).summary["drafter"]
+    rows_again = [json.loads(line) for line in open(out / "drafter_metrics.jsonl")]
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "drafter/step_time_s"} for r in rs]  # noqa: E731
+    assert strip(rows_again) == strip(rows)
+    resumed = _dcp_tensors(ckpts / "drafter" / "step_4")["model"]
+    assert all(torch.equal(resumed[k], refit[k]) for k in refit)
+    assert (ckpts / "drafter" / "mtp" / "model.safetensors").read_bytes() == written
+    assert again["acceptance"] == summary["acceptance"]
+
+
+def test_grpo_holds_the_mtp_modules_in_its_main_steps_and_refits_them_after(tmp_path, monkeypatch):
+    """GRPO on the tiny V4 preset with ``[drafter]``: the objective gives the MTP module no gradient, so the main
+    steps hold it (frozen: counted in the summary's frozen parameters, no optimizer state, unchanged from step 1
+    to step 2) and only the re-fit after the last step moves it; without ``[drafter]`` it stays trainable.
+    ``drafter.block_size`` on MTP modules is one line naming the key."""
+    from trex.cli import main
+    from trex.data.arithmetic import ArithmeticTask, generate
+    from trex.data.records import write_jsonl
+    from trex.models.config import tiny
+
+    train_p, _ = generate(ArithmeticTask(digits=1, n_train=12, n_eval=1))
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p.question, "answer": p.answer} for p in train_p])
+    (tmp_path / "flat.py").write_text("def constant(c):\n    return 1.0\n")
+    (tmp_path / "recipe.toml").write_text("# everything set on the command line\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the reward plug-in
+    sets = ['train.mode="grpo"', 'data.tokenizer="compact"', "data.seq_len=32", "train.progress=false",
+            "fidelity.every=0", "train.steps=2", 'model.preset="tiny"', f'grpo.prompts=["{tmp_path}/prompts.jsonl"]',
+            'grpo.rewards=["flat:constant"]', "grpo.prompts_per_step=2", "grpo.group_size=2",
+            "grpo.micro_batch_size=4", "sampling.max_new_tokens=2", "drafter.steps=2", "drafter.new_tokens=5",
+            "drafter.prompts_per_step=2", "drafter.held_out=1", "drafter.measure_tokens=5", "checkpoint.save_every=1"]
+    frozen = {}
+    for enabled in (True, False):
+        out = tmp_path / f"run_{enabled}"
+        args = ["train", str(tmp_path / "recipe.toml"), "--out", str(out),
+                *[a for s in [*sets, f"drafter.enabled={str(enabled).lower()}"] for a in ("--set", s)]]
+        assert main(args) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        frozen[enabled] = summary["frozen_parameters"]
+    assert summary.get("drafter") is None and json.loads((tmp_path / "run_True" / "summary.json").read_text())[
+        "drafter"]["steps"] == 2
+    ckpts = tmp_path / "run_True" / "checkpoints"
+    step_1, step_2 = (_dcp_tensors(ckpts / s) for s in ("step_1", "step_2"))
+    mtp = [k for k in step_1["model"] if k.startswith("mtp.")]
+    assert 0 < frozen[True] - frozen[False] <= len(mtp)
+    assert all(torch.equal(step_1["model"][k], step_2["model"][k]) for k in mtp)
+    assert not any(k.startswith("mtp.") for k in step_2["optim"]) and any(k.startswith("layers.") for k in step_2["optim"])
+    refit = _dcp_tensors(ckpts / "drafter" / "step_2")["model"]
+    assert not all(torch.equal(refit[k], step_2["model"][k]) for k in mtp)
+    with pytest.raises(ValueError, match="drafter.block_size = 2: the model's 1 multi-token prediction module"):
+        DrafterSection(enabled=True, block_size=2).check_against("grpo", tiny())
