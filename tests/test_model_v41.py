@@ -649,7 +649,7 @@ def test_trex_fidelity_drafter_reports_a_checkpoint_beside_its_base(tmp_path, ca
     assert f"{prompts}:2: expected" in capsys.readouterr().err
     prompts.write_text('{"ids": [3, 4]}\n')
     assert main(["fidelity", "drafter", RELEASED, "--prompts", str(prompts)]) == 2
-    assert "no DSpark drafter" in capsys.readouterr().err
+    assert f"{RELEASED}: its config has no drafter" in capsys.readouterr().err
 
 
 def test_trex_fidelity_drafter_names_a_path_that_is_no_checkpoint_and_prints_strict_json(tmp_path, capsys):
@@ -659,7 +659,8 @@ def test_trex_fidelity_drafter_names_a_path_that_is_no_checkpoint_and_prints_str
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "the"}\n')
-    expected = "expected a DeepSeek-V4.1 checkpoint directory: config.json and safetensors with its mtp.* stages"
+    expected = ("expected a checkpoint directory: config.json and safetensors with its drafter's mtp.* tensors "
+                "(DeepSeek-V4.1's DSpark stages, or the MTP modules of DeepSeek-V4 and the V3 family)")
     missing, run = tmp_path / "missing", tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     for argv, line in (([str(missing)], f"{missing}: no such path; {expected}"),

@@ -84,6 +84,73 @@ def test_the_refit_restores_the_mtp_drafter_where_the_objective_left_it_behind(t
     assert b < a <= c, figures
 
 
+# ---- the measure: what a speculative decoder verifies -------------------------------------------------------
+def test_mtp_acceptance_is_what_a_speculative_decoder_verifies():
+    """A tiny V4 with two MTP modules, left-padded batches: measure_mtp_acceptance's histogram equals verifying
+    each step's draft (module j's argmax at g_k's place, fed g_{k+1}) by running the model over it without a
+    cache; the batch size changes nothing; with every logit tied (the shared head zeroed) every draft is
+    accepted, and a stop token at once leaves nothing to measure."""
+    from test_model_v41 import _verified
+
+    from trex.models.config import tiny
+    from trex.models.deepseek_v4 import DeepseekV4
+    from trex.rollout.speculation import measure_mtp_acceptance, mtp_draft_steps
+
+    torch.manual_seed(0)
+    model = DeepseekV4(tiny(vocab_size=64, num_nextn_predict_layers=2))
+    model.init_weights(0)
+    model.eval()
+    prompts = [[5, 9, 13, 17, 21, 25, 29], [40, 41, 42], [7, 3, 60, 2, 8, 11, 30, 31, 32, 33]]
+    N, T = 12, 2
+    generated, drafted = mtp_draft_steps(model, prompts, N, pad_id=0)
+    expected = [0] * (T + 1)
+    for prompt, row, row_drafts in zip(prompts, generated.tolist(), drafted.tolist()):
+        for k in range(N - 1 - T):
+            expected[_verified(model, prompt, row, k, row_drafts[k])] += 1
+    got = measure_mtp_acceptance(model, prompts, N, pad_id=0)
+    assert got.histogram == expected and got.steps == 3 * (N - 1 - T) and sum(expected[1:]) > 0
+    assert measure_mtp_acceptance(model, prompts, N, pad_id=0, batch_size=1).histogram == expected
+    with torch.no_grad():
+        model.head.weight.zero_()
+    agreed = measure_mtp_acceptance(model, prompts, N, pad_id=0)
+    assert agreed.histogram == [0] * T + [agreed.steps] and agreed.mean_accepted == T
+    assert measure_mtp_acceptance(model, prompts, N, pad_id=0, stop_ids=(0,)).steps == 0
+
+
+def test_trex_fidelity_drafter_measures_mtp_modules_and_refuses_a_checkpoint_without_them(tmp_path, capsys):
+    """`trex fidelity drafter` on a V4 checkpoint measures its MTP module (the same figures as the library call);
+    a config with modules whose tensors the checkpoint lacks, or one with none, is one line, exit 2."""
+    from trex.checkpoint.save import save_pretrained
+    from trex.cli import main
+    from trex.models.config import tiny
+    from trex.models.deepseek_v4 import DeepseekV4
+    from trex.rollout.speculation import measure_mtp_acceptance
+
+    torch.manual_seed(0)
+    model = DeepseekV4(tiny(vocab_size=64))
+    model.init_weights(0)
+    save_pretrained(model, str(tmp_path / "v4"), dtype="fp32")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"ids": [3, 4, 5, 6, 7, 8]}\n{"ids": [9, 10]}\n')
+    assert main(["fidelity", "drafter", str(tmp_path / "v4"), "--prompts", str(prompts), "--max-new-tokens", "8",
+                 "--format", "json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out).values()
+    stop = () if model.cfg.eos_token_id is None else (model.cfg.eos_token_id,)
+    direct = measure_mtp_acceptance(model.eval(), [[3, 4, 5, 6, 7, 8], [9, 10]], 8, pad_id=0, stop_ids=stop)
+    assert entry["histogram"] == direct.histogram and len(entry["rates"]) == 1 and entry["steps"] > 0
+    bare = DeepseekV4(tiny(vocab_size=64, num_nextn_predict_layers=0))
+    bare.init_weights(0)
+    save_pretrained(bare, str(tmp_path / "bare"), dtype="fp32")
+    assert main(["fidelity", "drafter", str(tmp_path / "bare"), "--prompts", str(prompts)]) == 2
+    assert "its config has no drafter" in capsys.readouterr().err
+    config = json.loads((tmp_path / "bare" / "config.json").read_text())
+    key = next(k for k in ("num_nextn_predict_layers", "n_mtp_layers", "num_mtp_layers") if k in config)
+    (tmp_path / "bare" / "config.json").write_text(json.dumps({**config, key: 1}))
+    assert main(["fidelity", "drafter", str(tmp_path / "bare"), "--prompts", str(prompts)]) == 2
+    err = capsys.readouterr().err
+    assert "no MTP module weights" in err and err.count("\n") == 1, err
+
+
 # ---- the re-fit in the training loop ------------------------------------------------------------------------
 def _sft_with_mtp_refit(tmp_path, out, *extra):
     from arithmetic_data import write_sft

@@ -118,9 +118,11 @@ def register(sub) -> None:
     la.add_argument("--overwrite", action="store_true", help="replace what --out holds (default: refuse)")
     la.set_defaults(func=_ladder)
 
-    dr = fid.add_parser("drafter", help="DeepSeek-V4.1: how many DSpark draft tokens a checkpoint accepts (greedy "
-                                        "speculative decoding), beside its --base; exit 0, 2 bad input")
-    dr.add_argument("checkpoint", help="a V4.1 checkpoint directory with its mtp.* stages (a trex export carries them)")
+    dr = fid.add_parser("drafter", help="how many draft tokens a checkpoint's drafter gets accepted (greedy speculative "
+                                        "decoding): DeepSeek-V4.1's DSpark stages or the MTP modules of V4 and the "
+                                        "V3 family, beside its --base; exit 0, 2 bad input")
+    dr.add_argument("checkpoint", help="a checkpoint directory with its drafter's mtp.* tensors (a trex export "
+                                       "carries them)")
     dr.add_argument("--prompts", required=True, help='JSONL: {"prompt": text} or {"ids": [token ids]} per line')
     dr.add_argument("--base", help="the checkpoint it was post-trained from, measured on the same prompts")
     dr.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
@@ -154,7 +156,7 @@ def _drafter(args: argparse.Namespace) -> int:
         print(strict_json({p: {"steps": a.steps, "histogram": a.histogram, "accepted_per_step": a.mean_accepted,
                                "tokens_per_step": a.tokens_per_step, "rates": a.rates()} for p, a in results.items()}))
     else:
-        print(f"DSpark drafter acceptance: greedy, {logs.plural(len(prompts), 'prompt')}, up to "
+        print(f"drafter acceptance: greedy, {logs.plural(len(prompts), 'prompt')}, up to "
               f"{args.max_new_tokens} tokens each")
         print(table(results))
     return 0

@@ -1,10 +1,12 @@
-"""``trex fidelity drafter``: does a post-trained DeepSeek-V4.1 checkpoint still speculate like its source?
+"""``trex fidelity drafter``: does a post-trained checkpoint still speculate like its source?
 
-Post-training moves the backbone's hidden states away from the ones the DSpark drafter (``mtp.*``,
-carried through training and export unchanged) was trained on, so speculative decoding may accept fewer
-drafted tokens: the serving cost of a post-trained model rises without any loss curve showing it. This
-loads each checkpoint with its drafter, greedy-decodes the same prompts and reports the drafts' acceptance
-(``trex.rollout.speculation``), the checkpoint beside its ``--base``.
+Post-training moves the backbone's hidden states away from the ones its drafter was trained on, so speculative
+decoding may accept fewer drafted tokens: the serving cost of a post-trained model rises without any loss curve
+showing it. Two drafters (``trex.models.registry.drafter_kind``): DeepSeek-V4.1's DSpark stages (``mtp.*``,
+carried through training and export unchanged unless ``[drafter]`` re-fits them), and the multi-token
+prediction modules of DeepSeek-V4 and the V3 family (``mtp.N``, one token drafted per module, as vLLM and
+SGLang serve them). This loads each checkpoint with its drafter, greedy-decodes the same prompts and reports
+the drafts' acceptance (``trex.rollout.speculation``), the checkpoint beside its ``--base``.
 
 Prompts are a JSONL file, one object per line: ``{"prompt": "text"}`` (tokenised with the checkpoint's
 ``tokenizer.json``) or ``{"ids": [token ids]}``.
@@ -61,7 +63,8 @@ def _tokenizer(checkpoint: str):
 
 def check_checkpoint(path: str) -> None:
     """DrafterCheckError unless ``path`` is a directory with a config.json (a checkpoint), naming what it is."""
-    expected = "expected a DeepSeek-V4.1 checkpoint directory: config.json and safetensors with its mtp.* stages"
+    expected = ("expected a checkpoint directory: config.json and safetensors with its drafter's mtp.* tensors "
+                "(DeepSeek-V4.1's DSpark stages, or the MTP modules of DeepSeek-V4 and the V3 family)")
     if not os.path.isdir(path):
         raise DrafterCheckError(f"{path}: {'not a directory' if os.path.exists(path) else 'no such path'}; {expected}")
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -73,16 +76,21 @@ def check_checkpoint(path: str) -> None:
 
 def measure(checkpoint: str, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
             device: str | None = None) -> Acceptance:
-    """The acceptance of ``checkpoint``'s drafter on its own greedy decoding of ``prompts``."""
+    """The acceptance of ``checkpoint``'s drafter (its DSpark stages or MTP modules) on its own greedy
+    decoding of ``prompts``."""
     from trex.checkpoint import CheckpointError, load_pretrained
     from trex.checkpoint.load import load_drafter
     from trex.models.config import ConfigError
-    from trex.rollout.speculation import measure_acceptance
+    from trex.rollout.speculation import measure_acceptance, measure_mtp_acceptance
 
     check_checkpoint(checkpoint)
+    drafter = None
     try:
-        drafter = load_drafter(checkpoint, device=device)
-        model = load_pretrained(checkpoint, dtype=next(drafter.parameters()).dtype, device=device)
+        if drafter_of(checkpoint) == "dspark":
+            drafter = load_drafter(checkpoint, device=device)
+            model = load_pretrained(checkpoint, dtype=next(drafter.parameters()).dtype, device=device)
+        else:
+            model = load_pretrained(checkpoint, device=device)
     except (CheckpointError, ConfigError) as e:
         raise DrafterCheckError(" ".join(line.strip() for line in str(e).splitlines())) from None
     vocab = model.cfg.vocab_size
@@ -90,7 +98,36 @@ def measure(checkpoint: str, prompts: list[list[int]], max_new_tokens: int, batc
     if bad is not None:
         raise DrafterCheckError(f"prompt {bad + 1} has token id {max(prompts[bad])}; {checkpoint}'s vocabulary has {vocab}")
     stop = () if model.cfg.eos_token_id is None else (model.cfg.eos_token_id,)
+    if drafter is None:
+        return measure_mtp_acceptance(model, prompts, max_new_tokens, pad_id=0, stop_ids=stop, batch_size=batch_size)
     return measure_acceptance(model, drafter, prompts, max_new_tokens, pad_id=0, stop_ids=stop, batch_size=batch_size)
+
+
+def drafter_of(checkpoint: str) -> str:
+    """"dspark" or "mtp": the drafter ``checkpoint`` holds; DrafterCheckError when its config has none, or its
+    MTP modules' tensors are not in it (the model would start them fresh: nothing to measure)."""
+    from trex.checkpoint import CheckpointError
+    from trex.checkpoint.reader import CheckpointReader
+    from trex.models.build import build_model
+    from trex.models.config import ConfigError
+    from trex.models.registry import drafter_kind
+
+    try:
+        reader = CheckpointReader(checkpoint)
+        kind = drafter_kind(reader.config)
+        if kind is None:
+            raise DrafterCheckError(f"{checkpoint}: its config has no drafter (DeepSeek-V4.1: num_nextn_predict_layers "
+                                    "and dspark_target_layer_ids; DeepSeek-V4 / V3: num_nextn_predict_layers > 0)")
+        if kind == "mtp":
+            meta = build_model(reader.config, device="meta")
+            fresh = reader.check({k: tuple(t.shape) for k, t in [*meta.named_parameters(), *meta.named_buffers()]})
+            if fresh:
+                raise DrafterCheckError(f"{checkpoint}: no MTP module weights ({len(fresh)} tensors missing, e.g. "
+                                        f"{fresh[0]}): the config has {reader.config.num_nextn_predict_layers} "
+                                        "module(s) but the checkpoint does not hold them")
+    except (CheckpointError, ConfigError) as e:
+        raise DrafterCheckError(" ".join(line.strip() for line in str(e).splitlines())) from None
+    return kind
 
 
 def table(results: dict[str, Acceptance]) -> str:

@@ -22,7 +22,7 @@ from trex.models.config_v41 import config_from_dict as v4_family_config
 from trex.models.deepseek_v3.config import V3_PRESETS, V3Config, is_v3
 
 __all__ = ["ARCHITECTURES", "DECODE_CACHES", "PRESETS", "check_shardable", "config_from_dict", "config_from_file",
-           "decode_cache", "get_preset", "is_v3", "is_v41", "model_class", "shardable_length"]
+           "decode_cache", "drafter_kind", "get_preset", "is_v3", "is_v41", "model_class", "shardable_length"]
 
 PRESETS = {**V4_PRESETS, **V41_PRESETS, **V3_PRESETS}
 
@@ -99,3 +99,12 @@ def shardable_length(cfg: AnyConfig, length: int, shards: int) -> int:
     if shards == 1:
         return length
     return importlib.import_module(SPLIT_RULES[cfg.architecture]).shardable_length(cfg, length, shards)
+
+
+def drafter_kind(cfg: AnyConfig) -> str | None:
+    """Which drafter a config's model has for speculative decoding: "dspark" (DeepSeek-V4.1's DSpark stages,
+    ``trex.models.dspark``), "mtp" (the multi-token prediction modules of DeepSeek-V4 and the V3 family, one
+    token drafted per module) or None (a V4.1 config without DSpark stages, or no modules)."""
+    if cfg.architecture == "deepseek_v41":
+        return "dspark" if cfg.num_nextn_predict_layers and cfg.dspark_target_layer_ids else None
+    return "mtp" if cfg.num_nextn_predict_layers else None

@@ -57,6 +57,7 @@ from torch import nn
 
 from trex.checkpoint.training import CheckpointSection, Checkpointer, RunState
 from trex.models import evaluating
+from trex.models.registry import drafter_kind
 from trex.posttrain.objective import reshard
 from trex.precision import StepGuard
 from trex.recipe import check_choices
@@ -167,14 +168,6 @@ class DrafterSection:
         if not self.block_size and cfg.dspark_block_size >= self.new_tokens:
             raise ValueError(f"drafter.new_tokens = {self.new_tokens}; expected more than the config's "
                              f"dspark_block_size = {cfg.dspark_block_size}")
-
-
-def drafter_kind(cfg) -> Literal["dspark", "mtp"] | None:
-    """Which drafter a model config has: "dspark" (DeepSeek-V4.1's stages), "mtp" (DeepSeek-V4's and the V3
-    family's multi-token prediction modules) or None."""
-    if getattr(cfg, "architecture", None) == "deepseek_v41":
-        return "dspark" if cfg.num_nextn_predict_layers and cfg.dspark_target_layer_ids else None
-    return "mtp" if getattr(cfg, "num_nextn_predict_layers", 0) else None
 
 
 # ---- the objective ----------------------------------------------------------------------------------
