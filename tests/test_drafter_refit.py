@@ -243,40 +243,6 @@ def test_fsdp2_and_expert_parallelism_on_two_ranks_refit_with_the_losses_of_one_
     assert summaries["one"]["acceptance"] == summaries["fsdp2-ep2"]["acceptance"]
 
 
-def test_trex_plan_counts_the_refit_of_a_recipe_with_a_drafter_section(tmp_path, capsys):
-    """`trex plan` of the V4.1-Flash SFT recipe with ``[drafter]``: the re-fit's memory per device (on top of the
-    main model's weights and optimizer state) and time per step, in JSON and in the table; its memory grows with
-    the prompts per step, its time with the continuation; a model without a drafter is one line naming it. The
-    portability report (`trex report`) gives it a table of its own."""
-    from trex.cli import main
-
-    base = open(os.path.join(os.path.dirname(__file__), "..", "recipes", "deepseek_v41_flash_sft.toml")).read()
-
-    def plan(drafter: str, *flags: str) -> dict:
-        path = tmp_path / "recipe.toml"
-        path.write_text(base.replace("[eval]", f"[drafter]\n{drafter}\n\n[eval]"))
-        assert main(["plan", str(path), "--devices", "128", "--hardware", "h200-sxm", *flags]) in (0, 1)
-        return json.loads(capsys.readouterr().out) if flags else capsys.readouterr().out
-
-    full = plan("enabled = true\nprompts_per_step = 128\nnew_tokens = 32", "--format", "json")
-    small = full["drafter"]
-    large = plan("enabled = true\nprompts_per_step = 512\nnew_tokens = 64", "--format", "json")["drafter"]
-    m = small["memory"]
-    assert m["total"] == pytest.approx(sum(v for k, v in m.items() if k != "total")) and m["main"] > m["weights"] > 0
-    assert large["memory"]["activations"] > small["memory"]["activations"] and large["time_s"]["total"] > \
-        small["time_s"]["total"] > 0
-    assert small["tokens_per_device"] == 1 * (32 - 5) * 5 and small["phases"] == 1
-    assert "drafter re-fit" in plan("enabled = true") and "drafter" not in plan("enabled = false", "--format", "json")
-    v4 = (tmp_path / "v4.toml")
-    v4.write_text('[model]\npreset = "deepseek-v4-flash"\n[drafter]\nenabled = true\n')
-    assert main(["plan", str(v4), "--devices", "128", "--hardware", "h200-sxm"]) == 2
-    assert "[drafter] enabled: the model has no DSpark drafter" in capsys.readouterr().err
-    from trex.report.document import drafter_blocks  # the portability report's row of it
-
-    (_, table) = drafter_blocks([full])
-    assert table.rows[0][2] == f"1 x {small['steps']}" and drafter_blocks([{**full, "drafter": None}]) == []
-
-
 def test_grpo_refits_every_n_steps_and_after_the_last(tmp_path, monkeypatch):
     """GRPO on a tiny V4.1 with ``drafter.every_n = 2`` over 3 steps: a phase after step 2 (the policy still
     moving) and one after the last, 2 re-fit steps each, on the rollout prompts; a run resumed inside the

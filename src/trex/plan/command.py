@@ -72,13 +72,29 @@ def recipe_inputs(path: str, devices: int | None) -> tuple[str | None, Layout, i
     return model_spec, layout, r.data.seq_len, (r.precision.dtype if r.precision.dtype != "auto" else None)
 
 
+def recipe_model(path: str, spec: str):
+    """The model config ``spec`` names (``resolve_model``), with the recipe at ``path``'s ``model.overrides``
+    applied when ``spec`` is its preset (as `trex train` builds it)."""
+    from trex import recipe as recipe_io
+    from trex.train.config import TrainRecipe
+
+    cfg = resolve_model(spec)
+    r = recipe_io.load(TrainRecipe, path)
+    if r.model.overrides and spec == r.model.preset:
+        try:
+            cfg = dataclasses.replace(cfg, **r.model.overrides)
+        except (TypeError, ValueError) as e:
+            raise PlanError(f"{path}: model.overrides: {e}") from None
+    return cfg
+
+
 def plan_recipe(path: str, devices: int, hardware: str, assume: TimeAssumptions = TimeAssumptions()):
     """The plan of a recipe's own layout on ``devices`` x ``hardware``."""
     spec, layout, seq, dtype = recipe_inputs(path, devices)
     if layout.devices != devices:
         raise PlanError(f"{path}: its layout {layout.describe()} uses {layout.devices} devices, not {devices}")
     assume = dataclasses.replace(assume, dtype=dtype or assume.dtype)
-    cfg = resolve_model(spec)
+    cfg = recipe_model(path, spec)
     return _with_recipe_drafter(make_plan(cfg, layout, seq, resolve_hardware(hardware), assume), cfg, path)
 
 
@@ -130,7 +146,7 @@ def _inputs(args: argparse.Namespace) -> tuple[str, ModelConfig, Layout, int, st
         model_spec, seq, dtype = model_spec or spec, seq or recipe_seq, dtype or recipe_dtype
     if model_spec is None:
         raise PlanError("give a recipe or --model")
-    cfg = resolve_model(model_spec)
+    cfg = recipe_model(args.recipe, model_spec) if args.recipe else resolve_model(model_spec)
     if seq is None:
         seq = DEFAULT_SEQ
         print(f"note: no recipe or --seq: planning {seq}-token sequences", file=sys.stderr)

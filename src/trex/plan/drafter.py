@@ -1,18 +1,28 @@
 """What a recipe's ``[drafter]`` re-fit (trex.train.drafter_refit) adds to a plan: memory per device during a
-re-fit phase and time per re-fit step, for DeepSeek-V4.1's DSpark drafter under the recipe's layout.
+re-fit phase and time per re-fit step, under the recipe's layout, for either drafter.
 
 During a phase the main model's weights and optimizer state stay where they are (the main step's gradients
-and activations are gone); on top of them each device holds the drafter's fp32 shard, its gradients and
-AdamW moments, the drafter gathered at the compute dtype (one FSDP unit, its routed experts split by ``ep``),
-the target's continuation (tap hidden at the compute dtype, fp32 logits of the generated positions) and the
-drafter's training activations, whose largest part at a real vocabulary is the fp32 logits of every
-(anchor, position) pair, kept three times (the draft's, its softmax, the target's softmax).
+and activations are gone); on top of them each device holds the drafter's gradients and AdamW moments (fp32,
+sharded), the drafter gathered at the compute dtype (one FSDP unit, its routed experts split by ``ep``), the
+target's continuation and the drafter's training activations.
+
+DeepSeek-V4.1's DSpark stages are a module of their own (fp32 weights of their own); the continuation holds the
+tap layers' hidden at the compute dtype and fp32 logits of the generated positions; the activations' largest
+part at a real vocabulary is the fp32 logits of every (anchor, position) pair, kept three times (the draft's,
+its softmax, the target's softmax).
+
+The multi-token prediction modules of DeepSeek-V4 and the V3 family are the model's (their weights are in the
+main model's); each step runs the frozen model once more over prompt and continuation, teacher-forced, and the
+modules over every position (their attention needs the context): activations of the modules at every
+position, and the fp32 logits of every head (the main one and each module's) over the whole row, which the
+model's forward returns; the training pairs are the continuation's (anchor, module) pairs.
 
 Time per step: the target's no-grad forward over prompt and continuation (2 FLOPs per active parameter and
 token: prefill and decode costed alike, at the plan's compute efficiency, which a memory-bound decode does not
-reach, so it is a lower bound), the drafter's forward and backward (6 per active parameter and token, the
-frozen head's 4 per d x V), and FSDP's two gathers and one reduce-scatter of the drafter, of which the plan's
-``fsdp_overlap`` hides a share. Prompts are assumed ``seq_len - new_tokens`` long: the longest a row holds.
+reach, so it is a lower bound; MTP: a second, teacher-forced one), the drafter's forward and backward (6 per
+active parameter and token, the frozen head's 4 per d x V), and FSDP's two gathers and one reduce-scatter of
+the drafter, of which the plan's ``fsdp_overlap`` hides a share. Prompts are assumed ``seq_len - new_tokens``
+long: the longest a row holds.
 """
 
 from __future__ import annotations
@@ -31,7 +41,8 @@ STAGE_ACTIVATION_WORDS = 40  # fp32 words one drafted token keeps per stage for 
 class DrafterPlan:
     steps: int  # re-fit steps per phase
     phases: int
-    parameters: int  # the drafter's (its stages; the embedding and head are the target's)
+    kind: str  # "dspark" (V4.1's stages) or "mtp" (the model's multi-token prediction modules)
+    parameters: int  # the drafter's (its stages or modules; the embedding and head are the target's)
     active: int  # per drafted token (k of the drafter's routed experts)
     tokens_per_device: int  # drafted (anchor, position) pairs per step on one device
     memory: dict  # bytes per device: drafter weights, gradients, optimizer, gathered, activations, continuation,
@@ -47,40 +58,65 @@ class DrafterPlan:
 
 
 def drafter_counts(cfg) -> tuple[int, int, int]:
-    """(parameters, routed-expert parameters, active parameters per token) of ``cfg``'s DSpark drafter."""
-    from trex.models.dspark import DSparkDrafter
+    """(parameters, routed-expert parameters, active parameters per token) of ``cfg``'s drafter: the DSpark
+    stages, or the MTP modules (``mtp.*`` of the model built on the meta device)."""
+    from trex.models.registry import drafter_kind
 
-    with torch.device("meta"):
-        drafter = DSparkDrafter(cfg)
-    total = sum(p.numel() for p in drafter.parameters())
-    experts = sum(p.numel() for n, p in drafter.named_parameters() if ".ffn.experts." in n)
-    return total, experts, total - experts + experts * cfg.dspark_num_experts_per_tok // cfg.dspark_n_routed_experts
+    if drafter_kind(cfg) == "dspark":
+        from trex.models.dspark import DSparkDrafter
+
+        with torch.device("meta"):
+            named = list(DSparkDrafter(cfg).named_parameters())
+        k, n = cfg.dspark_num_experts_per_tok, cfg.dspark_n_routed_experts
+    else:
+        from trex.models.build import build_model
+
+        named = [(name, p) for name, p in build_model(cfg, device="meta").named_parameters() if name.startswith("mtp.")]
+        k, n = cfg.num_experts_per_tok, cfg.n_routed_experts
+    total = sum(p.numel() for _, p in named)
+    experts = sum(p.numel() for name, p in named if ".ffn.experts." in name)
+    return total, experts, total - experts + experts * k // n
 
 
 def drafter_plan(cfg, section, layout: Layout, seq_len: int, hw, assume: TimeAssumptions, b: int,
                  main_memory, main_active: int, main_steps: int) -> DrafterPlan:
     """The re-fit of ``section`` (a DrafterSection) on ``layout``; ``b`` bytes of the compute dtype;
     ``main_memory`` the main plan's MemoryBreakdown, ``main_active`` its active parameters per token."""
+    from trex.models.registry import drafter_kind
+
+    kind = drafter_kind(cfg)
     total, experts, active = drafter_counts(cfg)
     world = layout.devices
-    T = section.block_size or cfg.dspark_block_size
+    mtp = kind == "mtp"
+    T = cfg.num_nextn_predict_layers if mtp else section.block_size or cfg.dspark_block_size
     rows = max(1, section.prompts_per_step // layout.data_parallel)
     anchors = section.new_tokens - T
     tokens = rows * anchors * T
     prompt = max(1, seq_len - section.new_tokens)
-    d, V, k = cfg.hidden_size, cfg.vocab_size, len(cfg.dspark_target_layer_ids)
+    row = prompt + section.new_tokens
+    d, V = cfg.hidden_size, cfg.vocab_size
     gathered = (total - experts + experts / layout.ep) * b
-    activations = tokens * (cfg.num_nextn_predict_layers * STAGE_ACTIVATION_WORDS * d * 4 + 3 * V * 4)
-    continuation = rows * (prompt + section.new_tokens) * k * d * b + rows * section.new_tokens * V * 4
+    if mtp:  # the modules over every position, every head's fp32 logits over the row, the pairs' softmaxes
+        streams = getattr(cfg, "hc_mult", 1)
+        activations = rows * row * (T * STAGE_ACTIVATION_WORDS * d * streams * 4 + (1 + T) * V * 4) + tokens * 2 * V * 4
+        continuation = rows * section.new_tokens * V * 4
+    else:
+        k = len(cfg.dspark_target_layer_ids)
+        activations = tokens * (cfg.num_nextn_predict_layers * STAGE_ACTIVATION_WORDS * d * 4 + 3 * V * 4)
+        continuation = rows * row * k * d * b + rows * section.new_tokens * V * 4
     main = main_memory.weights + main_memory.optimizer + main_memory.gathered
-    memory = {"weights": 4 * total / world, "gradients": 4 * total / world, "optimizer": 8 * total / world,
-              "gathered": gathered, "activations": activations, "continuation": continuation, "main": main}
+    memory = {"weights": 0.0 if mtp else 4 * total / world, "gradients": 4 * total / world,
+              "optimizer": 8 * total / world, "gathered": gathered, "activations": activations,
+              "continuation": continuation, "main": main}
     memory["total"] = sum(memory.values())
     rate = hw.peak_flops(assume.dtype) * assume.compute_efficiency
-    target = 2 * main_active * rows * (prompt + section.new_tokens) / rate
-    drafter = (6 * active + 4 * d * V) * tokens / rate
+    target = (4 if mtp else 2) * main_active * rows * row / rate
+    if mtp:
+        drafter = (6 * active * rows * row + 2 * d * V * (1 + T) * rows * row + 4 * d * V * tokens) / rate
+    else:
+        drafter = (6 * active + 4 * d * V) * tokens / rate
     comm = _group_seconds(3 * (total - experts) * b, layout.fsdp, hw) * (1 - assume.fsdp_overlap) if world > 1 else 0.0
     time_s = {"target": target, "drafter": drafter, "fsdp_comm": comm, "total": target + drafter + comm}
     n = section.every_n
     phases = ((main_steps - 1) // n if n else 0) + 1
-    return DrafterPlan(section.steps, phases, total, active, tokens, memory, time_s)
+    return DrafterPlan(section.steps, phases, kind, total, active, tokens, memory, time_s)

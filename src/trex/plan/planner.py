@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from trex.hardware import HardwareProfile
 from trex.logs import plural
 from trex.models.config import ModelConfig
+from trex.models.registry import drafter_kind
 from trex.plan.drafter import DrafterPlan, drafter_plan
 from trex.plan.layout import Layout, PlanError, check_context_parallel
 from trex.plan.memory import HEADROOM, MemoryBreakdown, memory
@@ -116,9 +117,10 @@ def make_plan(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfil
 
 def with_drafter(plan: Plan, cfg, section, main_steps: int) -> Plan:
     """``plan`` with the re-fit of ``section`` (a recipe's enabled DrafterSection) counted (``plan.drafter``)."""
-    if not getattr(cfg, "dspark_target_layer_ids", None) or not cfg.num_nextn_predict_layers:
-        raise PlanError("[drafter] enabled: the model has no DSpark drafter (a DeepSeek-V4.1 config with "
-                        "num_nextn_predict_layers and dspark_target_layer_ids)")
+    if drafter_kind(cfg) is None:
+        raise PlanError("[drafter] enabled: the model has no drafter to re-fit (DeepSeek-V4.1's DSpark stages: "
+                        "num_nextn_predict_layers and dspark_target_layer_ids; or the multi-token prediction modules "
+                        "of DeepSeek-V4 and the V3 family: num_nextn_predict_layers > 0)")
     b = DTYPE_BYTES[plan.assumptions.dtype]
     refit = drafter_plan(cfg, section, plan.layout, plan.seq_len, plan.hardware, plan.assumptions, b, plan.memory,
                          plan.facts.active, main_steps)

@@ -104,7 +104,8 @@ def _drafter_lines(plan: Plan) -> list[str]:
     d, usable = plan.drafter, plan.usable_bytes
     m, t = d.memory, d.time_s
     fits = "FITS" if m["total"] <= usable else "DOES NOT FIT"
-    lines = [f"drafter re-fit  {plural(d.phases, 'phase')} of {plural(d.steps, 'step')}; the drafter {d.parameters / 1e9:.2f}B "
+    what = "the MTP modules" if d.kind == "mtp" else "the DSpark stages"
+    lines = [f"drafter re-fit  {plural(d.phases, 'phase')} of {plural(d.steps, 'step')}; {what} {d.parameters / 1e9:.2f}B "
              f"({d.active / 1e9:.2f}B active), {d.tokens_per_device:,} drafted tokens per step per device",
              "  memory per device during a phase"]
     for key in ("main", "weights", "gradients", "optimizer", "gathered", "continuation", "activations"):
