@@ -92,7 +92,8 @@ def _assert_close(eager, compiled, steps, rel=1e-5):
 def test_compiled_training_equals_eager_and_never_recompiles(sft_file, tmp_path):
     """Inductor's lowering and fusion of every block kind, forward and backward, against eager. Its C++
     kernels are generated scalar (no SIMD), which skips the vectorised variants and takes 40% less
-    compile time; SIMD code generation is a CPU matter (accelerators generate Triton). The compiled run is
+    compile time, and built at -O0 (``TORCHINDUCTOR_DEBUG_COMPILE``: what is tested is the generated code, not
+    gcc's optimiser; 61 s against 80 s for this test with an empty Inductor cache); SIMD code generation is a CPU matter (accelerators generate Triton). The compiled run is
     a process of its own: Inductor caches the answer "no SIMD" for the life of a process, and a later
     compile in this one would then build a cached vectorised kernel without its ISA flags. The model has no
     MTP block: its graph is a sliding block's ops plus projections, norms and an mHC head that the other
@@ -107,7 +108,8 @@ def test_compiled_training_equals_eager_and_never_recompiles(sft_file, tmp_path)
                         f"train.compile={str(compiled).lower()}"]:
             args += ["--set", setting]
         if compiled:  # a separate process (see above), its kernels scalar and its wrapper C++
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_VEC_ISA_OK": "0", "TORCHINDUCTOR_CPP_WRAPPER": "1"}
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_VEC_ISA_OK": "0", "TORCHINDUCTOR_CPP_WRAPPER": "1",
+                   "TORCHINDUCTOR_DEBUG_COMPILE": "1"}
             proc = subprocess.run([sys.executable, "-m", "trex", *args], capture_output=True, text=True, env=env,
                                   timeout=900)
         else:
