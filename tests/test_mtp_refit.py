@@ -274,10 +274,12 @@ def test_grpo_holds_the_mtp_modules_in_its_main_steps_and_refits_them_after(tmp_
 
 
 @pytest.mark.slow
-def test_fsdp2_and_expert_parallelism_on_two_ranks_refit_the_mtp_module_with_the_losses_of_one_process(tmp_path):
+def test_fsdp2_expert_and_context_parallelism_on_two_ranks_refit_the_mtp_module_with_the_losses_of_one_process(
+        tmp_path):
     """`trex train` SFT on the tiny V4 preset with ``[drafter]`` under `torchrun --nproc-per-node 2` as FSDP2 + EP2
-    (the MTP module's experts split over both ranks, each rank half of every re-fit step's prompts) against one
-    process taking the same main step: the main step's loss within 1e-6, every one of 4 re-fit steps' loss,
+    (the MTP module's experts split over both ranks, each rank half of every re-fit step's prompts) and as
+    context parallelism over 2 (each rank a shard of the teacher-forced rows, left-padded to a length that
+    splits) against one process taking the same main step: the main step's loss within 1e-6, every one of 4 re-fit steps' loss,
     parts and gradient norm within 1e-5 of one process's, the re-fit module (its DCP checkpoint) within 5% of one
     step's lr (AdamW at lr 1e-3 over 4 steps: an element whose gradient is near 0 is normalised to a move of about
     lr either way; measured: 5 of hc_head.fn's 1,024 elements 4.3e-5 apart, every other tensor within 1.1e-5)
@@ -293,7 +295,8 @@ def test_fsdp2_and_expert_parallelism_on_two_ranks_refit_the_mtp_module_with_the
             "drafter.lr=1e-3", "checkpoint.save_every=4"]
     common = ["train", str(tmp_path / "recipe.toml"), "--steps", "1", *[a for s in sets for a in ("--set", s)]]
     runs = {"one": (1, ["--set", "train.grad_accum=2"]),
-            "fsdp2-ep2": (2, ["--set", "parallel.dp_shard=2", "--set", "parallel.ep=2"])}
+            "fsdp2-ep2": (2, ["--set", "parallel.dp_shard=2", "--set", "parallel.ep=2"]),
+            "cp2": (2, ["--set", "parallel.dp_shard=1", "--set", "parallel.cp=2", "--set", "train.grad_accum=2"])}
     main, rows, summaries, weights = {}, {}, {}, {}
     for name, (procs, extra) in runs.items():
         proc = trex([*common, *extra, "--out", str(tmp_path / name)], procs=procs, env={"TREX_DEVICE": "cpu"})
@@ -302,14 +305,15 @@ def test_fsdp2_and_expert_parallelism_on_two_ranks_refit_the_mtp_module_with_the
         rows[name] = [json.loads(line) for line in open(tmp_path / name / "drafter_metrics.jsonl")]
         summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())["drafter"]
         weights[name] = _dcp_tensors(tmp_path / name / "checkpoints" / "drafter" / "step_4")["model"]
-    a, b = main["one"], main["fsdp2-ep2"]
-    assert a["tokens"] == b["tokens"] and abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a, b)
-    assert [r["drafter_step"] for r in rows["one"]] == [r["drafter_step"] for r in rows["fsdp2-ep2"]] == [1, 2, 3, 4]
-    for a, b in zip(rows["one"], rows["fsdp2-ep2"]):
-        for key in ("loss", "ce", "tv", "grad_norm"):
-            key = f"drafter/{key}"
-            assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (a["drafter_step"], key, a[key], b[key])
-    assert set(weights["one"]) == set(weights["fsdp2-ep2"]) and all(k.startswith("mtp.") for k in weights["one"])
-    for key, value in weights["one"].items():
-        assert torch.allclose(value, weights["fsdp2-ep2"][key], rtol=0, atol=5e-5), key
-    assert summaries["one"]["kind"] == "mtp" and summaries["one"]["acceptance"] == summaries["fsdp2-ep2"]["acceptance"]
+    for layout in ("fsdp2-ep2", "cp2"):
+        a, b = main["one"], main[layout]
+        assert a["tokens"] == b["tokens"] and abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (layout, a, b)
+        assert [r["drafter_step"] for r in rows["one"]] == [r["drafter_step"] for r in rows[layout]] == [1, 2, 3, 4]
+        for a, b in zip(rows["one"], rows[layout]):
+            for key in ("loss", "ce", "tv", "grad_norm"):
+                key = f"drafter/{key}"
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (layout, a["drafter_step"], key, a[key], b[key])
+        assert set(weights["one"]) == set(weights[layout]) and all(k.startswith("mtp.") for k in weights["one"])
+        for key, value in weights["one"].items():
+            assert torch.allclose(value, weights[layout][key], rtol=0, atol=5e-5), (layout, key)
+        assert summaries["one"]["kind"] == "mtp" and summaries["one"]["acceptance"] == summaries[layout]["acceptance"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trex.models import evaluating
-from trex.models.registry import decode_cache
+from trex.models.registry import decode_cache, shardable_length
 from trex.rollout.sampling import SamplingParams, choose_tokens, left_pad
 
 
@@ -73,13 +73,14 @@ def measure_acceptance(model, drafter, prompts: list[list[int]], max_new_tokens:
 
 @torch.no_grad()
 def measure_mtp_acceptance(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int,
-                           stop_ids: tuple[int, ...] = (), batch_size: int = 16) -> Acceptance:
+                           stop_ids: tuple[int, ...] = (), batch_size: int = 16, shards: int = 1) -> Acceptance:
     """The same measure for the multi-token-prediction modules of ``model`` (DeepSeek-V4 or the V3 family,
-    ``len(model.mtp)`` tokens drafted per step): greedy-decode, then one teacher-forced forward per batch.
-    Reads the host once per batch."""
+    ``len(model.mtp)`` tokens drafted per step): greedy-decode, then one teacher-forced forward per batch
+    (``shards``: the model's context-parallel group, every rank of it calling with the same prompts). Reads the
+    host once per batch."""
     total = Acceptance(len(model.mtp))
     for b in range(0, len(prompts), batch_size):
-        tally(total, *mtp_draft_steps(model, prompts[b:b + batch_size], max_new_tokens, pad_id), stop_ids)
+        tally(total, *mtp_draft_steps(model, prompts[b:b + batch_size], max_new_tokens, pad_id, shards), stop_ids)
     return total
 
 
@@ -123,16 +124,24 @@ def draft_steps(model, drafter, prompts: list[list[int]], max_new_tokens: int, p
 
 
 @torch.no_grad()
-def mtp_draft_steps(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int
+def mtp_draft_steps(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, shards: int = 1
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``draft_steps`` for the MTP modules: (generated [B, N], drafted [B, N - 1, T]) with T = len(model.mtp);
-    step k's draft of g_{k+2 + j} is module j's argmax at g_k's position (fed the stream there and g_{k+1})."""
-    c = continue_prompts(model, prompts, max_new_tokens, pad_id)
+    step k's draft of g_{k+2 + j} is module j's argmax at g_k's position (fed the stream there and g_{k+1}).
+    The rows are left-padded so that a context-parallel forward over ``shards`` ranks can split them."""
+    c = continue_prompts(model, prompts, max_new_tokens, pad_id,
+                         mtp_width(model.cfg, max(len(p) for p in prompts), max_new_tokens, shards))
     P = c.width
     with evaluating(model):
         out = model(c.ids, doc_ids=(c.positions >= 0).long())
     drafted = torch.stack([logits[:, P:P + max_new_tokens - 1].argmax(-1) for logits in out.mtp_logits], -1)
     return c.ids[:, P:], drafted
+
+
+def mtp_width(cfg, longest: int, new_tokens: int, shards: int) -> int:
+    """The prompt width (left-padded) whose rows, continued ``new_tokens``, a context-parallel forward over
+    ``shards`` ranks splits (``trex.models.registry.shardable_length``): at least ``longest``."""
+    return shardable_length(cfg, longest + new_tokens, shards) - new_tokens
 
 
 # ---- the target's own continuation ------------------------------------------------------------------------

@@ -62,7 +62,7 @@ from trex.posttrain.objective import reshard
 from trex.precision import StepGuard
 from trex.recipe import check_choices
 from trex.rollout.speculation import Acceptance, Continuation, continue_prompts, measure_acceptance, \
-    measure_mtp_acceptance
+    measure_mtp_acceptance, mtp_width
 from trex.train.optim import OptimSection, build_optimizer, clip_grad_norm
 from trex.train.schedule import ScheduleSection, build_scheduler
 from trex.train.step import read_scalars
@@ -321,6 +321,8 @@ class DrafterRefit:
         self.mtp = isinstance(drafter, MTPDrafter)
         self.block = drafter.block_size if self.mtp else section.block_size or drafter.cfg.dspark_block_size
         self.width = max(len(p) for p in prompts)
+        if self.mtp:  # the teacher-forced forward splits the rows over a context-parallel group
+            self.width = mtp_width(drafter.cfg, self.width, section.new_tokens, par.cp)
         self.params = trainable_parameters(drafter)
         with trainable(self.params):  # the optimizer takes the parameters that require grad
             optim = OptimSection(name="adamw", lr=section.lr, weight_decay=section.weight_decay, eps=1e-8,
@@ -417,7 +419,7 @@ class DrafterRefit:
         s = self.section
         if self.mtp:
             measured = measure_mtp_acceptance(model, self.held_out, s.measure_tokens, self.pad_id, self.stop_ids,
-                                              batch_size=max(1, len(self.held_out)))
+                                              batch_size=max(1, len(self.held_out)), shards=self.par.cp)
         else:
             with gathered(self.drafter):
                 measured = measure_acceptance(model, self.drafter, self.held_out, s.measure_tokens, self.pad_id,
