@@ -196,6 +196,23 @@ def test_a_post_trained_target_accepts_fewer_drafts_and_the_refit_restores_them(
     assert old < base <= refit_acc, (base, old, refit_acc)
 
 
+def run_layouts(tmp_path, common: list[str], runs: dict) -> tuple[dict, dict, dict, dict]:
+    """`trex train` of ``common`` arguments once per layout of ``runs`` (name -> (processes, extra arguments)),
+    in tmp_path/name -> (the main step's metrics row, the re-fit's rows, summary.json's drafter, the step-4 re-fit
+    checkpoint's tensors), each by name."""
+    from trex_run import trex
+
+    main, rows, summaries, weights = {}, {}, {}, {}
+    for name, (procs, extra) in runs.items():
+        proc = trex([*common, *extra, "--out", str(tmp_path / name)], procs=procs, env={"TREX_DEVICE": "cpu"})
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+        (main[name],) = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+        rows[name] = [json.loads(line) for line in open(tmp_path / name / "drafter_metrics.jsonl")]
+        summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())["drafter"]
+        weights[name] = _dcp_tensors(tmp_path / name / "checkpoints" / "drafter" / "step_4")["model"]
+    return main, rows, summaries, weights
+
+
 @pytest.mark.slow
 def test_fsdp2_and_expert_parallelism_on_two_ranks_refit_with_the_losses_of_one_process(tmp_path):
     """`trex train` with ``[drafter]`` under `torchrun --nproc-per-node 2` as FSDP2 + EP2 (the main model's and
@@ -209,7 +226,6 @@ def test_fsdp2_and_expert_parallelism_on_two_ranks_refit_with_the_losses_of_one_
     layouts since they count the same tokens; with one row in one process 6 biases ended 2e-3 apart and
     step 2's prompt 36 was continued with logits 5e-3 apart."""
     from arithmetic_data import write_sft
-    from trex_run import trex
 
     data = write_sft(tmp_path, n_train=40, n_eval=4)[0]
     (tmp_path / "recipe.toml").write_text('[train]\nmode = "sft"\n')
@@ -221,14 +237,7 @@ def test_fsdp2_and_expert_parallelism_on_two_ranks_refit_with_the_losses_of_one_
               "--set", "drafter.measure_tokens=6", "--set", "drafter.lr=1e-3", "--set", "checkpoint.save_every=4"]
     runs = {"one": (1, ["--set", "train.grad_accum=2"]),
             "fsdp2-ep2": (2, ["--set", "parallel.dp_shard=2", "--set", "parallel.ep=2"])}
-    main, rows, summaries, weights = {}, {}, {}, {}
-    for name, (procs, extra) in runs.items():
-        proc = trex([*common, *extra, "--out", str(tmp_path / name)], procs=procs, env={"TREX_DEVICE": "cpu"})
-        assert proc.returncode == 0, (name, proc.stderr[-3000:])
-        (main[name],) = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
-        rows[name] = [json.loads(line) for line in open(tmp_path / name / "drafter_metrics.jsonl")]
-        summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())["drafter"]
-        weights[name] = _dcp_tensors(tmp_path / name / "checkpoints" / "drafter" / "step_4")["model"]
+    main, rows, summaries, weights = run_layouts(tmp_path, common, runs)
     a, b = main["one"], main["fsdp2-ep2"]
     assert a["tokens"] == b["tokens"]
     assert all(abs(a[key] - b[key]) <= 1e-6 * abs(a[key]) for key in ("loss", "grad_norm")), (a, b)
@@ -243,21 +252,28 @@ def test_fsdp2_and_expert_parallelism_on_two_ranks_refit_with_the_losses_of_one_
     assert summaries["one"]["acceptance"] == summaries["fsdp2-ep2"]["acceptance"]
 
 
-def test_grpo_refits_every_n_steps_and_after_the_last(tmp_path, monkeypatch):
-    """GRPO on a tiny V4.1 with ``drafter.every_n = 2`` over 3 steps: a phase after step 2 (the policy still
-    moving) and one after the last, 2 re-fit steps each, on the rollout prompts; a run resumed inside the
-    first phase finishes it before its next main step and repeats the uninterrupted run's losses; every_n in
-    SFT, or a model without a drafter, is one line naming the key."""
-    from trex.cli import main
+def grpo_inputs(tmp_path, monkeypatch) -> None:
+    """A GRPO job's inputs in ``tmp_path``: prompts.jsonl (12 one-digit sums), a reward plug-in flat:constant
+    (1.0 for every completion: no learning signal, the re-fit is what is tested) and an empty recipe.toml."""
     from trex.data.arithmetic import ArithmeticTask, generate
     from trex.data.records import write_jsonl
-    from trex.models.config_v41 import tiny_v41
 
     train_p, _ = generate(ArithmeticTask(digits=1, n_train=12, n_eval=1))
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p.question, "answer": p.answer} for p in train_p])
     (tmp_path / "flat.py").write_text("def constant(c):\n    return 1.0\n")
     (tmp_path / "recipe.toml").write_text("# everything set on the command line\n")
     monkeypatch.syspath_prepend(str(tmp_path))  # the reward plug-in
+
+
+def test_grpo_refits_every_n_steps_and_after_the_last(tmp_path, monkeypatch):
+    """GRPO on a tiny V4.1 with ``drafter.every_n = 2`` over 3 steps: a phase after step 2 (the policy still
+    moving) and one after the last, 2 re-fit steps each, on the rollout prompts; a run resumed inside the
+    first phase finishes it before its next main step and repeats the uninterrupted run's losses; every_n in
+    SFT, or a model without a drafter, is one line naming the key."""
+    from trex.cli import main
+    from trex.models.config_v41 import tiny_v41
+
+    grpo_inputs(tmp_path, monkeypatch)
     sets = ['train.mode="grpo"', 'data.tokenizer="compact"', "data.seq_len=32", "train.progress=false",
             "fidelity.every=0", "train.steps=3", DSPARK_OVERRIDES, 'model.preset="tiny-v4.1"',
             f'grpo.prompts=["{tmp_path}/prompts.jsonl"]', 'grpo.rewards=["flat:constant"]',

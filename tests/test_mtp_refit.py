@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from test_drafter_refit import _counting, _dcp_tensors
+from test_drafter_refit import _counting, _dcp_tensors, grpo_inputs, run_layouts
 
 from trex.train.drafter_refit import DrafterSection
 
@@ -237,15 +237,9 @@ def test_grpo_holds_the_mtp_modules_in_its_main_steps_and_refits_them_after(tmp_
     to step 2) and only the re-fit after the last step moves it; without ``[drafter]`` it stays trainable.
     ``drafter.block_size`` on MTP modules is one line naming the key."""
     from trex.cli import main
-    from trex.data.arithmetic import ArithmeticTask, generate
-    from trex.data.records import write_jsonl
     from trex.models.config import tiny
 
-    train_p, _ = generate(ArithmeticTask(digits=1, n_train=12, n_eval=1))
-    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p.question, "answer": p.answer} for p in train_p])
-    (tmp_path / "flat.py").write_text("def constant(c):\n    return 1.0\n")
-    (tmp_path / "recipe.toml").write_text("# everything set on the command line\n")
-    monkeypatch.syspath_prepend(str(tmp_path))  # the reward plug-in
+    grpo_inputs(tmp_path, monkeypatch)
     sets = ['train.mode="grpo"', 'data.tokenizer="compact"', "data.seq_len=32", "train.progress=false",
             "fidelity.every=0", "train.steps=2", 'model.preset="tiny"', f'grpo.prompts=["{tmp_path}/prompts.jsonl"]',
             'grpo.rewards=["flat:constant"]', "grpo.prompts_per_step=2", "grpo.group_size=2",
@@ -285,7 +279,6 @@ def test_fsdp2_expert_and_context_parallelism_on_two_ranks_refit_the_mtp_module_
     lr either way; measured: 5 of hc_head.fn's 1,024 elements 4.3e-5 apart, every other tensor within 1.1e-5)
     and the same acceptance."""
     from arithmetic_data import write_sft
-    from trex_run import trex
 
     data = write_sft(tmp_path, n_train=40, n_eval=4)[0]
     (tmp_path / "recipe.toml").write_text('[train]\nmode = "sft"\n')
@@ -297,14 +290,7 @@ def test_fsdp2_expert_and_context_parallelism_on_two_ranks_refit_the_mtp_module_
     runs = {"one": (1, ["--set", "train.grad_accum=2"]),
             "fsdp2-ep2": (2, ["--set", "parallel.dp_shard=2", "--set", "parallel.ep=2"]),
             "cp2": (2, ["--set", "parallel.dp_shard=1", "--set", "parallel.cp=2", "--set", "train.grad_accum=2"])}
-    main, rows, summaries, weights = {}, {}, {}, {}
-    for name, (procs, extra) in runs.items():
-        proc = trex([*common, *extra, "--out", str(tmp_path / name)], procs=procs, env={"TREX_DEVICE": "cpu"})
-        assert proc.returncode == 0, (name, proc.stderr[-3000:])
-        (main[name],) = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
-        rows[name] = [json.loads(line) for line in open(tmp_path / name / "drafter_metrics.jsonl")]
-        summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())["drafter"]
-        weights[name] = _dcp_tensors(tmp_path / name / "checkpoints" / "drafter" / "step_4")["model"]
+    main, rows, summaries, weights = run_layouts(tmp_path, common, runs)
     for layout in ("fsdp2-ep2", "cp2"):
         a, b = main["one"], main[layout]
         assert a["tokens"] == b["tokens"] and abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (layout, a, b)
