@@ -218,6 +218,17 @@ def test_an_sft_job_refits_the_mtp_modules_resumes_bit_for_bit_and_exports_them(
     assert all(torch.equal(exported[k], refit[k]) for k in refit)
     assert all(torch.equal(exported[k], main_step[k]) for k in main_step if not k.startswith("mtp."))
 
+    from trex.cli import main  # the portability report carries (a), (b), (c) and (c) - (a)
+
+    assert main(["report", "--out", str(tmp_path / "report"), "--drafter", str(out)]) == 0
+    row = next(line for line in (tmp_path / "report" / "report.md").read_text().splitlines()
+               if line.startswith(f"| {out} |"))
+    a, b, c = (summary["acceptance"][k]["mean_accepted"] for k in ("base", "post_trained_old", "refit"))
+    assert row.startswith(f"| {out} | mtp | sft | {a:.2f} | {b:.2f} | {c:.2f} | {c - a:+.2f} | 4 in "), row
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "summary.json").write_text(json.dumps({"mode": "sft", "status": "completed"}))
+    assert main(["report", "--out", str(tmp_path / "report"), "--drafter", str(tmp_path / "plain")]) == 2
+
     written = (ckpts / "drafter" / "mtp" / "model.safetensors").read_bytes()
     shutil.rmtree(ckpts / "drafter" / "step_4")
     shutil.rmtree(ckpts / "drafter" / "mtp")

@@ -1,4 +1,4 @@
-"""`trex report --out DIR [--audit F] [--doctor NAME=F ...] [--fidelity PATH ...] [--plan F ...]`."""
+"""`trex report --out DIR [--audit F] [--doctor NAME=F ...] [--fidelity PATH ...] [--plan F ...] [--drafter RUN ...]`."""
 
 from __future__ import annotations
 
@@ -23,17 +23,21 @@ def register(sub) -> None:
                         "JSON; repeatable")
     p.add_argument("--plan", action="append", default=[], metavar="FILE",
                    help="`trex plan ... --format json` output of one target cluster; repeatable")
+    p.add_argument("--drafter", action="append", default=[], metavar="RUN",
+                   help="a `trex train` run directory whose [drafter] re-fitted its drafter: acceptance (a), (b), (c) "
+                        "and the re-fit's cost; repeatable")
     p.set_defaults(func=_report)
 
 
-def write(out: str, title: str, audit: str | None, doctors: list[str], fidelity: list[str], plans: list[str]) -> dict:
+def write(out: str, title: str, audit: str | None, doctors: list[str], fidelity: list[str], plans: list[str],
+          refits: list[str] = ()) -> dict:
     """Read the inputs, write ``out/report.md``, ``out/report.html`` and ``out/images/``; returns their paths."""
     from trex.report.document import build, markdown
     from trex.report.html import render
-    from trex.report.sources import ReportInputError, read_audit, read_doctor, read_fidelity, read_plan
+    from trex.report.sources import ReportInputError, read_audit, read_doctor, read_drafter, read_fidelity, read_plan
 
-    if not (audit or doctors or fidelity or plans):
-        raise ReportInputError("nothing to report: give --audit, --doctor, --fidelity or --plan")
+    if not (audit or doctors or fidelity or plans or refits):
+        raise ReportInputError("nothing to report: give --audit, --doctor, --fidelity, --plan or --drafter")
     parsed = []
     for item in doctors:
         label, sep, path = item.partition("=")
@@ -41,7 +45,7 @@ def write(out: str, title: str, audit: str | None, doctors: list[str], fidelity:
             raise ReportInputError(f"--doctor {item!r}: expected CLUSTER=FILE")
         parsed.append(read_doctor(label, path))
     blocks = build(title, read_audit(audit) if audit else None, parsed, [read_fidelity(p) for p in fidelity],
-                   [read_plan(p) for p in plans])
+                   [read_plan(p) for p in plans], [read_drafter(p) for p in refits])
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
     copies: dict[str, str] = {}
 
@@ -62,7 +66,7 @@ def _report(args: argparse.Namespace) -> int:
     from trex.report.sources import ReportInputError
 
     try:
-        paths = write(args.out, args.title, args.audit, args.doctor, args.fidelity, args.plan)
+        paths = write(args.out, args.title, args.audit, args.doctor, args.fidelity, args.plan, args.drafter)
     except ReportInputError as e:
         print(f"trex report: {e}", file=sys.stderr)
         return 2

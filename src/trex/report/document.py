@@ -201,7 +201,7 @@ def plan_section(plans: list[dict]) -> list[Block]:
 
 
 def drafter_blocks(plans: list[dict]) -> list[Block]:
-    """The plans of recipes with ``[drafter]``: the DSpark drafter's re-fit, per target cluster."""
+    """The plans of recipes with ``[drafter]``: the drafter's re-fit, per target cluster."""
     refits = [p for p in plans if p.get("drafter")]
     if not refits:
         return []
@@ -211,10 +211,34 @@ def drafter_blocks(plans: list[dict]) -> list[Block]:
         rows.append([p["model"], f"{p['layout']['devices']} x {p['hardware']['name']}",
                      f"{d['phases']} x {d['steps']}", f"{d['memory']['total'] / GiB:.1f} / {p['usable_bytes'] / GiB:.1f}",
                      _seconds(d["time_s"]["total"]), f"{d['phase_s'] / p['time_s']['total']:.1f}"])
-    return [Block("p", "The DSpark drafter's re-fit (`[drafter]`): memory per device during a phase, time per "
+    return [Block("p", "The drafter's re-fit (`[drafter]`): memory per device during a phase, time per "
                        "re-fit step, and a phase's length in main steps."),
             Block("table", header=["model", "cluster", "phases x steps", "memory / usable GiB", "re-fit step",
                                    "phase / main step"], rows=rows)]
+
+
+def _accepted(acceptance: dict, key: str) -> str:
+    value = acceptance.get(key, {}).get("mean_accepted")
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def refit_section(runs: list[dict]) -> list[Block]:
+    """Runs whose ``[drafter]`` re-fitted the drafter: accepted drafted tokens per model step on the held-out
+    prompts, (a) the base model with its drafter, (b) the post-trained one with it, (c) re-fitted; (c) - (a)."""
+    rows = []
+    for r in runs:
+        a = r["acceptance"]
+        gain = r.get("refit_vs_base")
+        rows.append([r["run"], r.get("kind") or "dspark", r["mode"], _accepted(a, "base"), _accepted(a, "post_trained_old"),
+                     _accepted(a, "refit"), "n/a" if gain is None else f"{gain:+.2f}",
+                     f"{r['steps']} in {_seconds(r['time_s'])} ({r['time_s'] / max(r['main_time_s'], 1e-9):.2f} x the main "
+                     f"steps')", f"{r['peak_memory_bytes'] / GiB:.2f}"])
+    return [Block("h2", "Drafter re-fit"),
+            Block("p", "Speculative decoding after post-training (`[drafter]`): accepted drafted tokens per model step "
+                       "on the run's held-out prompts, as `trex fidelity drafter` measures them: (a) the starting model "
+                       "with its drafter, (b) the post-trained model with that drafter, (c) with the re-fit one."),
+            Block("table", header=["run", "drafter", "mode", "(a) base", "(b) post-trained", "(c) re-fit", "(c) - (a)",
+                                   "re-fit steps, time", "re-fit peak GiB"], rows=rows)]
 
 
 def measured_on(result: dict) -> list[str]:
@@ -308,7 +332,8 @@ def unique_headings(blocks: list[Block]) -> list[Block]:
     return blocks
 
 
-def build(title: str, audit: dict | None, doctors: list[dict], fidelity: list[dict], plans: list[dict]) -> list[Block]:
+def build(title: str, audit: dict | None, doctors: list[dict], fidelity: list[dict], plans: list[dict],
+          refits: list[dict] = ()) -> list[Block]:
     blocks = [Block("h1", title), *summary_section(audit, doctors, fidelity, plans)]
     if audit:
         blocks += audit_section(audit)
@@ -318,6 +343,8 @@ def build(title: str, audit: dict | None, doctors: list[dict], fidelity: list[di
         blocks += fidelity_section(fidelity)
     if plans:
         blocks += plan_section(plans)
+    if refits:
+        blocks += refit_section(list(refits))
     return unique_headings(blocks)
 
 

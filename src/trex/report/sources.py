@@ -4,6 +4,7 @@
     trex doctor --format json > doctor.json (per cluster)  -> read_doctor
     trex plan RECIPE --hardware H --devices N --format json > plan.json   -> read_plan
     trex fidelity matrix | ladder | seam | compare outputs -> read_fidelity
+    trex train RECIPE (with [drafter]) -> its run directory  -> read_drafter
 
 Every reader returns plain dicts that keep the path they came from (``source``), so each number in
 the report names its file. A file that is missing, not JSON, or not the kind its flag expects is a
@@ -79,3 +80,14 @@ def read_fidelity(path: str) -> dict:
     if kind is None:
         raise ReportInputError(f"{path}: not a fidelity result; expected {what}")
     return {"kind": kind, "data": data, "source": path, "dir": os.path.dirname(path)}
+
+
+def read_drafter(path: str) -> dict:
+    """A run's ``[drafter]`` re-fit: ``summary.json`` of a run directory (or the file itself) with its
+    ``drafter`` section (acceptance (a) base, (b) post_trained_old, (c) refit; the re-fit's cost)."""
+    what = "a `trex train` run directory (or its summary.json) of a recipe with [drafter]"
+    file = os.path.join(path, "summary.json") if os.path.isdir(path) else path
+    data = _load(file, what)
+    _need(data, ("drafter", "mode"), file, what)
+    _need(data["drafter"], ("acceptance", "steps", "time_s", "main_time_s", "peak_memory_bytes"), file, what)
+    return {**data["drafter"], "mode": data["mode"], "run": path, "source": file}
