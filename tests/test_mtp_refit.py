@@ -242,11 +242,13 @@ def test_an_sft_job_refits_the_mtp_modules_resumes_bit_for_bit_and_exports_them(
     assert again["acceptance"] == summary["acceptance"]
 
 
-def test_grpo_holds_the_mtp_modules_in_its_main_steps_and_refits_them_after(tmp_path, monkeypatch):
-    """GRPO on the tiny V4 preset with ``[drafter]``: the objective gives the MTP module no gradient, so the main
-    steps hold it (frozen: counted in the summary's frozen parameters, no optimizer state, unchanged from step 1
-    to step 2) and only the re-fit after the last step moves it; without ``[drafter]`` it stays trainable.
-    ``drafter.block_size`` on MTP modules is one line naming the key."""
+def test_grpo_holds_the_mtp_modules_in_its_main_steps_refits_them_every_n_and_resumes(tmp_path, monkeypatch):
+    """GRPO on the tiny V4 preset with ``[drafter]`` and ``every_n = 1`` over 2 steps: the objective gives the MTP
+    module no gradient, so the main steps hold it (frozen: counted in the summary's frozen parameters, no optimizer
+    state; main step 2 leaves it as the phase after step 1 left it) and only the re-fit phases (after step 1 and
+    after step 2) move it; without ``[drafter]`` it stays trainable. The run resumed from main step 1 and re-fit
+    step 2 (the module in both: the re-fit's checkpoint is read last) repeats the uninterrupted run's losses and
+    re-fit bit for bit. ``drafter.block_size`` on MTP modules is one line naming the key."""
     from trex.cli import main
     from trex.models.config import tiny
 
@@ -254,26 +256,41 @@ def test_grpo_holds_the_mtp_modules_in_its_main_steps_and_refits_them_after(tmp_
     sets = ['train.mode="grpo"', 'data.tokenizer="compact"', "data.seq_len=32", "train.progress=false",
             "fidelity.every=0", "train.steps=2", 'model.preset="tiny"', f'grpo.prompts=["{tmp_path}/prompts.jsonl"]',
             'grpo.rewards=["flat:constant"]', "grpo.prompts_per_step=2", "grpo.group_size=2",
-            "grpo.micro_batch_size=4", "sampling.max_new_tokens=2", "drafter.steps=2", "drafter.new_tokens=5",
-            "drafter.prompts_per_step=2", "drafter.held_out=1", "drafter.measure_tokens=5", "checkpoint.save_every=1"]
+            "grpo.micro_batch_size=4", "sampling.max_new_tokens=2", "drafter.steps=2", "drafter.every_n=1",
+            "drafter.new_tokens=5", "drafter.prompts_per_step=2", "drafter.held_out=1", "drafter.measure_tokens=5",
+            "checkpoint.save_every=1"]
+
+    def args(enabled: bool, *extra: str) -> list[str]:
+        return ["train", str(tmp_path / "recipe.toml"), "--out", str(tmp_path / f"run_{enabled}"),
+                *[a for s in [*sets, f"drafter.enabled={str(enabled).lower()}", *extra] for a in ("--set", s)]]
+
     frozen = {}
     for enabled in (True, False):
-        out = tmp_path / f"run_{enabled}"
-        args = ["train", str(tmp_path / "recipe.toml"), "--out", str(out),
-                *[a for s in [*sets, f"drafter.enabled={str(enabled).lower()}"] for a in ("--set", s)]]
-        assert main(args) == 0
-        summary = json.loads((out / "summary.json").read_text())
-        frozen[enabled] = summary["frozen_parameters"]
-    assert summary.get("drafter") is None and json.loads((tmp_path / "run_True" / "summary.json").read_text())[
-        "drafter"]["steps"] == 2
-    ckpts = tmp_path / "run_True" / "checkpoints"
-    step_1, step_2 = (_dcp_tensors(ckpts / s) for s in ("step_1", "step_2"))
-    mtp = [k for k in step_1["model"] if k.startswith("mtp.")]
+        assert main(args(enabled)) == 0
+        frozen[enabled] = json.loads((tmp_path / f"run_{enabled}" / "summary.json").read_text())["frozen_parameters"]
+    out = tmp_path / "run_True"
+    assert json.loads((tmp_path / "run_False" / "summary.json").read_text()).get("drafter") is None
+    drafter = json.loads((out / "summary.json").read_text())["drafter"]
+    assert drafter["phases"] == 2 and drafter["steps"] == 4
+    ckpts = out / "checkpoints"
+    step_2 = _dcp_tensors(ckpts / "step_2")
+    mtp = [k for k in step_2["model"] if k.startswith("mtp.")]
     assert 0 < frozen[True] - frozen[False] <= len(mtp)
-    assert all(torch.equal(step_1["model"][k], step_2["model"][k]) for k in mtp)
     assert not any(k.startswith("mtp.") for k in step_2["optim"]) and any(k.startswith("layers.") for k in step_2["optim"])
-    refit = _dcp_tensors(ckpts / "drafter" / "step_2")["model"]
-    assert not all(torch.equal(refit[k], step_2["model"][k]) for k in mtp)
+    phase_1, phase_2 = (_dcp_tensors(ckpts / "drafter" / s)["model"] for s in ("step_2", "step_4"))
+    assert all(torch.equal(phase_1[k], step_2["model"][k]) for k in mtp)  # main step 2 did not move it
+    assert not all(torch.equal(phase_2[k], phase_1[k]) for k in mtp)
+
+    rows = [json.loads(line) for line in open(out / "drafter_metrics.jsonl")]
+    losses = [json.loads(line)["loss"] for line in open(out / "metrics.jsonl")]
+    for name in ("step_2", "drafter/step_3", "drafter/step_4", "drafter/mtp"):
+        shutil.rmtree(ckpts / name)
+    assert main(args(True, 'checkpoint.resume="auto"')) == 0
+    strip = lambda rs: [{k: v for k, v in r.items() if "time" not in k} for r in rs]  # noqa: E731
+    assert strip(json.loads(line) for line in open(out / "drafter_metrics.jsonl")) == strip(rows)
+    assert [json.loads(line)["loss"] for line in open(out / "metrics.jsonl")] == losses
+    resumed = _dcp_tensors(ckpts / "drafter" / "step_4")["model"]
+    assert all(torch.equal(resumed[k], phase_2[k]) for k in mtp)
     with pytest.raises(ValueError, match="drafter.block_size = 2: the model's 1 multi-token prediction module"):
         DrafterSection(enabled=True, block_size=2).check_against("grpo", tiny())
 
