@@ -68,23 +68,29 @@ def _weight_dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * _expand(scale, *q.shape)
 
 
-def _release_quantize(w: torch.Tensor, headroom: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 + fp32 scale per 128x128 block, scale = amax / (448 / headroom): the released rule at headroom 1."""
+def _release_quantize(w: torch.Tensor, headroom: float = 1.0, ue8m0: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 + fp32 scale per 128x128 block, scale = amax / (448 / headroom): the released rule at headroom 1;
+    with ``ue8m0`` (DeepSeek-V3.1's ``scale_fmt``) that scale rounded up to a power of two, 2^ceil(log2(s)),
+    as DeepGEMM's per-block cast and the official act_quant with ue8m0 do."""
     rows, cols = w.shape
     pad = torch.nn.functional.pad(w.abs().float(), (0, -cols % 128, 0, -rows % 128))
     amax = pad.reshape(pad.shape[0] // 128, 128, pad.shape[1] // 128, 128).amax(dim=(1, 3))
     scale = amax.clamp(min=1e-4) / (E4M3_MAX / headroom)
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     return (w.float() / _expand(scale, rows, cols)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
-def _hand_released(src: str, dst: str, headroom: float) -> None:
+def _hand_released(src: str, dst: str, headroom: float, ue8m0: bool = False) -> None:
     """A released-style FP8 checkpoint made here from the bf16 one at ``src``: each tensor the release stores
-    in FP8 quantised by this file's rule, two shards and an index, the config with its quantization_config."""
+    in FP8 quantised by this file's rule, two shards and an index, the config with its quantization_config
+    (with ``ue8m0``: V3.1's, power-of-two scales and ``scale_fmt: "ue8m0"``)."""
     plain = _files(src)
     tensors = {}
     for name, t in plain.items():
         if RELEASED_FP8.match(name):
-            tensors[name], tensors[name + "_scale_inv"] = _release_quantize(t, headroom)
+            tensors[name], tensors[name + "_scale_inv"] = _release_quantize(t, headroom, ue8m0)
         else:
             tensors[name] = t
     names = sorted(tensors)
@@ -101,7 +107,7 @@ def _hand_released(src: str, dst: str, headroom: float) -> None:
     with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     config = json.load(open(os.path.join(src, "config.json")))
-    config["quantization_config"] = QUANT_CONFIG
+    config["quantization_config"] = {**QUANT_CONFIG, "scale_fmt": "ue8m0"} if ue8m0 else QUANT_CONFIG
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f)
 
@@ -232,6 +238,52 @@ def test_an_mtp_copy_that_is_not_the_main_tensor_is_refused(released, tmp_path):
     assert any(name in p and "does not match" in p for p in inspect_checkpoint(str(tmp_path / "bad"))["problems"])
 
 
+@pytest.fixture(scope="module")
+def released_v31(released, tmp_path_factory):
+    """A V3.1-style release of the same bf16 model: every scale a power of two, config ``scale_fmt: "ue8m0"``."""
+    bf16, _ = released
+    d = tmp_path_factory.mktemp("v31rel")
+    _hand_released(str(bf16), str(d / "fp8"), headroom=1.0, ue8m0=True)
+    return d / "fp8"
+
+
+def _pow2(t: torch.Tensor) -> bool:
+    return bool((torch.exp2(torch.round(torch.log2(t))) == t).all())
+
+
+def test_a_v31_release_keeps_its_power_of_two_scales_through_convert_and_training(released_v31, tmp_path):
+    """V3.1 (``scale_fmt: "ue8m0"``): converted unchanged it comes back byte for byte; a model loaded from it
+    and changed (as training does) is written with scales that are again powers of two, each the release's
+    rule (amax / 448 rounded up), so an engine that trusts the field reads the weights that were trained."""
+    disk = _files(released_v31)
+    scales = [k for k in disk if k.endswith("_scale_inv")]
+    assert len(scales) > 20 and all(_pow2(disk[k]) for k in scales)
+    convert(str(released_v31), str(tmp_path / "again"), quantize="fp8", max_shard_size="200KB")
+    again = _files(tmp_path / "again")
+    assert again.keys() == disk.keys()
+    for name in disk:
+        assert disk[name].dtype == again[name].dtype and torch.equal(_bits(disk[name]), _bits(again[name])), name
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]["scale_fmt"] == "ue8m0"
+
+    model = load_pretrained(str(released_v31), dtype=torch.float32)
+    with torch.no_grad():  # a training step's change to every weight
+        for p in model.parameters():
+            p.mul_(1.37)
+    save_pretrained(model, tmp_path / "trained", quantize="fp8")
+    out = _files(tmp_path / "trained")
+    assert json.loads((tmp_path / "trained" / "config.json").read_text())["quantization_config"] == {
+        **QUANT_CONFIG, "scale_fmt": "ue8m0"}
+    state = dict(model.state_dict())
+    n = model.cfg.num_hidden_layers
+    for name in [k for k in out if k.endswith("_scale_inv")]:
+        weight = name[: -len("_scale_inv")]
+        key, expert = _trex_key(weight, n)
+        w = state[key] if expert is None else state[key][expert]
+        q, s = _release_quantize(w, ue8m0=True)
+        assert out[name].dtype == torch.float32 and torch.equal(out[name], s), name
+        assert torch.equal(_bits(out[weight]), _bits(q)), weight
+
+
 def test_kimi_k2_keeps_its_config_and_remote_code_and_refuses_fp4_in_one_line(tmp_path, capsys):
     """Kimi-K2 as Moonshot releases it: model_type kimi_k2, FP8, no MTP, and the remote code its config.json
     and tokenizer_config.json name in auto_map (engines load it with trust_remote_code), kept by convert."""
@@ -268,3 +320,16 @@ def test_kimi_k2_keeps_its_config_and_remote_code_and_refuses_fp4_in_one_line(tm
                  "--quantize", "fp8+fp4experts", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "released as FP8" in err and not os.path.exists(tmp_path / "fp4")
+
+
+def test_a_scale_format_trex_cannot_write_is_left_out_of_the_written_config(tmp_path, caplog):
+    """A source whose quantization_config names a scale format trex does not write scales in: the written
+    config leaves the field out (with a warning) rather than claim it."""
+    from trex.checkpoint.save import carried_config, written_scale_fmt
+
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {**QUANT_CONFIG, "scale_fmt": "e5m2"}}))
+    with caplog.at_level("WARNING"):
+        assert carried_config(str(tmp_path), "fp8") == {} and written_scale_fmt(str(tmp_path), "fp8") is None
+    assert "scale_fmt 'e5m2' is not a format trex writes" in caplog.text
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {**QUANT_CONFIG, "scale_fmt": "ue8m0"}}))
+    assert written_scale_fmt(str(tmp_path), "fp8") == "ue8m0" and written_scale_fmt(str(tmp_path), None) is None

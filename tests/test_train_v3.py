@@ -143,6 +143,25 @@ def test_sft_learns_writes_every_output_resumes_bit_for_bit_and_exports(tmp_path
     w = source.read("layers.1.ffn.experts.w2")[5]
     assert torch.equal(fp8.layers[1].ffn.experts.w2[5], dequantize_fp8(*quantize_fp8(w, scale_fmt="fp32")))
     assert torch.equal(fp8.layers[1].ffn.gate.bias, bias)  # fp32 on disk
+    # a run that started from a V3.1 checkpoint (scale_fmt "ue8m0") exports power-of-two scales, as its config says
+    from trex.checkpoint import save_pretrained
+
+    save_pretrained(direct, tmp_path / "v31", quantize="fp8")
+    config = json.load(open(tmp_path / "v31" / "config.json"))
+    config["quantization_config"]["scale_fmt"] = "ue8m0"
+    json.dump(config, open(tmp_path / "v31" / "config.json", "w"))
+    export_checkpoint(str(tmp_path / "a" / "checkpoints" / "step_8"), str(tmp_path / "fp8-v31"), quantize="fp8",
+                      source=str(tmp_path / "v31"))
+    assert json.load(open(tmp_path / "fp8-v31" / "config.json"))["quantization_config"]["scale_fmt"] == "ue8m0"
+    v31 = load_pretrained(str(tmp_path / "fp8-v31"), dtype=torch.float32)
+    assert torch.equal(v31.layers[1].ffn.experts.w2[5], dequantize_fp8(*quantize_fp8(w, scale_fmt="fp32/ue8m0")))
+    from safetensors import safe_open
+
+    for shard in sorted(set(json.load(open(tmp_path / "fp8-v31" / "model.safetensors.index.json"))["weight_map"].values())):
+        with safe_open(str(tmp_path / "fp8-v31" / shard), "pt") as f:
+            for name in (k for k in f.keys() if k.endswith("_scale_inv")):
+                s = f.get_tensor(name)
+                assert torch.equal(torch.exp2(torch.round(torch.log2(s))), s), name  # powers of two
 
 
 def test_save_pretrained_is_read_by_load_pretrained_and_transformers(tmp_path):

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from trex.checkpoint.layouts import SAVE_DTYPES, TrexTensor, plan_outputs
 from trex.checkpoint.reader import CheckpointReader
-from trex.checkpoint.save import checkpoint_config, passthrough_tensors, tokenizer_files
+from trex.checkpoint.save import checkpoint_config, passthrough_tensors, tokenizer_files, written_scale_fmt
 from trex.checkpoint.writer import check_destination, write_checkpoint
 from trex.models.config_v41 import V41Config
 from trex.models.registry import config_from_dict
@@ -111,7 +111,7 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
             return full if expert is None else full[expert]
         tensors.append(TrexTensor(key, tuple(v.shape), v.dtype, get))
     groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, cfg.architecture,
-                          n_layers=cfg.num_hidden_layers)
+                          n_layers=cfg.num_hidden_layers, scale_fmt=written_scale_fmt(origin, quantize))
     carried, copies = [], {}
     if origin is not None:
         reader = CheckpointReader(origin)

@@ -20,7 +20,9 @@ The DeepSeek-V3 family (``arch="deepseek_v3"``: V3, R1, V3.1, V3.2, Kimi-K2) as 
 ``quantize="fp8"`` stores every attention projection (V3.2's indexer ``wq_b`` and ``wk`` too), the dense
 MLPs, shared and routed experts, in the main layers and the MTP layer, as e4m3 with one fp32
 ``weight_scale_inv`` per 128x128 block (amax / 448); the embedding, head, norms, router ``gate.weight``,
-``eh_proj``, ``weights_proj`` stay in ``dtype`` and ``e_score_correction_bias`` in fp32.
+``eh_proj``, ``weights_proj`` stay in ``dtype`` and ``e_score_correction_bias`` in fp32. A checkpoint whose config
+says ``scale_fmt: "ue8m0"`` (DeepSeek-V3.1, V3.2) keeps fp32 scales that are powers of two, rounded up
+(``quantize_fp8``'s "fp32/ue8m0"), so that an engine which trusts the field reads the weights that were written.
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ _STACKED_EXPERTS = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
 ScaleHint = Callable[[str], "torch.Tensor | None"]
 # codec -> FP8 block (rows, cols) and scale format (DeepSeek-V4's ue8m0, DeepSeek-V3's fp32 amax / 448)
 _FP8_CODECS = {"fp8": ((quant.FP8_BLOCK, quant.FP8_BLOCK), "ue8m0"), "fp8/32": ((32, 32), "ue8m0"),
-               "fp8/1x32": ((1, 32), "ue8m0"), "fp8/fp32": ((quant.FP8_BLOCK, quant.FP8_BLOCK), "fp32")}
-_SCALE_DTYPES = {"ue8m0": torch.float8_e8m0fnu, "fp32": torch.float32}
+               "fp8/1x32": ((1, 32), "ue8m0"), "fp8/fp32": ((quant.FP8_BLOCK, quant.FP8_BLOCK), "fp32"),
+               "fp8/fp32-ue8m0": ((quant.FP8_BLOCK, quant.FP8_BLOCK), "fp32/ue8m0")}
+_SCALE_DTYPES = {"ue8m0": torch.float8_e8m0fnu, "fp32": torch.float32, "fp32/ue8m0": torch.float32}
+SCALE_FORMATS = ("ue8m0",)  # the config's quantization_config.scale_fmt values trex writes scales in
 _KEEP_FP32 = re.compile(r"((^|\.)hc_(attn|ffn|head)\.(fn|base|scale)|\.ape|\.attn_sink|\.gate\.bias)$")
 
 
@@ -66,10 +70,11 @@ class TrexTensor:
     get: Callable[[int | None], torch.Tensor]
 
 
-def codec_for(key: str, quantize: str | None, arch: str = "deepseek_v4") -> str:
+def codec_for(key: str, quantize: str | None, arch: str = "deepseek_v4", scale_fmt: str | None = None) -> str:
     """plain, fp8 (128x128 blocks), fp8/32 (32x32), fp8/1x32 (a scale per row and 32 columns), fp8/fp32
-    (128x128 blocks, fp32 scales: DeepSeek-V3's) or fp4: how trex tensor ``key`` of architecture ``arch``
-    is stored under ``quantize``."""
+    (128x128 blocks, fp32 scales: DeepSeek-V3's), fp8/fp32-ue8m0 (the same, powers of two: the V3 family's
+    under config ``scale_fmt`` "ue8m0") or fp4: how trex tensor ``key`` of architecture ``arch`` is stored
+    under ``quantize``."""
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
     if quantize is None:
@@ -77,7 +82,8 @@ def codec_for(key: str, quantize: str | None, arch: str = "deepseek_v4") -> str:
     if arch == "deepseek_v3":
         if quantize != "fp8":
             raise ValueError(f"the DeepSeek-V3 family is released as FP8 (quantize 'fp8'), not {quantize!r}")
-        return "fp8/fp32" if _STACKED_EXPERTS.match(key) or _V3_FP8_LINEARS.search(key) else "plain"
+        fp8 = "fp8/fp32-ue8m0" if scale_fmt == "ue8m0" else "fp8/fp32"
+        return fp8 if _STACKED_EXPERTS.match(key) or _V3_FP8_LINEARS.search(key) else "plain"
     if _STACKED_EXPERTS.match(key):
         return "fp4" if quantize == "fp8+fp4experts" else "fp8/32" if arch == "deepseek_v41" else "fp8"
     if arch == "deepseek_v41":
@@ -86,15 +92,17 @@ def codec_for(key: str, quantize: str | None, arch: str = "deepseek_v4") -> str:
 
 
 def plan_outputs(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, quantize: str | None,
-                 arch: str = "deepseek_v4", scale_hint: ScaleHint | None = None, n_layers: int | None = None
-                 ) -> list[list[PlannedTensor]]:
+                 arch: str = "deepseek_v4", scale_hint: ScaleHint | None = None, n_layers: int | None = None,
+                 scale_fmt: str | None = None) -> list[list[PlannedTensor]]:
     """Groups of tensors to write for ``layout`` ("official" or "hf"), in the order given. A DeepSeek-V3
     family model (``arch`` "deepseek_v3", ``n_layers`` its num_hidden_layers) is written by ``_plan_v3``. ``scale_hint``
     (a scale's name -> the tensor of that name in the checkpoint the model came from, or None): a
-    quantised weight that this scale still represents exactly is written with it (``quantize_fp8_as``)."""
+    quantised weight that this scale still represents exactly is written with it (``quantize_fp8_as``).
+    ``scale_fmt``: the written config's ``quantization_config.scale_fmt`` (None or one of SCALE_FORMATS), which
+    fresh scales follow."""
 
     if arch == "deepseek_v3":
-        return _plan_v3(tensors, layout, dtype, quantize, n_layers, scale_hint)
+        return _plan_v3(tensors, layout, dtype, quantize, n_layers, scale_hint, scale_fmt)
     by_key = {t.key: t for t in tensors}
     groups: list[list[PlannedTensor]] = []
     for t in tensors:
@@ -123,7 +131,8 @@ def plan_outputs(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, qua
 
 
 def _plan_v3(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, quantize: str | None,
-             n_layers: int | None, scale_hint: ScaleHint | None) -> list[list[PlannedTensor]]:
+             n_layers: int | None, scale_hint: ScaleHint | None, scale_fmt: str | None = None
+             ) -> list[list[PlannedTensor]]:
     """A DeepSeek-V3 family model as released (``naming.v3_hf_name``): routed experts one tensor each, the
     gate bias in fp32, each MTP module ``mtp.j`` as ``model.layers.{n_layers + j}`` followed by its copies
     of the embedding and head; quantised as ``codec_for`` says. Layout "hf" only (DeepSeek's inference
@@ -137,7 +146,7 @@ def _plan_v3(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, quantiz
     last_of_mtp = {int(m.group(1)): i for i, t in enumerate(tensors) if (m := _MTP.match(t.key))}
     groups: list[list[PlannedTensor]] = []
     for i, t in enumerate(tensors):
-        codec, out_dtype = codec_for(t.key, quantize, "deepseek_v3"), _plain_dtype(t, dtype)
+        codec, out_dtype = codec_for(t.key, quantize, "deepseek_v3", scale_fmt), _plain_dtype(t, dtype)
         if _STACKED_EXPERTS.match(t.key):
             for j in range(t.shape[0]):
                 groups.append(_encode(v3_hf_name(t.key, n_layers, j), t.shape[1:], out_dtype, codec, layout,
@@ -179,7 +188,8 @@ def _encode(name: str, shape: tuple[int, ...], dtype: torch.dtype, codec: str, l
 
     def encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hinted = scale_hint(scale_name(name, layout)) if scale_hint is not None else None
-        if hinted is not None and tuple(hinted.shape) == qshape[1] and hinted.dtype == sdtype:
+        if (hinted is not None and tuple(hinted.shape) == qshape[1] and hinted.dtype == sdtype
+                and (codec != "fp8/fp32-ue8m0" or quant.powers_of_two(hinted))):
             kept = as_given(w, hinted)
             if kept is not None:
                 return kept

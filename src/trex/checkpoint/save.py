@@ -8,13 +8,14 @@ near the largest tensor whatever the checkpoint size.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Callable
 
 import torch
 
-from trex.checkpoint.layouts import SAVE_DTYPES, TrexTensor, plan_outputs, quantization_config
+from trex.checkpoint.layouts import SAVE_DTYPES, SCALE_FORMATS, TrexTensor, plan_outputs, quantization_config
 from trex.checkpoint.naming import LAYOUTS
 from trex.checkpoint.reader import CheckpointReader
 from trex.checkpoint.safetensors_io import PlannedTensor
@@ -23,6 +24,7 @@ from trex.models import build_model
 from trex.models.config import CSA, HASH_MOE, HCA, ModelConfig
 from trex.models.config_v41 import V41Config
 
+log = logging.getLogger(__name__)
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 # what a source checkpoint holds of its tokenizer, copied to the written one (V4.1's Engram hashes through it;
 # a serving engine reads it; Kimi-K2's tiktoken BPE)
@@ -92,13 +94,25 @@ def tokenizer_files(src: str | None) -> dict[str, str]:
 def carried_config(src: str | None, quantize: str | None) -> dict:
     """Fields of checkpoint ``src``'s config.json that trex does not model and a checkpoint written from it
     keeps: ``auto_map`` (Kimi-K2's remote code, copied by `tokenizer_files`) and, when it is written
-    quantised, ``quantization_config.scale_fmt`` (DeepSeek-V3.1's ue8m0: how engines quantise activations)."""
+    quantised, ``quantization_config.scale_fmt`` (DeepSeek-V3.1's ue8m0: how engines read the weight scales
+    and quantise activations), which the written scales then follow (`written_scale_fmt`). A format trex
+    cannot write is dropped with a warning rather than claimed."""
     raw = _json(os.path.join(src, "config.json")) if src else {}
     out = {"auto_map": raw["auto_map"]} if isinstance(raw.get("auto_map"), dict) else {}
     scale_fmt = (raw.get("quantization_config") or {}).get("scale_fmt")
     if quantize is not None and scale_fmt is not None:
-        out["quantization_config"] = {"scale_fmt": scale_fmt}
+        if scale_fmt in SCALE_FORMATS:
+            out["quantization_config"] = {"scale_fmt": scale_fmt}
+        else:
+            log.warning("%s/config.json: quantization_config.scale_fmt %r is not a format trex writes scales in "
+                        "(%s): the written config leaves it out", src, scale_fmt, ", ".join(SCALE_FORMATS))
     return out
+
+
+def written_scale_fmt(src: str | None, quantize: str | None) -> str | None:
+    """The ``quantization_config.scale_fmt`` a checkpoint written from ``src`` under ``quantize`` declares,
+    and its fresh FP8 scales follow (None: the architecture's own format)."""
+    return (carried_config(src, quantize).get("quantization_config") or {}).get("scale_fmt")
 
 
 def _json(path: str) -> dict:
@@ -160,7 +174,7 @@ def _write(tensors: list[TrexTensor], cfg: ModelConfig | V41Config, path: str, l
         raise ValueError("DeepSeek-V4.1 is written in the official layout, which is what its Hugging Face repository "
                          "holds: transformers has no V4.1 module names to write")
     groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, arch, scale_hint,
-                          cfg.num_hidden_layers) + list(carried)
+                          cfg.num_hidden_layers, written_scale_fmt(origin, quantize)) + list(carried)
     config = checkpoint_config(cfg, layout, dtype, quantize, origin)
     files = tokenizer_files(origin)
     if not progress:

@@ -61,12 +61,23 @@ FP4_AMAX_FLOOR = 6 * 2.0**-126  # fp4_act_quant's
 
 def power_of_two_scale(amax: torch.Tensor, qmax: float, floor: float = FP8_AMAX_FLOOR) -> torch.Tensor:
     """Per-block ``ue8m0`` scale as ``fast_round_scale`` computes it: r = fp32(max(amax, floor)) *
-    fp32(1 / qmax), then 2^ceil(log2(r)) read from r's fp32 bits (exponent, plus one unless the
+    fp32(1 / qmax), then 2^ceil(log2(r))."""
+    return _round_up_to_e8m0(amax.float().clamp(min=floor) * torch.tensor(1.0 / qmax, dtype=torch.float32))
+
+
+def _round_up_to_e8m0(r: torch.Tensor) -> torch.Tensor:
+    """fp32 r > 0 -> 2^ceil(log2(r)) as ue8m0, read from r's fp32 bits (exponent, plus one unless the
     mantissa is zero)."""
-    r = amax.float().clamp(min=floor) * torch.tensor(1.0 / qmax, dtype=torch.float32)
     bits = r.view(torch.int32)
     exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
     return (exponent.clamp(-127, 127) + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def powers_of_two(scale: torch.Tensor) -> bool:
+    """Whether every value of float32 ``scale`` is a positive power of two (a normal float with a zero
+    mantissa): the V3 family's fp32 scales under ``scale_fmt`` "ue8m0"."""
+    bits = scale.float().view(torch.int32)
+    return bool(((bits & 0x7FFFFF) == 0).all() and (bits > 0).all() and (((bits >> 23) & 0xFF) > 0).all())
 
 
 def _expand(scale: torch.Tensor, rows_block: int, cols_block: int, rows: int, cols: int) -> torch.Tensor:
@@ -133,14 +144,18 @@ def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., R, C] -> (e4m3 [..., R, C], scale [..., ceil(R/br), ceil(C/bc)]) for ``block`` (br, bc).
     ``scale_fmt`` "ue8m0": DeepSeek-V4's power-of-two scales; "fp32": DeepSeek-V3's released
-    ``weight_scale_inv``, fp32(max(amax, 1e-4)) / 448 per block (its ``act_quant`` without ``ue8m0``)."""
+    ``weight_scale_inv``, fp32(max(amax, 1e-4)) / 448 per block (its ``act_quant`` without ``ue8m0``);
+    "fp32/ue8m0": DeepSeek-V3.1's (config ``scale_fmt: "ue8m0"``), that fp32 scale rounded up to a power of
+    two, 2^ceil(log2(max(amax, 1e-4) / 448)), stored as fp32 (its ``act_quant`` with ``ue8m0``)."""
     *_, rows, cols = w.shape
     if scale_fmt == "ue8m0":
         scale = power_of_two_scale(_block_amax(w, *block), E4M3_MAX)
-    elif scale_fmt == "fp32":
+    elif scale_fmt in ("fp32", "fp32/ue8m0"):
         scale = _block_amax(w, *block).clamp(min=FP8_AMAX_FLOOR) / E4M3_MAX
+        if scale_fmt == "fp32/ue8m0":
+            scale = decode_e8m0(_round_up_to_e8m0(scale))
     else:
-        raise ValueError(f"scale_fmt must be ue8m0 or fp32, got {scale_fmt!r}")
+        raise ValueError(f"scale_fmt must be ue8m0, fp32 or fp32/ue8m0, got {scale_fmt!r}")
     q = (w.float() / _expand(decode_scale(scale), *block, rows, cols)).clamp(-E4M3_MAX, E4M3_MAX)
     return q.to(torch.float8_e4m3fn), scale
 
