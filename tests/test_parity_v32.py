@@ -60,8 +60,28 @@ def test_logits_loss_and_gradients_match_transformers(tmp_path):
             assert err <= 1e-3, f"{key}: relative gradient error {err:.2e}"
             compared.add(key)
     assert len(indexer) == 5 * n_layers  # wq_b, wk, k_norm weight and bias, weights_proj
-    main = {k for k in ours_params if not k.startswith("mtp.")}  # transformers' V3.2 has no MTP
-    assert compared | indexer == main
+    assert compared | indexer == set(ours_params)
+
+
+def test_a_transformers_v32_checkpoint_has_no_mtp_layer_and_gains_none(tmp_path, caplog):
+    """transformers' DeepseekV32Config has no num_nextn_predict_layers and its checkpoints no MTP tensors: a
+    missing field means no MTP layer (not V3's 1), so nothing is initialised fresh and convert writes none."""
+    import json
+
+    from trex.checkpoint.save import convert
+
+    ref = random_hf_v32(hf_config_v32())
+    ref.save_pretrained(tmp_path / "hf")
+    assert "num_nextn_predict_layers" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+    with caplog.at_level("WARNING"):
+        ours = load_pretrained(str(tmp_path / "hf"), dtype=torch.float32, device="cpu")
+    assert ours.cfg.num_nextn_predict_layers == 0 and not any(k.startswith("mtp.") for k, _ in ours.named_parameters())
+    assert "initialised fresh" not in caplog.text
+    convert(str(tmp_path / "hf"), str(tmp_path / "conv"))
+    written = json.loads((tmp_path / "conv" / "config.json").read_text())
+    assert written["num_nextn_predict_layers"] == 0
+    index = json.loads((tmp_path / "conv" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not any(k.startswith(f"model.layers.{ref.config.num_hidden_layers}.") for k in index)
 
 
 def test_save_pretrained_is_read_by_load_pretrained_and_transformers(tmp_path):

@@ -281,6 +281,9 @@ class V3Config:
             kw["eos_token_id"] = kw["eos_token_id"][0]
         if "model_type" not in kw and kw.get("index_topk"):
             kw["model_type"] = V32
+        # no field, no MTP layer: transformers' DeepseekV32Config and DeepSeek's inference ModelArgs have no such
+        # field and their checkpoints no MTP tensors (the dataclass's 1 is V3's released value, for presets)
+        kw.setdefault("num_nextn_predict_layers", 0)
         try:
             return cls(**kw)
         except (ConfigError, TypeError) as e:
