@@ -447,6 +447,7 @@ def test_a_vllm_server_that_fails_mid_run_is_lost_in_one_line(tmp_path, monkeypa
     assert code == 4 and f"trex train: {reason}" in err.splitlines() and "Traceback" not in err, err[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (summary["status"], summary["reason"], summary["steps_completed"]) == ("failed", reason, 1)
+    assert f'vllm_url = "{fake.url}"' in (tmp_path / "run" / "config.toml").read_text()  # recorded as used
 
 
 def test_a_vllm_url_without_its_scheme_is_taken_as_http_and_a_wrong_one_refused_naming_the_key():
