@@ -3,7 +3,9 @@ routes, and trex's worker extension's ``trex_reload`` / ``trex_model_config``), 
 tests: a trex model answers completions (one prompt or several per request) and prompt log-probs, and
 ``trex_reload`` loads the synced safetensors and reports as the extension does. It is not vLLM: it checks
 the requests' shapes and order as vLLM's handlers would, records them, and generates with trex's sampler
-(one request at a time). The real server is tested by ``make test-engine`` (tests/engine/)."""
+(one request at a time). ``fault`` makes it fail every request from then on as a server whose engine is gone
+does: ``"500"`` answers vLLM's HTTP 500 of a dead engine core, ``"drop"`` closes the connection unanswered.
+The real server is tested by ``make test-engine`` (tests/engine/)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class FakeVLLM:
         self.model, self.routed, self.extension = model, return_routed_experts, extension
         self.calls: list[tuple[str, dict]] = []
         self.paused, self.version = False, "default"
+        self.fault: str | None = None
         self.lock = threading.Lock()  # the model answers one request at a time
         fake = self
 
@@ -43,7 +46,19 @@ class FakeVLLM:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _failed(self) -> bool:
+                """Fail the request as ``fake.fault`` says (True), or not (False)."""
+                if fake.fault == "500":  # vLLM 0.32's answer once its engine core process has died
+                    self._reply(500, {"error": {"message": "EngineCore encountered an issue. See stack trace (above) "
+                                                           "for the root cause.", "type": "InternalServerError",
+                                                "param": None, "code": 500}})
+                elif fake.fault == "drop":
+                    self.close_connection = True
+                return fake.fault is not None
+
             def do_GET(self):
+                if self._failed():
+                    return
                 if self.path == "/v1/models":
                     return self._reply(200, {"data": [{"id": "trex-policy"}]})
                 if self.path == "/weight_info":
@@ -54,6 +69,8 @@ class FakeVLLM:
                 n = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(n) or b"{}")
                 path = self.path.lstrip("/")
+                if self._failed():
+                    return
                 fake.calls.append((path, body))
                 try:
                     with fake.lock:

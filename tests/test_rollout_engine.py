@@ -403,6 +403,67 @@ def test_grpo_through_the_vllm_adapter_against_a_fake_vllm(tmp_path, monkeypatch
     assert completions and all(b["logprobs"] == 0 and b["return_token_ids"] for b in completions)
 
 
+@pytest.mark.parametrize("fault, how", [
+    ("500", "it answered HTTP 500 (EngineCore encountered an issue. See stack trace (above) for the root cause.)"),
+    ("drop", "its connection failed (RemoteDisconnected: Remote end closed connection without response)")])
+def test_a_vllm_server_that_fails_mid_run_is_lost_in_one_line(tmp_path, monkeypatch, capsys, fault, how):
+    """A vLLM that served step 1, then, as step 2 asks it to sample, answers HTTP 500 (its engine core died)
+    or closes the connection unanswered: `trex train` exits 4 (a process of the job is gone, which a
+    scheduler retries; not 2, bad input) with one line naming the engine, how it failed and the step, no
+    traceback; summary.json says the run failed, why, after step 1. The URL was given as a bare HOST:PORT:
+    the line names it as the requests used it, with http://."""
+    from fake_vllm import FakeVLLM
+
+    from trex import device as device_layer
+    from trex.cli import main
+    from trex.precision import PrecisionPolicy
+    from trex.recipe import save
+    from trex.rollout.vllm_engine import VLLMEngine
+    from trex.train.loop import model_for, tokenizer_for
+
+    files = _files(tmp_path)
+    monkeypatch.syspath_prepend(str(files))
+    recipe = _recipe(files, tmp_path / "run", 'sampling.engine="vllm"', f'sampling.vllm_sync_dir="{tmp_path}/sync"')
+    dev = device_layer.detect("cpu")
+    fake = FakeVLLM(model_for(recipe, tokenizer_for("compact"), dev, PrecisionPolicy.resolve("fp32", dev)),
+                    return_routed_experts=False)
+    generate, calls = VLLMEngine.generate, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            fake.fault = fault
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(VLLMEngine, "generate", failing)
+    recipe.sampling.vllm_url = fake.url.removeprefix("http://")
+    save(recipe, str(tmp_path / "recipe.toml"))
+    try:
+        code = main(["train", str(tmp_path / "recipe.toml")])
+    finally:
+        fake.close()
+    err = capsys.readouterr().err
+    reason = f"rollout engine (vLLM at {fake.url}) lost: {how} during sampling at step 2"
+    assert code == 4 and f"trex train: {reason}" in err.splitlines() and "Traceback" not in err, err[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["status"], summary["reason"], summary["steps_completed"]) == ("failed", reason, 1)
+    assert f'vllm_url = "{fake.url}"' in (tmp_path / "run" / "config.toml").read_text()  # recorded as used
+
+
+def test_a_vllm_url_without_its_scheme_is_taken_as_http_and_a_wrong_one_refused_naming_the_key():
+    from trex.recipe import RecipeError, load
+    from trex.train.config import TrainRecipe
+
+    assert load(TrainRecipe, overrides=['sampling.vllm_url="127.0.0.1:8000"']).sampling.vllm_url == \
+        "http://127.0.0.1:8000"
+    assert load(TrainRecipe, overrides=['sampling.vllm_url="https://engine:8000/"']).sampling.vllm_url == \
+        "https://engine:8000"
+    for wrong in ("ftp://engine:8000", "engine:port", "http://"):
+        with pytest.raises(RecipeError, match=rf"sampling\.vllm_url = '{wrong}': expected http://HOST:PORT \(or "
+                                              rf"https://; a bare HOST:PORT is taken as http://\)$"):
+            load(TrainRecipe, overrides=[f'sampling.vllm_url="{wrong}"'])
+
+
 def test_the_vllm_adapter_refuses_a_server_without_trex_s_worker_extension(tiny):
     from fake_vllm import FakeVLLM
 

@@ -227,12 +227,52 @@ def test_resume_decisions_reach_the_terminal_and_the_run_log(arithmetic_files, t
     assert "trex: resume = auto: no checkpoint in" in capsys.readouterr().err
     assert main([*base, "--steps", "4"]) == 0
     err = capsys.readouterr().err
-    assert f"trex: resumed from {out}/checkpoints/step_2 at step 2" in err
+    assert f"trex: resumed from {out}/checkpoints/step_1 at step 1" in err
     log = (out / "train.log").read_text()
     assert "starting from step 1" in log and "resumed from" in log
     # the optimizer's group table is in train.log; the terminal gets its one-line summary
     assert "optimizer groups:" in log and "layers.*.ffn.experts.w1" in log
     assert "trex: optimizer: 7 groups" in err and "layers.*" not in err
+
+
+def test_a_sigterm_stop_says_where_it_stopped_what_it_saved_and_how_to_resume(arithmetic_files, tmp_path, capsys,
+                                                                               monkeypatch):
+    """SIGTERM (a scheduler's preemption) during step 1: the step finishes and is saved, exit 143 and one line on
+    the console naming the step, the checkpoint, summary.json and the command that resumes; that command, run
+    as printed, continues from step 1 to the end."""
+    import shlex
+    import signal
+
+    from trex.train import progress
+
+    out = tmp_path / "run"
+    args = ["train", "recipes/fidelity_default.toml", "--set", f'data.paths=["{arithmetic_files}/sft.jsonl"]',
+            "--set", 'data.bad_record_policy="skip"', "--set", "fidelity.every=0", "--set", "schedule.warmup_steps=0",
+            "--out", str(out), "--steps", "2", "--save-every", "1000"]
+    update = progress.StepProgress.update
+
+    def terminated(self, step, *more, **kw):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return update(self, step, *more, **kw)
+
+    monkeypatch.setattr(progress.StepProgress, "update", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        code = main(args)
+    finally:
+        signal.signal(signal.SIGTERM, before)  # a stopped run ignores later SIGTERMs: not so this test process
+    err = capsys.readouterr().err
+    command = shlex.join(["trex", *args, "--resume", "auto"])
+    assert code == 143 and "Traceback" not in err, err[-2000:]
+    assert [line for line in err.splitlines() if line.startswith("trex train:")] == [
+        f"trex train: stopped by SIGTERM at step 1; saved {out}/checkpoints/step_1, {out}/summary.json and loss.png "
+        f"written; resume: {command}"]
+    assert json.loads((out / "summary.json").read_text())["status"] == "terminated"
+    monkeypatch.setattr(progress.StepProgress, "update", update)
+    assert main(shlex.split(command)[1:]) == 0
+    assert f"trex: resumed from {out}/checkpoints/step_1 at step 1" in capsys.readouterr().err
+    assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [1, 2]
 
 
 def test_checkpoint_and_run_directories_are_checked_before_step_1(arithmetic_files, tmp_path, capsys, monkeypatch):

@@ -393,6 +393,8 @@ class Checkpointer:
         self.config, self.precision = config, precision
         self.enabled = section.save_every > 0
         self.last_saved: int | None = None
+        self.stop_checkpoint = ""
+        """The checkpoint written when a stop signal stopped the run ("" until then)."""
         self._pending: PendingSave | None = None
         self._signal: int = 0
         self._previous: dict[int, Any] = {}
@@ -496,6 +498,7 @@ class Checkpointer:
         stop = self._agreed_signal()
         if stop:
             self.save(step, loop, async_save=False)
+            self.stop_checkpoint = os.path.join(self.directory, f"step_{step}")
         elif step % self.section.save_every == 0:
             self.save(step, loop)
         return stop

@@ -50,7 +50,8 @@ class SamplingSection:
     stand-in for an inference engine: the out-of-process path, its digests and parity gate) | vllm (a
     vLLM server at ``vllm_url``, trex.rollout.vllm_engine; docs/post_training.md)."""
     vllm_url: str = "http://127.0.0.1:8000"
-    """The vLLM server (engine = "vllm"), started with VLLM_SERVER_DEV_MODE=1."""
+    """The vLLM server (engine = "vllm"), started with VLLM_SERVER_DEV_MODE=1: http://HOST:PORT (or https://);
+    a bare HOST:PORT is taken as http:// and recorded so."""
     vllm_transport: Literal["disk", "files", "broadcast"] = "disk"
     """How weights reach vLLM: disk (a checkpoint in the released layout in ``vllm_sync_dir``, reloaded in
     place) | files (vLLM's weight-transfer API with trex's ``trex_files`` engine: buckets of
@@ -85,6 +86,9 @@ class SamplingSection:
                              "batch_size >= 1")
         if self.sync_bucket_mb < 1 or self.probe_rows < 1 or self.parity_bound < 0:
             raise ValueError("sampling: expected sync_bucket_mb >= 1, probe_rows >= 1 and parity_bound >= 0")
+        from trex.rollout.vllm_engine import server_url
+
+        self.vllm_url = server_url(self.vllm_url)
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,12 @@ tokenizer (vLLM returns log-probs only with one). What this adapter uses, as vLL
     ``engine_broadcast``), ``/finish_weight_update`` with the version; CUDA only.
 
 Every failure is one line naming the engine (``vLLM at URL``): a server not reachable at start, or
-serving another model, a sync whose report disagrees with what was sent (:class:`SyncError`); a server
-that stops answering mid-run (:class:`EngineLost`, the CLI's exit 4). The report proves what was sent
-arrived, not that the engine serves it; the parity gate after each sync does that.
+serving another model, a request it refuses (HTTP 4xx: the request is wrong, e.g. a prompt longer than
+its ``--max-model-len``), a sync whose report disagrees with what was sent (:class:`SyncError`, the CLI's
+exit 2); once :meth:`VLLMEngine.check` has passed, a server that stops answering (connection refused,
+reset or closed, a timeout) or answers HTTP 5xx (vLLM's "EngineCore encountered an issue" once its engine
+process died) is lost mid-run (:class:`EngineLost`, the CLI's exit 4, with the step). The report proves
+what was sent arrived, not that the engine serves it; the parity gate after each sync does that.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import io
 import json
 import os
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -69,8 +73,8 @@ CONFIG_FIELDS = ("architectures", "vocab_size", "hidden_size", "num_hidden_layer
 
 
 class EngineLost(EngineDied):
-    """The vLLM server stopped answering mid-run (killed, crashed, its host gone): the trainer cannot tell how
-    its process ended, only that its connection failed and during what."""
+    """The vLLM server stopped serving mid-run (killed, crashed, its engine process dead, its host gone): the
+    trainer cannot tell how its process ended, only how the request failed (``how``) and during what."""
 
     def __init__(self, url: str, how: str, doing: str):
         super().__init__("vLLM", 0, how, doing)
@@ -91,13 +95,13 @@ class VLLMEngine:
         if transport in ("disk", "files") and not sync_dir:
             raise ValueError(f'sampling.vllm_transport = "{transport}" needs sampling.vllm_sync_dir (a directory '
                              "the vLLM server also sees)")
-        self.url, self.transport, self.sync_dir = url.rstrip("/"), transport, sync_dir
+        self.url, self.transport, self.sync_dir = server_url(url), transport, sync_dir
         self.bucket_bytes = bucket_bytes
         self._transfer_ready = False  # the files transport's /init_weight_transfer_engine done
         self.quantize, self.timeout, self.engine_world_size = quantize, timeout, engine_world_size
         self.version = -1  # the server starts at its checkpoint's weights (vLLM's version "default")
         self._comm = None
-        self._answered = False  # whether the server has answered this run (a later failure: it was lost)
+        self._running = False  # check() passed: from now on a server that fails is lost mid-run
 
     # ---- HTTP ------------------------------------------------------------------------------------------
     def _request(self, method: str, path: str, body: dict | None = None, doing: str = "") -> dict:
@@ -107,16 +111,17 @@ class VLLMEngine:
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 reply = json.loads(r.read() or b"{}")
-        except urllib.error.HTTPError as e:
-            raise SyncError(f"vLLM at {self.url}: {method} /{path}: HTTP {e.code}: "
-                            f"{' '.join(e.read()[:300].decode(errors='replace').split())}") from None
+        except urllib.error.HTTPError as e:  # 4xx: the request is wrong; 5xx mid-run: the engine is gone
+            message = _error_message(e)
+            if e.code >= 500 and self._running:
+                raise EngineLost(self.url, f"it answered HTTP {e.code} ({message})", doing or _doing(path)) from None
+            raise SyncError(f"vLLM at {self.url}: {method} /{path}: HTTP {e.code}: {message}") from None
         except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
             why = getattr(e, "reason", None) or (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
-            if self._answered:  # it served this run before: gone mid-run
+            if self._running:
                 raise EngineLost(self.url, f"its connection failed ({why})", doing or _doing(path)) from None
             raise SyncError(f"vLLM at {self.url} is not reachable ({why}); start it as docs/rollout_engines.md "
                             "says (VLLM_SERVER_DEV_MODE=1, trex's worker extension)") from None
-        self._answered = True
         return reply
 
     def _get(self, path: str) -> dict:
@@ -128,7 +133,8 @@ class VLLMEngine:
     # ---- the engine ------------------------------------------------------------------------------------
     def check(self, model: torch.nn.Module) -> None:
         """At start: the server answers and serves the trainer's architecture (the fields of
-        :data:`CONFIG_FIELDS` either config has are equal), else SyncError naming the field."""
+        :data:`CONFIG_FIELDS` either config has are equal), else SyncError naming the field. Once it has
+        passed, the run is under way: a failure to answer is :class:`EngineLost`."""
         self._model()
         try:
             reply = self._post("collective_rpc", {"method": "trex_model_config"})
@@ -142,6 +148,7 @@ class VLLMEngine:
             if key in ours and key in served and _plain(served[key]) != _plain(ours[key]):
                 raise SyncError(f"vLLM at {self.url} serves another model ({served.get('_name_or_path') or '?'}): "
                                 f"config field `{key}` is {served[key]!r}, the trainer's model has {ours[key]!r}")
+        self._running = True
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
                  batch_size: int, record_routes: bool = False) -> Samples:
@@ -341,6 +348,22 @@ class VLLMEngine:
         pass
 
 
+def server_url(url: str) -> str:
+    """``sampling.vllm_url`` as requests use it: ``http://`` or ``https://`` HOST[:PORT][/PATH] without a trailing
+    slash; a bare HOST:PORT (as ``vllm serve`` prints its address) is taken as ``http://HOST:PORT``. Anything
+    else: ValueError naming the key and the form expected."""
+    full = url.strip() if "://" in url else f"http://{url.strip()}"
+    try:
+        parts = urllib.parse.urlsplit(full)
+        parts.port  # raises ValueError for a port that is not a number
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"sampling.vllm_url = {url!r}: expected http://HOST:PORT (or https://; a bare HOST:PORT "
+                         "is taken as http://)")
+    return full.rstrip("/")
+
+
 def sorted_digest(tensors: dict[str, torch.Tensor]) -> str:
     """sha256 over (name, dtype, shape, bytes) of ``tensors`` in name order (:class:`Digest`'s fold): what the
     worker extension computes of the file it read."""
@@ -355,9 +378,27 @@ def _plain(v):
     return json.loads(json.dumps(v))
 
 
-_DOING = {"collective_rpc": "a weight sync",
-          "pause?mode=wait": "a weight sync", "resume": "a weight sync", "update_weight_version": "a weight sync",
-          "weight_info": "a weight sync", "v1/models": "start-up"}
+_DOING = {path: "a weight sync" for path in (
+    "collective_rpc", "pause?mode=wait", "resume", "update_weight_version", "weight_info",
+    "init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")}
+_DOING["v1/models"] = "start-up"
+
+
+def _error_message(e: urllib.error.HTTPError) -> str:
+    """The server's words in an HTTP error reply, on one line of at most 300 characters: vLLM's
+    ``{"error": {"message": ...}}`` (or ``{"message": ...}``, FastAPI's ``{"detail": ...}``), else the body or
+    the status's reason phrase."""
+    try:
+        body = e.read().decode(errors="replace")
+    except (OSError, http.client.HTTPException):  # the connection broke under the error's body
+        body = ""
+    try:
+        reply = json.loads(body)
+        error = reply.get("error")
+        text = error.get("message") if isinstance(error, dict) else reply.get("message") or reply.get("detail")
+    except (ValueError, AttributeError):
+        text = None
+    return " ".join(str(text or body or e.reason).split())[:300]
 
 
 def _doing(path: str) -> str:

@@ -77,11 +77,28 @@ def prepare_command(args: argparse.Namespace, out: str) -> str:
     return f"trex data prepare {shlex.quote(args.recipe)}{sets} --out {shlex.quote(out)} --refresh"
 
 
+def resume_command(args: argparse.Namespace) -> str:
+    """The `trex train` command that continues this one from its newest checkpoint: the same recipe, --set
+    options and flags, with ``--resume auto`` (in place of any --resume, and without --overwrite)."""
+    import shlex
+
+    words = ["trex", *(["--device", args.device] if args.device else []), "train"]
+    words += [args.recipe] if args.recipe else []
+    for o in args.overrides:
+        words += ["--set", o]
+    for flag, value in (("--out", args.out), ("--steps", args.steps), ("--seed", args.seed),
+                        ("--save-every", args.save_every)):
+        if value is not None:
+            words += [flag, str(value)]
+    return shlex.join([*words, "--resume", "auto"])
+
+
 def _run_job(args: argparse.Namespace) -> int:
     from trex.data.prepared import PreparedDataError
     from trex.recipe import RecipeError, load
     from trex.precision import NonFiniteError
     from trex.rollout.engine import EngineDied
+    from trex.train.loop import Terminated
 
     try:
         if args.recipe is None:
@@ -150,6 +167,14 @@ def _run_job(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("trex train: interrupted; summary.json and loss.png written", file=sys.stderr)
         return 130
+    except Terminated as e:  # a scheduler's preemption: every rank saved and stops; rank 0 says where
+        if int(os.environ.get("RANK", "0")) == 0:
+            saved = f"saved {e.saved}, " if e.saved else ""
+            again = ("the same trex launch command with --resume auto" if int(os.environ.get("WORLD_SIZE", "1")) > 1
+                     else resume_command(args))
+            print(f"trex train: stopped by SIGTERM at step {e.step}; {saved}{e.run_dir}/summary.json and loss.png "
+                  f"written; resume: {again}", file=sys.stderr)
+        return e.code
 
 
 def _data_prepare(args: argparse.Namespace) -> int:

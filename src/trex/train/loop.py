@@ -72,6 +72,16 @@ __all__ = ["TrainResult", "train", "accumulate_gradients", "model_for", "prepare
 log = logging.getLogger(__name__)
 
 
+class Terminated(SystemExit):
+    """A run stopped by SIGTERM after its step: the checkpoint, summary.json and loss.png written, it exits
+    128 + SIGTERM as the signal would. ``step``: the main steps completed; ``saved``: the checkpoint the stop
+    wrote (the main loop's, or the drafter re-fit phase's it interrupted); ``run_dir``: the run directory."""
+
+    def __init__(self, step: int, saved: str, run_dir: str):
+        super().__init__(128 + signal.SIGTERM)
+        self.step, self.saved, self.run_dir = step, saved, run_dir
+
+
 @dataclass
 class TrainResult:
     model: DeepseekV4
@@ -243,7 +253,9 @@ def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Token
         if r.status == "interrupted":
             raise KeyboardInterrupt
         if r.status == "terminated":
-            raise SystemExit(128 + signal.SIGTERM)  # saved a checkpoint, then exits as SIGTERM would
+            stoppers = [r.ckpt] + ([r.refit.refit.ckpt] if r.refit is not None else [])
+            raise Terminated(r.scheduler.last_epoch, next((c.stop_checkpoint for c in stoppers if c.stop_checkpoint),
+                                                          ""), str(r.run_dir.path))
         return TrainResult(model=r.model, tokenizer=r.tokenizer, summary=summary, run_dir=r.run_dir.path)
 
 
