@@ -235,20 +235,12 @@ def test_resume_decisions_reach_the_terminal_and_the_run_log(arithmetic_files, t
     assert "trex: optimizer: 7 groups" in err and "layers.*" not in err
 
 
-def test_a_sigterm_stop_says_where_it_stopped_what_it_saved_and_how_to_resume(arithmetic_files, tmp_path, capsys,
-                                                                               monkeypatch):
-    """SIGTERM (a scheduler's preemption) during step 1: the step finishes and is saved, exit 143 and one line on
-    the console naming the step, the checkpoint, summary.json and the command that resumes; that command, run
-    as printed, continues from step 1 to the end."""
-    import shlex
+def _sigterm_at_step_1(args: list[str], capsys, monkeypatch) -> tuple[int, str]:
+    """``trex *args`` in this process, sent SIGTERM during step 1: (exit code, stderr)."""
     import signal
 
     from trex.train import progress
 
-    out = tmp_path / "run"
-    args = ["train", "recipes/fidelity_default.toml", "--set", f'data.paths=["{arithmetic_files}/sft.jsonl"]',
-            "--set", 'data.bad_record_policy="skip"', "--set", "fidelity.every=0", "--set", "schedule.warmup_steps=0",
-            "--out", str(out), "--steps", "2", "--save-every", "1000"]
     update = progress.StepProgress.update
 
     def terminated(self, step, *more, **kw):
@@ -262,17 +254,41 @@ def test_a_sigterm_stop_says_where_it_stopped_what_it_saved_and_how_to_resume(ar
         code = main(args)
     finally:
         signal.signal(signal.SIGTERM, before)  # a stopped run ignores later SIGTERMs: not so this test process
-    err = capsys.readouterr().err
-    command = shlex.join(["trex", *args, "--resume", "auto"])
+        monkeypatch.setattr(progress.StepProgress, "update", update)
+    return code, capsys.readouterr().err
+
+
+def test_a_sigterm_stop_says_where_it_stopped_what_it_saved_and_how_to_resume(arithmetic_files, tmp_path, capsys,
+                                                                               monkeypatch):
+    """SIGTERM (a scheduler's preemption) during step 1: the step finishes and is saved, exit 143 and one line on
+    the console naming the step, the checkpoint, summary.json and the command that resumes; that command, run
+    as printed, continues from step 1 to the end. Without checkpoints the run stops the same way (summary
+    written, one line) and says that nothing was saved."""
+    import shlex
+
+    out = tmp_path / "run"
+    args = ["train", "recipes/fidelity_default.toml", "--set", f'data.paths=["{arithmetic_files}/sft.jsonl"]',
+            "--set", 'data.bad_record_policy="skip"', "--set", "fidelity.every=0", "--set", "schedule.warmup_steps=0",
+            "--out", str(out), "--steps", "2"]
+    code, err = _sigterm_at_step_1([*args, "--save-every", "1000"], capsys, monkeypatch)
+    command = shlex.join(["trex", *args, "--save-every", "1000", "--resume", "auto"])
     assert code == 143 and "Traceback" not in err, err[-2000:]
     assert [line for line in err.splitlines() if line.startswith("trex train:")] == [
         f"trex train: stopped by SIGTERM at step 1; saved {out}/checkpoints/step_1, {out}/summary.json and loss.png "
         f"written; resume: {command}"]
     assert json.loads((out / "summary.json").read_text())["status"] == "terminated"
-    monkeypatch.setattr(progress.StepProgress, "update", update)
     assert main(shlex.split(command)[1:]) == 0
     assert f"trex: resumed from {out}/checkpoints/step_1 at step 1" in capsys.readouterr().err
     assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [1, 2]
+
+    out = tmp_path / "unsaved"
+    code, err = _sigterm_at_step_1([*args[:-4], "--out", str(out), "--steps", "2"], capsys, monkeypatch)
+    assert code == 143 and "Traceback" not in err, err[-2000:]
+    assert [line for line in err.splitlines() if line.startswith("trex train:")] == [
+        f"trex train: stopped by SIGTERM at step 1; {out}/summary.json and loss.png written; no checkpoint "
+        "(checkpoint.save_every = 0): a new run starts from step 0"]
+    assert json.loads((out / "summary.json").read_text())["status"] == "terminated"
+    assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [1]
 
 
 def test_checkpoint_and_run_directories_are_checked_before_step_1(arithmetic_files, tmp_path, capsys, monkeypatch):

@@ -452,10 +452,8 @@ class Checkpointer:
         the summary and plot written after the loop included. Once a stop signal has arrived the
         process ignores further SIGTERMs: torchrun and schedulers send follow-up ones, and the default
         handler (which Python itself restores at exit) would kill the rank while it writes its last
-        files or shuts down; SIGKILL still stops it."""
-        if not self.enabled:
-            yield
-            return
+        files or shuts down; SIGKILL still stops it. A run without checkpoints stops the same way, with
+        nothing saved."""
         try:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -492,10 +490,11 @@ class Checkpointer:
 
     def after_step(self, step: int, loop: dict | None = None) -> int:
         """Call after optimizer step ``step`` (1-based). Saves when due; returns the signal number
-        (SIGTERM / SIGINT) if the run must stop now, after its checkpoint is written, else 0."""
-        if not self.enabled:
-            return 0
+        (SIGTERM / SIGINT) if the run must stop now, after its checkpoint is written (none when
+        checkpointing is off), else 0."""
         stop = self._agreed_signal()
+        if not self.enabled:
+            return stop
         if stop:
             self.save(step, loop, async_save=False)
             self.stop_checkpoint = os.path.join(self.directory, f"step_{step}")

@@ -169,11 +169,14 @@ def _run_job(args: argparse.Namespace) -> int:
         return 130
     except Terminated as e:  # a scheduler's preemption: every rank saved and stops; rank 0 says where
         if int(os.environ.get("RANK", "0")) == 0:
-            saved = f"saved {e.saved}, " if e.saved else ""
-            again = ("the same trex launch command with --resume auto" if int(os.environ.get("WORLD_SIZE", "1")) > 1
-                     else resume_command(args))
+            if e.saved:
+                again = ("the same trex launch command with --resume auto"
+                         if int(os.environ.get("WORLD_SIZE", "1")) > 1 else resume_command(args))
+                saved, resume = f"saved {e.saved}, ", f"resume: {again}"
+            else:
+                saved, resume = "", "no checkpoint (checkpoint.save_every = 0): a new run starts from step 0"
             print(f"trex train: stopped by SIGTERM at step {e.step}; {saved}{e.run_dir}/summary.json and loss.png "
-                  f"written; resume: {again}", file=sys.stderr)
+                  f"written; {resume}", file=sys.stderr)
         return e.code
 
 
