@@ -295,6 +295,52 @@ def test_grpo_holds_the_mtp_modules_in_its_main_steps_refits_them_every_n_and_re
         DrafterSection(enabled=True, block_size=2).check_against("grpo", tiny())
 
 
+def test_a_refit_with_nothing_to_train_on_warns_and_the_summary_says_why_acceptance_is_missing(tmp_path, capsys):
+    """SFT whose answers are empty: the target learns to answer with its stop token at once, so every re-fit step
+    has no drafting position (loss and gradient norm 0) and the held-out prompts no drafting step. The run
+    completes, warns on the console and in summary.json that the re-fit taught nothing and why (b) and (c) are
+    missing; the acceptances carry the reason, `trex report --drafter` shows it; no torch DCP warning leaks."""
+    import warnings
+
+    from trex.cli import main
+
+    with open(tmp_path / "sft.jsonl", "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"{i} plus {i}?"},
+                                             {"role": "assistant", "content": ""}]}) + "\n")
+    (tmp_path / "recipe.toml").write_text("# everything set on the command line\n")
+    out = tmp_path / "run"
+    small = ('model.overrides={hidden_size=32, num_hidden_layers=2, '
+             'layer_types=["sliding_attention","compressed_sparse_attention"], mlp_layer_types=["hash_moe","moe"]}')
+    sets = ['model.preset="tiny"', small, f'data.paths=["{tmp_path}/sft.jsonl"]', 'data.tokenizer="compact"',
+            "data.seq_len=32", "train.steps=2", "optim.lr=1e-2", "train.progress=false", "fidelity.every=0",
+            "drafter.enabled=true", "drafter.steps=2", "drafter.new_tokens=4", "drafter.prompts_per_step=2",
+            "drafter.held_out=1", "drafter.measure_tokens=4"]
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        assert main(["train", str(tmp_path / "recipe.toml"), "--out", str(out),
+                     *[a for s in sets for a in ("--set", s)]]) == 0
+    assert not [w for w in shown if "torch.distributed is disabled" in str(w.message)]
+    err = capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    drafter = summary["drafter"]
+    rows = [json.loads(line) for line in open(out / "drafter_metrics.jsonl")]
+    assert [(r["drafter/loss"], r["drafter/grad_norm"], r["drafter/positions"]) for r in rows] == [(0, 0, 0)] * 2
+    assert drafter["steps"] == 2 and drafter["steps_with_signal"] == 0
+    why = ("no drafting steps: every prompt's continuation ended at once with the stop token, before a draft could be "
+           "checked (checking a draft of 1 token needs a continuation of 3)")
+    for key in ("post_trained_old", "refit"):
+        assert drafter["acceptance"][key]["mean_accepted"] is None and drafter["acceptance"][key]["reason"] == why
+    taught = next(w for w in summary["warnings"] if w.startswith("drafter: no re-fit step had a position"))
+    assert "in all 2 steps every continuation of the target began with its stop token" in taught
+    assert f"drafter: acceptance (c) re-fit not measured on the 1 held-out prompt: {why}" in summary["warnings"]
+    assert all(f"trex: warning: {w}" in err.splitlines() for w in summary["warnings"])
+    assert main(["report", "--out", str(tmp_path / "report"), "--drafter", str(out)]) == 0
+    row = next(line for line in (tmp_path / "report" / "report.md").read_text().splitlines()
+               if line.startswith(f"| {out} |"))
+    assert f"| n/a ({why}) |" in row, row
+
+
 @pytest.mark.slow
 def test_fsdp2_expert_and_context_parallelism_on_two_ranks_refit_the_mtp_module_with_the_losses_of_one_process(
         tmp_path):
