@@ -174,6 +174,43 @@ def test_trex_fidelity_drafter_measures_mtp_modules_and_refuses_a_checkpoint_wit
     assert "no MTP module weights" in err and err.count("\n") == 1, err
 
 
+def test_trex_fidelity_drafter_takes_chat_prompt_files_as_every_prompt_option_does(tmp_path, capsys):
+    """`--prompts` takes {"messages"} records (and SFT records, and {"prompt"}) as grpo.prompts and drafter.prompts
+    take them: the same token ids as trex.posttrain.on_policy.load_prompts in the same chat format; {"ids"}
+    records as they are, in the same file."""
+    from trex.checkpoint.save import save_pretrained
+    from trex.cli import main
+    from trex.data.tokenizer import compact_tokenizer
+    from trex.fidelity.drafter import read_prompts
+    from trex.models.config import tiny
+    from trex.models.deepseek_v4 import DeepseekV4
+    from trex.posttrain.on_policy import load_prompts
+
+    model = DeepseekV4(tiny(vocab_size=112))
+    model.init_weights(0)
+    save_pretrained(model, str(tmp_path / "v4"), dtype="fp32")
+    tokenizer = compact_tokenizer()
+    tokenizer.save(str(tmp_path / "v4" / "tokenizer.json"))
+    chat = [{"messages": [{"role": "system", "content": "add"}, {"role": "user", "content": "2 plus 3?"}]},
+            {"messages": [{"role": "user", "content": "4 plus 4?"}, {"role": "assistant", "content": "8"}]},
+            {"prompt": "1 plus 1?"}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
+    for fmt in ("deepseek-v4", "deepseek-v3"):
+        expected = [p.ids for p in load_prompts([str(tmp_path / "chat.jsonl")], tokenizer, False, chat_format=fmt)]
+        assert read_prompts(str(tmp_path / "chat.jsonl"), str(tmp_path / "v4"), fmt) == expected
+    (tmp_path / "mixed.jsonl").write_text((tmp_path / "chat.jsonl").read_text() + '{"ids": [3, 4, 5]}\n')
+    assert read_prompts(str(tmp_path / "mixed.jsonl"), str(tmp_path / "v4"))[-1] == [3, 4, 5]
+    assert main(["fidelity", "drafter", str(tmp_path / "v4"), "--prompts", str(tmp_path / "mixed.jsonl"),
+                 "--max-new-tokens", "4", "--format", "json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out).values()
+    assert entry["steps"] > 0 and entry["reason"] is None
+    (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "assistant", "content": "hi"}]}\n')
+    assert main(["fidelity", "drafter", str(tmp_path / "v4"), "--prompts", str(tmp_path / "bad.jsonl")]) == 2
+    assert capsys.readouterr().err == (f"trex fidelity drafter: {tmp_path}/bad.jsonl:1: bad record (no_prompt): "
+                                       "messages must end with a user or tool message (or one assistant turn after "
+                                       "it)\n")
+
+
 # ---- the re-fit in the training loop ------------------------------------------------------------------------
 def _sft_with_mtp_refit(tmp_path, out, *extra):
     from arithmetic_data import write_sft

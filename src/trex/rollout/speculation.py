@@ -75,6 +75,15 @@ class Acceptance:
         """Per draft position i (0-based): the fraction of steps that accepted it (and all before it)."""
         return [sum(self.histogram[i + 1:]) / self.steps if self.steps else float("nan") for i in range(self.block_size)]
 
+    def to_dict(self) -> dict:
+        """As JSON holds it (summary.json, ``trex fidelity drafter --format json``): without drafting steps the
+        measures are null and ``reason`` says why (null with steps)."""
+        finite = self.steps > 0
+        return {"steps": self.steps, "mean_accepted": self.mean_accepted if finite else None,
+                "tokens_per_step": self.tokens_per_step if finite else None,
+                "rates": [r if finite else None for r in self.rates()], "histogram": self.histogram,
+                "reason": self.reason}
+
     def add(self, other: "Acceptance") -> None:
         self.histogram = [a + b for a, b in zip(self.histogram, other.histogram)]
         self.rows, self.at_once = self.rows + other.rows, self.at_once + other.at_once

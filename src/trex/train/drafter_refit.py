@@ -498,15 +498,6 @@ def _barrier(par) -> None:
         dist.barrier()
 
 
-def acceptance_dict(a: Acceptance) -> dict:
-    """An Acceptance as summary.json holds it: without drafting steps its measures null and ``reason`` why
-    (None with steps)."""
-    finite = a.steps > 0
-    return {"steps": a.steps, "mean_accepted": a.mean_accepted if finite else None,
-            "tokens_per_step": a.tokens_per_step if finite else None,
-            "rates": [r if finite else None for r in a.rates()], "histogram": a.histogram, "reason": a.reason}
-
-
 def write_json(path: str, obj) -> None:
     from trex import atomic
 
@@ -641,7 +632,7 @@ class JobRefit:
         """Resume the re-fit where the run's checkpoints put it; measure (a) on a fresh run."""
         path = os.path.join(self.out, ACCEPTANCE_FILE)
         if resumed_step is None:
-            self.acceptance = {"base": acceptance_dict(self.refit.acceptance(model))}
+            self.acceptance = {"base": self.refit.acceptance(model).to_dict()}
             if self.par.is_main:
                 write_json(path, self.acceptance)
             _keep_metrics(os.path.join(self.out, METRICS_FILE), 0, self.par.is_main)
@@ -707,11 +698,11 @@ class JobRefit:
         """After the main steps: (b) the post-trained target with the drafter the first phase found (the loaded
         one; for MTP modules in SFT, as the main steps trained them), the last phase, (c), the export."""
         if "post_trained_old" not in self.acceptance or self.refit.done < self.phases() * self.section.steps:
-            self.acceptance["post_trained_old"] = acceptance_dict(self.refit.acceptance_before(model))
+            self.acceptance["post_trained_old"] = self.refit.acceptance_before(model).to_dict()
         status = self.refit.phase(model, self.phases() * self.section.steps, self._log)
         if status != "completed":
             return status
-        self.acceptance["refit"] = acceptance_dict(self.refit.acceptance(model))
+        self.acceptance["refit"] = self.refit.acceptance(model).to_dict()
         if self.par.is_main:
             write_json(os.path.join(self.out, ACCEPTANCE_FILE), self.acceptance)
         if self.kind == "mtp":
