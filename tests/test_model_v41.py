@@ -637,7 +637,7 @@ def test_trex_fidelity_drafter_reports_a_checkpoint_beside_its_base(tmp_path, ca
     from trex.cli import main
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"ids": [3, 4, 5, 6, 7, 8]}\n\n{"prompt": "the"}\n')
+    prompts.write_text('{"ids": [3, 4, 5, 6, 7, 8]}\n\n{"ids": [9, 10, 11]}\n')
     rc = main(["fidelity", "drafter", DSPARK_RELEASED, "--prompts", str(prompts), "--base", DSPARK_RELEASED,
                "--max-new-tokens", "8", "--format", "json"])
     report = json.loads(capsys.readouterr().out)
@@ -647,6 +647,11 @@ def test_trex_fidelity_drafter_reports_a_checkpoint_beside_its_base(tmp_path, ca
     prompts.write_text('{"ids": [3, 4]}\n{"text": "the"}\n')
     assert main(["fidelity", "drafter", DSPARK_RELEASED, "--prompts", str(prompts)]) == 2
     assert f"{prompts}:2: expected" in capsys.readouterr().err
+    prompts.write_text('{"prompt": "the"}\n')  # rendered as a chat prompt: this tokenizer has no chat tokens
+    assert main(["fidelity", "drafter", DSPARK_RELEASED, "--prompts", str(prompts)]) == 2
+    err = capsys.readouterr().err
+    assert "lacks the DeepSeek-V4 special token(s)" in err and 'give the prompts as {"ids": [token ids]}' in err
+    assert err.count("\n") == 1
     prompts.write_text('{"ids": [3, 4]}\n')
     assert main(["fidelity", "drafter", RELEASED, "--prompts", str(prompts)]) == 2
     assert f"{RELEASED}: its config has no drafter" in capsys.readouterr().err
@@ -654,11 +659,12 @@ def test_trex_fidelity_drafter_reports_a_checkpoint_beside_its_base(tmp_path, ca
 
 def test_trex_fidelity_drafter_names_a_path_that_is_no_checkpoint_and_prints_strict_json(tmp_path, capsys):
     """A missing path, or a run directory (no config.json), is one line naming it and what was expected, exit 2;
-    with no drafting step (every row ends before a draft is verified) the JSON report holds null, not NaN."""
+    with no drafting step (every row ends before a draft is verified) the JSON report holds null, not NaN, and
+    the reason, which the table prints as "n/a (...)", never "nan"."""
     from trex.cli import main
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "the"}\n')
+    prompts.write_text('{"ids": [5]}\n')
     expected = ("expected a checkpoint directory: config.json and safetensors with its drafter's mtp.* tensors "
                 "(DeepSeek-V4.1's DSpark stages, or the MTP modules of DeepSeek-V4 and the V3 family)")
     missing, run = tmp_path / "missing", tmp_path / "run"
@@ -675,3 +681,8 @@ def test_trex_fidelity_drafter_names_a_path_that_is_no_checkpoint_and_prints_str
     (entry,) = report.values()
     assert entry["steps"] == 0 and entry["accepted_per_step"] is None and entry["tokens_per_step"] is None
     assert entry["rates"] and set(entry["rates"]) == {None}
+    why = "no drafting steps: each prompt was continued 2 tokens; checking a draft of 3 tokens needs a continuation of 5"
+    assert entry["reason"] == why
+    assert main(["fidelity", "drafter", DSPARK_RELEASED, "--prompts", str(prompts), "--max-new-tokens", "2"]) == 0
+    (row,) = capsys.readouterr().out.splitlines()[2:]
+    assert "nan" not in row and row.endswith(f"      0            n/a          n/a  ({why})"), row

@@ -174,6 +174,43 @@ def test_trex_fidelity_drafter_measures_mtp_modules_and_refuses_a_checkpoint_wit
     assert "no MTP module weights" in err and err.count("\n") == 1, err
 
 
+def test_trex_fidelity_drafter_takes_chat_prompt_files_as_every_prompt_option_does(tmp_path, capsys):
+    """`--prompts` takes {"messages"} records (and SFT records, and {"prompt"}) as grpo.prompts and drafter.prompts
+    take them: the same token ids as trex.posttrain.on_policy.load_prompts in the same chat format; {"ids"}
+    records as they are, in the same file."""
+    from trex.checkpoint.save import save_pretrained
+    from trex.cli import main
+    from trex.data.tokenizer import compact_tokenizer
+    from trex.fidelity.drafter import read_prompts
+    from trex.models.config import tiny
+    from trex.models.deepseek_v4 import DeepseekV4
+    from trex.posttrain.on_policy import load_prompts
+
+    model = DeepseekV4(tiny(vocab_size=112))
+    model.init_weights(0)
+    save_pretrained(model, str(tmp_path / "v4"), dtype="fp32")
+    tokenizer = compact_tokenizer()
+    tokenizer.save(str(tmp_path / "v4" / "tokenizer.json"))
+    chat = [{"messages": [{"role": "system", "content": "add"}, {"role": "user", "content": "2 plus 3?"}]},
+            {"messages": [{"role": "user", "content": "4 plus 4?"}, {"role": "assistant", "content": "8"}]},
+            {"prompt": "1 plus 1?"}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
+    for fmt in ("deepseek-v4", "deepseek-v3"):
+        expected = [p.ids for p in load_prompts([str(tmp_path / "chat.jsonl")], tokenizer, False, chat_format=fmt)]
+        assert read_prompts(str(tmp_path / "chat.jsonl"), str(tmp_path / "v4"), fmt) == expected
+    (tmp_path / "mixed.jsonl").write_text((tmp_path / "chat.jsonl").read_text() + '{"ids": [3, 4, 5]}\n')
+    assert read_prompts(str(tmp_path / "mixed.jsonl"), str(tmp_path / "v4"))[-1] == [3, 4, 5]
+    assert main(["fidelity", "drafter", str(tmp_path / "v4"), "--prompts", str(tmp_path / "mixed.jsonl"),
+                 "--max-new-tokens", "4", "--format", "json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out).values()
+    assert entry["steps"] > 0 and entry["reason"] is None
+    (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "assistant", "content": "hi"}]}\n')
+    assert main(["fidelity", "drafter", str(tmp_path / "v4"), "--prompts", str(tmp_path / "bad.jsonl")]) == 2
+    assert capsys.readouterr().err == (f"trex fidelity drafter: {tmp_path}/bad.jsonl:1: bad record (no_prompt): "
+                                       "messages must end with a user or tool message (or one assistant turn after "
+                                       "it)\n")
+
+
 # ---- the re-fit in the training loop ------------------------------------------------------------------------
 def _sft_with_mtp_refit(tmp_path, out, *extra):
     from arithmetic_data import write_sft
@@ -293,6 +330,52 @@ def test_grpo_holds_the_mtp_modules_in_its_main_steps_refits_them_every_n_and_re
     assert all(torch.equal(resumed[k], phase_2[k]) for k in mtp)
     with pytest.raises(ValueError, match="drafter.block_size = 2: the model's 1 multi-token prediction module"):
         DrafterSection(enabled=True, block_size=2).check_against("grpo", tiny())
+
+
+def test_a_refit_with_nothing_to_train_on_warns_and_the_summary_says_why_acceptance_is_missing(tmp_path, capsys):
+    """SFT whose answers are empty: the target learns to answer with its stop token at once, so every re-fit step
+    has no drafting position (loss and gradient norm 0) and the held-out prompts no drafting step. The run
+    completes, warns on the console and in summary.json that the re-fit taught nothing and why (b) and (c) are
+    missing; the acceptances carry the reason, `trex report --drafter` shows it; no torch DCP warning leaks."""
+    import warnings
+
+    from trex.cli import main
+
+    with open(tmp_path / "sft.jsonl", "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"{i} plus {i}?"},
+                                             {"role": "assistant", "content": ""}]}) + "\n")
+    (tmp_path / "recipe.toml").write_text("# everything set on the command line\n")
+    out = tmp_path / "run"
+    small = ('model.overrides={hidden_size=32, num_hidden_layers=2, '
+             'layer_types=["sliding_attention","compressed_sparse_attention"], mlp_layer_types=["hash_moe","moe"]}')
+    sets = ['model.preset="tiny"', small, f'data.paths=["{tmp_path}/sft.jsonl"]', 'data.tokenizer="compact"',
+            "data.seq_len=32", "train.steps=2", "optim.lr=1e-2", "train.progress=false", "fidelity.every=0",
+            "drafter.enabled=true", "drafter.steps=2", "drafter.new_tokens=4", "drafter.prompts_per_step=2",
+            "drafter.held_out=1", "drafter.measure_tokens=4"]
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        assert main(["train", str(tmp_path / "recipe.toml"), "--out", str(out),
+                     *[a for s in sets for a in ("--set", s)]]) == 0
+    assert not [w for w in shown if "torch.distributed is disabled" in str(w.message)]
+    err = capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    drafter = summary["drafter"]
+    rows = [json.loads(line) for line in open(out / "drafter_metrics.jsonl")]
+    assert [(r["drafter/loss"], r["drafter/grad_norm"], r["drafter/positions"]) for r in rows] == [(0, 0, 0)] * 2
+    assert drafter["steps"] == 2 and drafter["steps_with_signal"] == 0
+    why = ("no drafting steps: every prompt's continuation ended at once with the stop token, before a draft could be "
+           "checked (checking a draft of 1 token needs a continuation of 3)")
+    for key in ("post_trained_old", "refit"):
+        assert drafter["acceptance"][key]["mean_accepted"] is None and drafter["acceptance"][key]["reason"] == why
+    taught = next(w for w in summary["warnings"] if w.startswith("drafter: no re-fit step had a position"))
+    assert "in all 2 steps every continuation of the target began with its stop token" in taught
+    assert f"drafter: acceptance (c) re-fit not measured on the 1 held-out prompt: {why}" in summary["warnings"]
+    assert all(f"trex: warning: {w}" in err.splitlines() for w in summary["warnings"])
+    assert main(["report", "--out", str(tmp_path / "report"), "--drafter", str(out)]) == 0
+    row = next(line for line in (tmp_path / "report" / "report.md").read_text().splitlines()
+               if line.startswith(f"| {out} |"))
+    assert f"| n/a ({why}) |" in row, row
 
 
 @pytest.mark.slow

@@ -359,9 +359,39 @@ def test_mfu_above_100_percent_is_warned_once_with_the_peak_it_used(arithmetic_f
 
     monkeypatch.setattr(loop, "peak_flops", lambda dev, policy: (1.0, "a peak far too low"))
     with caplog.at_level("WARNING", logger="trex"):
-        train(_recipe(arithmetic_files, tmp_path / "mfu", "train.steps=3", "train.eval_every=0"))
+        summary = train(_recipe(arithmetic_files, tmp_path / "mfu", "train.steps=3", "train.eval_every=0")).summary
     warned = [r.getMessage() for r in caplog.records if "MFU" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith("step 1: MFU") and "a peak far too low" in warned[0]
+    # every warning of the run lands in summary.json, this one (logged in a step) too
+    assert warned[0] in summary["warnings"]
+    assert summary["warnings"] == json.loads((tmp_path / "mfu" / "summary.json").read_text())["warnings"]
+
+
+def test_recorded_warnings_are_trex_warnings_and_python_warnings_each_once_still_shown():
+    """``logs.Recorded`` (summary.json's ``warnings``): trex's messages at WARNING and above, not below, and the
+    Python warnings shown in the block (still shown), each once; past the limit a last line counts the rest."""
+    import logging
+    import warnings
+
+    from trex import logs
+
+    log = logging.getLogger("trex.test")
+    with warnings.catch_warnings(record=True) as shown, logs.Recorded(limit=3) as recorded:
+        log.info("not a warning")
+        log.warning("a warning:\n on two lines")
+        log.warning("a warning:\n on two lines")
+        log.error("an error")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("torch says so", UserWarning)
+        log.warning("one more")
+        log.warning("and another")
+    assert recorded.lines()[:2] == ["a warning: on two lines", "an error"]
+    assert recorded.lines()[2].startswith("UserWarning: torch says so (") and len(recorded.lines()) == 4
+    assert recorded.lines()[3] == "2 more warning(s): see train.log"
+    assert [str(w.message) for w in shown] == ["torch says so"]  # shown as before
+    log.warning("after the block")
+    assert "after the block" not in recorded.messages
 
 
 def test_a_model_path_with_no_model_says_what_belongs_there(arithmetic_files, tmp_path):

@@ -5,7 +5,8 @@ except the CLI's own results and the progress bar. :func:`to_terminal` (called b
 INFO and above to stderr as ``trex: message`` and ``trex: warning: message``; under torchrun, ranks
 other than 0 show warnings and errors only, as ``trex[rank 3]: ...``. ``TREX_LOG_LEVEL`` (DEBUG,
 INFO, WARNING, ERROR) changes the level. A run also writes every message, with a timestamp, to its
-run directory's ``train.log`` (:func:`to_file`).
+run directory's ``train.log`` (:func:`to_file`), and lists its warnings in its summary.json
+(:class:`Recorded`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 LOGGER = logging.getLogger("trex")
 _TERMINAL = "_trex_terminal"
@@ -63,6 +65,51 @@ def to_file(path: str) -> logging.Handler:
     LOGGER.addHandler(handler)
     LOGGER.setLevel(logging.DEBUG)  # the terminal handler keeps its own level
     return handler
+
+
+class Recorded(logging.Handler):
+    """The warnings of a block (``with Recorded() as recorded``): every trex message at WARNING or above and
+    every Python warning shown (``"UserWarning: text (file:line)"``, still shown as before), each once, in
+    order, in ``messages`` (at most ``limit``; then a last line counts the rest, all of them in train.log)."""
+
+    def __init__(self, limit: int = 100):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        self.limit, self.more = limit, 0
+        self._catch = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.add(record.getMessage())
+
+    def add(self, message: str) -> None:
+        line = " ".join(message.split())
+        if line in self.messages:
+            return
+        if len(self.messages) < self.limit:
+            self.messages.append(line)
+        else:
+            self.more += 1
+
+    def lines(self) -> list[str]:
+        """``messages``, and how many more there were."""
+        return self.messages + ([f"{self.more} more warning(s): see train.log"] if self.more else [])
+
+    def __enter__(self) -> "Recorded":
+        LOGGER.addHandler(self)
+        self._catch = warnings.catch_warnings()  # showwarning restored on exit
+        self._catch.__enter__()
+        shown = warnings.showwarning
+
+        def showwarning(message, category, filename, lineno, file=None, line=None):
+            self.add(f"{category.__name__}: {message} ({filename}:{lineno})")
+            shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = showwarning
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._catch.__exit__(*exc)
+        LOGGER.removeHandler(self)
 
 
 def remove(handler: logging.Handler) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import warnings
 from collections import OrderedDict
 
 import torch
@@ -27,6 +26,7 @@ from trex.models.registry import config_from_dict
 from trex.models.build import build_model
 from trex.checkpoint.naming import LAYOUTS
 from trex.checkpoint.manifest import MANIFEST, TRAINER_STATE, SafeFileSystemReader, verify_checkpoint
+from trex.checkpoint.training import one_process_dcp
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,7 @@ class _TensorSource:
         if key not in self.cache:
             entry = self.index[f"model.{key}"]
             tensor = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            with one_process_dcp():
                 dcp.load({"model": {key: tensor}}, storage_reader=self.reader, no_dist=True)
             self.cache[key] = tensor
             if len(self.cache) > 2:

@@ -226,6 +226,18 @@ def _write_json(path: str, obj: Any) -> None:
     atomic.write_json(path, obj, indent=1, fsync=True)
 
 
+@contextlib.contextmanager
+def one_process_dcp() -> Iterator[None]:
+    """Around a DCP save or load: without a process group (one process), torch warns at every call that it
+    "is disabled, unavailable or uninitialized, assuming the intent is to save in a single process", even when
+    told ``no_dist=True``. One process is what trex means there, so exactly that warning is dropped: it is
+    torch's note on a normal case, not something the user can act on (any other warning still shows)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        yield
+
+
 _ASYNC_GROUP = None
 
 
@@ -265,8 +277,7 @@ def save_checkpoint(directory: str, step: int, state: RunState, *, config: dict 
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world": _world(state.model, world_size, config)}
     pending = PendingSave(directory, step, tmp, manifest, keep_last)
     writer = dcp.FileSystemWriter(tmp)
-    with warnings.catch_warnings():  # single-process saves warn that no process group exists
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with one_process_dcp():
         if async_save:
             pending.future = dcp.async_save(tensors, storage_writer=writer, process_group=_async_process_group())
             return pending
@@ -352,8 +363,7 @@ def load_checkpoint(path: str, state: RunState) -> Resumed:
         raise ValueError(f"{path}: the checkpoint lacks model tensors {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''} (a different model config?)")
     optim_sd = _allocate_optimizer_state(state, index)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with one_process_dcp():
         dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=reader)
     state.model.load_state_dict(model_sd)
 

@@ -123,7 +123,12 @@ def register(sub) -> None:
                                         "V3 family, beside its --base; exit 0, 2 bad input")
     dr.add_argument("checkpoint", help="a checkpoint directory with its drafter's mtp.* tensors (a trex export "
                                        "carries them)")
-    dr.add_argument("--prompts", required=True, help='JSONL: {"prompt": text} or {"ids": [token ids]} per line')
+    dr.add_argument("--prompts", required=True,
+                    help='JSONL (or Parquet): {"prompt": text} or {"messages": [...]}, rendered as a chat prompt '
+                         '(as grpo.prompts and drafter.prompts are), or {"ids": [token ids]} per line')
+    # the choices are trex.data.config.ChatFormat's, which is not imported here: it would load torch
+    dr.add_argument("--chat-format", default="deepseek-v4", choices=("deepseek-v4", "deepseek-v3", "deepseek-v3.1"),
+                    help="how text prompts are rendered, as the run's data.chat_format (default: %(default)s)")
     dr.add_argument("--base", help="the checkpoint it was post-trained from, measured on the same prompts")
     dr.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
     dr.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (default 16)")
@@ -138,14 +143,14 @@ def register(sub) -> None:
 
 def _drafter(args: argparse.Namespace) -> int:
     from trex.atomic import strict_json
-    from trex.fidelity.drafter import DrafterCheckError, check_checkpoint, measure, read_prompts, table
+    from trex.fidelity.drafter import DrafterCheckError, check_checkpoint, measure, read_prompts, table, to_dict
 
     try:
         if args.max_new_tokens < 2 or args.batch_size < 1:
             raise DrafterCheckError("--max-new-tokens must be >= 2 and --batch-size >= 1")
         for path in [args.checkpoint] + ([args.base] if args.base else []):
             check_checkpoint(path)
-        prompts = read_prompts(args.prompts, args.checkpoint)
+        prompts = read_prompts(args.prompts, args.checkpoint, args.chat_format)
         results = {}
         for path in [args.checkpoint] + ([args.base] if args.base else []):
             results[path] = measure(path, prompts, args.max_new_tokens, args.batch_size, args.device)
@@ -153,8 +158,7 @@ def _drafter(args: argparse.Namespace) -> int:
         print(f"trex fidelity drafter: {e}", file=sys.stderr)
         return 2
     if args.format == "json":
-        print(strict_json({p: {"steps": a.steps, "histogram": a.histogram, "accepted_per_step": a.mean_accepted,
-                               "tokens_per_step": a.tokens_per_step, "rates": a.rates()} for p, a in results.items()}))
+        print(strict_json({p: to_dict(a) for p, a in results.items()}))
     else:
         print(f"drafter acceptance: greedy, {logs.plural(len(prompts), 'prompt')}, up to "
               f"{args.max_new_tokens} tokens each")

@@ -8,8 +8,11 @@ prediction modules of DeepSeek-V4 and the V3 family (``mtp.N``, one token drafte
 SGLang serve them). This loads each checkpoint with its drafter, greedy-decodes the same prompts and reports
 the drafts' acceptance (``trex.rollout.speculation``), the checkpoint beside its ``--base``.
 
-Prompts are a JSONL file, one object per line: ``{"prompt": "text"}`` (tokenised with the checkpoint's
-``tokenizer.json``) or ``{"ids": [token ids]}``.
+Prompts are a JSONL (or Parquet) file, one object per line: ``{"prompt": "text"}`` or ``{"messages": [...]}``,
+rendered as every prompt option renders them (the chat format's generation prompt, ``--chat-format``) and
+tokenised with the checkpoint's ``tokenizer.json``, or ``{"ids": [token ids]}`` as they are. Without drafting
+steps (every continuation ended too soon to check a draft) the measure is "n/a" and says why
+(``Acceptance.reason``).
 """
 
 from __future__ import annotations
@@ -24,40 +27,50 @@ class DrafterCheckError(ValueError):
     """A user fault (a bad prompts file, a checkpoint without a drafter): one line, exit 2."""
 
 
-def read_prompts(path: str, checkpoint: str) -> list[list[int]]:
-    """The prompts of JSONL file ``path`` as token ids (text through ``checkpoint``'s tokenizer)."""
+def read_prompts(path: str, checkpoint: str, chat_format: str = "deepseek-v4", thinking: bool = False
+                 ) -> list[list[int]]:
+    """The prompts of JSONL / Parquet file ``path`` as token ids: ``{"ids": [...]}`` as they are; ``{"prompt":
+    text}`` and ``{"messages": [...]}`` as every prompt option takes them (trex.posttrain.on_policy.record_prompt:
+    ``chat_format``'s generation prompt, as a run's ``[drafter]`` renders its held-out prompts), tokenised with
+    ``checkpoint``'s tokenizer."""
+    from trex.data.records import BadRecordError, RecordError, iter_records
+    from trex.posttrain.on_policy import record_prompt
+
+    formats = '{"prompt": text}, {"messages": [...]} or {"ids": [token ids]} per line'
     if not os.path.isfile(path):
-        raise DrafterCheckError(f"{path}: no such prompts file (JSONL: {{\"prompt\": text}} or {{\"ids\": [...]}} per line)")
+        raise DrafterCheckError(f"{path}: no such prompts file (JSONL: {formats})")
     prompts, tokenizer = [], None
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DrafterCheckError(f"{path}:{n}: not JSON ({e.msg})") from None
-            ids = record.get("ids") if isinstance(record, dict) else None
-            text = record.get("prompt") if isinstance(record, dict) else None
+    try:
+        for rec in iter_records([path]):
+            data = rec.data
+            if isinstance(data, RecordError):
+                raise BadRecordError(rec.path, rec.line, data.reason, data.detail)
+            ids = data.get("ids")
             if isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 0 for i in ids):
                 prompts.append(ids)
-            elif isinstance(text, str) and text:
-                tokenizer = tokenizer or _tokenizer(checkpoint)
-                prompts.append(tokenizer.encode(text).ids)
+            elif "ids" in data or not (data.get("prompt") or isinstance(data.get("messages"), list)):
+                raise DrafterCheckError(f"{path}:{rec.line}: expected {{\"prompt\": non-empty text}}, {{\"messages\": "
+                                        f"[...]}} or {{\"ids\": [token ids >= 0]}}, got {json.dumps(data)[:80]}")
             else:
-                raise DrafterCheckError(f"{path}:{n}: expected {{\"prompt\": non-empty text}} or {{\"ids\": [token ids "
-                                        f">= 0]}}, got {line.strip()[:80]}")
+                tokenizer = tokenizer or _tokenizer(checkpoint)
+                prompts.append(record_prompt(rec, tokenizer, thinking, chat_format).ids)
+    except BadRecordError as e:
+        raise DrafterCheckError(str(e)) from None
     if not prompts:
         raise DrafterCheckError(f"{path}: no prompts")
     return prompts
 
 
 def _tokenizer(checkpoint: str):
-    from tokenizers import Tokenizer
+    """``checkpoint``'s tokenizer (tokenizer.json or tokenizer/tokenizer.json) as trex renders chat with it."""
+    from trex.data import load_tokenizer
 
     for name in ("tokenizer.json", os.path.join("tokenizer", "tokenizer.json")):
         if os.path.exists(os.path.join(checkpoint, name)):
-            return Tokenizer.from_file(os.path.join(checkpoint, name))
+            try:
+                return load_tokenizer(os.path.join(checkpoint, name))
+            except ValueError as e:  # no chat special tokens: the prompts cannot be rendered
+                raise DrafterCheckError(f"{e}; give the prompts as {{\"ids\": [token ids]}}") from None
     raise DrafterCheckError(f"{checkpoint}: no tokenizer.json to encode the text prompts with (give {{\"ids\": ...}})")
 
 
@@ -138,6 +151,15 @@ def table(results: dict[str, Acceptance]) -> str:
         f"{'pos' + str(i + 1):>6}" for i in range(block))
     lines = [head]
     for name, a in results.items():
-        rates = " ".join(f"{r:>6.1%}" for r in a.rates())
-        lines.append(f"{name:<40} {a.steps:>6} {a.mean_accepted:>14.3f} {a.tokens_per_step:>12.3f}  {rates}")
+        if a.steps:
+            rates = " ".join(f"{r:>6.1%}" for r in a.rates())
+            lines.append(f"{name:<40} {a.steps:>6} {a.mean_accepted:>14.3f} {a.tokens_per_step:>12.3f}  {rates}")
+        else:
+            lines.append(f"{name:<40} {a.steps:>6} {'n/a':>14} {'n/a':>12}  ({a.reason})")
     return "\n".join(lines)
+
+
+
+def to_dict(a: Acceptance) -> dict:
+    """One checkpoint's entry of ``--format json`` (Acceptance.to_dict, the mean named ``accepted_per_step``)."""
+    return {"accepted_per_step" if k == "mean_accepted" else k: v for k, v in a.to_dict().items()}

@@ -103,40 +103,48 @@ class Prompt:
 def load_prompts(paths: list[str], tokenizer: Tokenizer, thinking: bool, limit: int = 0,
                  chat_format: str = "deepseek-v4") -> list[Prompt]:
     """Prompts of JSONL/Parquet records ``{"prompt": str}`` (one user turn) or ``{"messages": [...]}``
-    (a conversation ending with a user or tool message); at most ``limit`` (0: all). Each is rendered as
-    ``chat_format``'s generation prompt (trex.data.chat: deepseek-v4, deepseek-v3, deepseek-v3.1), as the
-    SFT data of that format renders the turns the model learnt to continue.
-
-    An SFT record (messages ending with an assistant turn) is a prompt too: the conversation before
-    that turn, with the turn's content as the ``answer`` unless the record has one."""
+    (a conversation ending with a user or tool message), each as :func:`record_prompt` renders it; at most
+    ``limit`` (0: all)."""
     prompts = []
     for rec in iter_records(paths):
-        data = rec.data
-        if isinstance(data, RecordError):
-            raise BadRecordError(rec.path, rec.line, data.reason, data.detail)
-        if isinstance(data.get("messages"), list):
-            messages = data["messages"]
-            if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
-                data = {"answer": messages[-1].get("content"), **data}
-                messages = messages[:-1]
-        elif isinstance(data.get("prompt"), str):
-            messages = [{"role": "user", "content": data["prompt"]}]
-        else:
-            raise BadRecordError(rec.path, rec.line, "no_prompt",
-                                 'expected a "prompt" string or a "messages" list ending with a user message')
-        if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") not in ("user", "tool"):
-            raise BadRecordError(rec.path, rec.line, "no_prompt",
-                                 "messages must end with a user or tool message (or one assistant turn after it)")
-        try:
-            text = render_prompt(messages, thinking=thinking, chat_format=chat_format)
-        except RecordError as e:
-            raise BadRecordError(rec.path, rec.line, e.reason, e.detail) from None
-        prompts.append(Prompt(tokenizer.encode(text).tolist(), data))
+        prompts.append(record_prompt(rec, tokenizer, thinking, chat_format))
         if limit and len(prompts) == limit:
             break
     if not prompts:
         raise ValueError(f"prompt files {paths} hold no records")
     return prompts
+
+
+def record_prompt(rec, tokenizer: Tokenizer, thinking: bool, chat_format: str = "deepseek-v4") -> Prompt:
+    """One record (trex.data.records.Record) as a prompt, the one home of every prompt option's format:
+    ``{"prompt": str}`` (one user turn) or ``{"messages": [...]}`` (a conversation ending with a user or tool
+    message), rendered as ``chat_format``'s generation prompt (trex.data.chat: deepseek-v4, deepseek-v3,
+    deepseek-v3.1), as the SFT data of that format renders the turns the model learnt to continue.
+
+    An SFT record (messages ending with an assistant turn) is a prompt too: the conversation before
+    that turn, with the turn's content as the ``answer`` unless the record has one. BadRecordError
+    (``path:line``) for a record that is none of these."""
+    data = rec.data
+    if isinstance(data, RecordError):
+        raise BadRecordError(rec.path, rec.line, data.reason, data.detail)
+    if isinstance(data.get("messages"), list):
+        messages = data["messages"]
+        if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+            data = {"answer": messages[-1].get("content"), **data}
+            messages = messages[:-1]
+    elif isinstance(data.get("prompt"), str):
+        messages = [{"role": "user", "content": data["prompt"]}]
+    else:
+        raise BadRecordError(rec.path, rec.line, "no_prompt",
+                             'expected a "prompt" string or a "messages" list ending with a user message')
+    if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") not in ("user", "tool"):
+        raise BadRecordError(rec.path, rec.line, "no_prompt",
+                             "messages must end with a user or tool message (or one assistant turn after it)")
+    try:
+        text = render_prompt(messages, thinking=thinking, chat_format=chat_format)
+    except RecordError as e:
+        raise BadRecordError(rec.path, rec.line, e.reason, e.detail) from None
+    return Prompt(tokenizer.encode(text).tolist(), data)
 
 
 def load_eval_sets(paths: list[str], tokenizer: Tokenizer, thinking: bool, limit: int, world_size: int,

@@ -218,8 +218,12 @@ def drafter_blocks(plans: list[dict]) -> list[Block]:
 
 
 def _accepted(acceptance: dict, key: str) -> str:
+    """One acceptance's mean accepted tokens, or "n/a" and why it was not measured (summary.json's ``reason``)."""
     value = acceptance.get(key, {}).get("mean_accepted")
-    return "n/a" if value is None else f"{value:.2f}"
+    if value is not None:
+        return f"{value:.2f}"
+    reason = acceptance.get(key, {}).get("reason")
+    return f"n/a ({reason})" if reason else "n/a"
 
 
 def refit_section(runs: list[dict]) -> list[Block]:

@@ -29,10 +29,15 @@ from trex.rollout.sampling import SamplingParams, choose_tokens, left_pad
 
 @dataclass
 class Acceptance:
-    """``histogram[a]``: drafting steps whose first a drafted tokens were accepted (a = 0 .. block size)."""
+    """``histogram[a]``: drafting steps whose first a drafted tokens were accepted (a = 0 .. block size);
+    ``rows``: the continuations measured, ``new_tokens``: the tokens each was continued at most, ``at_once``:
+    the rows whose first token was the stop token (what ``reason`` says without steps)."""
 
     block_size: int
     histogram: list[int] = field(default_factory=list)
+    rows: int = 0
+    new_tokens: int = 0
+    at_once: int = 0
 
     def __post_init__(self) -> None:
         self.histogram = self.histogram or [0] * (self.block_size + 1)
@@ -40,6 +45,21 @@ class Acceptance:
     @property
     def steps(self) -> int:
         return sum(self.histogram)
+
+    @property
+    def reason(self) -> str | None:
+        """Why there is no measure (no drafting steps), in one line; None when there are steps."""
+        if self.steps:
+            return None
+        T = self.block_size
+        need = f"checking a draft of {T} token{'s' if T > 1 else ''} needs a continuation of {T + 2}"
+        if not self.rows:
+            return "no drafting steps: no prompts were measured"
+        if self.new_tokens < T + 2:
+            return f"no drafting steps: each prompt was continued {self.new_tokens} tokens; {need}"
+        once = " at once" if self.at_once == self.rows else ""  # else each row stopped before T + 2 tokens
+        return (f"no drafting steps: every prompt's continuation ended{once} with the stop token, before a draft "
+                f"could be checked ({need})")
 
     @property
     def mean_accepted(self) -> float:
@@ -55,8 +75,19 @@ class Acceptance:
         """Per draft position i (0-based): the fraction of steps that accepted it (and all before it)."""
         return [sum(self.histogram[i + 1:]) / self.steps if self.steps else float("nan") for i in range(self.block_size)]
 
+    def to_dict(self) -> dict:
+        """As JSON holds it (summary.json, ``trex fidelity drafter --format json``): without drafting steps the
+        measures are null and ``reason`` says why (null with steps)."""
+        finite = self.steps > 0
+        return {"steps": self.steps, "mean_accepted": self.mean_accepted if finite else None,
+                "tokens_per_step": self.tokens_per_step if finite else None,
+                "rates": [r if finite else None for r in self.rates()], "histogram": self.histogram,
+                "reason": self.reason}
+
     def add(self, other: "Acceptance") -> None:
         self.histogram = [a + b for a, b in zip(self.histogram, other.histogram)]
+        self.rows, self.at_once = self.rows + other.rows, self.at_once + other.at_once
+        self.new_tokens = max(self.new_tokens, other.new_tokens)
 
 
 @torch.no_grad()
@@ -88,8 +119,11 @@ def tally(total: Acceptance, generated: torch.Tensor, drafted: torch.Tensor, sto
     """Add one batch's steps to ``total``: generated [B, N] the greedy tokens g_0 ..., drafted [B, N - 1, T]
     step k's draft of g_{k+2} ... g_{k+1+T} (one host read)."""
     T = total.block_size
+    total.new_tokens = max(total.new_tokens, generated.shape[1])
     for row, row_drafts in zip(generated.tolist(), drafted.tolist()):
         n = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))  # tokens this row generated
+        total.rows += 1
+        total.at_once += row[0] in stop_ids
         for k, draft in enumerate(row_drafts):
             if k + 1 + T >= n:  # the draft reaches past the row's end: not comparable
                 break

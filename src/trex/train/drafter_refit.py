@@ -55,7 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trex.checkpoint.training import CheckpointSection, Checkpointer, RunState
+from trex import logs
+from trex.checkpoint.training import CheckpointSection, Checkpointer, RunState, one_process_dcp
 from trex.models import evaluating
 from trex.models.registry import drafter_kind
 from trex.posttrain.objective import reshard
@@ -291,13 +292,17 @@ def step_uniforms(rows: int, new_tokens: int, seed: int, k: int) -> torch.Tensor
 
 class _Position:
     """The re-fit's place for the checkpoint (its ``loader``): nothing beyond the step the checkpoint names,
-    since step K's data depends only on (seed, K)."""
+    since step K's data depends only on (seed, K); and ``signal``, [re-fit steps, those with a drafting
+    position to train on], over the run's phases (what ``JobRefit.warnings`` says)."""
+
+    def __init__(self):
+        self.signal = [0, 0]
 
     def state_dict(self) -> dict:
-        return {}
+        return {"signal": list(self.signal)}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        self.signal = list(state.get("signal", [0, 0]))  # checkpoints before the count: from the resume on
 
 
 # ---- the phase runner ------------------------------------------------------------------------------------
@@ -333,8 +338,9 @@ class DrafterRefit:
         self.guard = StepGuard(8)
         directory = os.path.join(checkpoint.directory(out), "drafter")
         ckpt = dataclasses.replace(checkpoint, dir=directory, resume="auto" if checkpoint.resume else "")
+        self.position = _Position()
         self.ckpt = Checkpointer(ckpt, out, RunState(drafter, self.optimizer, self.scheduler, self.guard,
-                                                     _Position(), dev), config=config)
+                                                     self.position, dev), config=config)
         self.before_dir = os.path.join(directory, "before")  # the drafter as the first phase found it
         self.done = 0  # re-fit steps taken (K)
         self.metrics: list[dict] = []
@@ -373,7 +379,8 @@ class DrafterRefit:
         if par.distributed:  # each rank's share of the global means
             parts = {k: par.all_reduce_sum(v) for k, v in parts.items()}
             loss = par.all_reduce_sum(loss.detach())
-        return {"loss": loss.detach(), **parts, "grad_norm": norm, "loss_ok": finite[0], "norm_ok": finite[1]}
+        return {"loss": loss.detach(), **parts, "grad_norm": norm, "positions": count, "loss_ok": finite[0],
+                "norm_ok": finite[1]}
 
     def phase(self, model, upto: int, log_row=None) -> str:
         """Train re-fit steps self.done .. upto - 1 with ``model`` (the target) frozen; checkpoint like main
@@ -394,6 +401,8 @@ class DrafterRefit:
                     read = read_scalars(self._step(model, k))  # the step's one host read
                     self.scheduler.step()
                     self.guard.record(bool(read.pop("loss_ok")), bool(read.pop("norm_ok")), k + 1)
+                    steps, taught = self.position.signal
+                    self.position.signal = [steps + 1, taught + (read["positions"] > 0)]
                     read["step_time_s"] = time.perf_counter() - t0
                     self.time_s += read["step_time_s"]
                     self.done = k + 1
@@ -437,7 +446,8 @@ class DrafterRefit:
 
         state = self.drafter.state_dict()
         now = {k: v.detach().clone() for k, v in state.items()}
-        dcp.load(state, checkpoint_id=self.before_dir)  # in place, at any layout
+        with one_process_dcp():
+            dcp.load(state, checkpoint_id=self.before_dir)  # in place, at any layout
         try:
             return self.acceptance(model)
         finally:
@@ -454,7 +464,8 @@ class DrafterRefit:
         if self.par.is_main and os.path.exists(tmp):
             shutil.rmtree(tmp)
         _barrier(self.par)
-        dcp.save(self.drafter.state_dict(), checkpoint_id=tmp)
+        with one_process_dcp():
+            dcp.save(self.drafter.state_dict(), checkpoint_id=tmp)
         _barrier(self.par)
         if self.par.is_main:
             if os.path.exists(self.before_dir):
@@ -485,14 +496,6 @@ def _barrier(par) -> None:
         import torch.distributed as dist
 
         dist.barrier()
-
-
-def acceptance_dict(a: Acceptance) -> dict:
-    """An Acceptance as summary.json holds it (NaN as null)."""
-    finite = a.steps > 0
-    return {"steps": a.steps, "mean_accepted": a.mean_accepted if finite else None,
-            "tokens_per_step": a.tokens_per_step if finite else None,
-            "rates": [r if finite else None for r in a.rates()], "histogram": a.histogram}
 
 
 def write_json(path: str, obj) -> None:
@@ -629,7 +632,7 @@ class JobRefit:
         """Resume the re-fit where the run's checkpoints put it; measure (a) on a fresh run."""
         path = os.path.join(self.out, ACCEPTANCE_FILE)
         if resumed_step is None:
-            self.acceptance = {"base": acceptance_dict(self.refit.acceptance(model))}
+            self.acceptance = {"base": self.refit.acceptance(model).to_dict()}
             if self.par.is_main:
                 write_json(path, self.acceptance)
             _keep_metrics(os.path.join(self.out, METRICS_FILE), 0, self.par.is_main)
@@ -695,11 +698,11 @@ class JobRefit:
         """After the main steps: (b) the post-trained target with the drafter the first phase found (the loaded
         one; for MTP modules in SFT, as the main steps trained them), the last phase, (c), the export."""
         if "post_trained_old" not in self.acceptance or self.refit.done < self.phases() * self.section.steps:
-            self.acceptance["post_trained_old"] = acceptance_dict(self.refit.acceptance_before(model))
+            self.acceptance["post_trained_old"] = self.refit.acceptance_before(model).to_dict()
         status = self.refit.phase(model, self.phases() * self.section.steps, self._log)
         if status != "completed":
             return status
-        self.acceptance["refit"] = acceptance_dict(self.refit.acceptance(model))
+        self.acceptance["refit"] = self.refit.acceptance(model).to_dict()
         if self.par.is_main:
             write_json(os.path.join(self.out, ACCEPTANCE_FILE), self.acceptance)
         if self.kind == "mtp":
@@ -712,14 +715,36 @@ class JobRefit:
 
     def summary(self) -> dict:
         """summary.json's ``drafter``: the three acceptances (base = (a), post_trained_old = (b), refit =
-        (c)), (c) against (a), the re-fit's steps, time against the main steps' and peak memory."""
+        (c); each null with a ``reason`` when it had no drafting steps), (c) against (a), the re-fit's steps
+        (and those with a drafting position to train on), time against the main steps' and peak memory."""
         a, c = (self.acceptance.get(k, {}).get("mean_accepted") for k in ("base", "refit"))
         rows = self.refit.metrics
         return {"kind": self.kind, "acceptance": self.acceptance, "refit_vs_base": None if a is None or c is None else c - a,
-                "steps": self.refit.done, "phases": self.phases(), "time_s": self.refit.time_s,
+                "steps": self.refit.done, "steps_with_signal": self.refit.position.signal[1], "phases": self.phases(),
+                "time_s": self.refit.time_s,
                 "main_time_s": self.main_time_s, "peak_memory_bytes": self.refit.peak_bytes,
                 "first": rows[0] if rows else None, "last": rows[-1] if rows else None,
                 "export": self.exported}
+
+    def warnings(self) -> list[str]:
+        """What a re-fit that ran should still be warned about, from what its steps and measures already read on
+        the host: steps with nothing to train on (loss and gradient 0: the drafter did not move), an acceptance
+        without drafting steps. The loop logs each and lists it in summary.json."""
+        found = []
+        steps, taught = self.refit.position.signal
+        if steps and not taught:
+            stop = f" (id {self.refit.stop_ids[0]})" if self.refit.stop_ids else ""
+            found.append(f"drafter: no re-fit step had a position to train on: in all {logs.plural(steps, 'step')} "
+                         f"every continuation of the target began with its stop token{stop}, so drafter/loss and "
+                         "drafter/grad_norm were 0 and the drafter did not change; check what the target answers "
+                         "the prompts, or give drafter.prompts it continues")
+        held_out = logs.plural(len(self.refit.held_out), "held-out prompt")
+        names = {"base": "(a) base", "post_trained_old": "(b) post-trained", "refit": "(c) re-fit"}
+        for key, name in names.items():
+            reason = self.acceptance.get(key, {}).get("reason")
+            if reason:
+                found.append(f"drafter: acceptance {name} not measured on the {held_out}: {reason}")
+        return found
 
 
 def _keep_metrics(path: str, upto: int, main: bool) -> None:

@@ -231,17 +231,17 @@ def prepare_model(m: DeepseekV4, recipe: TrainRecipe, par: Parallel, policy: Pre
 def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Tokenizer | None = None) -> TrainResult:
     """Run ``recipe``; ``model``/``tokenizer`` continue from a previous stage instead of [model]/[data].
     Set-up, the steps, the summary; the status becomes the exception a CLI maps to its exit code."""
-    with Heartbeat(recipe.parallel.heartbeat_timeout_s) as heartbeat:
+    with Heartbeat(recipe.parallel.heartbeat_timeout_s) as heartbeat, logs.Recorded() as recorded:
         t_start = time.perf_counter()
         r = _set_up(recipe, model, tokenizer, heartbeat)
+        r.warnings = recorded
         try:
             _run_steps(r)
         except Exception as e:  # the run directory says how the run ended, the CLI says it in one line
             _record_failure(r, e, time.perf_counter() - t_start)
             raise
+        _warn_at_end(r)
         summary = _summary(r, time.perf_counter() - t_start)
-        for warning in summary["warnings"] if r.par.is_main else ():  # e.g. GRPO steps that taught nothing
-            log.warning("%s", warning)
         r.run_dir.write_summary(summary)
         summary["trackers"] = r.run_dir.trackers.finish(_tracker_tags(summary), r.run_dir.file("summary.json"))
         if summary["trackers"]:  # the trackers' own record: what each holds and the steps it missed
@@ -291,6 +291,7 @@ class _Run:
     mfu_warned: bool = False
     moves: list = field(default_factory=list)  # migrations.jsonl: where the run changed device, precision, layout
     refit: JobRefit | None = None  # [drafter]: the drafter's re-fit
+    warnings: logs.Recorded | None = None  # every warning the run logged (summary.json's "warnings")
 
 
 def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer | None,
@@ -520,6 +521,7 @@ def _record_failure(r: _Run, e: Exception, wall_time_s: float) -> None:
     log.debug("the run failed at step %d (%s): %s", step, phase, reason, exc_info=e)
     r.status = "failed"
     try:
+        _warn_at_end(r)
         summary = _summary(r, wall_time_s)
     except Exception:  # what the run holds may be what broke: the status and the reason still
         summary = {"status": r.status, "steps_completed": r.scheduler.last_epoch}
@@ -535,6 +537,14 @@ def _record_failure(r: _Run, e: Exception, wall_time_s: float) -> None:
         log.warning("could not record the failure in %s: %s", r.run_dir.path, failure_line(record_error))
     finally:
         r.run_dir.close()
+
+
+def _warn_at_end(r: _Run) -> None:
+    """Log (rank 0) what the objective and the drafter's re-fit warn of at the end of a run (e.g. GRPO steps that
+    taught nothing): with every warning logged during the run, summary.json's ``warnings``."""
+    found = r.objective.warnings() + (r.refit.warnings() if r.refit is not None else [])
+    for warning in found if r.par.is_main else ():
+        log.warning("%s", warning)
 
 
 def _summary(r: _Run, wall_time_s: float) -> dict:
@@ -554,7 +564,7 @@ def _summary(r: _Run, wall_time_s: float) -> dict:
         "migrations": r.moves,
         "nonfinite_events": r.events,
         "data": r.objective.summary(),
-        "warnings": r.objective.warnings(),
+        "warnings": r.warnings.lines() if r.warnings is not None else [],
         "precision": r.policy.to_dict(),
         "device": device_layer.environment_report(r.dev),
         "frozen_parameters": len(r.frozen),
