@@ -151,3 +151,23 @@ def test_a_v41_checkpoint_without_its_tokenizer_is_refused_before_anything_is_wr
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"trex ckpt export: {step}: no tokenizer.json"), err
     assert "Engram" in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("preset,layout,quantize,reason", [
+    ("tiny-v4.1", "hf", None, "DeepSeek-V4.1 is written in the official layout"),
+    ("tiny-v3", "official", None, "DeepSeek-V3 family checkpoints are written in the hf layout"),
+    ("tiny-v3", "hf", "fp8+fp4experts", "the DeepSeek-V3 family is released as FP8"),
+])
+def test_a_layout_or_precision_a_family_is_not_written_in_is_refused_before_anything_is_written(
+        runs, tmp_path, capsys, preset, layout, quantize, reason):
+    """What save_pretrained and convert refuse, export refuses too, in one line, exit 2, writing nothing (a V4.1
+    export in the hf layout was written, in names nothing but trex reads)."""
+    from trex.cli import main
+
+    _, step, _, _ = runs(preset)
+    capsys.readouterr()
+    assert main(["ckpt", "export", step, str(tmp_path / "out"), "--layout", layout,
+                 *(["--quantize", quantize] if quantize else [])]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"trex ckpt export: {reason}"), err
+    assert not (tmp_path / "out").exists()

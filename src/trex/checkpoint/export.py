@@ -20,12 +20,11 @@ from safetensors import safe_open
 
 from trex.checkpoint.layouts import SAVE_DTYPES, TrexTensor, plan_outputs
 from trex.checkpoint.reader import CheckpointReader
-from trex.checkpoint.save import checkpoint_config, passthrough_tensors, tokenizer_files
+from trex.checkpoint.save import check_output, checkpoint_config, passthrough_tensors, tokenizer_files
 from trex.checkpoint.writer import check_destination, write_checkpoint
 from trex.models.config_v41 import V41Config
 from trex.models.registry import config_from_dict
 from trex.models.build import build_model
-from trex.checkpoint.naming import LAYOUTS
 from trex.checkpoint.manifest import MANIFEST, TOKENIZER, TRAINER_STATE, SafeFileSystemReader, verify_checkpoint
 
 log = logging.getLogger(__name__)
@@ -83,15 +82,12 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
     report = verify_checkpoint(path)
     if not report.ok:
         raise ValueError(f"{path}: does not verify: " + "; ".join(report.problems))
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if dtype not in SAVE_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(SAVE_DTYPES)}, got {dtype!r}")
     with open(os.path.join(path, TRAINER_STATE)) as f:
         raw_config = json.load(f).get("model_config")
     if not raw_config:
         raise ValueError(f"{path}/{TRAINER_STATE}: no model_config; this checkpoint cannot be exported")
     cfg = config_from_dict(raw_config, source=f"{path}/{TRAINER_STATE}")
+    check_output(cfg.architecture, layout, dtype)
     origin = _origin(path, source, cfg)
     meta_model = build_model(cfg, device="meta")
     copies = _tokenizer_copies(path, origin, meta_model)
