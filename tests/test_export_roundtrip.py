@@ -5,7 +5,8 @@ routers' biases moved as training moves them, is exported with `export_checkpoin
 
 Unquantised exports give the run's model exactly (fp32), or the run's model cast to bf16 (bf16); quantised ones
 give the run's weights quantised and dequantised as the codec the writer names for each tensor (FP8 block
-scales, FP4 experts), every other tensor exact."""
+scales, FP4 experts), every other tensor exact. The checkpoint keeps the tokenizer the run trained with, as the
+loop's checkpointer does (a real run's export: tests/test_drafter_refit.py, tiny-v4.1 from its preset)."""
 
 from __future__ import annotations
 
@@ -106,34 +107,9 @@ def test_an_export_loads_back_to_the_runs_logits(runs, tmp_path, preset, layout,
         served = loaded(ids).logits.float()
     if quantize is None and dtype == "fp32":
         assert torch.equal(served, logits)
-    else:
-        error = ((served - logits).norm() / logits.norm()).item()
-        assert error < 0.2
-
-
-def test_a_v41_run_on_a_preset_exports_the_tokenizer_it_trained_with(tmp_path, capsys):
-    """A run on tiny-v4.1 with the compact tokenizer (no checkpoint to take a tokenizer from): its checkpoint
-    keeps the tokenizer, `trex ckpt export --layout official` writes it, and the export loads back (Engram's
-    hashing through it) to the trained model's logits."""
-    from arithmetic_data import write_sft
-
-    from trex.cli import main
-    from trex.train.loop import train
-
-    data = write_sft(tmp_path, n_train=16, n_eval=2)[0]
-    recipe = load(TrainRecipe, overrides=[f'data.paths=["{data}"]', 'data.tokenizer="compact"', "data.seq_len=32",
-                                          'model.preset="tiny-v4.1"', "train.steps=1", "train.progress=false",
-                                          "train.eval_every=0", "fidelity.every=0", "checkpoint.save_every=1",
-                                          f'train.out="{tmp_path / "run"}"'])
-    result = train(recipe)
-    capsys.readouterr()
-    assert main(["ckpt", "export", str(tmp_path / "run" / "checkpoints"), str(tmp_path / "out"), "--layout", "official",
-                 "--dtype", "fp32"]) == 0, capsys.readouterr().err
-    assert (tmp_path / "out" / "tokenizer.json").read_text() == compact_tokenizer().backend.to_str()
-    loaded = load_pretrained(str(tmp_path / "out"), dtype=torch.float32, device="cpu").eval()
-    ids = torch.randint(0, loaded.cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, result.model.eval()(ids).logits)
+    else:  # exact above in the weights; the logits within the cast's or quantisation's error (V3.2's indexer
+        # may pick other keys: 0.11 measured for FP8, the others 0.006-0.06)
+        assert ((served - logits).norm() / logits.norm()).item() < 0.2
 
 
 def test_a_v41_checkpoint_without_its_tokenizer_is_refused_before_anything_is_written(runs, tmp_path, capsys):
