@@ -220,11 +220,10 @@ class CheckpointReader:
             problems += self._coverage_problems(key, sources)
         for key, copies in self.copies.items():
             problems += [p for s in copies if key in expected and (p := self._shape_problem(s, tuple(expected[key])))]
-        absent = [k for k in expected if k not in available]
-        optional = [k for k in absent if k.startswith(optional_prefixes)]
+        optional = [k for k in expected if k not in available and k.startswith(optional_prefixes)]
         missing: list[str] = []
         for key, shape in expected.items():
-            if key in optional:
+            if key not in available and key.startswith(optional_prefixes):
                 continue
             experts = {s.target.expert for s in available.get(key, ())}
             if key not in available:
@@ -276,11 +275,11 @@ class CheckpointReader:
 
     def _written_name(self, key: str, expert: int | None) -> str:
         """What trex writes ``key`` as in this checkpoint's layout (`trex.checkpoint.layouts`)."""
-        if self.config.architecture in V3_ARCHITECTURES and self.layout == "hf":
+        if self.layout == "official":
+            return official_name(key, expert)
+        if self.config.architecture in V3_ARCHITECTURES:
             return v3_hf_name(key, self.config.num_hidden_layers, expert)
-        if self.layout == "hf" and self.config.architecture not in V3_ARCHITECTURES:
-            return hf_name(key)
-        return official_name(key, expert)
+        return hf_name(key)
 
     def logical_shape(self, source: Source, cols: int | None = None) -> tuple[int, ...]:
         """Shape of ``source`` once dequantised (FP4 needs the column count; default 2x packed)."""

@@ -188,7 +188,9 @@ class PendingSave:
         rank, _ = _rank_world()
         mine = [n for n in os.listdir(self.tmp) if n.startswith(f"__{rank}_")] + [rng_file(rank)]
         if rank == 0:
-            mine += [DCP_INDEX, TRAINER_STATE] + [TOKENIZER] * os.path.exists(os.path.join(self.tmp, TOKENIZER))
+            mine += [DCP_INDEX, TRAINER_STATE]
+            if os.path.exists(os.path.join(self.tmp, TOKENIZER)):  # kept when the run gave its tokenizer
+                mine.append(TOKENIZER)
         files = {k: v for part in _gather(describe_files(self.tmp, mine)) for k, v in part.items()}
         final = os.path.join(self.directory, f"step_{self.step}")
         if rank == 0:
