@@ -284,6 +284,31 @@ def test_a_v31_release_keeps_its_power_of_two_scales_through_convert_and_trainin
         assert torch.equal(_bits(out[weight]), _bits(q)), weight
 
 
+def test_a_missing_expert_is_named_as_the_file_names_it_by_inspect_convert_and_train(released, tmp_path, capsys):
+    """An expert gone from a release: inspect counts it among the missing (where it said `missing: 0 []` above
+    the problem), and inspect, convert and train name it by the file's name, convert and train in one line."""
+    from trex.cli import main
+
+    bf16, _ = released
+    gone = "model.layers.1.mlp.experts.3.down_proj.weight"
+    tensors = _files(bf16)
+    del tensors[gone]
+    os.makedirs(tmp_path / "bad")
+    save_file(tensors, tmp_path / "bad" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "bad" / "config.json").write_text((bf16 / "config.json").read_text())
+    bad = tmp_path / "bad"
+    capsys.readouterr()
+    assert main(["ckpt", "inspect", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert f"missing:       1 ['{gone}']" in out and f"problem: {bad}: missing tensor(s): ['{gone}']" in out, out
+    line = f"cannot load checkpoint: {bad}: missing tensor(s): ['{gone}']\n"
+    assert main(["ckpt", "convert", str(bad), str(tmp_path / "out"), "--layout", "hf", "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"trex ckpt convert: {line}"
+    (tmp_path / "recipe.toml").write_text(f'[model]\npath = "{bad}"\n[data]\ntokenizer = "compact"\n')
+    assert main(["train", str(tmp_path / "recipe.toml"), "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == f"trex train: {line}"
+
+
 def test_kimi_k2_keeps_its_config_and_remote_code_and_refuses_fp4_in_one_line(tmp_path, capsys):
     """Kimi-K2 as Moonshot releases it: model_type kimi_k2, FP8, no MTP, and the remote code its config.json
     and tokenizer_config.json name in auto_map (engines load it with trust_remote_code), kept by convert."""

@@ -50,3 +50,21 @@ def test_a_lazy_export_may_not_share_a_submodules_name():
     with pytest.raises(ValueError, match="model_facts"):
         lazy_exports("trex.plan", {"model_facts": "model_facts"})
     assert lazy_exports("trex.plan", {"Layout": "layout"})("Layout").__name__ == "Layout"
+
+
+@pytest.mark.parametrize("preset,typo,meant", [("tiny-v3", "n_grop", "n_group"),
+                                               ("tiny", "sliding_windw", "sliding_window"),
+                                               ("tiny-v4.1", "engram_n_head", "engram_n_heads")])
+def test_a_model_override_the_config_lacks_gets_did_you_mean_in_one_line(tmp_path, capsys, preset, typo, meant):
+    """model.overrides names fields of the preset's config (V4's, V4.1's, the V3 family's): a typo is named, with
+    the closest field, by what set it (a --set, dotted or a table, or the recipe file), exit 2, no traceback."""
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(f'[model]\npreset = "{preset}"\noverrides = {{ {typo} = 4 }}\n')
+    said = f"unknown key `model.overrides.{typo}`; did you mean `model.overrides.{meant}`?\n"
+    table = f"model.overrides={{{typo}=4}}"
+    for sets, where in (([], str(recipe)), (["--set", table], f"--set {table}"),
+                        (["--set", "model.overrides={}", "--set", f"model.overrides.{typo}=4"],
+                         f"--set model.overrides.{typo}=4")):
+        assert main(["train", str(recipe), *sets, "--out", str(tmp_path / "run")]) == 2
+        assert capsys.readouterr().err == f"trex train: {where}: {said}"
+    assert not (tmp_path / "run").exists()

@@ -95,11 +95,11 @@ def test_an_sft_job_refits_its_drafter_and_a_resumed_refit_repeats_it_bit_for_bi
     target's continuations of the SFT records' prompts, checkpointed like main steps (drafter/step_2, step_4);
     summary.json carries acceptance (a) base, (b) post-trained with the old drafter, (c) re-fit, and the
     re-fit's cost; the drafter is exported in the released mtp.* layout, which ``load_drafter`` reads back, and
-    `trex ckpt export` of the run's checkpoint carries it with the model.
+    `trex ckpt export` of the run's checkpoint carries it with the model and the run's tokenizer (it loads).
     The same run resumed from its re-fit checkpoint at step 2 (the main step done) takes steps 3 and 4 again
     bit for bit: their losses, gradient norms, the step-4 checkpoint's every tensor and the exported bytes."""
     from trex.checkpoint.export import export_checkpoint
-    from trex.checkpoint.load import load_drafter
+    from trex.checkpoint.load import load_drafter, load_pretrained
     from trex.train.loop import train
 
     out = tmp_path / "run"
@@ -121,6 +121,8 @@ def test_an_sft_job_refits_its_drafter_and_a_resumed_refit_repeats_it_bit_for_bi
     export_checkpoint(str(out / "checkpoints" / "step_1"), str(tmp_path / "export"), layout="official")
     served = load_drafter(str(tmp_path / "export"), dtype=torch.float32, device="cpu")  # `trex ckpt export` carries it
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in served.state_dict().items())
+    # the model too: a run on a preset exports the tokenizer it trained with, which Engram hashes through
+    assert load_pretrained(str(tmp_path / "export"), dtype=torch.float32, device="cpu").engram_hasher.ready
 
     shutil.rmtree(ckpts / "step_4")
     shutil.rmtree(ckpts / "released")

@@ -16,7 +16,7 @@ import torch
 
 from trex.cli import main
 from trex.hardware import load_profiles
-from trex.models import count_parameters, get_preset
+from trex.models import build_model, count_parameters, get_preset
 from trex.plan import activations as act
 from trex.plan.layout import Layout, PlanError
 from trex.plan.model_facts import model_facts
@@ -41,8 +41,10 @@ def test_v32_counts_its_indexer_from_the_config_frozen():
     per_layer = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
     assert v32.by_type["indexer"] == 61 * per_layer and v32.mtp == v3.mtp + per_layer
     assert v32.trainable == v3.trainable  # frozen, as V4's in post-training
+    built = build_model(get_preset("deepseek-v3.2"), device="meta")  # what trex's V3.2 model holds
+    assert sum(p.numel() for n, p in built.named_parameters() if ".attn.indexer." in n) == 62 * per_layer
     plan = make_plan(get_preset("deepseek-v3.2"), Layout(dp_shard=256, ep=256, recompute="full"), 4096, H200)
-    assert plan.time.compute > 0 and any("does not build V3.2" in n for n in plan.notes)
+    assert plan.time.compute > 0 and any("V3.2's indexer is planned from its config" in n for n in plan.notes)
 
 
 @pytest.mark.parametrize("name, devices, hw, ep, fits", [

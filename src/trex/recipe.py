@@ -26,7 +26,12 @@ T = TypeVar("T")
 
 
 class RecipeError(ValueError):
-    """A recipe or override that does not fit the typed config; the message names the key."""
+    """A recipe or override that does not fit the typed config; the message names the key. ``key``: the dotted
+    key, when a section's own check raises it (`from_dict` then names what set that key)."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
 
 
 def load(cls: type[T], path: str | None = None, overrides: list[str] | None = None,
@@ -64,10 +69,7 @@ def _check_key(cls: type, parts: list[str], where: str) -> None:
     for depth, part in enumerate(parts):
         fields = {f.name: f for f in dataclasses.fields(cls)}
         if part not in fields:
-            prefix = "".join(f"{p}." for p in parts[:depth])
-            close = difflib.get_close_matches(part, list(fields), n=1)
-            hint = f"; did you mean `{prefix}{close[0]}`?" if close else f"; valid keys: {sorted(fields)}"
-            raise RecipeError(f"{where}: unknown key `{prefix}{part}`{hint}")
+            raise RecipeError(f"{where}: {unknown_key(part, fields, ''.join(f'{p}.' for p in parts[:depth]))}")
         hint = typing.get_type_hints(cls)[part]
         if not dataclasses.is_dataclass(hint):
             return
@@ -84,6 +86,16 @@ def _where(source: str, origins: dict[str, str] | None, key: str) -> str:
     return source
 
 
+def unknown_key(key: str, known, prefix: str = "") -> str:
+    """What every unknown recipe key says: ``unknown key `<prefix><key>`; did you mean `<prefix><closest>`?``, or
+    the valid keys (``known``) when none is close. A section that checks the keys of one of its free tables
+    itself (``model.overrides``) raises it in ``__post_init__`` as a RecipeError with the key, which `from_dict`
+    prefixes with the override or file that set it."""
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = f"; did you mean `{prefix}{close[0]}`?" if close else f"; valid keys: {sorted(known)}"
+    return f"unknown key `{prefix}{key}`{hint}"
+
+
 def from_dict(cls: type[T], raw: dict, source: str = "<dict>", prefix: str = "",
               origins: dict[str, str] | None = None) -> T:
     """``cls`` from ``raw``, every key and value checked; ``origins`` (dotted key -> the ``--set``
@@ -96,13 +108,13 @@ def from_dict(cls: type[T], raw: dict, source: str = "<dict>", prefix: str = "",
     kwargs = {}
     for key, value in raw.items():
         if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1)
-            hint = f"; did you mean `{prefix}{close[0]}`?" if close else f"; valid keys: {sorted(fields)}"
-            raise RecipeError(f"{source}: unknown key `{prefix}{key}`{hint}")
+            raise RecipeError(f"{source}: {unknown_key(key, fields, prefix)}")
         kwargs[key] = _coerce(hints[key], value, source, f"{prefix}{key}", origins)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:  # a section's own check names its key: blame the override that set it
+        if isinstance(e, RecipeError) and e.key:  # the message names the key in full (`unknown_key`)
+            raise RecipeError(f"{_where(source, origins, e.key)}: {e}") from None
         named = [k for k in raw if f"{prefix}{k}" in str(e)]
         where = _where(source, origins, f"{prefix}{named[0]}") if named else source
         raise RecipeError(f"{where}: `{prefix.rstrip('.') or cls.__name__}`: {e}") from None

@@ -19,13 +19,13 @@ from safetensors import safe_open
 
 from trex.checkpoint.layouts import SAVE_DTYPES, TrexTensor, plan_outputs
 from trex.checkpoint.reader import CheckpointReader
-from trex.checkpoint.save import checkpoint_config, passthrough_tensors, tokenizer_files, written_scale_fmt
+from trex.checkpoint.save import (check_output, checkpoint_config, passthrough_tensors, tokenizer_files,
+                                  written_scale_fmt)
 from trex.checkpoint.writer import check_destination, write_checkpoint
 from trex.models.config_v41 import V41Config
 from trex.models.registry import config_from_dict
 from trex.models.build import build_model
-from trex.checkpoint.naming import LAYOUTS
-from trex.checkpoint.manifest import MANIFEST, TRAINER_STATE, SafeFileSystemReader, verify_checkpoint
+from trex.checkpoint.manifest import MANIFEST, TOKENIZER, TRAINER_STATE, SafeFileSystemReader, verify_checkpoint
 from trex.checkpoint.training import one_process_dcp
 
 log = logging.getLogger(__name__)
@@ -61,12 +61,13 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
     ``out`` may not be ``path``, lie inside it or hold it (`check_destination`).
 
     ``source``: the checkpoint the run started from (default: its recipe's ``model.path``), whose
-    tokenizer files, and for DeepSeek-V4.1 the tensors trex carries untrained (vision tower, DSpark
-    stages), are written with the model as they are stored, so the export serves as its source did. A
-    V4.1 run that started from a checkpoint which is not here is an error naming it. A run whose ``[drafter]``
-    re-fitted the DSpark stages to this checkpoint's model (``<checkpoints>/drafter/released``, fitted to its
-    step) exports those stages instead of the source's; one that re-fitted the model's multi-token prediction
-    modules (``<checkpoints>/drafter/mtp``) exports them in place of the checkpoint's.
+    tokenizer files (else the tokenizer the run trained with, kept in the checkpoint), and for DeepSeek-V4.1
+    the tensors trex carries untrained (vision tower, DSpark stages), are written with the model as they are
+    stored, so the export serves as its source did and loads back (`_tokenizer_copies`). A V4.1 run that
+    started from a checkpoint which is not here is an error naming it. A run whose ``[drafter]`` re-fitted the
+    DSpark stages to this checkpoint's model (``<checkpoints>/drafter/released``, fitted to its step) exports
+    those stages instead of the source's; one that re-fitted the model's multi-token prediction modules
+    (``<checkpoints>/drafter/mtp``) exports them in place of the checkpoint's.
     """
     from trex.checkpoint.training import find_resume, list_checkpoints
 
@@ -81,17 +82,15 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
     report = verify_checkpoint(path)
     if not report.ok:
         raise ValueError(f"{path}: does not verify: " + "; ".join(report.problems))
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if dtype not in SAVE_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(SAVE_DTYPES)}, got {dtype!r}")
     with open(os.path.join(path, TRAINER_STATE)) as f:
         raw_config = json.load(f).get("model_config")
     if not raw_config:
         raise ValueError(f"{path}/{TRAINER_STATE}: no model_config; this checkpoint cannot be exported")
     cfg = config_from_dict(raw_config, source=f"{path}/{TRAINER_STATE}")
+    check_output(cfg.architecture, layout, dtype)
     origin = _origin(path, source, cfg)
     meta_model = build_model(cfg, device="meta")
+    copies = _tokenizer_copies(path, origin, meta_model)
     source = _TensorSource(path)
     refit_mtp = _refit_drafter(path, "mtp")
     if refit_mtp is not None:
@@ -111,11 +110,10 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
         tensors.append(TrexTensor(key, tuple(v.shape), v.dtype, get))
     groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, cfg.architecture,
                           n_layers=cfg.num_hidden_layers, scale_fmt=written_scale_fmt(origin, quantize))
-    carried, copies = [], {}
+    carried = []
     if origin is not None:
         reader = CheckpointReader(origin)
         carried = passthrough_tensors(reader) if isinstance(cfg, V41Config) else []
-        copies = tokenizer_files(origin)
         log.info("carrying %d untrained tensors and %s from %s", len(carried), sorted(copies) or "no tokenizer", origin)
     refit = _refit_drafter(path, "released")
     if refit is not None:
@@ -123,6 +121,25 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
         log.info("the DSpark stages re-fitted to this model: %s", refit)
     return write_checkpoint(out, groups + carried, checkpoint_config(cfg, layout, dtype, quantize, origin),
                             max_shard_size, overwrite, sources=(*sources, origin), copies=copies)
+
+
+def _tokenizer_copies(path: str, origin: str | None, meta_model) -> dict[str, str]:
+    """What an export of training checkpoint ``path`` copies besides the weights (name -> file): the tokenizer
+    files of the checkpoint the run started from (``origin``, `tokenizer_files`), else the tokenizer the run
+    trained with, which the checkpoint keeps (``tokenizer.json``; checkpoints of older trex lack it). A
+    DeepSeek-V4.1 model whose Engram needs a tokenizer (`set_engram_tokenizer`) and would get none is a
+    ValueError, raised before anything is written."""
+    copies = tokenizer_files(origin)
+    with open(os.path.join(path, MANIFEST)) as f:
+        kept = TOKENIZER in json.load(f).get("files", {})  # listed: verified with the checkpoint
+    if kept and not {"tokenizer.json", "tokenizer"} & set(copies):
+        copies["tokenizer.json"] = os.path.join(path, TOKENIZER)
+    hasher = getattr(meta_model, "engram_hasher", None)
+    if hasher is not None and not hasher.ready and not {"tokenizer.json", "tokenizer"} & set(copies):
+        raise ValueError(f"{path}: no tokenizer.json, here or in a checkpoint the run started from: DeepSeek-V4.1's "
+                         "Engram hashes token ids through the tokenizer the run trained with, so the export would not "
+                         "load (checkpoints written by this trex keep it; older ones do not)")
+    return copies
 
 
 def _refit_drafter(path: str, name: str) -> str | None:

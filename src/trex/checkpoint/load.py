@@ -18,7 +18,7 @@ import torch
 
 from trex import device as device_layer
 from trex.checkpoint.errors import CheckpointError
-from trex.checkpoint.reader import CheckpointReader
+from trex.checkpoint.reader import CheckpointReader, problems_error
 from trex.checkpoint.sharding import ShardFn, default_placements, local_region
 from trex.models import DeepseekV4, build_model
 
@@ -88,7 +88,7 @@ def load_drafter(path: str, dtype: torch.dtype | None = None, device: str | torc
     tensors = drafter.state_dict()  # the routers' bias is a buffer
     diagnosis = reader.diagnose({k: tuple(t.shape) for k, t in tensors.items()}, optional_prefixes=(), drafter=True)
     if diagnosis.problems:
-        raise CheckpointError("cannot load the DSpark drafter:\n  " + "\n  ".join(diagnosis.problems))
+        raise problems_error("the DSpark drafter", diagnosis.problems, path)
     dev = device_layer.detect(str(device) if device is not None else None)
     drafter.to(dtype=dtype or dev.default_dtype())
     drafter.to_empty(device=dev.torch_device)

@@ -7,6 +7,8 @@ A checkpoint is a directory ``<checkpoints>/step_<N>/``::
     trainer_state.json      step, LR schedule, step guard and loss scaler, data position, optimizer
                             hyperparameters, resolved recipe, precision policy, model config
     rng/rank_<r>.safetensors  the RNG states of rank r
+    tokenizer.json          the tokenizer the run trained with (what `trex ckpt export` writes with the
+                            model: V4.1's Engram hashes through it); absent in checkpoints of older trex
     manifest.json           written last: every file with its size and sha256, every tensor with its
                             global shape and dtype, the world layout, the trex version
 
@@ -36,6 +38,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
+TOKENIZER = "tokenizer.json"
 DCP_INDEX = ".metadata"
 RNG_DIR = "rng"
 FORMAT = "trex-train-checkpoint/1"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -32,11 +33,20 @@ from trex.checkpoint.errors import CheckpointError
 from trex.checkpoint.safetensors_io import SafetensorsFile
 from trex.models.config_v41 import PASSTHROUGH, V41Config
 from trex.models.registry import config_from_file
-from trex.checkpoint.naming import LAYOUTS, Target, detect_layout, mtp_copy_of, scale_candidates, trex_targets
+from trex.checkpoint.naming import (LAYOUTS, V3_ARCHITECTURES, Target, detect_layout, hf_name, mtp_copy_of,
+                                    official_name, scale_candidates, trex_targets, v3_hf_name)
 
 Region = tuple[tuple[int, int], ...]
 """Per dim [start, stop) of a tensor's full (unsharded) shape."""
 _COMPARE_BYTES = 64 * 2**20  # a copy (MTP's embedding, head) is compared with what was read in pieces this large
+_STACKED = re.compile(r"\.ffn\.experts\.w[123]$")  # routed experts stacked [E, ...] in one trex tensor
+
+
+def _numbers(key: str, expert: int | None) -> tuple[tuple[str, ...], list[int]]:
+    """trex ``key`` (with routed expert ``expert``) as its kind (the name, numbers blanked) and its numbers."""
+    parts = key.split(".")
+    kind = tuple("#" if p.isdigit() else p for p in parts) + (("#",) if expert is not None else ())
+    return kind, [int(p) for p in parts if p.isdigit()] + ([expert] if expert is not None else [])
 
 
 def full_region(shape: Sequence[int]) -> Region:
@@ -105,13 +115,23 @@ class Source:
 
 @dataclass
 class Diagnosis:
-    """problems: every error (file and tensor named); missing: required trex keys absent;
-    missing_optional: optional ones absent (MTP); unexpected: checkpoint names the model lacks."""
+    """problems: every error (file and tensor named); missing: the tensors a loadable checkpoint would hold
+    that this one lacks (required trex keys absent, routed experts absent from a stacked one), by the names the
+    checkpoint would store them under (`CheckpointReader.stored_name`); missing_optional: optional trex keys
+    absent (MTP); unexpected: checkpoint names the model lacks."""
 
     problems: list[str]
     missing: list[str]
     missing_optional: list[str]
     unexpected: list[str]
+
+
+def problems_error(what: str, problems: Sequence[str], path: str, shown: int = 5) -> CheckpointError:
+    """One line: ``cannot load <what>: p1; p2; ...``, the first ``shown`` problems and how many more (which
+    ``trex ckpt inspect`` lists)."""
+    more = len(problems) - shown
+    tail = f"; and {more} more (`trex ckpt inspect {path}` lists them)" if more > 0 else ""
+    return CheckpointError(f"cannot load {what}: " + "; ".join(problems[:shown]) + tail)
 
 
 class CheckpointReader:
@@ -161,6 +181,7 @@ class CheckpointReader:
                 (self.drafter_sources if drafter else self.sources).setdefault(target.key, []).append(
                     Source(file, name, target, located[scale] if scale else None, scale))
         self.quantized = sorted({s.codec for srcs in self.sources.values() for s in srcs} - {"plain"})
+        self._kinds: dict[int, dict] = {}  # stored_name's index of the tensors of each kind
 
     def _check_index(self, located: Mapping[str, SafetensorsFile]) -> None:
         index = os.path.join(self.path, "model.safetensors.index.json")
@@ -196,23 +217,69 @@ class CheckpointReader:
                 problems += [f"{s.where}: unexpected tensor (the model has no {key})" for s in sources]
                 continue
             problems += [p for s in sources if (p := self._shape_problem(s, tuple(expected[key])))]
-            problems += self._coverage_problems(key, sources, tuple(expected[key]))
+            problems += self._coverage_problems(key, sources)
         for key, copies in self.copies.items():
             problems += [p for s in copies if key in expected and (p := self._shape_problem(s, tuple(expected[key])))]
-        absent = [k for k in expected if k not in available]
-        missing = [k for k in absent if not k.startswith(optional_prefixes)]
+        optional = [k for k in expected if k not in available and k.startswith(optional_prefixes)]
+        missing: list[str] = []
+        for key, shape in expected.items():
+            if key not in available and key.startswith(optional_prefixes):
+                continue
+            experts = {s.target.expert for s in available.get(key, ())}
+            if key not in available:
+                stacked = _STACKED.search(key) is not None
+                missing += self._stored_names(key, range(shape[0]) if stacked else [None], available)
+            elif None not in experts:  # routed experts, one tensor each: those not there
+                missing += self._stored_names(key, [j for j in range(shape[0]) if j not in experts], available)
         if missing:
             problems.append(f"{self.path}: missing tensor(s): {missing[:20]}{' ...' if len(missing) > 20 else ''}")
-        return Diagnosis(problems, missing, [k for k in absent if k not in missing], unexpected)
+        return Diagnosis(problems, missing, optional, unexpected)
 
     def check(self, expected: Mapping[str, Sequence[int]], optional_prefixes: tuple[str, ...] = ("mtp.",)
               ) -> list[str]:
-        """Raise ``CheckpointError`` listing every problem (see ``diagnose``); returns the optional
-        keys (e.g. MTP) that the checkpoint lacks."""
+        """Raise ``CheckpointError`` naming the problems in one line (see ``diagnose``, `problems_error`);
+        returns the optional keys (e.g. MTP) that the checkpoint lacks."""
         d = self.diagnose(expected, optional_prefixes)
         if d.problems:
-            raise CheckpointError("cannot load checkpoint:\n  " + "\n  ".join(d.problems))
+            raise problems_error("checkpoint", d.problems, self.path)
         return d.missing_optional
+
+    def stored_name(self, key: str, expert: int | None = None,
+                    available: Mapping[str, list[Source]] | None = None) -> str:
+        """The name under which this checkpoint holds, or would hold, trex tensor ``key`` (routed expert ``expert``
+        of a stacked one): that of a tensor it holds of the same kind (another expert, another layer), its
+        numbers moved to ``key``'s, so that it follows the file's own naming; else the name trex writes in
+        its layout."""
+        available = self.sources if available is None else available
+        if id(available) not in self._kinds:  # kind -> (numbers, name) of the first tensor of that kind
+            kinds: dict[tuple[str, ...], tuple[list[int], str]] = {}
+            for other, sources in available.items():
+                for s in sources:
+                    kind, have = _numbers(other, s.target.expert)
+                    if sum(part.isdigit() for part in s.name.split(".")) == len(have):
+                        kinds.setdefault(kind, (have, s.name))
+            self._kinds[id(available)] = kinds
+        kind, want = _numbers(key, expert)
+        if kind not in self._kinds[id(available)]:
+            return self._written_name(key, expert)
+        have, name = self._kinds[id(available)][kind]
+        parts = name.split(".")
+        for i, w, h in zip([i for i, part in enumerate(parts) if part.isdigit()], want, have):
+            parts[i] = str(int(parts[i]) + w - h)
+        return ".".join(parts)
+
+    def _stored_names(self, key: str, experts, available: Mapping[str, list[Source]]) -> list[str]:
+        """`stored_name` of each of ``experts`` (None: the whole tensor) of ``key``, each once (transformers'
+        fused expert tensors hold them all)."""
+        return list(dict.fromkeys(self.stored_name(key, j, available) for j in experts))
+
+    def _written_name(self, key: str, expert: int | None) -> str:
+        """What trex writes ``key`` as in this checkpoint's layout (`trex.checkpoint.layouts`)."""
+        if self.layout == "official":
+            return official_name(key, expert)
+        if self.config.architecture in V3_ARCHITECTURES:
+            return v3_hf_name(key, self.config.num_hidden_layers, expert)
+        return hf_name(key)
 
     def logical_shape(self, source: Source, cols: int | None = None) -> tuple[int, ...]:
         """Shape of ``source`` once dequantised (FP4 needs the column count; default 2x packed)."""
@@ -240,18 +307,15 @@ class CheckpointReader:
             return None
         return f"{s.where}: {problem} (scale tensor {s.scale} in {s.scale_file.path})" if problem else None
 
-    def _coverage_problems(self, key: str, sources: list[Source], full: tuple[int, ...]) -> list[str]:
+    def _coverage_problems(self, key: str, sources: list[Source]) -> list[str]:
+        """A trex key filled by more than one whole tensor, by a whole tensor and experts, or by an expert twice
+        (experts that are absent: ``diagnose``'s missing)."""
         experts = [s.target.expert for s in sources if s.target.expert is not None]
         whole = [s for s in sources if s.target.expert is None]
         if len(whole) > 1 or (whole and experts):
             return [f"{self.path}: {key}: given more than once ({', '.join(s.where for s in sources)})"]
-        if experts:
-            absent = sorted(set(range(full[0])) - set(experts))
-            dup = len(experts) != len(set(experts))
-            if absent or dup:
-                return [f"{self.path}: {key}: experts {absent[:10]} missing" if absent
-                        else f"{self.path}: {key}: an expert is given twice"]
-        return []
+        twice = sorted({s.name for s in sources if experts.count(s.target.expert) > 1})
+        return [f"{self.path}: an expert of {key} given twice: {', '.join(twice)}"] if twice else []
 
     # ---- data ------------------------------------------------------------------------------
     def stored(self, name: str) -> torch.Tensor | None:

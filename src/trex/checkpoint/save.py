@@ -74,6 +74,19 @@ def convert(src: str, dst: str, layout: str = "hf", dtype: str = "bf16", quantiz
                   passthrough_tensors(reader), _scale_hint(reader, layout), src)
 
 
+def check_output(arch: str, layout: str, dtype: str) -> None:
+    """ValueError unless a model of architecture ``arch`` is written in ``layout`` with unquantised tensors in
+    ``dtype``: DeepSeek-V4.1 only in the official layout (what its Hugging Face repository holds; transformers
+    has no V4.1 module names, and no other reader takes trex's). Every writer asks before it writes."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(SAVE_DTYPES)}, got {dtype!r}")
+    if arch == "deepseek_v41" and layout != "official":
+        raise ValueError("DeepSeek-V4.1 is written in the official layout, which is what its Hugging Face repository "
+                         "holds: transformers has no V4.1 module names to write")
+
+
 def tokenizer_files(src: str | None) -> dict[str, str]:
     """What checkpoint directory ``src`` holds besides its weights that a checkpoint written from it keeps, by
     name: the tokenizer files and folder (``TOKENIZER_FILES``) and the code modules that its config.json and
@@ -165,14 +178,8 @@ def _write(tensors: list[TrexTensor], cfg: ModelConfig | V41Config, path: str, l
            quantize: str | None, max_shard_size: int | str, overwrite: bool, progress: bool,
            sources: tuple[str | None, ...], carried: list[list[PlannedTensor]] = (), scale_hint=None,
            origin: str | None = None) -> list[str]:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if dtype not in SAVE_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(SAVE_DTYPES)}, got {dtype!r}")
+    check_output(cfg.architecture, layout, dtype)
     arch = cfg.architecture
-    if arch == "deepseek_v41" and layout != "official":
-        raise ValueError("DeepSeek-V4.1 is written in the official layout, which is what its Hugging Face repository "
-                         "holds: transformers has no V4.1 module names to write")
     groups = plan_outputs(tensors, layout, SAVE_DTYPES[dtype], quantize, arch, scale_hint,
                           cfg.num_hidden_layers, written_scale_fmt(origin, quantize)) + list(carried)
     config = checkpoint_config(cfg, layout, dtype, quantize, origin)

@@ -43,9 +43,9 @@ from safetensors.torch import load_file, save_file
 from trex import atomic
 import trex
 from trex.checkpoint import migration
-from trex.checkpoint.manifest import (DCP_INDEX, FORMAT, MANIFEST, RNG_DIR, TRAINER_STATE, SafeFileSystemReader,
-                                      describe_files, manifest_digest, read_dcp_index, rng_file, tensor_table,
-                                      verify_checkpoint)
+from trex.checkpoint.manifest import (DCP_INDEX, FORMAT, MANIFEST, RNG_DIR, TOKENIZER, TRAINER_STATE,
+                                      SafeFileSystemReader, describe_files, manifest_digest, read_dcp_index, rng_file,
+                                      tensor_table, verify_checkpoint)
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -189,6 +189,8 @@ class PendingSave:
         mine = [n for n in os.listdir(self.tmp) if n.startswith(f"__{rank}_")] + [rng_file(rank)]
         if rank == 0:
             mine += [DCP_INDEX, TRAINER_STATE]
+            if os.path.exists(os.path.join(self.tmp, TOKENIZER)):  # kept when the run gave its tokenizer
+                mine.append(TOKENIZER)
         files = {k: v for part in _gather(describe_files(self.tmp, mine)) for k, v in part.items()}
         final = os.path.join(self.directory, f"step_{self.step}")
         if rank == 0:
@@ -251,9 +253,10 @@ def _async_process_group():
 
 def save_checkpoint(directory: str, step: int, state: RunState, *, config: dict | None = None,
                     precision: dict | None = None, loop: dict | None = None, keep_last: int = 3,
-                    async_save: bool = False) -> PendingSave:
+                    async_save: bool = False, tokenizer: str | None = None) -> PendingSave:
     """Write ``<directory>/step_<step>``; every rank calls it. Returns the save, published when
-    ``async_save`` is False, else to be published by ``.finalize()`` (all ranks)."""
+    ``async_save`` is False, else to be published by ``.finalize()`` (all ranks). ``tokenizer``: the run's
+    tokenizer as ``tokenizer.json`` text, kept with the checkpoint (an export writes it with the model)."""
     rank, world_size = _rank_world()
     tmp = os.path.join(directory, f"{_TMP_PREFIX}{step}")
     if rank == 0:
@@ -272,6 +275,8 @@ def save_checkpoint(directory: str, step: int, state: RunState, *, config: dict 
     }
     if rank == 0:
         _write_json(os.path.join(tmp, TRAINER_STATE), trainer)
+        if tokenizer is not None:
+            atomic.write_text(os.path.join(tmp, TOKENIZER), tokenizer, fsync=True)
     tensors = {"model": state.model.state_dict(), "optim": _optimizer_tensors(state.model, state.optimizer)}
     manifest = {"format": FORMAT, "trex_version": trex.__version__, "step": step,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world": _world(state.model, world_size, config)}
@@ -397,10 +402,11 @@ class Checkpointer:
     """Resume, periodic and final saves, and save-on-signal for one run."""
 
     def __init__(self, section: CheckpointSection, out: str, state: RunState, *, config: dict | None = None,
-                 precision: dict | None = None):
+                 precision: dict | None = None, tokenizer: str | None = None):
+        """``tokenizer``: the run's tokenizer as ``tokenizer.json`` text, written into every checkpoint."""
         self.section, self.state = section, state
         self.directory = section.directory(out)
-        self.config, self.precision = config, precision
+        self.config, self.precision, self.tokenizer = config, precision, tokenizer
         self.enabled = section.save_every > 0
         self.last_saved: int | None = None
         self.stop_checkpoint = ""
@@ -494,7 +500,8 @@ class Checkpointer:
         self._publish_pending()
         use_async = self.section.async_save if async_save is None else async_save
         pending = save_checkpoint(self.directory, step, self.state, config=self.config, precision=self.precision,
-                                  loop=loop, keep_last=self.section.keep_last, async_save=use_async)
+                                  loop=loop, keep_last=self.section.keep_last, async_save=use_async,
+                                  tokenizer=self.tokenizer)
         self._pending = pending if use_async else None
         self.last_saved = step
 

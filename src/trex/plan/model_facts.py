@@ -10,8 +10,8 @@ AdaGrad by ``[train] engram``, so no other count includes them.
 The DeepSeek-V3 family (trex.models.deepseek_v3) is read the same way. DeepSeek-V3.2's lightning indexer
 is counted from its config (per layer, MTP included: wq_b [q_lora_rank -> index_n_heads x index_head_dim],
 wk [hidden -> index_head_dim], k_norm's LayerNorm weight and bias, weights_proj [hidden -> index_n_heads],
-as DeepSeek's inference code builds it) on top of the dense V3 model, since trex does not build V3.2 yet;
-it is frozen, as V4's indexer in post-training.
+as DeepSeek's inference code and trex's V3.2 model build it) on top of the dense V3 model; it is frozen, as
+V4's indexer in post-training.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class Plan:
     flops_per_token: float
     assumptions: TimeAssumptions
     routed_experts: int = 0  # per MoE layer (the model's n_routed_experts): what ep must divide
-    v32: bool = False  # DeepSeek-V3.2 (planned from its config; not built)
+    v32: bool = False  # DeepSeek-V3.2 (its indexer planned from its config)
     drafter: DrafterPlan | None = None  # a recipe's [drafter] re-fit (trex.plan.drafter)
 
     @property
@@ -76,8 +76,9 @@ class Plan:
         if ep_note := expert_parallel_note(self.layout, self.routed_experts):
             out.append(ep_note)
         if self.v32:
-            out.append("DeepSeek-V3.2 is planned from its config (the indexer's parameters and FLOPs, attention over its "
-                       "top-k; activations as the dense MLA core plus the top-k indices): trex does not build V3.2 yet")
+            out.append("DeepSeek-V3.2's indexer is planned from its config (its parameters and FLOPs, attention over "
+                       "its top-k); activations as the dense MLA core plus the top-k indices, an estimate not checked "
+                       "against trex's V3.2 model")
         return out
 
 

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -31,7 +32,8 @@ from trex.posttrain.dpo import DPOSection
 from trex.posttrain.grpo import GRPOSection
 from trex.posttrain.on_policy import SamplingSection
 from trex.precision import PrecisionSection
-from trex.recipe import check_choices, require_positive
+from trex.models.registry import PRESETS, get_preset
+from trex.recipe import RecipeError, check_choices, require_positive, unknown_key
 from trex.train.drafter_refit import DrafterSection
 from trex.train.optim import OptimSection
 from trex.train.schedule import ScheduleSection
@@ -54,6 +56,11 @@ class ModelSection:
     def __post_init__(self) -> None:
         if not self.path and not self.preset:
             raise ValueError("model: set `preset` or `path`")
+        if self.overrides and not self.path and self.preset in PRESETS:  # an unknown preset: named where it is built
+            fields = [f.name for f in dataclasses.fields(get_preset(self.preset)) if f.init]
+            for key in self.overrides:
+                if key not in fields:
+                    raise RecipeError(unknown_key(key, fields, "model.overrides."), key=f"model.overrides.{key}")
 
 
 @dataclass

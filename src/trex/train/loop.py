@@ -350,7 +350,8 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
     peak, peak_source = peak_flops(dev, policy)
 
     ckpt = Checkpointer(recipe.checkpoint, cfg_train.out, RunState(model, optimizer, scheduler, guard, objective, dev),
-                        config=recipe_io.to_dict(recipe), precision=policy.to_dict())
+                        config=recipe_io.to_dict(recipe), precision=policy.to_dict(),
+                        tokenizer=tokenizer.backend.to_str())  # an export writes it with the model
     ckpt.check_writable()  # a run that will save finds out now, not at its first save
     resumed = ckpt.resume()
     # --resume auto before the run's first save continues it from step 0: what it logged is trained again
