@@ -413,3 +413,30 @@ def test_on_policy_prompts_render_in_the_recipes_chat_format(task, teacher, mode
         text = tokenizer.decode(prompts[0].ids)
         assert text == render_prompt(first, thinking=thinking, chat_format=chat_format)
         assert text != render_prompt(first, thinking=thinking)  # V4's
+
+
+def test_a_transformers_v3_checkpoint_trains_without_the_mtp_layer_it_lacks(tmp_path):
+    """transformers' DeepseekV3Config says num_nextn_predict_layers 1 while its weights never hold an MTP layer:
+    trained as it is, trex warns that the layer is initialised fresh; ``model.overrides`` on the checkpoint
+    (`num_nextn_predict_layers = 0`) builds the model without it, so nothing is fresh and the export has none;
+    a misspelt override is one line with what was meant."""
+    from hf_oracle_v3 import hf_config, random_hf_model
+
+    ref = random_hf_model(hf_config(num_nextn_predict_layers=1))
+    ref.save_pretrained(tmp_path / "hf")
+    common = ["train", FIDELITY, "--steps", "2", *V3, "--set", f'model.path="{tmp_path / "hf"}"',
+              *_sets("checkpoint.save_every=2", "schedule.warmup_steps=1")]
+    fresh = trex([*common, "--out", str(tmp_path / "fresh")], env=CPU)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert "MTP tensors initialised fresh" in fresh.stderr
+    none = trex([*common, "--set", "model.overrides={num_nextn_predict_layers=0}", "--out", str(tmp_path / "none")],
+                env=CPU)
+    assert none.returncode == 0, none.stderr[-3000:]
+    assert "initialised fresh" not in none.stderr
+    state = json.load(open(tmp_path / "none" / "checkpoints" / "step_2" / "trainer_state.json"))
+    assert state["model_config"]["num_nextn_predict_layers"] == 0
+    typo = trex([*common, "--set", "model.overrides={num_nextn_predict_layer=0}", "--out", str(tmp_path / "typo")],
+                env=CPU)
+    lines = [line for line in typo.stderr.splitlines() if line.strip()]
+    assert typo.returncode == 2 and len(lines) == 1, typo.stderr[-3000:]
+    assert "did you mean `model.overrides.num_nextn_predict_layers`?" in lines[0]

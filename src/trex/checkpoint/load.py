@@ -27,20 +27,22 @@ log = logging.getLogger(__name__)
 
 def load_pretrained(path: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                     mesh=None, layout: str = "auto", shard_fn: ShardFn | None = None,
-                    placements_fn=None) -> DeepseekV4:
+                    placements_fn=None, overrides: dict | None = None) -> DeepseekV4:
     """Load a directory with ``config.json`` and safetensors weights in any DeepSeek-V4 layout.
 
     Official names or HF names (``layout="auto"`` detects them; "official" / "hf" force one),
     bf16/fp32 tensors, FP8 weights with ue8m0 128x128 scales (the V3 family's: fp32 scales), FP4 experts with
     1x32 scales.
     dtype: parameter dtype (default: the device's default, fp32 on CPUs without fast bf16).
-    MTP tensors are loaded when present; when absent they are initialised fresh (logged).
+    MTP tensors are loaded when present; when absent they are initialised fresh (logged; ``overrides``
+    ``{"num_nextn_predict_layers": 0}`` builds the model without them). overrides: config fields set on top
+    of the checkpoint's config.json (`CheckpointReader`).
     shard_fn(key, full_shape) -> Region: each parameter holds only that region, and only the
     checkpoint bytes overlapping it are read. mesh: a ``DeviceMesh``; parameters become DTensors
     with ``placements_fn(key, shape)`` (default: Shard(0) where rows >= ranks, else Replicate),
     each rank reading only its local shard. The model's ``loaded_from`` is ``path`` (absolute).
     """
-    reader = CheckpointReader(path, layout)
+    reader = CheckpointReader(path, layout, overrides)
     cfg = reader.config
     dev = device_layer.detect(str(device) if device is not None else None)
     dtype = dtype or dev.default_dtype()

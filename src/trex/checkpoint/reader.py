@@ -32,7 +32,7 @@ from trex.kernels import quantize as quant
 from trex.checkpoint.errors import CheckpointError
 from trex.checkpoint.safetensors_io import SafetensorsFile
 from trex.models.config_v41 import PASSTHROUGH, V41Config
-from trex.models.registry import config_from_file
+from trex.models.registry import config_from_file, with_overrides
 from trex.checkpoint.naming import (LAYOUTS, V3_ARCHITECTURES, Target, detect_layout, hf_name, mtp_copy_of,
                                     official_name, scale_candidates, trex_targets, v3_hf_name)
 
@@ -137,11 +137,14 @@ def problems_error(what: str, problems: Sequence[str], path: str, shown: int = 5
 class CheckpointReader:
     """Headers, scales and trex keys of a checkpoint directory; data is read by ``fill``."""
 
-    def __init__(self, path: str, layout: str = "auto"):
+    def __init__(self, path: str, layout: str = "auto", overrides: dict | None = None):
+        """``overrides``: config fields set on top of the checkpoint's config.json (a recipe's
+        ``model.overrides``, e.g. ``num_nextn_predict_layers = 0`` for a checkpoint without MTP weights); the
+        tensors are then checked against the model that config builds."""
         if layout not in ("auto", *LAYOUTS):
             raise CheckpointError(f"layout must be auto, {' or '.join(LAYOUTS)}; got {layout!r}")
         self.path = path
-        self.config = config_from_file(path)
+        self.config = with_overrides(config_from_file(path), overrides or {}, f"{path}: model.overrides")
         self.files = [SafetensorsFile(f) for f in checkpoint_files(path)]
         self.problems: list[str] = []
         located: dict[str, SafetensorsFile] = {}

@@ -109,7 +109,7 @@ def build_parts(side: Side) -> Parts:
     compile_backend = recipe.train.compile_with(dev)
     if par.distributed and recipe.model.path and side.edit is None:  # each rank reads its shards
         model = load_sharded(recipe.model.path, lambda m: prepare_model(m, recipe, par, policy, compile_backend),
-                             dev.torch_device)
+                             dev.torch_device, overrides=recipe.model.overrides)
     else:
         model = side.model(recipe, dev, policy, tokenizer)
         prepare_model(model, recipe, par, policy, compile_backend)

@@ -12,9 +12,10 @@ are named by string and imported on use (``model_class``, ``decode_cache``), so 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
-from trex.models.common.config import lookup_preset, read_config_json
+from trex.models.common.config import ConfigError, lookup_preset, read_config_json
 from trex.models.config import PRESETS as V4_PRESETS
 from trex.models.config import ModelConfig
 from trex.models.config_v41 import V41_PRESETS, V41Config, is_v41
@@ -68,6 +69,18 @@ def config_from_file(path: str) -> AnyConfig:
     ConfigError naming it."""
     raw, path = read_config_json(path)
     return config_from_dict(raw, source=path)
+
+
+def with_overrides(cfg: AnyConfig, overrides: dict, source: str = "model.overrides") -> AnyConfig:
+    """``cfg`` with the fields ``overrides`` names set (checked as the config checks its fields): a recipe's
+    ``model.overrides`` on a preset or on a checkpoint's config.json. A field the config lacks, or a value it
+    refuses, is a ConfigError naming ``source``."""
+    if not overrides:
+        return cfg
+    try:
+        return dataclasses.replace(cfg, **overrides)
+    except (TypeError, ConfigError) as e:
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def model_class(cfg: AnyConfig) -> type:

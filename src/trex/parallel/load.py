@@ -24,16 +24,19 @@ def local_region(t: DTensor) -> tuple[tuple[int, int], ...]:
 
 
 @torch.no_grad()
-def load_sharded(path: str, prepare, device: torch.device, layout: str = "auto") -> DeepseekV4:
-    """``prepare(model)`` applies the parallel plan to the meta model (and freezes what it must)."""
-    reader = CheckpointReader(path, layout)
+def load_sharded(path: str, prepare, device: torch.device, layout: str = "auto", overrides: dict | None = None
+                 ) -> DeepseekV4:
+    """``prepare(model)`` applies the parallel plan to the meta model (and freezes what it must); ``overrides``:
+    config fields set on top of the checkpoint's config.json (`CheckpointReader`)."""
+    reader = CheckpointReader(path, layout, overrides)
     model = build_model(reader.config, device="meta")
     prepare(model)
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     fresh = reader.check({k: tuple(t.shape) for k, t in tensors.items()})
     if fresh:
         raise CheckpointError(f"{path}: no MTP weights ({len(fresh)} tensors, e.g. {fresh[0]}); a sharded load "
-                              "cannot initialise them: convert the checkpoint with MTP or train on one process")
+                              "cannot initialise them: convert the checkpoint with MTP, train on one process, or build the model without them "
+                              "(model.overrides = { num_nextn_predict_layers = 0 })")
     model.to_empty(device=device)
     for key, t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items():
         if isinstance(t, DTensor):

@@ -13,7 +13,7 @@ from trex.hardware import HardwareProfile, load_profiles
 from trex.models.common.config import ConfigError
 from trex.models.config import ModelConfig
 from trex.models.config_v41 import V41Config
-from trex.models.registry import PRESETS, config_from_file, get_preset
+from trex.models.registry import PRESETS, config_from_file, get_preset, with_overrides
 from trex.plan import annotate
 from trex.plan.layout import Layout, PlanError, parse_layout
 from trex.plan.planner import fewest_devices, make_plan, no_fit_hint, search, with_drafter
@@ -74,17 +74,17 @@ def recipe_inputs(path: str, devices: int | None) -> tuple[str | None, Layout, i
 
 def recipe_model(path: str, spec: str):
     """The model config ``spec`` names (``resolve_model``), with the recipe at ``path``'s ``model.overrides``
-    applied when ``spec`` is its preset (as `trex train` builds it)."""
+    applied when ``spec`` is its preset or its checkpoint (as `trex train` builds it)."""
     from trex import recipe as recipe_io
     from trex.train.config import TrainRecipe
 
     cfg = resolve_model(spec)
     r = recipe_io.load(TrainRecipe, path)
-    if r.model.overrides and spec == r.model.preset:
+    if spec in (r.model.preset, r.model.path):
         try:
-            cfg = dataclasses.replace(cfg, **r.model.overrides)
-        except (TypeError, ValueError) as e:
-            raise PlanError(f"{path}: model.overrides: {e}") from None
+            cfg = with_overrides(cfg, r.model.overrides)
+        except ValueError as e:
+            raise PlanError(f"{path}: {e}") from None
     return cfg
 
 

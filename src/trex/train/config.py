@@ -32,7 +32,7 @@ from trex.posttrain.dpo import DPOSection
 from trex.posttrain.grpo import GRPOSection
 from trex.posttrain.on_policy import SamplingSection
 from trex.precision import PrecisionSection
-from trex.models.registry import PRESETS, get_preset
+from trex.models.registry import PRESETS, config_from_file, get_preset
 from trex.recipe import RecipeError, check_choices, require_positive, unknown_key
 from trex.train.drafter_refit import DrafterSection
 from trex.train.optim import OptimSection
@@ -49,18 +49,29 @@ class ModelSection:
     path: str = ""
     """A checkpoint directory (config.json + safetensors) to start from; overrides `preset`."""
     overrides: dict = field(default_factory=dict)
-    """Config fields changed on top of the preset, e.g. { num_hidden_layers = 2 }."""
+    """Config fields changed on top of the preset or of the checkpoint's config.json, e.g. { num_hidden_layers = 2 }
+    on a preset, { num_nextn_predict_layers = 0 } on a checkpoint without MTP weights."""
     init_seed: int = 0
     """Seed of the random initialisation when training a preset from scratch."""
 
     def __post_init__(self) -> None:
         if not self.path and not self.preset:
             raise ValueError("model: set `preset` or `path`")
-        if self.overrides and not self.path and self.preset in PRESETS:  # an unknown preset: named where it is built
-            fields = [f.name for f in dataclasses.fields(get_preset(self.preset)) if f.init]
-            for key in self.overrides:
-                if key not in fields:
-                    raise RecipeError(unknown_key(key, fields, "model.overrides."), key=f"model.overrides.{key}")
+        if not self.overrides:
+            return
+        if self.path:  # the checkpoint's config class, when it is here (a missing or bad one is named at load)
+            try:
+                base = config_from_file(self.path)
+            except ValueError:
+                return
+        elif self.preset in PRESETS:  # an unknown preset: named where it is built
+            base = get_preset(self.preset)
+        else:
+            return
+        fields = [f.name for f in dataclasses.fields(base) if f.init]
+        for key in self.overrides:
+            if key not in fields:
+                raise RecipeError(unknown_key(key, fields, "model.overrides."), key=f"model.overrides.{key}")
 
 
 @dataclass

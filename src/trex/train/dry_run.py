@@ -7,7 +7,6 @@ would hold is then counted from the sharded parameters themselves.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -17,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from trex import device as device_layer
 from trex.models import ModelConfig, build_model, get_preset
 from trex.models.config_v41 import V41Config
-from trex.models.registry import config_from_file
+from trex.models.registry import config_from_file, with_overrides
 from trex.parallel.mesh import init_parallel
 from trex.parallel.plan import apply_parallelism
 from trex.train.config import TrainRecipe
@@ -27,10 +26,11 @@ from trex.precision import PrecisionPolicy
 
 
 def model_config(recipe: TrainRecipe) -> ModelConfig | V41Config:
-    """The checkpoint's config.json (V4 or V4.1) when the path exists here, else the recipe's preset."""
+    """The checkpoint's config.json when the path exists here, else the recipe's preset; with the recipe's
+    ``model.overrides`` on either, as `trex train` builds it."""
     if recipe.model.path and os.path.exists(recipe.model.path):
-        return config_from_file(recipe.model.path)
-    return dataclasses.replace(get_preset(recipe.model.preset), **recipe.model.overrides)
+        return with_overrides(config_from_file(recipe.model.path), recipe.model.overrides)
+    return with_overrides(get_preset(recipe.model.preset), recipe.model.overrides)
 
 
 def dry_run(recipe: TrainRecipe, world_size: int) -> dict:

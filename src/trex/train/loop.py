@@ -44,7 +44,7 @@ from trex.hardware import profile_for_device_name
 from trex.models import DeepseekV4, build_model, get_preset
 from trex.models.engram import compressed_token_map
 from trex.models.flops import flops_per_token
-from trex.models.registry import check_shardable
+from trex.models.registry import check_shardable, with_overrides
 from trex.parallel.load import load_sharded
 from trex.parallel.mesh import Parallel, init_parallel
 from trex.parallel.plan import apply_parallelism
@@ -99,7 +99,7 @@ def model_for(recipe: TrainRecipe, tokenizer: Tokenizer, dev: device_layer.Devic
               policy: PrecisionPolicy) -> DeepseekV4:
     section = recipe.model
     if section.path:
-        model = load_pretrained(section.path, dtype=policy.param_dtype, device=dev.name)
+        model = load_pretrained(section.path, dtype=policy.param_dtype, device=dev.name, overrides=section.overrides)
     else:
         cfg = get_preset(section.preset)
         overrides = dict(section.overrides)
@@ -107,10 +107,7 @@ def model_for(recipe: TrainRecipe, tokenizer: Tokenizer, dev: device_layer.Devic
         engram = getattr(cfg, "engram_layer_ids", None) and compressed_token_map(tokenizer.backend)
         if engram:  # V4.1's Engram hashes through this tokenizer's compressed ids
             overrides.setdefault("engram_compressed_vocab_size", engram[1])
-        try:
-            cfg = dataclasses.replace(cfg, **overrides)
-        except TypeError as e:
-            raise ValueError(f"model.overrides: {e}") from None
+        cfg = with_overrides(cfg, overrides)
         model = build_model(cfg, device=dev.torch_device, dtype=policy.param_dtype, seed=section.init_seed)
         if engram:
             model.set_engram_token_map(*engram)
@@ -330,7 +327,8 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
         except ValueError as e:
             raise ValueError(f"data.seq_len = {recipe.data.seq_len} with parallel.cp = {layout.cp}: {e}") from None
     if model is None and recipe.model.path and par.distributed:
-        model = load_sharded(recipe.model.path, prepare, dev.torch_device)  # each rank reads its shards
+        model = load_sharded(recipe.model.path, prepare, dev.torch_device,  # each rank reads its shards
+                             overrides=recipe.model.overrides)
         check_vocab(model, tokenizer)
     else:
         model = model if model is not None else model_for(recipe, tokenizer, dev, policy)
