@@ -227,7 +227,7 @@ def test_resume_decisions_reach_the_terminal_and_the_run_log(arithmetic_files, t
     assert "trex: resume = auto: no checkpoint in" in capsys.readouterr().err
     assert main([*base, "--steps", "4"]) == 0
     err = capsys.readouterr().err
-    assert f"trex: resumed from {out}/checkpoints/step_1 at step 1" in err
+    assert f"trex: resumed from {out}/checkpoints/step_2 at step 2" in err, err
     log = (out / "train.log").read_text()
     assert "starting from step 1" in log and "resumed from" in log
     # the optimizer's group table is in train.log; the terminal gets its one-line summary
