@@ -285,6 +285,19 @@ def test_resuming_from_an_older_checkpoint_names_the_newer_one_that_holds_the_re
             f"step_12 holds the run up to step 12 (--resume {ckpts}/step_12 keeps those steps") in caplog.text
 
 
+def test_resume_removes_and_names_the_save_a_kill_left_unfinished(tmp_path, caplog):
+    """A rank killed while it wrote step 6 leaves .tmp.step_6: the restart removes it and says so."""
+    from trex.checkpoint.training import CheckpointSection, Checkpointer
+
+    unfinished = tmp_path / "checkpoints" / ".tmp.step_6"
+    (unfinished / "rng").mkdir(parents=True)
+    ckpt = Checkpointer(CheckpointSection(save_every=3, resume="auto"), str(tmp_path), state=None)
+    with caplog.at_level(logging.WARNING, logger="trex"):
+        assert ckpt.resume() is None  # no checkpoint yet: from step 1
+    assert not unfinished.exists()
+    assert "removed a checkpoint save that did not finish (.tmp.step_6" in caplog.text
+
+
 def test_a_second_run_into_the_same_directory_refuses_or_overwrites(recipe_file, tmp_path):
     out = tmp_path / "run"
     train(_recipe(recipe_file, out, "train.steps=4", "checkpoint.save_every=2"))
