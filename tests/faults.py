@@ -219,12 +219,14 @@ overrides = {{ sliding_window = 16 }}
         self._runs += 1
         return os.path.join(self.root, f"{self._runs:03d}-{name}")
 
-    def train(self, out: str, *args: str, world: int = 1, preexec_fn=None) -> Proc:
+    def train(self, out: str, *args: str, world: int = 1, preexec_fn=None, launcher: tuple[str, ...] = ()) -> Proc:
+        """``trex train`` of the recipe into ``out``; ``world`` > 1: under ``trex launch`` (with the
+        torchrun flags ``launcher``)."""
         if world == 1:
             argv = [sys.executable, "-m", "trex", "train"]
         else:
             argv = [sys.executable, "-m", "trex", "launch", f"--nproc-per-node={world}", f"--master-port={free_port()}",
-                    "--shutdown-timeout=10", "train"]
+                    "--shutdown-timeout=10", *launcher, "train"]
         return Proc([*argv, self.recipe, "--out", out, *args], preexec_fn=preexec_fn)
 
     def reference(self, world: int = 1) -> Reference:
@@ -271,6 +273,30 @@ def kill9_rank(lab: Lab, rng: random.Random) -> str:
     lab.resume(out, 2)
     return (f"SIGKILL of rank {rank} after step {killed_at} (launcher exit {code}), resumed from step "
             f"{resumed_from}: {ref.matches(out)}")
+
+
+def kill9_rank_restarted(lab: Lab, rng: random.Random) -> str:
+    """One rank killed while step N is saved, under ``trex launch --max-restarts 1 ... --resume auto``:
+    torchrun restarts both ranks, which resume from the checkpoint before N (N's if it was published)."""
+    ref, rank = lab.reference(2), rng.randint(0, 1)
+    save = rng.choice(range(2 * SAVE_EVERY, STEPS, SAVE_EVERY))  # a checkpoint before it: never from step 0
+    out = lab.new_out("kill9-rank-restarted")
+    ckpts = os.path.join(out, "checkpoints")
+    proc = lab.train(out, "--resume", "auto", world=2, launcher=("--standalone", "--max-restarts=1"))
+    proc.wait_until(lambda: steps_logged(out) >= 1, "step 1")
+    first = [proc.rank_pid(r) for r in (0, 1)]
+    proc.wait_until(lambda: os.path.exists(os.path.join(ckpts, f".tmp.step_{save}")), f"the save of step {save}")
+    os.kill(first[rank], signal.SIGKILL)
+    proc.wait_until(lambda: all(map(_exited, first)), "the end of the first attempt", timeout=60)
+    resumed_from = newest_verified(out)  # what the restart finds
+    check(resumed_from in (save - SAVE_EVERY, save), f"newest verified checkpoint {resumed_from}")
+    code = proc.wait(timeout=180)
+    check(code == 0, f"trex launch exit {code} after the restart:\n{proc.output[-3000:]}")
+    said = [x for x in proc.lines if "resumed from" in x]
+    check(len(said) == 1 and said[0].endswith(f"step_{resumed_from} at step {resumed_from}"),
+          f"the restart did not resume from step {resumed_from}: {said}")
+    return (f"SIGKILL of rank {rank} during the save of step {save}; torchrun restarted both ranks, which resumed "
+            f"from step {resumed_from}: {ref.matches(out)}")
 
 
 def _sigterm_until_exit(proc: Proc, pid: int, group: bool) -> int:
@@ -537,6 +563,7 @@ def full_disk(lab: Lab, rng: random.Random) -> str:
 FAULTS = {
     "kill -9 of the process": kill9_process,
     "kill -9 of one rank of two": kill9_rank,
+    "kill -9 of one rank during a save, restarted by trex launch --max-restarts": kill9_rank_restarted,
     "SIGTERM to the process": sigterm_process,
     "SIGTERM to the launcher (trex launch)": sigterm_launcher,
     "SIGSTOP of one rank of two": sigstop_rank,

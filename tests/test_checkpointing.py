@@ -264,6 +264,40 @@ def test_resume_auto_of_a_run_stopped_before_its_first_save_trains_it_again_once
         assert _steps(out / name) == [1, 2, 3, 4], name
 
 
+def test_resuming_from_an_older_checkpoint_names_the_newer_one_that_holds_the_replaced_steps(tmp_path, caplog):
+    """--resume PATH/step_6 of a run that went on to step_12: the logged steps after 6 are replaced,
+    and the warning says that step_12 holds them (not that no checkpoint does)."""
+    from trex.train.run_dir import RunDir
+
+    run, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    for step in (6, 12, 14):
+        (ckpts / f"step_{step}").mkdir(parents=True)
+        if step != 14:  # step_14: a save that did not finish holds nothing
+            (ckpts / f"step_{step}" / "manifest.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 15)))
+    run_dir = RunDir(str(run))
+    with caplog.at_level(logging.WARNING, logger="trex"):
+        run_dir.begin(6, False, ["metrics.jsonl"], str(ckpts))
+    run_dir.close()
+    assert _steps(run / "metrics.jsonl") == [1, 2, 3, 4, 5, 6]
+    assert "no checkpoint holds" not in caplog.text
+    assert (f"resumed from step 6: the logged steps after it are trained again (8 logged lines replaced), although "
+            f"step_12 holds the run up to step 12 (--resume {ckpts}/step_12 keeps those steps") in caplog.text
+
+
+def test_resume_removes_and_names_the_save_a_kill_left_unfinished(tmp_path, caplog):
+    """A rank killed while it wrote step 6 leaves .tmp.step_6: the restart removes it and says so."""
+    from trex.checkpoint.training import CheckpointSection, Checkpointer
+
+    unfinished = tmp_path / "checkpoints" / ".tmp.step_6"
+    (unfinished / "rng").mkdir(parents=True)
+    ckpt = Checkpointer(CheckpointSection(save_every=3, resume="auto"), str(tmp_path), state=None)
+    with caplog.at_level(logging.WARNING, logger="trex"):
+        assert ckpt.resume() is None  # no checkpoint yet: from step 1
+    assert not unfinished.exists()
+    assert "removed a checkpoint save that did not finish (.tmp.step_6" in caplog.text
+
+
 def test_a_second_run_into_the_same_directory_refuses_or_overwrites(recipe_file, tmp_path):
     out = tmp_path / "run"
     train(_recipe(recipe_file, out, "train.steps=4", "checkpoint.save_every=2"))

@@ -23,6 +23,8 @@ COVERED_ELSEWHERE = {  # fault -> the test that drives the same outcome through 
     "non-finite gradients": "test_train_loop.py::test_cli_non_finite_stop_is_one_line_with_its_own_exit_code",
     # the same SIGKILL of the one process and bitwise resume, at the hardest moment: inside a save
     "kill -9 of the process": "test_faults.py::test_fault",  # [kill -9 during a checkpoint write]
+    # the same SIGKILL of one rank of two and bitwise resume, inside a save, resumed by torchrun's own restart
+    "kill -9 of one rank of two": "test_faults.py::test_fault",  # [kill -9 of one rank during a save, restarted ...]
     # the same repeated SIGTERM, save, exit 143 and bitwise resume, reaching each rank through trex launch
     "SIGTERM to the process": "test_faults.py::test_fault",  # [SIGTERM to the launcher (trex launch)]
 }

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+import torch.distributed as dist
+
 from trex.cli import main
 from trex.launch import SHUTDOWN_TIMEOUT_S, first_failure, torchrun_args
 
@@ -46,3 +49,33 @@ def test_an_unknown_command_is_refused_before_torchrun_starts(monkeypatch, capsy
     assert main(["launch", "--nproc-per-node", "1", "launch", "train"]) == 2  # no launch inside a launch
     assert started == []
     assert main(["launch", "--nproc-per-node", "1", "train", "r.toml"]) == 0 and len(started) == 1
+
+
+def test_each_restart_meets_in_its_own_part_of_torchruns_shared_store(monkeypatch):
+    """torchrun's agent keeps one TCPStore across --max-restarts and env:// adds no per-attempt prefix:
+    the restarted group read the failed group's keys (gloo: a dead rank's address, "connectFullMesh
+    failed ... Connection refused", or a wait that never ended). Each attempt's group has its own."""
+    from trex import device
+    from trex.parallel import mesh
+
+    class Joined(Exception):
+        pass
+
+    def init_process_group(**kwargs):
+        groups.append(kwargs)
+        raise Joined  # the mesh after it needs a real group
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the agent's
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "RANK": "0", "WORLD_SIZE": "2",
+                       "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(mesh.dist, "init_process_group", init_process_group)
+    groups: list[dict] = []
+    for attempt in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        with pytest.raises(Joined):
+            mesh.init_parallel(1, -1, 1, 60, device.detect("cpu"), world_size=2)
+    failed, restarted = groups
+    failed["store"].set("rank_0", "127.0.0.1:45444")  # what the failed group left: its rank 0's address
+    assert not restarted["store"].check(["rank_0"])
+    assert (restarted["rank"], restarted["world_size"]) == (0, 2)

@@ -261,8 +261,7 @@ def save_checkpoint(directory: str, step: int, state: RunState, *, config: dict 
     tmp = os.path.join(directory, f"{_TMP_PREFIX}{step}")
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
-        for stale in (n for n in os.listdir(directory) if n.startswith(_TMP_PREFIX)):
-            shutil.rmtree(os.path.join(directory, stale))  # an earlier save that did not finish
+        remove_unfinished(directory)
         os.makedirs(os.path.join(tmp, RNG_DIR))
     _barrier()
     save_file(state.dev.get_rng_state(), os.path.join(tmp, rng_file(rank)))
@@ -300,6 +299,16 @@ def list_checkpoints(directory: str) -> list[tuple[int, str]]:
     found = [(int(m.group(1)), os.path.join(directory, n)) for n in os.listdir(directory)
              if (m := _STEP_DIR.match(n)) and os.path.isdir(os.path.join(directory, n))]
     return sorted(found)
+
+
+def remove_unfinished(directory: str) -> list[str]:
+    """Delete the ``.tmp.step_<N>`` directories of saves that did not finish (a rank killed while it
+    wrote); returns their names. Rank 0 calls it, only where no save of its own run is in flight (at
+    resume, and when a save starts: a pending async save is published first)."""
+    stale = sorted(n for n in os.listdir(directory) if n.startswith(_TMP_PREFIX)) if os.path.isdir(directory) else []
+    for name in stale:
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    return stale
 
 
 def prune(directory: str, keep_last: int) -> None:
@@ -443,8 +452,10 @@ class Checkpointer:
         if not spec:
             return None
         path = find_resume(self.directory) if spec == "auto" else spec
+        # rank 0 looks and decides, every rank acts on its view: ranks that saw the directory differently
+        # (a rank-local disk) would part ways here and wait for each other in the next collective
+        found = _from_rank0(self._look() if _rank_world()[0] == 0 else None)
         if path is None:
-            found = [p for _, p in list_checkpoints(self.directory)]
             if found:  # a run that had checkpoints never restarts from scratch on its own
                 raise ValueError(f"checkpoint.resume = auto: none of the {len(found)} checkpoints in {self.directory} "
                                  f"verifies ({', '.join(os.path.basename(p) for p in found)}; `trex ckpt verify "
@@ -460,6 +471,16 @@ class Checkpointer:
         self.last_saved = resumed.step
         log.info("resumed from %s at step %d", path, resumed.step)
         return resumed
+
+    def _look(self) -> list[str]:
+        """Rank 0, at resume: the checkpoint directories there (complete or not), after removing (and
+        naming) the saves that did not finish."""
+        unfinished = remove_unfinished(self.directory)
+        if unfinished:
+            log.warning("removed %s that did not finish (%s, in %s): the run was stopped while writing it",
+                        "a checkpoint save" if len(unfinished) == 1 else f"{len(unfinished)} checkpoint saves",
+                        ", ".join(unfinished), self.directory)
+        return [p for _, p in list_checkpoints(self.directory)]
 
     # -- signals: the handler only records the signal; the loop saves after the step it is in --
     @contextlib.contextmanager

@@ -148,6 +148,22 @@ def resolve_layout(dp_replicate: int, dp_shard: int, ep: int, world_size: int, c
     return dp_replicate, shard, ep
 
 
+def attempt_store(timeout: timedelta) -> dist.Store | None:
+    """The store in which this launch attempt's ranks meet, when torchrun's agent hosts it (None: let
+    ``init_process_group`` make its own from the environment).
+
+    torchrun's agent keeps one TCPStore for the whole job and gives the workers of every restart
+    (``--max-restarts``) the same address, and env:// adds no per-attempt prefix: a restarted process
+    group would read the keys the failed one left, gloo the dead ranks' addresses ("connectFullMesh
+    failed ... Connection refused") or a barrier's stale counter, and fail or wait. The keys of
+    attempt N live under ``trex/attempt_N/`` instead."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"trex/attempt_{attempt}/", dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout))
+
+
 def init_parallel(dp_replicate: int, dp_shard: int, ep: int, timeout_s: int,
                   dev: device_layer.Device, world_size: int | None = None, trace_dir: str | None = None,
                   cp: int = 1) -> Parallel:
@@ -164,7 +180,10 @@ def init_parallel(dp_replicate: int, dp_shard: int, ep: int, timeout_s: int,
             os.makedirs(trace_dir, exist_ok=True)
         for key, value in recorder.items():
             os.environ.setdefault(key, value)
-        dist.init_process_group(backend=dev.backend(), timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store = attempt_store(timeout)
+        dist.init_process_group(backend=dev.backend(), timeout=timeout, store=store,
+                                **({"rank": int(os.environ["RANK"]), "world_size": world_size} if store else {}))
     mesh = init_device_mesh(dev.type, (replicate, shard // ep, ep, cp),
                             mesh_dim_names=("dp_replicate", "efsdp", "ep", "cp"))
     mesh["efsdp", "ep", "cp"]._flatten("fsdp")

@@ -18,6 +18,8 @@ from typing import Any
 
 from trex import atomic, logs
 from trex import recipe as recipe_io
+from trex.checkpoint.manifest import MANIFEST
+from trex.checkpoint.training import list_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +60,8 @@ class RunDir:
 
         ``step_files`` (names in the directory) hold one JSON line per step, ``checkpoints`` is the run's
         checkpoint directory. Resumed at step K: lines past K (written after the checkpoint, before a
-        kill) are dropped, with a warning, and TensorBoard purges its events past K, so each step appears
+        kill, or by the run that went on from an older checkpoint ``--resume PATH`` named) are dropped,
+        with a warning that names the newer checkpoint holding them if there is one, and TensorBoard purges its events past K, so each step appears
         once; K = 0 continues a run that was stopped before its first checkpoint (all its steps). A fresh
         run into a directory that holds an earlier run raises ValueError naming the choices, or with
         ``overwrite`` removes the earlier run's files and checkpoints first."""
@@ -67,8 +70,7 @@ class RunDir:
                 keep = resumed_step if resumed_step else -1  # from step 0 the start-of-run evaluation reruns too
                 dropped = max(_keep_steps_up_to(self.file(name), keep) for name in step_files)
                 if dropped:
-                    log.warning("%s: the steps after %d were logged but no checkpoint holds them: they are "
-                                "trained again (%d logged lines replaced)", self.path, resumed_step, dropped)
+                    log.warning("%s", _retrained(self.path, resumed_step, dropped, checkpoints))
             self._purge_step = resumed_step + 1
             return
         earlier = [n for n in step_files if os.path.exists(self.file(n)) and os.path.getsize(self.file(n))]
@@ -145,6 +147,22 @@ class RunDir:
         if self._log is not None:
             logs.remove(self._log)
             self._log = None
+
+
+def _retrained(path: str, resumed_step: int, dropped: int, checkpoints: str) -> str:
+    """The warning of a resume at ``resumed_step`` that drops ``dropped`` logged lines: the steps were
+    logged after the newest checkpoint (a kill), or a complete newer checkpoint holds them (the run
+    was resumed from an older one on purpose: it names the newest)."""
+    newer = [(s, p) for s, p in list_checkpoints(checkpoints)
+             if s > resumed_step and os.path.exists(os.path.join(p, MANIFEST))]
+    replaced = f"{dropped} logged line{'s' if dropped != 1 else ''} replaced"
+    if not newer:
+        return (f"{path}: the steps after {resumed_step} were logged but no checkpoint holds them: they are "
+                f"trained again ({replaced})")
+    step, newest = newer[-1]
+    return (f"{path}: resumed from step {resumed_step}: the logged steps after it are trained again ({replaced}), "
+            f"although {os.path.basename(newest)} holds the run up to step {step} (--resume {newest} keeps "
+            "those steps; this run's saves replace the newer checkpoints of the same steps)")
 
 
 def _keep_steps_up_to(path: str, step: int) -> int:
