@@ -126,10 +126,11 @@ def test_a_v41_config_refuses_inconsistent_sharing():
 
 def test_gradients_match_autograd_through_the_official_forward(official):
     """Every parameter's gradient of the mean next-token cross-entropy against autograd through the
-    official forward in fp32 (the harness lifts its inference_mode), within 1e-4 relative (Engram's
-    tables within bf16's 2^-8: see below). The gradients reach Engram's tables,
-    the KV sources' compressors from the layers that share their entries, and every mHC parameter. The
-    indexers and routers choose entries and get none, in both."""
+    official forward in fp32 (the harness lifts its inference_mode): within 1e-4 relative, except where
+    the fixture's one near-zero Engram gate logit amplifies fp32 rounding (5e-4; the mHC scales there 3e-3)
+    and Engram's tables (bf16's 2^-8): see below. The gradients reach Engram's tables, the KV sources'
+    compressors from the layers that share their entries, and every mHC parameter. The indexers and
+    routers choose entries and get none, in both."""
     tensors, meta = official
     model = official_model(tensors, meta)
     model(tensors["input_ids"], labels=tensors["input_ids"]).loss.backward()
@@ -146,13 +147,24 @@ def test_gradients_match_autograd_through_the_official_forward(official):
     assert any(".engram.embed." in n for n in got) and any(".compressor.wgate" in n for n in got)
     error = {n: ((got[n] - expected[n]).abs().max() / expected[n].abs().max()).item() for n in got}
     tables = {n for n in got if ".engram.embed." in n}
-    # the mHC scales' 3 gradients are sums over every position that cancel to ~1e-5 of their terms: a
-    # machine whose fp32 kernels sum in another order (AVX-512/AMX, measured 2.3e-4 on layers.1.hc_ffn.scale)
-    # moves them past 1e-4 relative; every other parameter stays within 1e-4 (measured 2.8e-5 there)
-    scales = {n for n in got if n.endswith((".hc_attn.scale", ".hc_ffn.scale"))}
-    assert max(e for n, e in error.items() if n not in tables | scales) < 1e-4
-    assert max(error[n] for n in scales) < 1e-3
+    # Engram's gate is sigmoid(sign(dot) sqrt|dot|), whose slope 1/(2 sqrt|dot|) grows as the logit dot
+    # nears 0. At layer 3 one token's dot is 1.5e-3, a sum of terms that cancel: fp32 rounds it differently
+    # with each kernel's summation order (relative error vs fp64 6.4e-5 with ATen's AVX2 kernels, 2.0e-4
+    # with its AVX-512 ones), and that token's slope dominates the gradient into the streams below it. So
+    # every gradient that passes back through it (layers 0-2, the embedding, layer 3's Engram) carries a
+    # machine-dependent fp32 error: measured against trex in fp64 (every fp32 step promoted; identical to
+    # 1e-13 on either ISA), trex-fp32 is off by up to 4.2e-5 (AVX2) / 1.3e-4 (AVX-512), the fixture's
+    # official fp32 run by 3.0e-5, and trex against the fixture by 1.8e-5 (AVX2) / 1.6e-4 (AVX-512, at
+    # layers.2.ffn.shared_experts.w2); the mHC scales there, sums over positions that cancel further,
+    # by 6.6e-5 / 9.4e-4 (layers.1.hc_ffn.scale). Thread count moves none of these figures. The
+    # gradients that do not pass through it, mHC scales included, stay within 2.8e-6 on either ISA.
+    amplified = {n for n in got if n.startswith(("embed.", "layers.0.", "layers.1.", "layers.2.", "layers.3.engram."))}
+    scales = {n for n in amplified if n.endswith((".hc_attn.scale", ".hc_ffn.scale"))}
+    assert max(e for n, e in error.items() if n not in tables | amplified) < 1e-4
+    assert max(e for n, e in error.items() if n in amplified - tables - scales) < 5e-4
+    assert max(error[n] for n in scales) < 3e-3
     # the official lookup casts the dequantised rows to bf16, so its table gradients are bf16-rounded
+    # (1.8e-3 on either ISA, and against fp64 alike)
     assert max(error[n] for n in tables) < 2**-8
 
 
