@@ -47,6 +47,20 @@ def test_round_trip_through_transformers_config(tmp_path):
     assert back == cfg
 
 
+@pytest.mark.parametrize("left_out", [("layer_types",), ("rope_parameters",), ("layer_types", "rope_parameters")])
+def test_a_field_a_transformers_config_leaves_out_takes_transformers_default(left_out, tmp_path):
+    """A transformers config.json without a field means what transformers reads it as (its DeepseekV4Config
+    default), never a trex preset's value: the attention schedule and the compressed layers' RoPE."""
+    transformers = pytest.importorskip("transformers")
+    raw = {k: v for k, v in transformers.DeepseekV4Config(num_hidden_layers=6).to_dict().items() if k not in left_out}
+    raw.pop("rope_scaling", None)
+    hf = transformers.DeepseekV4Config(**raw)
+    ours = ModelConfig.from_dict(raw)
+    assert ours.layer_types == hf.layer_types
+    assert ours.to_hf_dict()["rope_parameters"]["compress"]["rope_type"] == hf.rope_parameters["compress"]["rope_type"]
+    assert ours.to_hf_dict()["rope_parameters"]["compress"]["rope_type"] == "default" and ours.rope_scaling is None
+
+
 @pytest.mark.parametrize(
     "change, field",
     [

@@ -184,7 +184,9 @@ class ModelConfig:
     # ------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict, source: str = "<dict>") -> "ModelConfig":
-        """Build from HF or official config names. Unknown fields are an error naming them."""
+        """Build from HF or official config names. Unknown fields are an error naming them. A field a
+        transformers config.json (``model_type`` "deepseek_v4") leaves out takes transformers'
+        ``DeepseekV4Config`` default (the attention schedule, RoPE without YaRN), not a trex preset's."""
         d = {_OFFICIAL_NAMES.get(k, k): v for k, v in raw.items()}
         for marker, variant, missing in _VARIANTS:
             found = sorted(k for k in d if marker in k.lower())
@@ -221,6 +223,8 @@ class ModelConfig:
             kw["layer_types"] = [ratio_to_type[r] for r in ratios[:n]]
             if len(ratios) == n + 1:
                 kw["mtp_layer_type"] = ratio_to_type[ratios[n]]
+        elif d.get("model_type") == "deepseek_v4":  # a transformers config without either: transformers' default
+            kw["layer_types"] = _transformers_default_layer_types(n)
         if d.get("mlp_layer_types"):
             kw["mlp_layer_types"] = list(d["mlp_layer_types"])
         elif "num_hash_layers" in d:
@@ -232,6 +236,8 @@ class ModelConfig:
             kw["qk_rope_head_dim"] = int(round(head_dim * d["partial_rotary_factor"]))
 
         kw.update(rope_fields(d))
+        if d.get("model_type") == "deepseek_v4" and "rope_scaling" not in kw:
+            kw["rope_scaling"] = None  # transformers' default: no YaRN on the compressed layers' RoPE
         if isinstance(kw.get("eos_token_id"), list):
             kw["eos_token_id"] = kw["eos_token_id"][0]
         try:
@@ -250,6 +256,12 @@ class ModelConfig:
 def _default_layer_types(n: int) -> list[str]:
     """V4-Flash schedule: two sliding layers, then CSA/HCA alternating starting with CSA."""
     return [SLIDING] * min(n, 2) + [CSA if i % 2 == 0 else HCA for i in range(max(n - 2, 0))]
+
+
+def _transformers_default_layer_types(n: int) -> list[str]:
+    """transformers' DeepseekV4Config default for a config.json without ``layer_types`` or ``compress_ratios``
+    (V4-Pro's schedule): two HCA layers, then HCA/CSA alternating starting with HCA."""
+    return [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
 
 
 def _default_mlp_layer_types(n: int, n_hash: int) -> list[str]:
