@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -317,7 +318,8 @@ class CheckpointReader:
         whole = [s for s in sources if s.target.expert is None]
         if len(whole) > 1 or (whole and experts):
             return [f"{self.path}: {key}: given more than once ({', '.join(s.where for s in sources)})"]
-        twice = sorted({s.name for s in sources if experts.count(s.target.expert) > 1})
+        count = Counter(experts)
+        twice = sorted({s.name for s in sources if s.target.expert is not None and count[s.target.expert] > 1})
         return [f"{self.path}: an expert of {key} given twice: {', '.join(twice)}"] if twice else []
 
     # ---- data ------------------------------------------------------------------------------
