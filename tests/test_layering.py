@@ -26,7 +26,7 @@ FLOORS = [
     {"rollout"},                          # what it is sampled with: the sampler, the engine boundary, weight sync
     {"posttrain"},                        # objectives: SFT, DPO, GRPO, distillation
     {"train"},                            # the loop, its config, run directory, optimizers
-    {"fidelity", "plan", "audit", "doctor", "launch", "report"},  # tools built on the loop
+    {"fidelity", "plan", "audit", "doctor", "launch", "report", "profile"},  # tools built on the loop
     {"cli"},                              # the command line: each package's cli.py registers its subcommands
     {"__main__"},
 ]

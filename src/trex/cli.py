@@ -17,7 +17,7 @@ import signal
 import sys
 
 # Modules that add subcommands through register(subparsers).
-COMMAND_MODULES: tuple[str, ...] = ("trex.train.cli", "trex.audit.cli", "trex.checkpoint.cli",
+COMMAND_MODULES: tuple[str, ...] = ("trex.train.cli", "trex.audit.cli", "trex.checkpoint.cli", "trex.profile.cli",
                                     "trex.plan.cli", "trex.fidelity.cli", "trex.report.cli", "trex.launch")
 
 

@@ -144,6 +144,20 @@ class Device:
             return True
         return _reset_peak_rss()
 
+    def profiler_activities(self) -> list:
+        """What ``torch.profiler`` records for work on this device: the host's ops, plus the device's
+        kernels where this torch's profiler supports the device (CUDA, XPU; a PrivateUse1 plugin
+        such as Ascend's torch_npu); without one, the host's ops alone."""
+        from torch.profiler import ProfilerActivity, supported_activities
+
+        activities = [ProfilerActivity.CPU]
+        if self.is_accelerator:
+            kind = {"cuda": "CUDA", "xpu": "XPU", "mtia": "MTIA", "hpu": "HPU"}.get(self.type, "PrivateUse1")
+            activity = getattr(ProfilerActivity, kind, None)
+            if activity is not None and activity in supported_activities():
+                activities.append(activity)
+        return activities
+
     def total_memory(self) -> int:
         if self.is_accelerator:
             return int(torch.get_device_module(self.type).get_device_properties(self.index).total_memory)

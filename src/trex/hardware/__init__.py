@@ -31,6 +31,8 @@ class HardwareProfile:
     source: str = ""
     host_memory_gib: float = 0.0  # host (CPU) memory per node; 0: not stated (offload is not checked)
     host_link_gbps: float = 0.0  # per-device one-direction host link (PCIe), GB/s; 0: not stated
+    memory_gbps: float = 0.0  # device memory (HBM) bandwidth, GB/s; 0: not stated (no device estimate)
+    kernel_us: float = 4.0  # the least time a kernel takes, launch gap included, in an eager step (microseconds)
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.peak_tflops:

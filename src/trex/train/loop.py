@@ -24,10 +24,11 @@ import tomllib
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from trex import device as device_layer
 from trex import logs
@@ -225,13 +226,25 @@ def prepare_model(m: DeepseekV4, recipe: TrainRecipe, par: Parallel, policy: Pre
 
 
 # ---- the loop ---------------------------------------------------------------------------------------
-def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Tokenizer | None = None) -> TrainResult:
+class StepObserver(Protocol):
+    """Watches a run from outside (``trex profile``): ``started`` once set-up is done, before step 1;
+    ``stepped`` after each step with that step's metrics line (``metrics.jsonl``'s fields)."""
+
+    def started(self, model: nn.Module, dev: device_layer.Device) -> None: ...
+
+    def stepped(self, step: int, metrics: dict) -> None: ...
+
+
+def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Tokenizer | None = None,
+          observer: StepObserver | None = None) -> TrainResult:
     """Run ``recipe``; ``model``/``tokenizer`` continue from a previous stage instead of [model]/[data].
     Set-up, the steps, the summary; the status becomes the exception a CLI maps to its exit code."""
     with Heartbeat(recipe.parallel.heartbeat_timeout_s) as heartbeat, logs.Recorded() as recorded:
         t_start = time.perf_counter()
         r = _set_up(recipe, model, tokenizer, heartbeat)
-        r.warnings = recorded
+        r.warnings, r.observer = recorded, observer
+        if observer is not None:
+            observer.started(r.model, r.dev)
         try:
             _run_steps(r)
         except Exception as e:  # the run directory says how the run ended, the CLI says it in one line
@@ -289,6 +302,7 @@ class _Run:
     moves: list = field(default_factory=list)  # migrations.jsonl: where the run changed device, precision, layout
     refit: JobRefit | None = None  # [drafter]: the drafter's re-fit
     warnings: logs.Recorded | None = None  # every warning the run logged (summary.json's "warnings")
+    observer: StepObserver | None = None
 
 
 def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer | None,
@@ -435,6 +449,8 @@ def _run_steps(r: _Run) -> None:
                 reshard(r.model)  # after no-grad forwards (evaluation, probe): FSDP's root must not stay gathered
                 r.graphs.after_step()
                 progress.update(step + 1, r.last, evaluated=bool(held_out))
+                if r.observer is not None:
+                    r.observer.stepped(step + 1, r.last)
                 r.heartbeat.at(step + 1, "checkpoint")
                 stop = r.ckpt.after_step(step + 1, {"tokens": r.tokens})  # saves when due, or on SIGTERM/SIGINT
                 if stop:

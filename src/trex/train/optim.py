@@ -109,6 +109,7 @@ class OptimSection:
 # ==================================================================================================
 # The Muon update (shared with the distributed version)
 # ==================================================================================================
+@torch.profiler.record_function("trex/muon_ns")  # `trex profile`'s optimizer/muon_ns class
 def hybrid_newton_schulz(x: torch.Tensor, schedule: Sequence[tuple[float, float, float, int]],
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Approximate U V^T of each matrix in x: [..., n, m] -> fp32 [..., n, m].
