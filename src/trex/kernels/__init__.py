@@ -22,7 +22,10 @@ import importlib
 import os
 from collections.abc import Callable
 
+import torch
+
 from trex.kernels import dense_attention as _dense_attention
+from trex.kernels import fp32_matmul as _fp32_matmul
 from trex.kernels import latent_attention as _latent_attention
 from trex.kernels import reference
 from trex.kernels import sparse_attention as _sparse_attention
@@ -35,6 +38,7 @@ _REFERENCE: dict[str, Callable] = {
     "dense_attention": _dense_attention.reference,
     "latent_attention": _latent_attention.reference,
     "sparse_mla": _sparse_mla.reference,
+    "fp32_matmul": _fp32_matmul.reference,
 }
 _FAST: dict[tuple[str, str], Callable] = {}
 ANY = "*"  # the device type of a vendor-neutral default
@@ -108,3 +112,13 @@ register("dense_attention", "cpu", _dense_attention.sdpa_padded_values)
 register("latent_attention", ANY, _latent_attention.chunked)
 # DeepSeek-V3.2's MLA over the indexer's picks: chunked gathers, linear in S (the mask form is quadratic)
 register("sparse_mla", ANY, _sparse_mla.gathered)
+# the LM head's fp32 products from low-precision GEMMs with fp32 accumulation where the device has them
+# (the same products, summed in another order; an fp32 operand split in two); elsewhere the reference
+register("fp32_matmul", ANY, _fp32_matmul.split_matmul)
+
+
+def fp32_products(t: torch.Tensor) -> tuple[Callable, torch.Tensor]:
+    """The ``fp32_matmul`` chosen for ``t``'s device, and what to hold of ``t`` for repeated products
+    with it: ``t`` itself when they run in its own dtype, else one fp32 copy."""
+    matmul = get("fp32_matmul", t.device.type)
+    return matmul, (_fp32_matmul.operand(t) if matmul is _fp32_matmul.split_matmul else t.float())

@@ -6,7 +6,8 @@ model's output already holds (at V4's 129,280-token vocabulary and 4K tokens: 2 
 log-sum-exp per token, and rebuilds the softmax in backward: same values, same gradient.
 
 ``head_nll`` goes further when the caller needs the loss and not the logits (SFT, continued
-pretraining): it fuses the fp32 LM head with the loss and runs both over chunks of tokens, so no
+pretraining): it fuses the fp32 LM head with the loss (its products through the kernel registry's
+``fp32_matmul``: on a device with fp32-output bf16 GEMMs, those) and runs both over chunks of tokens, so no
 [N, V] tensor exists beyond one chunk (HEAD_CHUNK_BYTES) in forward or backward; it saves the hidden
 states and one log-sum-exp per token and recomputes each chunk's logits in backward.
 (tests/test_cross_entropy.py checks both against ``F.cross_entropy``.)
@@ -15,6 +16,8 @@ states and one log-sum-exp per token and recomputes each chunk's logits in backw
 from __future__ import annotations
 
 import torch
+
+from trex import kernels
 
 IGNORE_INDEX = -100
 
@@ -61,11 +64,11 @@ class _HeadNLL(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         valid = targets != IGNORE_INDEX
         safe = torch.where(valid, targets, 0)
-        w = weight.float()  # one fp32 copy for the call, as linear_fp32 makes
+        matmul, w = kernels.fp32_products(weight)  # fp32 products (one fp32 copy where they are computed in fp32)
         lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         picked = torch.empty_like(lse)
         for t0, t1 in _token_chunks(h.shape[0], w.shape[0]):
-            z = h[t0:t1].float() @ w.T  # [T, V]
+            z = matmul(h[t0:t1], w.T)  # [T, V] fp32
             lse[t0:t1] = torch.logsumexp(z, dim=-1)
             picked[t0:t1] = z.gather(1, safe[t0:t1, None])[:, 0]
         ctx.save_for_backward(h, weight, lse, safe, valid)
@@ -74,18 +77,18 @@ class _HeadNLL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         h, weight, lse, safe, valid = ctx.saved_tensors
-        w = weight.float()
+        matmul, w = kernels.fp32_products(weight)
         g = grad * valid
         dh = torch.empty(h.shape, dtype=torch.float32, device=h.device) if ctx.needs_input_grad[0] else None
-        dw = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
         for t0, t1 in _token_chunks(h.shape[0], w.shape[0]):
-            hc = h[t0:t1].float()
-            d = (hc @ w.T).sub_(lse[t0:t1, None]).exp_().mul_(g[t0:t1, None])  # softmax * g
+            hc = h[t0:t1]
+            d = matmul(hc, w.T).sub_(lse[t0:t1, None]).exp_().mul_(g[t0:t1, None])  # softmax * g
             d.scatter_add_(1, safe[t0:t1, None], -g[t0:t1, None])  # minus g at the target
             if dh is not None:
-                torch.mm(d, w, out=dh[t0:t1])
+                dh[t0:t1] = matmul(d, w)
             if dw is not None:
-                dw.addmm_(d.T, hc)
+                matmul(d.T, hc, dw)
         return (None if dh is None else dh.to(h.dtype)), (None if dw is None else dw.to(weight.dtype)), None
 
 

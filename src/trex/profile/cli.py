@@ -33,6 +33,10 @@ def register(sub) -> None:
     p.add_argument("--as-dtype", choices=("bf16", "fp16"),
                    help="estimate the model's fp32 work as if run in this precision (a CPU fp32 trace for a "
                         "bf16 device run); default: as recorded")
+    p.add_argument("--meta", action="store_true",
+                   help="run no step: record the recipe's step (its model, seq_len, micro-batch, grad_accum, "
+                        "precision, optimizer) on the meta device, at any size in seconds and no memory, and "
+                        "estimate it on the hardware profiles; no times are measured")
     p.add_argument("--format", choices=("table", "json"), default="table",
                    help="table: for people; json: the report (default: %(default)s)")
     p.set_defaults(func=_run)
@@ -47,9 +51,10 @@ def _run(args: argparse.Namespace) -> int:
         if args.device:
             recipe.train.device = args.device
         hardware = _hardware(args.hardware)
-        from trex.profile.run import profile_with_estimates
+        from trex.profile.run import estimate_on_meta, profile_with_estimates
 
-        report = profile_with_estimates(recipe, args.out, args.steps, args.warmup, hardware, args.as_dtype)
+        report = (estimate_on_meta(recipe, args.out, hardware, args.as_dtype) if args.meta else
+                  profile_with_estimates(recipe, args.out, args.steps, args.warmup, hardware, args.as_dtype))
     except (RecipeError, ValueError) as e:
         print(f"trex profile: {e}", file=sys.stderr)
         return 2

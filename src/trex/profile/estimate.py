@@ -52,10 +52,13 @@ def fused(units: Iterable[Unit]) -> list[Unit]:
     return out
 
 
-def estimate(units: list[Unit], hw: HardwareProfile, steps: int, as_dtype: str | None = None) -> dict:
+def estimate(units: list[Unit], hw: HardwareProfile, steps: int, as_dtype: str | None = None,
+             micro_batches: int = 1) -> dict:
     """Per class and in total, seconds per step on ``hw``, eager and compiled; kernels per step.
 
-    ``units`` are ``steps`` steps' ops (as trex.profile.classes records them)."""
+    ``units`` are ``steps`` steps' ops (as trex.profile.classes records them). ``micro_batches``: the
+    units hold one micro-batch's forward and backward of a step that runs this many (gradient
+    accumulation) and one optimizer update."""
     if hw.memory_gbps <= 0:
         raise ValueError(f"hardware profile {hw.name!r} states no memory_gbps: no device estimate")
     floor = hw.kernel_us * 1e-6
@@ -63,13 +66,15 @@ def estimate(units: list[Unit], hw: HardwareProfile, steps: int, as_dtype: str |
     eager: dict[str, float] = defaultdict(float)
     kernels: dict[str, int] = defaultdict(int)
     for u in kept:
-        eager[u.cls] += max(unit_seconds(u, hw, as_dtype), floor)
-        kernels[u.cls] += 1
+        times = 1 if u.phase == "optimizer" else micro_batches
+        eager[u.cls] += max(unit_seconds(u, hw, as_dtype), floor) * times
+        kernels[u.cls] += times
     compiled: dict[str, float] = defaultdict(float)
     fused_kernels: dict[str, int] = defaultdict(int)
     for u in fused(kept):
-        compiled[u.cls] += max(unit_seconds(u, hw, as_dtype), floor)
-        fused_kernels[u.cls] += 1
+        times = 1 if u.phase == "optimizer" else micro_batches
+        compiled[u.cls] += max(unit_seconds(u, hw, as_dtype), floor) * times
+        fused_kernels[u.cls] += times
     classes = {c: {"eager_s": eager[c] / steps, "compiled_s": compiled[c] / steps,
                    "kernels_eager": round(kernels[c] / steps), "kernels_compiled": round(fused_kernels[c] / steps)}
                for c in eager}

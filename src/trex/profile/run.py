@@ -137,17 +137,54 @@ def profile_with_estimates(recipe: TrainRecipe, out: str, steps: int, warmup: in
     compiled seconds, MFU); written to ``<out>/profile.json``. An estimate needs an eager trace (a
     compiled region's fused kernels are not ops the trace can price): a compiled run gets none."""
     report, measured = profile_recipe(recipe, out, steps, warmup)
-    model_flops = report["model_flops_per_token"] * report["tokens_per_step"]
-    report["estimates"] = []
     if report["compiled"]:
+        report["estimates"] = []
         report["estimate_note"] = "no device estimate from a compiled run: profile with --set train.compile=false"
     else:
-        for hw in hardware:
-            est = estimate(measured.units, hw, measured.steps, as_dtype)
-            dtype = as_dtype or recipe.precision.dtype
-            peak = hw.peak_tflops.get(dtype, 0.0) * 1e12
-            for form in ("eager", "compiled"):
-                est[f"mfu_{form}"] = model_flops / (est[f"{form}_s"] * peak) if peak else None
-            report["estimates"].append(est)
+        report["estimates"] = estimates(measured, report, hardware, as_dtype or recipe.precision.dtype)
     atomic.write_json(os.path.join(report["run_dir"], "profile.json"), report)
+    return report
+
+
+def estimates(measured: StepProfile, report: dict, hardware: list[HardwareProfile], dtype: str,
+              micro_batches: int = 1) -> list[dict]:
+    """The step priced on each hardware profile (trex.profile.estimate), with the MFU each would give:
+    the report's model FLOPs per step over the estimated time at the profile's ``dtype`` peak, and the
+    forward + backward's alone (the optimizer's classes left out)."""
+    model_flops = report["model_flops_per_token"] * report["tokens_per_step"]
+    found = []
+    for hw in hardware:
+        est = estimate(measured.units, hw, measured.steps, dtype if dtype != report["dtype"] else None, micro_batches)
+        peak = hw.peak_tflops.get(dtype, 0.0) * 1e12
+        for form in ("eager", "compiled"):
+            optimizer = sum(c[f"{form}_s"] for k, c in est["classes"].items() if k.startswith("optimizer/"))
+            est[f"mfu_{form}"] = model_flops / (est[f"{form}_s"] * peak) if peak else None
+            est[f"mfu_{form}_forward_backward"] = model_flops / ((est[f"{form}_s"] - optimizer) * peak) if peak else None
+            est[f"optimizer_share_{form}"] = optimizer / est[f"{form}_s"]
+        found.append(est)
+    return found
+
+
+def estimate_on_meta(recipe: TrainRecipe, out: str, hardware: list[HardwareProfile],
+                     as_dtype: str | None = None) -> dict:
+    """`trex profile --meta`: the recipe's step recorded on the meta device (trex.profile.meta) and
+    estimated on each of ``hardware``; ``<out>/profile.json``. One rank's step: no collectives. One
+    micro-batch is recorded and priced ``train.grad_accum`` times, the optimizer once."""
+    from trex.profile.meta import trace_on_meta
+    from trex.train.dry_run import model_config
+
+    cfg = model_config(recipe)
+    d = recipe.data
+    dtype = as_dtype or recipe.precision.dtype
+    measured = trace_on_meta(cfg, d.seq_len, d.micro_batch_size, 1, dtype, recipe.optim)  # x grad_accum below
+    tokens = d.seq_len * d.micro_batch_size * recipe.train.grad_accum
+    classes = [{"class": name, "what": CLASSES.get(name, ""), "launches": c.launches, "flops": c.flops or None,
+                "bytes": c.bytes or None} for name in CLASSES
+               if (c := measured.classes.get(name)) is not None and (c.flops or c.bytes)]
+    report = {"recipe_model": recipe.model.preset or recipe.model.path, "device": "meta", "dtype": dtype,
+              "compiled": False, "tokens_per_step": tokens, "timing": "none (meta device)",
+              "model_flops_per_token": flops_per_token(cfg, d.seq_len).total, "classes": classes, "run_dir": out}
+    report["estimates"] = estimates(measured, report, hardware, dtype, recipe.train.grad_accum)
+    os.makedirs(out, exist_ok=True)
+    atomic.write_json(os.path.join(out, "profile.json"), report)
     return report

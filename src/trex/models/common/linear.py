@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trex import kernels
 from trex.kernels import quantize
 
 
@@ -22,15 +23,16 @@ class _LinearFP32(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        return F.linear(x.float(), weight.float())
+        matmul, w = kernels.fp32_products(weight)
+        return matmul(x.reshape(-1, x.shape[-1]), w.T).view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        dx = (grad @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = (grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+        matmul, w = kernels.fp32_products(weight)
+        g = grad.reshape(-1, grad.shape[-1])
+        dx = matmul(g, w).view(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = matmul(g.T, x.reshape(-1, x.shape[-1])).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw
 
 
