@@ -292,6 +292,10 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(param_groups, defaults={})
         self._owners: dict[torch.Tensor, int] | None = None  # see `owners`
 
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._owners = None  # assigned again over every group at the next step
+
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's, except that state tensors keep their saved dtype (fp32 master and moments):
         torch would cast them to the parameter dtype, losing the master weights of bf16 parameters.
@@ -496,47 +500,46 @@ class _Gathered:
     """One sharded Muon direction on its way through its owner (see `MuonAdamW.step`): the constructor
     gathers the shards on the owner; `orthogonalize` runs the update there (a no-op elsewhere);
     `scatter` sends each rank its shard of the result. Shards follow torch.chunk along ``dim`` (DTensor's
-    Shard), padded to equal sizes for the collectives."""
+    Shard), zero-padded to equal sizes for the collectives. Only the owner keeps tensors in between."""
 
     def __init__(self, direction: DTensor, mesh_dim: int, dim: int, owner: int,
                  update: Callable[[torch.Tensor], torch.Tensor]):
         mesh = direction.device_mesh
-        self.direction, self.dim, self.owner, self.update = direction, dim, owner, update
+        self.dim, self.owner, self.update = dim, owner, update
+        self.mesh, self.placements, self.shape, self.stride = mesh, direction.placements, direction.shape, direction.stride()
         self.group, self.size = mesh.get_group(mesh_dim), mesh.size(mesh_dim)
         self.is_owner = mesh.get_local_rank(mesh_dim) == owner
         self.chunk = -(-direction.shape[dim] // self.size)
-        local = self._padded(direction.to_local())
+        self.local_shape, self.device = direction.to_local().shape, direction.to_local().device
+        local = self._padded(direction.to_local(), self.chunk)
         self.parts = [torch.empty_like(local) for _ in range(self.size)] if self.is_owner else None
         dist.gather(local, self.parts, group=self.group, group_dst=owner)
         self.result: torch.Tensor | None = None
 
-    def _padded(self, t: torch.Tensor) -> torch.Tensor:
-        short = self.chunk - t.shape[self.dim]
+    def _padded(self, t: torch.Tensor, length: int) -> torch.Tensor:
+        """``t`` with zeros appended along ``dim`` up to ``length``, contiguous."""
+        short = length - t.shape[self.dim]
         if short == 0:
             return t.contiguous()
         return torch.cat([t, t.new_zeros(*t.shape[:self.dim], short, *t.shape[self.dim + 1:])], dim=self.dim)
 
     def orthogonalize(self) -> None:
         if self.is_owner:
-            full = torch.cat(self.parts, dim=self.dim).narrow(self.dim, 0, self.direction.shape[self.dim])
-            full = full.contiguous()  # as one process's: a strided view would take another matmul path
+            full = torch.cat(self.parts, dim=self.dim).narrow(self.dim, 0, self.shape[self.dim])
             self.parts = None
-            self.result = self.update(full)
+            self.result = self.update(full.contiguous())  # contiguous as one process's: a view takes another path
 
     def scatter(self) -> DTensor:
-        d = self.direction
-        local_rows = d.to_local().shape[self.dim]
-        received = torch.empty_like(self._padded(d.to_local()), dtype=torch.float32)
+        received = torch.empty((*self.local_shape[:self.dim], self.chunk, *self.local_shape[self.dim + 1:]),
+                               dtype=torch.float32, device=self.device)
         parts = None
         if self.is_owner:
-            padded = torch.cat([self.result, self.result.new_zeros(
-                *self.result.shape[:self.dim], self.chunk * self.size - self.result.shape[self.dim],
-                *self.result.shape[self.dim + 1:])], dim=self.dim)
-            parts = [c.contiguous() for c in padded.split(self.chunk, dim=self.dim)]
+            parts = list(self._padded(self.result, self.chunk * self.size).split(self.chunk, dim=self.dim))
+            parts = [c.contiguous() for c in parts]
+            self.result = None
         dist.scatter(received, parts, group=self.group, group_src=self.owner)
-        self.result = None
-        return DTensor.from_local(received.narrow(self.dim, 0, local_rows), d.device_mesh, d.placements,
-                                  shape=d.shape, stride=d.stride())
+        return DTensor.from_local(received.narrow(self.dim, 0, self.local_shape[self.dim]), self.mesh,
+                                  self.placements, shape=self.shape, stride=self.stride)
 
 
 def _logical_count(p: torch.Tensor, row_blocks: Sequence[int]) -> int:
