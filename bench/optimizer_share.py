@@ -73,8 +73,9 @@ def measured(seq: int, steps: int, threads: int) -> list[str]:
     iterations = sum(section.ns_iterations)
     ns = sum(ns_flops(p.shape, blocks, iterations) for _, p, rule, blocks in classify(model) if rule.muon)
     rows = []
-    for label, opt_cfg in (("Muon, NS fp32", OptimSection(ns_dtype="fp32")), ("Muon, NS bf16", OptimSection(ns_dtype="bf16")),
-                           ("AdamW", OptimSection(name="adamw"))):
+    optimizers = (("Muon, NS fp32", OptimSection(ns_dtype="fp32")), ("Muon, NS bf16", OptimSection(ns_dtype="bf16")),
+                  ("AdamW", OptimSection(name="adamw")))
+    for label, opt_cfg in optimizers:
         opt_s = _fastest(build_optimizer(model, opt_cfg).step, steps)
         per_s = f"{ns / opt_s / 1e9:.1f}" if opt_cfg.name == "muon" else "-"
         rows.append(f"| {label} | {1e3 * opt_s:.1f} | {per_s} | {_share(opt_s, fb_s, 1)} | "

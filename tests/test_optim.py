@@ -296,8 +296,9 @@ def sharded_muon(tmp_path_factory):
     from test_distributed import ROOT, _free_port
 
     out = tmp_path_factory.mktemp("muon_owner")
+    worker = os.path.join(ROOT, "tests", "muon_owner_worker.py")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           f"--master-port={_free_port()}", os.path.join(ROOT, "tests", "muon_owner_worker.py"), str(out)],
+                           f"--master-port={_free_port()}", worker, str(out)],
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]

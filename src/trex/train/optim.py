@@ -506,7 +506,8 @@ class _Gathered:
                  update: Callable[[torch.Tensor], torch.Tensor]):
         mesh = direction.device_mesh
         self.dim, self.owner, self.update = dim, owner, update
-        self.mesh, self.placements, self.shape, self.stride = mesh, direction.placements, direction.shape, direction.stride()
+        self.mesh, self.placements = mesh, direction.placements
+        self.shape, self.stride = direction.shape, direction.stride()
         self.group, self.size = mesh.get_group(mesh_dim), mesh.size(mesh_dim)
         self.is_owner = mesh.get_local_rank(mesh_dim) == owner
         self.chunk = -(-direction.shape[dim] // self.size)
