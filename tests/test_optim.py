@@ -9,7 +9,7 @@ import torch
 from trex.models import build_model
 from trex.models.config import tiny
 from trex.train.moe_balance import freeze_indexer
-from trex.train.optim import (OptimSection, build_optimizer, classify, clip_grad_norm, hybrid_newton_schulz,
+from trex.train.optim import (OptimSection, build_optimizer, classify, clip_grad_norm, hybrid_newton_schulz, ns_flops,
                               orthogonalized_update)
 from trex.train.schedule import ScheduleSection, build_scheduler, lr_multiplier
 
@@ -281,3 +281,47 @@ def test_training_on_one_batch_lowers_the_loss(name):
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+# ---- Muon on sharded parameters: two gloo ranks (tests/muon_owner_worker.py) ---------------------------
+@pytest.fixture(scope="module")
+def sharded_muon(tmp_path_factory):
+    """Each rank's record of two Muon steps of the tiny model under FSDP2 x EP 2, and of three
+    hand-sharded matrices, with one process's gradients."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_distributed import ROOT, _free_port
+
+    out = tmp_path_factory.mktemp("muon_owner")
+    worker = os.path.join(ROOT, "tests", "muon_owner_worker.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           f"--master-port={_free_port()}", worker, str(out)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_sharded_muon_update_is_one_processs_bitwise(sharded_muon):
+    """The owner orthogonalises the same full matrix one process would (gathered shards are the same
+    elementwise momentum), so every Muon parameter, every layout, equals one process's bit for bit."""
+    assert sharded_muon[0]["mismatched"] == []  # [name, max |difference|] of each parameter that differs
+    assert all(r["syncs"] == 0 for r in sharded_muon)
+
+
+def test_sharded_muon_runs_newton_schulz_once_per_matrix(sharded_muon):
+    """A matrix FSDP splits is orthogonalised by its owner only, each matrix by exactly one rank, the
+    owners' loads balanced; a stack of experts split over EP (FSDP's strided shard on top) by each
+    rank for its own experts only, as is a hand-made stack split on its rows by its owner."""
+    owned = [sorted(map(tuple, r["owned"])) for r in sharded_muon]
+    for r, mine in zip(sharded_muon, owned):
+        assert sorted(map(tuple, r["ns_calls"])) == sorted(2 * (mine + [tuple(s) for s in r["stacks"]]))  # 2 steps
+        assert r["experts"][0] == 2  # 4 experts over EP 2
+        assert all(s[0] == 2 for s in r["stacks"])  # only the local experts, not all 4
+    assert len(owned[0]) + len(owned[1]) == sharded_muon[0]["owner_path"]
+    assert {(5, 12), (12, 5), (3, 8, 6)} <= set(owned[0]) | set(owned[1])
+    loads = [sum(ns_flops(s, [], 10) for s in mine) for mine in owned]
+    assert max(loads) < 1.25 * min(loads), loads

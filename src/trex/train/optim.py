@@ -26,10 +26,12 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 import typing
-from typing import Iterable, Literal, Sequence
+from typing import Callable, Iterable, Literal, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch import nn
 
@@ -162,6 +164,18 @@ def orthogonalized_update(direction: torch.Tensor, row_blocks: Sequence[int], up
     return torch.cat([scaled(b) for b in direction.split(blocks, dim=-2)], dim=-2)
 
 
+def ns_flops(shape: Sequence[int], row_blocks: Sequence[int], iterations: int) -> int:
+    """Matmul FLOPs of `orthogonalized_update` on a whole parameter of ``shape`` with ``iterations``
+    Newton-Schulz iterations in all: each logical n x m matrix (n <= m after the transpose) costs
+    4 n^2 m + 2 n^3 per iteration (X X^T, A A, then (b A + c A A) X)."""
+    rows, cols = shape[-2], shape[-1]
+    per_stack = 0
+    for r in list(row_blocks) or [rows]:
+        n, m = min(r, cols), max(r, cols)
+        per_stack += 4 * n * n * m + 2 * n ** 3
+    return math.prod(shape[:-2]) * per_stack * iterations
+
+
 def muon_update(grad: torch.Tensor, momentum: torch.Tensor, row_blocks: Sequence[int], *, mu: float,
                 nesterov: bool, update_rms: float, schedule: Sequence[tuple[float, float, float, int]],
                 ns_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -277,6 +291,11 @@ class MuonAdamW(torch.optim.Optimizer):
             if group["algorithm"] == "muon":
                 group.setdefault("row_blocks", [[] for _ in range(n)])
         super().__init__(param_groups, defaults={})
+        self._owners: dict[torch.Tensor, int] | None = None  # see `owners`
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._owners = None  # assigned again over every group at the next step
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's, except that state tensors keep their saved dtype (fp32 master and moments):
@@ -295,28 +314,70 @@ class MuonAdamW(torch.optim.Optimizer):
         """One update of every parameter with a gradient. ``apply`` (0-d bool on the parameters'
         device) makes the step conditional without a host read: where it is False, parameters,
         masters, moments and step counts keep their values exactly (non-finite gradients included),
-        so a skipped step costs no synchronisation."""
+        so a skipped step costs no synchronisation.
+
+        A Muon matrix sharded over its rows or columns (FSDP) is orthogonalised by one rank of its
+        shard group, its owner (`owners`): every such direction is first gathered to its owner, then
+        each rank orthogonalises what it owns, then every result is scattered back as shards, so the
+        ranks run their Newton-Schulz iterations side by side, not one after another. The owner sees
+        the same full matrix as one process would, so the update is bitwise the one process's."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         with implicit_replication():  # the 0-d ``apply`` and step tensors meet DTensor state as replicated
+            gathered = []
             for group in self.param_groups:
                 for i, p in enumerate(group["params"]):
-                    if p.grad is not None:
-                        self._update(group, i, p, apply)
+                    if p.grad is None:
+                        continue
+                    update = self._update_of(group, i, p, apply)
+                    if isinstance(update, _Gathered):
+                        gathered.append((group, p, update))
+                    else:
+                        self._apply(group, p, update, apply)
+            for *_, g in gathered:  # this rank's own matrices only
+                g.orthogonalize()
+            for group, p, g in gathered:  # in the gathers' order on every rank
+                self._apply(group, p, g.scatter(), apply)
         return loss
 
-    def _update(self, group: dict, i: int, p: torch.Tensor, apply: torch.Tensor | None) -> None:
+    def owners(self) -> dict[torch.Tensor, int]:
+        """The owner of each Muon parameter whose matrices are split over a shard group: its index in
+        that group (0 .. size - 1). Deterministic from the parameters' order, global shapes and
+        placements (the same on every rank): largest Newton-Schulz cost first, each to the least loaded
+        index of groups of its size (ties: the lowest index), so the owners' loads are balanced."""
+        if self._owners is None:
+            candidates = []
+            for group in self.param_groups:
+                if group["algorithm"] != "muon":
+                    continue
+                iterations = sum(int(stage[3]) for stage in group["ns_schedule"])
+                for p, blocks in zip(group["params"], group["row_blocks"]):
+                    split = _matrix_split(p) if isinstance(p, DTensor) else None
+                    if isinstance(split, tuple):
+                        size = p.device_mesh.size(split[0])
+                        candidates.append((ns_flops(p.shape, blocks, iterations), len(candidates), size, p))
+            loads: dict[int, list[int]] = {}
+            self._owners = {}
+            for cost, _, size, p in sorted(candidates, key=lambda c: (-c[0], c[1])):
+                load = loads.setdefault(size, [0] * size)
+                owner = load.index(min(load))
+                load[owner] += cost
+                self._owners[p] = owner
+        return self._owners
+
+    def _update_of(self, group: dict, i: int, p: torch.Tensor, apply: torch.Tensor | None):
         state = self.state[p]
-        master = self._master(p, state)
         grad = p.grad if apply is None else torch.where(apply, p.grad, 0)
         if group["algorithm"] == "muon":
-            update = self._muon_update(group, i, p, grad, state, apply)
-        elif group["algorithm"] == "rowwise_adagrad":
-            update = self._rowwise_adagrad_update(group, grad, state, apply)
-        else:
-            update = self._adamw_update(group, p, grad, state, apply)
+            return self._muon_update(group, i, p, grad, state, apply)
+        if group["algorithm"] == "rowwise_adagrad":
+            return self._rowwise_adagrad_update(group, grad, state, apply)
+        return self._adamw_update(group, p, grad, state, apply)
+
+    def _apply(self, group: dict, p: torch.Tensor, update: torch.Tensor, apply: torch.Tensor | None) -> None:
+        master = self._master(p, self.state[p])
         decay = 1.0 - group["lr"] * group["weight_decay"]
         if apply is None:
             master.mul_(decay).add_(update, alpha=-group["lr"])
@@ -333,12 +394,13 @@ class MuonAdamW(torch.optim.Optimizer):
             state["master"] = p.detach().float().clone()
         return state["master"]
 
-    @staticmethod
-    def _muon_update(group: dict, i: int, p: torch.Tensor, grad: torch.Tensor, state: dict,
-                     apply: torch.Tensor | None) -> torch.Tensor:
-        """The momentum is updated shard-locally; the orthogonalization sees each logical matrix whole:
-        a sharded 2-D parameter is gathered, and a stack of experts sharded on dim 0 already holds
-        whole matrices. The result is re-sharded like the parameter."""
+    def _muon_update(self, group: dict, i: int, p: torch.Tensor, grad: torch.Tensor, state: dict,
+                     apply: torch.Tensor | None) -> torch.Tensor | _Gathered:
+        """The momentum is updated shard-locally; the orthogonalization sees each logical matrix whole.
+        A stack of experts sharded on dim 0 (over EP and FSDP, plain or strided) already holds whole
+        matrices: each rank orthogonalises its own. A matrix split over one mesh dim's rows or columns
+        (FSDP) is gathered to its owner (returned as `_Gathered`, see `step`). Any other layout is
+        gathered on every rank and orthogonalised redundantly. The result is sharded like the parameter."""
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
         direction = momentum_direction(grad, state["momentum_buffer"], group["momentum"], group["nesterov"], apply)
@@ -349,10 +411,12 @@ class MuonAdamW(torch.optim.Optimizer):
 
         if not isinstance(direction, DTensor):
             return orthogonalize(direction)
-        if direction.dim() > 2 and all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0)
-                                       for pl in direction.placements):
+        split = _matrix_split(direction)
+        if split == "local":
             return DTensor.from_local(orthogonalize(direction.to_local()), direction.device_mesh,
                                       direction.placements, shape=direction.shape, stride=direction.stride())
+        if isinstance(split, tuple):
+            return _Gathered(direction, *split, self.owners()[p], orthogonalize)
         full = orthogonalize(direction.full_tensor())
         return distribute_tensor(full, direction.device_mesh, direction.placements, src_data_rank=None)
 
@@ -412,6 +476,72 @@ class MuonAdamW(torch.optim.Optimizer):
         head = (f"optimizer: {plural(len(self.param_groups), 'group')}, {plural(total, 'parameter')}, "
                 f"{plural(matrices, 'Muon logical matrix', 'Muon logical matrices')}")
         return "\n".join([head, *lines])
+
+
+def _matrix_split(t: DTensor) -> str | tuple[int, int]:
+    """How a Muon parameter's (or direction's) logical matrices lie over its mesh: "local" when every rank
+    holds whole matrices (replicated, or a stack sharded on its leading dims only); (mesh dim, tensor
+    dim) when exactly one mesh dim splits a matrix dim into plain chunks (FSDP's Shard); "full" otherwise."""
+    stack_dims = t.dim() - 2
+    splits = []
+    for mesh_dim, placement in enumerate(t.placements):
+        if placement.is_replicate():
+            continue
+        if isinstance(placement, (Shard, _StridedShard)) and placement.dim < stack_dims:
+            continue  # whole matrices of a stack (experts over EP and FSDP)
+        if type(placement) is not Shard:
+            return "full"
+        splits.append((mesh_dim, placement.dim))
+    if not splits:
+        return "local"
+    return splits[0] if len(splits) == 1 else "full"
+
+
+class _Gathered:
+    """One sharded Muon direction on its way through its owner (see `MuonAdamW.step`): the constructor
+    gathers the shards on the owner; `orthogonalize` runs the update there (a no-op elsewhere);
+    `scatter` sends each rank its shard of the result. Shards follow torch.chunk along ``dim`` (DTensor's
+    Shard), zero-padded to equal sizes for the collectives. Only the owner keeps tensors in between."""
+
+    def __init__(self, direction: DTensor, mesh_dim: int, dim: int, owner: int,
+                 update: Callable[[torch.Tensor], torch.Tensor]):
+        mesh = direction.device_mesh
+        self.dim, self.owner, self.update = dim, owner, update
+        self.mesh, self.placements = mesh, direction.placements
+        self.shape, self.stride = direction.shape, direction.stride()
+        self.group, self.size = mesh.get_group(mesh_dim), mesh.size(mesh_dim)
+        self.is_owner = mesh.get_local_rank(mesh_dim) == owner
+        self.chunk = -(-direction.shape[dim] // self.size)
+        self.local_shape, self.device = direction.to_local().shape, direction.to_local().device
+        local = self._padded(direction.to_local(), self.chunk)
+        self.parts = [torch.empty_like(local) for _ in range(self.size)] if self.is_owner else None
+        dist.gather(local, self.parts, group=self.group, group_dst=owner)
+        self.result: torch.Tensor | None = None
+
+    def _padded(self, t: torch.Tensor, length: int) -> torch.Tensor:
+        """``t`` with zeros appended along ``dim`` up to ``length``, contiguous."""
+        short = length - t.shape[self.dim]
+        if short == 0:
+            return t.contiguous()
+        return torch.cat([t, t.new_zeros(*t.shape[:self.dim], short, *t.shape[self.dim + 1:])], dim=self.dim)
+
+    def orthogonalize(self) -> None:
+        if self.is_owner:
+            full = torch.cat(self.parts, dim=self.dim).narrow(self.dim, 0, self.shape[self.dim])
+            self.parts = None
+            self.result = self.update(full.contiguous())  # contiguous as one process's: a view takes another path
+
+    def scatter(self) -> DTensor:
+        received = torch.empty((*self.local_shape[:self.dim], self.chunk, *self.local_shape[self.dim + 1:]),
+                               dtype=torch.float32, device=self.device)
+        parts = None
+        if self.is_owner:
+            parts = list(self._padded(self.result, self.chunk * self.size).split(self.chunk, dim=self.dim))
+            parts = [c.contiguous() for c in parts]
+            self.result = None
+        dist.scatter(received, parts, group=self.group, group_src=self.owner)
+        return DTensor.from_local(received.narrow(self.dim, 0, self.local_shape[self.dim]), self.mesh,
+                                  self.placements, shape=self.shape, stride=self.stride)
 
 
 def _logical_count(p: torch.Tensor, row_blocks: Sequence[int]) -> int:
