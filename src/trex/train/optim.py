@@ -123,11 +123,15 @@ def hybrid_newton_schulz(x: torch.Tensor, schedule: Sequence[tuple[float, float,
     X = x.float()
     X = X / (torch.linalg.matrix_norm(X, keepdim=True) + 1e-7)
     tall = X.shape[-2] > X.shape[-1]
-    X = (X.mT if tall else X).to(dtype)
+    batch = X.shape[:-2]
+    # one contiguous [batch, small, large] stack: every product is one bmm, scales and sums in its epilogue
+    X = (X.mT if tall else X).reshape(-1, *X.shape[-2:][::-1] if tall else X.shape[-2:]).to(dtype).contiguous()
     for a, b, c, iterations in schedule:
         for _ in range(iterations):
-            A = X @ X.mT
-            X = a * X + (b * A + c * (A @ A)) @ X
+            A = torch.bmm(X, X.mT)
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A A
+            X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
+    X = X.reshape(*batch, *X.shape[-2:])
     return (X.mT if tall else X).float()
 
 
