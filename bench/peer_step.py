@@ -5,19 +5,22 @@ shape, the same weights, the same tokens and the same device, in one run.
 torchtitan's model is configured from trex's V3Config (``titan_config``) and given trex's weights by a name
 map (``titan_name``: every parameter and the router bias, both ways). Before any timing, both models, in fp32
 on the bench's device and shape, must give the same loss on the same tokens, and again after one AdamW step
-(so the gradients agree too), within ``LOSS_RTOL`` (``check``). Then each (model, S) runs in a subprocess of
+(so the gradients agree too), within ``LOSS_RTOL`` (``check``; it exits the bench non-zero otherwise). Then each (model, S) runs in a subprocess of
 its own so that its peak memory is its own: the fastest of ``--steps`` steps after one warm-up step, and the
 memory the step adds (trex.device: resident-set growth on the CPU, the allocator's on an accelerator).
 
     make setup-bench                                           # torchtitan 0.3.0, pinned (bench/requirements.txt)
     .venv/bin/python bench/peer_step.py --write                # CPU fp32, narrow V3, S = 512 ... 4096
-    .venv/bin/python bench/peer_step.py --device cuda --write  # a device: bf16, a V3-shaped 4-layer stack, S = 4096
+    .venv/bin/python bench/peer_step.py --device TYPE --out peer.json  # an accelerator (trex.device): bf16,
+                                                                 # a V3-shaped 4-layer stack, S = 4096
+    .venv/bin/python bench/peer_step.py --report peer.json --write  # its table into docs/benchmarks.md
     .venv/bin/python bench/peer_step.py --seqs 128 --steps 2   # printed only
 
 What differs, and how it is matched (``titan_config``): torchtitan's RMSNorms default to eps 1e-5; they are
 given trex's (the config's ``rms_norm_eps`` for the blocks, 1e-6 for MLA's latent norms, as DeepSeek's code).
 torchtitan's grouped experts cast their inputs and weights to bf16 whatever the model's dtype (its
-``GroupedExperts.forward``): kept as shipped (the loss check passes with it at the bench shapes). Its
+``GroupedExperts.forward``): timed as shipped; the loss check runs them without the casts (``unrounded_experts``)
+and the shipped loss beside, within ``SHIPPED_RTOL``. Its
 language-model attention is FlexAttention, compiled, which has no backward on the CPU; there it takes its
 own ``ScaledDotProductAttention`` (``is_causal``, one document per row: the same mask), elsewhere FlexAttention
 (``--titan-attention``). torchtitan 0.3.0 imports Triton at module level for its multi-rank expert-parallel
@@ -69,7 +72,7 @@ def shape_config(shape: str):
 
 def import_torchtitan():
     """torchtitan.models.deepseek_v3, importable under a torch without Triton: torchtitan 0.3.0's model imports
-    its expert-parallel token dispatchers, whose kernels module imports ``triton`` at the top (CUDA-only
+    its expert-parallel token dispatchers, whose kernels module imports ``triton`` at the top (GPU-only
     multi-rank kernels). Without Triton that one module is replaced by a stand-in whose every function raises
     if called; a one-device model never calls them. With Triton, nothing is replaced."""
     if importlib.util.find_spec("triton") is None and _EP_KERNELS not in sys.modules:
@@ -366,22 +369,32 @@ def table(results: dict, checked: dict, seqs: list[int], meta: dict) -> str:
     return "\n".join(lines)
 
 
-WHERE_TIME_GOES = (
-    "Where each side spends its time. The weights, tokens, optimizer and loss are the same; the attention "
-    "core is not. MLA's values (64 wide here, 128 at V3's size) are narrower than its query/key heads (96; 192). "
-    "trex's `dense_attention` op pads the values to the query width on the CPU "
-    "(trex.kernels.dense_attention `sdpa_padded_values`), so PyTorch's fused CPU flash kernel takes it: an online "
-    "softmax, no [S, S] scores kept. torchtitan's language-model attention is FlexAttention, which has no CPU "
-    "backward, so on the CPU the bench gives it its own `ScaledDotProductAttention` (causal); with unequal "
-    "head widths PyTorch's SDPA falls back to the math path there, which materialises the [H, S, S] scores "
-    "and their softmax for backward: the step memory that grows with S^2 and most of the time at long S. On an "
-    "accelerator torchtitan runs its compiled FlexAttention (a generated kernel, block-sparse over the causal "
-    "mask) and trex PyTorch's fused SDPA kernel with the document mask. The rest is alike: both run the "
-    "projections as plain GEMMs and route with the same grouped sigmoid top-k; torchtitan's experts are one "
-    "`torch._grouped_mm` per projection on bf16 casts of inputs and weights (even in an fp32 run), trex's a sort "
-    "by expert and its grouped SwiGLU in the model's dtype; trex fuses the LM head with the loss a chunk of "
-    "rows at a time, torchtitan makes the [S, vocab] logits and an fp32 copy for its cross-entropy."
-)
+WHERE_TIME_GOES = {  # measured on the CPU: torch.profiler over one step of each at S = 4096, the narrow shape
+    "cpu": (
+        "Where each side spends its time (torch.profiler over one step of each at S = 4096, the same config "
+        "and machine): the attention core is over half of both steps, by different kernels. MLA's values (64 "
+        "wide here, 128 at V3's size) are narrower than its query/key heads (96; 192). trex's `dense_attention` "
+        "op pads the values to the query width on the CPU (trex.kernels.dense_attention `sdpa_padded_values`) so "
+        "that PyTorch's fused CPU flash kernel takes it: 53% of trex's step (forward 12%, backward 41%), no "
+        "[H, S, S] scores kept. torchtitan's language-model attention is FlexAttention, which has no backward "
+        "on the CPU; the bench gives it torchtitan's own causal `ScaledDotProductAttention`, where unequal head "
+        "widths send PyTorch's SDPA down the math path: batched GEMMs over materialised [H, S, S] scores, a "
+        "masked softmax and their backward, about 60% of its step. The math path is what costs the memory (the "
+        "step memory ratio grows with S); it costs less time than memory, because the fused kernel's backward "
+        "is itself slow on two cores (41% of trex's step). The rest: the projections are plain GEMMs on both; "
+        "the same AdamW (single-tensor on the CPU) is 5-7% of a step; the expert GEMMs are 15% of trex's step "
+        "(its grouped SwiGLU, fp32) and 8% of torchtitan's (`torch._grouped_mm` on bf16 casts of inputs and "
+        "weights, which torchtitan makes even in an fp32 run): a lead for trex's experts on the CPU; trex fuses "
+        "the LM head with the loss a chunk of rows at a time, torchtitan makes the [S, vocab] logits and an "
+        "fp32 copy (small at vocabulary 1024)."),
+    "accelerator": (
+        "Where each side spends its time: torchtitan runs its language-model attention, FlexAttention, "
+        "compiled (a generated kernel over the causal block mask; Inductor's autotuning is in its warm-up), "
+        "trex PyTorch's fused scaled-dot-product attention with the document mask (trex.kernels.dense_attention "
+        "`sdpa`); torchtitan's experts are `torch._grouped_mm` on bf16, trex's its grouped SwiGLU; trex fuses "
+        "the LM head with the loss, torchtitan makes the [S, vocab] logits and an fp32 copy. Neither side is "
+        "compiled beyond that: both eager."),
+}
 
 
 def main() -> None:
@@ -457,11 +470,13 @@ def render(data: dict, write: bool) -> None:
     where = meta["device_name"] if acc else "CPU"
     cmd = ".venv/bin/python bench/peer_step.py" + (f" --device {meta['device_type']}" if acc else "") + " --write"
     kind = "accelerator" if acc else "cpu"
-    shared = ("" if acc else " The machine's 2 cores were shared with other jobs during the run: the times are "
-              "the fastest of the steps, the ratios hold better than the absolute figures.")
+    shared = ("" if acc else " The CPU figures were measured with the machine's cores shared with other jobs "
+              "whose load varied during the run: each time is the fastest of its steps; the memory figures do not "
+              "depend on the load, the speed ratios do (on the 2-core machine of 2026-12-06 an earlier run, stopped "
+              "before 4,096, gave 1.41x, 1.63x and 1.48x at 512, 1,024 and 2,048).")
     write_docs_section(f"<!-- peer-step-bench-{kind}:begin -->", f"<!-- peer-step-bench-{kind}:end -->",
                        f"## A peer beside it: trex vs torchtitan {meta['torchtitan']}, DeepSeek-V3 training step "
-                       f"({where})\n\nCommand: `make setup-bench && {cmd}`\n\n{text}\n\n{WHERE_TIME_GOES}{shared}")
+                       f"({where})\n\nCommand: `make setup-bench && {cmd}`\n\n{text}\n\n{WHERE_TIME_GOES[kind]}{shared}")
 
 
 if __name__ == "__main__":
