@@ -261,7 +261,7 @@ def check(cfg, seq: int, device: str, attention: str) -> dict:
 
     dev = device_layer.detect(device)
     toks = tokens(cfg, seq, dev.torch_device)
-    out = {"seq": seq}
+    out = {"seq": seq, "attention": attention}
     for impl in IMPLS:
         model = build(impl, cfg, dev, torch.float32, attention)
         compute_loss = loss_fn(impl, attention)
@@ -336,7 +336,18 @@ def _child(args: list[str], device: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def table(results: dict, checked: dict, seqs: list[int], meta: dict) -> str:
+def check_line(checked: dict | None, attention: str) -> str:
+    """The loss check's sentence under the table (``check``'s dict, or its error)."""
+    if not checked or "rel_shipped" not in checked:
+        return f"The loss check did not pass: {(checked or {}).get('error', 'not run')}; nothing was timed."
+    other = "" if checked.get("attention", attention) == attention else f", torchtitan's attention {checked['attention']}"
+    return (f"Same loss before timing (fp32, S = {checked['seq']}, torchtitan's experts without their bf16 casts{other}): "
+            f"trex {checked['trex'][0]:.6f}, torchtitan {checked['torchtitan'][0]:.6f} (relative {checked['rel_0']:.1e}); "
+            f"after one AdamW step, relative {checked['rel_1']:.1e}; torchtitan as shipped (bf16 expert GEMMs) "
+            f"{checked['torchtitan_shipped']:.6f} (relative {checked['rel_shipped']:.1e}).")
+
+
+def table(results: dict, checked: dict | None, seqs: list[int], meta: dict) -> str:
     def mib(r: dict, key: str) -> str:
         return f"{r[key] / 2**20:.0f}" if key in r else "-"
 
@@ -348,10 +359,7 @@ def table(results: dict, checked: dict, seqs: list[int], meta: dict) -> str:
         f"its optimizer state ({'the allocator' if acc else 'resident-set growth'}). torchtitan's attention: "
         f"{'FlexAttention (compiled)' if meta['attention'] == 'flex' else 'its causal ScaledDotProductAttention'}.",
         CONFIG_LINES["v3"] if meta["shape"] == "narrow" else V3_SHAPE_LINE,
-        f"Same loss before timing (fp32, S = {checked['seq']}, torchtitan's experts without their bf16 casts): trex "
-        f"{checked['trex'][0]:.6f}, torchtitan {checked['torchtitan'][0]:.6f} (relative {checked['rel_0']:.1e}); "
-        f"after one AdamW step, relative {checked['rel_1']:.1e}; torchtitan as shipped (bf16 expert GEMMs) "
-        f"{checked['torchtitan_shipped']:.6f} (relative {checked['rel_shipped']:.1e}).",
+        check_line(checked, meta["attention"]),
         "",
         "| S | trex tok/s | torchtitan tok/s | trex / torchtitan speed | trex step MiB | torchtitan step MiB "
         "| torchtitan / trex memory | trex warm-up s | torchtitan warm-up s |",
@@ -407,7 +415,10 @@ def main() -> None:
     parser.add_argument("--titan-attention", choices=("flex", "sdpa"),
                         help="torchtitan's inner attention (default: sdpa on the CPU, where FlexAttention has no "
                              "backward; flex elsewhere)")
-    parser.add_argument("--out", help="also write the results as JSON here")
+    parser.add_argument("--check-attention", choices=("flex", "sdpa"),
+                        help="torchtitan's inner attention in the fp32 loss check (default: the timed one; sdpa "
+                             "spares an accelerator FlexAttention's fp32 compile and autotuning)")
+    parser.add_argument("--out", help="also write the results as JSON here (after every part)")
     parser.add_argument("--write", action="store_true", help="put the table into docs/benchmarks.md (default: print)")
     parser.add_argument("--report", metavar="JSON", help="print (with --write: write) the table of a run's --out file")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -432,28 +443,33 @@ def main() -> None:
     if args.report:
         render(json.load(open(args.report)), args.write)
         return
-    checked = _child(["check", shape, str(min(*seqs, CHECK_MAX_SEQ)), attention], args.device)
-    print(json.dumps({"check": checked}), flush=True)
-    if "error" in checked:
-        sys.exit(f"peer bench: the two models disagree before timing: {checked['error']}")
-    results = []
-    for seq in seqs:
-        for impl in IMPLS:
-            r = {"impl": impl, "seq": seq, **_child(["run", impl, str(seq), shape, dtype, str(args.steps), attention],
-                                                     args.device)}
-            results.append(r)
-            print(json.dumps(r), flush=True)
     report = device_layer.environment_report(dev)
     meta = {"device_name": report.get("device_name", dev.type) if accelerator
             else f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
             "device_type": dev.type, "accelerator": accelerator, "torch": torch.__version__,
             "torchtitan": TITAN_VERSION, "threads": torch.get_num_threads(), "dtype": dtype, "steps": args.steps,
             "attention": attention, "seqs": seqs, "shape": shape}
-    data = {"meta": meta, "check": checked, "results": results}
-    if args.out:
-        from trex.atomic import write_text
+    data = {"meta": meta, "check": None, "results": []}
 
-        write_text(args.out, json.dumps(data, indent=1))
+    def save() -> None:  # after every part: a run stopped by a time limit keeps what it measured
+        if args.out:
+            from trex.atomic import write_text
+
+            write_text(args.out, json.dumps(data, indent=1))
+
+    data["check"] = checked = _child(["check", shape, str(min(*seqs, CHECK_MAX_SEQ)),
+                                      args.check_attention or attention], args.device)
+    save()
+    print(json.dumps({"check": checked}), flush=True)
+    if "error" in checked:
+        sys.exit(f"peer bench: the two models disagree before timing: {checked['error']}")
+    for seq in seqs:
+        for impl in IMPLS:
+            r = {"impl": impl, "seq": seq, **_child(["run", impl, str(seq), shape, dtype, str(args.steps), attention],
+                                                     args.device)}
+            data["results"].append(r)
+            save()
+            print(json.dumps(r), flush=True)
     render(data, args.write)
 
 
