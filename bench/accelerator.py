@@ -38,27 +38,13 @@ def flash_stack(smoke: bool):
                                n_routed_experts=8, num_experts_per_tok=6)
 
 
-class _FixedBatch:
-    """An SFT objective over one fixed packed batch: the loop's step without a data pipeline."""
-
-    def __init__(self, batch, cfg_train, par):
-        self.batch, self.cfg_train, self.par = batch, cfg_train, par
-
-    def step(self, model, step, scaler):
-        from trex.posttrain.objective import StepResult
-        from trex.posttrain.sft import accumulate_gradients
-
-        lm, mtp, aux = accumulate_gradients(model, [self.batch], self.cfg_train, scaler, self.par)
-        return StepResult(loss=lm, tokens=self.batch.n_tokens, metrics={"mtp_loss": mtp}, moe_stats=aux.moe_stats)
-
-
 def measure_step(device: str, dtype: str, seq: int, compiled: bool, steps: int, smoke: bool, backend: str) -> dict:
     """Build the stack on ``device``, run ``steps`` timed training steps after the warm-up (which
     compiles), and return tokens/s, MFU, peak memory and, compiled, the compile time."""
     import torch
 
     from trex import device as device_layer
-    from trex.data import Batch
+    from trex import kernels
     from trex.hardware import profile_for_device_name
     from trex.models import build_model
     from trex.models.flops import flops_per_token
@@ -68,10 +54,12 @@ def measure_step(device: str, dtype: str, seq: int, compiled: bool, steps: int, 
     from trex.train.config import TrainSection
     from trex.train.optim import OptimSection, build_optimizer
     from trex.precision import PrecisionPolicy, StepGuard
+    from trex.profile.meta import FixedBatches, packed_batch
     from trex.train.step import train_step
 
     dev = device_layer.detect(device)
     dev.set_current()
+    kernels.prepare(dev.type)
     policy = PrecisionPolicy.resolve(dtype, dev)
     cfg = flash_stack(smoke)
     torch.manual_seed(0)
@@ -82,12 +70,7 @@ def measure_step(device: str, dtype: str, seq: int, compiled: bool, steps: int, 
     optimizer = build_optimizer(model, OptimSection(lr=1e-4), dev)
     params = [p for p in model.parameters() if p.requires_grad]
     guard = StepGuard(3)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=gen)
-    docs = torch.zeros_like(ids)
-    docs[0, seq // 3:] = 1  # two packed documents
-    batch = Batch(ids, ids.clone(), docs, seq - 2, seq, torch.ones_like(ids, dtype=torch.bool)).to(dev.torch_device)
-    objective = _FixedBatch(batch, TrainSection(), Parallel())
+    objective = FixedBatches([packed_batch(cfg.vocab_size, 1, seq, dev.torch_device)], TrainSection(), Parallel())
 
     def one(step: int):
         out = train_step(model, objective, optimizer, params, guard, step, grad_clip=1.0, bias_gamma=1e-3,
@@ -127,16 +110,49 @@ def measure_step(device: str, dtype: str, seq: int, compiled: bool, steps: int, 
     return result
 
 
+def _write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def step_main(args) -> None:
-    results = [measure_step(args.device, args.dtype, args.seq, compiled, args.steps, args.smoke, args.backend)
-               for compiled in (False, True)]
-    for r in results:
-        print(json.dumps(r), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(tmp, args.out)
+    """The step in each of ``--forms``; ``--out`` rewritten after each (a time limit keeps what ran)."""
+    results = []
+    for form in args.forms.split(","):
+        if form not in ("eager", "compiled"):
+            raise SystemExit(f"--forms {args.forms}: expected eager and/or compiled")
+        results.append(measure_step(args.device, args.dtype, args.seq, form == "compiled", args.steps, args.smoke,
+                                    args.backend))
+        print(json.dumps(results[-1]), flush=True)
+        _write_json(args.out, results)
+
+
+def profile_table(args) -> None:
+    """A device's `trex profile --format json` report as text, with each class measured against the
+    roofline estimate of the same ops on the device's own hardware profile (estimated / measured)."""
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    from trex.hardware import profile_for_device_name
+    from trex.profile.report import format_report
+
+    r = json.load(open(args.report))
+    print(format_report(r))
+    env = json.load(open(os.path.join(os.path.dirname(os.path.abspath(args.report)), "env.json"))) \
+        if os.path.exists(os.path.join(os.path.dirname(os.path.abspath(args.report)), "env.json")) else {}
+    hw = profile_for_device_name(str(env.get("device_name", r["device"])))
+    est = next((e for e in r.get("estimates", []) if hw and e["hardware"] == hw.name), None)
+    if est is None:
+        print("\nno hardware profile matches this device: no estimate against the measurement")
+        return
+    print(f"\nestimate (eager) on {hw.name} against the measurement, per class:\n")
+    print(f"{'class':<20} {'measured ms':>12} {'estimated ms':>13} {'est / meas':>11}")
+    for c in r["classes"]:
+        e = est["classes"].get(c["class"])
+        if e:
+            print(f"{c['class']:<20} {c['time_s'] * 1e3:>12.2f} {e['eager_s'] * 1e3:>13.2f} "
+                  f"{e['eager_s'] / c['time_s'] if c['time_s'] else float('nan'):>11.2f}")
+    print(f"{'step':<20} {r['step_s'] * 1e3:>12.2f} {est['eager_s'] * 1e3:>13.2f} {est['eager_s'] / r['step_s']:>11.2f}")
 
 
 def _step_table(results: list[dict]) -> list[str]:
@@ -160,27 +176,31 @@ def report_main(args) -> None:
         parts.append(f"Device: {env.get('device_name', env.get('device'))}, torch {env.get('torch')}, "
                      f"backend {env.get('backend')}.")
         parts.append("")
-    tests = os.path.join(d, "tests.txt")
-    if os.path.exists(tests):
-        last = [line for line in open(tests).read().splitlines() if line.strip()][-1:]
-        parts += [f"(a) test suite with the device selected: `{last[0] if last else 'no output'}`", ""]
-    flex = os.path.join(d, "flex.txt")
-    if os.path.exists(flex):
-        parts += ["FlexAttention backward against the reference (max abs error, relative):", "", "```",
-                  *open(flex).read().strip().splitlines()[-12:], "```", ""]
-    step = os.path.join(d, "step.json")
-    if os.path.exists(step):
-        results = json.load(open(step))
+    parts_json = os.path.join(d, "parts.json")
+    if os.path.exists(parts_json):
+        rows = json.load(open(parts_json))
+        parts += ["Parts (bench/accelerator.sh, in the order they ran; time in seconds of the script's budget):", "",
+                  "| part | status | s | limit s |", "|---|---|---|---|",
+                  *(f"| {p['part']} | {p['status']} | {p['seconds']} | {p.get('limit', '-')} |" for p in rows), ""]
+    results = [r for name in ("step-eager.json", "step-compiled.json", "step.json")
+               if os.path.exists(os.path.join(d, name)) for r in json.load(open(os.path.join(d, name)))]
+    if results:
         r0 = results[0]
-        parts += [f"(b) V4-Flash-shaped step (hidden 4096, 64 x 512 heads, expert width 2048, vocab 129,280; "
+        parts += [f"(1) V4-Flash-shaped step (hidden 4096, 64 x 512 heads, expert width 2048, vocab 129,280; "
                   f"4 layers, 8 experts top 6; {r0['params_billion']:.2f} B parameters), {r0['dtype']}, S = "
                   f"{r0['seq']}, batch 1, Muon + AdamW, the fastest of the timed steps:", "", *_step_table(results), ""]
-    for name, what in (("fidelity.txt", "device bf16 vs the CPU fp32 golden file"),
-                       ("fidelity-same-precision.txt", "device bf16 vs CPU bf16 (the device alone)")):
+    for name, what in (("profile.txt", "(2) `trex profile` of that step on the device, eager, and the estimate of "
+                                       "the same ops on the device's hardware profile"),
+                       ("fidelity-eager.txt", "(3) `recipes/fidelity_default.toml`, device bf16 vs CPU bf16, eager, "
+                                              "profile `vendor`"),
+                       ("tests.txt", "(4) the device's tests (TREX_DEVICE set)"),
+                       ("flex.txt", "(4) FlexAttention backward against the reference (max abs error, relative)"),
+                       ("fidelity-compiled.txt", "(7) the fidelity recipe compiled, device bf16 vs CPU bf16 "
+                                                 "(eager), profile `vendor`")):
         path = os.path.join(d, name)
         if os.path.exists(path):
-            parts += [f"(c) `recipes/fidelity_default.toml`, {what}, profile `vendor`:", "", "```",
-                      *open(path).read().strip().splitlines()[-30:], "```", ""]
+            lines = open(path).read().strip().splitlines()
+            parts += [f"{what}:", "", "```", *(lines[-45:] if name != "tests.txt" else lines[-3:]), "```", ""]
     parts.append(MARK_END)
     section = "\n".join(parts)
     if not args.write:
@@ -208,13 +228,16 @@ def main() -> None:
     step.add_argument("--steps", type=int, default=3)
     step.add_argument("--smoke", action="store_true", help="the tiny preset (CPU check of the script)")
     step.add_argument("--backend", default="inductor", help="torch.compile backend (eager: no code generation)")
+    step.add_argument("--forms", default="eager,compiled", help="eager, compiled or both (default: %(default)s)")
     step.add_argument("--out", required=True)
+    table = sub.add_parser("profile-table", help="a device's trex profile JSON against its own estimate")
+    table.add_argument("report")
     report = sub.add_parser("report", help="write the figures of a bench/accelerator.sh output folder")
     report.add_argument("dir")
     report.add_argument("--write", action="store_true", help="put the figures into docs/benchmarks.md (default: print them)")
     args = parser.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "src"))
-    (step_main if args.cmd == "step" else report_main)(args)
+    {"step": step_main, "report": report_main, "profile-table": profile_table}[args.cmd](args)
 
 
 if __name__ == "__main__":

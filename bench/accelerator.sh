@@ -28,7 +28,7 @@ OUT=${OUT:-runs/accelerator}
 BUDGET=${BUDGET:-510}   # seconds for every part together (9 minutes less the start and the report)
 SMOKE=${SMOKE:-}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHON OUT SMOKE
 start=$SECONDS
 failed=0
 parts=()
@@ -46,7 +46,7 @@ part() {
   fi
   echo "== $name (at most $cap s)"
   t0=$SECONDS
-  timeout "$cap" "$@"
+  timeout "$cap" bash -c '"$@"' "$name" "$@"  # in a shell of its own: the functions below are exported
   rc=$?
   status=ok
   if [ "$rc" -eq 124 ]; then status=timeout; elif [ "$rc" -ne 0 ]; then status="failed ($rc)"; fi
@@ -56,49 +56,53 @@ part() {
 
 install() {
   if [ -d bench/device-wheels ]; then
-    "$PYTHON" -m pip install -q --no-index --find-links bench/device-wheels -r bench/device-requirements.txt || return 1
+    "$PYTHON" -m pip install -q --no-index --no-deps --find-links bench/device-wheels \
+      -r bench/device-requirements.txt || return 1
   fi
   "$PYTHON" -c "import trex" 2>/dev/null || "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . || return 1
 }
+export -f install
 part install 60 install
 DEVICE=${TREX_DEVICE:-$("$PYTHON" -c "from trex import device; print(device.detect().type)")}
 echo "accelerator check on device type $DEVICE, outputs in $OUT, budget $BUDGET s"
 "$PYTHON" -m trex doctor --format json > "$OUT/env.json" 2>/dev/null || echo '{}' > "$OUT/env.json"
-STEP_ARGS=(--device "$DEVICE" --dtype bf16)
-PROFILE_RECIPE=recipes/v4_flash_4layer_step.toml
-PROFILE_SETS=()
-if [ -n "$SMOKE" ]; then
-  STEP_ARGS+=(--smoke --backend eager --seq 256)
-  PROFILE_RECIPE=recipes/fidelity_default.toml
-  PROFILE_SETS=(--set data.micro_batch_size=1 --set 'precision.dtype="fp32"')
-fi
+export DEVICE
+step() {  # step FORM: the V4-Flash-shaped step (SMOKE: the tiny preset, no code generation)
+  local args=(--device "$DEVICE" --dtype bf16)
+  [ -n "$SMOKE" ] && args+=(--smoke --backend eager --seq 256)
+  "$PYTHON" bench/accelerator.py step "${args[@]}" --forms "$1" --out "$OUT/step-$1.json"
+}
+export -f step
 
-part "step, eager" 120 "$PYTHON" bench/accelerator.py step "${STEP_ARGS[@]}" --forms eager --out "$OUT/step-eager.json"
+part "step, eager" 120 step eager
 
-profile() {
-  "$PYTHON" -m trex --device "$DEVICE" profile "$PROFILE_RECIPE" "${PROFILE_SETS[@]}" --set train.compile=false \
+profile() {  # trex profile of the step, eager, on the device; then the table against its own estimate
+  local recipe=recipes/v4_flash_4layer_step.toml sets=()
+  [ -n "$SMOKE" ] && recipe=recipes/fidelity_default.toml sets=(--set data.micro_batch_size=1)
+  "$PYTHON" -m trex --device "$DEVICE" profile "$recipe" "${sets[@]}" --set train.compile=false \
     --out "$OUT/profile" --steps 2 --warmup 1 --format json > "$OUT/profile.json" || return 1
   "$PYTHON" bench/accelerator.py profile-table "$OUT/profile.json" | tee "$OUT/profile.txt"
 }
+export -f profile
 part "profile, eager" 150 profile
 
-FIDELITY_SETS=(--set 'precision.dtype="bf16"' --set train.compile=false --set 'optim.ns_dtype="fp32"')
-REF=runs/accelerator-ref/fidelity-cpu-bf16
-fidelity() {  # fidelity DEVICE_RUN_NAME EXTRA_SETS...: the device run, then compare with CPU bf16
-  local name=$1
+fidelity() {  # fidelity RUN_NAME EXTRA_SETS...: the device run, then compare with CPU bf16 under the same pins
+  local name=$1 ref=runs/accelerator-ref/fidelity-cpu-bf16
+  local pins=(--set 'precision.dtype="bf16"' --set train.compile=false --set 'optim.ns_dtype="fp32"')  # = Makefile's
   shift
   "$PYTHON" -m trex train recipes/fidelity_default.toml --out "$OUT/$name" --set train.device=\""$DEVICE"\" \
-    "${FIDELITY_SETS[@]}" "$@" > "$OUT/$name.log" 2>&1 || return 1
-  if [ ! -f "$REF/summary.json" ]; then  # not prepared here: the device host's CPU makes it
-    REF="$OUT/fidelity-cpu-bf16"
-    "$PYTHON" -m trex train recipes/fidelity_default.toml --out "$REF" --set 'train.device="cpu"' \
-      "${FIDELITY_SETS[@]}" > "$REF.log" 2>&1 || return 1
+    "${pins[@]}" "$@" > "$OUT/$name.log" 2>&1 || return 1
+  if [ ! -f "$ref/summary.json" ]; then  # not prepared here (make device-reference): the device host's CPU makes it
+    ref="$OUT/fidelity-cpu-bf16"
+    [ -f "$ref/summary.json" ] || "$PYTHON" -m trex train recipes/fidelity_default.toml --out "$ref" \
+      --set 'train.device="cpu"' "${pins[@]}" > "$ref.log" 2>&1 || return 1
   fi
-  "$PYTHON" -m trex fidelity compare "$OUT/$name" "$REF" --profile vendor > "$OUT/$name.txt" 2>&1
+  "$PYTHON" -m trex fidelity compare "$OUT/$name" "$ref" --profile vendor > "$OUT/$name.txt" 2>&1
   local rc=$?
   cat "$OUT/$name.txt"
   return $rc
 }
+export -f fidelity
 part "fidelity, eager" 120 fidelity fidelity-eager
 
 device_tests() {
@@ -109,21 +113,30 @@ device_tests() {
   "$PYTHON" -m trex.kernels.flex_attention "$DEVICE" 2>&1 | tee "$OUT/flex.txt"
   return "${PIPESTATUS[0]}"
 }
+export -f device_tests
 part "device tests" 90 device_tests
 
 if "$PYTHON" -c "import torchtitan" 2>/dev/null && [ -f bench/peer_step.py ]; then
-  PEER_ARGS=(--device "$DEVICE" --out "$OUT/peer.json")
-  [ -n "$SMOKE" ] && PEER_ARGS+=(--seqs 128 --steps 2)
-  part "peer: torchtitan" 120 "$PYTHON" bench/peer_step.py "${PEER_ARGS[@]}"
+  peer() {
+    local args=(--device "$DEVICE" --out "$OUT/peer.json" --check-attention sdpa)
+    [ -n "$SMOKE" ] && args+=(--seqs 128 --steps 2)
+    "$PYTHON" bench/peer_step.py "${args[@]}"
+  }
+  export -f peer
+  part "peer: torchtitan" 150 peer
 else
   parts+=("{\"part\": \"peer: torchtitan\", \"status\": \"skipped: torchtitan not installed\", \"seconds\": 0}")
 fi
 
-part "step, compiled" 260 "$PYTHON" bench/accelerator.py step "${STEP_ARGS[@]}" --forms compiled \
-  --out "$OUT/step-compiled.json"
+part "step, compiled" 260 step compiled
 part "fidelity, compiled" 200 fidelity fidelity-compiled --set train.compile=true
 
 (IFS=,; echo "[${parts[*]}]") > "$OUT/parts.json"
-"$PYTHON" bench/accelerator.py report "$OUT" --write > /dev/null && echo "figures written to docs/benchmarks.md"
+if [ -n "$SMOKE" ]; then  # the script's own check: print, never replace a device's figures
+  "$PYTHON" bench/accelerator.py report "$OUT" > "$OUT/report.md" && echo "report: $OUT/report.md"
+else
+  "$PYTHON" bench/accelerator.py report "$OUT" --write > /dev/null && echo "figures written to docs/benchmarks.md"
+  [ -f "$OUT/peer.json" ] && "$PYTHON" bench/peer_step.py --report "$OUT/peer.json" --write > /dev/null
+fi
 echo "accelerator check: $failed part(s) failed, $((SECONDS - start)) s"
 exit "$failed"

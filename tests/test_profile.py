@@ -133,3 +133,25 @@ def test_compiled_fuses_consecutive_memory_bound_ops_of_one_class_and_phase():
     est = estimate([*m, gemm], HW, steps=1)
     assert est["classes"]["norm_mhc"]["kernels_eager"] == 4 and est["classes"]["norm_mhc"]["kernels_compiled"] == 2
     assert est["compiled_s"] < est["eager_s"]
+
+
+def test_meta_records_the_step_without_running_it_and_prices_grad_accum(tmp_path, capsys):
+    """--meta: the recipe's step on the meta device (no data, no time); one micro-batch recorded,
+    priced grad_accum times, the optimizer once."""
+    runs = {}
+    for accum in (1, 8):
+        code = main(["profile", "recipes/fidelity_default.toml", "--meta", "--as-dtype", "bf16", "--hardware",
+                     "h200-sxm", "--format", "json", "--out", str(tmp_path / f"m{accum}"),
+                     "--set", f"train.grad_accum={accum}"])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        runs[accum] = json.loads(out)
+    one, eight = runs[1], runs[8]
+    assert one["device"] == "meta" and one["dtype"] == "bf16" and eight["tokens_per_step"] == 8 * one["tokens_per_step"]
+    flops = sum(c["flops"] or 0 for c in one["classes"] if not c["class"].startswith("optimizer/"))
+    assert 0.8 < flops / (one["model_flops_per_token"] * one["tokens_per_step"]) < 1.4
+    (e1,), (e8,) = one["estimates"], eight["estimates"]
+    for cls in ("dense_gemm", "head_loss"):
+        assert e8["classes"][cls]["eager_s"] == pytest.approx(8 * e1["classes"][cls]["eager_s"])
+    assert e8["classes"]["optimizer/muon_ns"]["eager_s"] == pytest.approx(e1["classes"]["optimizer/muon_ns"]["eager_s"])
+    assert e8["optimizer_share_compiled"] < e1["optimizer_share_compiled"]

@@ -122,3 +122,10 @@ def fp32_products(t: torch.Tensor) -> tuple[Callable, torch.Tensor]:
     with it: ``t`` itself when they run in its own dtype, else one fp32 copy."""
     matmul = get("fp32_matmul", t.device.type)
     return matmul, (_fp32_matmul.operand(t) if matmul is _fp32_matmul.split_matmul else t.float())
+
+
+def prepare(device_type: str) -> None:
+    """Probe, once per process and before a training step, what the fast paths must know of a device
+    type (a probe reads a value back: not inside a step, which has no host read)."""
+    for dtype in _fp32_matmul.LOW:
+        _fp32_matmul.probe(device_type, dtype)

@@ -17,8 +17,6 @@ repeated products with ``t``: ``t`` itself where the fast path runs, one fp32 co
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 LOW = (torch.bfloat16, torch.float16)
@@ -37,32 +35,44 @@ def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b, out_dtype=torch.float32)
 
 
-@functools.cache
-def fp32_out_supported(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether this torch multiplies ``dtype`` operands into fp32 on ``device_type`` (probed once)."""
+# (device type, dtype) -> (fp32-output GEMM, in-place accumulation): probed once, before a step (kernels.prepare)
+_PROBED: dict[tuple[str, torch.dtype], tuple[bool, bool]] = {}
+
+
+def _probe(device_type: str, dtype: torch.dtype) -> tuple[bool, bool]:
     try:
         x = torch.ones(2, 2, dtype=dtype, device=device_type)
-        return mm_fp32_out(x, x).dtype == torch.float32
+        if mm_fp32_out(x, x).dtype != torch.float32:
+            return False, False
     except (NotImplementedError, RuntimeError, TypeError):
-        return False
-
-
-@functools.cache
-def fp32_out_accumulates(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch.addmm(acc, a, b, out_dtype=fp32, out=acc)`` adds in place on ``device_type``
-    (probed once, value checked); where it does not, products are added from a temporary."""
-    try:
-        x = torch.ones(2, 2, dtype=dtype, device=device_type)
+        return False, False
+    try:  # the value is read back where there is one: the in-place form must add, not overwrite
         acc = torch.ones(2, 2, dtype=torch.float32, device=device_type)
         torch.addmm(acc, x, x, out_dtype=torch.float32, out=acc)
-        return device_type == "meta" or bool((acc == 3).all())
+        return True, device_type == "meta" or bool((acc == 3).all())
     except (NotImplementedError, RuntimeError, TypeError):
-        return False
+        return True, False
+
+
+def probe(device_type: str, dtype: torch.dtype) -> tuple[bool, bool]:
+    """(whether this torch multiplies ``dtype`` operands into fp32 on ``device_type``, whether it adds
+    such a product into an fp32 tensor in place), probed on first use. Inside a compiled region an
+    unprobed device reads (False, False): probe first (trex.kernels.prepare)."""
+    key = (device_type, dtype)
+    if key not in _PROBED:
+        if torch.compiler.is_compiling():
+            return False, False
+        _PROBED[key] = _probe(device_type, dtype)
+    return _PROBED[key]
+
+
+def fp32_out_supported(device_type: str, dtype: torch.dtype) -> bool:
+    return probe(device_type, dtype)[0]
 
 
 def accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """acc += a @ b for low-precision a, b and fp32 acc, in place."""
-    if fp32_out_accumulates(acc.device.type, a.dtype):
+    if probe(acc.device.type, a.dtype)[1]:
         return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     return acc.add_(mm_fp32_out(a, b))
 

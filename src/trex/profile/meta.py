@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from trex import kernels
 from trex.data import Batch
 from trex.models import build_model
 from trex.parallel.mesh import Parallel
@@ -57,6 +58,7 @@ def trace_on_meta(cfg, seq: int, rows: int = 1, grad_accum: int = 1, dtype: str 
                   optim: OptimSection | None = None) -> StepProfile:
     """The classed ops of one training step of the model ``cfg`` on the meta device (fp32 masters,
     compute in ``dtype``; Muon's iterations in bf16 when the compute is, as on an accelerator)."""
+    kernels.prepare("meta")  # its probes stay out of the recorded step
     model = build_model(cfg, device="meta", dtype=torch.float32).train()
     cast_for_compute(model, DTYPES[dtype])
     optim = optim or OptimSection()

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trex import device as device_layer
+from trex import kernels
 from trex import logs
 from trex import recipe as recipe_io
 from trex.checkpoint import load_pretrained
@@ -320,6 +321,7 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
     cfg_model = (model.cfg if model is not None else model_config(recipe)) if layout.cp > 1 else None
     dev = device_layer.detect(cfg_train.device or None)
     dev.set_current()
+    kernels.prepare(dev.type)  # the fast paths' probes, before step 1
     par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev,
                         trace_dir=os.path.join(cfg_train.out, "flight_recorder"), cp=layout.cp)
     heartbeat.start()
