@@ -108,3 +108,14 @@ def test_on_this_device_the_fast_path_matches_the_reference():
     assert _rel(fp32_matmul.split_matmul(d, w), ref, scale) < 2**-14
     acc = torch.ones_like(ref)  # in place where the device adds in place (probed), else from a temporary
     assert _rel(fp32_matmul.split_matmul(d, w, acc), ref + 1, scale) < 2**-14
+
+
+def test_the_fast_path_compiles_in_one_graph(monkeypatch):
+    """Inside a compiled block (the head and the routers are compiled with fullgraph=True) the probe is a
+    dict read and the accumulation a GEMM and an add, no out=: one graph."""
+    monkeypatch.setitem(fp32_matmul._PROBED, ("cpu", torch.bfloat16), (True, True))
+    monkeypatch.setattr(fp32_matmul, "mm_fp32_out", lambda a, b: (a.double() @ b.double()).float())
+    d, w = torch.randn(16, 32), torch.randn(32, 8).bfloat16()
+    compiled = torch.compile(lambda d, w, acc: fp32_matmul.split_matmul(d, w, acc), backend="eager", fullgraph=True)
+    got = compiled(d, w, torch.ones(16, 8))
+    assert _rel(got, fp32_matmul.reference(d, w) + 1, d.abs() @ w.float().abs()) < 2**-15

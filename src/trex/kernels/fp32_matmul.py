@@ -71,8 +71,9 @@ def fp32_out_supported(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """acc += a @ b for low-precision a, b and fp32 acc, in place."""
-    if probe(acc.device.type, a.dtype)[1]:
+    """acc += a @ b for low-precision a, b and fp32 acc, in place (in a compiled region, from a
+    temporary: the compiler sees a plain GEMM and an add, no ``out=``)."""
+    if probe(acc.device.type, a.dtype)[1] and not torch.compiler.is_compiling():
         return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     return acc.add_(mm_fp32_out(a, b))
 
