@@ -210,3 +210,24 @@ def test_a_recipe_alone_plans_the_clusters_its_header_names(capsys):
     plans = json.loads(capsys.readouterr().out)
     assert [(p["layout"]["devices"], p["hardware"]["name"]) for p in plans] == [(t.devices, t.hardware) for t in named]
     assert all(p["fits"] for p in plans)
+
+
+def test_the_compute_efficiency_can_come_from_a_profile(tmp_path, capsys):
+    """`trex plan --efficiency-from`: a `trex profile` report's compiled forward + backward estimate on
+    the planned hardware (or, measured on that device type, its forward + backward MFU)."""
+    estimated = tmp_path / "meta.json"
+    estimated.write_text(json.dumps({"device": "meta", "classes": [], "mfu": None, "estimates": [
+        {"hardware": "h200-sxm", "mfu_compiled_forward_backward": 0.254}]}))
+    measured = tmp_path / "device.json"
+    measured.write_text(json.dumps({"device": "cuda:0", "classes": [], "mfu": 0.2, "optimizer_share": 0.2,
+                                    "estimates": []}))
+    base = ["plan", "--model", "deepseek-v4-flash", "--seq", "4096", "--devices", "64", "--hardware", "h200-sxm"]
+    for path, expected in ((estimated, "compute efficiency 25%"), (measured, "compute efficiency 25%")):
+        assert main([*base, "--efficiency-from", str(path)]) in (0, 1)
+        assert expected in capsys.readouterr().out
+    for path, expected in ((estimated, "no measurement on a ascend-910c-die and no estimate for it"),
+                           (tmp_path / "none.json", "not a trex profile report")):
+        code = main(["plan", "--model", "deepseek-v4-flash", "--seq", "4096", "--devices", "64", "--hardware", "ascend-910c-die",
+                     "--efficiency-from", str(path)])
+        err = capsys.readouterr().err
+        assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err

@@ -124,6 +124,27 @@ def _annotate(path: str) -> int:
     return 0 if all(p.fits for p in plans.values()) else 1
 
 
+def efficiency_from(path: str, hw: HardwareProfile) -> float:
+    """The compute efficiency a `trex profile` report gives for ``hw``: measured on that device, the
+    forward + backward's MFU (the step's MFU over its share outside the optimizer); else the roofline
+    estimate's compiled forward + backward MFU on ``hw`` (trex.profile.estimate)."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError) as e:
+        raise PlanError(f"--efficiency-from {path}: not a trex profile report ({e})") from None
+    if not isinstance(report, dict) or "classes" not in report:
+        raise PlanError(f"--efficiency-from {path}: not a trex profile report (no classes)")
+    measured = report.get("mfu")
+    if measured and report.get("device") != "meta" and hw.device_type == str(report["device"]).split(":")[0]:
+        return measured / max(1e-9, 1 - report.get("optimizer_share", 0.0))
+    for est in report.get("estimates", []):
+        if est.get("hardware") == hw.name and est.get("mfu_compiled_forward_backward"):
+            return float(est["mfu_compiled_forward_backward"])
+    raise PlanError(f"--efficiency-from {path}: no measurement on a {hw.name} and no estimate for it "
+                    f"(profile with --hardware {hw.name})")
+
+
 def _check_ranges(args: argparse.Namespace) -> None:
     """Numbers the planner divides by or scales with, against their ranges (one line, exit 2)."""
     for flag, value, ok, expected in (
@@ -228,6 +249,10 @@ def _plan(args: argparse.Namespace) -> int:
         return _recipe_clusters(args)
     spec, cfg, layout, seq, dtype = _inputs(args)
     hw = resolve_hardware(args.hardware)
+    if args.efficiency_from:
+        if args.efficiency is not None:
+            raise PlanError("--efficiency and --efficiency-from: give one")
+        args.efficiency = efficiency_from(args.efficiency_from, hw)
     given = {"compute_efficiency": args.efficiency, "fsdp_overlap": args.fsdp_overlap, "ep_overlap": args.ep_overlap}
     assume = TimeAssumptions(**{k: v for k, v in given.items() if v is not None}, dtype=dtype)
     if not (args.recipe or args.devices or args.layout):
