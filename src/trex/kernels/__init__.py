@@ -9,7 +9,8 @@ vendor-neutral paths with no registration, and overrides what it has faster.
 
 ``TREX_KERNELS`` chooses: ``auto`` (the default, as above); ``reference`` (the references everywhere:
 fidelity runs, debugging); or per op, comma-separated ``op=impl`` with impl ``reference``, ``auto``
-or a named alternative (``sparse_attention=flex``: FlexAttention, trex.kernels.flex_attention).
+or a named alternative (``sparse_attention=flex``: FlexAttention, trex.kernels.flex_attention;
+``rms_norm=fused``: the accelerators' ``F.rms_norm`` on any device).
 Each fast path and alternative has an equivalence test against its reference
 (tests/test_kernels.py, tests/test_flex_attention.py, tests/test_dense_attention.py,
 tests/test_latent_attention.py, tests/test_sparse_mla.py). Vendor plugins
@@ -41,6 +42,8 @@ ANY = "*"  # the device type of a vendor-neutral default
 # opt-in implementations, imported when chosen: (op, name) -> "module:function"
 _ALTERNATIVES: dict[tuple[str, str], str] = {
     ("sparse_attention", "flex"): "trex.kernels.flex_attention:flex_sparse_attention",
+    # the accelerators' RMSNorm (F.rms_norm) on any device: the CPU runs the reference by default
+    ("rms_norm", "fused"): "trex.kernels.fused:rms_norm",
 }
 
 
