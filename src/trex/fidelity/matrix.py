@@ -198,11 +198,12 @@ def run_matrix(recipe_path: str, out: str, steps: int | None = None, only: list[
               if not only or v.name in only or (switches and v.name == NOISE)]
     control_settings = [*CONTROL, *SWITCHES_CONTROL] if switches else CONTROL
     what = "bf16 eager" if switches else "fp32"
+    base_env = {"TREX_KERNELS": "auto"} if switches else {}  # switches: against the CPU's own kernel choice
 
     claim_out(out, "a matrix", overwrite)
     control_dir = os.path.join(out, f"control-{what.replace(' ', '-')}")
     print(f"[control] {what}, one process, {logs.plural(steps, 'step')} -> {control_dir}", file=sys.stderr)
-    _run_inline(recipe_path, control_dir, [*base, *control_settings], {"TREX_KERNELS": "auto"})
+    _run_inline(recipe_path, control_dir, [*base, *control_settings], base_env)
     control = load_signals(control_dir)
     rows = []
     for variant in chosen:
@@ -222,7 +223,7 @@ def run_matrix(recipe_path: str, out: str, steps: int | None = None, only: list[
             elif variant.launch == "resume":
                 row["note"] = _run_stop_and_resume(recipe_path, run_dir, settings, steps)
             else:
-                _run_inline(recipe_path, run_dir, settings, {"TREX_KERNELS": "auto", **variant.env})
+                _run_inline(recipe_path, run_dir, settings, {**base_env, **variant.env})
             signals = load_signals(run_dir)
             if switches and variant.name == NOISE:  # the control's own spread, per layer group
                 from trex.fidelity.calibrate import envelope
