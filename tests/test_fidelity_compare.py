@@ -389,8 +389,8 @@ def test_the_matrix_with_an_out_it_cannot_create_is_one_line(tmp_path, capsys, m
 
 def test_the_switches_matrix_judges_each_switch_against_bf16_eager_within_the_controls_own_spread(tmp_path, monkeypatch):
     """`trex fidelity matrix --switches`: every accelerator switch runs against the CPU bf16 eager control
-    (vendor); a correct bf16 reordering (the batch split) measures the control's spread per layer group
-    first. A switch inside a noisy group's spread passes; one that moves a quiet group fails there; a
+    (vendor); correct bf16 reorderings (the batch split in 2 and 4) measure the control's spread per layer
+    group first (the worst of them: compile at 1.8x passes only by the second's 2x). A switch inside a noisy group's spread passes; one that moves a quiet group fails there; a
     kernel the CPU lacks (FlexAttention's backward) is not available, with its reason."""
     from trex.fidelity import matrix
 
@@ -401,7 +401,8 @@ def test_the_switches_matrix_judges_each_switch_against_bf16_eager_within_the_co
         ran[name] = (overrides, env or {})
         if "sparse_attention=flex" in (env or {}).get("TREX_KERNELS", ""):
             raise NotImplementedError("flex_sparse_attention: FlexAttention has no backward on CPU (torch x); use ...")
-        scale = {"bf16-reorder": {"layers.0.ffn": 2.0}, "compile": {"layers.0.ffn": 1.8},
+        scale = {"bf16-reorder-2": {"layers.0.ffn": 1.5}, "bf16-reorder-4": {"layers.0.ffn": 2.0},
+                 "compile": {"layers.0.ffn": 1.8},
                  "muon-ns-bf16": {"layers.0.attn": 1.5}}.get(name, {})
         write_run(tmp_path / "m" / name, CURVE, layer_scale=scale)
 
@@ -414,7 +415,9 @@ def test_the_switches_matrix_judges_each_switch_against_bf16_eager_within_the_co
     assert 'precision.dtype="bf16"' in control_overrides and "train.compile=false" in control_overrides
     assert control_env == {"TREX_KERNELS": "auto"}
     assert "train.compile=true" in ran["compile"][0] and ran["rms-norm-fused"][1] == {"TREX_KERNELS": "rms_norm=fused"}
-    assert [r["variant"] for r in report["variants"]][0] == "bf16-reorder" and rows["bf16-reorder"]["verdict"] == "spread"
+    assert [r["variant"] for r in report["variants"]][:2] == ["bf16-reorder-2", "bf16-reorder-4"]
+    assert rows["bf16-reorder-2"]["verdict"] == rows["bf16-reorder-4"]["verdict"] == "spread"
+    assert "data.micro_batch_size=1" in ran["bf16-reorder-4"][0] and "train.grad_accum=4" in ran["bf16-reorder-4"][0]
     assert rows["compile"]["verdict"] == "PASS" and rows["rms-norm-fused"]["verdict"] == "PASS"
     assert rows["muon-ns-bf16"]["verdict"] == "FAIL" and "layer_grad_norm_rel_err" in rows["muon-ns-bf16"]["note"]
     judged = json.load(open(rows["muon-ns-bf16"]["report"]))

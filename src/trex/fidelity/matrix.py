@@ -61,21 +61,25 @@ def variants(micro_batch_size: int, grad_accum: int) -> list[Variant]:
 
 # `--switches`: what an accelerator turns on that the CPU does not, one at a time and together, each
 # against the CPU bf16 eager control under `vendor` (what device bf16 vs CPU bf16 is judged by). The
-# control's own spread is measured first by a correct bf16 op order that is no switch (NOISE: the
-# batch split into two accumulated micro-batches) and stored per layer group: every switch is judged
-# with each group bounded by max(vendor threshold, that group's spread) (trex.fidelity.compare), so
-# the verdict separates a switch that departs from the noise of any bf16 reordering.
+# control's own spread is measured first by correct bf16 op orders that are no switch (NOISE: the
+# batch split into 2, and into 4, accumulated micro-batches) and stored per measure and layer group
+# (the worst over the noise runs): every switch is judged with each bounded by max(vendor threshold,
+# its spread) (trex.fidelity.compare), so the verdict separates a switch that departs from the noise
+# of any bf16 reordering.
 SWITCHES_CONTROL = ['precision.dtype="bf16"', "train.compile=false", 'optim.ns_dtype="fp32"']
-NOISE = "bf16-reorder"
+NOISE = ("bf16-reorder-2", "bf16-reorder-4")
 
 
 def switch_variants(micro_batch_size: int, grad_accum: int) -> list[Variant]:
     """The accelerator switches (trex.device / TrainSection.compile_on / kernels.get / the optimizer's
-    ``ns_dtype``) that can run on the CPU, plus the noise run and FlexAttention (no CPU backward)."""
-    half = micro_batch_size // 2
-    split = [f"data.micro_batch_size={half}", f"train.grad_accum={2 * grad_accum}"] if half else []
+    ``ns_dtype``) that can run on the CPU, after the noise runs; FlexAttention has no CPU backward."""
+    def split(k: int) -> list[str]:
+        return ([f"data.micro_batch_size={micro_batch_size // k}", f"train.grad_accum={k * grad_accum}"]
+                if micro_batch_size % k == 0 and micro_batch_size >= k else [])
+
     return [
-        Variant(NOISE, "vendor", split),
+        Variant(NOISE[0], "vendor", split(2)),
+        Variant(NOISE[1], "vendor", split(4)),
         Variant("compile", "vendor", ["train.compile=true"]),
         Variant("rms-norm-fused", "vendor", [], env={"TREX_KERNELS": "rms_norm=fused"}),
         Variant("muon-ns-bf16", "vendor", ['optim.ns_dtype="bf16"']),
@@ -195,7 +199,7 @@ def run_matrix(recipe_path: str, out: str, steps: int | None = None, only: list[
     if unknown:
         raise ValueError(f"--only {sorted(unknown)}: unknown variant; choose from {names}")
     chosen = [v for v in listing(recipe.data.micro_batch_size, recipe.train.grad_accum)
-              if not only or v.name in only or (switches and v.name == NOISE)]
+              if not only or v.name in only or (switches and v.name in NOISE)]
     control_settings = [*CONTROL, *SWITCHES_CONTROL] if switches else CONTROL
     what = "bf16 eager" if switches else "fp32"
     base_env = {"TREX_KERNELS": "auto"} if switches else {}  # switches: against the CPU's own kernel choice
@@ -205,6 +209,7 @@ def run_matrix(recipe_path: str, out: str, steps: int | None = None, only: list[
     print(f"[control] {what}, one process, {logs.plural(steps, 'step')} -> {control_dir}", file=sys.stderr)
     _run_inline(recipe_path, control_dir, [*base, *control_settings], base_env)
     control = load_signals(control_dir)
+    noise: list = []  # --switches: the noise runs' signals so far
     rows = []
     for variant in chosen:
         run_dir = os.path.join(out, variant.name)
@@ -225,12 +230,13 @@ def run_matrix(recipe_path: str, out: str, steps: int | None = None, only: list[
             else:
                 _run_inline(recipe_path, run_dir, settings, {**base_env, **variant.env})
             signals = load_signals(run_dir)
-            if switches and variant.name == NOISE:  # the control's own spread, per layer group
+            if switches and variant.name in NOISE:  # the control's own spread, per measure and layer group
                 from trex.fidelity.calibrate import envelope
 
-                control.envelope = envelope([control, signals])
+                noise.append(signals)
+                control.envelope = envelope([control, *noise])
             result = compare(signals, control, get_profile(variant.profile),
-                             envelope="widen" if switches and variant.name != NOISE else "note")
+                             envelope="widen" if switches and variant.name not in NOISE else "note")
         except _Unavailable as e:
             row.update(verdict=UNAVAILABLE, note=str(e))
         except NotImplementedError as e:  # a kernel this device lacks (FlexAttention's CPU backward)
@@ -241,7 +247,7 @@ def run_matrix(recipe_path: str, out: str, steps: int | None = None, only: list[
             paths = write_all(result, os.path.join(out, "reports"), variant.name)
             failed = [c.measure for c in result.checks if c.status == "FAIL"]
             values = {c.measure: c.value for c in result.checks}
-            row.update(verdict=SPREAD if switches and variant.name == NOISE else result.verdict,
+            row.update(verdict=SPREAD if switches and variant.name in NOISE else result.verdict,
                        report=paths["json"], plot=paths["png"],
                        loss_mean_rel_err=values["loss_mean_rel_err"],
                        layer_grad_norm_rel_err=values["layer_grad_norm_rel_err"],
