@@ -389,8 +389,8 @@ def test_the_matrix_with_an_out_it_cannot_create_is_one_line(tmp_path, capsys, m
 
 def test_the_switches_matrix_judges_each_switch_against_bf16_eager_within_the_controls_own_spread(tmp_path, monkeypatch):
     """`trex fidelity matrix --switches`: every accelerator switch runs against the CPU bf16 eager control
-    (vendor); correct bf16 reorderings (the batch split in 2 and 4) measure the control's spread per layer
-    group first (the worst of them: compile at 1.8x passes only by the second's 2x). A switch inside a noisy group's spread passes; one that moves a quiet group fails there; a
+    (vendor); correct bf16 reorderings (the batch split in 2 and 4, the reference kernels) measure the
+    control's spread per layer group first (the worst of them: compile at 1.8x passes only by the 2x). A switch inside a noisy group's spread passes; one that moves a quiet group fails there; a
     kernel the CPU lacks (FlexAttention's backward) is not available, with its reason."""
     from trex.fidelity import matrix
 
@@ -415,8 +415,8 @@ def test_the_switches_matrix_judges_each_switch_against_bf16_eager_within_the_co
     assert 'precision.dtype="bf16"' in control_overrides and "train.compile=false" in control_overrides
     assert control_env == {"TREX_KERNELS": "auto"}
     assert "train.compile=true" in ran["compile"][0] and ran["rms-norm-fused"][1] == {"TREX_KERNELS": "rms_norm=fused"}
-    assert [r["variant"] for r in report["variants"]][:2] == ["bf16-reorder-2", "bf16-reorder-4"]
-    assert rows["bf16-reorder-2"]["verdict"] == rows["bf16-reorder-4"]["verdict"] == "spread"
+    assert [r["variant"] for r in report["variants"]][:3] == ["bf16-reorder-2", "bf16-reorder-4", "kernels-reference"]
+    assert {rows[n]["verdict"] for n in matrix.NOISE} == {"spread"} and ran["kernels-reference"][1] == {"TREX_KERNELS": "reference"}
     assert "data.micro_batch_size=1" in ran["bf16-reorder-4"][0] and "train.grad_accum=4" in ran["bf16-reorder-4"][0]
     assert rows["compile"]["verdict"] == "PASS" and rows["rms-norm-fused"]["verdict"] == "PASS"
     assert rows["muon-ns-bf16"]["verdict"] == "FAIL" and "layer_grad_norm_rel_err" in rows["muon-ns-bf16"]["note"]
