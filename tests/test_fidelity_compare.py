@@ -416,7 +416,7 @@ def test_the_switches_matrix_judges_each_switch_against_bf16_eager_within_the_co
     assert control_env == {"TREX_KERNELS": "auto"}
     assert "train.compile=true" in ran["compile"][0] and ran["rms-norm-fused"][1] == {"TREX_KERNELS": "rms_norm=fused"}
     assert [r["variant"] for r in report["variants"]][:3] == ["bf16-reorder-2", "bf16-reorder-4", "kernels-reference"]
-    assert {rows[n]["verdict"] for n in matrix.NOISE} == {"spread"} and ran["kernels-reference"][1] == {"TREX_KERNELS": "reference"}
+    assert {rows[n]["verdict"] for n in matrix.NOISE} == {"spread"} and not rows["bf16-reorder-4"]["note"] and ran["kernels-reference"][1] == {"TREX_KERNELS": "reference"}
     assert "data.micro_batch_size=1" in ran["bf16-reorder-4"][0] and "train.grad_accum=4" in ran["bf16-reorder-4"][0]
     assert rows["compile"]["verdict"] == "PASS" and rows["rms-norm-fused"]["verdict"] == "PASS"
     assert rows["muon-ns-bf16"]["verdict"] == "FAIL" and "layer_grad_norm_rel_err" in rows["muon-ns-bf16"]["note"]
