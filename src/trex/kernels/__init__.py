@@ -19,7 +19,6 @@ register their kernels with ``register``.
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
 
@@ -39,12 +38,9 @@ _REFERENCE: dict[str, Callable] = {
 }
 _FAST: dict[tuple[str, str], Callable] = {}
 ANY = "*"  # the device type of a vendor-neutral default
-# opt-in implementations, imported when chosen: (op, name) -> "module:function"
-_ALTERNATIVES: dict[tuple[str, str], str] = {
-    ("sparse_attention", "flex"): "trex.kernels.flex_attention:flex_sparse_attention",
-    # the accelerators' RMSNorm (F.rms_norm) on any device: the CPU runs the reference by default
-    ("rms_norm", "fused"): "trex.kernels.fused:rms_norm",
-}
+# opt-in implementations, never chosen by auto: (op, name) -> function. Imported with the registry, not when
+# chosen: `get` runs inside compiled blocks, where torch.compile cannot trace an import (issue 53)
+_ALTERNATIVES: dict[tuple[str, str], Callable] = {}
 
 
 def register(op: str, device_type: str, fn: Callable) -> None:
@@ -79,8 +75,7 @@ def get(op: str, device_type: str) -> Callable:
     if chosen == "reference":
         return _REFERENCE[op]
     if chosen != "auto":
-        module, _, fn = _ALTERNATIVES[(op, chosen)].partition(":")
-        return getattr(importlib.import_module(module), fn)
+        return _ALTERNATIVES[(op, chosen)]
     return _FAST.get((op, device_type)) or _FAST.get((op, ANY)) or _REFERENCE[op]
 
 
@@ -93,7 +88,12 @@ def fast_paths() -> dict[tuple[str, str], Callable]:
 
 
 # Vendor-neutral fast paths, from PyTorch's own fused operators and plain PyTorch.
+from trex.kernels import flex_attention as _flex_attention  # noqa: E402
 from trex.kernels import fused as _fused  # noqa: E402
+
+_ALTERNATIVES[("sparse_attention", "flex")] = _flex_attention.flex_sparse_attention
+# the accelerators' RMSNorm (F.rms_norm) on any device: the CPU runs the reference by default
+_ALTERNATIVES[("rms_norm", "fused")] = _fused.rms_norm
 
 # grouped matmul with device-side offsets (no host sync), on every device
 register("grouped_mm", ANY, _fused.grouped_mm)
