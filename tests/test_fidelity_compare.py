@@ -390,7 +390,8 @@ def test_the_matrix_with_an_out_it_cannot_create_is_one_line(tmp_path, capsys, m
 def test_the_switches_matrix_judges_each_switch_against_bf16_eager_within_the_controls_own_spread(tmp_path, monkeypatch):
     """`trex fidelity matrix --switches`: every accelerator switch runs against the CPU bf16 eager control
     (vendor); correct bf16 reorderings (the batch split in 2 and 4, the reference kernels) measure the
-    control's spread per layer group first (the worst of them: compile at 1.8x passes only by the 2x). A switch inside a noisy group's spread passes; one that moves a quiet group fails there; a
+    control's spread per layer group first (the worst of them, x SPREAD_MARGIN: compile's 0.55 passes only by
+    the second's 0.3 x 2; the quiet group's 0.5 fails at the vendor threshold). A switch inside a noisy group's spread passes; one that moves a quiet group fails there; a
     kernel the CPU lacks (FlexAttention's backward) is not available, with its reason."""
     from trex.fidelity import matrix
 
@@ -401,8 +402,8 @@ def test_the_switches_matrix_judges_each_switch_against_bf16_eager_within_the_co
         ran[name] = (overrides, env or {})
         if "sparse_attention=flex" in (env or {}).get("TREX_KERNELS", ""):
             raise NotImplementedError("flex_sparse_attention: FlexAttention has no backward on CPU (torch x); use ...")
-        scale = {"bf16-reorder-2": {"layers.0.ffn": 1.5}, "bf16-reorder-4": {"layers.0.ffn": 2.0},
-                 "compile": {"layers.0.ffn": 1.8},
+        scale = {"bf16-reorder-2": {"layers.0.ffn": 1.2}, "bf16-reorder-4": {"layers.0.ffn": 1.3},
+                 "compile": {"layers.0.ffn": 1.55},
                  "muon-ns-bf16": {"layers.0.attn": 1.5}}.get(name, {})
         write_run(tmp_path / "m" / name, CURVE, layer_scale=scale)
 
