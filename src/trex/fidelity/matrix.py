@@ -8,6 +8,9 @@ ranks) and is compared with the control under the profile that states what shoul
     activation checkpointing
     stop-and-resume (SIGTERM, resume)    bitwise
 
+With ``switches`` (``--switches``) it runs the accelerator switches instead, against the bf16 eager
+control, under vendor with bounds from the control's own measured spread (`switch_variants`).
+
 A variant this build cannot run (the loop refuses the layout, torchrun fails) is reported as
 "not available" with the reason, never as PASS; the matrix passes when every variant that ran
 passes. Output: ``<out>/<variant>/`` run directories, ``<out>/reports/<variant>.{json,png}``,
