@@ -52,6 +52,35 @@ def test_compare_notes_a_threshold_tighter_than_the_spread_or_widens_it(tmp_path
     assert all(c.spread is None for c in other.checks)
 
 
+def test_a_reference_calibrated_per_layer_group_separates_a_noisy_group_from_a_defect(tmp_path):
+    """Issue 53: on the default recipe two correct bf16 op orders move the mHC groups' gradient norms
+    by ~100% (and the quiet groups by far less); a bound widened to the worst group's spread would let
+    a real defect in a quiet group through. Calibrated per group, the noisy group passes by its own
+    spread and the defect still fails in its group."""
+    from trex.fidelity.calibrate import envelope
+
+    ref_dir = write_run(tmp_path / "ref", CURVE)
+    noise = write_run(tmp_path / "noise", CURVE, layer_scale={"layers.0.ffn": 2.0})  # a noisy-by-construction group
+    golden = _golden_with_spread(tmp_path, {})
+    data = json.load(open(golden))
+    data["envelope"] = envelope([load_signals(str(ref_dir)), load_signals(str(noise))])
+    assert data["envelope"]["group_spread"]["vendor"]["layer_grad_norm_rel_err"]["layers.0.ffn"] == pytest.approx(1.0)
+    open(golden, "w").write(json.dumps(data))
+    reference = load_signals(golden)
+
+    def judged(layer_scale):
+        run = load_signals(str(write_run(tmp_path / f"run{len(layer_scale)}", CURVE, layer_scale=layer_scale)))
+        result = compare(run, reference, get_profile("vendor"), envelope="widen")
+        return next(c for c in result.checks if c.measure == "layer_grad_norm_rel_err")
+
+    noisy = judged({"layers.0.ffn": 1.9})
+    assert noisy.status == "PASS" and "layers.0.ffn" in noisy.detail
+    defect = judged({"layers.0.ffn": 1.9, "layers.0.attn": 1.5})  # 50% in a group whose spread is 0
+    assert defect.status == "FAIL" and "layers.0.attn" in defect.detail and defect.threshold == 0.2
+    noted = compare(load_signals(str(noise)), reference, get_profile("vendor"))
+    assert any("layers.0.ffn" in note for note in noted.notes)
+
+
 @pytest.mark.parametrize("spread, message", [({"layout": {"nonsense": 1.0}}, "not a measure"),
                                              ({"layout": {"probe_kl": -1}}, "expected a number >= 0"),
                                              ({"probe_kl": 1.0}, "expected a `spread` object")])

@@ -380,8 +380,51 @@ def test_the_matrix_with_an_out_it_cannot_create_is_one_line(tmp_path, capsys, m
     from trex.fidelity import matrix
 
     (tmp_path / "a_file").write_text("")
-    monkeypatch.setattr(matrix, "_run_inline", lambda recipe, out, overrides: os.makedirs(out))
+    monkeypatch.setattr(matrix, "_run_inline", lambda recipe, out, overrides, env=None: os.makedirs(out))
     recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "fidelity_default.toml")
     assert main(["fidelity", "matrix", recipe, "--out", str(tmp_path / "a_file" / "m")]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("trex fidelity matrix:")]
     assert len(lines) == 1 and "a_file" in lines[0] and "Not a directory" in lines[0]
+
+
+def test_the_switches_matrix_judges_each_switch_against_bf16_eager_within_the_controls_own_spread(tmp_path, monkeypatch):
+    """`trex fidelity matrix --switches`: every accelerator switch runs against the CPU bf16 eager control
+    (vendor); correct bf16 reorderings (the batch split in 2 and 4, the reference kernels) measure the
+    control's spread per layer group first (the worst of them, x SPREAD_MARGIN: compile's 0.55 passes only by
+    the second's 0.3 x 2; the quiet group's 0.5 fails at the vendor threshold). A switch inside a noisy group's spread passes; one that moves a quiet group fails there; a
+    kernel the CPU lacks (FlexAttention's backward) is not available, with its reason."""
+    from trex.fidelity import matrix
+
+    ran = {}
+
+    def fake_run(recipe, out, overrides, env=None):
+        name = os.path.basename(out)
+        ran[name] = (overrides, env or {})
+        if "sparse_attention=flex" in (env or {}).get("TREX_KERNELS", ""):
+            raise NotImplementedError("flex_sparse_attention: FlexAttention has no backward on CPU (torch x); use ...")
+        scale = {"bf16-reorder-2": {"layers.0.ffn": 1.2}, "bf16-reorder-4": {"layers.0.ffn": 1.3},
+                 "compile": {"layers.0.ffn": 1.55},
+                 "muon-ns-bf16": {"layers.0.attn": 1.5}}.get(name, {})
+        write_run(tmp_path / "m" / name, CURVE, layer_scale=scale)
+
+    monkeypatch.setattr(matrix, "_run_inline", fake_run)
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "fidelity_default.toml")
+    report = matrix.run_matrix(recipe, str(tmp_path / "m"), steps=4, switches=True,
+                               only=["compile", "muon-ns-bf16", "rms-norm-fused", "flex-attention"])
+    rows = {r["variant"]: r for r in report["variants"]}
+    control_overrides, control_env = ran["control-bf16-eager"]
+    assert 'precision.dtype="bf16"' in control_overrides and "train.compile=false" in control_overrides
+    assert control_env == {"TREX_KERNELS": "auto"}
+    assert "train.compile=true" in ran["compile"][0] and ran["rms-norm-fused"][1] == {"TREX_KERNELS": "rms_norm=fused"}
+    assert [r["variant"] for r in report["variants"]][:3] == ["bf16-reorder-2", "bf16-reorder-4", "kernels-reference"]
+    assert {rows[n]["verdict"] for n in matrix.NOISE} == {"spread"} and not rows["bf16-reorder-4"]["note"] and ran["kernels-reference"][1] == {"TREX_KERNELS": "reference"}
+    assert "data.micro_batch_size=1" in ran["bf16-reorder-4"][0] and "train.grad_accum=4" in ran["bf16-reorder-4"][0]
+    assert rows["compile"]["verdict"] == "PASS" and rows["rms-norm-fused"]["verdict"] == "PASS"
+    assert rows["muon-ns-bf16"]["verdict"] == "FAIL" and "layer_grad_norm_rel_err" in rows["muon-ns-bf16"]["note"]
+    judged = json.load(open(rows["muon-ns-bf16"]["report"]))
+    check = next(c for c in judged["checks"] if c["measure"] == "layer_grad_norm_rel_err")
+    assert "layers.0.attn" in check["detail"] and check["threshold"] == 0.2
+    assert rows["flex-attention"]["verdict"] == matrix.UNAVAILABLE and "no backward on CPU" in rows["flex-attention"]["note"]
+    assert report["verdict"] == "FAIL"
+    with pytest.raises(ValueError, match="unknown variant"):
+        matrix.run_matrix(recipe, str(tmp_path / "n"), switches=True, only=["bf16"])

@@ -106,3 +106,16 @@ def test_kernel_choice_per_op(monkeypatch):
     monkeypatch.setenv("TREX_KERNELS", "sparse_attention=fast")
     with pytest.raises(ValueError, match="sparse_attention=flex"):
         kernels.get("sparse_attention", "cpu")
+
+
+def test_an_alternative_chosen_by_name_compiles_in_a_full_graph(monkeypatch):
+    """Issue 53: `kernels.get` runs inside compiled blocks; an alternative imported when chosen broke
+    torch.compile (an import cannot be traced), so `--switches`' compiled accelerator set crashed."""
+    monkeypatch.setenv("TREX_KERNELS", "rms_norm=fused")
+    torch._dynamo.reset()
+
+    def norm(x):
+        return kernels.get("rms_norm", x.device.type)(x, None, 1e-6)
+
+    x = torch.randn(4, 8)
+    assert torch.equal(torch.compile(norm, fullgraph=True, backend="eager")(x), fused.rms_norm(x, None, 1e-6))

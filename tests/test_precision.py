@@ -241,3 +241,26 @@ def test_fp32_installs_nothing_and_a_later_fp32_stage_removes_the_cast():
     cast_for_compute(model, torch.float32)  # a job's next stage at fp32
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     assert torch.equal(model(_batch(0)).logits, reference)
+
+
+def test_at_identical_weights_the_mhc_gradients_in_bf16_agree_with_fp32():
+    """Issue 53: the mHC groups' gradient norms depart by ~100% between bf16 runs of the fidelity
+    recipe. At identical weights and batch they agree with fp32 (measured on the recipe: within 1.2%;
+    `hc_head`, a tiny share of the gradient, within 12%), so that departure is the trajectory's
+    (docs/fidelity.md), not a precision loss in the mHC backward (Sinkhorn, collapse, expand). Here
+    they agree within 0.3%; even the mixes GEMM planted in bf16 stays under 1%, the Sinkhorn backward
+    rounded to bf16 at every normalisation under 0.3%: a lost gradient path, not bf16, fails this."""
+    from trex.models import build_model
+    from trex.models.config import tiny
+    from trex.parallel.plan import cast_for_compute
+    from trex.train.signals import grad_norms_by_group
+
+    norms = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build_model(tiny(), seed=0)
+        cast_for_compute(model, dtype)
+        _backward(model, _batch(0))
+        norms[dtype] = grad_norms_by_group(model)
+    hc = [g for g in norms[torch.float32] if g.endswith(".hc")]
+    errors = {g: abs(norms[torch.bfloat16][g] - norms[torch.float32][g]) / norms[torch.float32][g] for g in hc}
+    assert len(hc) >= 3 and max(errors.values()) < 0.02, errors

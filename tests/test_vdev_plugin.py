@@ -296,6 +296,26 @@ def test_rng_is_the_cpu_generator():
     assert gen_device == "vdev:0" and is_generator
 
 
+def test_a_seed_gives_the_same_weights_on_a_device_whose_generator_is_not_the_cpus():
+    """Issue 53: an H200 run started from other weights than its CPU reference, because
+    initialisation drew from the device's own generator (CUDA's Philox stream is not the CPU's).
+    vdev's generator is a CPU generator by design, which hid it; without it (no device generator at
+    all, as for a device whose stream differs) the tiny V4 (hash-routed MoE included) and V3 must
+    still start from the CPU's weights."""
+    r = run_child("""
+    from trex.models.build import build_model
+    from trex.models.registry import get_preset
+    @check
+    def same_weights():
+        out = {}
+        for name in ("tiny", "tiny-v3"):
+            a, b = build_model(get_preset(name), seed=0), build_model(get_preset(name), device="vdev", seed=0)
+            out[name] = [k for (k, p), q in zip(a.state_dict().items(), b.state_dict().values()) if not same(q, p)]
+        return out
+    """, env={"TREX_VDEV_PATCH_GENERATOR": "0"}, timeout=120)
+    assert ok(r, "same_weights") == {"tiny": [], "tiny-v3": []}
+
+
 def test_factories():
     r = ok(core_results(), "factories")
     assert r == ["VDevTensor", "vdev:0", [1.0, 1.0], [3.5, 3.5], [0, 1, 2, 3, 4], [[1.0, 0.0], [0.0, 1.0]],

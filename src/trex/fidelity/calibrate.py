@@ -44,18 +44,30 @@ def run_plan(runs: int, threads: list[int], vary: list[list[str]]) -> list[dict]
 
 def envelope(signals: list) -> dict:
     """The spread of ``signals[1:]`` around ``signals[0]``, per profile (the band measure depends on
-    the profile's EMA, the per-layer ones on its floor) and measure, and the per-step loss bounds."""
+    the profile's EMA, the per-layer ones on its floor) and measure, and the per-step loss bounds.
+    ``group_spread`` keeps the per-layer measures per layer group (profile -> measure -> group ->
+    worst error over the runs), so that `compare` can judge each group by its own spread: a group
+    that is noisy by construction (mHC mixers, norm gains) does not widen the bound of a quiet one."""
     spread: dict[str, dict[str, float]] = {}
+    groups: dict[str, dict[str, dict[str, float]]] = {}
     for profile in PROFILES.values():
         measured = spread.setdefault(profile.name, {})
+        per_group = groups.setdefault(profile.name, {})
         for other in signals[1:]:
-            for check in compare(other, signals[0], profile).checks:
+            result = compare(other, signals[0], profile)
+            for check in result.checks:
                 if check.value is not None and check.applies:
                     measured[check.measure] = max(measured.get(check.measure, 0.0), check.value)
+            for measure, errors in (("layer_grad_norm_rel_err", result.layer_errors),
+                                    ("layer_grad_scale_rel_err", result.layer_scale_errors)):
+                worst = per_group.setdefault(measure, {})
+                for group, value in errors.items():
+                    worst[group] = max(worst.get(group, 0.0), value)
     series = [s.series("loss") for s in signals]
     steps = sorted(set.intersection(*(set(s) for s in series)))
-    return {"spread": spread, "loss": {"steps": steps, "min": [min(s[t] for s in series) for t in steps],
-                                       "max": [max(s[t] for s in series) for t in steps]}}
+    return {"spread": spread, "group_spread": groups,
+            "loss": {"steps": steps, "min": [min(s[t] for s in series) for t in steps],
+                     "max": [max(s[t] for s in series) for t in steps]}}
 
 
 def calibrate(recipe_path: str, out: str, golden: str, profile: Profile, runs: int = 3, threads: list[int] | None = None,
@@ -134,11 +146,18 @@ def merge(goldens: list[str], out: str) -> dict:
                 if value > spread.setdefault(profile, {}).get(measure, -1.0):  # a tie: the first file's
                     spread[profile][measure] = value
                     spread_from.setdefault(profile, {})[measure] = _machine(golden, path)
+    groups: dict[str, dict[str, dict[str, float]]] = {}
+    for _, golden in loaded:
+        for profile, measures in golden["envelope"].get("group_spread", {}).items():
+            for measure, per_group in measures.items():
+                merged_groups = groups.setdefault(profile, {}).setdefault(measure, {})
+                for group, value in per_group.items():
+                    merged_groups[group] = max(merged_groups.get(group, 0.0), value)
     bounds = [g["envelope"].get("loss", {}) for _, g in loaded]
     steps = sorted(set.intersection(*(set(b.get("steps", [])) for b in bounds)))
     lo = [dict(zip(b["steps"], b["min"])) for b in bounds]
     hi = [dict(zip(b["steps"], b["max"])) for b in bounds]
-    envelope = {"spread": spread, "spread_from": spread_from,
+    envelope = {"spread": spread, "spread_from": spread_from, "group_spread": groups,
                 "loss": {"steps": steps, "min": [min(m[t] for m in lo) for t in steps],
                          "max": [max(m[t] for m in hi) for t in steps]},
                 "runs": sum(g["envelope"].get("runs", 0) for _, g in loaded),

@@ -45,6 +45,9 @@ def register(sub) -> None:
     m.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a recipe value for every variant; repeatable")
     m.add_argument("--overwrite", action="store_true", help="replace what --out holds (default: refuse)")
+    m.add_argument("--switches", action="store_true",
+                   help="the accelerator switches (compile, fused kernels, bf16 Newton-Schulz, ...) against the "
+                        "bf16 eager control, profile vendor, each layer group bounded by the control's own spread")
     m.set_defaults(func=_matrix)
 
     ca = fid.add_parser("calibrate", help="train the reference N times with its nondeterminism; write its "
@@ -225,7 +228,8 @@ def _matrix(args: argparse.Namespace) -> int:
     from trex.fidelity.matrix import run_matrix
 
     report = _user_faults("matrix", lambda: run_matrix(args.recipe, args.out, steps=args.steps, only=args.only,
-                                                       overrides=args.overrides, overwrite=args.overwrite))
+                                                       overrides=args.overrides, overwrite=args.overwrite,
+                                                       switches=args.switches))
     if report is None:
         return 2
     return 0 if report["verdict"] == "PASS" else 1

@@ -213,7 +213,8 @@ def compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str = "l
     only the reference steps up to the run's last step must be present. When the reference carries
     a calibrated envelope (trex.fidelity.calibrate), every check records the reference's own spread;
     ``envelope="note"`` says where a threshold is tighter than it, ``"widen"`` judges by
-    max(threshold, spread).
+    max(threshold, spread); per-layer measures calibrated per group (``group_spread``) are judged
+    group by group, each by max(threshold, its own spread).
     """
     if envelope not in ENVELOPE_MODES:
         raise FidelityInputError(f"envelope {envelope!r}: expected one of {', '.join(ENVELOPE_MODES)}")
@@ -225,7 +226,12 @@ def compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str = "l
         result.curves["envelope_lo"] = [lo.get(s, math.nan) for s in result.steps]
         result.curves["envelope_hi"] = [hi.get(s, math.nan) for s in result.steps]
     spread = ref.envelope.get("spread", {}).get(profile.name, {})
+    group_spread = ref.envelope.get("group_spread", {}).get(profile.name, {})
     for check in result.checks:
+        per_group = group_spread.get(check.measure)
+        if per_group and check.threshold is not None and check.value is not None:
+            _judge_by_group(check, result, per_group, envelope)
+            continue
         check.spread = spread.get(check.measure)
         if check.spread is None or check.threshold is None or check.threshold >= check.spread:
             continue
@@ -236,6 +242,24 @@ def compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str = "l
             result.notes.append(f"{check.measure}: the threshold {check.threshold:g} is tighter than the reference's "
                                 f"own spread {check.spread:.3g} (--envelope widen judges by the spread)")
     return result
+
+
+def _judge_by_group(check: Check, result: Comparison, per_group: dict[str, float], envelope: str) -> None:
+    """A per-layer check against a reference calibrated per layer group: each group's bound is
+    max(threshold, its own spread) under ``widen`` (the threshold under ``note``, which names the
+    groups whose spread exceeds it). The check then holds the group worst by error / bound: its
+    error, its bound, its spread."""
+    errors = result.layer_errors if check.measure == "layer_grad_norm_rel_err" else result.layer_scale_errors
+    t = check.threshold
+    bound = {g: max(t, per_group.get(g, 0.0)) if envelope == "widen" else t for g in errors}
+    worst = max(errors, key=lambda g: errors[g] / max(bound[g], _TINY))
+    check.value, check.threshold, check.spread = errors[worst], bound[worst], per_group.get(worst)
+    check.detail = f"worst group {worst} (its spread {per_group.get(worst, 0.0):.3g}" + (
+        f", bound {bound[worst]:.3g})" if envelope == "widen" else ")")
+    noisy = sorted(g for g, v in per_group.items() if v > t)
+    if noisy and envelope != "widen":
+        result.notes.append(f"{check.measure}: the threshold {t:g} is tighter than the reference's own spread in "
+                            f"{', '.join(noisy)} (--envelope widen judges each group by its spread)")
 
 
 def _compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str, allow_prefix: bool) -> Comparison:

@@ -142,6 +142,15 @@ def _envelope(envelope, path: str) -> dict:
                 raise FidelityInputError(f"{where}: not a measure; known: {sorted(MEASURES)}")
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
                 raise FidelityInputError(f"{where}: expected a number >= 0, got {value!r}")
+    for profile, measures in envelope.get("group_spread", {}).items():
+        for measure, per_group in (measures or {}).items():
+            where = f"{path}: envelope.group_spread.{profile}.{measure}"
+            if measure not in ("layer_grad_norm_rel_err", "layer_grad_scale_rel_err") or not isinstance(per_group, dict):
+                raise FidelityInputError(f"{where}: expected layer_grad_norm_rel_err or layer_grad_scale_rel_err, "
+                                         "each {group: value}")
+            for group, value in per_group.items():
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                    raise FidelityInputError(f"{where}.{group}: expected a number >= 0, got {value!r}")
     loss = envelope.get("loss", {})
     if loss and not (isinstance(loss, dict) and len(loss.get("steps", [])) == len(loss.get("min", []))
                      == len(loss.get("max", []))):

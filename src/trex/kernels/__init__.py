@@ -9,7 +9,8 @@ vendor-neutral paths with no registration, and overrides what it has faster.
 
 ``TREX_KERNELS`` chooses: ``auto`` (the default, as above); ``reference`` (the references everywhere:
 fidelity runs, debugging); or per op, comma-separated ``op=impl`` with impl ``reference``, ``auto``
-or a named alternative (``sparse_attention=flex``: FlexAttention, trex.kernels.flex_attention).
+or a named alternative (``sparse_attention=flex``: FlexAttention, trex.kernels.flex_attention;
+``rms_norm=fused``: the accelerators' ``F.rms_norm`` on any device).
 Each fast path and alternative has an equivalence test against its reference
 (tests/test_kernels.py, tests/test_flex_attention.py, tests/test_dense_attention.py,
 tests/test_latent_attention.py, tests/test_sparse_mla.py). Vendor plugins
@@ -18,7 +19,6 @@ register their kernels with ``register``.
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
 
@@ -42,10 +42,9 @@ _REFERENCE: dict[str, Callable] = {
 }
 _FAST: dict[tuple[str, str], Callable] = {}
 ANY = "*"  # the device type of a vendor-neutral default
-# opt-in implementations, imported when chosen: (op, name) -> "module:function"
-_ALTERNATIVES: dict[tuple[str, str], str] = {
-    ("sparse_attention", "flex"): "trex.kernels.flex_attention:flex_sparse_attention",
-}
+# opt-in implementations, never chosen by auto: (op, name) -> function. Imported with the registry, not when
+# chosen: `get` runs inside compiled blocks, where torch.compile cannot trace an import (issue 53)
+_ALTERNATIVES: dict[tuple[str, str], Callable] = {}
 
 
 def register(op: str, device_type: str, fn: Callable) -> None:
@@ -80,8 +79,7 @@ def get(op: str, device_type: str) -> Callable:
     if chosen == "reference":
         return _REFERENCE[op]
     if chosen != "auto":
-        module, _, fn = _ALTERNATIVES[(op, chosen)].partition(":")
-        return getattr(importlib.import_module(module), fn)
+        return _ALTERNATIVES[(op, chosen)]
     return _FAST.get((op, device_type)) or _FAST.get((op, ANY)) or _REFERENCE[op]
 
 
@@ -94,7 +92,12 @@ def fast_paths() -> dict[tuple[str, str], Callable]:
 
 
 # Vendor-neutral fast paths, from PyTorch's own fused operators and plain PyTorch.
+from trex.kernels import flex_attention as _flex_attention  # noqa: E402
 from trex.kernels import fused as _fused  # noqa: E402
+
+_ALTERNATIVES[("sparse_attention", "flex")] = _flex_attention.flex_sparse_attention
+# the accelerators' RMSNorm (F.rms_norm) on any device: the CPU runs the reference by default
+_ALTERNATIVES[("rms_norm", "fused")] = _fused.rms_norm
 
 # grouped matmul with device-side offsets (no host sync), on every device
 register("grouped_mm", ANY, _fused.grouped_mm)

@@ -672,7 +672,7 @@ class DeepseekV4(UntiedHead, nn.Module):
         for module in self.modules():
             if isinstance(module, Gate) and module.hashed:
                 V, E, k = self.cfg.vocab_size, self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
-                rand = torch.rand(V, E, device=module.tid2eid.device, generator=gen)
+                rand = torch.rand(V, E, generator=gen)  # gen: a CPU generator (init_parameters)
                 module.tid2eid.copy_(rand.argsort(dim=-1)[:, :k])
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,

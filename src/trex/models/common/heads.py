@@ -33,20 +33,25 @@ class ModelOutput:
 @torch.no_grad()
 def init_parameters(model: nn.Module, std: float, seed: int | None, ones: tuple[str, ...] = ()) -> torch.Generator | None:
     """Normal(0, std) for every matrix of ``model``; ones for norms, mHC scales and the ``ones`` leaf
-    names; zeros for mHC bases, sinks, ``ape``, the norms' bias and the routers' bias. Seeded: draws from a generator
-    made from ``seed`` (returned, for further draws), so the same seed gives the same weights."""
+    names; zeros for mHC bases, sinks, ``ape``, the norms' bias and the routers' bias. Seeded: draws from a CPU
+    generator made from ``seed`` (returned, for further draws) and copies them to the parameters' device, so the
+    same seed gives the same weights on every device (a device's own generator draws another stream: CUDA's
+    Philox is not the CPU's Mersenne Twister, and an H200 run once started from other weights than its CPU
+    reference, issue 53)."""
     gen = None
     device = next(model.parameters()).device
     if seed is not None and device.type != "meta":
-        gen = torch.Generator(device=device).manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         if leaf in ("base", "attn_sink", "ape") or (leaf == "bias" and p.dim() == 1):
             p.zero_()
         elif leaf == "scale" or leaf in ones or (leaf == "weight" and p.dim() == 1):
             p.fill_(1.0)
+        elif gen is None:
+            p.normal_(0.0, std)
         else:
-            p.normal_(0.0, std, generator=gen)
+            p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0.0, std, generator=gen))
     for module in model.modules():
         if isinstance(module, Gate) and not module.hashed:
             module.bias.zero_()
