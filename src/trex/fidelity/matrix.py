@@ -145,8 +145,11 @@ def _run_inline(recipe_path: str, out: str, overrides: list[str], env: dict[str,
     from trex.train.config import TrainRecipe
     from trex.train.loop import train
 
+    import torch
+
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})
+    torch._dynamo.reset()  # each run compiles its own model: an earlier run's graphs must not count to its recompile limit
     try:
         train(load(TrainRecipe, recipe_path, [*overrides, f"train.out={json.dumps(out)}"]))
     finally:
