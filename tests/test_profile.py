@@ -157,3 +157,14 @@ def test_gradient_accumulation_prices_forward_and_backward_per_micro_batch_and_t
     assert eight["classes"]["dense_gemm"]["eager_s"] == pytest.approx(8 * one["classes"]["dense_gemm"]["eager_s"])
     assert eight["classes"]["optimizer/muon_ns"] == one["classes"]["optimizer/muon_ns"]
     assert eight["classes"]["dense_gemm"]["kernels_eager"] == 16
+
+
+def test_on_a_plugged_device_without_kernel_timing_the_host_ops_time_the_classes(tmp_path, capsys, monkeypatch):
+    """The virtual accelerator (a PrivateUse1 plugin, trex_vdev) records no kernel times: the classes are
+    its host ops', not an all-idle device."""
+    monkeypatch.setenv("TREX_DEVICE_PLUGINS", "trex_vdev")
+    r = _profile(tmp_path, capsys, "--set", 'train.device="vdev"', "--warmup", "0")
+    assert r["device"].startswith("vdev") and r["timing"] == "host ops"
+    got = {c["class"]: c for c in r["classes"]}
+    assert got["dense_gemm"]["time_s"] > 0 and "device/idle" not in got
+    assert abs(r["sum_vs_step"] - 1) < 0.05
