@@ -30,7 +30,7 @@ def register(sub) -> None:
     p.add_argument("--efficiency", type=float, help="achieved share of peak FLOP/s while computing (default: 0.55)")
     p.add_argument("--efficiency-from", metavar="PROFILE_JSON",
                    help="take --efficiency from a `trex profile` report: its measured forward+backward MFU (a device "
-                        "run), or its compiled estimate on --hardware (a --meta or CPU run)")
+                        "run), or its compiled estimate on --hardware (a --meta or CPU run); default: none, --efficiency's value")
     p.add_argument("--fsdp-overlap", type=float, help="share of FSDP traffic hidden behind compute (default: 0.9)")
     p.add_argument("--ep-overlap", type=float, help="share of the EP all-to-all hidden behind compute (default: 0.5)")
     p.add_argument("--search", action="store_true", help="rank every fitting layout by step time")
