@@ -77,10 +77,15 @@ def test_linear_fp32_matches_autograd_and_keeps_no_fp32_weight_copy(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_head_nll_equals_the_head_then_the_loss_over_several_chunks(dtype, monkeypatch):
+@pytest.mark.parametrize("block,rows", [(4, 300), (5, 64), (18, 300)])
+def test_head_nll_equals_the_head_then_the_loss_over_several_tiles(dtype, block, rows, monkeypatch):
+    """Token blocks with a rest (4 and 5 of 18 tokens), vocabulary slices with a rest (64 of 300: targets
+    in every slice), and one tile."""
     g = torch.Generator().manual_seed(2)
     V = 300
-    monkeypatch.setattr(cross_entropy, "HEAD_CHUNK_BYTES", 4 * V * 4)  # 4 tokens per chunk: 4 chunks + a rest
+    monkeypatch.setattr(cross_entropy, "HEAD_BLOCK_TOKENS", block)
+    monkeypatch.setattr(cross_entropy, "HEAD_TILE_BYTES", 4 * block * rows)
+    assert cross_entropy.head_tiles(18, V) == (block, rows)
     h = (torch.randn(3, 6, 16, generator=g) * 2).to(dtype).requires_grad_()
     w = torch.randn(V, 16, generator=g).to(dtype).requires_grad_()
     targets = torch.randint(0, V, (3, 6), generator=g)
@@ -101,6 +106,16 @@ def test_head_nll_equals_the_head_then_the_loss_over_several_chunks(dtype, monke
     torch.testing.assert_close(dh, h.grad, **tol)
     torch.testing.assert_close(dw, w.grad, **tol)
     assert (dh[1, :4] == 0).all()  # ignored tokens send nothing back
+
+
+def test_head_tiles_hold_a_token_block_and_bound_the_logits():
+    V = 129_280  # V4's vocabulary: 4,096-token blocks, 8,192-row slices (128 MiB of fp32 logits)
+    assert cross_entropy.head_tiles(1 << 20, V) == (4096, 8192)
+    assert cross_entropy.head_tiles(100, V) == (100, V)  # a short input: the whole vocabulary in a slice, if it fits
+    assert cross_entropy.head_tiles(1 << 20, 1000) == (33_554, 1000)  # a small vocabulary: more tokens per block
+    for n, v in [(1 << 20, V), (100, V), (1 << 20, 1000), (3, 7)]:
+        block, rows = cross_entropy.head_tiles(n, v)
+        assert 4 * block * rows <= cross_entropy.HEAD_TILE_BYTES and block <= n and rows <= v
 
 
 def test_head_nll_keeps_no_vocabulary_sized_tensor():

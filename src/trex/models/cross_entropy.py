@@ -7,9 +7,9 @@ log-sum-exp per token, and rebuilds the softmax in backward: same values, same g
 
 ``head_nll`` goes further when the caller needs the loss and not the logits (SFT, continued
 pretraining): it fuses the fp32 LM head with the loss (its products through the kernel registry's
-``fp32_matmul``: on a device with fp32-output bf16 GEMMs, those) and runs both over chunks of tokens, so no
-[N, V] tensor exists beyond one chunk (HEAD_CHUNK_BYTES) in forward or backward; it saves the hidden
-states and one log-sum-exp per token and recomputes each chunk's logits in backward.
+``fp32_matmul``: on a device with fp32-output bf16 GEMMs, those) and runs both over tiles of [token block,
+vocabulary slice], so no [N, V] tensor exists beyond one tile (HEAD_TILE_BYTES) in forward or backward;
+it saves the hidden states and one log-sum-exp per token and recomputes each tile's logits in backward.
 (tests/test_cross_entropy.py checks both against ``F.cross_entropy``.)
 """
 
@@ -50,13 +50,31 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nll.view(shape)
 
 
-# fp32 logits of one chunk of tokens: 256 tokens at V4's vocabulary
-HEAD_CHUNK_BYTES = 128 << 20
+# The fused head's tiles: fp32 logits of one [token block, vocabulary slice], at most HEAD_TILE_BYTES, over
+# token blocks of HEAD_BLOCK_TOKENS where there are that many (more where the whole vocabulary fits the tile).
+# The [V, d] weight is read, and its fp32 gradient read and written, once per token block: per block the
+# GEMMs make 2 * tokens FLOPs per weight element against 2 (bf16 read) + 8 (fp32 gradient read and write)
+# bytes, so 4,096 tokens keep them compute-bound on every hardware profile, where 256-token chunks over the
+# whole vocabulary left them memory-bound. At V4's vocabulary: 4,096 tokens x 8,192 rows.
+HEAD_TILE_BYTES = 128 << 20
+HEAD_BLOCK_TOKENS = 4096
 
 
-def _token_chunks(n: int, vocab: int):
-    step = max(1, HEAD_CHUNK_BYTES // (4 * vocab))
-    return [(t0, min(n, t0 + step)) for t0 in range(0, n, step)]
+def head_tiles(tokens: int, vocab: int) -> tuple[int, int]:
+    """(tokens per block, vocabulary rows per slice) of ``head_nll`` over ``tokens`` tokens."""
+    per_tile = max(1, HEAD_TILE_BYTES // 4)
+    block = max(1, min(tokens, max(HEAD_BLOCK_TOKENS, per_tile // vocab)))
+    return block, max(1, min(vocab, per_tile // block))
+
+
+def _spans(n: int, step: int) -> list[tuple[int, int]]:
+    return [(i, min(n, i + step)) for i in range(0, n, step)]
+
+
+def _in_slice(safe: torch.Tensor, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each target's column in vocabulary rows [v0, v1), clamped into it; whether it lies there)."""
+    local = safe - v0
+    return local.clamp(0, v1 - v0 - 1)[:, None], (local >= 0) & (local < v1 - v0)
 
 
 class _HeadNLL(torch.autograd.Function):
@@ -65,12 +83,18 @@ class _HeadNLL(torch.autograd.Function):
         valid = targets != IGNORE_INDEX
         safe = torch.where(valid, targets, 0)
         matmul, w = kernels.fp32_products(weight)  # fp32 products (one fp32 copy where they are computed in fp32)
+        block, rows = head_tiles(h.shape[0], w.shape[0])
+        slices = _spans(w.shape[0], rows)
         lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
-        picked = torch.empty_like(lse)
-        for t0, t1 in _token_chunks(h.shape[0], w.shape[0]):
-            z = matmul(h[t0:t1], w.T)  # [T, V] fp32
-            lse[t0:t1] = torch.logsumexp(z, dim=-1)
-            picked[t0:t1] = z.gather(1, safe[t0:t1, None])[:, 0]
+        picked = torch.zeros_like(lse)
+        for t0, t1 in _spans(h.shape[0], block):
+            part = torch.empty(t1 - t0, len(slices), dtype=torch.float32, device=h.device)  # per-slice log-sum-exp
+            for j, (v0, v1) in enumerate(slices):
+                z = matmul(h[t0:t1], w[v0:v1].T)  # [T, rows] fp32
+                part[:, j] = torch.logsumexp(z, dim=-1)
+                col, inside = _in_slice(safe[t0:t1], v0, v1)
+                picked[t0:t1] += torch.where(inside, z.gather(1, col)[:, 0], 0.0)
+            lse[t0:t1] = torch.logsumexp(part, dim=-1)
         ctx.save_for_backward(h, weight, lse, safe, valid)
         return (lse - picked) * valid
 
@@ -78,17 +102,20 @@ class _HeadNLL(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         h, weight, lse, safe, valid = ctx.saved_tensors
         matmul, w = kernels.fp32_products(weight)
+        block, rows = head_tiles(h.shape[0], w.shape[0])
         g = grad * valid
-        dh = torch.empty(h.shape, dtype=torch.float32, device=h.device) if ctx.needs_input_grad[0] else None
+        dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if ctx.needs_input_grad[0] else None
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
-        for t0, t1 in _token_chunks(h.shape[0], w.shape[0]):
-            hc = h[t0:t1]
-            d = matmul(hc, w.T).sub_(lse[t0:t1, None]).exp_().mul_(g[t0:t1, None])  # softmax * g
-            d.scatter_add_(1, safe[t0:t1, None], -g[t0:t1, None])  # minus g at the target
-            if dh is not None:
-                dh[t0:t1] = matmul(d, w)
-            if dw is not None:
-                matmul(d.T, hc, dw)
+        for t0, t1 in _spans(h.shape[0], block):
+            hc, gc = h[t0:t1], g[t0:t1, None]
+            for v0, v1 in _spans(w.shape[0], rows):
+                d = matmul(hc, w[v0:v1].T).sub_(lse[t0:t1, None]).exp_().mul_(gc)  # softmax * g
+                col, inside = _in_slice(safe[t0:t1], v0, v1)
+                d.scatter_add_(1, col, torch.where(inside[:, None], -gc, 0.0))  # minus g at the target
+                if dh is not None:
+                    matmul(d, w[v0:v1], dh[t0:t1])
+                if dw is not None:
+                    matmul(d.T, hc, dw[v0:v1])
         return (None if dh is None else dh.to(h.dtype)), (None if dw is None else dw.to(weight.dtype)), None
 
 

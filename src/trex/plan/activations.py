@@ -35,7 +35,7 @@ from trex.kernels.sparse_attention import CHUNK_BYTES, DENSE_TOPK_FRACTION
 from trex.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
 from trex.models.config_v41 import CSA2, V41Config
 from trex.models.deepseek_v4 import shard_halo
-from trex.models.cross_entropy import HEAD_CHUNK_BYTES
+from trex.models.cross_entropy import head_tiles
 
 F32, I64 = 4, 8
 
@@ -267,11 +267,11 @@ def head(cfg: ModelConfig, b: int) -> float:
 
 def head_backward_workspace(cfg: ModelConfig, tokens: int) -> float:
     """Transient bytes of one fused head + loss backward (cross_entropy.head_nll) over ``tokens``:
-    one chunk's fp32 logits, the fp32 hidden-state gradient, the head weight's fp32 copy and its
+    one tile's fp32 logits, the fp32 hidden-state gradient, the head weight's fp32 copy and its
     fp32 gradient."""
     V, d = cfg.vocab_size, cfg.hidden_size
-    chunk = max(1, HEAD_CHUNK_BYTES // (F32 * V))
-    return F32 * (V * min(tokens, chunk) + tokens * d + 2 * V * d)
+    block, rows = head_tiles(tokens, V)
+    return F32 * (block * rows + tokens * d + 2 * V * d)
 
 
 def model_level(cfg: ModelConfig, S: int, b: int, heads: bool = True) -> float:
