@@ -189,15 +189,18 @@ def _system_text(msg: dict) -> str:
     return text
 
 
-def _tool_calls_text(tool_calls: list[dict]) -> str:
+def _tool_calls_text(tool_calls: list[dict], block: str = "tool_calls", invoke: str = "invoke",
+                     parameter: str = "parameter") -> str:
+    """An assistant turn's DSML calls block. The tag names differ per release (V3.2: function_calls,
+    V4: tool_calls, V4.1: " calls"/" invoke"/" parameter"; trex.data.tool_calls)."""
     invokes = []
     for call in tool_calls:
         params = "\n".join(
-            f'<{DSML}parameter name="{key}" string="{"true" if isinstance(v, str) else "false"}">'
-            f'{v if isinstance(v, str) else _to_json(v)}</{DSML}parameter>'
+            f'<{DSML}{parameter} name="{key}" string="{"true" if isinstance(v, str) else "false"}">'
+            f'{v if isinstance(v, str) else _to_json(v)}</{DSML}{parameter}>'
             for key, v in _tool_arguments(call, "tool call").items())
-        invokes.append(f'<{DSML}invoke name="{call["function"]["name"]}">\n{params}\n</{DSML}invoke>')
-    return f"\n\n<{DSML}tool_calls>\n" + "\n".join(invokes) + f"\n</{DSML}tool_calls>"
+        invokes.append(f'<{DSML}{invoke} name="{call["function"]["name"]}">\n{params}\n</{DSML}{invoke}>')
+    return f"\n\n<{DSML}{block}>\n" + "\n".join(invokes) + f"\n</{DSML}{block}>"
 
 
 def render_conversation(messages: list[dict], *, thinking: bool, drop_thinking: bool = True,
