@@ -3,13 +3,14 @@
 The expected strings below are written out from reading the references (none of their code is in
 the repository); each block names its source:
 
-* V3 / R1: the ``chat_template`` of deepseek-ai/DeepSeek-V3 and DeepSeek-R1 tokenizer_config.json (the
-  R1 template as vendored in ggml-org/llama.cpp models/templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja):
-  ``<｜Assistant｜>`` + ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>`` + type + ``<｜tool▁sep｜>`` + name +
-  "\\n```json\\n" + arguments + "\\n```" + ``<｜tool▁call▁end｜>``, later calls after "\\n", then
-  ``<｜tool▁calls▁end｜><｜end▁of▁sentence｜>``; outputs ``<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>``
-  ... ``<｜tool▁output▁end｜>`` joined by "\\n", closed by ``<｜tool▁outputs▁end｜>``. No tool schemas in
-  either template: the system block is the model card's function-calling form (DeepSeek-V2.5 card,
+* V3 / R1: the ``chat_template`` of deepseek-ai/DeepSeek-R1-0528 tokenizer_config.json (as embedded in
+  public copies, e.g. for DeepSeek-R1-0528-Qwen3-8B; R1-Distill's in ggml-org/llama.cpp
+  models/templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja): ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>``
+  + type + ``<｜tool▁sep｜>`` + name + "\\n```json\\n" + arguments + "\\n```" + ``<｜tool▁call▁end｜>``, later
+  calls after "\\n", then ``<｜tool▁calls▁end｜><｜end▁of▁sentence｜>``; outputs
+  ``<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>`` ... ``<｜tool▁output▁end｜>`` joined by "\\n", closed by
+  ``<｜tool▁outputs▁end｜>``, the answer following with no ``<｜Assistant｜>``. No tool schemas in the
+  templates: the system block is the model card's function-calling form (DeepSeek-V2.5's card,
   "## Tools / ### Function / You have the following functions available:").
 * V3.1: huggingface.co/deepseek-ai/DeepSeek-V3.1 README "ToolCall" (tool_description) and its
   ``chat_template`` (ggml-org/llama.cpp models/templates/deepseek-ai-DeepSeek-V3.1.jinja).
@@ -62,7 +63,12 @@ V3_CALL = TCSB + TCB + "function" + SEP + 'weather\n```json\n{"city": "Paris"}\n
 def test_v3_released_form():
     want = (BOS + SYS + V3_TOOLS + USER + USER_TEXT + ASSISTANT + V3_CALL
             + TOSB + TOB + "18C" + TOE + TOSE + "Paris: 18C." + EOS)
-    assert trajectory(tool_codec("deepseek-v3", thinking=False)) == want
+    codec = tool_codec("deepseek-v3", thinking=False)
+    assert trajectory(codec) == want
+    two = codec.assistant("", [CALL, {"name": "time", "arguments": {}}])
+    assert two == (TCSB + TCB + "function" + SEP + 'weather\n```json\n{"city": "Paris"}\n```' + TCE + "\n"
+                   + TCB + "function" + SEP + "time\n```json\n{}\n```" + TCE + TCSE + EOS)
+    assert codec.results(["a", "b"]) == TOSB + TOB + "a" + TOE + "\n" + TOB + "b" + TOE + TOSE
 
 
 def test_r1_released_form():

@@ -185,9 +185,11 @@ def _plain(text: str, s: dict[str, str]) -> str:
 
 # ---- DeepSeek-V3 / R1 -----------------------------------------------------------------------------
 class V3Codec(ToolCodec):
-    """DeepSeek-V3 (``thinking``: R1). Calls, results and generation prompts as the released
-    tokenizer_config.json chat templates render them (V3 Dec 2024; R1); those templates render no tool
-    schemas, so the schemas go into the system text in the model card's function-calling form."""
+    """DeepSeek-V3 (``thinking``: R1). Calls and results as the released tokenizer_config.json chat
+    templates render them, in the terminated form of R1's and R1-0528's (calls joined by "\n" and closed
+    by ``<｜tool▁calls▁end｜>``; outputs joined by "\n" as in V3's and R1-0528's; the original V3 template
+    leaves a single call unterminated). The templates render no tool schemas, so the schemas go into
+    the system text in the model card's function-calling form ("## Tools / ### Function")."""
 
     family = "deepseek-v3"
     reopens_thinking = False  # R1's template opens "<think>\n" after a user turn only
