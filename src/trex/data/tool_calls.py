@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from trex.data.chat import (R1_THINK_CLOSE, R1_THINK_OPEN, TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEGIN,
                             TOOL_CALLS_END, TOOL_OUTPUT_BEGIN, TOOL_OUTPUT_END, TOOL_SEP, TOOLS_PROMPT,
-                            _tool_calls_text, _v31_tool_calls)
+                            dsml_tool_calls, v31_tool_calls)
 from trex.data.tokenizer import ASSISTANT, BOS, DSML, EOS, THINK_END, THINK_START, USER, Tokenizer
 
 FAMILIES = ("deepseek-v3", "deepseek-v3.1", "deepseek-v3.2", "deepseek-v4", "deepseek-v4.1")
@@ -114,6 +114,8 @@ class ToolCodec:
     # ---- parsing --------------------------------------------------------------------------------
     def marker_ids(self, tokenizer: Tokenizer) -> dict[int, str]:
         """Token id -> marker; ValueError naming the markers ``tokenizer`` lacks as single tokens."""
+        if getattr(self, "_for", None) is tokenizer:
+            return self._ids
         ids, missing = {}, []
         for m in self.markers:
             tid = tokenizer.backend.token_to_id(m)
@@ -124,6 +126,7 @@ class ToolCodec:
         if missing:
             raise ValueError(f"tokenizer {tokenizer.source} lacks the {self.family} tool-call marker(s) "
                              f"{', '.join(missing)} as single tokens")
+        self._for, self._ids = tokenizer, ids
         return ids
 
     def parse(self, ids, tokenizer: Tokenizer, *, after_results: bool = False) -> AssistantTurn:
@@ -288,7 +291,7 @@ class V31Codec(ToolCodec):
         if not calls:
             return content + EOS
         args = [{**c, "arguments": json.dumps(c["arguments"], ensure_ascii=False)} for c in calls]
-        return _v31_tool_calls({"content": content, "tool_calls": _openai_calls(args)})
+        return v31_tool_calls({"content": content, "tool_calls": _openai_calls(args)})
 
     def results(self, outputs):
         return "".join(TOOL_OUTPUT_BEGIN + o + TOOL_OUTPUT_END for o in outputs)
@@ -370,7 +373,7 @@ class DSMLCodec(ToolCodec):
         text = (reasoning + THINK_END) if self.thinking else ""
         text += content
         if calls:
-            text += _tool_calls_text(_openai_calls(calls), self.block, self.invoke, self.parameter)
+            text += dsml_tool_calls(_openai_calls(calls), self.block, self.invoke, self.parameter)
         return text + EOS
 
     def results(self, outputs):

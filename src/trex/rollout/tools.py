@@ -150,15 +150,21 @@ def _collect(proc: subprocess.Popen, deadline: float, limits: SandboxLimits) -> 
                 _kill_group(proc)
                 return bytes(buf[:limits.output_bytes]), (f"output truncated at {limits.output_bytes} bytes; "
                                                           "process killed")
-    try:
-        proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
-    except subprocess.TimeoutExpired:  # closed its output but kept running
-        _kill_group(proc)
-        return bytes(buf), f"timed out after {limits.wall_s:g} s; process killed"
+    while not _exited(proc):  # not reaped yet, so its process group id stays its own until the kill
+        if time.monotonic() >= deadline:  # closed its output but kept running
+            _kill_group(proc)
+            return bytes(buf), f"timed out after {limits.wall_s:g} s; process killed"
+        time.sleep(0.002)
     return bytes(buf), None
 
 
+def _exited(proc: subprocess.Popen) -> bool:
+    """Whether the child has exited, without reaping it."""
+    return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the child's process group; called only before the child is reaped (run_python's wait)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
