@@ -1,5 +1,6 @@
 """Built-in tools: a tool that fails, hangs or floods ends as a tool message within its limits."""
 
+import json
 import os
 import time
 
@@ -14,12 +15,13 @@ FAST = SandboxLimits(wall_s=1.0, cpu_s=5, memory_bytes=512 << 20, file_bytes=1 <
 def test_python_runs_in_a_fresh_directory_with_a_scrubbed_environment():
     os.environ["TREX_SECRET_FOR_TEST"] = "x"
     try:
-        r = run_python("import os, sys\nprint(os.getcwd(), sorted(os.environ), os.getpid(), sys.flags.isolated)", FAST)
+        r = run_python("import json, os, sys\nprint(json.dumps([os.getcwd(), sorted(os.environ), os.getpid(), "
+                       "sys.flags.isolated, sys.flags.no_site]))", FAST)
     finally:
         del os.environ["TREX_SECRET_FOR_TEST"]
-    cwd, env, pid, isolated = r.content.rsplit(" ", 3)[0], r.content, int(r.content.split()[-2]), r.content.split()[-1]
+    cwd, env, pid, isolated, no_site = json.loads(r.content)
     assert r.ok and os.path.basename(cwd).startswith("trex-tool-") and not os.path.exists(cwd)  # removed after
-    assert "TREX_SECRET_FOR_TEST" not in env and pid != os.getpid() and isolated == "1"
+    assert "TREX_SECRET_FOR_TEST" not in env and pid != os.getpid() and isolated == no_site == 1
 
 
 def test_hang_times_out_within_its_limit():

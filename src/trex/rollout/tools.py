@@ -6,7 +6,8 @@ malformed, names no known tool, fails, hangs or floods its output ends as a mess
 the tool's limits.
 
 Nothing a tool runs executes in the trainer's process. ``python`` runs the program in a fresh
-interpreter (``python -I``, exec'd, no ``preexec_fn``) in a new session, with a fresh temporary
+interpreter (``python -I -S``: isolated, the standard library only, no site-packages and none of
+their ``.pth`` code; exec'd, no ``preexec_fn``) in a new session, with a fresh temporary
 directory as its working directory and home, a scrubbed environment, and these limits set by the child
 itself before the program starts (``resource.setrlimit``):
 
@@ -106,7 +107,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> ToolResult
             f.write(code)
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", _BOOTSTRAP, str(limits.cpu_s), str(limits.memory_bytes),
+            [sys.executable, "-I", "-S", "-c", _BOOTSTRAP, str(limits.cpu_s), str(limits.memory_bytes),
              str(limits.file_bytes)],
             cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True, close_fds=True)
