@@ -8,15 +8,10 @@ them, and parses an assistant turn's calls from the sampled token ids:
     turn = codec.parse(completion_ids, tokenizer)     # AssistantTurn(reasoning, content, calls, finished)
     text += codec.results(["18C", "24C"])             # the tool outputs, through the next generation prompt
 
-Per family (docs/post_training.md, "Tool calls"):
-
-| family | calls | results | tool schemas | reasoning in the history |
-|---|---|---|---|---|
-| deepseek-v3 (R1 with ``thinking``) | ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{..}\\n```<｜tool▁call▁end｜>`` | ``<｜tool▁outputs▁begin｜>`` blocks | model-card "## Tools / ### Function" block | dropped (R1) |
-| deepseek-v3.1 (non-thinking only) | ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>`` | ``<｜tool▁output▁begin｜>`` each | model-card "## Tools" block | dropped |
-| deepseek-v3.2 | DSML ``function_calls`` | ``<function_results>`` | encoder's TOOLS_SYSTEM_TEMPLATE | kept after the last user message |
-| deepseek-v4 | DSML ``tool_calls`` | a user turn of ``<tool_result>`` | encoder's TOOLS_TEMPLATE | kept (tools turn drop_thinking off) |
-| deepseek-v4.1 | DSML ``" calls"``/``" invoke"``/``" parameter"`` | as V4 | V4's with the spaced tags; ``<｜System｜>`` | as V4 |
+Families, named like ``[data] chat_format``'s formats (which has no V3.2 or V4.1 yet): deepseek-v3 (R1's form with ``thinking``), deepseek-v3.1
+(non-thinking only), deepseek-v3.2, deepseek-v4, deepseek-v4.1. Their rules (calls, results, tool
+schemas, the reasoning kept in the history) are tabled in docs/post_training.md ("Tool calls"); each
+codec class names its source.
 
 Calls are parsed from token ids, never from a decode that skips special tokens (the markers are
 special tokens): each marker id becomes a sentinel character before any text is matched, so text that
