@@ -8,10 +8,10 @@ them, and parses an assistant turn's calls from the sampled token ids:
     turn = codec.parse(completion_ids, tokenizer)     # AssistantTurn(reasoning, content, calls, finished)
     text += codec.results(["18C", "24C"])             # the tool outputs, through the next generation prompt
 
-Families, named like ``[data] chat_format``'s formats (which has no V3.2 or V4.1 yet): deepseek-v3 (R1's form with ``thinking``), deepseek-v3.1
-(non-thinking only), deepseek-v3.2, deepseek-v4, deepseek-v4.1. Their rules (calls, results, tool
-schemas, the reasoning kept in the history) are tabled in docs/post_training.md ("Tool calls"); each
-codec class names its source.
+Families, named like ``[data] chat_format``'s formats (which has no V3.2 or V4.1 yet): deepseek-v3
+(R1's form with ``thinking``), deepseek-v3.1 (non-thinking only), deepseek-v3.2, deepseek-v4,
+deepseek-v4.1. Their rules (calls, results, tool schemas, the reasoning kept in the history) are
+tabled in docs/post_training.md ("Tool calls"); each codec class names its source.
 
 Calls are parsed from token ids, never from a decode that skips special tokens (the markers are
 special tokens): each marker id becomes a sentinel character before any text is matched, so text that
