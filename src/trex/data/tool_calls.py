@@ -362,7 +362,8 @@ class DSMLCodec(ToolCodec):
         return system + "\n\n" + self._tools_block(tools)
 
     def prompt(self, system, user, tools):
-        return BOS + self._system(system, tools) + USER + user + ASSISTANT + (THINK_START if self.thinking else THINK_END)
+        opener = THINK_START if self.thinking else THINK_END
+        return BOS + self._system(system, tools) + USER + user + ASSISTANT + opener
 
     def assistant(self, content="", calls=(), reasoning=""):
         text = (reasoning + THINK_END) if self.thinking else ""
@@ -411,8 +412,8 @@ class DSMLCodec(ToolCodec):
 
     def _invoke(self, name: str, body: str, s: dict[str, str]) -> ToolCall:
         d, args, pos = s[DSML], {}, 0
-        param = re.compile(f'<{d}{self.parameter} name="([^"\n]*)" string="(true|false)">(.*?)</{d}{self.parameter}>\n?',
-                           re.DOTALL)
+        tag = f"{d}{self.parameter}"
+        param = re.compile(f'<{tag} name="([^"\n]*)" string="(true|false)">(.*?)</{tag}>\n?', re.DOTALL)
         for m in param.finditer(body):
             if body[pos:m.start()].strip():
                 break
