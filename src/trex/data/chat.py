@@ -189,15 +189,18 @@ def _system_text(msg: dict) -> str:
     return text
 
 
-def _tool_calls_text(tool_calls: list[dict]) -> str:
+def dsml_tool_calls(tool_calls: list[dict], block: str = "tool_calls", invoke: str = "invoke",
+                     parameter: str = "parameter") -> str:
+    """An assistant turn's DSML calls block. The tag names differ per release (V3.2: function_calls,
+    V4: tool_calls, V4.1: " calls"/" invoke"/" parameter"; trex.data.tool_calls)."""
     invokes = []
     for call in tool_calls:
         params = "\n".join(
-            f'<{DSML}parameter name="{key}" string="{"true" if isinstance(v, str) else "false"}">'
-            f'{v if isinstance(v, str) else _to_json(v)}</{DSML}parameter>'
+            f'<{DSML}{parameter} name="{key}" string="{"true" if isinstance(v, str) else "false"}">'
+            f'{v if isinstance(v, str) else _to_json(v)}</{DSML}{parameter}>'
             for key, v in _tool_arguments(call, "tool call").items())
-        invokes.append(f'<{DSML}invoke name="{call["function"]["name"]}">\n{params}\n</{DSML}invoke>')
-    return f"\n\n<{DSML}tool_calls>\n" + "\n".join(invokes) + f"\n</{DSML}tool_calls>"
+        invokes.append(f'<{DSML}{invoke} name="{call["function"]["name"]}">\n{params}\n</{DSML}{invoke}>')
+    return f"\n\n<{DSML}{block}>\n" + "\n".join(invokes) + f"\n</{DSML}{block}>"
 
 
 def render_conversation(messages: list[dict], *, thinking: bool, drop_thinking: bool = True,
@@ -237,7 +240,7 @@ def render_conversation(messages: list[dict], *, thinking: bool, drop_thinking: 
                 text = (turn.get("reasoning_content") or "") + THINK_END
             text += turn.get("content") or ""
             if turn.get("tool_calls"):
-                text += _tool_calls_text(turn["tool_calls"])
+                text += dsml_tool_calls(turn["tool_calls"])
             text += EOS
             segments.append(Segment(text, loss_on != "last_assistant" or i > last_user))
     if loss_on == "all":
@@ -315,7 +318,7 @@ def _check_v3_record(messages: list[dict], chat_format: str, thinking: bool) -> 
                               "non-thinking mode only: set data.thinking = false for these records")
 
 
-def _v31_tool_calls(msg: dict) -> str:
+def v31_tool_calls(msg: dict) -> str:
     calls = msg["tool_calls"]
     text = ""
     for k, call in enumerate(calls):
@@ -349,7 +352,7 @@ def _render_v3(messages: list[dict], *, chat_format: str, thinking: bool, drop_t
             reasons = thinking and (i > last_user or not drop_thinking)
             if v31:
                 if msg.get("tool_calls") is not None:
-                    head, body = ASSISTANT + THINK_END, _v31_tool_calls(msg)
+                    head, body = ASSISTANT + THINK_END, v31_tool_calls(msg)
                 else:
                     head = ASSISTANT + (THINK_START if reasons else THINK_END)
                     if reasons:
