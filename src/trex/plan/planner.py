@@ -180,6 +180,22 @@ def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: in
     return sorted(plans, key=lambda p: p.time.total)
 
 
+CHOICES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "micro_batch", "recompute", "offload_optimizer",
+           "reduce_every_micro_batch")  # what a layout chooses (grad_accum follows from the batch)
+
+
+def layout_changes(frm: Layout, to: Layout) -> list[str]:
+    """The choices ``to`` makes differently from ``frm``, as ``name a -> b``."""
+    return [f"{k} {getattr(frm, k)} -> {getattr(to, k)}" for k in CHOICES if getattr(frm, k) != getattr(to, k)]
+
+
+def nearest_fitting(layout: Layout, plans: list[Plan]) -> Plan | None:
+    """Of ``plans`` (fitting ones, e.g. :func:`search`'s), the one whose layout changes the fewest of ``layout``'s
+    choices (CHOICES), the fastest among equals; None when there are none."""
+    fitting = [p for p in plans if p.fits]
+    return min(fitting, key=lambda p: (len(layout_changes(layout, p.layout)), p.time.total), default=None)
+
+
 def no_fit_hint(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: int, hw: HardwareProfile,
                 assume: TimeAssumptions = TimeAssumptions(), optimizer: str = "muon", train_engram: bool = False) -> str:
     """Why :func:`search` found nothing, naming only what it did not try: the batch does not split over
