@@ -138,9 +138,11 @@ PUBLISHED = [
     ("deepseek-v3.2", 32768, 128, "dp_shard=4,cp=8,tp=4,ep=64", 103),
 ]
 MISSES = {  # rows the planner does not reproduce within 15%, and why (docs/planning.md)
-    "deepseek-v3": "EP all-to-all over the profile's 25 GB/s RoCE between 16-die nodes",
-    "deepseek-v3.2": "torchtitan-npu's V3.2 runs 3.7x slower than its V3 at the same layout: its indexer training "
-                     "and sparse-attention path, not in trex's FLOPs",
+    "deepseek-v3": "0.63: ~890 GB of EP all-to-all per die and step over the profile's 25 GB/s RoCE between 16-die "
+                   "servers; on one HCCS domain (ascend-910c-die-superpod) 0.81, the rest compute efficiency",
+    "deepseek-v3.2": "1.46 and 2.10: torchtitan-npu's V3.2 runs 3.7x slower than its V3 at the same layout (its "
+                     "indexer training and sparse-attention path, not in trex's FLOPs); at 32K trex's own sparse MLA "
+                     "does not fit",
 }
 
 

@@ -208,7 +208,7 @@ def no_fit_hint(cfg: ModelConfig, devices: int, seq_len: int, global_batch_token
                 "change --global-batch-tokens or --devices")
     lean = min(tried, key=lambda p: p.memory.total)
     return (f"the leanest layout tried ({lean.layout.describe()}) needs {lean.memory.total / GiB:.1f} GiB per device, "
-            f"{lean.usable_bytes / GiB:.1f} usable; every recompute, offload, micro-batch and shard/ep/cp split was "
+            f"{lean.usable_bytes / GiB:.1f} usable; every recompute, offload, micro-batch and shard/ep/cp/tp split was "
             "tried: add devices (without --devices, trex plan finds the fewest that fit) or shorten the sequence")
 
 
