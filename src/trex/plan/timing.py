@@ -84,10 +84,10 @@ class StepTime:
     fsdp_comm: float
     ep_comm: float
     cp_comm: float
+    tp_comm: float
     exposed_comm: float
     bubble: float
     optimizer: float
-    tp_comm: float = 0.0
 
     @property
     def total(self) -> float:
@@ -246,5 +246,5 @@ def step_time(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int,
         state = (4 * muon + 8 * (trainable - muon)) if layout.optimizer == "muon" else 8 * trainable
         link = hw.host_link_gbps or hw.inter_node_gbps
         optimizer += 2 * state / (layout.fsdp * layout.pp) / (link * 1e9)
-    return StepTime(compute=compute, recompute=recompute, fsdp_comm=fsdp, ep_comm=ep, cp_comm=cp, exposed_comm=exposed,
-                    bubble=bubble, optimizer=optimizer, tp_comm=tp_comm)
+    return StepTime(compute=compute, recompute=recompute, fsdp_comm=fsdp, ep_comm=ep, cp_comm=cp, tp_comm=tp_comm,
+                    exposed_comm=exposed, bubble=bubble, optimizer=optimizer)
