@@ -141,15 +141,12 @@ MISSES = {  # rows the planner does not reproduce within 15%, and why (docs/plan
     "deepseek-v3": "0.63: ~890 GB of EP all-to-all per die and step over the profile's 25 GB/s RoCE between 16-die "
                    "servers; on one HCCS domain (ascend-910c-die-superpod) 0.81, the rest compute efficiency",
     "deepseek-v3.2": "1.46 and 2.10: torchtitan-npu's V3.2 runs 3.7x slower than its V3 at the same layout (its "
-                     "indexer training and sparse-attention path, not in trex's FLOPs); at 32K trex's own sparse MLA "
-                     "does not fit",
+                     "indexer training and sparse-attention path, not in trex's FLOPs)",
 }
 
 
-@pytest.mark.parametrize("model, seq, sequences, layout, published", [
-    pytest.param(*row, marks=[pytest.mark.xfail(strict=True, reason=MISSES[row[0]])] if row[0] in MISSES else [])
-    for row in PUBLISHED])
-def test_the_published_runs_within_15_percent(model, seq, sequences, layout, published):
+@pytest.mark.parametrize("model, seq, sequences, layout, published", PUBLISHED)
+def test_the_published_runs_fit_and_land_within_15_percent(model, seq, sequences, layout, published):
     from trex.plan.layout import parse_layout
 
     lay = parse_layout(layout, Layout(dp_shard=1, recompute="full", optimizer="adamw", offload_optimizer=True,
@@ -158,4 +155,9 @@ def test_the_published_runs_within_15_percent(model, seq, sequences, layout, pub
     assert lay.devices == 128
     plan = make_plan(get_preset(model), lay, seq, DIE)
     assert plan.global_batch_tokens == sequences * seq
-    assert abs(plan.tokens_per_s_per_device / published - 1) <= 0.15, plan.tokens_per_s_per_device
+    assert plan.fits  # every published layout fits under the planner's memory model
+    within = abs(plan.tokens_per_s_per_device / published - 1) <= 0.15
+    if model in MISSES:  # a known miss (docs/planning.md); one that lands must leave MISSES
+        assert not within, f"{model} now lands within 15% ({plan.tokens_per_s_per_device:.0f}): drop it from MISSES"
+        pytest.xfail(MISSES[model])
+    assert within, plan.tokens_per_s_per_device

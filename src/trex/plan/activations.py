@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trex.kernels import latent_attention
+from trex.kernels import latent_attention, sparse_mla
 from trex.kernels.sparse_attention import CHUNK_BYTES, DENSE_TOPK_FRACTION
 from trex.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
 from trex.models.config_v41 import CSA2, V41Config
@@ -335,9 +335,12 @@ def v3_attention(cfg, S: int, b: int, cp: int = 1, tp: int = 1) -> float:
     rows). At cp > 1 the dense MLA runs the kernel op ``latent_attention`` (trex.kernels.latent_attention: keys
     and values expanded a chunk at a time and again in backward): it keeps the gathered [S, kv_lora_rank +
     qk_rope_head_dim] latent and k_pe and the rows' document ids, and of its own rows q, the output (wo's input
-    is a view of it) and the fp32 log-sum-exp per head, nothing quadratic. V3.2's sparse MLA expands every
-    row's keys and values as at cp = 1: its per-key terms count S rows, its per-query terms s rows, the mask
-    and probabilities s x S.
+    is a view of it) and the fp32 log-sum-exp per head, nothing quadratic. V3.2 (any cp) runs its sparse MLA in
+    the absorbed form, the op ``sparse_mla``'s gathered kernel (trex.kernels.sparse_mla; trex.models.deepseek_v3.dsa):
+    of its own rows the rotated q, the absorbed q, the latent output, a log-sum-exp, wo's input and the top-k
+    picks; the whole rows' [latent | k_pe]; nothing quadratic (checked against autograd on tiny-v3.2,
+    tests/test_plan_activations.py). The kernel's mask form, which it takes only when the picks are a quarter
+    of the keys and its [s, H, S] scores fit 64 MiB (tiny cases), is not modelled.
     Under tensor parallelism (``tp``, Megatron's / torchtitan's MLA plan) a rank keeps 1 / tp of the rows' attn_norm
     (sequence parallel) and its H / tp heads' terms; the all-gathered norm output, the down projections' latents
     and their norms (replicated: every TP rank computes them on every row) whole."""
@@ -351,12 +354,16 @@ def v3_attention(cfg, S: int, b: int, cp: int = 1, tp: int = 1) -> float:
     # kv_norm: its fp32 input (at fp32 the split view keeps wkv_a's whole [latent | k_pe] output), rstd,
     # normalised latent
     per_tok += F32 * (kv + rd if b == F32 else kv) + F32 * (kv + 1)
-    if cp > 1 and not cfg.index_topk:  # latent_attention: q, the output, the log-sum-exp; the gathered latent,
+    if cfg.index_topk:  # V3.2: the gathered sparse MLA in the absorbed form (kernels.sparse_mla, the default)
+        k = min(cfg.index_topk, S)
+        # the rotated q (the absorption's input), q_abs, the latent output (the value lift's input too), the
+        # fp32 logsumexp, wo's input; the picks and their valid mask
+        per_q = b * H * qk + b * H * (kv + rd) + b * H * kv + F32 * H + b * H * dv + (I64 + 1) * k
+        return (per_tok + per_q) * s + b * (kv + rd) * S  # the whole rows' [latent | k_pe]
+    if cp > 1:  # latent_attention: q, the output, the log-sum-exp; the gathered latent,
         return (per_tok + b * H * (qk + dv) + F32 * H) * s + (b * (kv + rd) + I64) * S  # the rows' document ids
     per_tok += F32 * H * qk  # q as the fp32 operand of the scores (scores_fp32)
     per_tok += b * H * dv  # wo input
-    if cfg.index_topk:  # V3.2: the indexer's top-k indices (its scores run without gradient)
-        per_tok += I64 * min(cfg.index_topk, S)
     # per key row: wkv_b's input (at cp > 1 a view of the gathered [latent | k_pe]); k as the fp32 operand of the
     # scores; v, a view of wkv_b's output, which it keeps whole
     per_key = b * (kv if cp == 1 else kv + rd) + F32 * H * qk + b * H * (nope + dv)
@@ -427,11 +434,17 @@ def v3_backward_workspace(cfg, S: int, b: int, cp: int = 1, tp: int = 1) -> floa
     input streams (its s = S / cp rows), and the attention core's: [H, s, S] gradients (of the probabilities
     at the compute dtype, of the fp32 scores through softmax and the mask); at cp > 1 for the dense MLA
     ``latent_attention``'s fp32 dq, the gathered latent's and k_pe's fp32 gradients and three fp32
-    [H, tile, chunk] tiles (the scores turned probabilities in place, a matmul's output, dP turned dS). Under
-    tensor parallelism: the streams of 1 / tp of the rows, H / tp heads. An estimate, not measured."""
+    [H, tile, chunk] tiles (the scores turned probabilities in place, a matmul's output, dP turned dS); for
+    V3.2's gathered sparse MLA its dq, the fp32 gradient of the whole rows' [latent | k_pe] it scatter-adds into
+    and one query chunk's transients (at most sparse_mla.CHUNK_BYTES). Under tensor parallelism: the streams
+    of 1 / tp of the rows, H / tp heads. An estimate, not measured."""
     H, s = cfg.num_attention_heads // tp, S // cp
     streams = 2 * b * cfg.hidden_size * s / tp
-    if cp > 1 and not cfg.index_topk:
+    if cfg.index_topk:
+        c, k = cfg.kv_lora_rank + cfg.qk_rope_head_dim, min(cfg.index_topk, S)
+        chunk = min(sparse_mla.CHUNK_BYTES, s * k * (c * (b + 8) + 16 * H))
+        return streams + b * s * H * c + F32 * (S * c + s * H) + chunk
+    if cp > 1:
         tile = min(latent_attention.TILE, s) * min(latent_attention.CHUNK, S)
         return streams + F32 * (H * cfg.qk_head_dim * s + (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * S + 3 * H * tile)
     return streams + (2 * F32 + b) * H * s * S

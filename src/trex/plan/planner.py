@@ -83,8 +83,7 @@ class Plan:
             out.append(ep_note)
         if self.v32:
             out.append("DeepSeek-V3.2's indexer is planned from its config (its parameters and FLOPs, attention over "
-                       "its top-k); activations as the dense MLA core plus the top-k indices, an estimate not checked "
-                       "against trex's V3.2 model")
+                       "its top-k); its sparse MLA's activations as trex's gathered kernel saves them")
         return out
 
 

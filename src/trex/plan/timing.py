@@ -32,7 +32,7 @@ Context-parallel ranks of one group wait for the busiest: with contiguous shards
 whose queries see the most compressed entries (HCA attention and the CSA indexer's scores grow with
 the position); its FLOPs per token are the mean over the last S / cp positions. The V3 family's
 shards do equal work (the dense document-causal mask skips nothing), the mean per token, plus the
-``wkv_b`` expansion of the other ranks' rows (``v3_cp_extra_flops``).
+``wkv_b`` expansion of the other ranks' rows (``v3_cp_extra_flops``; none for V3.2's absorbed sparse MLA).
 A group of g ranks runs at the intra-node bandwidth when it fits in one node, at the
 inter-node bandwidth otherwise. ``fsdp_overlap`` / ``ep_overlap`` of that time hides behind
 compute (never more than the compute itself). Optimizer: the Newton-Schulz FLOPs of Muon split
@@ -133,11 +133,14 @@ def v3_cp_extra_flops(cfg, cp: int) -> float:
     """Training FLOPs per token a V3-family rank runs at cp > 1 beyond one process's: each rank expands the
     gathered latent of all S = cp x s rows through ``wkv_b`` (2 x kv_lora_rank x H x (nope + v) a row) in
     forward, again in ``latent_attention``'s backward, and back-propagates it (dX and dW, twice that): 4 x cp
-    expansions per own row against one process's 3, in every layer and MTP block. V3.2's sparse MLA expands
-    once in forward: 3 x cp. A recomputed forward's expansion of the other ranks' rows is not counted (1 x cp
-    - 1 more per row and layer under recomputation)."""
+    expansions per own row against one process's 3, in every layer and MTP block. V3.2's sparse MLA runs in the
+    absorbed form (trex.kernels.sparse_mla: q and the output go through ``wkv_b``'s rows, per own row) and expands
+    no row's keys: nothing more. A recomputed forward's expansion of the other ranks' rows is not counted (1 x
+    cp - 1 more per row and layer under recomputation)."""
+    if cfg.index_topk:
+        return 0.0
     per_row = 2 * cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    runs = (3 if cfg.index_topk else 4) * cp - 3
+    runs = 4 * cp - 3
     return runs * per_row * (cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
 
 
