@@ -319,8 +319,8 @@ def forward_saved(cfg: ModelConfig, S: int, b: int) -> float:
 # bound on what a run saves; modelling the fused path exactly is left to do (docs/planning.md). Under context
 # parallelism (cp > 1) the dense core is ``latent_attention``'s, counted as it saves (no [S, S] terms; checked
 # against autograd on tiny-v3 as rank 1 of 2, tests/test_plan_v3.py).
-# V3.2's lightning indexer is counted from its config (its top-k indices); its attention is planned as the
-# dense MLA core (not checked against trex's V3.2 model under autograd). Layer kinds: "mla/dense",
+# V3.2's attention is its sparse MLA as trex's gathered kernel saves it (the absorbed form, the top-k picks;
+# nothing [S, S]; equal to autograd on tiny-v3.2, tests/test_plan_activations.py). Layer kinds: "mla/dense",
 # "mla/moe" and "mla/mtp" (an MTP block's extra norms and eh_proj input). Checked against autograd on
 # tiny-v3 (tests/test_plan_activations.py).
 V3_DENSE, V3_MOE, V3_MTP = "mla/dense", "mla/moe", "mla/mtp"
