@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trex.kernels import latent_attention
+from trex.kernels import latent_attention, sparse_mla
 from trex.kernels.sparse_attention import CHUNK_BYTES, DENSE_TOPK_FRACTION
 from trex.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
 from trex.models.config_v41 import CSA2, V41Config
@@ -93,9 +93,10 @@ def mtp_kind(cfg) -> str:
     return V3_MTP if is_v3(cfg) else cfg.mtp_layer_type
 
 
-def stream_bytes(cfg, b: int) -> float:
-    """Per token, a block's input: all a checkpointed block keeps (V4's hc_mult streams, V3's one)."""
-    return b * cfg.hidden_size * (1 if is_v3(cfg) else cfg.hc_mult)
+def stream_bytes(cfg, b: int, tp: int = 1) -> float:
+    """Per token, a block's input: all a checkpointed block keeps (V4's hc_mult streams, V3's one; under tensor
+    parallelism a rank keeps its 1 / tp of the rows, sequence parallelism)."""
+    return b * cfg.hidden_size * (1 if is_v3(cfg) else cfg.hc_mult) / tp
 
 
 def _rms_norm(D: int) -> float:
@@ -209,15 +210,18 @@ def moe(cfg: ModelConfig, mlp_type: str, b: int) -> float:
     return per
 
 
-def block(cfg: ModelConfig, layer_type: str, mlp_type: str, S: int, b: int, cp: int = 1) -> LayerActivations:
+def block(cfg: ModelConfig, layer_type: str, mlp_type: str, S: int, b: int, cp: int = 1,
+          tp: int = 1) -> LayerActivations:
+    """One block's saved bytes for one sequence on one of ``cp`` context-parallel and ``tp`` tensor-parallel
+    ranks (tp > 1: the DeepSeek-V3 family only, trex.plan.layout.check_tensor_parallel)."""
     if is_v3(cfg):
-        return v3_block(cfg, layer_type, S, b, cp)
+        return v3_block(cfg, layer_type, S, b, cp, tp)
     balance = F32 * cfg.n_routed_experts if mlp_type != HASH_MOE else 0  # per-sequence expert fractions
     return LayerActivations(mhc=2 * mhc_site(cfg, b) * (S // cp), attention=attention(cfg, layer_type, S, b, cp),
                             moe=moe(cfg, mlp_type, b) * (S // cp) + balance)
 
 
-def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1) -> float:
+def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1, tp: int = 1) -> float:
     """Transient bytes while one block runs backward (or is recomputed), on top of what it saved:
     the fp32 gradients of its output and input streams, and sparse attention's entry-gradient buffers
     (kernels.sparse_attention: the score and probability gradients of the compressed entries; over all
@@ -225,7 +229,7 @@ def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: in
     for gathered top-k, one query chunk's stacked [2H] operands and [T, k, c] per-pick gradients).
     Checked end to end by the full-recompute cases of tests/test_plan_memory_cpu.py, where it shows."""
     if is_v3(cfg):
-        return v3_backward_workspace(cfg, S, b, cp)
+        return v3_backward_workspace(cfg, S, b, cp, tp)
     n, d, H, c = cfg.hc_mult, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     total = 2 * F32 * n * d * (S // cp)
     if layer_kind(cfg, layer_type)[0] != SLIDING:
@@ -265,20 +269,21 @@ def head(cfg: ModelConfig, b: int) -> float:
     return hc_head + _rms_norm(d) + b * d + F32 + I64 + 1  # ...; target index and its valid mask
 
 
-def head_backward_workspace(cfg: ModelConfig, tokens: int) -> float:
+def head_backward_workspace(cfg: ModelConfig, tokens: int, tp: int = 1) -> float:
     """Transient bytes of one fused head + loss backward (cross_entropy.head_nll) over ``tokens``:
     one tile's fp32 logits, the fp32 hidden-state gradient, the head weight's fp32 copy and its
-    fp32 gradient."""
-    V, d = cfg.vocab_size, cfg.hidden_size
+    fp32 gradient. Under tensor parallelism (vocabulary-parallel head and loss) a rank holds V / tp of the
+    vocabulary of every token of the group."""
+    V, d = cfg.vocab_size // tp, cfg.hidden_size
     block, rows = head_tiles(tokens, V)
     return F32 * (block * rows + tokens * d + 2 * V * d)
 
 
-def model_level(cfg: ModelConfig, S: int, b: int, heads: bool = True) -> float:
+def model_level(cfg: ModelConfig, S: int, b: int, heads: bool = True, tp: int = 1) -> float:
     """Per-sequence bytes outside the blocks: ids, document ids, heads, MTP inputs, weight copies.
     ``heads=False``: what is left once the heads and MTP modules are back-propagated."""
     if is_v3(cfg):
-        return v3_model_level(cfg, S, b, heads)
+        return v3_model_level(cfg, S, b, heads, tp)
     n, d = cfg.hc_mult, cfg.hidden_size
     cp = 0 if b == F32 else F32
     mtp = mtp_blocks(cfg)
@@ -314,8 +319,8 @@ def forward_saved(cfg: ModelConfig, S: int, b: int) -> float:
 # bound on what a run saves; modelling the fused path exactly is left to do (docs/planning.md). Under context
 # parallelism (cp > 1) the dense core is ``latent_attention``'s, counted as it saves (no [S, S] terms; checked
 # against autograd on tiny-v3 as rank 1 of 2, tests/test_plan_v3.py).
-# V3.2's lightning indexer is counted from its config (its top-k indices); its attention is planned as the
-# dense MLA core (not checked against trex's V3.2 model under autograd). Layer kinds: "mla/dense",
+# V3.2's attention is its sparse MLA as trex's gathered kernel saves it (the absorbed form, the top-k picks;
+# nothing [S, S]; equal to autograd on tiny-v3.2, tests/test_plan_activations.py). Layer kinds: "mla/dense",
 # "mla/moe" and "mla/mtp" (an MTP block's extra norms and eh_proj input). Checked against autograd on
 # tiny-v3 (tests/test_plan_activations.py).
 V3_DENSE, V3_MOE, V3_MTP = "mla/dense", "mla/moe", "mla/mtp"
@@ -325,30 +330,40 @@ def is_v3(cfg) -> bool:
     return getattr(cfg, "architecture", None) == "deepseek_v3"
 
 
-def v3_attention(cfg, S: int, b: int, cp: int = 1) -> float:
+def v3_attention(cfg, S: int, b: int, cp: int = 1, tp: int = 1) -> float:
     """One sequence of S tokens through attn_norm and MLA, on one of ``cp`` context-parallel ranks (its s = S / cp
     rows). At cp > 1 the dense MLA runs the kernel op ``latent_attention`` (trex.kernels.latent_attention: keys
     and values expanded a chunk at a time and again in backward): it keeps the gathered [S, kv_lora_rank +
     qk_rope_head_dim] latent and k_pe and the rows' document ids, and of its own rows q, the output (wo's input
-    is a view of it) and the fp32 log-sum-exp per head, nothing quadratic. V3.2's sparse MLA expands every
-    row's keys and values as at cp = 1: its per-key terms count S rows, its per-query terms s rows, the mask
-    and probabilities s x S."""
-    d, H, q, kv, rd = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    is a view of it) and the fp32 log-sum-exp per head, nothing quadratic. V3.2 (any cp) runs its sparse MLA in
+    the absorbed form, the op ``sparse_mla``'s gathered kernel (trex.kernels.sparse_mla; trex.models.deepseek_v3.dsa):
+    of its own rows the rotated q, the absorbed q, the latent output, a log-sum-exp, wo's input and the top-k
+    picks; the whole rows' [latent | k_pe]; nothing quadratic (checked against autograd on tiny-v3.2,
+    tests/test_plan_activations.py). The kernel's mask form, which it takes only when the picks are a quarter
+    of the keys and its [s, H, S] scores fit 64 MiB (tiny cases), is not modelled.
+    Under tensor parallelism (``tp``, Megatron's / torchtitan's MLA plan) a rank keeps 1 / tp of the rows' attn_norm
+    (sequence parallel) and its H / tp heads' terms; the all-gathered norm output, the down projections' latents
+    and their norms (replicated: every TP rank computes them on every row) whole."""
+    d, H, q, kv, rd = cfg.hidden_size, cfg.num_attention_heads // tp, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     qk, nope, dv = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     s = S // cp
-    per_tok = _rms_norm(d) + b * d  # attn_norm; wq_a / wkv_a input (one tensor)
+    per_tok = _rms_norm(d) / tp + b * d  # attn_norm (sequence parallel); wq_a / wkv_a input (one tensor)
     if q:
         per_tok += _rms_norm(q) + b * q  # q_norm, wq_b input
     per_tok += 2 * F32 * rd  # RoPE of q and k_pe: each keeps its complex rotation [rd/2]
     # kv_norm: its fp32 input (at fp32 the split view keeps wkv_a's whole [latent | k_pe] output), rstd,
     # normalised latent
     per_tok += F32 * (kv + rd if b == F32 else kv) + F32 * (kv + 1)
-    if cp > 1 and not cfg.index_topk:  # latent_attention: q, the output, the log-sum-exp; the gathered latent,
+    if cfg.index_topk:  # V3.2: the gathered sparse MLA in the absorbed form (kernels.sparse_mla, the default)
+        k = min(cfg.index_topk, S)
+        # the rotated q (the absorption's input), q_abs, the latent output (the value lift's input too), the
+        # fp32 logsumexp, wo's input; the picks and their valid mask
+        per_q = b * H * qk + b * H * (kv + rd) + b * H * kv + F32 * H + b * H * dv + (I64 + 1) * k
+        return (per_tok + per_q) * s + b * (kv + rd) * S  # the whole rows' [latent | k_pe]
+    if cp > 1:  # latent_attention: q, the output, the log-sum-exp; the gathered latent,
         return (per_tok + b * H * (qk + dv) + F32 * H) * s + (b * (kv + rd) + I64) * S  # the rows' document ids
     per_tok += F32 * H * qk  # q as the fp32 operand of the scores (scores_fp32)
     per_tok += b * H * dv  # wo input
-    if cfg.index_topk:  # V3.2: the indexer's top-k indices (its scores run without gradient)
-        per_tok += I64 * min(cfg.index_topk, S)
     # per key row: wkv_b's input (at cp > 1 a view of the gathered [latent | k_pe]); k as the fp32 operand of the
     # scores; v, a view of wkv_b's output, which it keeps whole
     per_key = b * (kv if cp == 1 else kv + rd) + F32 * H * qk + b * H * (nope + dv)
@@ -356,35 +371,41 @@ def v3_attention(cfg, S: int, b: int, cp: int = 1) -> float:
     return per_tok * s + per_key * S + per_seq
 
 
-def v3_ffn(cfg, moe_layer: bool, b: int) -> float:
-    """Per token, ffn_norm and the dense SwiGLU MLP or the MoE (router, k routed experts, shared experts)."""
+def v3_ffn(cfg, moe_layer: bool, b: int, tp: int = 1) -> float:
+    """Per token, ffn_norm and the dense SwiGLU MLP or the MoE (router, k routed experts, shared experts).
+    Under tensor parallelism (``tp``): ffn_norm over 1 / tp of the rows (sequence parallel), its all-gathered output
+    and the router's terms whole (every TP rank routes every row), the dense MLP's and shared experts' widths
+    / tp, the routed copies of 1 / tp of the rows (each TP rank dispatches its share: torchtitan's
+    ReordererSequenceParallel)."""
     d = cfg.hidden_size
-    per = _rms_norm(d) + b * d  # ffn_norm; the FFN's input
+    per = _rms_norm(d) / tp + b * d  # ffn_norm; the FFN's input
     if not moe_layer:
-        return per + (3 * F32 + b) * cfg.intermediate_size  # gate, up, silu(gate) in fp32; w2 input
+        return per + (3 * F32 + b) * cfg.intermediate_size / tp  # gate, up, silu(gate) in fp32; w2 input
     E, k, inter, g = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.n_group
     per += F32 * E  # sigmoid scores
     if g > 1:  # group limit: each group's top-2 index, the groups' top-k index, the kept-group mask
         per += I64 * 2 * g + I64 * cfg.topk_group + g
     per += I64 * k + F32 * (k + 1)  # top-k index; gathered weights and their sum
     per += F32  # balance loss: score sums
-    per += 2 * I64 * k + b * d * k  # sort order and token index of the k copies; permuted inputs
-    per += ((4 * F32 + b) * inter + F32) * k  # gate, up, silu, h (fp32), w2 input; row weight
-    per += F32 * d * k  # expert outputs as the fp32 copies the combine sums
-    per += (3 * F32 + b) * inter * cfg.n_shared_experts
+    routed = 2 * I64 * k + b * d * k  # sort order and token index of the k copies; permuted inputs
+    routed += ((4 * F32 + b) * inter + F32) * k  # gate, up, silu, h (fp32), w2 input; row weight
+    routed += F32 * d * k  # expert outputs as the fp32 copies the combine sums
+    per += routed / tp
+    per += (3 * F32 + b) * inter * cfg.n_shared_experts / tp
     return per
 
 
-def v3_block(cfg, kind: str, S: int, b: int, cp: int = 1) -> LayerActivations:
+def v3_block(cfg, kind: str, S: int, b: int, cp: int = 1, tp: int = 1) -> LayerActivations:
     moe_layer = kind != V3_DENSE
     s = S // cp
     per_seq = (4 * cfg.n_routed_experts + 2 * F32 * cfg.n_routed_experts) if moe_layer else 0  # offsets; balance
     d = cfg.hidden_size
     # enorm, hnorm (at fp32 its input is the previous head's input, saved already), eh_proj input [2d]; the
     # module's final norm
-    mtp = (3 * _rms_norm(d) - (F32 * d if b == F32 else 0) + 2 * b * d) * s if kind == V3_MTP else 0.0
-    return LayerActivations(mhc=0.0, attention=v3_attention(cfg, S, b, cp) + mtp,
-                            moe=v3_ffn(cfg, moe_layer, b) * s + per_seq)
+    # (under TP: the norms over 1 / tp of the rows, eh_proj's all-gathered input whole)
+    mtp = ((3 * _rms_norm(d) - (F32 * d if b == F32 else 0)) / tp + 2 * b * d) * s if kind == V3_MTP else 0.0
+    return LayerActivations(mhc=0.0, attention=v3_attention(cfg, S, b, cp, tp) + mtp,
+                            moe=v3_ffn(cfg, moe_layer, b, tp) * s + per_seq)
 
 
 def v3_weight_copies(cfg, kind: str, b: int) -> float:
@@ -395,27 +416,35 @@ def v3_weight_copies(cfg, kind: str, b: int) -> float:
     return F32 * (2 * d + cfg.q_lora_rank + cfg.kv_lora_rank + (3 * d if kind == V3_MTP else 0))
 
 
-def v3_model_level(cfg, S: int, b: int, heads: bool = True) -> float:
-    """Per-sequence bytes outside the blocks: token ids, the final norm, each head's input and loss terms."""
+def v3_model_level(cfg, S: int, b: int, heads: bool = True, tp: int = 1) -> float:
+    """Per-sequence bytes outside the blocks: token ids, the final norm, each head's input and loss terms. Under
+    tensor parallelism the final norm over 1 / tp of the rows (sequence parallel), the vocabulary-parallel heads'
+    all-gathered inputs and the loss terms of every row whole."""
     heads_n = 1 + cfg.num_nextn_predict_layers
     total = I64 * heads_n * S  # ids for the embeddings (main and each MTP module's tokens ahead)
     if heads:
         d = cfg.hidden_size
-        total += (_rms_norm(d) + heads_n * (b * d + F32 + I64 + 1)) * S + 8 * heads_n  # norm; head input, lse, target
+        total += (_rms_norm(d) / tp + heads_n * (b * d + F32 + I64 + 1)) * S + 8 * heads_n  # norm; head input, lse, target
         total += F32 * d if b != F32 else 0.0
     return total
 
 
-def v3_backward_workspace(cfg, S: int, b: int, cp: int = 1) -> float:
+def v3_backward_workspace(cfg, S: int, b: int, cp: int = 1, tp: int = 1) -> float:
     """Transient bytes while one V3 block runs backward on one of ``cp`` ranks: the gradients of its output and
     input streams (its s = S / cp rows), and the attention core's: [H, s, S] gradients (of the probabilities
     at the compute dtype, of the fp32 scores through softmax and the mask); at cp > 1 for the dense MLA
     ``latent_attention``'s fp32 dq, the gathered latent's and k_pe's fp32 gradients and three fp32
-    [H, tile, chunk] tiles (the scores turned probabilities in place, a matmul's output, dP turned dS). An
-    estimate, not measured."""
-    H, s = cfg.num_attention_heads, S // cp
-    streams = 2 * b * cfg.hidden_size * s
-    if cp > 1 and not cfg.index_topk:
+    [H, tile, chunk] tiles (the scores turned probabilities in place, a matmul's output, dP turned dS); for
+    V3.2's gathered sparse MLA its dq, the fp32 gradient of the whole rows' [latent | k_pe] it scatter-adds into
+    and one query chunk's transients (at most sparse_mla.CHUNK_BYTES). Under tensor parallelism: the streams
+    of 1 / tp of the rows, H / tp heads. An estimate, not measured."""
+    H, s = cfg.num_attention_heads // tp, S // cp
+    streams = 2 * b * cfg.hidden_size * s / tp
+    if cfg.index_topk:
+        c, k = cfg.kv_lora_rank + cfg.qk_rope_head_dim, min(cfg.index_topk, S)
+        chunk = min(sparse_mla.CHUNK_BYTES, s * k * (c * (b + 8) + 16 * H))
+        return streams + b * s * H * c + F32 * (S * c + s * H) + chunk
+    if cp > 1:
         tile = min(latent_attention.TILE, s) * min(latent_attention.CHUNK, S)
         return streams + F32 * (H * cfg.qk_head_dim * s + (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * S + 3 * H * tile)
     return streams + (2 * F32 + b) * H * s * S

@@ -16,7 +16,8 @@ from trex.models.config_v41 import V41Config
 from trex.models.registry import PRESETS, config_from_file, get_preset, with_overrides
 from trex.plan import annotate
 from trex.plan.layout import Layout, PlanError, parse_layout
-from trex.plan.planner import fewest_devices, make_plan, no_fit_hint, search, with_drafter
+from trex.plan.planner import (fewest_devices, layout_changes, make_plan, nearest_fitting, no_fit_hint, search,
+                               with_drafter)
 from trex.plan.report import plan_dict, plan_table, search_table
 from trex.plan.timing import TimeAssumptions
 
@@ -62,8 +63,9 @@ def recipe_inputs(path: str, devices: int | None) -> tuple[str | None, Layout, i
     par = r.parallel
     if par.dp_shard == -1 and not devices:
         raise PlanError(f"{path}: [parallel] dp_shard = -1 takes every rank; say how many with --devices")
-    shard = par.dp_shard if par.dp_shard != -1 else devices // (par.dp_replicate * par.cp)
-    layout = Layout(dp_shard=shard, dp_replicate=par.dp_replicate, ep=par.ep, cp=par.cp,
+    tp = getattr(par, "tp", 1)  # [parallel] tp, once trex train has tensor parallelism
+    shard = par.dp_shard if par.dp_shard != -1 else devices // (par.dp_replicate * par.cp * tp)
+    layout = Layout(dp_shard=shard, dp_replicate=par.dp_replicate, ep=par.ep, cp=par.cp, tp=tp,
                     micro_batch=r.data.micro_batch_size, grad_accum=r.train.grad_accum,
                     recompute=par.activation_checkpointing, optimizer=r.optim.name,
                     reduce_every_micro_batch=par.reduce_every_micro_batch, train_engram=r.train.engram == "train")
@@ -257,12 +259,16 @@ def _plan(args: argparse.Namespace) -> int:
     assume = TimeAssumptions(**{k: v for k, v in given.items() if v is not None}, dtype=dtype)
     if not (args.recipe or args.devices or args.layout):
         return _fewest(args, spec, cfg, layout, seq, hw, assume)
+    chosen = None
     if args.search or not (args.recipe or args.layout):
-        # --search, or a model and a device count only: the fastest layout that fits rather than ep=1
+        # --search, or a model and a device count only: the fastest layout that fits rather than ep=1; --recompute
+        # and --offload, when given, narrow the search
         devices = args.devices or layout.devices
         batch = args.global_batch_tokens or layout.global_batch_tokens(seq)
+        narrow = {"recompute": (args.recompute,)} if args.recompute else {}
+        narrow |= {"offload": (True,)} if args.offload else {}
         plans = search(cfg, devices, seq, batch, hw, assume, optimizer=layout.optimizer,
-                       train_engram=layout.train_engram)
+                       train_engram=layout.train_engram, **narrow)
         if not plans:
             hint = no_fit_hint(cfg, devices, seq, batch, hw, assume, layout.optimizer, layout.train_engram)
             _emit(args, {"fits": False, "model": spec, "devices": devices, "seq_len": seq, "global_batch_tokens": batch,
@@ -271,12 +277,37 @@ def _plan(args: argparse.Namespace) -> int:
         if args.search:
             _emit(args, [plan_dict(p, spec) for p in plans[: args.top]], search_table(plans, args.top))
             return 0
-        print(f"note: no recipe or --layout: the fastest of {len(plans)} layouts that fit "
-              f"(--search ranks them, --layout picks one)", file=sys.stderr)
+        chosen = (f"no recipe or --layout: the planner chose the fastest of {len(plans)} layouts that fit "
+                  "(--search ranks them, --layout picks one)")
+        print(f"note: {chosen}", file=sys.stderr)
         layout = plans[0].layout
     plan = _with_recipe_drafter(make_plan(cfg, layout, seq, hw, assume), cfg, args.recipe)
-    _emit(args, plan_dict(plan, spec), plan_table(plan, spec))
+    data, text = plan_dict(plan, spec), plan_table(plan, spec)
+    if chosen:
+        data["chosen"], text = chosen, f"{text}\nchosen      {chosen}"
+    elif not plan.fits:
+        data["nearest_fitting"], line = _nearest(cfg, plan, hw, assume)
+        text = f"{text}\n{line}"
+    _emit(args, data, text)
     return 0 if plan.fits else 1
+
+
+def _nearest(cfg: ModelConfig, plan, hw: HardwareProfile, assume: TimeAssumptions) -> tuple[dict | None, str]:
+    """The layout that fits on the same devices and batch and changes the fewest of ``plan``'s choices (JSON,
+    and one line saying it with its changes and throughput)."""
+    layout = plan.layout
+    plans = search(cfg, layout.devices, plan.seq_len, plan.global_batch_tokens, hw, assume,
+                   optimizer=layout.optimizer, train_engram=layout.train_engram)
+    near = nearest_fitting(layout, plans)
+    if near is None:
+        hint = no_fit_hint(cfg, layout.devices, plan.seq_len, plan.global_batch_tokens, hw, assume,
+                           layout.optimizer, layout.train_engram)
+        return None, f"nearest     none fits on {layout.devices} devices at this batch: {hint}"
+    changes = layout_changes(layout, near.layout)
+    return ({"layout": near.layout.describe(), "changes": changes, "memory_bytes": near.memory.total,
+             "tokens_per_s_per_device": near.tokens_per_s_per_device},
+            f"nearest     the layout that fits with the fewest changes: {near.layout.describe()} ({'; '.join(changes)}): "
+            f"{near.memory.total / 2**30:.1f} GiB, {near.tokens_per_s_per_device:,.0f} tokens/s per device")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,11 +1,18 @@
 """A training layout: how ranks split a model and its batch, checked against the model.
 
-    devices = dp_replicate x dp_shard x cp x pp
+    devices = dp_replicate x dp_shard x cp x tp x pp
     dp_shard   data-parallel ranks sharding parameters, gradients and optimizer state (FSDP / ZeRO-3);
     cp         context parallel: each sequence split over this many ranks, which also shard the
                parameters (FSDP over dp_shard x cp) and read the same micro-batches;
-    ep         routed experts split over this many ranks *inside* the shard group; the expert
-               weights are further FSDP-sharded over dp_shard x cp / ep ranks;
+    tp         tensor parallel (Megatron's / torchtitan's scheme, the DeepSeek-V3 family only): attention
+               heads, the dense FFNs and shared experts split column/row-wise, embedding and head by
+               vocabulary, sequence parallelism between them; the TP ranks of a group read the same
+               micro-batches and are the innermost (adjacent) ranks, inside one node when they fit;
+    ep         routed experts split over this many ranks carved from dp_shard x cp x tp (torchtitan's
+               expert_tensor_parallel_degree = 1: experts are never TP-split; under TP each rank
+               dispatches its own tokens of the group's sequence); trex train splits them inside
+               dp_shard only, so ep must divide dp_shard to run there (`Plan.notes`). The expert
+               weights are FSDP-sharded over the dp_shard x cp x tp / ep ranks left;
     pp         pipeline stages, each holding num_hidden_layers / pp blocks (trex train has no
                pipeline parallelism yet: plans with pp > 1 say so);
     global batch tokens = micro_batch x seq_len x grad_accum x dp_replicate x dp_shard.
@@ -33,12 +40,31 @@ class PlanError(ValueError):
     """Input the planner cannot plan for; the message says what was expected."""
 
 
+def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+    """PlanError unless ``tp`` divides everything tensor parallelism splits: the attention heads, the
+    vocabulary (embedding and head), the dense FFN and shared-expert widths (and V3.2's indexer heads);
+    the message names the numbers. TP is planned for the DeepSeek-V3 family only."""
+    if tp == 1:
+        return
+    if getattr(cfg, "architecture", None) != "deepseek_v3":
+        raise PlanError(f"layout: tp={tp}: tensor parallelism is planned for the DeepSeek-V3 family only (V4's "
+                        "mHC, compressor and grouped output projection under TP are not modelled yet)")
+    split = {"attention heads": cfg.num_attention_heads, "vocabulary": cfg.vocab_size,
+             "dense FFN width": cfg.intermediate_size,
+             "shared-expert width": cfg.moe_intermediate_size * cfg.n_shared_experts,
+             "indexer heads": cfg.index_n_heads}
+    bad = [f"{n} {v}" for n, v in split.items() if v and v % tp]
+    if bad:
+        raise PlanError(f"layout: tp={tp} does not divide the model's {', '.join(bad)}")
+
+
 @dataclass(frozen=True)
 class Layout:
     dp_shard: int
     dp_replicate: int = 1
     ep: int = 1
     cp: int = 1
+    tp: int = 1
     pp: int = 1
     micro_batch: int = 1
     grad_accum: int = 1
@@ -50,12 +76,17 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.pp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
 
     @property
     def fsdp(self) -> int:
-        """Ranks one parameter is sharded over: dp_shard x cp."""
+        """Ranks one parameter (a TP shard of it, under TP) is sharded over: dp_shard x cp."""
         return self.dp_shard * self.cp
+
+    @property
+    def expert_fsdp(self) -> int:
+        """Ranks one expert's weights are FSDP-sharded over: the dp_shard x cp x tp ranks per ep rank."""
+        return self.dp_shard * self.cp * self.tp // self.ep
 
     @property
     def data_parallel(self) -> int:
@@ -66,6 +97,7 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"dp_shard={self.dp_shard}", f"ep={self.ep}"] + ([f"cp={self.cp}"] if self.cp > 1 else [])
+        parts += [f"tp={self.tp}"] if self.tp > 1 else []
         if self.dp_replicate > 1:
             parts.insert(0, f"dp_replicate={self.dp_replicate}")
         if self.pp > 1:
@@ -81,7 +113,7 @@ class Layout:
 
     def check(self, cfg: ModelConfig, seq_len: int) -> None:
         """Raise PlanError unless the layout divides the model and the sequence is allowed."""
-        for name in ("dp_shard", "dp_replicate", "ep", "cp", "pp", "micro_batch", "grad_accum"):
+        for name in ("dp_shard", "dp_replicate", "ep", "cp", "tp", "pp", "micro_batch", "grad_accum"):
             if getattr(self, name) < 1:
                 raise PlanError(f"layout: {name} must be >= 1, got {getattr(self, name)}")
         if self.recompute not in RECOMPUTE:
@@ -93,9 +125,13 @@ class Layout:
         E, L = cfg.n_routed_experts, cfg.num_hidden_layers
         if E % self.ep:
             raise PlanError(f"layout: ep={self.ep} does not divide the model's {E} routed experts")
-        if self.dp_shard % self.ep:
+        if self.tp == 1 and self.dp_shard % self.ep:
             raise PlanError(f"layout: ep={self.ep} must divide dp_shard={self.dp_shard} (experts are split inside "
                             "the shard group)")
+        if (self.dp_shard * self.cp * self.tp) % self.ep:
+            raise PlanError(f"layout: ep={self.ep} must divide dp_shard x cp x tp = {self.dp_shard} x {self.cp} x "
+                            f"{self.tp} (the ranks experts are split over)")
+        check_tensor_parallel(cfg, self.tp)
         if L % self.pp:
             raise PlanError(f"layout: pp={self.pp} does not divide the model's {L} layers")
         if seq_len < 1 or seq_len > cfg.max_position_embeddings:
@@ -105,6 +141,9 @@ class Layout:
             check_context_parallel(cfg, seq_len, self.cp)
         except ValueError as e:
             raise PlanError(f"layout: {e}") from None
+        if (seq_len // self.cp) % self.tp:
+            raise PlanError(f"layout: tp={self.tp} does not divide the {seq_len // self.cp} rows of a sequence per "
+                            "context-parallel rank (sequence parallelism splits them)")
 
 
 def parse_layout(text: str, base: Layout) -> Layout:

@@ -7,6 +7,11 @@ parameter and AdamW two fp32 moments. FSDP shards all of it over dp_shard x cp (
 dp_shard x cp / ep), pipeline stages over pp. A context-parallel rank keeps the activations of its
 S / cp rows (trex.plan.activations).
 
+Tensor parallelism (``Layout.tp``, the V3 family): a parameter TP splits (trex.plan.model_facts.TP_SPLIT)
+holds 1 / tp of itself on each TP rank, then FSDP shards that over dp_shard x cp; the parts TP leaves whole
+(MLA's down projections, norms, the router) are FSDP-sharded only; routed experts are split over
+dp_shard x cp x tp (EP, then FSDP over what is left). Activations of a TP rank: trex.plan.activations (``tp``).
+
 A step's memory peaks at one of two moments, and the breakdown keeps what is alive at each:
   backward   activations at their backward peak, the FSDP working set (`gathered`), the fused
              head + loss backward and EP dispatch buffers (`transient`), and the gradients of earlier
@@ -88,18 +93,18 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
     everything already done. Without recomputation the start is the peak; under full recomputation the
     activations are small and the gradients filling in decide it. ``grads_held``: gradient buffers
     exist before this backward (gradient accumulation), so it adds none."""
-    S, mb, cp = seq_len, layout.micro_batch, layout.cp
+    S, mb, cp, tp = seq_len, layout.micro_batch, layout.cp, layout.tp
     S_local = S // cp  # a context-parallel rank's rows of each sequence
     main = act.main_blocks(cfg)[: cfg.num_hidden_layers // layout.pp]
     n_mtp = act.mtp_blocks(cfg)
     blocks = main + [(act.mtp_kind(cfg), "moe")] * n_mtp
-    stream = act.stream_bytes(cfg, b) * S_local  # a block's input, all a checkpointed block keeps
+    stream = act.stream_bytes(cfg, b, tp) * S_local  # a block's input, all a checkpointed block keeps
     # per block: kept from the forward; recomputed in its backward (by then the block's FFN site, run
     # first in backward, has freed what it kept: only the block's input is left of its own)
     def kind(lt: str, mt: str) -> tuple[float, float, float]:
         """(saved, rebuilt, workspace) of a block of attention ``lt`` and FFN ``mt``."""
-        blk, copies = act.block(cfg, lt, mt, S, b, cp), act.weight_copies(cfg, lt, b)
-        work = act.backward_workspace(cfg, lt, S, b, cp)
+        blk, copies = act.block(cfg, lt, mt, S, b, cp, tp), act.weight_copies(cfg, lt, b)
+        work = act.backward_workspace(cfg, lt, S, b, cp, tp)
         if layout.recompute == "none":
             return blk.total + copies, 0.0, work
         if layout.recompute == "selective":  # the attention site (hc_attn: mHC + attention) is recomputed;
@@ -113,19 +118,22 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
         """Block j's own bytes while its backward runs."""
         return (saved[j] if layout.recompute == "none" else stream + rebuilt[j]) + workspace[j]
 
-    model_level = act.model_level(cfg, S_local, b)
-    after_heads = act.model_level(cfg, S_local, b, heads=False)
+    model_level = act.model_level(cfg, S_local, b, tp=tp)
+    after_heads = act.model_level(cfg, S_local, b, heads=False, tp=tp)
     in_flight = min(layout.pp, layout.grad_accum)  # 1F1B: stage 0 holds pp micro-batches
     others = (in_flight - 1) * mb * (sum(saved) + model_level)
     tokens = mb * S_local
-    ep_buffers = 2 * b * tokens * cfg.num_experts_per_tok * cfg.hidden_size if layout.ep > 1 else 0.0
-    grad = [0.0 if grads_held else 4 * n / layout.fsdp for n in facts.block_trainable]
-    heads_grad = 0.0 if grads_held else 4 * (facts.root - facts.by_type["embedding"]) / layout.fsdp
+    ep_buffers = 2 * b * tokens / tp * cfg.num_experts_per_tok * cfg.hidden_size if layout.ep > 1 else 0.0
+    # gradient shards per block (a block's TP-whole part taken as the largest block's) and of the heads
+    grad = [0.0 if grads_held else 4 * facts.per_tp_rank(n, min(n, facts.tp_whole_block), tp) / layout.fsdp
+            for n in facts.block_trainable]
+    heads = facts.per_tp_rank(facts.root - facts.by_type["embedding"], facts.tp_whole_root, tp)
+    heads_grad = 0.0 if grads_held else 4 * heads / layout.fsdp
 
     before = [0.0, *accumulate(saved)]  # before[i]: what blocks 0..i-1 saved
     after = [0.0, *accumulate(reversed(grad))][::-1][1:]  # after[j]: gradients of blocks j+1.. (sum(grad[j + 1:]))
     # (activations, transient, gradients) at each moment, as plain tuples: the search calls this per layout
-    moments = [(mb * (sum(saved) + model_level) + others, act.head_backward_workspace(cfg, tokens), 0.0)]
+    moments = [(mb * (sum(saved) + model_level) + others, act.head_backward_workspace(cfg, tokens, tp), 0.0)]
     L = len(main)
     for j in reversed(range(L, len(blocks))):  # MTP blocks; the main heads are still alive
         moments.append((mb * (before[j] + own(j) + model_level) + others, ep_buffers, after[j]))
@@ -135,12 +143,20 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
 
 
 def memory(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, b: int) -> MemoryBreakdown:
-    shard = layout.fsdp * layout.pp
-    stored, trainable = facts.stored / shard, facts.trainable / shard
+    shard, tp = layout.fsdp * layout.pp, layout.tp
+
+    def per_rank(total: int, whole: int) -> float:
+        """Elements of ``total`` on one TP rank (``whole`` of them not split by TP), before FSDP."""
+        return facts.per_tp_rank(total, whole, tp)
+
+    stored = per_rank(facts.stored, facts.tp_whole_stored) / shard
+    trainable = per_rank(facts.trainable, facts.tp_whole_trainable) / shard
     if layout.optimizer == "muon":
-        state = (4 * facts.muon + 8 * facts.adamw) / shard
+        muon = per_rank(facts.muon, facts.tp_whole_muon)
+        adamw = per_rank(facts.adamw, facts.tp_whole_trainable - facts.tp_whole_muon)
+        state = (4 * muon + 8 * adamw) / shard
     else:
-        state = 8 * facts.trainable / shard
+        state = 8 * trainable
     tables = 4 * facts.engram_tables / layout.devices
     table_grads = tables if layout.train_engram else 0.0
     table_state = 4 * facts.engram_rows / layout.devices if layout.train_engram else 0.0
@@ -152,21 +168,23 @@ def memory(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, b:
         # FSDP2: the block in use, the one prefetched and one block of unsharded gradients before its
         # reduce-scatter; the root unit (embedding, heads) is not resharded after forward, so its
         # unsharded copy lives through forward and backward
-        block = facts.block_dense + facts.block_experts / layout.ep
-        gathered = b * (3 * block + facts.root * (1 - 1 / layout.fsdp))
+        block = per_rank(facts.block_dense, facts.tp_whole_block) + facts.block_experts / layout.ep
+        gathered = b * (3 * block + per_rank(facts.root, facts.tp_whole_root) * (1 - 1 / layout.fsdp))
     if layout.grad_accum > 1 and layout.reduce_every_micro_batch and layout.fsdp > 1:
         accumulated = 4 * trainable  # every micro-batch reduce-scatters: the sharded gradients accumulate
     elif layout.grad_accum > 1:
         # micro-batches before the last skip the reduce-scatter (no-sync), so FSDP2 accumulates
         # *unsharded* gradients of the whole stage (experts: this rank's ep share), upcast to the
         # fp32 reduce dtype (trex.precision); one process keeps its fp32 gradients
-        unsharded = (facts.trainable - facts.experts + facts.experts / layout.ep) / layout.pp
+        unsharded = (per_rank(facts.trainable - facts.experts, facts.tp_whole_trainable)
+                     + facts.experts / layout.ep) / layout.pp
         accumulated = 4 * unsharded if layout.fsdp > 1 else 4 * trainable
+    # the largest local matrix (TP splits the largest dense ones, MLA's wo or the dense MLP's)
+    largest = max(facts.largest_muon_matrix / tp, facts.block_experts / 3 / layout.ep)
     if layout.optimizer == "muon":  # momentum direction, X, X X^T products on the largest local matrix
-        local_experts = facts.block_experts / 3 / layout.ep
-        workspace = 4 * 4 * max(facts.largest_muon_matrix, local_experts)
+        workspace = 4 * 4 * largest
     else:
-        workspace = 4 * 2 * max(facts.largest_muon_matrix, facts.block_experts / 3 / layout.ep)
+        workspace = 4 * 2 * largest
     peak = backward_peak(cfg, facts, layout, seq_len, b, grads_held=layout.grad_accum > 1)
     return MemoryBreakdown(
         weights=4 * stored + tables, gradients=4 * trainable + table_grads,

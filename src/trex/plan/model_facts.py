@@ -39,6 +39,12 @@ MODULE_TYPES = (
     ("norms", r"norm\.weight$"),
     ("mtp_projections", r"\.(e_proj|h_proj)\."),
 )
+# Parameters tensor parallelism splits (trex.plan.layout.Layout.tp; the DeepSeek-V3 family): MLA's up
+# projections column-wise and output row-wise (the low-rank down projections, their norms and the router stay
+# whole on every TP rank), the dense FFN and shared experts column/row-wise, embedding and head by vocabulary,
+# an MTP block's eh_proj column-wise (as Megatron's MTP).
+# Routed experts are split by expert parallelism instead (counted apart, ``experts``).
+TP_SPLIT = r"\.attn\.(wq_b|wkv_b|wo)\.|\.ffn\.(w[123]|shared_experts)\.|\.eh_proj\.|^embed\.|^head\."
 INDEXER = ".attn.indexer."
 TABLE = ".engram.embed."
 NS_ITERATIONS = 10  # DeepSeek-V4's hybrid Newton-Schulz: 8 + 2 iterations (trex.train.optim.OptimSection)
@@ -64,6 +70,20 @@ class ModelFacts:
     muon_ns_flops: float  # FLOPs of one Newton-Schulz pass over every Muon matrix
     engram_tables: int = 0  # V4.1: elements of every Engram table (split over all ranks, outside FSDP)
     engram_rows: int = 0  # V4.1: rows of every Engram table (row-wise AdaGrad keeps one fp32 each)
+    # what tensor parallelism leaves whole on every TP rank (TP_SPLIT; routed experts are never among them)
+    tp_whole_stored: int = 0  # of ``stored``
+    tp_whole_trainable: int = 0  # of ``trainable``
+    tp_whole_muon: int = 0  # of ``muon``
+    tp_whole_block: int = 0  # of ``block_dense`` (the largest block)
+    tp_whole_root: int = 0  # of ``root`` (the final norm: embedding and head are split)
+    tp_whole_matmul: int = 0  # weights of the whole matmuls every TP rank runs on the group's tokens (per token,
+    #                          main layers and MTP blocks: MLA's down projections and the router): the work TP
+    #                          repeats on each rank
+
+    def per_tp_rank(self, total: int, whole: int, tp: int) -> float:
+        """Elements of ``total`` one of ``tp`` TP ranks holds, ``whole`` of them not split (routed experts split
+        by EP over the TP ranks too)."""
+        return whole + (total - whole) / tp
 
     @property
     def stored(self) -> int:
@@ -109,6 +129,7 @@ def _build_facts(cfg: ModelConfig | V41Config) -> ModelFacts:
     from trex.train.optim import classify
 
     indexer = v32_indexer_per_layer(cfg)
+    index_whole = cfg.hidden_size * cfg.index_head_dim + 2 * cfg.index_head_dim if indexer else 0  # wk, k_norm
     if indexer:  # V3.2: the dense V3 model, the indexers added below
         import dataclasses
 
@@ -118,8 +139,9 @@ def _build_facts(cfg: ModelConfig | V41Config) -> ModelFacts:
     model = build_model(cfg, device="meta")
     by_type: dict[str, int] = {kind: 0 for kind, _ in MODULE_TYPES}
     mtp = experts = trainable = muon = tables = rows = 0
-    blocks: dict[str, list[int]] = {}  # block prefix -> [dense, routed experts, trainable] parameters
-    root = 0
+    blocks: dict[str, list[int]] = {}  # block prefix -> [dense, routed experts, trainable, TP-whole] parameters
+    root = root_whole = 0
+    whole_stored = whole_trainable = whole_muon = whole_matmul = 0
     largest = 0
     ns = 0.0
     for name, p in model.named_parameters():
@@ -132,30 +154,42 @@ def _build_facts(cfg: ModelConfig | V41Config) -> ModelFacts:
             continue
         is_expert = ".ffn.experts." in name
         experts += p.numel() if is_expert else 0
+        whole = not is_expert and not re.search(TP_SPLIT, name)
+        whole_stored += p.numel() if whole else 0
+        whole_matmul += p.numel() if whole and p.dim() == 2 and (".attn." in name or ".ffn.gate." in name) else 0
         block = re.match(r"^(layers|mtp)\.\d+\.", name)
         if block:
-            entry = blocks.setdefault(block.group(0), [0, 0, 0])
+            entry = blocks.setdefault(block.group(0), [0, 0, 0, 0])
             entry[1 if is_expert else 0] += p.numel()
+            entry[3] += p.numel() if whole else 0
         else:
             root += p.numel()
+            root_whole += p.numel() if whole else 0
     for name, p, rule, row_blocks in classify(model):
         if INDEXER in f".{name}" or TABLE in name:
             continue
         trainable += p.numel()
+        whole = ".ffn.experts." not in name and not re.search(TP_SPLIT, name)
+        whole_trainable += p.numel() if whole else 0
         block = re.match(r"^(layers|mtp)\.\d+\.", name)
         if block:
             blocks[block.group(0)][2] += p.numel()
         if rule.muon:
             muon += p.numel()
+            whole_muon += p.numel() if whole else 0
             ns += _ns_flops(tuple(p.shape), row_blocks)
             if p.dim() == 2:
                 largest = max(largest, p.numel())
     if indexer:  # frozen: stored, in each block's FSDP unit, never trained
         by_type["indexer"] += cfg.num_hidden_layers * indexer
         mtp += cfg.num_nextn_predict_layers * indexer
+        # under TP split by heads (wq_b, weights_proj); wk and k_norm whole
         for entry in blocks.values():
             entry[0] += indexer
+            entry[3] += index_whole
+        whole_stored += len(blocks) * index_whole
     total = sum(by_type.values())
+    largest_block = max(blocks.values(), key=lambda v: v[0])
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     moe_layers = cfg.moe_layers() if hasattr(cfg, "moe_layers") else cfg.num_hidden_layers
     inactive = moe_layers * (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
@@ -167,7 +201,8 @@ def _build_facts(cfg: ModelConfig | V41Config) -> ModelFacts:
         muon=muon, adamw=trainable - muon, block_dense=max(v[0] for v in blocks.values()),
         block_experts=max(v[1] for v in blocks.values()), root=root,
         block_trainable=tuple(v[2] for v in blocks.values()), largest_muon_matrix=largest, muon_ns_flops=ns,
-        engram_tables=tables, engram_rows=rows)
+        engram_tables=tables, engram_rows=rows, tp_whole_stored=whole_stored, tp_whole_trainable=whole_trainable,
+        tp_whole_muon=whole_muon, tp_whole_block=largest_block[3], tp_whole_root=root_whole, tp_whole_matmul=whole_matmul)
 
 
 _CACHE: dict[str, ModelFacts] = {}

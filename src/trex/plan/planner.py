@@ -13,7 +13,7 @@ from trex.logs import plural
 from trex.models.config import ModelConfig
 from trex.models.registry import drafter_kind
 from trex.plan.drafter import DrafterPlan, drafter_plan
-from trex.plan.layout import Layout, PlanError, check_context_parallel
+from trex.plan.layout import Layout, PlanError, check_context_parallel, check_tensor_parallel
 from trex.plan.memory import HEADROOM, MemoryBreakdown, memory
 from trex.plan.model_facts import ModelFacts, model_facts
 from trex.plan.timing import StepTime, TimeAssumptions, step_time, training_flops
@@ -71,14 +71,19 @@ class Plan:
         out = []
         if self.layout.pp > 1:
             out.append("pipeline parallelism is modelled, but trex train does not run it yet")
+        if self.layout.tp > 1:
+            out.append("tensor parallelism is modelled (Megatron's / torchtitan's plan with sequence parallelism), but "
+                       "trex train does not run it yet")
+        if self.layout.dp_shard % self.layout.ep:
+            out.append(f"ep={self.layout.ep} spans context- and tensor-parallel ranks (torchtitan's "
+                       "expert_tensor_parallel_degree = 1); trex train splits experts inside dp_shard only")
         if self.host_fits is None:
             out.append(f"{self.hardware.name} states no host memory: offloaded state is not checked")
         if ep_note := expert_parallel_note(self.layout, self.routed_experts):
             out.append(ep_note)
         if self.v32:
             out.append("DeepSeek-V3.2's indexer is planned from its config (its parameters and FLOPs, attention over "
-                       "its top-k); activations as the dense MLA core plus the top-k indices, an estimate not checked "
-                       "against trex's V3.2 model")
+                       "its top-k); its sparse MLA's activations as trex's gathered kernel saves them")
         return out
 
 
@@ -122,6 +127,8 @@ def with_drafter(plan: Plan, cfg, section, main_steps: int) -> Plan:
         raise PlanError("[drafter] enabled: the model has no drafter to re-fit (DeepSeek-V4.1's DSpark stages: "
                         "num_nextn_predict_layers and dspark_target_layer_ids; or the multi-token prediction modules "
                         "of DeepSeek-V4 and the V3 family: num_nextn_predict_layers > 0)")
+    if plan.layout.tp > 1:
+        raise PlanError("[drafter] enabled with tp > 1: the re-fit under tensor parallelism is not planned yet")
     b = DTYPE_BYTES[plan.assumptions.dtype]
     refit = drafter_plan(cfg, section, plan.layout, plan.seq_len, plan.hardware, plan.assumptions, b, plan.memory,
                          plan.facts.active, main_steps)
@@ -137,24 +144,26 @@ def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: in
            micro_batches: tuple[int, ...] = (1, 2, 4), recompute: tuple[str, ...] = ("none", "selective", "full"),
            pipeline: tuple[int, ...] = (1,), fitting_only: bool = True,
            offload: tuple[bool, ...] = (False, True), largest_ep_only: bool = False,
-           train_engram: bool = False) -> list[Plan]:
+           train_engram: bool = False, tensor: tuple[int, ...] | None = None) -> list[Plan]:
     """Every layout on ``devices`` devices that fits (every one, with ``fitting_only=False``) and
     reaches ``global_batch_tokens`` exactly, fastest first; ``offload`` and ``largest_ep_only``
-    narrow the options tried; ``train_engram``: V4.1's Engram tables train (trex.plan.layout.Layout). cp ranges over the divisors of the device count that split the sequence (see
-    trex.models.deepseek_v4.check_shardable), shard sizes over the divisors of what it leaves; ep
-    divides both the shard size and the expert count."""
+    narrow the options tried; ``train_engram``: V4.1's Engram tables train (trex.plan.layout.Layout). tp ranges
+    over ``tensor`` (default :func:`tensor_parallel_sizes`: within a node, dividing what TP splits), cp over the
+    divisors of the devices left that split the sequence (see trex.models.deepseek_v4.check_shardable), shard
+    sizes over the divisors of what it leaves; ep divides the expert count and dp_shard x tp (the search carves
+    experts from those; an explicit layout may span cp too)."""
     if global_batch_tokens % seq_len:
         raise PlanError(f"global batch of {global_batch_tokens} tokens is not a whole number of "
                         f"{seq_len}-token sequences")
     Layout(dp_shard=1).check(cfg, seq_len)
     plans = []
-    for pp in pipeline:
-        if devices % pp or cfg.num_hidden_layers % pp:
+    for pp, tp in itertools.product(pipeline, tensor_parallel_sizes(cfg, devices, hw) if tensor is None else tensor):
+        if devices % (pp * tp) or cfg.num_hidden_layers % pp:
             continue
-        for cp, shard in ((c, s) for c in _context_parallel_sizes(cfg, seq_len, devices // pp)
-                          for s in _divisors(devices // pp // c)):
-            replicate = devices // pp // cp // shard
-            eps = [e for e in _divisors(shard) if cfg.n_routed_experts % e == 0]
+        for cp, shard in ((c, s) for c in _context_parallel_sizes(cfg, seq_len, devices // pp // tp)
+                          if (seq_len // c) % tp == 0 for s in _divisors(devices // pp // tp // c)):
+            replicate = devices // pp // tp // cp // shard
+            eps = [e for e in _divisors(shard * tp) if cfg.n_routed_experts % e == 0]
             for ep in eps[-1:] if largest_ep_only else eps:
                 for mb in micro_batches:
                     rows = global_batch_tokens // seq_len
@@ -163,13 +172,29 @@ def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: in
                     ga = rows // (mb * shard * replicate)
                     reduce_options = (False, True) if ga > 1 and shard > 1 else (False,)
                     for rc, off, every in itertools.product(recompute, offload, reduce_options):
-                        layout = Layout(dp_shard=shard, dp_replicate=replicate, ep=ep, cp=cp, pp=pp, micro_batch=mb,
+                        layout = Layout(dp_shard=shard, dp_replicate=replicate, ep=ep, cp=cp, tp=tp, pp=pp, micro_batch=mb,
                                         grad_accum=ga, recompute=rc, optimizer=optimizer, offload_optimizer=off,
                                         reduce_every_micro_batch=every, train_engram=train_engram)
                         plan = make_plan(cfg, layout, seq_len, hw, assume)
                         if plan.fits or not fitting_only:
                             plans.append(plan)
     return sorted(plans, key=lambda p: p.time.total)
+
+
+CHOICES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "micro_batch", "recompute", "offload_optimizer",
+           "reduce_every_micro_batch")  # what a layout chooses (grad_accum follows from the batch)
+
+
+def layout_changes(frm: Layout, to: Layout) -> list[str]:
+    """The choices ``to`` makes differently from ``frm``, as ``name a -> b``."""
+    return [f"{k} {getattr(frm, k)} -> {getattr(to, k)}" for k in CHOICES if getattr(frm, k) != getattr(to, k)]
+
+
+def nearest_fitting(layout: Layout, plans: list[Plan]) -> Plan | None:
+    """Of ``plans`` (fitting ones, e.g. :func:`search`'s), the one whose layout changes the fewest of ``layout``'s
+    choices (CHOICES), the fastest among equals; None when there are none."""
+    fitting = [p for p in plans if p.fits]
+    return min(fitting, key=lambda p: (len(layout_changes(layout, p.layout)), p.time.total), default=None)
 
 
 def no_fit_hint(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: int, hw: HardwareProfile,
@@ -184,8 +209,24 @@ def no_fit_hint(cfg: ModelConfig, devices: int, seq_len: int, global_batch_token
                 "change --global-batch-tokens or --devices")
     lean = min(tried, key=lambda p: p.memory.total)
     return (f"the leanest layout tried ({lean.layout.describe()}) needs {lean.memory.total / GiB:.1f} GiB per device, "
-            f"{lean.usable_bytes / GiB:.1f} usable; every recompute, offload, micro-batch and shard/ep/cp split was "
+            f"{lean.usable_bytes / GiB:.1f} usable; every recompute, offload, micro-batch and shard/ep/cp/tp split was "
             "tried: add devices (without --devices, trex plan finds the fewest that fit) or shorten the sequence")
+
+
+def tensor_parallel_sizes(cfg: ModelConfig, devices: int, hw: HardwareProfile) -> list[int]:
+    """The tp sizes a search tries: powers of two dividing ``devices``, within one node (TP's per-layer
+    collectives need the node's link), that divide what TP splits (trex.plan.layout.check_tensor_parallel); 1 for
+    a family TP is not planned for."""
+    sizes = []
+    tp = 1
+    while tp <= min(devices, hw.devices_per_node) and devices % tp == 0:
+        try:
+            check_tensor_parallel(cfg, tp)
+        except PlanError:
+            break
+        sizes.append(tp)
+        tp *= 2
+    return sizes
 
 
 def _context_parallel_sizes(cfg: ModelConfig, seq_len: int, devices: int) -> list[int]:

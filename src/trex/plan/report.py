@@ -90,7 +90,8 @@ def plan_table(plan: Plan, model: str) -> str:
                  f"TFLOP/s {plan.assumptions.dtype} per {hw.unit})")
     a = plan.assumptions
     lines.append(f"assumptions compute efficiency {a.compute_efficiency:.0%}, FSDP overlap {a.fsdp_overlap:.0%}, "
-                 f"EP overlap {a.ep_overlap:.0%}, CP overlap {a.cp_overlap:.0%}, links {hw.intra_node_gbps:g}/{hw.inter_node_gbps:g} GB/s "
+                 f"EP overlap {a.ep_overlap:.0%}, CP overlap {a.cp_overlap:.0%}, "
+                 f"{f'TP overlap {a.tp_overlap:.0%}, ' if plan.layout.tp > 1 else ''}links {hw.intra_node_gbps:g}/{hw.inter_node_gbps:g} GB/s "
                  f"intra/inter node, {hw.devices_per_node} per node")
     if plan.drafter is not None:
         lines += _drafter_lines(plan)

@@ -16,11 +16,23 @@ Communication per step and device, ring algorithms (a device moves (g-1)/g of th
          the DeepSeek-V3 family no halo, the all-gather of every row's MLA latent and k_pe
          (kv_lora_rank + qk_rope_head_dim values a token) and the reduce-scatter of its gradient
          (and V3.2's index keys, forward only).
+  TP     (tensor parallelism with sequence parallelism, the V3 family) per layer (MTP blocks too) and
+         micro-batch, forward: an all-gather of the [rows, hidden] input before attention and before the FFN,
+         a reduce-scatter of each one's output (2 + 2, of the group's mb x S / cp rows at the compute dtype);
+         backward the mirror (2 + 2), and a recompute the forward's again (full: 4, selective: the attention
+         site's 2); embedding (reduce-scatter forward, all-gather backward) and each vocabulary-parallel head
+         (all-gather forward, reduce-scatter backward) once each way. TP ranks are adjacent: a group within a
+         node runs at the intra-node link. ``tp_overlap`` (default 0, as torchtitan without async TP) hides
+         it. Every TP rank also runs the matmuls TP leaves whole (MLA's down projections, the router) on all
+         of the group's rows: ``tp - 1`` extra copies of that work, in the compute time, not in the MFU.
+Expert parallelism spans dp_shard x cp x tp ranks (trex.plan.layout): the all-to-all of each rank's own rows
+(mb x S / (cp x tp)); FSDP gathers a TP rank's 1 / tp of the split parameters over dp_shard x cp ranks spaced
+tp apart, the experts over dp_shard x cp x tp / ep ranks spaced ep apart.
 Context-parallel ranks of one group wait for the busiest: with contiguous shards the last one,
 whose queries see the most compressed entries (HCA attention and the CSA indexer's scores grow with
 the position); its FLOPs per token are the mean over the last S / cp positions. The V3 family's
 shards do equal work (the dense document-causal mask skips nothing), the mean per token, plus the
-``wkv_b`` expansion of the other ranks' rows (``v3_cp_extra_flops``).
+``wkv_b`` expansion of the other ranks' rows (``v3_cp_extra_flops``; none for V3.2's absorbed sparse MLA).
 A group of g ranks runs at the intra-node bandwidth when it fits in one node, at the
 inter-node bandwidth otherwise. ``fsdp_overlap`` / ``ep_overlap`` of that time hides behind
 compute (never more than the compute itself). Optimizer: the Newton-Schulz FLOPs of Muon split
@@ -59,6 +71,7 @@ class TimeAssumptions:
     fsdp_overlap: float = 0.9  # share of FSDP traffic hidden behind compute (prefetch)
     ep_overlap: float = 0.5  # share of EP all-to-all hidden behind compute
     cp_overlap: float = 0.0  # share of CP traffic hidden behind compute (eager trex waits for each)
+    tp_overlap: float = 0.0  # share of TP traffic hidden behind compute (torchtitan without async TP waits for each)
     dtype: str = "bf16"
 
 
@@ -71,6 +84,7 @@ class StepTime:
     fsdp_comm: float
     ep_comm: float
     cp_comm: float
+    tp_comm: float
     exposed_comm: float
     bubble: float
     optimizer: float
@@ -119,11 +133,14 @@ def v3_cp_extra_flops(cfg, cp: int) -> float:
     """Training FLOPs per token a V3-family rank runs at cp > 1 beyond one process's: each rank expands the
     gathered latent of all S = cp x s rows through ``wkv_b`` (2 x kv_lora_rank x H x (nope + v) a row) in
     forward, again in ``latent_attention``'s backward, and back-propagates it (dX and dW, twice that): 4 x cp
-    expansions per own row against one process's 3, in every layer and MTP block. V3.2's sparse MLA expands
-    once in forward: 3 x cp. A recomputed forward's expansion of the other ranks' rows is not counted (1 x cp
-    - 1 more per row and layer under recomputation)."""
+    expansions per own row against one process's 3, in every layer and MTP block. V3.2's sparse MLA runs in the
+    absorbed form (trex.kernels.sparse_mla: q and the output go through ``wkv_b``'s rows, per own row) and expands
+    no row's keys: nothing more. A recomputed forward's expansion of the other ranks' rows is not counted (1 x
+    cp - 1 more per row and layer under recomputation)."""
+    if cfg.index_topk:
+        return 0.0
     per_row = 2 * cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    runs = (3 if cfg.index_topk else 4) * cp - 3
+    runs = 4 * cp - 3
     return runs * per_row * (cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
 
 
@@ -149,6 +166,24 @@ def cp_traffic(cfg: ModelConfig, seq_len: int, b: int) -> tuple[float, float]:
     return halo, gathered
 
 
+def tp_traffic(cfg: ModelConfig, layout: Layout, seq_len: int, b: int) -> float:
+    """Ring-collective buffer bytes one TP rank takes part in per micro-batch (see the module docstring: the
+    all-gathers and reduce-scatters of [mb x S / cp, hidden] at the compute dtype); 0 without TP."""
+    if layout.tp == 1:
+        return 0.0
+    per_pass = {"none": 8, "selective": 10, "full": 12}[layout.recompute]  # forward 4, backward 4, recompute
+    blocks = cfg.num_hidden_layers // layout.pp + mtp_blocks(cfg)
+    heads = 1 + mtp_blocks(cfg)
+    buffer = b * layout.micro_batch * (seq_len // layout.cp) * cfg.hidden_size
+    return buffer * (blocks * per_pass + 2 * (1 + heads))
+
+
+def tp_whole_flops(facts: ModelFacts, tp: int) -> float:
+    """Training FLOPs per token that each of ``tp`` TP ranks runs beyond its 1 / tp share: the matmuls TP leaves
+    whole (``ModelFacts.tp_whole_matmul``: 2 forward + 4 backward FLOPs a weight) on the other ranks' rows."""
+    return 6 * facts.tp_whole_matmul * (tp - 1)
+
+
 def _bandwidth(group: int, hw: HardwareProfile, span: int = 1) -> float:
     """Bytes/s between ranks of a group of ``group`` spaced ``span`` apart: intra-node when it fits."""
     within_node = group * span <= hw.devices_per_node
@@ -167,22 +202,25 @@ def step_time(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int,
     tokens_per_device = layout.micro_batch * seq_len * layout.grad_accum * layout.dp_replicate * layout.dp_shard \
         / layout.devices
     rate = hw.peak_flops(assume.dtype) * assume.compute_efficiency
-    compute = tokens_per_device * busiest_shard_flops(cfg, seq_len, layout.cp) / rate
+    compute = tokens_per_device * (busiest_shard_flops(cfg, seq_len, layout.cp) + tp_whole_flops(facts, layout.tp)) / rate
     recompute = tokens_per_device * recompute_flops_per_token(cfg, seq_len, layout.recompute) / rate
+    if layout.recompute == "full":  # the whole matmuls' forward again on the other TP ranks' rows
+        recompute += tokens_per_device * tp_whole_flops(facts, layout.tp) / 3 / rate
 
-    micro = layout.grad_accum
-    shard, ef = layout.fsdp, layout.fsdp // layout.ep
-    dense = facts.dense / layout.pp
+    micro, tp = layout.grad_accum, layout.tp
+    shard, ef = layout.fsdp, layout.expert_fsdp
+    dense = facts.per_tp_rank(facts.dense, facts.tp_whole_stored, tp) / layout.pp  # a TP rank's share
     experts = facts.experts / layout.pp / layout.ep
-    gather = 2 * micro * (_group_seconds(b * dense, shard, hw) + _group_seconds(b * experts, ef, hw, layout.ep))
-    reduce = _group_seconds(4 * dense, shard, hw) + _group_seconds(4 * experts, ef, hw, layout.ep)
+    gather = 2 * micro * (_group_seconds(b * dense, shard, hw, tp) + _group_seconds(b * experts, ef, hw, layout.ep))
+    reduce = _group_seconds(4 * dense, shard, hw, tp) + _group_seconds(4 * experts, ef, hw, layout.ep)
     reduce *= micro if layout.reduce_every_micro_batch else 1
-    replicate = 2 * _group_seconds(4 * facts.stored / layout.pp / shard, layout.dp_replicate, hw, shard)
+    stored = facts.per_tp_rank(facts.stored, facts.tp_whole_stored, tp)
+    replicate = 2 * _group_seconds(4 * stored / layout.pp / shard, layout.dp_replicate, hw, shard * tp)
     fsdp = gather + reduce + replicate
 
     layers = _moe_layers(cfg, cfg.num_hidden_layers // layout.pp) + mtp_blocks(cfg)
     a2a_bytes = 4 * b * layout.micro_batch * seq_len * cfg.num_experts_per_tok * cfg.hidden_size * layers * micro
-    ep = _group_seconds(a2a_bytes / layout.cp, layout.ep, hw)
+    ep = _group_seconds(a2a_bytes / layout.cp / tp, layout.ep, hw)
     if facts.engram_tables:  # fp32 rows (and their gradients when trained) and int64 ids, every table
         cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         per_token = len(cfg.engram_layer_ids) * cols * (8 + 4 * cfg.engram_head_dim * (2 if layout.train_engram else 1))
@@ -194,17 +232,22 @@ def step_time(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int,
         halo, gathered = cp_traffic(cfg, seq_len, b)
         cp = passes * (halo / _bandwidth(layout.cp, hw) + _group_seconds(gathered, layout.cp, hw))
 
+    tp_comm = micro * _group_seconds(tp_traffic(cfg, layout, seq_len, b), tp, hw)
+
     busy = compute + recompute
-    hidden = min(busy, assume.fsdp_overlap * fsdp + assume.ep_overlap * ep + assume.cp_overlap * cp)
-    exposed = fsdp + ep + cp - hidden
+    hidden = min(busy, assume.fsdp_overlap * fsdp + assume.ep_overlap * ep + assume.cp_overlap * cp
+                 + assume.tp_overlap * tp_comm)
+    exposed = fsdp + ep + cp + tp_comm - hidden
     bubble = (layout.pp - 1) / layout.grad_accum * busy if layout.pp > 1 else 0.0
 
     optimizer = 0.0
     if layout.optimizer == "muon":
-        optimizer += facts.muon_ns_flops / (layout.fsdp * layout.pp) / rate
+        optimizer += facts.muon_ns_flops / (layout.fsdp * layout.pp * tp) / rate
     if layout.offload_optimizer:
-        state = (4 * facts.muon + 8 * facts.adamw) if layout.optimizer == "muon" else 8 * facts.trainable
+        muon = facts.per_tp_rank(facts.muon, facts.tp_whole_muon, tp)
+        trainable = facts.per_tp_rank(facts.trainable, facts.tp_whole_trainable, tp)
+        state = (4 * muon + 8 * (trainable - muon)) if layout.optimizer == "muon" else 8 * trainable
         link = hw.host_link_gbps or hw.inter_node_gbps
         optimizer += 2 * state / (layout.fsdp * layout.pp) / (link * 1e9)
-    return StepTime(compute=compute, recompute=recompute, fsdp_comm=fsdp, ep_comm=ep, cp_comm=cp, exposed_comm=exposed,
-                    bubble=bubble, optimizer=optimizer)
+    return StepTime(compute=compute, recompute=recompute, fsdp_comm=fsdp, ep_comm=ep, cp_comm=cp, tp_comm=tp_comm,
+                    exposed_comm=exposed, bubble=bubble, optimizer=optimizer)

@@ -1,0 +1,163 @@
+"""trex plan with tensor parallelism (Layout.tp, the DeepSeek-V3 family): what TP splits and what it leaves whole,
+its per-layer collectives, the layout checks, the search, the default and nearest fitting layouts, and the
+published torchtitan-npu runs (docs/planning.md#tensor-parallelism-and-the-published-runs)."""
+
+import dataclasses
+import json
+
+import pytest
+
+from trex.cli import main
+from trex.hardware import load_profiles
+from trex.models import get_preset
+from trex.plan import Layout, make_plan, search
+from trex.plan.model_facts import model_facts
+from trex.plan.timing import tp_traffic
+
+TINY_V3 = get_preset("tiny-v3")
+H100 = load_profiles()["h100-sxm"]
+DIE = load_profiles()["ascend-910c-die"]
+
+
+def _tiny_v3_whole_by_hand(cfg) -> int:
+    """Parameters TP leaves whole in tiny-v3, from its shapes: per block MLA's wq_a, wkv_a and their norms and the
+    two block norms; the router in MoE blocks; an MTP block's enorm, hnorm and final norm; the model's final norm."""
+    d = cfg.hidden_size
+    attention = d * cfg.q_lora_rank + cfg.q_lora_rank + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) \
+        + cfg.kv_lora_rank + 2 * d
+    router = cfg.n_routed_experts * d
+    dense, moe = cfg.first_k_dense_replace, cfg.num_hidden_layers - cfg.first_k_dense_replace
+    mtp = cfg.num_nextn_predict_layers
+    return dense * attention + moe * (attention + router) + mtp * (attention + router + 3 * d) + d
+
+
+def test_tp_memory_per_rank_by_hand():
+    facts = model_facts(TINY_V3)
+    whole = _tiny_v3_whole_by_hand(TINY_V3)
+    assert facts.tp_whole_stored == facts.tp_whole_trainable == whole == 20992
+    plain = make_plan(TINY_V3, Layout(dp_shard=2, ep=2, recompute="full"), 64, H100)
+    tp2 = make_plan(TINY_V3, Layout(dp_shard=2, ep=2, tp=2, recompute="full"), 64, H100)
+    # fp32 weights: TP's split parts halve on each TP rank, then FSDP over dp_shard = 2
+    assert tp2.memory.weights == 4 * (whole + (facts.stored - whole) / 2) / 2
+    assert plain.memory.weights == 4 * facts.stored / 2
+    assert tp2.memory.optimizer == 4 * (facts.tp_whole_muon + (facts.muon - facts.tp_whole_muon) / 2) / 2 \
+        + 8 * ((whole - facts.tp_whole_muon) + (facts.adamw - (whole - facts.tp_whole_muon)) / 2) / 2
+    # sequence parallelism: a checkpointed block keeps 1 / tp of its input rows; the heads' terms shrink too
+    assert tp2.memory.activations < plain.memory.activations
+
+
+def test_tp_collective_volume_and_time_by_hand():
+    layout = Layout(dp_shard=2, ep=2, tp=2, grad_accum=3)
+    S, b, d = 64, 2, TINY_V3.hidden_size
+    buffer = b * 1 * S * d  # one micro-batch of rows at bf16
+    blocks = TINY_V3.num_hidden_layers + TINY_V3.num_nextn_predict_layers
+    # per block 2 all-gathers + 2 reduce-scatters forward and the mirror backward; embedding and the 2 heads once
+    # each way
+    assert tp_traffic(TINY_V3, layout, S, b) == buffer * (blocks * 8 + 2 * (1 + 2))
+    full = dataclasses.replace(layout, recompute="full")
+    assert tp_traffic(TINY_V3, full, S, b) == buffer * (blocks * 12 + 2 * 3)  # the forward's 4 again
+    plan = make_plan(TINY_V3, layout, S, H100)  # 4 devices, one node: the intra-node link, a ring of 2
+    assert plan.time.tp_comm == pytest.approx(3 * buffer * (blocks * 8 + 6) * (1 / 2) / (H100.intra_node_gbps * 1e9))
+    assert make_plan(TINY_V3, Layout(dp_shard=4, ep=2), S, H100).time.tp_comm == 0
+
+
+@pytest.mark.parametrize("model, layout, message", [
+    ("tiny-v3", "dp_shard=2,tp=8", "layout: tp=8 does not divide the model's attention heads 4"),
+    ("deepseek-v3", "dp_shard=32,tp=3,ep=32",
+     "layout: tp=3 does not divide the model's attention heads 128, vocabulary 129280, shared-expert width 2048"),
+    ("deepseek-v3", "dp_shard=4,tp=4,ep=32", "layout: ep=32 must divide dp_shard x cp x tp = 4 x 1 x 4"),
+    ("deepseek-v4-flash", "dp_shard=32,tp=2,ep=32", "tensor parallelism is planned for the DeepSeek-V3 family only"),
+])
+def test_a_layout_tp_cannot_split_is_one_line_naming_the_numbers(model, layout, message, capsys):
+    assert main(["plan", "--model", model, "--hardware", "h100-sxm", "--seq", "64" if model.startswith("tiny") else
+                 "4096", "--layout", layout]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_the_search_finds_tp_layouts_for_v3():
+    plans = search(get_preset("deepseek-v3"), 128, 4096, 4194304, DIE, optimizer="adamw", micro_batches=(1,),
+                   recompute=("full",), offload=(True,))
+    assert plans and plans[0].layout.tp > 1, plans[:1]  # TP beats every tp = 1 layout that fits here
+    assert {p.layout.tp for p in plans} >= {1, 2, 4, 8}
+    assert all(p.layout.tp <= DIE.devices_per_node for p in plans)
+
+
+@pytest.fixture
+def small_gpu(tmp_path, monkeypatch):
+    """A profile on which tiny-v3's default layout (no recompute, optimizer on the device) does not fit at 4
+    devices, while a leaner one does."""
+    (tmp_path / "small.toml").write_text(
+        'name = "small"\nunit = "card"\npeak_tflops = { bf16 = 100.0 }\nmemory_gib = 0.012\nintra_node_gbps = 100\n'
+        'inter_node_gbps = 10\ndevices_per_node = 4\nsource = "test"\n')
+    monkeypatch.setenv("TREX_HARDWARE_DIR", str(tmp_path))
+    return load_profiles()["small"]
+
+
+def test_without_a_layout_the_plan_is_a_fitting_one_and_says_it_chose_it(small_gpu, capsys):
+    assert not make_plan(TINY_V3, Layout(dp_shard=4), 256, small_gpu).fits  # the layout --devices alone would be
+    args = ["plan", "--model", "tiny-v3", "--hardware", "small", "--devices", "4", "--seq", "256"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "FITS" in captured.out and "chosen      no recipe or --layout: the planner chose the fastest of" in captured.out
+    assert "the planner chose" in captured.err
+    assert main([*args, "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["chosen"].startswith("no recipe or --layout")
+
+
+def test_a_layout_that_does_not_fit_names_the_nearest_that_does(small_gpu, capsys):
+    args = ["plan", "--model", "tiny-v3", "--hardware", "small", "--devices", "4", "--seq", "256", "--layout",
+            "dp_shard=4,ep=4"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out
+    line = next(s for s in out.splitlines() if s.startswith("nearest"))
+    assert "the layout that fits with the fewest changes: dp_shard=" in line and "->" in line, line
+    assert main([*args, "--format", "json"]) == 1
+    near = json.loads(capsys.readouterr().out)["nearest_fitting"]
+    assert near["changes"] and near["memory_bytes"] <= small_gpu.memory_gib * 2**30 * 0.9
+    assert f"{near['layout']} (" in line
+    fits = [p for p in search(TINY_V3, 4, 256, 4 * 256, small_gpu)]  # no fitting layout changes fewer choices
+    assert min(len(_changes(p.layout)) for p in fits) == len(near["changes"])
+
+
+def _changes(layout: Layout) -> list[str]:
+    from trex.plan.planner import layout_changes
+
+    return layout_changes(Layout(dp_shard=4, ep=4), layout)
+
+
+# torchtitan-npu's published DeepSeek runs on Atlas 800T A3 (64 chips = 128 dies), each with its layout: AdamW with
+# the moments in host memory (virtual_optimizer = "all"), full recompute, one sequence per micro-batch, FSDP2
+# reduce-scattering every micro-batch (torchtitan accumulates without no-sync). docs/planning.md shows the table.
+PUBLISHED = [
+    ("deepseek-v4-flash", 4096, 1024, "dp_shard=128,ep=128", 1056),
+    ("deepseek-v3", 4096, 1024, "dp_shard=32,tp=4,ep=128", 546),
+    ("deepseek-v3.2", 4096, 512, "dp_shard=32,tp=4,ep=64", 146),
+    ("deepseek-v3.2", 32768, 128, "dp_shard=4,cp=8,tp=4,ep=64", 103),
+]
+MISSES = {  # rows the planner does not reproduce within 15%, and why (docs/planning.md)
+    "deepseek-v3": "0.63: ~890 GB of EP all-to-all per die and step over the profile's 25 GB/s RoCE between 16-die "
+                   "servers; on one HCCS domain (ascend-910c-die-superpod) 0.81, the rest compute efficiency",
+    "deepseek-v3.2": "1.46 and 2.10: torchtitan-npu's V3.2 runs 3.7x slower than its V3 at the same layout (its "
+                     "indexer training and sparse-attention path, not in trex's FLOPs)",
+}
+
+
+@pytest.mark.parametrize("model, seq, sequences, layout, published", PUBLISHED)
+def test_the_published_runs_fit_and_land_within_15_percent(model, seq, sequences, layout, published):
+    from trex.plan.layout import parse_layout
+
+    lay = parse_layout(layout, Layout(dp_shard=1, recompute="full", optimizer="adamw", offload_optimizer=True,
+                                      reduce_every_micro_batch=True))
+    lay = dataclasses.replace(lay, grad_accum=sequences // lay.data_parallel)
+    assert lay.devices == 128
+    plan = make_plan(get_preset(model), lay, seq, DIE)
+    assert plan.global_batch_tokens == sequences * seq
+    assert plan.fits  # every published layout fits under the planner's memory model
+    within = abs(plan.tokens_per_s_per_device / published - 1) <= 0.15
+    if model in MISSES:  # a known miss (docs/planning.md); one that lands must leave MISSES
+        assert not within, f"{model} now lands within 15% ({plan.tokens_per_s_per_device:.0f}): drop it from MISSES"
+        pytest.xfail(MISSES[model])
+    assert within, plan.tokens_per_s_per_device
