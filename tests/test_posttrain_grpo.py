@@ -502,3 +502,70 @@ def test_two_ranks_sampling_through_engine_processes_match_the_in_process_sample
         assert x["reward_mean"] == y["reward_mean"] and x["response_length"] == y["response_length"], x["step"]
         for key in ("loss", "kl", "entropy", "grad_norm"):
             assert x[key] == pytest.approx(y[key], rel=1e-6, abs=1e-6), (x["step"], key)
+
+
+# ---- multi-turn, tool-using rollouts ([environment]) --------------------------------------------------------
+ENVIRONMENT = ('environment.name="tools"', 'environment.options={tools=["calculator"]}')
+
+
+def test_grpo_on_multi_turn_trajectories_puts_no_loss_on_tool_tokens(prompt_files, tmp_path, monkeypatch):
+    """The recipe's environment through the in-process engine, each step's first turn forced to a calculator
+    call (the tiny random model would never make one; its log-probs are the model's own), the rest sampled
+    by the engine: the trainer's
+    recompute of the whole trajectories matches the engine's log-probs on the model's tokens, and the loss's
+    gradient with respect to the logits is exactly zero where the next token is a tool token."""
+    from trex.data.tokenizer import compact_tokenizer
+    from trex.data.tool_calls import tool_codec
+    from trex.posttrain import grpo
+    from trex.rollout.engine import InProcessEngine, score_rows
+    from trex.rollout.sampling import Samples
+    from trex.train.loop import train
+
+    forced = compact_tokenizer().encode(tool_codec("deepseek-v4", thinking=False).assistant(
+        "", [{"name": "calculator", "arguments": {"expression": "2+3"}}])).tolist()
+
+    class Forcing(InProcessEngine):
+        def sync(self, model, version):
+            super().sync(model, version)
+            self.first = True
+
+        def generate(self, prompts, params, uniforms, batch_size, record_routes=False):
+            if not self.first:
+                return super().generate(prompts, params, uniforms, batch_size, record_routes)
+            self.first = False
+            logp = [lp[-len(forced):] for lp in score_rows(self.model, [p + forced for p in prompts])]
+            return Samples(prompts, [forced] * len(prompts), logp, [True] * len(prompts), None, self.version)
+
+    batches, seen = [], []
+    collect, logprobs = grpo.GRPOObjective._collect, grpo.next_token_logprobs
+
+    def spy(logits, ids, docs):
+        logits.retain_grad()
+        seen.append(logits)
+        return logprobs(logits, ids, docs)
+    monkeypatch.setattr(grpo, "make_engine", lambda section, model, dev, policy: Forcing(model))
+    monkeypatch.setattr(grpo.GRPOObjective, "_collect", lambda self, *a: batches.append(collect(self, *a)) or batches[-1])
+    monkeypatch.setattr(grpo, "next_token_logprobs", spy)
+    (tmp_path / "turn_reward.py").write_text(  # differs within a group: a learning signal on every row
+        "def last_turn(c):\n    return float(sum(c.trajectory.turn_ids[-1]) % 5)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = train(_grpo_recipe(prompt_files, tmp_path / "run", "train.steps=1", "grpo.eval_prompts=[]",
+                                'grpo.rewards=["turn_reward:last_turn"]', "grpo.prompts_per_step=1",
+                                "grpo.group_size=2", "sampling.max_new_tokens=140", "environment.max_tokens=180",
+                                *ENVIRONMENT))
+    (row,) = _metrics(tmp_path / "run")
+    assert row["env/turns"] == 2 and row["env/tool_calls"] == 1 and row["env/tool_errors"] == 0
+    assert row["env/parse_errors"] == 0 and row["env/tool_seconds"] < 1 and row["env/answered"] <= 1
+    assert result.summary["data"]["environment"] == "tools"
+    assert row["logprob_diff_max"] < 1e-3  # the engine's tokens, in the engine's context, across turns
+    (batch,), (logits,) = batches, seen
+    r = batch.rollouts
+    after_prompt = r.mask.cumsum(dim=1) > 0  # from the first sampled token on
+    tool = after_prompt & ~r.mask & (r.doc_ids != 0)
+    tool[:, -1] = False  # the last position has no next token
+    assert tool.sum(dim=1).min() > 20  # every row holds a tool turn (the calculator's answer, as V4 renders it)
+    assert r.versions[r.mask].eq(0).all() and r.versions[tool].eq(-1).all()  # step 0 sampled them
+    grad = logits.grad.abs().sum(dim=-1)
+    assert grad[tool].max() == 0 and (grad[r.mask] > 0).float().mean() > 0.5
+    assert r.sampler_logp[tool].eq(0).all()
+

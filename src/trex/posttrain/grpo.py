@@ -342,6 +342,7 @@ class GRPOObjective(Objective):
 
     def summary(self) -> dict:
         return {"prompts": len(self.prompts), "eval_prompts": self._n_eval(), "rewards": self.rewards.names,
+                "environment": self.ctx.recipe.environment.name or None,
                 "prompt_epoch": self.order.epoch, "steps_with_learning_signal": self.signal[1]}
 
     def warnings(self) -> list[str]:
