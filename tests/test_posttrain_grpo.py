@@ -511,30 +511,13 @@ ENVIRONMENT = ('environment.name="tools"', 'environment.options={tools=["calcula
 def test_grpo_on_multi_turn_trajectories_puts_no_loss_on_tool_tokens(prompt_files, tmp_path, monkeypatch):
     """The recipe's environment through the in-process engine, each step's first turn forced to a calculator
     call (the tiny random model would never make one; its log-probs are the model's own), the rest sampled
-    by the engine: the trainer's
-    recompute of the whole trajectories matches the engine's log-probs on the model's tokens, and the loss's
-    gradient with respect to the logits is exactly zero where the next token is a tool token."""
-    from trex.data.tokenizer import compact_tokenizer
-    from trex.data.tool_calls import tool_codec
+    by the engine: the trainer's recompute of the whole trajectories matches the engine's log-probs on the
+    model's tokens, and the loss's gradient with respect to the logits is exactly zero where the next token
+    is a tool token."""
+    from forced_calls import ForcedFirstTurn
+
     from trex.posttrain import grpo
-    from trex.rollout.engine import InProcessEngine, score_rows
-    from trex.rollout.sampling import Samples
     from trex.train.loop import train
-
-    forced = compact_tokenizer().encode(tool_codec("deepseek-v4", thinking=False).assistant(
-        "", [{"name": "calculator", "arguments": {"expression": "2+3"}}])).tolist()
-
-    class Forcing(InProcessEngine):
-        def sync(self, model, version):
-            super().sync(model, version)
-            self.first = True
-
-        def generate(self, prompts, params, uniforms, batch_size, record_routes=False):
-            if not self.first:
-                return super().generate(prompts, params, uniforms, batch_size, record_routes)
-            self.first = False
-            logp = [lp[-len(forced):] for lp in score_rows(self.model, [p + forced for p in prompts])]
-            return Samples(prompts, [forced] * len(prompts), logp, [True] * len(prompts), None, self.version)
 
     batches, seen = [], []
     collect, logprobs = grpo.GRPOObjective._collect, grpo.next_token_logprobs
@@ -543,7 +526,7 @@ def test_grpo_on_multi_turn_trajectories_puts_no_loss_on_tool_tokens(prompt_file
         logits.retain_grad()
         seen.append(logits)
         return logprobs(logits, ids, docs)
-    monkeypatch.setattr(grpo, "make_engine", lambda section, model, dev, policy: Forcing(model))
+    monkeypatch.setattr(grpo, "make_engine", lambda section, model, dev, policy: ForcedFirstTurn(model))
     monkeypatch.setattr(grpo.GRPOObjective, "_collect", lambda self, *a: batches.append(collect(self, *a)) or batches[-1])
     monkeypatch.setattr(grpo, "next_token_logprobs", spy)
     (tmp_path / "turn_reward.py").write_text(  # differs within a group: a learning signal on every row
