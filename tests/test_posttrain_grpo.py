@@ -508,12 +508,13 @@ def test_two_ranks_sampling_through_engine_processes_match_the_in_process_sample
 ENVIRONMENT = ('environment.name="tools"', 'environment.options={tools=["calculator"]}')
 
 
-def test_grpo_on_multi_turn_trajectories_puts_no_loss_on_tool_tokens(prompt_files, tmp_path, monkeypatch):
+@pytest.mark.parametrize("routing", ["recompute", "replay"])
+def test_grpo_on_multi_turn_trajectories_puts_no_loss_on_tool_tokens(prompt_files, tmp_path, monkeypatch, routing):
     """The recipe's environment through the in-process engine, each step's first turn forced to a calculator
     call (the tiny random model would never make one; its log-probs are the model's own), the rest sampled
     by the engine: the trainer's recompute of the whole trajectories matches the engine's log-probs on the
     model's tokens, and the loss's gradient with respect to the logits is exactly zero where the next token
-    is a tool token."""
+    is a tool token. With routing replay, every token takes the experts of the call that first fed it."""
     from forced_calls import ForcedFirstTurn
 
     from trex.posttrain import grpo
@@ -535,7 +536,7 @@ def test_grpo_on_multi_turn_trajectories_puts_no_loss_on_tool_tokens(prompt_file
     result = train(_grpo_recipe(prompt_files, tmp_path / "run", "train.steps=1", "grpo.eval_prompts=[]",
                                 'grpo.rewards=["turn_reward:last_turn"]', "grpo.prompts_per_step=1",
                                 "grpo.group_size=2", "sampling.max_new_tokens=140", "environment.max_tokens=180",
-                                *ENVIRONMENT))
+                                f'grpo.routing="{routing}"', *ENVIRONMENT))
     (row,) = _metrics(tmp_path / "run")
     assert row["env/turns"] == 2 and row["env/tool_calls"] == 1 and row["env/tool_errors"] == 0
     assert row["env/parse_errors"] == 0 and row["env/tool_seconds"] < 1 and row["env/answered"] <= 1
@@ -551,4 +552,9 @@ def test_grpo_on_multi_turn_trajectories_puts_no_loss_on_tool_tokens(prompt_file
     grad = logits.grad.abs().sum(dim=-1)
     assert grad[tool].max() == 0 and (grad[r.mask] > 0).float().mean() > 0.5
     assert r.sampler_logp[tool].eq(0).all()
+    if routing == "replay":  # every fed token has its experts; the last token of a row was fed by none
+        routes = next(iter(r.routes.values()))
+        fed = (r.doc_ids != 0).clone()
+        fed[:, -1] = False
+        assert (routes[fed] >= 0).all() and (routes[~fed] == -1).all()
 
