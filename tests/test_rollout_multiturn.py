@@ -163,3 +163,17 @@ class SlowEnvironment:
                 time.sleep(env.seconds)
                 return [ToolResult("2", True, env.seconds) for _ in calls]
         return Episode()
+
+
+def test_the_tools_environment_reads_prompt_and_messages_records():
+    env = ToolsEnvironment(tools=["calculator", "python"])
+    ep = env.reset({"prompt": "2+3?", "system": "Be brief."})
+    assert (ep.system, ep.user, [t["function"]["name"] for t in ep.tools]) == ("Be brief.", "2+3?",
+                                                                               ["calculator", "python"])
+    sft = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+                        {"role": "assistant", "content": "5"}]}
+    assert (env.reset(sft).system, env.reset(sft).user) == ("S", "U")
+    with pytest.raises(ValueError, match="expected"):
+        env.reset({"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]})
+    with pytest.raises(ValueError, match="tools \\['shell'\\]: expected some of"):
+        ToolsEnvironment(tools=["shell"])

@@ -65,7 +65,11 @@ class MultiTurn:
         cls = load_plugin(section.name, BUILTIN_ENVIRONMENTS, ENTRY_POINT_GROUP, "environment", "module:Class")
         if not callable(cls):
             raise ValueError(f"environment {section.name!r} is a {type(cls).__name__}, not a class")
-        self.env = cls(**section.options)
+        try:
+            self.env = cls(**section.options)
+        except (TypeError, ValueError) as e:  # an option it does not take, or a value it refuses
+            raise ValueError(f"environment.options = {section.options}: environment {section.name!r} refused "
+                             f"them: {e}") from None
         self.limits = TurnLimits(section.max_turns, section.max_tokens, section.tool_seconds)
         self.where = where
 

@@ -34,14 +34,15 @@ from trex.rollout.tools import BUILTIN_TOOLS, PythonTool, SandboxLimits, ToolRes
 
 class ToolsEnvironment:
     """``name = "tools"``: the built-in tools (``tools``: any of "calculator", "python") for every record.
-    A record is ``{"prompt": str}`` or ``{"messages": [{"role": "system"}?, {"role": "user"}]}``, plus
-    ``system`` (a string) optionally and whatever the rewards read (``answer``)."""
+    A record is ``{"prompt": str}`` or ``{"messages": [{"role": "system"}?, {"role": "user"}]}`` (an SFT
+    record's final assistant turn left out: it is the prompt's answer), plus ``system`` (a string)
+    optionally and whatever the rewards read (``answer``)."""
 
     def __init__(self, tools: Sequence[str] = ("calculator", "python"), python_cpu_s: int = 10,
                  python_wall_s: float = 10.0):
         unknown = [t for t in tools if t not in BUILTIN_TOOLS]
         if unknown or not tools:
-            raise ValueError(f"environment tools {list(tools)}: expected some of {', '.join(BUILTIN_TOOLS)}")
+            raise ValueError(f"tools {list(tools)}: expected some of {', '.join(BUILTIN_TOOLS)}")
         self.names = list(tools)
         self.limits = SandboxLimits(wall_s=python_wall_s, cpu_s=python_cpu_s)
 
@@ -69,6 +70,8 @@ def _system_user(record: dict) -> tuple[str, str]:
         return system, record["prompt"]
     messages = record.get("messages")
     if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
+        if messages[-1].get("role") == "assistant":  # an SFT record: the turn is its answer (on_policy.record_prompt)
+            messages = messages[:-1]
         roles = [m.get("role") for m in messages]
         if roles in (["user"], ["system", "user"]) and all(isinstance(m.get("content"), str) for m in messages):
             return (messages[0]["content"] if len(messages) == 2 else system), messages[-1]["content"]
