@@ -12,6 +12,9 @@ One optimizer step:
     metrics: the reverse KL to each teacher, response length, entropy, trainer-vs-sampler log-prob
         difference on the sampled tokens
 
+With an ``[environment]`` the student samples multi-turn, tool-using trajectories
+(trex.posttrain.environment): the teachers score them whole, the KL is taken at the student's tokens.
+
 Teachers are loaded frozen and sharded like the student (trex.posttrain.objective.load_frozen) and
 must share its tokenizer. Evaluation samples the held-out prompts with a fixed seed and reports
 the student's reverse KL to each teacher there, plus greedy exact match (over all files and per

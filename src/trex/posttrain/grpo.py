@@ -16,6 +16,9 @@ it, and the clipped ratio keeps them near the policy that sampled it):
     metrics: reward mean/std (and per reward), KL, clip fraction, response length, entropy and the
         trainer-vs-sampler log-prob difference on the sampled tokens
 
+With an ``[environment]`` each completion is a multi-turn, tool-using trajectory
+(trex.posttrain.environment): the loss reads the model's tokens only, the rewards the whole trajectory.
+
 The math is in trex.posttrain.grpo_loss; prompts, sampling and rows in trex.posttrain.on_policy.
 """
 
