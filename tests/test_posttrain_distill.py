@@ -259,11 +259,13 @@ def test_distillation_on_multi_turn_trajectories_takes_the_kl_at_the_students_to
     from trex.posttrain import distill
     from trex.posttrain.environment import MultiTurn
     from trex.recipe import load
+    from trex.rollout.engine import InProcessEngine
     from trex.train.config import TrainRecipe
     from trex.train.loop import train
 
     rolled, roll_out = [], MultiTurn.roll_out
-    monkeypatch.setattr(distill, "make_engine", lambda section, model, dev, policy: ForcedFirstTurn(model))
+    monkeypatch.setattr(distill, "make_engine", lambda section, model, dev, policy: ForcedFirstTurn(InProcessEngine(model),
+                                                                                          model))
     monkeypatch.setattr(MultiTurn, "roll_out", lambda self, *a, **k: rolled.append(roll_out(self, *a, **k)) or rolled[-1])
     recipe = load(TrainRecipe, overrides=[*_two_teachers_task(tmp_path, steps=1), f'train.out="{tmp_path}/run"',
                                           "distill.prompts_per_step=2", "distill.eval_prompts=[]",

@@ -518,6 +518,7 @@ def test_grpo_on_multi_turn_trajectories_puts_no_loss_on_tool_tokens(prompt_file
     from forced_calls import ForcedFirstTurn
 
     from trex.posttrain import grpo
+    from trex.rollout.engine import InProcessEngine
     from trex.train.loop import train
 
     batches, seen = [], []
@@ -527,7 +528,8 @@ def test_grpo_on_multi_turn_trajectories_puts_no_loss_on_tool_tokens(prompt_file
         logits.retain_grad()
         seen.append(logits)
         return logprobs(logits, ids, docs)
-    monkeypatch.setattr(grpo, "make_engine", lambda section, model, dev, policy: ForcedFirstTurn(model))
+    monkeypatch.setattr(grpo, "make_engine", lambda section, model, dev, policy: ForcedFirstTurn(InProcessEngine(model),
+                                                                                          model))
     monkeypatch.setattr(grpo.GRPOObjective, "_collect", lambda self, *a: batches.append(collect(self, *a)) or batches[-1])
     monkeypatch.setattr(grpo, "next_token_logprobs", spy)
     (tmp_path / "turn_reward.py").write_text(  # differs within a group: a learning signal on every row
