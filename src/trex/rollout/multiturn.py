@@ -48,8 +48,14 @@ class TurnLimits:
 
 @dataclass
 class Trajectory:
-    """One multi-turn rollout. ``ids``: the tokens after the prompt, model and tool turns in order;
-    ``sampled``, ``logprobs``, ``versions``: per token of ``ids``."""
+    """One multi-turn rollout. ``ids``: the tokens after ``prompt_ids``, model and tool turns in order;
+    per token of ``ids``: ``sampled`` (the engine sampled it: the loss mask), ``logprobs`` (the engine's
+    untempered log p, 0.0 on tool tokens), ``versions`` (the weight version that sampled it, -1 on tool
+    tokens). Per model turn: ``turn_ids`` (its ids, a slice of ``ids``) and ``turns`` (parsed); per turn
+    whose calls ran: ``results`` (the last one's may be left out of ``ids`` when ``stop`` is
+    "max_tokens"). ``routes`` (routing replay): per MoE layer [len(prompt_ids) + len(ids) - 1, k], the
+    experts of every fed token, each from the engine call that fed it first. ``stop``: "answer",
+    "length", "max_turns", "tool_seconds" or "max_tokens"; ``finished`` only with "answer"."""
     record: dict
     prompt_ids: list[int]
     ids: list[int] = field(default_factory=list)
@@ -58,8 +64,8 @@ class Trajectory:
     versions: list[int] = field(default_factory=list)
     turns: list[AssistantTurn] = field(default_factory=list)
     results: list[list[ToolResult]] = field(default_factory=list)
-    turn_ids: list[list[int]] = field(default_factory=list)  # each model turn's ids (a slice of ids)
-    routes: dict[str, torch.Tensor] | None = None  # per MoE layer [len(prompt_ids) + len(ids) - 1, k]
+    turn_ids: list[list[int]] = field(default_factory=list)
+    routes: dict[str, torch.Tensor] | None = None
     tool_seconds: float = 0.0
     finished: bool = False
     stop: str = ""
@@ -87,9 +93,8 @@ def roll_out_turns(engine, episodes: Sequence, records: Sequence[dict], codec: T
     engine on a sharded model, whose forwards are collectives: every rank runs every round, with its rows or
     none); ``int`` for one process. ``params.stop_ids`` must hold EOS."""
     trajs = []
-    for i, (ep, rec) in enumerate(zip(episodes, records)):
-        text = codec.prompt(ep.system, ep.user, ep.tools)
-        trajs.append(Trajectory(rec, tokenizer.encode(text).tolist()))
+    for ep, rec in zip(episodes, records):  # the prompt is text only here, before anything is sampled
+        trajs.append(Trajectory(rec, tokenizer.encode(codec.prompt(ep.system, ep.user, ep.tools)).tolist()))
     chunks: list[dict[str, list[torch.Tensor]]] = [{} for _ in trajs]  # routes of each row, call by call
     active = list(range(len(trajs)))
     with ThreadPoolExecutor(max(1, tool_workers)) as pool:
