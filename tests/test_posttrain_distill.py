@@ -264,9 +264,14 @@ def test_distillation_on_multi_turn_trajectories_takes_the_kl_at_the_students_to
     from trex.train.loop import train
 
     rolled, roll_out = [], MultiTurn.roll_out
-    monkeypatch.setattr(distill, "make_engine", lambda section, model, dev, policy: ForcedFirstTurn(InProcessEngine(model),
-                                                                                          model))
-    monkeypatch.setattr(MultiTurn, "roll_out", lambda self, *a, **k: rolled.append(roll_out(self, *a, **k)) or rolled[-1])
+    def forced(section, model, dev, policy):
+        return ForcedFirstTurn(InProcessEngine(model), model)
+
+    def kept(self, *a, **k):
+        rolled.append(roll_out(self, *a, **k))
+        return rolled[-1]
+    monkeypatch.setattr(distill, "make_engine", forced)
+    monkeypatch.setattr(MultiTurn, "roll_out", kept)
     recipe = load(TrainRecipe, overrides=[*_two_teachers_task(tmp_path, steps=1), f'train.out="{tmp_path}/run"',
                                           "distill.prompts_per_step=2", "distill.eval_prompts=[]",
                                           "sampling.max_new_tokens=140", 'environment.name="tools"',

@@ -528,9 +528,14 @@ def test_grpo_on_multi_turn_trajectories_puts_no_loss_on_tool_tokens(prompt_file
         logits.retain_grad()
         seen.append(logits)
         return logprobs(logits, ids, docs)
-    monkeypatch.setattr(grpo, "make_engine", lambda section, model, dev, policy: ForcedFirstTurn(InProcessEngine(model),
-                                                                                          model))
-    monkeypatch.setattr(grpo.GRPOObjective, "_collect", lambda self, *a: batches.append(collect(self, *a)) or batches[-1])
+    def forced(section, model, dev, policy):
+        return ForcedFirstTurn(InProcessEngine(model), model)
+
+    def kept(self, *a):
+        batches.append(collect(self, *a))
+        return batches[-1]
+    monkeypatch.setattr(grpo, "make_engine", forced)
+    monkeypatch.setattr(grpo.GRPOObjective, "_collect", kept)
     monkeypatch.setattr(grpo, "next_token_logprobs", spy)
     (tmp_path / "turn_reward.py").write_text(  # differs within a group: a learning signal on every row
         "def last_turn(c):\n    return float(sum(c.trajectory.turn_ids[-1]) % 5)\n")
@@ -560,3 +565,17 @@ def test_grpo_on_multi_turn_trajectories_puts_no_loss_on_tool_tokens(prompt_file
         fed[:, -1] = False
         assert (routes[fed] >= 0).all() and (routes[~fed] == -1).all()
 
+
+
+def test_a_reused_multi_turn_batch_keeps_each_tokens_version_across_a_resume():
+    import json
+
+    from trex.posttrain.grpo import GroupBatch, _batch_from_state, _batch_state
+    from trex.posttrain.on_policy import Rollouts
+
+    mask = torch.tensor([[False, True, False, True, False]])
+    r = Rollouts(torch.arange(5)[None], torch.ones(1, 5, dtype=torch.long), mask, torch.zeros(1, 5),
+                 torch.ones(1).bool(), ["x"], versions=torch.tensor([[-1, 4, -1, 5, -1]]))
+    b = GroupBatch(r, torch.ones(1), mask, None, torch.zeros(1, 5), None, None, {}, (1, 2))
+    back = _batch_from_state(json.loads(json.dumps(_batch_state(b))), torch.device("cpu"))
+    assert torch.equal(back.rollouts.versions, r.versions) and torch.equal(back.rollouts.mask, mask)

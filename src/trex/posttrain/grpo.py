@@ -375,6 +375,7 @@ def _batch_state(b: GroupBatch) -> dict:
     routes = b.rollouts.routes
     return {**{k: enc(getattr(b, k)) for k in _TENSORS}, **{k: enc(getattr(b.rollouts, k)) for k in _ROLLOUT_TENSORS},
             "routes": None if routes is None else {k: enc(v) for k, v in routes.items()},
+            "versions": enc(b.rollouts.versions),
             "texts": b.rollouts.texts, "metrics": b.metrics, "counts": list(b.counts)}
 
 
@@ -383,7 +384,8 @@ def _batch_from_state(d: dict, device: torch.device) -> GroupBatch:
         return None if v is None else torch.tensor(v["data"], dtype=getattr(torch, v["dtype"]), device=device)
     routes = d.get("routes")
     rollouts = Rollouts(*[dec(d[k]) for k in _ROLLOUT_TENSORS], texts=d["texts"],
-                        routes=None if routes is None else {k: dec(v) for k, v in routes.items()})
+                        routes=None if routes is None else {k: dec(v) for k, v in routes.items()},
+                        versions=dec(d.get("versions")))
     return GroupBatch(rollouts, *[dec(d.get(k)) for k in _TENSORS], metrics=d["metrics"], counts=tuple(d["counts"]))
 
 
