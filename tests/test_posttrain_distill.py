@@ -246,3 +246,41 @@ def test_distillation_on_v41_under_fsdp2_ep2_and_cp2_gives_the_losses_of_one_pro
                 # FSDP2 + EP2 with the samples the vocabulary-order sampler draws (loss and KL within 1e-5)
                 rel = 2e-5 if key == "grad_norm" else 1e-5
                 assert x[key] == pytest.approx(y[key], rel=rel, abs=1e-7), (name, x["step"], key)
+
+
+def test_distillation_on_multi_turn_trajectories_takes_the_kl_at_the_students_tokens_only(tmp_path, monkeypatch):
+    """With an [environment] (each step's first turn forced to a calculator call, the rest sampled by the
+    in-process engine), the teachers score the whole trajectories and the KL is averaged over the student's
+    sampled tokens only: response_length counts those, the calculator's answer is no part of it."""
+    import json
+
+    from forced_calls import ForcedFirstTurn
+
+    from trex.posttrain import distill
+    from trex.posttrain.environment import MultiTurn
+    from trex.recipe import load
+    from trex.rollout.engine import InProcessEngine
+    from trex.train.config import TrainRecipe
+    from trex.train.loop import train
+
+    rolled, roll_out = [], MultiTurn.roll_out
+    def forced(section, model, dev, policy):
+        return ForcedFirstTurn(InProcessEngine(model), model)
+
+    def kept(self, *a, **k):
+        rolled.append(roll_out(self, *a, **k))
+        return rolled[-1]
+    monkeypatch.setattr(distill, "make_engine", forced)
+    monkeypatch.setattr(MultiTurn, "roll_out", kept)
+    recipe = load(TrainRecipe, overrides=[*_two_teachers_task(tmp_path, steps=1), f'train.out="{tmp_path}/run"',
+                                          "distill.prompts_per_step=2", "distill.eval_prompts=[]",
+                                          "sampling.max_new_tokens=140", 'environment.name="tools"',
+                                          'environment.options={tools=["calculator"]}', "environment.max_tokens=180"])
+    train(recipe)
+    (row,) = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    ((r, trajs),) = rolled
+    assert row["env/turns"] == 2 and row["env/tool_calls"] == 1 and row["logprob_diff"] < 1e-3
+    model_tokens = [sum(t.sampled) for t in trajs]
+    assert all(n < len(t.ids) for n, t in zip(model_tokens, trajs))  # each holds a tool turn
+    assert row["response_length"] == sum(model_tokens) / 2 and r.mask.sum() == sum(model_tokens)
+    assert row["loss"] == pytest.approx(0.7 * row["reverse_kl/teacher0"] + 0.3 * row["reverse_kl/teacher1"], rel=1e-4)

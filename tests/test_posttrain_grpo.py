@@ -502,3 +502,80 @@ def test_two_ranks_sampling_through_engine_processes_match_the_in_process_sample
         assert x["reward_mean"] == y["reward_mean"] and x["response_length"] == y["response_length"], x["step"]
         for key in ("loss", "kl", "entropy", "grad_norm"):
             assert x[key] == pytest.approx(y[key], rel=1e-6, abs=1e-6), (x["step"], key)
+
+
+# ---- multi-turn, tool-using rollouts ([environment]) --------------------------------------------------------
+ENVIRONMENT = ('environment.name="tools"', 'environment.options={tools=["calculator"]}')
+
+
+@pytest.mark.parametrize("routing", ["recompute", "replay"])
+def test_grpo_on_multi_turn_trajectories_puts_no_loss_on_tool_tokens(prompt_files, tmp_path, monkeypatch, routing):
+    """The recipe's environment through the in-process engine, each step's first turn forced to a calculator
+    call (the tiny random model would never make one; its log-probs are the model's own), the rest sampled
+    by the engine: the trainer's recompute of the whole trajectories matches the engine's log-probs on the
+    model's tokens, and the loss's gradient with respect to the logits is exactly zero where the next token
+    is a tool token. With routing replay, every token takes the experts of the call that first fed it."""
+    from forced_calls import ForcedFirstTurn
+
+    from trex.posttrain import grpo
+    from trex.rollout.engine import InProcessEngine
+    from trex.train.loop import train
+
+    batches, seen = [], []
+    collect, logprobs = grpo.GRPOObjective._collect, grpo.next_token_logprobs
+
+    def spy(logits, ids, docs):
+        logits.retain_grad()
+        seen.append(logits)
+        return logprobs(logits, ids, docs)
+    def forced(section, model, dev, policy):
+        return ForcedFirstTurn(InProcessEngine(model), model)
+
+    def kept(self, *a):
+        batches.append(collect(self, *a))
+        return batches[-1]
+    monkeypatch.setattr(grpo, "make_engine", forced)
+    monkeypatch.setattr(grpo.GRPOObjective, "_collect", kept)
+    monkeypatch.setattr(grpo, "next_token_logprobs", spy)
+    (tmp_path / "turn_reward.py").write_text(  # differs within a group: a learning signal on every row
+        "def last_turn(c):\n    return float(sum(c.trajectory.turn_ids[-1]) % 5)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = train(_grpo_recipe(prompt_files, tmp_path / "run", "train.steps=1", "grpo.eval_prompts=[]",
+                                'grpo.rewards=["turn_reward:last_turn"]', "grpo.prompts_per_step=1",
+                                "grpo.group_size=2", "sampling.max_new_tokens=140", "environment.max_tokens=180",
+                                f'grpo.routing="{routing}"', *ENVIRONMENT))
+    (row,) = _metrics(tmp_path / "run")
+    assert row["env/turns"] == 2 and row["env/tool_calls"] == 1 and row["env/tool_errors"] == 0
+    assert row["env/parse_errors"] == 0 and row["env/tool_seconds"] < 1 and row["env/answered"] <= 1
+    assert result.summary["data"]["environment"] == "tools"
+    assert row["logprob_diff_max"] < 1e-3  # the engine's tokens, in the engine's context, across turns
+    (batch,), (logits,) = batches, seen
+    r = batch.rollouts
+    after_prompt = r.mask.cumsum(dim=1) > 0  # from the first sampled token on
+    tool = after_prompt & ~r.mask & (r.doc_ids != 0)
+    tool[:, -1] = False  # the last position has no next token
+    assert tool.sum(dim=1).min() > 20  # every row holds a tool turn (the calculator's answer, as V4 renders it)
+    assert r.versions[r.mask].eq(0).all() and r.versions[tool].eq(-1).all()  # step 0 sampled them
+    grad = logits.grad.abs().sum(dim=-1)
+    assert grad[tool].max() == 0 and (grad[r.mask] > 0).float().mean() > 0.5
+    assert r.sampler_logp[tool].eq(0).all()
+    if routing == "replay":  # every fed token has its experts; the last token of a row was fed by none
+        routes = next(iter(r.routes.values()))
+        fed = (r.doc_ids != 0).clone()
+        fed[:, -1] = False
+        assert (routes[fed] >= 0).all() and (routes[~fed] == -1).all()
+
+
+
+def test_a_reused_multi_turn_batch_keeps_each_tokens_version_across_a_resume():
+    import json
+
+    from trex.posttrain.grpo import GroupBatch, _batch_from_state, _batch_state
+    from trex.posttrain.on_policy import Rollouts
+
+    mask = torch.tensor([[False, True, False, True, False]])
+    r = Rollouts(torch.arange(5)[None], torch.ones(1, 5, dtype=torch.long), mask, torch.zeros(1, 5),
+                 torch.ones(1).bool(), ["x"], versions=torch.tensor([[-1, 4, -1, 5, -1]]))
+    b = GroupBatch(r, torch.ones(1), mask, None, torch.zeros(1, 5), None, None, {}, (1, 2))
+    back = _batch_from_state(json.loads(json.dumps(_batch_state(b))), torch.device("cpu"))
+    assert torch.equal(back.rollouts.versions, r.versions) and torch.equal(back.rollouts.mask, mask)

@@ -20,27 +20,32 @@ def tiny():
     return build_model(get_preset("tiny"), device="cpu", dtype=torch.float32, seed=0)
 
 
-def test_the_server_engine_samples_what_the_in_process_sampler_samples(tiny):
+@pytest.fixture(scope="module")
+def tiny_server(tiny):
+    """An engine process of ``tiny``'s config (its weights come by each test's sync)."""
+    engine = ServerEngine(tiny.cfg.to_hf_dict(), bucket_bytes=1 << 16)  # many buckets
+    yield engine
+    engine.close()
+
+
+def test_the_server_engine_samples_what_the_in_process_sampler_samples(tiny, tiny_server):
     """After a sync the engine process holds the trainer's weights byte for byte: the same uniforms give the
     same tokens and log-probs, and the probe's k3 is 0; a sync of other weights moves the probe."""
-    engine = ServerEngine(tiny.cfg.to_hf_dict(), bucket_bytes=1 << 16)  # many buckets
-    try:
-        engine.sync(tiny, 3)
-        prompts = [[5, 6, 7, 8], [9, 10, 11]]
-        params = SamplingParams(temperature=1.0, max_new_tokens=6, stop_ids=(1,))
-        uniforms = torch.rand(2, 6, generator=torch.Generator().manual_seed(0))
-        ours = InProcessEngine(tiny).generate(prompts, params, uniforms, 8)
-        theirs = engine.generate(prompts, params, uniforms, 8)
-        assert theirs.completion_ids == ours.completion_ids and theirs.logprobs == ours.logprobs
-        assert parity_probe(engine, tiny, prompts).tolist() == [0.0, 0.0, 0.0] and engine.version == 3
-        moved = copy.deepcopy(tiny)
-        with torch.no_grad():
-            moved.head.weight.mul_(1.5)
-        with pytest.raises(SyncError, match=r"^step 7: rollout engine log-prob parity after weight sync v3: k3 .* > "
-                                            r"bound 1e-06 \(max \|delta log p\| .*\)"):
-            check_parity(parity_probe(engine, moved, prompts).tolist(), 1e-6, 7, engine.version)
-    finally:
-        engine.close()
+    engine = tiny_server
+    engine.sync(tiny, 3)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, stop_ids=(1,))
+    uniforms = torch.rand(2, 6, generator=torch.Generator().manual_seed(0))
+    ours = InProcessEngine(tiny).generate(prompts, params, uniforms, 8)
+    theirs = engine.generate(prompts, params, uniforms, 8)
+    assert theirs.completion_ids == ours.completion_ids and theirs.logprobs == ours.logprobs
+    assert parity_probe(engine, tiny, prompts).tolist() == [0.0, 0.0, 0.0] and engine.version == 3
+    moved = copy.deepcopy(tiny)
+    with torch.no_grad():
+        moved.head.weight.mul_(1.5)
+    with pytest.raises(SyncError, match=r"^step 7: rollout engine log-prob parity after weight sync v3: k3 .* > "
+                                        r"bound 1e-06 \(max \|delta log p\| .*\)"):
+        check_parity(parity_probe(engine, moved, prompts).tolist(), 1e-6, 7, engine.version)
 
 
 class _Dropping(ServerEngine):
@@ -486,3 +491,33 @@ def test_the_vllm_adapter_reports_a_server_that_is_not_there_in_one_line():
         engine.score([[1, 2, 3]])
     with pytest.raises(ValueError, match="needs sampling.vllm_sync_dir"):
         VLLMEngine("http://127.0.0.1:9", transport="disk")
+
+
+def test_a_multi_turn_trajectory_through_the_server_engine_is_the_in_process_ones(tiny, tiny_server):
+    """Token-in, token-out through the engine process: with the same uniforms, the server engine's
+    multi-turn trajectories (a forced calculator call, its answer, the engine's next turn) hold the
+    in-process engine's ids, log-probs, loss mask, weight versions and routes."""
+    from forced_calls import ForcedFirstTurn
+
+    from trex.data.tokenizer import compact_tokenizer
+    from trex.data.tool_calls import tool_codec
+    from trex.rollout.environment import ToolsEnvironment
+    from trex.rollout.multiturn import TurnLimits, roll_out_turns
+
+    tok, codec, env = compact_tokenizer(), tool_codec("deepseek-v4", thinking=False), ToolsEnvironment(["calculator"])
+    records = [{"prompt": "2+3?"}]
+    params = SamplingParams(temperature=1.0, max_new_tokens=140, stop_ids=(tok.eos_id,))
+    uniforms = torch.rand(1, 3, 140, generator=torch.Generator().manual_seed(0))
+    runs = []
+    for engine in (InProcessEngine(tiny), tiny_server):
+        engine.sync(tiny, 5)
+        runs.append(roll_out_turns(ForcedFirstTurn(engine, tiny), [env.reset(r) for r in records], records, codec,
+                                   tok, params, TurnLimits(max_turns=3, max_tokens=180), uniforms, 8,
+                                   record_routes=True))
+    ours, theirs = runs
+    for a, b in zip(ours, theirs):
+        assert len(a.turns) >= 2 and a.results[0][0].content == "5"  # the forced call computes 2+3
+        assert (a.ids, a.sampled, a.versions, a.stop) == (b.ids, b.sampled, b.versions, b.stop)
+        assert not all(a.sampled) and set(a.versions) == {5, -1}
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        assert a.routes.keys() == b.routes.keys() and all(torch.equal(a.routes[k], b.routes[k]) for k in a.routes)

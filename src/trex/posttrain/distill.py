@@ -12,6 +12,9 @@ One optimizer step:
     metrics: the reverse KL to each teacher, response length, entropy, trainer-vs-sampler log-prob
         difference on the sampled tokens
 
+With an ``[environment]`` the student samples multi-turn, tool-using trajectories
+(trex.posttrain.environment): the teachers score them whole, the KL is taken at the student's tokens.
+
 Teachers are loaded frozen and sharded like the student (trex.posttrain.objective.load_frozen) and
 must share its tokenizer. Evaluation samples the held-out prompts with a fixed seed and reports
 the student's reverse KL to each teacher there, plus greedy exact match (over all files and per
@@ -29,6 +32,7 @@ from trex.data.loader import Batch
 from trex.models import DeepseekV4, evaluating
 from trex.recipe import check_choices, require_positive
 from trex.posttrain.distill_loss import reverse_kl
+from trex.posttrain.environment import MultiTurn
 from trex.posttrain.grpo_loss import rollout_correction, token_entropy
 from trex.posttrain.objective import (Objective, StepResult, TrainContext, backward_micro_batches, load_frozen,
                                       next_token_logprobs)
@@ -110,6 +114,8 @@ class DistillObjective(Objective):
         self.engine = None  # started at the first step
         self.correction = self.cfg.correction if self.cfg.correction != "auto" else (
             "none" if self.sampling.engine == "in_process" else "decoupled")
+        self.multiturn = (MultiTurn(recipe.environment, chat_format, self.thinking, ctx.tokenizer, "distill")
+                          if recipe.environment.name else None)
 
     def _rollouts(self, model: DeepseekV4, prompts: list, generator: torch.Generator | None,
                   uniforms: torch.Tensor | None = None, engine=None) -> Rollouts:
@@ -136,13 +142,20 @@ class DistillObjective(Objective):
         device = ctx.dev.torch_device
         chosen = [self.prompts[i] for i in self.order.next() for _ in range(cfg.samples_per_prompt)]
         # a row's draws depend on its place in the step, not on the rank it lands on (as GRPO's)
-        uniforms = rank_uniforms(self.generator, cfg.prompts_per_step * cfg.samples_per_prompt,
-                                 self.sampling.max_new_tokens, ctx.par)
+        rows = cfg.prompts_per_step * cfg.samples_per_prompt
+        uniforms = (rank_uniforms(self.generator, rows, self.sampling.max_new_tokens, ctx.par) if self.multiturn is None
+                    else self.multiturn.uniforms(self.generator, rows, self.sampling.max_new_tokens, ctx.par))
         if self.engine is None:
             self.engine = make_engine(self.sampling, model, ctx.dev, ctx.policy)
         probe = [p.ids for p in self.prompts[:self.sampling.probe_rows]]
         engine_metrics = sync_engine(self.engine, model, step, probe, self.sampling, ctx.par, step + 1)
-        r = self._rollouts(model, chosen, None, uniforms, self.engine)
+        if self.multiturn is None:
+            r = self._rollouts(model, chosen, None, uniforms, self.engine)
+        else:  # the teachers score the whole trajectories; the KL is taken at the student's sampled tokens only
+            params = sampling_params(self.sampling, ctx.tokenizer)
+            r, trajs = self.multiturn.roll_out(model, self.engine, chosen, params, uniforms, self.sampling.batch_size,
+                                               device)
+            engine_metrics.update(self.multiturn.metrics(trajs, ctx.par, device))
         n_tok = int(ctx.par.all_reduce_sum(r.mask.sum().double()).item())
         is_sum = torch.zeros((), dtype=torch.float64, device=device)
         slices = r.micro_batches(cfg.micro_batch_size)

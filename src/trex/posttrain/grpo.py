@@ -16,6 +16,9 @@ it, and the clipped ratio keeps them near the policy that sampled it):
     metrics: reward mean/std (and per reward), KL, clip fraction, response length, entropy and the
         trainer-vs-sampler log-prob difference on the sampled tokens
 
+With an ``[environment]`` each completion is a multi-turn, tool-using trajectory
+(trex.posttrain.environment): the loss reads the model's tokens only, the rewards the whole trajectory.
+
 The math is in trex.posttrain.grpo_loss; prompts, sampling and rows in trex.posttrain.on_policy.
 """
 
@@ -32,6 +35,7 @@ from trex.models import DeepseekV4
 from trex.recipe import check_choices, require_positive
 from trex.posttrain.grpo_loss import (Aggregation, Correction, ISLevel, group_advantages, policy_loss,
                                       rollout_correction, token_entropy, token_weights)
+from trex.posttrain.environment import MultiTurn
 from trex.posttrain.objective import (Objective, StepResult, TrainContext, backward_micro_batches, load_frozen,
                                       next_token_logprobs,
                                       token_logprobs)
@@ -152,6 +156,11 @@ class GRPOObjective(Objective):
         self.correction = self.cfg.correction if self.cfg.correction != "auto" else (
             "none" if self.sampling.engine == "in_process" else "decoupled")
         self.signal = [0, 0]  # steps, and steps with a learning signal (a group whose rewards differ)
+        self.multiturn = (MultiTurn(recipe.environment, chat_format, self.thinking, ctx.tokenizer, "grpo")
+                          if recipe.environment.name else None)
+        if self.multiturn is not None and self.sampling.asynchronous:
+            raise ValueError("sampling.asynchronous = true with an [environment]: multi-turn rollouts are "
+                             "synchronous for now")
 
     # ---- sampling and scoring ------------------------------------------------------------------------
     def _collect(self, model: DeepseekV4, step: int) -> GroupBatch:
@@ -168,16 +177,24 @@ class GRPOObjective(Objective):
         else:
             engine_metrics = sync_engine(self.engine, model, step, probe, self.sampling, ctx.par, step + 1)
             chosen, uniforms = self._draw()
-            samples = self.engine.generate([p.ids for p in chosen], params, uniforms, self.sampling.batch_size,
-                                           cfg.routing == "replay")
+            if self.multiturn is not None:
+                rollouts, trajs = self.multiturn.roll_out(model, self.engine, chosen, params, uniforms,
+                                                          self.sampling.batch_size, device, cfg.routing == "replay")
+            else:
+                samples = self.engine.generate([p.ids for p in chosen], params, uniforms, self.sampling.batch_size,
+                                               cfg.routing == "replay")
         if self.sampling.asynchronous and step + 1 < ctx.recipe.train.steps:  # the next batch, while this trains
             self.before_inflight = self.state_dict()
             self.inflight, uniforms = self._draw()
             self.engine.submit([p.ids for p in self.inflight], params, uniforms, self.sampling.batch_size,
                                cfg.routing == "replay")
-        rollouts = lay_out(model, samples, ctx.tokenizer, device)
-        engine_metrics["engine/lag"] = float(step - samples.version)
-        scored = [self.rewards.score(c) for c in completions(rollouts, chosen, self.thinking)]
+        if self.multiturn is None:
+            rollouts = lay_out(model, samples, ctx.tokenizer, device)
+            scored = [self.rewards.score(c) for c in completions(rollouts, chosen, self.thinking)]
+        else:
+            scored = [self.rewards.score(c) for c in self.multiturn.completions(trajs)]
+            engine_metrics.update(self.multiturn.metrics(trajs, ctx.par, device))
+        engine_metrics["engine/lag"] = float(step - rollouts.version)
         rewards = torch.tensor([total for total, _ in scored], dtype=torch.float32)
         advantages = group_advantages(rewards, G, cfg.scale_by_std).to(device)
         loss_mask = rollouts.mask & rollouts.finished[:, None] if cfg.mask_truncated else rollouts.mask
@@ -211,6 +228,9 @@ class GRPOObjective(Objective):
         """The next batch's prompts (each G times, prompt-major) and its sampler uniforms."""
         cfg, G = self.cfg, self.cfg.group_size
         chosen = [self.prompts[i] for i in self.order.next() for _ in range(G)]
+        if self.multiturn is not None:  # a draw per row, turn and token
+            return chosen, self.multiturn.uniforms(self.generator, cfg.prompts_per_step * G,
+                                                   self.sampling.max_new_tokens, self.ctx.par)
         return chosen, rank_uniforms(self.generator, cfg.prompts_per_step * G, self.sampling.max_new_tokens, self.ctx.par)
 
     # ---- the step ------------------------------------------------------------------------------------
@@ -240,7 +260,7 @@ class GRPOObjective(Objective):
             if first_use:
                 self._first_use(batch, s, logp.detach())
             loss_mask = batch.loss_mask[s] if batch.keep is None else batch.keep[s]
-            weights = token_weights(batch.loss_mask[s], cfg.aggregation, n_seq, n_tok, self.sampling.max_new_tokens)
+            weights = token_weights(batch.loss_mask[s], cfg.aggregation, n_seq, n_tok, self._max_len())
             is_weights = None if batch.is_weights is None else batch.is_weights[s]
             pl = policy_loss(logp, batch.old_logp[s], batch.advantages[s], weights, loss_mask, cfg.eps_low,
                              cfg.eps_high, batch.ref_logp[s] if batch.ref_logp is not None else None, cfg.kl_coef,
@@ -273,6 +293,11 @@ class GRPOObjective(Objective):
                    "ppo_epoch": float(step % cfg.ppo_epochs)}
         return StepResult(loss=sums.new_tensor(loss).float(), tokens=int(seen), metrics=metrics, moe_stats=aux.moe_stats,
                           indexer_loss=aux.indexer_loss)
+
+    def _max_len(self) -> int:
+        """The longest completion (``constant`` aggregation's length): a trajectory's token budget with an
+        environment."""
+        return self.ctx.recipe.environment.max_tokens if self.multiturn is not None else self.sampling.max_new_tokens
 
     def _first_use(self, batch: GroupBatch, s: slice, logp: torch.Tensor) -> None:
         """On the batch's first step: the trainer's log-probs of rows ``s`` fill old_logp (not in bypass,
@@ -320,6 +345,7 @@ class GRPOObjective(Objective):
 
     def summary(self) -> dict:
         return {"prompts": len(self.prompts), "eval_prompts": self._n_eval(), "rewards": self.rewards.names,
+                "environment": self.ctx.recipe.environment.name or None,
                 "prompt_epoch": self.order.epoch, "steps_with_learning_signal": self.signal[1]}
 
     def warnings(self) -> list[str]:
@@ -349,6 +375,7 @@ def _batch_state(b: GroupBatch) -> dict:
     routes = b.rollouts.routes
     return {**{k: enc(getattr(b, k)) for k in _TENSORS}, **{k: enc(getattr(b.rollouts, k)) for k in _ROLLOUT_TENSORS},
             "routes": None if routes is None else {k: enc(v) for k, v in routes.items()},
+            "versions": enc(b.rollouts.versions),
             "texts": b.rollouts.texts, "metrics": b.metrics, "counts": list(b.counts)}
 
 
@@ -357,7 +384,8 @@ def _batch_from_state(d: dict, device: torch.device) -> GroupBatch:
         return None if v is None else torch.tensor(v["data"], dtype=getattr(torch, v["dtype"]), device=device)
     routes = d.get("routes")
     rollouts = Rollouts(*[dec(d[k]) for k in _ROLLOUT_TENSORS], texts=d["texts"],
-                        routes=None if routes is None else {k: dec(v) for k, v in routes.items()})
+                        routes=None if routes is None else {k: dec(v) for k, v in routes.items()},
+                        versions=dec(d.get("versions")))
     return GroupBatch(rollouts, *[dec(d.get(k)) for k in _TENSORS], metrics=d["metrics"], counts=tuple(d["counts"]))
 
 

@@ -4,7 +4,8 @@ from the live policy, the training rows of prompt + completion, and the held-out
 Rows are laid out as the sampler lays them out (trex.rollout.sampling.left_pad): right-aligned,
 the padding its own document, so the trainer's forward sees each completion in the same context
 the sampler did. ``mask[b, t]`` marks positions t whose next token ``input_ids[b, t+1]`` is a
-completion token: the positions whose log-probabilities the losses use.
+completion token the engine sampled (a multi-turn row's tool outputs are not): the positions whose
+log-probabilities the losses use.
 """
 
 from __future__ import annotations
@@ -228,13 +229,16 @@ class Rollouts:
     """Prompt + completion rows of one step on one rank (B rows, L tokens)."""
     input_ids: torch.Tensor    # long [B, L], right-aligned, padding is document 0
     doc_ids: torch.Tensor      # long [B, L]
-    mask: torch.Tensor         # bool [B, L]: the next token is a completion token
+    mask: torch.Tensor         # bool [B, L]: the next token is a completion token the engine sampled (not
+    # a tool output a multi-turn rollout appended): the positions that carry loss
     sampler_logp: torch.Tensor  # fp32 [B, L]: the sampler's log p of that next token (0 off the mask)
     finished: torch.Tensor     # bool [B]: a stop token ended the completion
     texts: list[str]           # decoded completions (special tokens included)
     routes: dict[str, torch.Tensor] | None = None  # per MoE layer long [B, L, k]: the sampler's experts of
     # each input token (routing replay); -1 where it fed none (padding, the last token)
     version: int = -1  # the weight version that sampled the rows (a rollout engine's)
+    versions: torch.Tensor | None = None  # multi-turn: long [B, L], the weight version that sampled the next
+    # token (-1 off the mask: tool tokens, the prompt, padding)
 
     def routes_of(self, rows: slice) -> dict[str, torch.Tensor] | None:
         """The routes of ``rows``, for a training forward's ``routes`` (None without routing replay)."""
@@ -279,10 +283,14 @@ def lay_out(model, samples: Samples, tokenizer: Tokenizer, device: torch.device)
     width = ids.shape[1]
     mask = torch.zeros(ids.shape, dtype=torch.bool)
     sampler_logp = torch.zeros(ids.shape, dtype=torch.float32)
+    versions = None if samples.token_versions is None else torch.full(ids.shape, -1, dtype=torch.long)
     for i, (c, lp) in enumerate(zip(samples.completion_ids, samples.logprobs)):
         if c:
-            mask[i, width - 1 - len(c):width - 1] = True
-            sampler_logp[i, width - 1 - len(c):width - 1] = torch.tensor(lp, dtype=torch.float32)
+            span = slice(width - 1 - len(c), width - 1)
+            mask[i, span] = True if samples.sampled is None else torch.tensor(samples.sampled[i], dtype=torch.bool)
+            sampler_logp[i, span] = torch.tensor(lp, dtype=torch.float32)
+            if versions is not None:
+                versions[i, span] = torch.tensor(samples.token_versions[i], dtype=torch.long)
     texts = [tokenizer.decode(c) for c in samples.completion_ids]
     routes = None
     if samples.routes is not None:  # right-aligned as the rows: row i's fed tokens end one before its last
@@ -294,7 +302,8 @@ def lay_out(model, samples: Samples, tokenizer: Tokenizer, device: torch.device)
                 laid[i, width - len(row):width - 1] = r[name]
             routes[name] = laid.to(device)
     return Rollouts(ids, docs, mask.to(device), sampler_logp.to(device),
-                    torch.tensor(samples.finished, dtype=torch.bool, device=device), texts, routes, samples.version)
+                    torch.tensor(samples.finished, dtype=torch.bool, device=device), texts, routes, samples.version,
+                    None if versions is None else versions.to(device))
 
 
 def make_engine(section: SamplingSection, model, dev, policy):

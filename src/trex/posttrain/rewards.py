@@ -12,13 +12,16 @@ A reward function takes one :class:`Completion` and returns a float. A recipe na
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from trex.data.chat import completion_answer
 from trex.data.tokenizer import EOS, THINK_END, THINK_START
+from trex.posttrain.plugins import load_plugin
+
+if TYPE_CHECKING:
+    from trex.rollout.multiturn import Trajectory
 
 ENTRY_POINT_GROUP = "trex.rewards"
 
@@ -26,13 +29,18 @@ ENTRY_POINT_GROUP = "trex.rewards"
 @dataclass(frozen=True)
 class Completion:
     text: str
-    """The sampled completion, decoded with its special tokens (EOS included when produced)."""
+    """The sampled completion, decoded with its special tokens (EOS included when produced); multi-turn: the
+    last model turn's."""
     record: dict
     """The prompt's JSONL record (``answer`` and any other field a reward needs)."""
     thinking: bool
     """Whether the prompt opened a ``<think>`` block (thinking mode) or closed it (chat mode)."""
     finished: bool
-    """Whether a stop token ended the completion (False: cut at max_new_tokens)."""
+    """Whether a stop token ended the completion (False: cut at max_new_tokens); multi-turn: whether the
+    trajectory ended with an answer (a turn that made no call)."""
+    trajectory: Trajectory | None = None
+    """A multi-turn rollout's whole trajectory (trex.rollout.multiturn: every turn's ids, parsed calls, tool
+    results, stop reason); ``text`` is then its last model turn. None for a single-turn completion."""
 
 
 RewardFn = Callable[[Completion], float]
@@ -68,26 +76,7 @@ BUILTIN: dict[str, RewardFn] = {"exact_match": exact_match, "format": format_rew
 
 def load_reward(spec: str) -> RewardFn:
     """The reward function named by ``spec`` (built-in name, entry-point name or module:function)."""
-    if spec in BUILTIN:
-        return BUILTIN[spec]
-    if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({e}); expected "
-                             "module:function with the module on the Python path") from None
-        fn = getattr(module, attr, None)
-        if fn is None:
-            raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
-    else:
-        found = [ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == spec]
-        if not found:
-            registered = sorted(ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
-            raise ValueError(f"reward {spec!r}: not a built-in ({', '.join(BUILTIN)}), not registered under the "
-                             f"entry-point group {ENTRY_POINT_GROUP!r} (registered: {registered or 'none'}) and "
-                             "not a module:function path")
-        fn = found[0].load()
+    fn = load_plugin(spec, BUILTIN, ENTRY_POINT_GROUP, "reward", "module:function")
     if not callable(fn):
         raise ValueError(f"reward {spec!r} is a {type(fn).__name__}, not a function")
     return fn

@@ -55,7 +55,9 @@ class Samples:
     log p(token) under log_softmax(logits.float()) at temperature 1, and whether a stop token ended it;
     with ``record_routes``, ``routes[i]``: each MoE layer's experts [n, k] of the n = len(prompt) +
     len(completion) - 1 tokens the sampler fed through the model (all but the last), in order; ``version``:
-    the weight version that sampled them (a rollout engine's; -1 unknown)."""
+    the weight version that sampled them (a rollout engine's; -1 unknown; multi-turn: the oldest). A multi-turn
+    rollout (trex.rollout.multiturn) adds per completion token ``sampled`` (False: a tool output the rollout
+    appended, no loss) and ``token_versions`` (the weight version that sampled it, -1 on tool tokens)."""
 
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
@@ -63,6 +65,8 @@ class Samples:
     finished: list[bool]
     routes: list[dict[str, torch.Tensor]] | None = None
     version: int = -1
+    sampled: list[list[bool]] | None = None
+    token_versions: list[list[int]] | None = None
 
 
 def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
@@ -111,7 +115,7 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _agree_max(value: int, device: torch.device) -> int:
+def agree_max(value: int, device: torch.device) -> int:
     """The largest ``value`` over all ranks (the value itself in one process)."""
     if not _distributed():
         return value
@@ -177,7 +181,7 @@ def _sample_batch(model, prompts: list[list[int]], params: SamplingParams, pad_i
         hit = torch.isin(tok, stop) & ~done
         finished |= hit
         done = done | hit
-        if _agree_max(int(not bool(done.all())), device) == 0:
+        if agree_max(int(not bool(done.all())), device) == 0:
             break
     if not tokens:
         empty = torch.zeros(len(prompts), 0, device=device)
@@ -208,7 +212,7 @@ def sample(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
                          f"[{len(prompts)} prompts, {params.max_new_tokens} max_new_tokens]")
     device = model.embed.weight.device
     out = Samples([list(p) for p in prompts], [], [], [], [] if record_routes else None)
-    n_batches = _agree_max(-(-len(prompts) // batch_size), device)
+    n_batches = agree_max(-(-len(prompts) // batch_size), device)
     with evaluating(model), whole_rows(model):
         for b in range(n_batches):
             chunk = prompts[b * batch_size:(b + 1) * batch_size]

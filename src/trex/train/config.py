@@ -13,6 +13,7 @@
     [sampling]   generation settings of on-policy modes (grpo, distill)
     [grpo]       GRPO with verifiable rewards (train.mode = "grpo")
     [distill]    on-policy distillation from frozen teachers (train.mode = "distill")
+    [environment] multi-turn, tool-using rollouts of grpo and distill (trex.posttrain.environment)
     [drafter]    re-fit DeepSeek-V4.1's DSpark drafter against the trained target (trex.train.drafter_refit)
 """
 
@@ -29,6 +30,7 @@ from trex.parallel.mesh import ParallelSection
 from trex.posttrain import TrainMode
 from trex.posttrain.distill import DistillSection
 from trex.posttrain.dpo import DPOSection
+from trex.posttrain.environment import EnvironmentSection
 from trex.posttrain.grpo import GRPOSection
 from trex.posttrain.on_policy import SamplingSection
 from trex.precision import PrecisionSection
@@ -192,5 +194,6 @@ class TrainRecipe:
     sampling: SamplingSection = field(default_factory=SamplingSection)
     grpo: GRPOSection = field(default_factory=GRPOSection)
     distill: DistillSection = field(default_factory=DistillSection)
+    environment: EnvironmentSection = field(default_factory=EnvironmentSection)
     drafter: DrafterSection = field(default_factory=DrafterSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
