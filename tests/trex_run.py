@@ -12,6 +12,7 @@
 - ``torchrun(script, args)``: a test's worker script under torchrun, its ranks forked from the same zygote.
 - ``env`` naming ``TREX_DEVICE_PLUGINS`` runs in a process of its own: a plugin registers its device type
   for the life of the process, which would leak into the tests after it.
+  ``trex_sequence(commands, env=...)`` runs several such commands in one process of their own.
 
 The result is a ``subprocess.CompletedProcess`` either way (returncode, stdout, stderr).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import io
+import json
 import os
 import subprocess
 import sys
@@ -63,6 +65,27 @@ def torchrun(script: str, args: list[str], *, nproc: int = 2, env: dict | None =
     return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
 
 
+def trex_sequence(commands: list[list[str]], *, env: dict, cwd: str = ROOT,
+                  timeout: float = 900) -> list[subprocess.CompletedProcess]:
+    """Several ``trex ARGS`` one after the other in one process of their own, each as ``trex`` above runs one
+    in the test's process (one compute thread, its output captured): for commands that need a process apart
+    (``env`` naming ``TREX_DEVICE_PLUGINS``: the plugin's device stays registered for the life of the process)
+    and would otherwise each pay ~4 CPU seconds of interpreter start and imports. Every command runs, whatever
+    the one before returned."""
+    script = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nfrom trex_run import _in_process\n"
+              "done = [_in_process(args, {}, sys.argv[2]) for args in json.loads(sys.argv[3])]\n"
+              "print(_SEQUENCE + json.dumps([[p.returncode, p.stdout, p.stderr] for p in done]))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    proc = subprocess.run([sys.executable, "-c", script.replace("_SEQUENCE", repr(_SEQUENCE)), os.path.dirname(__file__),
+                           cwd, json.dumps(commands)], capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                          env=env)
+    marked = [line for line in proc.stdout.splitlines() if line.startswith(_SEQUENCE)]
+    assert proc.returncode == 0 and marked, f"the commands' process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return [subprocess.CompletedProcess(["trex", *args], code, out, err)
+            for args, (code, out, err) in zip(commands, json.loads(marked[-1][len(_SEQUENCE):]))]
+
+
+_SEQUENCE = "@@trex_sequence@@"
 _ZYGOTE: tuple[str, str] | None = None  # (its socket, its client) once started
 
 
