@@ -706,16 +706,14 @@ def test_trex_fsdp2_two_processes_on_vdev_equal_the_cpu_run(tmp_path):
     (TREX_VDEV_COUNT=2), FSDP2 over gloo, DTensor parameters, Muon. Exercises what FSDP2 needs from a
     device (streams/events, ``untyped_storage().resize_``, FakeTensor sharding propagation, backward
     on vdev:1, ``new_tensor``, DTensor mixed with vdev tensors). ``precision.dtype`` is pinned: by
-    default trex computes in bf16 on an accelerator and in fp32 on CPU."""
-    data = tmp_path / "sft.jsonl"
+    default trex computes in bf16 on an accelerator and in fp32 on CPU. The CPU run's ranks are forked from
+    a warm process (tests/trex_run.py); the plugin's are processes of their own, as users start them."""
+    from arithmetic_data import write_sft
+    from trex_run import trex
+
+    data = write_sft(tmp_path, n_train=200, n_eval=10)[0]
     recipe = tmp_path / "recipe.toml"
     recipe.write_text("#\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-    subprocess.run([sys.executable, "-c",
-                    "import sys; from trex.data.arithmetic import *; from trex.data.records import write_jsonl; "
-                    "p, _ = generate(ArithmeticTask(digits=2, n_train=200, n_eval=10)); "
-                    "write_jsonl(sys.argv[1], sft_records(p))", str(data)],
-                   cwd=ROOT, env=env, check=True, timeout=120)
     sets = [f'data.paths=["{data}"]', 'data.tokenizer="compact"', "data.seq_len=64", "data.micro_batch_size=1",
             "train.steps=3", "optim.lr=3e-3", "train.progress=false", "model.overrides={sliding_window=16}",
             "parallel.dp_shard=2", "train.grad_accum=2", 'optim.ns_dtype="fp32"', 'precision.dtype="fp32"']
@@ -723,11 +721,8 @@ def test_trex_fsdp2_two_processes_on_vdev_equal_the_cpu_run(tmp_path):
     for name, extra in (("cpu", {"TREX_DEVICE": "cpu"}),
                         ("vdev", {"TREX_DEVICE": "vdev", "TREX_DEVICE_PLUGINS": "trex_vdev", "TREX_VDEV_COUNT": "2"})):
         out = tmp_path / name
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "-m", "trex", "train", str(recipe), "--out", str(out)]
-        for s in sets:
-            cmd += ["--set", s]
-        proc = subprocess.run(cmd, cwd=ROOT, env=dict(env, **extra), capture_output=True, text=True, timeout=300)
+        args = ["train", str(recipe), "--out", str(out), *[a for s in sets for a in ("--set", s)]]
+        proc = trex(args, procs=2, env={"PYTHONPATH": str(ROOT / "src"), **extra}, timeout=300)
         assert proc.returncode == 0, f"{name} (rc={proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
         rows[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         if name == "vdev":
