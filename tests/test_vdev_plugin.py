@@ -1,7 +1,8 @@
 """trex_vdev, the virtual accelerator registered through PrivateUse1.
 
 Registering PrivateUse1 is process-global and irreversible, so every check runs in a child
-process (``python -c``); this process never imports trex_vdev. Each child runs a group of named
+process (``python -c``, forked from a warm process that has not imported it either); this process never
+imports trex_vdev. Each child runs a group of named
 checks and prints their results as JSON, and the tests below assert on them one by one.
 """
 
@@ -48,11 +49,12 @@ print("@@RESULTS@@" + json.dumps(RESULTS, default=str))
 
 
 def run_child(body: str, env: dict | None = None, timeout: int = 300) -> dict:
+    """The checks in ``body`` in a child process forked from a warm one that has not imported trex_vdev
+    (tests/trex_run.py ``python``: ``python -c`` without ~3 CPU seconds of start-up); their results."""
+    from trex_run import python
+
     code = PRELUDE + textwrap.dedent(body) + EPILOGUE
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-    full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = python(code, env={"PYTHONPATH": str(ROOT / "src"), **(env or {})}, cwd=str(ROOT), timeout=timeout)
     marker = [line for line in proc.stdout.splitlines() if line.startswith("@@RESULTS@@")]
     assert proc.returncode == 0 and marker, f"child failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(marker[-1][len("@@RESULTS@@"):])

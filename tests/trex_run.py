@@ -10,6 +10,7 @@
   process): torchrun starts the zygote's client as the rank's program (``--no-python``), with the rank's
   environment, and the client forwards torchrun's signals to its child.
 - ``torchrun(script, args)``: a test's worker script under torchrun, its ranks forked from the same zygote.
+- ``python(code)``: ``python -c CODE`` as a child forked from the same zygote.
 - ``env`` naming ``TREX_DEVICE_PLUGINS`` runs in a process of its own: a plugin registers its device type
   for the life of the process, which would leak into the tests after it.
   ``trex_sequence(commands, env=...)`` runs several such commands in one process of their own.
@@ -26,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from unittest import mock
 
 import torch
@@ -63,6 +65,20 @@ def torchrun(script: str, args: list[str], *, nproc: int = 2, env: dict | None =
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
                "--no-python", client, os.path.abspath(script), *args]
     return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
+
+
+def python(code: str, *, env: dict | None = None, cwd: str = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -c CODE`` in a child forked from the warm process of ``trex`` above (tests/trex_zygote.py), with
+    ``env`` over this process's environment and one compute thread: a process of its own (what it registers
+    or imports stays there) without ~3 CPU seconds of interpreter start and imports."""
+    socket_path, client = _zygote()
+    with tempfile.NamedTemporaryFile("w", suffix=".py", prefix="trex-child-", delete=False) as f:
+        f.write(code)
+    try:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "TREX_ZYGOTE": socket_path}
+        return subprocess.run([client, f.name], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
+    finally:
+        os.unlink(f.name)
 
 
 def trex_sequence(commands: list[list[str]], *, env: dict, cwd: str = ROOT,
