@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -201,7 +200,7 @@ def test_device_moves_cpu_virtual_device_cpu(tmp_path, straight):
     torch.accelerator with no special case, keeps its data in CPU memory: every step equals the run
     that never left the CPU. A checkpoint saved on it resumes on the CPU and back, exports, and
     generates the same tokens on both devices."""
-    from trex_run import trex_sequence  # the plugin's commands in one process of their own
+    from trex_run import python, trex_sequence  # the plugin's commands in one process of their own
 
     run, exported = tmp_path / "run", tmp_path / "exported"  # step_4 is saved on the virtual device
     *legs, export, seam = trex_sequence([
@@ -222,8 +221,7 @@ def test_device_moves_cpu_virtual_device_cpu(tmp_path, straight):
     assert export.returncode == 0, export.stderr[-3000:]
     gen = {}
     for name, env in (("cpu", {"TREX_DEVICE": "cpu"}), ("vdev", {**VDEV, "TREX_DEVICE": "vdev"})):
-        proc = subprocess.run([sys.executable, "-c", GENERATE, str(exported)], capture_output=True, text=True,
-                              cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+        proc = python(GENERATE, [str(exported)], env=env)  # a process of its own, forked from a warm one
         assert proc.returncode == 0, proc.stderr[-2000:]
         gen[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     assert gen["vdev"]["device"] == "vdev" and gen["cpu"]["device"] == "cpu"
