@@ -76,13 +76,12 @@ def python(code: str, args: list[str] = (), *, env: dict | None = None, cwd: str
     ``env`` over this process's environment and one compute thread: a process of its own (what it registers
     or imports stays there) without ~3 CPU seconds of interpreter start and imports."""
     socket_path, client = _zygote()
-    with tempfile.NamedTemporaryFile("w", suffix=".py", prefix="trex-child-", delete=False) as f:
-        f.write(code)
-    try:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "TREX_ZYGOTE": socket_path}
-        return subprocess.run([client, f.name, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
-    finally:
-        os.unlink(f.name)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "TREX_ZYGOTE": socket_path}
+    with tempfile.TemporaryDirectory(prefix="trex-child-") as d:  # the script's directory goes on its sys.path
+        script = os.path.join(d, "child.py")
+        with open(script, "w") as f:
+            f.write(code)
+        return subprocess.run([client, script, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
 
 
 def trex_sequence(commands: list[list[str]], *, env: dict, cwd: str = ROOT,
