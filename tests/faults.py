@@ -2,8 +2,9 @@
 
 Each fault in `FAULTS` is a function ``(lab, rng) -> str`` that injects one fault into real
 ``trex train`` / ``trex launch`` processes (a few, where a test double would prove nothing, into
-``trex.cli.main`` in this process) and asserts the outcome; it returns what it injected and saw. The
-outcome is one of two:
+``trex.cli.main`` in this process) and asserts the outcome; it returns what it injected and saw. What no
+fault touches (the uninterrupted reference runs, a run's resume after its fault) runs at the least CPU through
+tests/trex_run.py. The outcome is one of two:
 
 - recovered: the run, stopped by the fault and resumed, ends with every tensor of its final
   checkpoint (weights, optimizer moments) bitwise equal to an uninterrupted run's, and with a
@@ -229,18 +230,28 @@ overrides = {{ sliding_window = 16 }}
                     "--shutdown-timeout=10", *launcher, "train"]
         return Proc([*argv, self.recipe, "--out", out, *args], preexec_fn=preexec_fn)
 
+    def _quiet_train(self, out: str, *args: str, world: int = 1) -> list[str]:
+        """``trex train`` of the recipe into ``out`` where nothing is injected, at the least CPU
+        (tests/trex_run.py: one rank in this process, more forked from a warm one, one compute thread each as
+        in the trials' processes, so the same steps bit for bit); asserts it succeeded, returns its output lines."""
+        from trex_run import trex
+
+        proc = trex(["train", self.recipe, "--out", out, *args], procs=world, env={"TREX_DEVICE": "cpu"}, cwd=ROOT)
+        check(proc.returncode == 0, f"the run into {out} failed:\n{proc.stderr[-3000:]}")
+        return (proc.stdout + proc.stderr).splitlines()
+
     def reference(self, world: int = 1) -> Reference:
+        """The uninterrupted run on ``world`` ranks."""
         if world not in self._refs:
             out = self.new_out(f"reference-{world}")
-            proc = self.train(out, world=world)
-            check(proc.wait() == 0, f"the uninterrupted run failed:\n{proc.output[-3000:]}")
+            self._quiet_train(out, world=world)
             self._refs[world] = Reference(out, curve(out), final_tensors(out))
         return self._refs[world]
 
-    def resume(self, out: str, world: int = 1, *args: str) -> Proc:
-        proc = self.train(out, "--resume", "auto", *args, world=world)
-        check(proc.wait() == 0, f"the resumed run failed:\n{proc.output[-3000:]}")
-        return proc
+    def resume(self, out: str, world: int = 1) -> list[str]:
+        """``--resume auto`` of a run a fault stopped, to its end (the fault is over: the resumed run is an
+        ordinary one); its output lines."""
+        return self._quiet_train(out, "--resume", "auto", world=world)
 
 
 def newest_verified(out: str) -> int:
@@ -428,8 +439,8 @@ def damaged_checkpoint(kind: str):
         check(code == 2 and last.startswith("trex train: checkpoint.resume") and victim in last,
               f"--resume of the damaged checkpoint: exit {code}, last line {last!r}")
         no_traceback(explicit.output)
-        proc = lab.resume(out)
-        check(any("skipping checkpoint" in x for x in proc.lines), "resume auto did not say what it skipped")
+        lines = lab.resume(out)
+        check(any("skipping checkpoint" in x for x in lines), "resume auto did not say what it skipped")
         return (f"{name} {kind} in step_{STEPS - SAVE_EVERY}: verify names it ({report.problems[0][:60]}...); "
                 f"--resume PATH exit 2; --resume auto skips it, resumes from step {STEPS - 2 * SAVE_EVERY}: "
                 f"{ref.matches(out)}")

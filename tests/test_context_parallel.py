@@ -111,12 +111,11 @@ def reference(tmp_path_factory):
 
 
 def _run_worker(tmp_path, nproc: int, dp_shard: int, ep: int, cp: int, compiled: int, v3: int = 0) -> dict:
+    from trex_run import torchrun  # each rank forked from a warm process
+
     out = tmp_path / f"cp{cp}_dp{dp_shard}_ep{ep}.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}",
-           os.path.join(HERE, "context_parallel_worker.py"), str(out), str(dp_shard), str(ep), str(cp), str(compiled),
-           str(v3)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = torchrun(os.path.join(HERE, "context_parallel_worker.py"),
+                    [str(out), str(dp_shard), str(ep), str(cp), str(compiled), str(v3)], nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -104,22 +100,12 @@ def test_failed_ranks_names_rank_host_and_device():
     assert doctor.failed_ranks(per_rank) == ["rank 1 (node-b, cpu): all_to_all: chunk from rank 0: ..."]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_torchrun_two_processes_collectives():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TREX_DEVICE")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           "-m", "trex", "--device", "cpu", "doctor", "--format", "json", "--size-mb", "1", "--iters", "2",
-           "--timeout", "30"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env)
+    from trex_run import trex  # torchrun, each rank forked from a warm process
+
+    proc = trex(["--device", "cpu", "doctor", "--format", "json", "--size-mb", "1", "--iters", "2", "--timeout", "30"],
+                procs=2, timeout=90)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout[proc.stdout.index("{"):])  # only rank 0 prints
     dist_report = report["distributed"]

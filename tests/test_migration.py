@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -28,10 +27,14 @@ def _trex(args: list[str], env: dict | None = None, procs: int = 1) -> subproces
     return trex(args, procs=procs, env=env)
 
 
+def _leg_args(out, steps: int, *settings: str) -> list[str]:
+    return ["train", RECIPE, "--out", str(out), "--resume", "auto", "--set", f"train.steps={steps}",
+            "--set", "checkpoint.save_every=2", "--set", "checkpoint.keep_last=10", "--set", "fidelity.every=1", "--set", 'optim.ns_dtype="fp32"',
+            "--set", "train.progress=false", "--set", "schedule.warmup_steps=1", *[a for s in settings for a in ("--set", s)]]
+
+
 def _leg(out, steps: int, *settings: str, env=None, procs: int = 1):
-    proc = _trex(["train", RECIPE, "--out", str(out), "--resume", "auto", "--set", f"train.steps={steps}",
-                  "--set", "checkpoint.save_every=2", "--set", "checkpoint.keep_last=10", "--set", "fidelity.every=1", "--set", 'optim.ns_dtype="fp32"',
-                  "--set", "train.progress=false", "--set", "schedule.warmup_steps=1", *[a for s in settings for a in ("--set", s)]], env, procs)
+    proc = _trex(_leg_args(out, steps, *settings), env, procs)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -197,10 +200,16 @@ def test_device_moves_cpu_virtual_device_cpu(tmp_path, straight):
     torch.accelerator with no special case, keeps its data in CPU memory: every step equals the run
     that never left the CPU. A checkpoint saved on it resumes on the CPU and back, exports, and
     generates the same tokens on both devices."""
-    run = tmp_path / "run"
-    _leg(run, 2, 'train.device="cpu"', env=VDEV)
-    _leg(run, 4, 'train.device="vdev"', env=VDEV)
-    _leg(run, 6, 'train.device="cpu"', env=VDEV)
+    from trex_run import python, trex_sequence  # the plugin's commands in one process of their own
+
+    run, exported = tmp_path / "run", tmp_path / "exported"  # step_4 is saved on the virtual device
+    *legs, export, seam = trex_sequence([
+        *[_leg_args(run, steps, f'train.device="{device}"') for steps, device in ((2, "cpu"), (4, "vdev"), (6, "cpu"))],
+        ["ckpt", "export", str(run / "checkpoints" / "step_4"), str(exported), "--layout", "hf"],
+        ["fidelity", "seam", str(run), "--steps", "2"],  # back on the CPU, against the virtual device from step 4
+    ], env=VDEV)
+    for leg in legs:
+        assert leg.returncode == 0, leg.stderr[-3000:]
     moves = _moves(run)
     assert [(m["step"], m["from"]["device"], m["to"]["device"], m["profile"]) for m in moves] == [
         (2, "cpu", "vdev", "vendor"), (4, "vdev", "cpu", "vendor")]
@@ -209,18 +218,14 @@ def test_device_moves_cpu_virtual_device_cpu(tmp_path, straight):
     for a, b in zip(rows, ref):
         for key in ("loss", "grad_norm", "mtp_loss"):
             assert abs(a[key] - b[key]) <= 1e-6 * abs(b[key]), (key, a["step"], a[key], b[key])
-    exported = tmp_path / "exported"  # step_4 was saved on the virtual device
-    assert _trex(["ckpt", "export", str(run / "checkpoints" / "step_4"), str(exported), "--layout", "hf"],
-                 VDEV).returncode == 0
+    assert export.returncode == 0, export.stderr[-3000:]
     gen = {}
     for name, env in (("cpu", {"TREX_DEVICE": "cpu"}), ("vdev", {**VDEV, "TREX_DEVICE": "vdev"})):
-        proc = subprocess.run([sys.executable, "-c", GENERATE, str(exported)], capture_output=True, text=True,
-                              cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+        proc = python(GENERATE, [str(exported)], env=env)  # a process of its own, forked from a warm one
         assert proc.returncode == 0, proc.stderr[-2000:]
         gen[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     assert gen["vdev"]["device"] == "vdev" and gen["cpu"]["device"] == "cpu"
     assert gen["vdev"]["ids"] == gen["cpu"]["ids"] and any(gen["cpu"]["ids"])
-    seam = _seam(run, env=VDEV)  # back on the CPU, against the virtual device continued from step 4
     assert seam.returncode == 0, seam.stdout[-2000:] + seam.stderr[-2000:]
     summary = json.load(open(run / "summary.json"))
     assert summary["seams"][0]["verdict"] == "PASS" and summary["seams"][0]["profile"] == "vendor"

@@ -290,17 +290,13 @@ def sharded_muon(tmp_path_factory):
     hand-sharded matrices, with one process's gradients."""
     import json
     import os
-    import subprocess
-    import sys
 
-    from test_distributed import ROOT, _free_port
+    from test_distributed import ROOT
+    from trex_run import torchrun
 
     out = tmp_path_factory.mktemp("muon_owner")
     worker = os.path.join(ROOT, "tests", "muon_owner_worker.py")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           f"--master-port={_free_port()}", worker, str(out)],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"})
+    proc = torchrun(worker, [str(out)])  # each rank forked from a warm process
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

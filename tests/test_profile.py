@@ -5,9 +5,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -164,11 +161,12 @@ def test_gradient_accumulation_prices_forward_and_backward_per_micro_batch_and_t
 
 def test_on_a_plugged_device_without_kernel_timing_the_host_ops_time_the_classes(tmp_path):
     """The virtual accelerator (a PrivateUse1 plugin, trex_vdev) records no kernel times: the classes are
-    its host ops', not an all-idle device. A process of its own: an imported plugin stays the accelerator."""
-    proc = subprocess.run([sys.executable, "-m", "trex", "profile", *SMALL, "--set", 'train.device="vdev"',
-                           "--warmup", "0", "--out", str(tmp_path / "p"), "--format", "json", "--hardware",
-                           "h200-sxm"], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TREX_DEVICE_PLUGINS": "trex_vdev"})
+    its host ops', not an all-idle device. A process of its own (forked from a warm one, tests/trex_run.py): an
+    imported plugin stays the accelerator."""
+    from trex_run import trex
+
+    proc = trex(["profile", *SMALL, "--set", 'train.device="vdev"', "--warmup", "0", "--out", str(tmp_path / "p"),
+                 "--format", "json", "--hardware", "h200-sxm"], env={"TREX_DEVICE_PLUGINS": "trex_vdev"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout)
     assert r["device"].startswith("vdev") and r["timing"] == "host ops"

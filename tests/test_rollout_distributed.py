@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -19,20 +17,13 @@ PROMPTS = [[5, 6, 7], list(range(9, 20)), [3, 4], list(range(40, 46))]
 RANK_PROMPTS = {0: [0, 1, 2], 1: [3]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("ep", [1, 2])
 def test_sharded_sampling_matches_one_process(tmp_path, ep):
+    from trex_run import torchrun  # each rank forked from a warm process
+
     out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
-           os.path.abspath(__file__), str(out), str(ep)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = torchrun(os.path.abspath(__file__), [str(out), str(ep)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads((tmp_path / f"result.json.{r}").read_text()) for r in range(2)]
     stopped = 0

@@ -95,8 +95,8 @@ def test_distributed_step_syncs_only_for_expert_parallel_split_sizes(sft_file, t
     run one after the other in one launch."""
     import json
     import os
-    import subprocess
-    import sys
+
+    from trex_run import torchrun  # each rank forked from a warm process
 
     here = os.path.dirname(os.path.abspath(__file__))
     grad_accum = 2
@@ -104,10 +104,7 @@ def test_distributed_step_syncs_only_for_expert_parallel_split_sizes(sft_file, t
                "v3-cp": (1, 2, ('model.preset="tiny-v3"', "model.overrides={}"))}
     cases = [[f"parallel.dp_shard={2 // cp}", f"parallel.ep={ep}", f"parallel.cp={cp}", f"train.grad_accum={grad_accum}",
               *model] for ep, cp, model in layouts.values()]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(here, "syncs_worker.py"), str(tmp_path), str(sft_file), json.dumps(cases)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"})
+    proc = torchrun(os.path.join(here, "syncs_worker.py"), [str(tmp_path), str(sft_file), json.dumps(cases)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     for i, (name, (ep, cp, _)) in enumerate(layouts.items()):
         for rank in (0, 1):

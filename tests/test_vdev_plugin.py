@@ -1,7 +1,8 @@
 """trex_vdev, the virtual accelerator registered through PrivateUse1.
 
 Registering PrivateUse1 is process-global and irreversible, so every check runs in a child
-process (``python -c``); this process never imports trex_vdev. Each child runs a group of named
+process (``python -c``, forked from a warm process that has not imported it either); this process never
+imports trex_vdev. Each child runs a group of named
 checks and prints their results as JSON, and the tests below assert on them one by one.
 """
 
@@ -48,11 +49,12 @@ print("@@RESULTS@@" + json.dumps(RESULTS, default=str))
 
 
 def run_child(body: str, env: dict | None = None, timeout: int = 300) -> dict:
+    """The checks in ``body`` in a child process forked from a warm one that has not imported trex_vdev
+    (tests/trex_run.py ``python``: ``python -c`` without ~3 CPU seconds of start-up); their results."""
+    from trex_run import python
+
     code = PRELUDE + textwrap.dedent(body) + EPILOGUE
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-    full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = python(code, env={"PYTHONPATH": str(ROOT / "src"), **(env or {})}, cwd=str(ROOT), timeout=timeout)
     marker = [line for line in proc.stdout.splitlines() if line.startswith("@@RESULTS@@")]
     assert proc.returncode == 0 and marker, f"child failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(marker[-1][len("@@RESULTS@@"):])
@@ -706,16 +708,14 @@ def test_trex_fsdp2_two_processes_on_vdev_equal_the_cpu_run(tmp_path):
     (TREX_VDEV_COUNT=2), FSDP2 over gloo, DTensor parameters, Muon. Exercises what FSDP2 needs from a
     device (streams/events, ``untyped_storage().resize_``, FakeTensor sharding propagation, backward
     on vdev:1, ``new_tensor``, DTensor mixed with vdev tensors). ``precision.dtype`` is pinned: by
-    default trex computes in bf16 on an accelerator and in fp32 on CPU."""
-    data = tmp_path / "sft.jsonl"
+    default trex computes in bf16 on an accelerator and in fp32 on CPU. The CPU run's ranks are forked from
+    a warm process (tests/trex_run.py); the plugin's are processes of their own, as users start them."""
+    from arithmetic_data import write_sft
+    from trex_run import trex
+
+    data = write_sft(tmp_path, n_train=200, n_eval=10)[0]
     recipe = tmp_path / "recipe.toml"
     recipe.write_text("#\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-    subprocess.run([sys.executable, "-c",
-                    "import sys; from trex.data.arithmetic import *; from trex.data.records import write_jsonl; "
-                    "p, _ = generate(ArithmeticTask(digits=2, n_train=200, n_eval=10)); "
-                    "write_jsonl(sys.argv[1], sft_records(p))", str(data)],
-                   cwd=ROOT, env=env, check=True, timeout=120)
     sets = [f'data.paths=["{data}"]', 'data.tokenizer="compact"', "data.seq_len=64", "data.micro_batch_size=1",
             "train.steps=3", "optim.lr=3e-3", "train.progress=false", "model.overrides={sliding_window=16}",
             "parallel.dp_shard=2", "train.grad_accum=2", 'optim.ns_dtype="fp32"', 'precision.dtype="fp32"']
@@ -723,11 +723,8 @@ def test_trex_fsdp2_two_processes_on_vdev_equal_the_cpu_run(tmp_path):
     for name, extra in (("cpu", {"TREX_DEVICE": "cpu"}),
                         ("vdev", {"TREX_DEVICE": "vdev", "TREX_DEVICE_PLUGINS": "trex_vdev", "TREX_VDEV_COUNT": "2"})):
         out = tmp_path / name
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "-m", "trex", "train", str(recipe), "--out", str(out)]
-        for s in sets:
-            cmd += ["--set", s]
-        proc = subprocess.run(cmd, cwd=ROOT, env=dict(env, **extra), capture_output=True, text=True, timeout=300)
+        args = ["train", str(recipe), "--out", str(out), *[a for s in sets for a in ("--set", s)]]
+        proc = trex(args, procs=2, env={"PYTHONPATH": str(ROOT / "src"), **extra}, timeout=300)
         assert proc.returncode == 0, f"{name} (rc={proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
         rows[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         if name == "vdev":

@@ -69,14 +69,11 @@ def test_silence_is_reported_before_being_stuck_and_the_lowest_rank_first():
 def test_two_ranks_a_finished_rank_is_not_lost_and_a_stuck_one_is_named():
     import json
     import os
-    import subprocess
-    import sys
 
-    from test_distributed import ROOT, _free_port
+    from test_distributed import ROOT
+    from trex_run import torchrun
 
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           f"--master-port={_free_port()}", os.path.join(ROOT, "tests", "heartbeat_worker.py")],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun(os.path.join(ROOT, "tests", "heartbeat_worker.py"), [], timeout=120)  # ranks forked warm
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in rows) == [0, 1]

@@ -9,8 +9,12 @@
   forked from a process that has imported trex (tests/trex_zygote.py, started on first use, one per test
   process): torchrun starts the zygote's client as the rank's program (``--no-python``), with the rank's
   environment, and the client forwards torchrun's signals to its child.
+- ``torchrun(script, args)``: a test's worker script under torchrun, its ranks forked from the same zygote.
+- ``python(code)``: ``python -c CODE`` as a child forked from the same zygote.
 - ``env`` naming ``TREX_DEVICE_PLUGINS`` runs in a process of its own: a plugin registers its device type
-  for the life of the process, which would leak into the tests after it.
+  for the life of the process, which would leak into the tests after it. One rank is a child forked from the
+  zygote (which never imports a plugin); ranks under torchrun are fresh interpreters, as users start them.
+  ``trex_sequence(commands, env=...)`` runs several such commands in one process of their own.
 
 The result is a ``subprocess.CompletedProcess`` either way (returncode, stdout, stderr).
 """
@@ -20,9 +24,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import io
+import json
 import os
 import subprocess
 import sys
+import tempfile
 from unittest import mock
 
 import torch
@@ -37,8 +43,10 @@ def trex(args: list[str], *, procs: int = 1, env: dict | None = None, cwd: str =
     if procs == 1 and "TREX_DEVICE_PLUGINS" not in env:
         return _in_process(args, env, cwd)
     env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    if procs == 1:
-        command = [sys.executable, "-m", "trex", *args]
+    if procs == 1:  # a child forked from the warm process: the plugin registers there, not in this process
+        socket_path, client = _zygote()
+        env["TREX_ZYGOTE"] = socket_path
+        command = [client, *args]
     elif "TREX_DEVICE_PLUGINS" in env:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--standalone",
                    "-m", "trex", *args]
@@ -50,6 +58,51 @@ def trex(args: list[str], *, procs: int = 1, env: dict | None = None, cwd: str =
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
 
 
+def torchrun(script: str, args: list[str], *, nproc: int = 2, env: dict | None = None,
+             timeout: float = 300) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node NPROC SCRIPT ARGS`` of a test's worker script, on the CPU with one thread a
+    rank: each rank a child forked from the warm process of ``trex`` above (tests/trex_zygote.py runs a
+    ``.py`` command as ``python SCRIPT ARGS``), which spares each rank ~3.5 CPU seconds of imports."""
+    socket_path, client = _zygote()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu", **(env or {}), "TREX_ZYGOTE": socket_path}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+               "--no-python", client, os.path.abspath(script), *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
+
+
+def python(code: str, args: list[str] = (), *, env: dict | None = None, cwd: str = ROOT,
+           timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -c CODE ARGS`` in a child forked from the warm process of ``trex`` above (tests/trex_zygote.py), with
+    ``env`` over this process's environment and one compute thread: a process of its own (what it registers
+    or imports stays there) without ~3 CPU seconds of interpreter start and imports."""
+    socket_path, client = _zygote()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "TREX_ZYGOTE": socket_path}
+    with tempfile.TemporaryDirectory(prefix="trex-child-") as d:  # the script's directory goes on its sys.path
+        script = os.path.join(d, "child.py")
+        with open(script, "w") as f:
+            f.write(code)
+        return subprocess.run([client, script, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
+
+
+def trex_sequence(commands: list[list[str]], *, env: dict, cwd: str = ROOT,
+                  timeout: float = 900) -> list[subprocess.CompletedProcess]:
+    """Several ``trex ARGS`` one after the other in one process of their own (a child forked from the warm
+    process, ``python`` above), each as ``trex`` above runs one in the test's process (one compute thread, its
+    output captured): for commands that need a process apart (``env`` naming ``TREX_DEVICE_PLUGINS``: the
+    plugin's device stays registered for the life of the process). Every command runs, whatever the one
+    before returned."""
+    script = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nfrom trex_run import _in_process\n"
+              "done = [_in_process(args, {}, sys.argv[2]) for args in json.loads(sys.argv[3])]\n"
+              "print(_SEQUENCE + json.dumps([[p.returncode, p.stdout, p.stderr] for p in done]))\n")
+    proc = python(script.replace("_SEQUENCE", repr(_SEQUENCE)), [os.path.dirname(os.path.abspath(__file__)), cwd,
+                                                                  json.dumps(commands)], env=env, cwd=cwd, timeout=timeout)
+    marked = [line for line in proc.stdout.splitlines() if line.startswith(_SEQUENCE)]
+    assert proc.returncode == 0 and marked, f"the commands' process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return [subprocess.CompletedProcess(["trex", *args], code, out, err)
+            for args, (code, out, err) in zip(commands, json.loads(marked[-1][len(_SEQUENCE):]))]
+
+
+_SEQUENCE = "@@trex_sequence@@"
 _ZYGOTE: tuple[str, str] | None = None  # (its socket, its client) once started
 
 

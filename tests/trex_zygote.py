@@ -11,6 +11,8 @@ so the shell line runs as written (pipes, redirections and exit codes are the ch
 - ``client()``: what the sandbox's ``.venv/bin/trex`` runs (stdlib only, started with ``python -S``). It
   appends the child's CPU seconds to ``$TREX_ZYGOTE_CPU``: the shell's ``times`` does not see a process
   it did not start.
+- A command whose first word is a ``.py`` file runs that script as ``python SCRIPT ARGS`` would (``__main__``,
+  its directory first on sys.path): a test's torchrun worker (tests/trex_run.py's ``torchrun``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import contextlib
 import json
 import os
 import resource
+import runpy
 import signal
 import socket
 import struct
@@ -78,11 +81,18 @@ def _child(conn: socket.socket, fds: list[int], request: dict) -> None:
     os.environ.update(request["env"])
     # what a fresh interpreter would put on sys.path from the command's PYTHONPATH (a reward plug-in's module)
     sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-    sys.argv = ["trex", *request["argv"]]
-    from trex.cli import main
-
+    argv = request["argv"]
     try:
-        code = main(request["argv"])
+        if argv[:1] and argv[0].endswith(".py"):  # a test's worker script, run as `python SCRIPT ARGS` would
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        else:
+            sys.argv = ["trex", *argv]
+            from trex.cli import main
+
+            code = main(argv)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001 - as an uncaught exception ends a process: traceback, exit 1
