@@ -11,7 +11,7 @@ import torch
 from trex_run import trex
 
 from trex import device as device_layer
-from trex.fidelity.ladder import agreement, run_ladder, tensor_errors
+from trex.fidelity.ladder import agreement, ladder_overrides, lr0_overrides, run_ladder, tensor_errors
 from trex.fidelity.profiles import get_profile
 from trex.precision import PrecisionPolicy
 from trex.recipe import load
@@ -122,6 +122,18 @@ def test_lr0_keeps_every_weight(tmp_path):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trained = train(recipe, model=model, tokenizer=tokenizer).model
     assert all(torch.equal(before[n], p) for n, p in trained.named_parameters())
+
+
+def test_a_lr0_rung_shorter_than_the_long_runs_record_interval_still_records():
+    """`--steps 20 --lr0-steps 4`: the long run records every 5 steps, so rung 4 must record more often, or it
+    has no per-layer gradient norms or probe to judge (it failed on their absence)."""
+    side = ladder_overrides(RECIPE, PATHS, 20)
+    long_run = load(TrainRecipe, RECIPE, side)
+    assert long_run.train.steps == 20 and long_run.fidelity.every == 5
+    rung4 = load(TrainRecipe, RECIPE, [*side, *lr0_overrides(RECIPE, side, 4)])
+    assert rung4.train.steps == 4 and rung4.optim.lr == 0 and 0 < rung4.fidelity.every <= 2
+    default = load(TrainRecipe, RECIPE, [*side, *lr0_overrides(RECIPE, side, None)])
+    assert default.train.steps == 20 and default.fidelity.every == 5
 
 
 def test_tensor_errors_judge_norm_and_direction_and_the_floor():

@@ -348,6 +348,15 @@ def ladder_overrides(recipe_path: str, overrides: list[str], steps: int | None) 
             'checkpoint.resume=""', "train.progress=false"]
 
 
+def lr0_overrides(recipe_path: str, side_overrides: list[str], lr0_steps: int | None) -> list[str]:
+    """What rung 4 adds to a side's overrides: lr = 0, no router-bias update, ``lr0_steps`` steps (default:
+    the long run's) and the gradient/probe records that length needs (a rung shorter than the long run's
+    ``fidelity.every`` would have none to judge)."""
+    steps = [f"train.steps={lr0_steps}"] if lr0_steps else []
+    over = ["optim.lr=0", "train.bias_gamma=0", *steps]
+    return [*over, *signal_overrides(load(TrainRecipe, recipe_path, [*side_overrides, *over]))]
+
+
 def run_ladder(recipe_path: str, variant_overrides: list[str], out: str, profile: Profile,
                reference_overrides: list[str] | None = None, lr0_steps: int | None = None,
                steps: int | None = None, edit: Callable[[DeepseekV4], None] | None = None,
@@ -397,8 +406,7 @@ def run_ladder(recipe_path: str, variant_overrides: list[str], out: str, profile
         rung.status = "PASS" if rung.measures["loss_err"] <= bounds.loss and not rung.departure else "FAIL"
     del var_parts
 
-    for number, overrides in ((4, ["optim.lr=0", "train.bias_gamma=0",
-                                   f"train.steps={lr0_steps or ref_recipe.train.steps}"]), (5, [])):
+    for number, overrides in ((4, lr0_overrides(recipe_path, ref_over, lr0_steps)), (5, [])):
         if all(r.status == "PASS" for r in rungs[:number - 1]):
             rungs[number - 1] = _loop_rung(number, ref, var, profile, out, overrides, recipe_path, ref_over, var_over)
     first_failed = next((r for r in rungs if r.status == "FAIL"), None)

@@ -97,6 +97,9 @@ def switch_variants(micro_batch_size: int, grad_accum: int) -> list[Variant]:
         Variant("flex-attention", "vendor", [], env={"TREX_KERNELS": "sparse_attention=flex"}),  # no CPU backward
         Variant("accelerator-set", "vendor", ["train.compile=true", 'optim.ns_dtype="bf16"'],
                 env={"TREX_KERNELS": "rms_norm=fused"}),
+        # what the device check's run turns on against its CPU bf16 reference (Makefile FIDELITY_PINS: the
+        # Newton-Schulz dtype, a precision setting rather than an op order, pinned to fp32 on both sides)
+        Variant("device-check-set", "vendor", ["train.compile=true"], env={"TREX_KERNELS": "rms_norm=fused"}),
     ]
 
 
