@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from trex.hardware import HardwareProfile
 from trex.logs import plural
-from trex.models.config import ModelConfig
+from trex.models.deepseek_v4.config import ModelConfig
 from trex.models.registry import drafter_kind
 from trex.plan.drafter import DrafterPlan, drafter_plan
 from trex.plan.layout import Layout, PlanError, check_context_parallel
@@ -141,7 +141,7 @@ def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: in
     """Every layout on ``devices`` devices that fits (every one, with ``fitting_only=False``) and
     reaches ``global_batch_tokens`` exactly, fastest first; ``offload`` and ``largest_ep_only``
     narrow the options tried; ``train_engram``: V4.1's Engram tables train (trex.plan.layout.Layout). cp ranges over the divisors of the device count that split the sequence (see
-    trex.models.deepseek_v4.check_shardable), shard sizes over the divisors of what it leaves; ep
+    trex.models.deepseek_v4.config.check_shardable), shard sizes over the divisors of what it leaves; ep
     divides both the shard size and the expert count."""
     if global_batch_tokens % seq_len:
         raise PlanError(f"global batch of {global_batch_tokens} tokens is not a whole number of "

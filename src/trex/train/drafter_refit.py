@@ -1,6 +1,6 @@
 """``[drafter]``: re-fit the model's drafter against the target the job post-trained.
 
-Two drafters: DeepSeek-V4.1's DSpark stages (``mtp.*``, a module of their own, ``trex.models.dspark``) and
+Two drafters: DeepSeek-V4.1's DSpark stages (``mtp.*``, a module of their own, ``trex.models.deepseek_v4.dspark``) and
 the multi-token-prediction modules of DeepSeek-V4 and the V3 family (the model's own ``mtp``, which vLLM and
 SGLang serve as a drafter of one token per module; ``MTPDrafter``). Post-training moves the backbone's
 hidden states and greedy tokens away from the ones the drafter learned, and speculative decoding accepts
@@ -609,7 +609,7 @@ class JobRefit:
     def _load(self, cfg, dev, policy, seed: int):
         from trex.checkpoint.load import load_drafter
         from trex.models.common.heads import init_parameters
-        from trex.models.dspark import DSparkDrafter
+        from trex.models.deepseek_v4.dspark import DSparkDrafter
 
         dtype = torch.float32 if self.par.distributed else policy.param_dtype
         if self.source:
@@ -645,8 +645,8 @@ class JobRefit:
     def _resume(self, main_step: int) -> None:
         """The re-fit checkpoint that belongs with main checkpoint ``main_step``: the newest whose step K
         the run had reached by then (K <= the started phases' steps, a later one is the next attempt's)."""
-        from trex.checkpoint.training import list_checkpoints
         from trex.checkpoint.manifest import verify_checkpoint
+        from trex.checkpoint.training import list_checkpoints
 
         R = self.section.steps
         started, complete = self._phases_at(main_step)
