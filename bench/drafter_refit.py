@@ -73,7 +73,8 @@ def run_one(kind: str, what: str, prompt: int, new: int, rows: int, steps: int) 
     from trex import device as device_layer
     from trex.checkpoint.training import CheckpointSection
     from trex.parallel.mesh import Parallel
-    from trex.train.drafter_refit import DrafterRefit, DrafterSection, MTPDrafter, trainable
+    from trex.train.drafter_refit import DrafterRefit, DrafterSection, trainable
+    from trex.train.drafters.mtp import MTPDrafter
 
     torch.set_num_threads(1)
     model = _model(kind)

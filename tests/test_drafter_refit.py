@@ -314,7 +314,7 @@ def test_the_refit_export_of_a_released_drafter_is_the_released_drafter_byte_for
     and exported by the re-fit's writer unchanged gives every ``mtp.*`` tensor of it again, name, dtype and bytes."""
     from test_model_v41 import DSPARK_RELEASED
     from trex.checkpoint.load import load_drafter
-    from trex.train.drafter_refit import export_drafter
+    from trex.train.drafters.dspark import export as export_drafter
 
     drafter = load_drafter(DSPARK_RELEASED, dtype=torch.float32, device="cpu")
     out = export_drafter(drafter, DSPARK_RELEASED, str(tmp_path / "released"), target_step=0, main=True)

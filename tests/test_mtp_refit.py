@@ -1,4 +1,4 @@
-"""``[drafter]`` on DeepSeek-V4's multi-token prediction modules (trex.train.drafter_refit.MTPDrafter): whether
+"""``[drafter]`` on DeepSeek-V4's multi-token prediction modules (trex.train.drafters.mtp.MTPDrafter): whether
 the re-fit helps them as a drafter (the demonstration docs/post_training.md quotes), and the job around it:
 `trex train` in SFT and GRPO, resumed bit for bit, exported."""
 
@@ -38,7 +38,8 @@ def _refit(model, tmp_path):
     from trex import device as device_layer
     from trex.checkpoint.training import CheckpointSection
     from trex.parallel.mesh import Parallel
-    from trex.train.drafter_refit import DrafterRefit, MTPDrafter
+    from trex.train.drafter_refit import DrafterRefit
+    from trex.train.drafters.mtp import MTPDrafter
 
     prompts = [_counting(5 * i % 48, 1, 3) + _counting(5 * i % 48 + 7, 3, 2) for i in range(20)]  # both tasks
     section = DrafterSection(enabled=True, steps=20, lr=3e-3, new_tokens=8, prompts_per_step=8, held_out=6,

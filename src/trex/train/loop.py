@@ -59,7 +59,8 @@ from trex.posttrain.sft import accumulate_gradients
 from trex.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy, StepGuard
 from trex.rollout.engine import EngineDied
 from trex.train.config import TrainRecipe
-from trex.train.drafter_refit import JobRefit, hold_mtp
+from trex.train.drafter_refit import JobRefit
+from trex.train.drafters.mtp import hold_mtp
 from trex.train.dry_run import model_config
 from trex.train.moe_balance import freeze_for_post_training
 from trex.train.optim import build_optimizer
