@@ -75,9 +75,9 @@ def load_pretrained(path: str, dtype: torch.dtype | None = None, device: str | t
 
 
 def load_drafter(path: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
-    """The DSpark drafter (``trex.models.deepseek_v4.dspark.DSparkDrafter``, frozen) of the V4.1 checkpoint at ``path``, its
-    ``mtp.*`` stages checked and dequantised as the model's tensors are; CheckpointError when the checkpoint
-    has no drafter or it does not match its config. The stages stay carried through on export, as stored."""
+    """The DSpark drafter (``trex.models.deepseek_v4.dspark.DSparkDrafter``, frozen) of the V4.1 checkpoint at ``path``,
+    its ``mtp.*`` stages checked and dequantised as the model's tensors are; CheckpointError when the checkpoint has
+    no drafter or it does not match its config. The stages stay carried through on export, as stored."""
     from trex.models.deepseek_v4.config_v41 import V41Config
     from trex.models.deepseek_v4.dspark import DSparkDrafter
 

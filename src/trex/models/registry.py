@@ -3,8 +3,8 @@ which architecture's config a config.json describes, and the model class and dec
 
 It sits above each architecture's config module (no module of trex.models below it imports it:
 tests/test_models_layering.py), so that a family's config never has to know the others: a new family
-joins here. Today: DeepSeek-V4 (``trex.models.deepseek_v4.config``), V4.1 (``trex.models.deepseek_v4.config_v41``) and the
-DeepSeek-V3 family (``trex.models.deepseek_v3.config``: V3, R1, V3.1, V3.2, Kimi-K2, Moonlight).
+joins here. Today: DeepSeek-V4 (``trex.models.deepseek_v4.config``), V4.1 (``deepseek_v4.config_v41``) and
+the DeepSeek-V3 family (``trex.models.deepseek_v3.config``: V3, R1, V3.1, V3.2, Kimi-K2, Moonlight).
 ``config_from_dict`` asks the V3 family first (its model_type, or fields only it has), then the V4
 family's own dispatch (config_v41 tells V4.1 from V4: V4.1 derives from V4). Model classes and decode caches
 are named by string and imported on use (``model_class``, ``decode_cache``), so the registry stays torch-free.

@@ -62,7 +62,8 @@ def add_projections(attn: nn.Module, cfg) -> None:
 def projection_rules(attn: nn.Module) -> dict[str, tuple[str, list[int]]]:
     """The optimizer rules of ``add_projections``' parameters (trex.train.optim.classify): the grouped ``wo_a``
     by its groups' rows, the sink a gain."""
-    return {"wo_a.weight": ("wo_a_groups", [attn.cfg.o_lora_rank] * attn.cfg.o_groups), "attn_sink": ("gains_biases", [])}
+    return {"wo_a.weight": ("wo_a_groups", [attn.cfg.o_lora_rank] * attn.cfg.o_groups),
+            "attn_sink": ("gains_biases", [])}
 
 
 def grouped_output(attn: nn.Module, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

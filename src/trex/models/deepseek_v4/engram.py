@@ -161,7 +161,8 @@ class Engram(nn.Module):
     def optimizer_rules(self) -> dict[str, tuple[str, list[int]]]:
         """{parameter: (optimizer rule, row blocks)} (trex.train.optim.classify): the table row-wise, the gate's
         per-stream channel gains as gains."""
-        return {"embed.weight": ("engram_table", []), "q_weight": ("gains_biases", []), "k_weight": ("gains_biases", [])}
+        return {"embed.weight": ("engram_table", []), "q_weight": ("gains_biases", []),
+                "k_weight": ("gains_biases", [])}
 
     def forward(self, X: torch.Tensor, hash_ids: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
         """X: [B, S, hc, d]; hash_ids: [B, S, cols]; live: [B, S] (False: the stream passes unchanged)
