@@ -29,7 +29,8 @@ MARK_BEGIN, MARK_END = "<!-- accelerator-bench:begin -->", "<!-- accelerator-ben
 
 def flash_stack(smoke: bool):
     """V4-Flash widths with 4 layers and 8 experts (smoke: the tiny preset, for the CPU check)."""
-    from trex.models.config import CSA, HASH_MOE, HCA, MOE, SLIDING, get_preset, tiny
+    from trex.models.common.config import HASH_MOE, MOE
+    from trex.models.deepseek_v4.config import CSA, HCA, SLIDING, get_preset, tiny
 
     if smoke:
         return tiny(sliding_window=16)
@@ -50,11 +51,11 @@ def measure_step(device: str, dtype: str, seq: int, compiled: bool, steps: int, 
     from trex.models.flops import flops_per_token
     from trex.parallel.mesh import Parallel
     from trex.parallel.plan import apply_compile, cast_for_compute
+    from trex.precision import PrecisionPolicy, StepGuard
+    from trex.profile.meta import FixedBatches, packed_batch
     from trex.syncs import SyncCounter
     from trex.train.config import TrainSection
     from trex.train.optim import OptimSection, build_optimizer
-    from trex.precision import PrecisionPolicy, StepGuard
-    from trex.profile.meta import FixedBatches, packed_batch
     from trex.train.step import train_step
 
     dev = device_layer.detect(device)

@@ -36,8 +36,8 @@ def child(seq: int, steps: int, out: str) -> None:
     import torch.distributed as dist
 
     from trex.models import build_model
-    from trex.models.config import ModelConfig
-    from trex.models.deepseek_v4 import shift_labels
+    from trex.models.common.context import shift_labels
+    from trex.models.deepseek_v4.config import ModelConfig
 
     torch.set_num_threads(1)
     cfg = ModelConfig.from_dict(dict(BENCH_CONFIG, max_position_embeddings=max(seq, 16384)))

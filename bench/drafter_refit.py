@@ -35,11 +35,11 @@ def _model(kind: str):
     from trex.models.build import build_model
 
     if kind == "mtp":
-        from trex.models.config import tiny
+        from trex.models.deepseek_v4.config import tiny
 
         cfg = tiny(vocab_size=VOCAB, hidden_size=128, num_nextn_predict_layers=1)
     else:
-        from trex.models.config_v41 import tiny_v41
+        from trex.models.deepseek_v4.config_v41 import tiny_v41
 
         cfg = tiny_v41(vocab_size=VOCAB, num_nextn_predict_layers=2, dspark_target_layer_ids=[4, 5],
                        dspark_block_size=3, dspark_markov_rank=16, dspark_n_routed_experts=4,
@@ -73,7 +73,8 @@ def run_one(kind: str, what: str, prompt: int, new: int, rows: int, steps: int) 
     from trex import device as device_layer
     from trex.checkpoint.training import CheckpointSection
     from trex.parallel.mesh import Parallel
-    from trex.train.drafter_refit import DrafterRefit, DrafterSection, MTPDrafter, trainable
+    from trex.train.drafter_refit import DrafterRefit, DrafterSection, trainable
+    from trex.train.drafters.mtp import MTPDrafter
 
     torch.set_num_threads(1)
     model = _model(kind)
@@ -89,7 +90,7 @@ def run_one(kind: str, what: str, prompt: int, new: int, rows: int, steps: int) 
             opt.zero_grad(set_to_none=True)
     else:
         from trex.models.common.heads import init_parameters
-        from trex.models.dspark import DSparkDrafter
+        from trex.models.deepseek_v4.dspark import DSparkDrafter
 
         if kind == "mtp":
             drafter = MTPDrafter(model)

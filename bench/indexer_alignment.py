@@ -1,7 +1,7 @@
 """Does SFT need the indexer alignment loss? The indexer's recall of the main attention before and
 after the default job's SFT, with and without ``[train] indexer_loss``.
 
-Recall (trex.models.deepseek_v4.Indexer.picked_mass): per query of a CSA layer, the share of the
+Recall (trex.models.deepseek_v4.compressor.Indexer.picked_mass): per query of a CSA layer, the share of the
 main attention's mass over all the compressed entries it may see (heads averaged) that falls on the
 indexer's top-k picks; the mean over queries and CSA layers, on the job's continued-pretraining
 texts packed as in training (its SFT conversations are shorter than the top-k: a query there sees at

@@ -22,7 +22,7 @@ import torch
 from trex import device as device_layer
 from trex.data.loader import Batch
 from trex.models import build_model
-from trex.models.config import tiny
+from trex.models.deepseek_v4.config import tiny
 from trex.models.registry import get_preset
 from trex.parallel.mesh import init_parallel, shutdown_distributed
 from trex.parallel.plan import apply_activation_checkpointing, apply_compile, apply_parallelism

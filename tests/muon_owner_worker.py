@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from trex import device as device_layer
 from trex.models import build_model
-from trex.models.config import CSA, HASH_MOE, HCA, MOE, tiny
+from trex.models.common.config import HASH_MOE, MOE
+from trex.models.deepseek_v4.config import CSA, HCA, tiny
 from trex.parallel.mesh import init_parallel, shutdown_distributed
 from trex.parallel.plan import apply_parallelism
 from trex.precision import PrecisionPolicy

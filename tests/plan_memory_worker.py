@@ -25,12 +25,12 @@ from torch.distributed.fsdp import FSDPModule
 
 from trex import device
 from trex.models import build_model
-from trex.models.config import tiny
+from trex.models.deepseek_v4.config import tiny
 from trex.parallel.mesh import init_parallel, shutdown_distributed
 from trex.parallel.plan import apply_parallelism
+from trex.precision import PrecisionPolicy
 from trex.train.moe_balance import freeze_indexer
 from trex.train.optim import OptimSection, build_optimizer
-from trex.precision import PrecisionPolicy
 
 
 def status(field: str) -> int:

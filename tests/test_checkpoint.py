@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from trex.checkpoint import writer
-from trex.kernels import quantize as quant
+from trex.checkpoint import load_pretrained, save_pretrained
 from trex.checkpoint.errors import CheckpointError
+from trex.checkpoint.naming import Target, hf_name, official_name, trex_targets
 from trex.checkpoint.reader import CheckpointReader
 from trex.checkpoint.safetensors_io import SafetensorsFile
 from trex.checkpoint.save import convert
+from trex.kernels import quantize as quant
 from trex.models import build_model
-from trex.checkpoint import load_pretrained, save_pretrained
-from trex.models.config import tiny
-from trex.checkpoint.naming import Target, hf_name, official_name, trex_targets
+from trex.models.deepseek_v4.config import tiny
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +306,7 @@ def test_official_config_carries_every_field_of_deepseeks_own(preset):
     """The released config.json (tests/fixtures/official_config, DeepSeek's files) against what
     trex writes for the same shape: every key and value, so that serving engines load the export."""
     from trex.checkpoint.save import checkpoint_config, official_config_fields
-    from trex.models.config import ModelConfig, get_preset
+    from trex.models.deepseek_v4.config import ModelConfig, get_preset
 
     released = json.loads(open(os.path.join(os.path.dirname(__file__), "fixtures", "official_config",
                                             f"{preset}.json")).read())

@@ -18,10 +18,10 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
     from trex import device
+    from trex.checkpoint import load_pretrained, save_pretrained
     from trex.checkpoint.save import convert
     from trex.models import build_model
-    from trex.checkpoint import load_pretrained, save_pretrained
-    from trex.models.config import tiny
+    from trex.models.deepseek_v4.config import tiny
 
     tmp = sys.argv[1]
     # 8 layers + MTP of 32 experts x 3 x 512 x 512: ~900 MB in fp32, the largest tensor 32 MB.
@@ -57,9 +57,9 @@ SCRIPT_V3 = textwrap.dedent(
     """
     import json, os, sys, torch
     from trex import device
+    from trex.checkpoint import save_pretrained
     from trex.checkpoint.save import convert
     from trex.models import build_model
-    from trex.checkpoint import save_pretrained
     from trex.models.deepseek_v3.config import tiny_v3
 
     tmp = sys.argv[1]

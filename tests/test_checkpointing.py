@@ -17,9 +17,9 @@ import torch
 from trex.cli import main
 from arithmetic_data import write_sft
 from trex.checkpoint import load_pretrained
-from trex.recipe import load
-from trex.checkpoint.training import find_resume, list_checkpoints
 from trex.checkpoint.manifest import verify_checkpoint
+from trex.checkpoint.training import find_resume, list_checkpoints
+from trex.recipe import load
 from trex.train.config import TrainRecipe
 from trex.train.loop import train
 
@@ -180,11 +180,11 @@ class _Position:
 
 def _bf16_state():
     from trex import device
-    from trex.models import build_model
-    from trex.models.config import tiny
     from trex.checkpoint.training import RunState
-    from trex.train.optim import OptimSection, build_optimizer
+    from trex.models import build_model
+    from trex.models.deepseek_v4.config import tiny
     from trex.precision import StepGuard
+    from trex.train.optim import OptimSection, build_optimizer
     from trex.train.schedule import ScheduleSection, build_scheduler
 
     model = build_model(tiny(), seed=0).to(torch.bfloat16)

@@ -15,8 +15,8 @@ import torch
 from arithmetic_data import write_sft
 from trex_run import trex
 from trex.models import build_model
-from trex.models.config import tiny
-from trex.models.deepseek_v4 import SeqContext
+from trex.models.deepseek_v4.config import tiny
+from trex.models.deepseek_v4.context import SeqContext
 
 
 # The compiled tests' models run 3 Sinkhorn iterations, not V4's 20: dynamo unrolls the loop, so each

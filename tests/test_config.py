@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from trex.models.config import CSA, HCA, SLIDING, ConfigError, ModelConfig, get_preset
+from trex.models.common.config import ConfigError
+from trex.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig, get_preset
 
 FLASH_RATIOS = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(41)] + [0]  # 43 layers + MTP
 

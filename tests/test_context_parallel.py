@@ -18,8 +18,8 @@ import torch
 
 import context_parallel_worker as worker
 from trex_run import trex
-from trex.models.config import tiny
-from trex.models.deepseek_v4 import SeqContext, check_shardable
+from trex.models.deepseek_v4.config import check_shardable, tiny
+from trex.models.deepseek_v4.context import SeqContext
 from trex.parallel.mesh import ParallelSection, resolve_layout
 from test_distributed import _free_port
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trex.models import cross_entropy
-from trex.models.cross_entropy import IGNORE_INDEX, head_nll, token_nll
-from trex.models.deepseek_v4 import linear_fp32
+from trex.models.common import cross_entropy
+from trex.models.common.cross_entropy import IGNORE_INDEX, head_nll, token_nll
+from trex.models.common.linear import linear_fp32
 
 
 def _saved_storages(fn):

@@ -8,7 +8,7 @@ from trex.data import DataSection, build_loader, compact_tokenizer
 from trex.data.documents import Documents
 from trex.data.packing import IGNORE_INDEX, PackedRows, pack
 from trex.data.records import write_jsonl
-from trex.models.deepseek_v4 import shift_labels
+from trex.models.common.context import shift_labels
 
 TOK = compact_tokenizer()
 SEQ = 48

@@ -66,9 +66,9 @@ def test_uneven_data_is_caught_by_the_preflight_check(data, tmp_path):
 
 
 def test_sharded_load_from_a_checkpoint_matches_one_process(data, tmp_path):
-    from trex.models import build_model
     from trex.checkpoint import save_pretrained
-    from trex.models.config import tiny
+    from trex.models import build_model
+    from trex.models.deepseek_v4.config import tiny
 
     ckpt = tmp_path / "ckpt"
     save_pretrained(build_model(tiny(vocab_size=112, sliding_window=16), seed=3), str(ckpt), layout="official",

@@ -176,9 +176,9 @@ def sandbox(path: str, zygote: str | None = None) -> dict:
 def assets(tmp_path_factory):
     """What the placeholders name, built once: a tiny HF checkpoint (RUN is the committed golden file)."""
     d = tmp_path_factory.mktemp("doc-assets")
-    from trex.models import build_model
     from trex.checkpoint import save_pretrained
-    from trex.models.config import tiny
+    from trex.models import build_model
+    from trex.models.deepseek_v4.config import tiny
 
     save_pretrained(build_model(tiny(), seed=0), d / "hf_tiny", layout="hf", dtype="fp32")
     return d

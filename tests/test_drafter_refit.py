@@ -164,9 +164,9 @@ def test_a_post_trained_target_accepts_fewer_drafts_and_the_refit_restores_them(
     draws (none: its one read is the loop's)."""
     from trex import device as device_layer
     from trex.checkpoint.training import CheckpointSection
-    from trex.models.config_v41 import tiny_v41
-    from trex.models.deepseek_v41 import DeepseekV41
-    from trex.models.dspark import DSparkDrafter
+    from trex.models.deepseek_v4.config_v41 import tiny_v41
+    from trex.models.deepseek_v4.dspark import DSparkDrafter
+    from trex.models.deepseek_v4.model_v41 import DeepseekV41
     from trex.parallel.mesh import Parallel
     from trex.syncs import SyncCounter
     from trex.train.drafter_refit import DrafterRefit, trainable
@@ -273,7 +273,7 @@ def test_grpo_refits_every_n_steps_and_after_the_last(tmp_path, monkeypatch):
     first phase finishes it before its next main step and repeats the uninterrupted run's losses; every_n in
     SFT, or a model without a drafter, is one line naming the key."""
     from trex.cli import main
-    from trex.models.config_v41 import tiny_v41
+    from trex.models.deepseek_v4.config_v41 import tiny_v41
 
     grpo_inputs(tmp_path, monkeypatch)
     sets = ['train.mode="grpo"', 'data.tokenizer="compact"', "data.seq_len=32", "train.progress=false",
@@ -314,7 +314,7 @@ def test_the_refit_export_of_a_released_drafter_is_the_released_drafter_byte_for
     and exported by the re-fit's writer unchanged gives every ``mtp.*`` tensor of it again, name, dtype and bytes."""
     from test_model_v41 import DSPARK_RELEASED
     from trex.checkpoint.load import load_drafter
-    from trex.train.drafter_refit import export_drafter
+    from trex.train.drafters.dspark import export as export_drafter
 
     drafter = load_drafter(DSPARK_RELEASED, dtype=torch.float32, device="cpu")
     out = export_drafter(drafter, DSPARK_RELEASED, str(tmp_path / "released"), target_step=0, main=True)

@@ -47,8 +47,8 @@ def test_rowwise_adagrad_moves_only_the_rows_a_step_read_by_the_hand_computed_am
 
 
 def test_the_tables_are_frozen_by_default_and_trained_in_their_own_group_when_asked():
-    from trex.models.config_v41 import tiny_v41
-    from trex.models.deepseek_v41 import DeepseekV41
+    from trex.models.deepseek_v4.config_v41 import tiny_v41
+    from trex.models.deepseek_v4.model_v41 import DeepseekV41
     from trex.train.moe_balance import freeze_for_post_training
     from trex.train.optim import OptimSection, build_optimizer
 

@@ -13,13 +13,13 @@ from trex.fidelity.compare import compare
 from trex.fidelity.golden import DEFAULT_DATA_FILES, write_default_data
 from trex.fidelity.profiles import get_profile
 from trex.fidelity.runs import load_signals
-from trex.train.signals import grad_norms_by_group, layer_group, probe_positions
 from trex.models import build_model
-from trex.models.config import tiny
-from trex.models.deepseek_v4 import IGNORE_INDEX
+from trex.models.common.cross_entropy import IGNORE_INDEX
+from trex.models.deepseek_v4.config import tiny
 from trex.recipe import load
 from trex.train.config import TrainRecipe
 from trex.train.loop import train
+from trex.train.signals import grad_norms_by_group, layer_group, probe_positions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "fidelity_default.toml")

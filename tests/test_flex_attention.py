@@ -13,7 +13,7 @@ import torch
 
 from trex.kernels import flex_attention as fx
 from trex.kernels.sparse_attention import reference
-from trex.models.deepseek_v4 import SeqContext
+from trex.models.deepseek_v4.context import SeqContext
 
 B, S, H, C = 2, 96, 4, 32
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trex.models import build_model, get_preset
-from trex.models.config import tiny
+from trex.models.deepseek_v4.config import tiny
 from trex.models.flops import _mean_closed_windows, _mean_topk, _mean_window_keys, flops_per_token
 
 

@@ -11,7 +11,7 @@ import torch
 from trex import device as device_layer
 from trex import kernels
 from trex.kernels import fp32_matmul
-from trex.models.cross_entropy import head_nll
+from trex.models.common.cross_entropy import head_nll
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 import torch
 
-from trex.rollout.generate import greedy_generate
 from trex.models import build_model
-from trex.models.config import tiny
+from trex.models.deepseek_v4.config import tiny
+from trex.rollout.generate import greedy_generate
 
 
 def _greedy_one(model, prompt, n):

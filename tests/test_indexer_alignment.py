@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from trex.models import build_model
-from trex.models.config import tiny
-from trex.models.deepseek_v4 import Indexer
+from trex.models.deepseek_v4.compressor import Indexer
+from trex.models.deepseek_v4.config import tiny
 from trex.train.config import TrainSection
 
 

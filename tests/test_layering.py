@@ -3,7 +3,8 @@
 Reads the import statements of every module under src/trex (function-level imports too) and
 checks that a package imports only packages on floors below its own, never one on its floor or
 above: the model knows nothing of training, parallelism, checkpoints or data; the loop knows
-nothing of the tools built on it.
+nothing of the tools built on it. Inside trex.models (families, the shared parts, no import of a shared
+part through a family): tests/test_models_layering.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ FLOORS = [
     {"__init__", "atomic", "lazy"},       # ground: the version, atomic writes, lazy package exports
     {"logs", "recipe", "syncs", "device", "hardware"},  # logging, TOML recipes, sync counter, the device layer
     {"kernels"},                          # vendor fast paths behind a registry, each with a reference
-    {"models"},                           # DeepSeek-V4: config, presets, the model, FLOPs
+    {"models"},                           # the DeepSeek families: common/, one package per family, the registry
     {"precision", "data", "checkpoint"},  # what a model is trained in, on, stored as
     {"parallel"},                         # FSDP2, EP, meshes, sharded loading
     {"rollout"},                          # what it is sampled with: the sampler, the engine boundary, weight sync
@@ -78,7 +79,7 @@ def test_every_import_points_down():
     assert violations() == []
 
 
-@pytest.mark.parametrize("source, target", [("models/deepseek_v4.py", "checkpoint"),
+@pytest.mark.parametrize("source, target", [("models/deepseek_v4/model.py", "checkpoint"),
                                             ("parallel/plan.py", "train"),
                                             ("train/loop.py", "fidelity"),
                                             ("data/config.py", "data")])

@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from trex.models import build_model, count_parameters, get_preset
-from trex.models.config import tiny
-from trex.models.deepseek_v4 import Experts, _Sinkhorn, sparse_attention
+from trex.models.common.moe import Experts
+from trex.models.deepseek_v4.attention import sparse_attention
+from trex.models.deepseek_v4.config import tiny
+from trex.models.deepseek_v4.mhc import _Sinkhorn
 
 
 def test_packed_documents_match_each_document_alone():
@@ -45,7 +47,7 @@ def test_packed_loss_ignores_cross_document_targets():
 def test_forward_without_logits_gives_the_same_losses_and_gradients():
     """return_logits=False fuses the LM head with the loss (no [B, S, V] tensor): the labels' losses,
     the per-head NLL of given targets and every gradient match the forward that keeps the logits."""
-    from trex.models.deepseek_v4 import shift_labels
+    from trex.models.common.context import shift_labels
 
     model = build_model(tiny(num_nextn_predict_layers=1), seed=0)
     ids = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(3))

@@ -14,8 +14,8 @@ from trex.checkpoint import load_pretrained
 from trex.checkpoint.naming import trex_targets
 from trex.kernels import quantize
 from trex.models import build_model, count_parameters, get_preset
+from trex.models.common.cross_entropy import IGNORE_INDEX
 from trex.models.common.moe import limit_groups
-from trex.models.cross_entropy import IGNORE_INDEX
 from trex.models.deepseek_v3.config import tiny_moonlight, tiny_v3
 from trex.models.deepseek_v3.model import sequence_context
 from trex.syncs import SyncCounter

@@ -18,10 +18,12 @@ import torch
 from safetensors import safe_open
 
 from trex.checkpoint.naming import to_trex
-from trex.models.config_v41 import V41Config, tiny_v41
-from trex.models.deepseek_v4 import QuantSim
-from trex.models.deepseek_v41 import DeepseekV41, Shared
-from trex.models.engram import EngramLayout, compressed_token_map, is_prime
+from trex.models.common.linear import QuantSim
+from trex.models.deepseek_v4.attention_v41 import Shared
+from trex.models.deepseek_v4.config_v41 import V41Config, tiny_v41
+from trex.models.deepseek_v4.engram import compressed_token_map
+from trex.models.deepseek_v4.engram_layout import EngramLayout, is_prime
+from trex.models.deepseek_v4.model_v41 import DeepseekV41
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "v41", "tiny.safetensors")
 
@@ -66,7 +68,7 @@ def test_the_official_token_map_and_hashes_are_reproduced_exactly(official):
     token_map, n = compressed_token_map(Tokenizer.from_str(meta["tokenizer"]))
     assert token_map == tensors["token_map"].tolist()
     assert n < len(token_map)  # variants merged: the map is not the identity
-    from trex.models.deepseek_v4 import SeqContext
+    from trex.models.deepseek_v4.context import SeqContext
 
     hashes = model.engram_hashes(ids, SeqContext(model.cfg, ids, None))
     assert torch.equal(hashes, tensors["engram_hashes"])
@@ -116,7 +118,7 @@ def test_the_engram_primes_reproduce_the_released_table_sizes():
 
 
 def test_a_v41_config_refuses_inconsistent_sharing():
-    from trex.models.config import ConfigError
+    from trex.models.common.config import ConfigError
 
     with pytest.raises(ConfigError, match="layer 2 .*no earlier KV-source layer of ratio 2"):
         tiny_v41(compress_ratios=[0, 1, 2, 2, 1, 1, 1])
@@ -241,7 +243,7 @@ def test_the_vision_tower_and_dspark_stages_pass_through_unchanged(tmp_path):
 
     report = inspect_checkpoint(str(src))
     assert report["architecture"] == "deepseek_v41" and report["carried_through"] == len(extra)
-    from trex.models.config_v41 import config_from_file
+    from trex.models.deepseek_v4.config_v41 import config_from_file
 
     cfg = config_from_file(str(src))
     assert report["parameters"]["engram"] == sum(cfg.engram_num_embeddings) * cfg.engram_head_dim
@@ -285,7 +287,7 @@ def test_the_flash_preset_counts_its_backbone_engram_and_drafter():
     assert counts.active == counts.total - counts.engram + 2 * 24 * 256 - L * 378 * 3 * d * 2304
     stage = attention + 128 * d + 129 * 3 * d * 2304 + mhc + 2 * d
     assert counts.mtp == 3 * stage + (3 * d * d + d) + (d + 2 * V * 256 + d + 256)
-    from trex.models.dspark import DSparkDrafter
+    from trex.models.deepseek_v4.dspark import DSparkDrafter
 
     with torch.device("meta"):  # the drafter module trex builds has exactly those parameters
         assert sum(p.numel() for p in DSparkDrafter(cfg).parameters()) == counts.mtp
@@ -367,7 +369,7 @@ def test_every_v41_block_kind_compiles_without_a_graph_break():
     """Window-only + Engram, a ratio-2 KV and index source, a ratio-2 reader, a ratio-2 KV source with
     Engram, the ratio-1 candidate source, a ratio-1 reader and an index source inside the pool: one graph
     each under torch._dynamo.explain, with packed documents."""
-    from trex.models.deepseek_v4 import SeqContext
+    from trex.models.deepseek_v4.context import SeqContext
 
     cfg = tiny_v41(hc_sinkhorn_iters=3)  # the Sinkhorn loop traced 3 times instead of 20: the same ops
     model = DeepseekV41(cfg)
@@ -468,7 +470,7 @@ def dspark():
 
 def official_drafter(tensors: dict[str, torch.Tensor], cfg: V41Config):
     """trex's DSpark drafter with the fixture's official ``mtp.*`` weights."""
-    from trex.models.dspark import DSparkDrafter
+    from trex.models.deepseek_v4.dspark import DSparkDrafter
 
     drafter = DSparkDrafter(cfg)
     state = drafter.state_dict()
@@ -486,7 +488,7 @@ def official_drafter(tensors: dict[str, torch.Tensor], cfg: V41Config):
 def draft_loop(model, drafter, ids: torch.Tensor, prefill: int) -> dict[str, torch.Tensor]:
     """The official loop in trex: prefill ids[:, :prefill] (seeding the drafter), then per position i the main
     model's step on ids[:, i] and a draft from its greedy token; outputs stacked over the steps as the fixture's."""
-    from trex.models.decode_v41 import V41DecodeCache
+    from trex.models.deepseek_v4.decode_v41 import V41DecodeCache
 
     cache = V41DecodeCache(ids.shape[1])
     taps = drafter.target_layers

@@ -1,12 +1,15 @@
 """Inside trex.models, every import points down too (tests/test_layering.py checks the packages).
 
 The modules of src/trex/models sit in groups, lowest first: the shared parts (``common/``, and the
-leaves ``cross_entropy`` and ``modes``), the architecture families (each its config, model, decode
-cache ...; a family imports only the shared parts, itself and the family it derives from), and on top
-what dispatches over every architecture (``registry``, ``build``, ``params``, ``flops``, the package's
-lazy ``__init__``), which nothing below imports. Within all that, no circle. Every import counts: at
-module level, inside functions, under ``if TYPE_CHECKING:``, and the submodules a ``lazy_exports`` table
-names.
+leaf ``modes``), the families (one package each: its config, model, decode cache ...; a family imports only
+the shared parts and itself, never another family), and on top what dispatches over every architecture
+(``registry``, ``build``, ``params``, ``flops``, the package's lazy ``__init__``), which nothing below
+imports. Within all that, no circle. Every import counts: at module level, inside functions, under
+``if TYPE_CHECKING:``, and the submodules a ``lazy_exports`` table names.
+
+And every import of a name from a module of trex.models, anywhere in src/trex, tests and bench, names the
+module that defines it: nothing takes a shared part (or anything else) through a family's module that
+merely imports it.
 """
 
 from __future__ import annotations
@@ -20,18 +23,12 @@ import pytest
 
 MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "trex", "models")
 
-SHARED_LEAVES = {"cross_entropy", "modes"}  # shared parts that stay beside the families (a test patches
-#                                              cross_entropy's module global, which a re-export would miss)
-FAMILIES = {  # family -> its modules
-    "deepseek_v4": {"config", "deepseek_v4", "decode"},
-    "deepseek_v41": {"config_v41", "deepseek_v41", "decode_v41", "dspark", "engram", "engram_layout"},
-    "deepseek_v3": {"deepseek_v3.__init__", "deepseek_v3.config", "deepseek_v3.attention", "deepseek_v3.dsa",
-                    "deepseek_v3.model", "deepseek_v3.decode"},
-}
-DERIVES = {"deepseek_v41": "deepseek_v4"}  # a family -> the one it imports what it keeps from
+SHARED_LEAVES = {"modes"}  # a shared part that stays beside the families
+FAMILIES = {"deepseek_v4", "deepseek_v3"}  # each a package below trex.models
 TOP = {"__init__", "registry", "build", "params", "flops"}
-TORCH_FREE = ("common.config", "config", "config_v41", "engram_layout", "deepseek_v3", "deepseek_v3.config",
-              "registry")  # read by `trex --help`
+TORCH_FREE = ("common.config", "deepseek_v4", "deepseek_v4.config", "deepseek_v4.config_v41",
+              "deepseek_v4.engram_layout", "deepseek_v3", "deepseek_v3.config", "registry")  # read by `trex --help`
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def module_files() -> dict[str, str]:
@@ -92,10 +89,8 @@ def group_of(module: str) -> str:
         return "shared"
     if module in TOP:
         return "top"
-    for family, members in FAMILIES.items():
-        if module in members:
-            return family
-    return "?"
+    family = module.split(".")[0]
+    return family if family in FAMILIES and "." in module else "?"
 
 
 def cycles(edges: dict[str, list[tuple[int, str]]]) -> list[list[str]]:
@@ -128,8 +123,8 @@ def violations(edges: dict[str, list[tuple[int, str]]]) -> list[str]:
             where = f"models/{module.replace('.', '/')}.py:{line}: {module} ({group}) imports {target} ({to})"
             if group == "shared" and to != "shared":
                 bad.append(where + ": a shared part imports no architecture and nothing above them")
-            elif group not in ("shared", "top") and to not in ("shared", group, DERIVES.get(group)):
-                bad.append(where + f": a family imports the shared parts, itself and {DERIVES.get(group) or 'nothing else'}")
+            elif group not in ("shared", "top") and to not in ("shared", group):
+                bad.append(where + ": a family imports the shared parts and itself, no other family")
             elif to == "top" and group != "top":
                 bad.append(where + ": what dispatches over the architectures sits on top")
     return bad
@@ -148,13 +143,12 @@ def test_shared_parts_then_families_then_the_dispatch():
 
 
 @pytest.mark.parametrize("source, target, what", [
-    ("common.moe", "deepseek_v4", "violation"),  # a shared part reaching into V4
-    ("deepseek_v4", "deepseek_v41", "violation"),  # V4 importing the family derived from it
-    ("config", "registry", "cycle"),  # V4's config asking the registry (the presets' old circle)
-    ("deepseek_v4", "decode", "cycle"),  # the model naming its decode cache's class (the old circle)
-    ("deepseek_v3.model", "deepseek_v4", "violation"),  # V3 built over V4's file instead of the shared parts
-    ("deepseek_v3.attention", "config", "violation"),  # V3 reading V4's config
-    ("deepseek_v4", "deepseek_v3.config", "violation"),  # V4 reaching into the V3 family
+    ("common.moe", "deepseek_v4.model", "violation"),  # a shared part reaching into V4
+    ("deepseek_v4.config", "registry", "violation"),  # V4's config asking the registry (the presets' old circle)
+    ("deepseek_v4.attention", "deepseek_v4.decode", "cycle"),  # attention naming its decode cache's class (a circle)
+    ("deepseek_v3.model", "deepseek_v4.model", "violation"),  # V3 built over V4's model instead of the shared parts
+    ("deepseek_v3.attention", "deepseek_v4.config", "violation"),  # V3 reading V4's config
+    ("deepseek_v4.model_v41", "deepseek_v3.config", "violation"),  # V4.1 reaching into the V3 family
 ])
 def test_the_check_sees_a_bad_import(source, target, what):
     edges = graph()
@@ -171,3 +165,54 @@ def test_configs_and_the_registry_import_no_torch():
             + "print('torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "False", proc.stderr[-2000:]
+
+
+def bindings(path: str) -> dict[str, str]:
+    """The names a module's top level binds by importing them: name -> the module it takes them from."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    return {(a.asname or a.name): node.module for node in tree.body
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module for a in node.names}
+
+
+def passed_through(roots: list[str]) -> list[str]:
+    """Every ``from trex.models.<module> import name`` (any depth, in every file under ``roots``) where
+    ``<module>`` does not define ``name`` but imports it from elsewhere: an import through a module."""
+    modules, bad, bound = module_files(), [], {}
+    for root in roots:
+        for d, _, files in os.walk(root):
+            for f in sorted(files):
+                if not f.endswith(".py"):
+                    continue
+                path = os.path.join(d, f)
+                try:
+                    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+                except (SyntaxError, ValueError, UnicodeDecodeError):  # fixtures that are not Python
+                    continue
+                for node in ast.walk(tree):
+                    if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                            and node.module.startswith("trex.models.")):
+                        continue
+                    target = node.module[len("trex.models."):]
+                    if target not in modules:  # a package: its lazy table, or a submodule
+                        continue
+                    if target not in bound:
+                        bound[target] = bindings(modules[target])
+                    for a in node.names:
+                        if a.name in bound[target]:
+                            bad.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {a.name} through "
+                                       f"trex.models.{target}; it is defined in {bound[target][a.name]}")
+    return bad
+
+
+def test_every_import_names_the_defining_module():
+    """Generic code reaches a shared part through ``trex.models.common``, not through a family's module
+    that imports it (and a family's own part through the module that defines it)."""
+    assert passed_through([os.path.join(ROOT, d) for d in ("src", "tests", "bench")]) == []
+
+
+def test_the_check_sees_an_import_through_a_family(tmp_path):
+    bad = tmp_path / "generic.py"
+    bad.write_text("from trex.models.deepseek_v4.model import RMSNorm\n"
+                   "from trex.models.common.norm import RMSNorm as Fine\n")
+    found = passed_through([str(tmp_path)])
+    assert len(found) == 1 and "RMSNorm through trex.models.deepseek_v4.model" in found[0], found

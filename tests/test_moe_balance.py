@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from trex.models import build_model
-from trex.models.config import tiny
-from trex.models.deepseek_v4 import Gate, MoEStats
+from trex.models.common.moe import Gate, MoEStats
+from trex.models.deepseek_v4.config import tiny
 from trex.train.moe_balance import freeze_indexer, update_router_bias
 
 

@@ -1,4 +1,4 @@
-"""``[drafter]`` on DeepSeek-V4's multi-token prediction modules (trex.train.drafter_refit.MTPDrafter): whether
+"""``[drafter]`` on DeepSeek-V4's multi-token prediction modules (trex.train.drafters.mtp.MTPDrafter): whether
 the re-fit helps them as a drafter (the demonstration docs/post_training.md quotes), and the job around it:
 `trex train` in SFT and GRPO, resumed bit for bit, exported."""
 
@@ -16,7 +16,7 @@ from trex.train.drafter_refit import DrafterSection
 
 
 def _tiny_v4_mtp():
-    from trex.models.config import tiny
+    from trex.models.deepseek_v4.config import tiny
 
     return tiny(vocab_size=64, num_nextn_predict_layers=1)
 
@@ -38,7 +38,8 @@ def _refit(model, tmp_path):
     from trex import device as device_layer
     from trex.checkpoint.training import CheckpointSection
     from trex.parallel.mesh import Parallel
-    from trex.train.drafter_refit import DrafterRefit, MTPDrafter
+    from trex.train.drafter_refit import DrafterRefit
+    from trex.train.drafters.mtp import MTPDrafter
 
     prompts = [_counting(5 * i % 48, 1, 3) + _counting(5 * i % 48 + 7, 3, 2) for i in range(20)]  # both tasks
     section = DrafterSection(enabled=True, steps=20, lr=3e-3, new_tokens=8, prompts_per_step=8, held_out=6,
@@ -54,7 +55,7 @@ def test_the_refit_restores_the_mtp_drafter_where_the_objective_left_it_behind(t
     does (the modules get no gradient): (b) falls below (a); re-fit, (c) >= (a). The same shift as SFT (main +
     0.1 MTP loss): the figures of (b) and (c) the docs quote. Only the MTP modules move in a re-fit, and its
     step reads nothing from the host."""
-    from trex.models.deepseek_v4 import DeepseekV4
+    from trex.models.deepseek_v4.model import DeepseekV4
     from trex.syncs import SyncCounter
     from trex.train.drafter_refit import trainable
 
@@ -115,8 +116,8 @@ def test_mtp_acceptance_is_what_a_speculative_decoder_verifies():
     accepted, and a stop token at once leaves nothing to measure."""
     from test_model_v41 import _verified
 
-    from trex.models.config import tiny
-    from trex.models.deepseek_v4 import DeepseekV4
+    from trex.models.deepseek_v4.config import tiny
+    from trex.models.deepseek_v4.model import DeepseekV4
     from trex.rollout.speculation import measure_mtp_acceptance, mtp_draft_steps
 
     torch.manual_seed(0)
@@ -145,8 +146,8 @@ def test_trex_fidelity_drafter_measures_mtp_modules_and_refuses_a_checkpoint_wit
     a config with modules whose tensors the checkpoint lacks, or one with none, is one line, exit 2."""
     from trex.checkpoint.save import save_pretrained
     from trex.cli import main
-    from trex.models.config import tiny
-    from trex.models.deepseek_v4 import DeepseekV4
+    from trex.models.deepseek_v4.config import tiny
+    from trex.models.deepseek_v4.model import DeepseekV4
     from trex.rollout.speculation import measure_mtp_acceptance
 
     torch.manual_seed(0)
@@ -182,8 +183,8 @@ def test_trex_fidelity_drafter_takes_chat_prompt_files_as_every_prompt_option_do
     from trex.cli import main
     from trex.data.tokenizer import compact_tokenizer
     from trex.fidelity.drafter import read_prompts
-    from trex.models.config import tiny
-    from trex.models.deepseek_v4 import DeepseekV4
+    from trex.models.deepseek_v4.config import tiny
+    from trex.models.deepseek_v4.model import DeepseekV4
     from trex.posttrain.on_policy import load_prompts
 
     model = DeepseekV4(tiny(vocab_size=112))
@@ -287,7 +288,7 @@ def test_grpo_holds_the_mtp_modules_in_its_main_steps_refits_them_every_n_and_re
     step 2 (the module in both: the re-fit's checkpoint is read last) repeats the uninterrupted run's losses and
     re-fit bit for bit. ``drafter.block_size`` on MTP modules is one line naming the key."""
     from trex.cli import main
-    from trex.models.config import tiny
+    from trex.models.deepseek_v4.config import tiny
 
     grpo_inputs(tmp_path, monkeypatch)
     sets = ['train.mode="grpo"', 'data.tokenizer="compact"', "data.seq_len=32", "train.progress=false",

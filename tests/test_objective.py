@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from trex import device
-from trex.models import build_model
 from trex.checkpoint import save_pretrained
-from trex.models.config import tiny
+from trex.models import build_model
+from trex.models.deepseek_v4.config import tiny
 from trex.parallel.mesh import Parallel
 from trex.posttrain import TrainContext, build_objective, load_frozen, token_logprobs
-from trex.train.config import TrainRecipe, TrainSection
 from trex.precision import PrecisionPolicy
+from trex.train.config import TrainRecipe, TrainSection
 
 
 def _ctx(model) -> TrainContext:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trex.models import build_model
-from trex.models.config import tiny
+from trex.models.deepseek_v4.config import tiny
 from trex.train.moe_balance import freeze_indexer
 from trex.train.optim import (OptimSection, build_optimizer, classify, clip_grad_norm, hybrid_newton_schulz, ns_flops,
                               orthogonalized_update)

@@ -9,7 +9,7 @@ import pytest
 from trex.cli import main
 from trex.hardware import HardwareProfile, load_profiles
 from trex.models import build_model, count_parameters, get_preset
-from trex.models.config import tiny
+from trex.models.deepseek_v4.config import tiny
 from trex.plan import Layout, PlanError, TimeAssumptions, annotate, fewest_devices, make_plan, parse_layout, search
 from trex.plan.model_facts import model_facts
 from trex.plan.planner import device_counts

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trex.models import build_model
-from trex.models.config import tiny
+from trex.models.deepseek_v4.config import tiny
 from trex.plan import activations as act
 
 
@@ -78,7 +78,7 @@ def test_the_v41_estimate_is_within_its_stated_bound_of_autograd(dtype):
     """DeepSeek-V4.1 by layer kind (window-only with Engram, ratio-2 and ratio-1 KV sources and readers,
     a KV source with Engram): the whole forward within 3% of what autograd saves, each block within 12%
     (measured: 0.4% at fp32 and 1.9% at bf16 overall; Engram's blocks at bf16 are the loosest)."""
-    from trex.models.config_v41 import tiny_v41
+    from trex.models.deepseek_v4.config_v41 import tiny_v41
 
     cfg = tiny_v41()
     b = torch.tensor([], dtype=dtype).element_size()

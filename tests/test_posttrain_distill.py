@@ -166,7 +166,7 @@ def test_shipped_recipe_runs_on_a_shortened_schedule(tmp_path):
 
     from trex.checkpoint.save import save_pretrained
     from trex.models import build_model
-    from trex.models.config import tiny
+    from trex.models.deepseek_v4.config import tiny
     from trex.recipe import load
     from trex.train.config import TrainRecipe
     from trex.train.loop import train
@@ -208,8 +208,8 @@ def test_distillation_on_v41_under_fsdp2_ep2_and_cp2_gives_the_losses_of_one_pro
     from trex.checkpoint.save import save_pretrained
     from trex.data.tokenizer import compact_tokenizer
     from trex.models import build_model
-    from trex.models.config_v41 import tiny_v41
-    from trex.models.engram import compressed_token_map
+    from trex.models.deepseek_v4.config_v41 import tiny_v41
+    from trex.models.deepseek_v4.engram import compressed_token_map
 
     sets = _two_teachers_task(tmp_path, steps=3)  # prompts; its V4 teachers are replaced by a V4.1 one
     tok = compact_tokenizer()

@@ -395,7 +395,7 @@ def test_two_process_grpo_gives_the_samples_and_losses_of_one_process(prompt_fil
 
 def test_row_uniforms_make_samples_independent_of_batch_and_rank():
     from trex.models import build_model
-    from trex.models.config import tiny
+    from trex.models.deepseek_v4.config import tiny
     from trex.parallel.mesh import Parallel
     from trex.posttrain.on_policy import rank_uniforms
     from trex.rollout import SamplingParams, sample

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from trex import device
-from trex.train.optim import OptimSection, build_optimizer, clip_grad_norm
 from trex.precision import DynamicLossScaler, NonFiniteError, PrecisionSection, PrecisionPolicy, StepGuard
+from trex.train.optim import OptimSection, build_optimizer, clip_grad_norm
 
 
 def fake_caps(monkeypatch, **caps):
@@ -162,7 +162,7 @@ def test_precision_config_validation():
 def _tiny_pair(dtype):
     """A tiny model with fp32 parameters cast for compute, and a twin holding the same values in ``dtype``."""
     from trex.models import build_model
-    from trex.models.config import tiny
+    from trex.models.deepseek_v4.config import tiny
     from trex.parallel.plan import cast_for_compute
 
     model = build_model(tiny(), seed=0)
@@ -229,7 +229,7 @@ def test_recomputed_blocks_see_the_same_low_precision_weights(mode):
 
 def test_fp32_installs_nothing_and_a_later_fp32_stage_removes_the_cast():
     from trex.models import build_model
-    from trex.models.config import tiny
+    from trex.models.deepseek_v4.config import tiny
     from trex.parallel.plan import cast_for_compute
 
     model = build_model(tiny(), seed=0)
@@ -251,7 +251,7 @@ def test_at_identical_weights_the_mhc_gradients_in_bf16_agree_with_fp32():
     they agree within 0.3%; even the mixes GEMM planted in bf16 stays under 1%, the Sinkhorn backward
     rounded to bf16 at every normalisation under 0.3%: a lost gradient path, not bf16, fails this."""
     from trex.models import build_model
-    from trex.models.config import tiny
+    from trex.models.deepseek_v4.config import tiny
     from trex.parallel.plan import cast_for_compute
     from trex.train.signals import grad_norms_by_group
 

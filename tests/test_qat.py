@@ -12,8 +12,9 @@ from trex.checkpoint import load_pretrained, save_pretrained
 from trex.checkpoint.layouts import codec_for
 from trex.kernels import quantize
 from trex.models import build_model, get_preset
-from trex.models.config import tiny
-from trex.models.deepseek_v4 import QuantLinear, QuantSim, SeqContext
+from trex.models.common.linear import QuantLinear, QuantSim
+from trex.models.deepseek_v4.config import tiny
+from trex.models.deepseek_v4.context import SeqContext
 from trex.precision import PrecisionSection
 
 OFFICIAL = PrecisionSection(qat="official").quant_sim()

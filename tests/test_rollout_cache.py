@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from trex.models import build_model
-from trex.models.config import CSA, HASH_MOE, HCA, MOE, SLIDING, tiny
-from trex.models.decode import DecodeCache
+from trex.models.common.config import HASH_MOE, MOE
+from trex.models.deepseek_v4.config import CSA, HCA, SLIDING, tiny
+from trex.models.deepseek_v4.decode import DecodeCache
 from trex.rollout import SamplingParams, sample
 from trex.rollout.sampling import left_pad
 
@@ -100,7 +101,7 @@ def test_cache_refuses_more_steps_than_it_was_sized_for_and_labels(family):
 
 @pytest.mark.parametrize("quant", [False, True], ids=["fp32", "served-rounding"])
 def test_v41_cached_logits_match_full_recompute_at_every_step(quant):
-    """DeepSeek-V4.1's cache (trex.models.decode_v41) on tiny-v4.1: window-only layers with Engram, ratio-2
+    """DeepSeek-V4.1's cache (trex.models.deepseek_v4.decode_v41) on tiny-v4.1: window-only layers with Engram, ratio-2
     and ratio-1 KV sources whose entries later layers read, index sources reusing picks, the candidate
     pool (3 blocks of 4 among up to 14), prompts of 1 to 21 tokens left-padded in one batch; 12 new
     tokens close several groups of every source. At every step the cached logits equal the whole row's
@@ -108,9 +109,9 @@ def test_v41_cached_logits_match_full_recompute_at_every_step(quant):
     weights and activations), except the indexer's: its bf16 scores (as served) tie often enough that a
     one-row and a whole-row score pick different entries (measured over 20 steps: 16 apart with this config's
     8 index heads, 2 with 32, none at fp32), as any two batchings of the served indexer would."""
-    from trex.models.config_v41 import tiny_v41
-    from trex.models.decode_v41 import V41DecodeCache
-    from trex.models.deepseek_v4 import QuantSim
+    from trex.models.common.linear import QuantSim
+    from trex.models.deepseek_v4.config_v41 import tiny_v41
+    from trex.models.deepseek_v4.decode_v41 import V41DecodeCache
 
     model = build_model(tiny_v41(hc_sinkhorn_iters=3), seed=0).eval()  # 3 Sinkhorn rounds: the same ops, faster
     if quant:

@@ -41,11 +41,11 @@ def _worker(out: str, ep: int) -> None:
 
     from trex import device
     from trex.models import build_model
-    from trex.models.config import tiny
+    from trex.models.deepseek_v4.config import tiny
     from trex.parallel.mesh import init_parallel
     from trex.parallel.plan import apply_parallelism
-    from trex.rollout import SamplingParams, sample
     from trex.precision import PrecisionPolicy
+    from trex.rollout import SamplingParams, sample
 
     dev = device.detect()
     par = init_parallel(1, 2, ep, 600, dev)  # generous: CI machines may be busy

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from trex.models import build_model
-from trex.models.config import tiny
+from trex.models.deepseek_v4.config import tiny
 from trex.rollout import SamplingParams, sample
 from trex.rollout.sampling import choose_tokens
 

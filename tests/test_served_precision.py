@@ -12,8 +12,10 @@ import torch.nn.functional as F
 
 from trex.kernels import sparse_attention as sa
 from trex.models import build_model
-from trex.models.config import ConfigError, ModelConfig, tiny
-from trex.models.deepseek_v4 import clamped_swiglu, segments, shift_labels
+from trex.models.common.config import ConfigError
+from trex.models.common.context import segments, shift_labels
+from trex.models.common.moe import clamped_swiglu
+from trex.models.deepseek_v4.config import ModelConfig, tiny
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +111,7 @@ def test_a_config_written_by_pretrained_config_loads_and_architecture_typos_stil
 
 
 def test_v4_0731_dspark_is_refused_by_name_and_v41_is_recognised():
-    from trex.models.config_v41 import V41Config, config_from_dict, tiny_v41
+    from trex.models.deepseek_v4.config_v41 import V41Config, config_from_dict, tiny_v41
 
     hf = {**tiny().to_hf_dict(), "dspark_num_layers": 3}
     with pytest.raises(ConfigError, match="DSpark speculative-decoding drafter") as e:

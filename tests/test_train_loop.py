@@ -15,11 +15,11 @@ from trex.data import Batch
 from trex.data.arithmetic import ArithmeticTask, cpt_records, generate, sft_records
 from trex.data.records import write_jsonl
 from trex.models import build_model
-from trex.models.config import tiny
+from trex.models.deepseek_v4.config import tiny
+from trex.precision import DynamicLossScaler, NonFiniteError
 from trex.recipe import load
 from trex.train.config import TrainRecipe, TrainSection
 from trex.train.loop import accumulate_gradients, train
-from trex.precision import DynamicLossScaler, NonFiniteError
 
 
 def _batch(ids, labels, docs):

@@ -35,7 +35,7 @@ from typing import Iterable, Literal
 import torch
 
 from trex import device as trex_device
-from trex.models.deepseek_v4 import QuantSim
+from trex.models.common.linear import QuantSim
 from trex.recipe import check_choices
 
 log = logging.getLogger(__name__)

@@ -18,15 +18,15 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from trex.checkpoint.layouts import SAVE_DTYPES, TrexTensor, plan_outputs
+from trex.checkpoint.manifest import MANIFEST, TOKENIZER, TRAINER_STATE, SafeFileSystemReader, verify_checkpoint
 from trex.checkpoint.reader import CheckpointReader
 from trex.checkpoint.save import (check_output, checkpoint_config, passthrough_tensors, tokenizer_files,
                                   written_scale_fmt)
-from trex.checkpoint.writer import check_destination, write_checkpoint
-from trex.models.config_v41 import V41Config
-from trex.models.registry import config_from_dict
-from trex.models.build import build_model
-from trex.checkpoint.manifest import MANIFEST, TOKENIZER, TRAINER_STATE, SafeFileSystemReader, verify_checkpoint
 from trex.checkpoint.training import one_process_dcp
+from trex.checkpoint.writer import check_destination, write_checkpoint
+from trex.models.build import build_model
+from trex.models.deepseek_v4.config_v41 import V41Config
+from trex.models.registry import config_from_dict
 
 log = logging.getLogger(__name__)
 

@@ -20,14 +20,15 @@ from trex import device as device_layer
 from trex.checkpoint.errors import CheckpointError
 from trex.checkpoint.reader import CheckpointReader, problems_error
 from trex.checkpoint.sharding import ShardFn, default_placements, local_region
-from trex.models import DeepseekV4, build_model
+from trex.models import build_model
+from trex.models.common.heads import Model
 
 log = logging.getLogger(__name__)
 
 
 def load_pretrained(path: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                     mesh=None, layout: str = "auto", shard_fn: ShardFn | None = None,
-                    placements_fn=None, overrides: dict | None = None) -> DeepseekV4:
+                    placements_fn=None, overrides: dict | None = None) -> Model:
     """Load a directory with ``config.json`` and safetensors weights in any DeepSeek-V4 layout.
 
     Official names or HF names (``layout="auto"`` detects them; "official" / "hf" force one),
@@ -74,11 +75,11 @@ def load_pretrained(path: str, dtype: torch.dtype | None = None, device: str | t
 
 
 def load_drafter(path: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
-    """The DSpark drafter (``trex.models.dspark.DSparkDrafter``, frozen) of the V4.1 checkpoint at ``path``, its
-    ``mtp.*`` stages checked and dequantised as the model's tensors are; CheckpointError when the checkpoint
-    has no drafter or it does not match its config. The stages stay carried through on export, as stored."""
-    from trex.models.config_v41 import V41Config
-    from trex.models.dspark import DSparkDrafter
+    """The DSpark drafter (``trex.models.deepseek_v4.dspark.DSparkDrafter``, frozen) of the V4.1 checkpoint at ``path``,
+    its ``mtp.*`` stages checked and dequantised as the model's tensors are; CheckpointError when the checkpoint has
+    no drafter or it does not match its config. The stages stay carried through on export, as stored."""
+    from trex.models.deepseek_v4.config_v41 import V41Config
+    from trex.models.deepseek_v4.dspark import DSparkDrafter
 
     reader = CheckpointReader(path)
     cfg = reader.config
@@ -112,7 +113,7 @@ def set_engram_tokenizer(model, path: str) -> None:
         return
     from tokenizers import Tokenizer
 
-    from trex.models.engram import compressed_token_map
+    from trex.models.deepseek_v4.engram import compressed_token_map
 
     try:
         model.set_engram_token_map(*compressed_token_map(Tokenizer.from_file(found[0])))
@@ -120,7 +121,7 @@ def set_engram_tokenizer(model, path: str) -> None:
         raise CheckpointError(f"{found[0]}: {e}") from None
 
 
-def _load_local(model: DeepseekV4, key: str, meta: torch.Tensor, reader: CheckpointReader, shard_fn: ShardFn,
+def _load_local(model: Model, key: str, meta: torch.Tensor, reader: CheckpointReader, shard_fn: ShardFn,
                 device: torch.device, dtype: torch.dtype, mesh, placements_fn) -> None:
     """Replace parameter/buffer ``key`` by its local region (a DTensor when ``mesh`` is set)."""
     shape = tuple(meta.shape)

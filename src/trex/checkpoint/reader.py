@@ -29,13 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from trex.kernels import quantize as quant
 from trex.checkpoint.errors import CheckpointError
-from trex.checkpoint.safetensors_io import SafetensorsFile
-from trex.models.config_v41 import PASSTHROUGH, V41Config
-from trex.models.registry import config_from_file, with_overrides
 from trex.checkpoint.naming import (LAYOUTS, V3_ARCHITECTURES, Target, detect_layout, hf_name, mtp_copy_of,
                                     official_name, scale_candidates, trex_targets, v3_hf_name)
+from trex.checkpoint.safetensors_io import SafetensorsFile
+from trex.kernels import quantize as quant
+from trex.models.deepseek_v4.config_v41 import PASSTHROUGH, V41Config
+from trex.models.registry import config_from_file, with_overrides
 
 Region = tuple[tuple[int, int], ...]
 """Per dim [start, stop) of a tensor's full (unsharded) shape."""

@@ -21,8 +21,9 @@ from trex.checkpoint.reader import CheckpointReader
 from trex.checkpoint.safetensors_io import PlannedTensor
 from trex.checkpoint.writer import check_destination, write_checkpoint
 from trex.models import build_model
-from trex.models.config import CSA, HASH_MOE, HCA, ModelConfig
-from trex.models.config_v41 import V41Config
+from trex.models.common.config import HASH_MOE
+from trex.models.deepseek_v4.config import CSA, HCA, ModelConfig
+from trex.models.deepseek_v4.config_v41 import V41Config
 
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"^layers\.(\d+)\.")
@@ -34,7 +35,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer", "tikt
 def save_pretrained(model: torch.nn.Module, path: str, layout: str = "hf", dtype: str = "bf16",
                     quantize: str | None = None, max_shard_size: int | str = "5GB", overwrite: bool = False,
                     progress: bool = False) -> list[str]:
-    """Write ``model`` (a trex ``DeepseekV4``) as sharded safetensors + index + ``config.json``.
+    """Write ``model`` (a trex model of any family) as sharded safetensors + index + ``config.json``.
 
     layout: "hf" (transformers module names, fused experts) or "official" (released names,
     per-expert tensors). dtype: "bf16" or "fp32" for unquantised tensors. quantize: None, "fp8"

@@ -22,7 +22,7 @@ import numpy as np
 
 from trex.data.config import DataSection
 from trex.data.documents import Documents
-from trex.models.deepseek_v4 import IGNORE_INDEX
+from trex.models.common.cross_entropy import IGNORE_INDEX
 
 
 def pack(lengths: np.ndarray, seq_len: int) -> np.ndarray:

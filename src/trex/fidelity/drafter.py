@@ -93,7 +93,7 @@ def measure(checkpoint: str, prompts: list[list[int]], max_new_tokens: int, batc
     decoding of ``prompts``."""
     from trex.checkpoint import CheckpointError, load_pretrained
     from trex.checkpoint.load import load_drafter
-    from trex.models.config import ConfigError
+    from trex.models.common.config import ConfigError
     from trex.rollout.speculation import measure_acceptance, measure_mtp_acceptance
 
     check_checkpoint(checkpoint)
@@ -122,7 +122,7 @@ def drafter_of(checkpoint: str) -> str:
     from trex.checkpoint import CheckpointError
     from trex.checkpoint.reader import CheckpointReader
     from trex.models.build import build_model
-    from trex.models.config import ConfigError
+    from trex.models.common.config import ConfigError
     from trex.models.registry import drafter_kind
 
     try:

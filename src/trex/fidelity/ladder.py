@@ -51,7 +51,8 @@ from trex.fidelity.report import write_all
 from trex.fidelity.runs import load_signals
 from trex.fidelity.sketch import Stats
 from trex.fidelity.sketch import agreement as sketch_agreement
-from trex.models import DeepseekV4, evaluating
+from trex.models import evaluating
+from trex.models.common.heads import Model
 from trex.parallel.load import load_sharded
 from trex.parallel.mesh import Parallel, init_parallel, resolve_layout
 from trex.posttrain import TrainContext, build_objective
@@ -74,7 +75,7 @@ class Side:
 
     name: str
     recipe: TrainRecipe
-    edit: Callable[[DeepseekV4], None] | None = None
+    edit: Callable[[Model], None] | None = None
 
     def model(self, recipe: TrainRecipe, dev: device_layer.Device, policy: PrecisionPolicy, tokenizer):
         model = model_for(recipe, tokenizer, dev, policy)
@@ -88,7 +89,7 @@ class Parts:
     """A side's student at its initial weights with what one step needs (in its layout)."""
 
     recipe: TrainRecipe
-    model: DeepseekV4
+    model: Model
     params: list[tuple[str, torch.Tensor]]
     optimizer: torch.optim.Optimizer
     objective: object
@@ -123,7 +124,7 @@ def build_parts(side: Side) -> Parts:
 
 
 # ---- measurements ------------------------------------------------------------------------------------
-def tapped_blocks(model: DeepseekV4) -> list[tuple[str, torch.nn.Module]]:
+def tapped_blocks(model: Model) -> list[tuple[str, torch.nn.Module]]:
     """The modules whose outputs the ladder compares, in forward order: embed, each layer, the mHC head
     (V4; V4.1's single-pass mHC has none), norm, each MTP block."""
     head = [("hc_head", model.hc_head)] if hasattr(model, "hc_head") else []
@@ -131,7 +132,7 @@ def tapped_blocks(model: DeepseekV4) -> list[tuple[str, torch.nn.Module]]:
             ("norm", model.norm), *((f"mtp.{j}", m) for j, m in enumerate(model.mtp))]
 
 
-def block_outputs(model: DeepseekV4, batch) -> dict[str, torch.Tensor]:
+def block_outputs(model: Model, batch) -> dict[str, torch.Tensor]:
     """Forward order -> output (fp32, host) of every block on ``batch`` (no gradient): embed, each
     layer's mHC residual [B, S, hc, d], hc_head, norm, logits [B, S, V], each MTP block's hidden."""
     taps = tapped_blocks(model)
@@ -359,7 +360,7 @@ def lr0_overrides(recipe_path: str, side_overrides: list[str], lr0_steps: int | 
 
 def run_ladder(recipe_path: str, variant_overrides: list[str], out: str, profile: Profile,
                reference_overrides: list[str] | None = None, lr0_steps: int | None = None,
-               steps: int | None = None, edit: Callable[[DeepseekV4], None] | None = None,
+               steps: int | None = None, edit: Callable[[Model], None] | None = None,
                overwrite: bool = False) -> dict:
     """Climb the ladder; returns the report (also written to ``out``). A non-empty ``out`` is refused
     (ValueError) unless ``overwrite``."""

@@ -56,7 +56,7 @@ from trex.fidelity.matrix import claim_out
 from trex.fidelity.profiles import Profile
 from trex.fidelity.sketch import (BYTES_PER_TENSOR, SAMPLES, SKETCH, WIDTH, Piece, Stats, fill_synthetic, piece_of,
                                   stats_of)
-from trex.models import DeepseekV4
+from trex.models.common.heads import Model
 from trex.parallel.mesh import Parallel, init_parallel
 from trex.recipe import load
 from trex.train.config import TrainRecipe
@@ -74,7 +74,7 @@ def record_bytes(n_params: int, n_blocks: int) -> int:
     return BYTES_PER_TENSOR * (3 * n_params + n_blocks)
 
 
-def model_counts(model: DeepseekV4) -> dict:
+def model_counts(model: Model) -> dict:
     """Parameter tensors, elements and tapped blocks of ``model`` (works on the meta device)."""
     params = [p for p in model.parameters() if p.requires_grad]
     return {"parameter_tensors": len(params), "parameters": sum(p.numel() for p in params),

@@ -1,14 +1,15 @@
-"""The DeepSeek models (V4, V4.1): configuration, presets, the models (checkpoints on disk: trex.checkpoint).
-The parts the families share are in ``trex.models.common``; every architecture's presets and config
-dispatch in ``trex.models.registry``.
+"""The models trex trains: ``common/`` (the parts the families share), one package per family
+(``deepseek_v4/``: DeepSeek-V4 and V4.1; ``deepseek_v3/``: the V3 family), and what dispatches over every
+family: ``registry`` (presets, config.json dispatch, each architecture's model class and decode cache),
+``build`` (a fresh model of any config), ``params``, ``flops``, ``modes``. Checkpoints on disk:
+trex.checkpoint.
 
 The names load on first use (trex.lazy): what needs only configurations does not import torch.
 """
 
 from trex.lazy import lazy_exports
 
-__all__ = ["ConfigError", "DeepseekV4", "ModelConfig", "ModelOutput", "build_model", "count_parameters", "evaluating",
-           "get_preset"]
+__all__ = ["ConfigError", "Model", "ModelOutput", "build_model", "count_parameters", "evaluating", "get_preset"]
 __getattr__ = lazy_exports(__name__, {
-    "ConfigError": "common.config", "ModelConfig": "config", "get_preset": "registry", "DeepseekV4": "deepseek_v4",
-    "ModelOutput": "common.heads", "build_model": "build", "evaluating": "modes", "count_parameters": "params"})
+    "ConfigError": "common.config", "Model": "common.heads", "ModelOutput": "common.heads", "get_preset": "registry",
+    "build_model": "build", "evaluating": "modes", "count_parameters": "params"})

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from trex.models.config import CSA, HCA, SLIDING, ModelConfig
-from trex.models.config_v41 import V41Config
+from trex.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig
+from trex.models.deepseek_v4.config_v41 import V41Config
 
 
 @dataclass(frozen=True)

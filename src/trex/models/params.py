@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trex.models.config import ModelConfig
-from trex.models.config_v41 import V41Config
 from trex.models.deepseek_v3.config import V3Config
+from trex.models.deepseek_v4.config import ModelConfig
+from trex.models.deepseek_v4.config_v41 import V41Config
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@ which architecture's config a config.json describes, and the model class and dec
 
 It sits above each architecture's config module (no module of trex.models below it imports it:
 tests/test_models_layering.py), so that a family's config never has to know the others: a new family
-joins here. Today: DeepSeek-V4 (``trex.models.config``), V4.1 (``trex.models.config_v41``) and the
-DeepSeek-V3 family (``trex.models.deepseek_v3.config``: V3, R1, V3.1, V3.2, Kimi-K2, Moonlight).
+joins here. Today: DeepSeek-V4 (``trex.models.deepseek_v4.config``), V4.1 (``deepseek_v4.config_v41``) and
+the DeepSeek-V3 family (``trex.models.deepseek_v3.config``: V3, R1, V3.1, V3.2, Kimi-K2, Moonlight).
 ``config_from_dict`` asks the V3 family first (its model_type, or fields only it has), then the V4
 family's own dispatch (config_v41 tells V4.1 from V4: V4.1 derives from V4). Model classes and decode caches
 are named by string and imported on use (``model_class``, ``decode_cache``), so the registry stays torch-free.
@@ -16,11 +16,11 @@ import dataclasses
 import importlib
 
 from trex.models.common.config import ConfigError, lookup_preset, read_config_json
-from trex.models.config import PRESETS as V4_PRESETS
-from trex.models.config import ModelConfig
-from trex.models.config_v41 import V41_PRESETS, V41Config, is_v41
-from trex.models.config_v41 import config_from_dict as v4_family_config
 from trex.models.deepseek_v3.config import V3_PRESETS, V3Config, is_v3
+from trex.models.deepseek_v4.config import PRESETS as V4_PRESETS
+from trex.models.deepseek_v4.config import ModelConfig
+from trex.models.deepseek_v4.config_v41 import V41_PRESETS, V41Config, is_v41
+from trex.models.deepseek_v4.config_v41 import config_from_dict as v4_family_config
 
 __all__ = ["ARCHITECTURES", "DECODE_CACHES", "PRESETS", "check_shardable", "config_from_dict", "config_from_file",
            "decode_cache", "drafter_kind", "get_preset", "is_v3", "is_v41", "model_class", "shardable_length"]
@@ -29,15 +29,15 @@ PRESETS = {**V4_PRESETS, **V41_PRESETS, **V3_PRESETS}
 
 # a config's ``architecture`` -> "module:class" of its model
 ARCHITECTURES = {
-    "deepseek_v4": "trex.models.deepseek_v4:DeepseekV4",
-    "deepseek_v41": "trex.models.deepseek_v41:DeepseekV41",
+    "deepseek_v4": "trex.models.deepseek_v4.model:DeepseekV4",
+    "deepseek_v41": "trex.models.deepseek_v4.model_v41:DeepseekV41",
     "deepseek_v3": "trex.models.deepseek_v3.model:DeepseekV3",
 }
 
 # a config's ``architecture`` -> "module:class" of its decode cache (the sampler's incremental generation)
 DECODE_CACHES = {
-    "deepseek_v4": "trex.models.decode:DecodeCache",
-    "deepseek_v41": "trex.models.decode_v41:V41DecodeCache",
+    "deepseek_v4": "trex.models.deepseek_v4.decode:DecodeCache",
+    "deepseek_v41": "trex.models.deepseek_v4.decode_v41:V41DecodeCache",
     "deepseek_v3": "trex.models.deepseek_v3.decode:V3DecodeCache",
 }
 
@@ -45,8 +45,8 @@ AnyConfig = ModelConfig | V41Config | V3Config
 
 # a config's ``architecture`` -> the module of its context-parallel split rule (check_shardable, shardable_length)
 SPLIT_RULES = {
-    "deepseek_v4": "trex.models.deepseek_v4",
-    "deepseek_v41": "trex.models.deepseek_v4",
+    "deepseek_v4": "trex.models.deepseek_v4.config",
+    "deepseek_v41": "trex.models.deepseek_v4.config",
     "deepseek_v3": "trex.models.deepseek_v3.config",
 }
 
@@ -116,7 +116,7 @@ def shardable_length(cfg: AnyConfig, length: int, shards: int) -> int:
 
 def drafter_kind(cfg: AnyConfig) -> str | None:
     """Which drafter a config's model has for speculative decoding: "dspark" (DeepSeek-V4.1's DSpark stages,
-    ``trex.models.dspark``), "mtp" (the multi-token prediction modules of DeepSeek-V4 and the V3 family, one
+    ``trex.models.deepseek_v4.dspark``), "mtp" (the multi-token prediction modules of DeepSeek-V4 and the V3 family, one
     token drafted per module) or None (a V4.1 config without DSpark stages, or no modules)."""
     if cfg.architecture == "deepseek_v41":
         return "dspark" if cfg.num_nextn_predict_layers and cfg.dspark_target_layer_ids else None

@@ -25,7 +25,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
-from trex.models import DeepseekV4
+from trex.models.common.heads import Model
 
 
 class ContextParallelShard:
@@ -70,8 +70,8 @@ class ContextParallelShard:
         return prev_tail * float(r > 0), next_head * float(r < size - 1)
 
 
-def apply_context_parallel(model: DeepseekV4, cp_mesh: DeviceMesh) -> None:
-    """Make ``model`` (DeepseekV4, V4.1 or the DeepSeek-V3 family's) compute its rank's shard of every sequence
+def apply_context_parallel(model: Model, cp_mesh: DeviceMesh) -> None:
+    """Make ``model`` (of any family: DeepSeek-V4, V4.1 or the V3 family) compute its rank's shard of every sequence
     (a no-op for a group of one)."""
     if cp_mesh.size() > 1:
         model.sequence_shard = ContextParallelShard(cp_mesh)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from trex.models.engram import Engram
+from trex.models.deepseek_v4.engram import Engram
 
 
 class ShardedTable(nn.Module):

@@ -15,7 +15,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from trex.models.deepseek_v4 import Experts, combine, expert_ffn, sort_by_expert
+from trex.models.common.moe import Experts, combine, expert_ffn, sort_by_expert
 
 
 class ExpertParallelExperts(Experts):

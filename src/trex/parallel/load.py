@@ -14,7 +14,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from trex.checkpoint.errors import CheckpointError
 from trex.checkpoint.load import set_engram_tokenizer
 from trex.checkpoint.reader import CheckpointReader
-from trex.models import DeepseekV4, build_model
+from trex.models import build_model
+from trex.models.common.heads import Model
 
 
 def local_region(t: DTensor) -> tuple[tuple[int, int], ...]:
@@ -25,7 +26,7 @@ def local_region(t: DTensor) -> tuple[tuple[int, int], ...]:
 
 @torch.no_grad()
 def load_sharded(path: str, prepare, device: torch.device, layout: str = "auto", overrides: dict | None = None
-                 ) -> DeepseekV4:
+                 ) -> Model:
     """``prepare(model)`` applies the parallel plan to the meta model (and freezes what it must); ``overrides``:
     config fields set on top of the checkpoint's config.json (`CheckpointReader`)."""
     reader = CheckpointReader(path, layout, overrides)

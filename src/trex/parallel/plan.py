@@ -1,4 +1,4 @@
-"""Apply the parallel plan to an unchanged DeepseekV4: activation checkpointing, compiled blocks,
+"""Apply the parallel plan to an unchanged model of any family: activation checkpointing, compiled blocks,
 context parallel, expert parallel, then FSDP2 per block (and the root) over the data-parallel mesh.
 
 Gradients are summed, not averaged, across ranks (``set_gradient_divide_factor(1.0)``): the loop
@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint
 
-from trex.models import DeepseekV4
+from trex.models.common.heads import Model
 from trex.parallel.context_parallel import apply_context_parallel
 from trex.parallel.engram import shard_engram_tables
 from trex.parallel.expert_parallel import shard_experts
@@ -79,7 +79,7 @@ class ComputeCast:
 _CAST = "_trex_compute_cast"
 
 
-def cast_for_compute(model: DeepseekV4, dtype: torch.dtype) -> None:
+def cast_for_compute(model: Model, dtype: torch.dtype) -> None:
     """One process: run each block's forward (and the root's) on ``dtype`` casts of the fp32 parameters.
 
     Replaces a cast installed by an earlier call (a model carried into the next stage of a job);
@@ -135,7 +135,7 @@ def sync_gradients(model: nn.Module, micro_batch: int, micro_batches: int) -> No
         model.set_requires_gradient_sync(every or micro_batch == micro_batches - 1)
 
 
-def apply_activation_checkpointing(model: DeepseekV4, mode: str) -> None:
+def apply_activation_checkpointing(model: Model, mode: str) -> None:
     """none; full (each block); selective (each block's mHC + attention site: hc_attn)."""
     if mode == "none":
         return
@@ -143,7 +143,7 @@ def apply_activation_checkpointing(model: DeepseekV4, mode: str) -> None:
         _recompute(block if mode == "full" else block.hc_attn, block)
 
 
-def apply_compile(model: DeepseekV4, fullgraph: bool = True, backend: str = "inductor") -> None:
+def apply_compile(model: Model, fullgraph: bool = True, backend: str = "inductor") -> None:
     """torch.compile each block's forward (main and MTP blocks), the final mHC head and the fused LM
     head + loss, the torchtitan way: per block, so blocks of one kind share a compiled graph and
     compile time does not grow with depth. Instance attributes are replaced (as activation
@@ -166,7 +166,7 @@ def apply_compile(model: DeepseekV4, fullgraph: bool = True, backend: str = "ind
     model.head_nll = compile_(model.head_nll)
 
 
-def apply_parallelism(model: DeepseekV4, par: Parallel, policy: PrecisionPolicy,
+def apply_parallelism(model: Model, par: Parallel, policy: PrecisionPolicy,
                       activation_checkpointing: str = "none", reduce_every_micro_batch: bool = False,
                       compile: str | None = None) -> list[nn.Parameter]:
     """Returns the expert-parallel parameters. Expects the parameters in fp32 (the master weights).

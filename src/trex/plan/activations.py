@@ -18,7 +18,7 @@ Weights that trex casts to fp32 inside the forward (mHC fn, norms) are saved as 
 bf16: per-layer constants, not per-token. The router, compressor and LM head go through
 ``linear_fp32``, which keeps weight and input as they are and re-casts in backward.
 
-DeepSeek-V4.1 (``trex.models.deepseek_v41``) is described with the same terms by layer *kind*
+DeepSeek-V4.1 (``trex.models.deepseek_v4.model_v41``) is described with the same terms by layer *kind*
 (:func:`layer_kinds`): its ratio, whether it computes compressed entries (a KV source: the
 compressor, non-overlapping, no ``ape``) and whether Engram writes before it; every compressed layer
 attends over the top-k picks of N = S / ratio entries; no per-head query norm; the single-pass mHC
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 from trex.kernels import latent_attention, sparse_mla
 from trex.kernels.sparse_attention import CHUNK_BYTES, DENSE_TOPK_FRACTION
-from trex.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
-from trex.models.config_v41 import CSA2, V41Config
-from trex.models.deepseek_v4 import shard_halo
-from trex.models.cross_entropy import head_tiles
+from trex.models.common.config import HASH_MOE
+from trex.models.common.cross_entropy import head_tiles
+from trex.models.deepseek_v4.config import CSA, SLIDING, ModelConfig, shard_halo
+from trex.models.deepseek_v4.config_v41 import CSA2, V41Config
 
 F32, I64 = 4, 8
 

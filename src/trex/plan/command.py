@@ -11,8 +11,8 @@ import sys
 from trex import atomic, logs
 from trex.hardware import HardwareProfile, load_profiles
 from trex.models.common.config import ConfigError
-from trex.models.config import ModelConfig
-from trex.models.config_v41 import V41Config
+from trex.models.deepseek_v4.config import ModelConfig
+from trex.models.deepseek_v4.config_v41 import V41Config
 from trex.models.registry import PRESETS, config_from_file, get_preset, with_overrides
 from trex.plan import annotate
 from trex.plan.layout import Layout, PlanError, parse_layout

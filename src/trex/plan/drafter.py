@@ -63,7 +63,7 @@ def drafter_counts(cfg) -> tuple[int, int, int]:
     from trex.models.registry import drafter_kind
 
     if drafter_kind(cfg) == "dspark":
-        from trex.models.dspark import DSparkDrafter
+        from trex.models.deepseek_v4.dspark import DSparkDrafter
 
         with torch.device("meta"):
             named = list(DSparkDrafter(cfg).named_parameters())

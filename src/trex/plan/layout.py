@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from trex.models.config import ModelConfig
+from trex.models.deepseek_v4.config import ModelConfig
 from trex.models.registry import check_shardable
 
 RECOMPUTE = ("none", "selective", "full")

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from itertools import accumulate
 
-from trex.models.config import ModelConfig
+from trex.models.deepseek_v4.config import ModelConfig
 from trex.plan import activations as act
 from trex.plan.layout import Layout
 from trex.plan.model_facts import ModelFacts

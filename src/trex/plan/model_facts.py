@@ -19,8 +19,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from trex.models.config import ModelConfig
-from trex.models.config_v41 import V41Config
+from trex.models.deepseek_v4.config import ModelConfig
+from trex.models.deepseek_v4.config_v41 import V41Config
 
 # Module types, first match wins (names follow the official checkpoint, see trex.checkpoint.naming).
 MODULE_TYPES = (

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from trex.hardware import HardwareProfile
 from trex.logs import plural
-from trex.models.config import ModelConfig
+from trex.models.deepseek_v4.config import ModelConfig
 from trex.models.registry import drafter_kind
 from trex.plan.drafter import DrafterPlan, drafter_plan
 from trex.plan.layout import Layout, PlanError, check_context_parallel, check_tensor_parallel
@@ -149,7 +149,7 @@ def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: in
     reaches ``global_batch_tokens`` exactly, fastest first; ``offload`` and ``largest_ep_only``
     narrow the options tried; ``train_engram``: V4.1's Engram tables train (trex.plan.layout.Layout). tp ranges
     over ``tensor`` (default :func:`tensor_parallel_sizes`: within a node, dividing what TP splits), cp over the
-    divisors of the devices left that split the sequence (see trex.models.deepseek_v4.check_shardable), shard
+    divisors of the devices left that split the sequence (see trex.models.deepseek_v4.config.check_shardable), shard
     sizes over the divisors of what it leaves; ep divides the expert count and dp_shard x tp (the search carves
     experts from those; an explicit layout may span cp too)."""
     if global_batch_tokens % seq_len:

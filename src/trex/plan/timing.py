@@ -45,9 +45,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 from trex.hardware import HardwareProfile
-from trex.models.config import CSA, ModelConfig
-from trex.models.config_v41 import CSA2
-from trex.models.deepseek_v4 import shard_halo
+from trex.models.deepseek_v4.config import CSA, ModelConfig, shard_halo
+from trex.models.deepseek_v4.config_v41 import CSA2
 from trex.models.flops import FlopsPerToken, flops_per_token
 from trex.plan.activations import is_v3, layer_kind, layer_kinds, mtp_blocks
 from trex.plan.layout import Layout

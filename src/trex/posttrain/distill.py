@@ -29,7 +29,8 @@ from typing import Literal
 import torch
 
 from trex.data.loader import Batch
-from trex.models import DeepseekV4, evaluating
+from trex.models import evaluating
+from trex.models.common.heads import Model
 from trex.recipe import check_choices, require_positive
 from trex.posttrain.distill_loss import reverse_kl
 from trex.posttrain.environment import MultiTurn
@@ -117,7 +118,7 @@ class DistillObjective(Objective):
         self.multiturn = (MultiTurn(recipe.environment, chat_format, self.thinking, ctx.tokenizer, "distill")
                           if recipe.environment.name else None)
 
-    def _rollouts(self, model: DeepseekV4, prompts: list, generator: torch.Generator | None,
+    def _rollouts(self, model: Model, prompts: list, generator: torch.Generator | None,
                   uniforms: torch.Tensor | None = None, engine=None) -> Rollouts:
         ctx = self.ctx
         return roll_out(model, [p.ids for p in prompts], sampling_params(self.sampling, ctx.tokenizer), ctx.tokenizer,
@@ -137,7 +138,7 @@ class DistillObjective(Objective):
         return torch.cat([torch.stack([mask.sum().float(), token_entropy(z).sum()]).double(),
                           per_teacher.sum(dim=1).double(), parity]), maxima
 
-    def step(self, model: DeepseekV4, step: int, scaler) -> StepResult:
+    def step(self, model: Model, step: int, scaler) -> StepResult:
         ctx, cfg = self.ctx, self.cfg
         device = ctx.dev.torch_device
         chosen = [self.prompts[i] for i in self.order.next() for _ in range(cfg.samples_per_prompt)]
@@ -200,7 +201,7 @@ class DistillObjective(Objective):
                           indexer_loss=aux.indexer_loss)
 
     @torch.no_grad()
-    def evaluate(self, model: DeepseekV4) -> dict[str, float]:
+    def evaluate(self, model: Model) -> dict[str, float]:
         if not self.eval_prompts:
             return {}
         ctx, par = self.ctx, self.ctx.par
@@ -218,7 +219,7 @@ class DistillObjective(Objective):
         metrics = {"eval_reverse_kl": sum(w * v for w, v in zip(self.weights, per)),
                    **{f"eval_reverse_kl/teacher{i}": v for i, v in enumerate(per)}}
         if all("answer" in p.record for p in self.eval_prompts):
-            def em(m: DeepseekV4) -> dict[str, float]:
+            def em(m: Model) -> dict[str, float]:
                 return exact_match_by_set(m, self.eval_sets, ctx.tokenizer, self.thinking, self.sampling, par,
                                           ctx.dev.torch_device)
             metrics.update(em(model))

@@ -27,11 +27,12 @@ import torch.nn.functional as F
 from trex.data.loader import Batch, count_loss_tokens
 from trex.data.preference import PairBatch, PairLoader, PreferencePairs, collate, read_pairs, sweep
 from trex.data.records import BadRecordPolicy
-from trex.models import DeepseekV4, evaluating
-from trex.models.deepseek_v4 import IGNORE_INDEX, ModelOutput
-from trex.recipe import check_choices
+from trex.models import evaluating
+from trex.models.common.cross_entropy import IGNORE_INDEX
+from trex.models.common.heads import Model, ModelOutput
 from trex.posttrain.objective import (Objective, StepResult, TrainContext, backward_micro_batches, load_frozen,
                                       next_token_nll, reshard)
+from trex.recipe import check_choices
 
 
 @dataclass
@@ -83,7 +84,7 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     return DPOTerms(losses, chosen, rejected)
 
 
-def sequence_logprobs(model: DeepseekV4, batch: PairBatch, all_heads: bool = False) -> tuple[torch.Tensor, ModelOutput]:
+def sequence_logprobs(model: Model, batch: PairBatch, all_heads: bool = False) -> tuple[torch.Tensor, ModelOutput]:
     """fp32 [2B]: each row's log-prob of its response tokens, summed; and the model's output. The LM
     head runs fused with the loss (no [2B, S, V] logits). ``all_heads``: the MTP heads score their own
     targets too, so that the training step anchors them (objective.mtp_anchor)."""
@@ -104,7 +105,7 @@ class DPOObjective(Objective):
             held_out_cfg = recipe.data.on_files(recipe.eval.paths)
             self.held_out = read_pairs(held_out_cfg, ctx.tokenizer, BadRecordPolicy(recipe.data.bad_record_policy))
         source = self.cfg.reference_path or ctx.model
-        self.reference: DeepseekV4 | None = None
+        self.reference: Model | None = None
         self.precomputed: dict[str, torch.Tensor] = {}
         if self.cfg.reference == "online":
             self.reference = load_frozen(source, ctx)
@@ -125,7 +126,7 @@ class DPOObjective(Objective):
 
     # -- reference log-probs --
     @torch.no_grad()
-    def _score_all(self, model: DeepseekV4, pairs: PreferencePairs) -> torch.Tensor:
+    def _score_all(self, model: Model, pairs: PreferencePairs) -> torch.Tensor:
         """fp32 [N, 2]: (chosen, rejected) sequence log-probs of every pair under ``model``."""
         par, dev = self.ctx.par, self.ctx.dev
         table = torch.zeros(len(pairs), 2, dtype=torch.float32, device=dev.torch_device)
@@ -152,7 +153,7 @@ class DPOObjective(Objective):
         return dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.cfg.beta, self.cfg.label_smoothing,
                         self.cfg.rpo_alpha, batch.scored[:n].sum(-1))
 
-    def step(self, model: DeepseekV4, step: int, scaler) -> StepResult:
+    def step(self, model: Model, step: int, scaler) -> StepResult:
         ctx = self.ctx
         micro = [next(self.loader).to(ctx.dev.torch_device) for _ in range(ctx.recipe.train.grad_accum)]
         pairs = sum(len(b.index) for b in micro) * ctx.par.world_size
@@ -173,7 +174,7 @@ class DPOObjective(Objective):
                                    "reward_margin": mean[1] - mean[2], "accuracy": mean[3]})
 
     @torch.no_grad()
-    def evaluate(self, model: DeepseekV4) -> dict[str, float]:
+    def evaluate(self, model: Model) -> dict[str, float]:
         """Over every held-out pair: loss, reward accuracy (chosen reward > rejected reward), reward
         margin, and preference accuracy (log p(chosen) > log p(rejected)) of the policy and of the reference."""
         if self.held_out is None:

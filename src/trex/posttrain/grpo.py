@@ -31,7 +31,7 @@ import torch
 
 from trex import logs
 from trex.data.loader import Batch
-from trex.models import DeepseekV4
+from trex.models.common.heads import Model
 from trex.recipe import check_choices, require_positive
 from trex.posttrain.grpo_loss import (Aggregation, Correction, ISLevel, group_advantages, policy_loss,
                                       rollout_correction, token_entropy, token_weights)
@@ -163,7 +163,7 @@ class GRPOObjective(Objective):
                              "synchronous for now")
 
     # ---- sampling and scoring ------------------------------------------------------------------------
-    def _collect(self, model: DeepseekV4, step: int) -> GroupBatch:
+    def _collect(self, model: Model, step: int) -> GroupBatch:
         ctx, cfg, G = self.ctx, self.cfg, self.cfg.group_size
         device = ctx.dev.torch_device
         if self.engine is None:
@@ -234,7 +234,7 @@ class GRPOObjective(Objective):
         return chosen, rank_uniforms(self.generator, cfg.prompts_per_step * G, self.sampling.max_new_tokens, self.ctx.par)
 
     # ---- the step ------------------------------------------------------------------------------------
-    def step(self, model: DeepseekV4, step: int, scaler) -> StepResult:
+    def step(self, model: Model, step: int, scaler) -> StepResult:
         ctx, cfg = self.ctx, self.cfg
         first_use = step % cfg.ppo_epochs == 0
         if first_use:
@@ -314,7 +314,7 @@ class GRPOObjective(Objective):
             batch.is_weights[s] = weights
 
     # ---- evaluation, resume --------------------------------------------------------------------------
-    def evaluate(self, model: DeepseekV4) -> dict[str, float]:
+    def evaluate(self, model: Model) -> dict[str, float]:
         ctx = self.ctx
         return exact_match_by_set(model, self.eval_sets, ctx.tokenizer, self.thinking, self.sampling, ctx.par,
                                   ctx.dev.torch_device) if self.eval_sets else {}

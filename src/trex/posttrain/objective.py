@@ -27,9 +27,10 @@ from trex import device as device_layer
 from trex.checkpoint import load_pretrained
 from trex.data.loader import Batch
 from trex.data.tokenizer import Tokenizer
-from trex.models import DeepseekV4, build_model
-from trex.models.cross_entropy import token_nll
-from trex.models.deepseek_v4 import shift_labels
+from trex.models import build_model
+from trex.models.common.context import shift_labels
+from trex.models.common.cross_entropy import token_nll
+from trex.models.common.heads import Model
 from trex.parallel.load import load_sharded
 from trex.parallel.mesh import Parallel
 from trex.parallel.plan import apply_parallelism, sync_gradients
@@ -65,19 +66,19 @@ class TrainContext:
     dev: device_layer.Device
     policy: PrecisionPolicy
     tokenizer: Tokenizer
-    model: DeepseekV4
+    model: Model
     """The student, already cast and sharded; at construction it holds the initial weights."""
 
 
 class Objective:
     """Base of every mode's objective. ``step`` is required; the rest have neutral defaults."""
 
-    def step(self, model: DeepseekV4, step: int, scaler) -> StepResult:
+    def step(self, model: Model, step: int, scaler) -> StepResult:
         """Forward and backward of optimizer step ``step`` (0-based); gradients accumulate in .grad,
         scaled by ``scaler``. Every rank calls it; the returned loss and tokens cover all ranks."""
         raise NotImplementedError
 
-    def evaluate(self, model: DeepseekV4) -> dict[str, float]:
+    def evaluate(self, model: Model) -> dict[str, float]:
         """Held-out metrics (the same on every rank); {} when there is no held-out data."""
         return {}
 
@@ -134,7 +135,7 @@ class Auxiliary:
     """The indexer alignment loss averaged over the forwards (detached), None when off."""
 
 
-def backward_micro_batches(model: DeepseekV4, parts: Sequence[Part],
+def backward_micro_batches(model: Model, parts: Sequence[Part],
                            loss_of: Callable[[Part], tuple[torch.Tensor, Any]], scaler, train,
                            world_size: int) -> Auxiliary:
     """The micro-batch loop of every objective's step. For each of ``parts`` in order: gradient
@@ -176,7 +177,7 @@ def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
     return -token_nll(logits, targets)
 
 
-def next_token_nll(model: DeepseekV4, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
+def next_token_nll(model: Model, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
                    heads: int = 1, token_mask: torch.Tensor | None = None):
     """Run ``model`` on ``input_ids`` [B, S] with the LM head fused with the loss (no logits). In the
     returned ModelOutput, ``token_nll[j]`` (fp32 [B, S]) is head j's NLL of token t + 1 + j, 0 where
@@ -186,7 +187,7 @@ def next_token_nll(model: DeepseekV4, input_ids: torch.Tensor, doc_ids: torch.Te
     return model(input_ids, doc_ids=doc_ids, targets=targets, return_logits=False, token_mask=token_mask)
 
 
-def token_logprobs(model: DeepseekV4, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+def token_logprobs(model: Model, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``model`` on ``input_ids`` and return :func:`next_token_logprobs` (fp32 [B, S])."""
     return -next_token_nll(model, input_ids, doc_ids).token_nll[0]
 
@@ -213,7 +214,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def load_frozen(source: str | DeepseekV4, ctx: TrainContext) -> DeepseekV4:
+def load_frozen(source: str | Model, ctx: TrainContext) -> Model:
     """A frozen model (requires_grad False, eval mode, no optimizer) sharded like the student.
 
     ``source`` is a checkpoint directory (official or HF layout; under torch.distributed each rank
@@ -223,7 +224,7 @@ def load_frozen(source: str | DeepseekV4, ctx: TrainContext) -> DeepseekV4:
     """
     par, policy = ctx.par, ctx.policy
 
-    def prepare(m: DeepseekV4) -> None:
+    def prepare(m: Model) -> None:
         m.to(dtype=torch.float32 if par.distributed else policy.param_dtype)
         m.requires_grad_(False)
         m.set_quant(ctx.model.quant)  # the student's simulation: the reference starts equal to it

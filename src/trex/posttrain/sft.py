@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 
 from trex.data import build_loader
-from trex.models import DeepseekV4, evaluating
-from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
+from trex.models import evaluating
+from trex.models.common.context import shift_labels
+from trex.models.common.cross_entropy import IGNORE_INDEX
+from trex.models.common.heads import Model
 from trex.parallel.mesh import Parallel
 from trex.posttrain.objective import Objective, StepResult, TrainContext, backward_micro_batches
 from trex.precision import DynamicLossScaler
@@ -30,7 +32,7 @@ def _count(targets: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_loss(model: DeepseekV4, loader, batches: int, device: torch.device, par: Parallel | None = None) -> float:
+def evaluate_loss(model: Model, loader, batches: int, device: torch.device, par: Parallel | None = None) -> float:
     """Token-weighted next-token loss over ``batches`` held-out micro-batches (of every rank)."""
     total, count = 0.0, 0
     with evaluating(model):
@@ -48,7 +50,7 @@ def evaluate_loss(model: DeepseekV4, loader, batches: int, device: torch.device,
     return total / max(count, 1)
 
 
-def accumulate_gradients(model: DeepseekV4, micro: list, cfg_train, scaler: DynamicLossScaler,
+def accumulate_gradients(model: Model, micro: list, cfg_train, scaler: DynamicLossScaler,
                          par: Parallel | None = None):
     """Forward and backward over the micro-batches of one step; gradients accumulate in .grad.
 
@@ -98,7 +100,7 @@ class SFTObjective(Objective):
             self.eval_loader = build_loader(held_out, rank=par.data_rank, world_size=par.data_world,
                                             tokenizer=ctx.tokenizer, paths_key="eval.paths")
 
-    def step(self, model: DeepseekV4, step: int, scaler) -> StepResult:
+    def step(self, model: Model, step: int, scaler) -> StepResult:
         ctx = self.ctx
         micro = [next(self.loader).to(ctx.dev.torch_device) for _ in range(ctx.recipe.train.grad_accum)]
         lm, mtp, aux = accumulate_gradients(model, micro, ctx.recipe.train, scaler, ctx.par)
@@ -107,7 +109,7 @@ class SFTObjective(Objective):
         return StepResult(loss=totals[0], tokens=totals[2], metrics={"mtp_loss": totals[1]}, moe_stats=aux.moe_stats,
                           indexer_loss=aux.indexer_loss)
 
-    def evaluate(self, model: DeepseekV4) -> dict[str, float]:
+    def evaluate(self, model: Model) -> dict[str, float]:
         if self.eval_loader is None:
             return {}
         ctx = self.ctx

@@ -26,15 +26,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from trex.models.common.moe import MoE, Experts, Gate, SharedExpert
+from trex.models.common.moe import Experts, Gate, MoE, SharedExpert
 from trex.models.common.norm import LayerNorm, RMSNorm
-from trex.models.config import CSA, HCA, SLIDING
 from trex.models.deepseek_v3.attention import MLA
 from trex.models.deepseek_v3.dsa import SparseMLA
-from trex.models.deepseek_v4 import Attention as V4Attention
-from trex.models.deepseek_v4 import HyperConnection, HyperHead
-from trex.models.deepseek_v41 import Attention as V41Attention
-from trex.models.dspark import DSparkAttention
+from trex.models.deepseek_v4.attention import Attention as V4Attention
+from trex.models.deepseek_v4.attention_v41 import Attention as V41Attention
+from trex.models.deepseek_v4.config import CSA, HCA, SLIDING
+from trex.models.deepseek_v4.dspark import DSparkAttention
+from trex.models.deepseek_v4.mhc import HyperConnection, HyperHead
 
 PREFIX = "trex/"
 ATTENTION_KINDS = {SLIDING: "sliding", CSA: "csa", HCA: "hca"}

@@ -6,11 +6,11 @@ left padding and the cache.
 
 from __future__ import annotations
 
-from trex.models import DeepseekV4
+from trex.models.common.heads import Model
 from trex.rollout import SamplingParams, sample
 
 
-def greedy_generate(model: DeepseekV4, prompts: list[list[int]], max_new_tokens: int, stop_id: int,
+def greedy_generate(model: Model, prompts: list[list[int]], max_new_tokens: int, stop_id: int,
                     pad_id: int, batch_size: int = 64) -> list[list[int]]:
     """Generated ids per prompt (stop token excluded), at most ``max_new_tokens`` each."""
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_ids=(stop_id,))

@@ -5,8 +5,9 @@ document (``doc_ids`` 0, the prompt and its completion are document 1), so paddi
 attention or a compression window and every prompt's positions start at 0.
 
 Decoding is incremental: the prompt batch runs once through the ordinary forward, which fills the
-architecture's decode cache (``trex.models.registry.decode_cache``: V4's :class:`~trex.models.decode.DecodeCache`,
-V4.1's ``decode_v41``, DeepSeek-V3's MLA latents ``deepseek_v3.decode``); every later token is one forward
+architecture's decode cache (``trex.models.registry.decode_cache``: V4's
+:class:`~trex.models.deepseek_v4.decode.DecodeCache`, V4.1's ``decode_v41``, DeepSeek-V3's MLA latents
+``deepseek_v3.decode``); every later token is one forward
 of [B, 1] against it (``use_cache=False`` re-runs the whole sequence per token instead, the reference the
 cache is tested against). Under context parallelism every rank of the group samples whole rows (its
 forwards run unsharded).

@@ -1,6 +1,6 @@
 """How much of a drafter's output a model accepts: speculative decoding's yield.
 
-Two drafters: DeepSeek-V4.1's DSpark stages (``trex.models.dspark``: a block of ``dspark_block_size`` tokens
+Two drafters: DeepSeek-V4.1's DSpark stages (``trex.models.deepseek_v4.dspark``: a block of ``dspark_block_size`` tokens
 per step from the target layers' hidden states) and the multi-token-prediction modules of DeepSeek-V4 and
 the V3 family (``model.mtp``: module j drafts the token j + 2 ahead from the model's last stream and the
 tokens before it; vLLM and SGLang serve them as a one-token-per-module drafter). Each was trained against

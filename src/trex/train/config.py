@@ -23,9 +23,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from trex.train.trackers import LoggingSection
 from trex.checkpoint.training import CheckpointSection
 from trex.data.config import DataSection
+from trex.models.registry import PRESETS, config_from_file, get_preset
 from trex.parallel.mesh import ParallelSection
 from trex.posttrain import TrainMode
 from trex.posttrain.distill import DistillSection
@@ -34,12 +34,12 @@ from trex.posttrain.environment import EnvironmentSection
 from trex.posttrain.grpo import GRPOSection
 from trex.posttrain.on_policy import SamplingSection
 from trex.precision import PrecisionSection
-from trex.models.registry import PRESETS, config_from_file, get_preset
 from trex.recipe import RecipeError, check_choices, require_positive, unknown_key
 from trex.train.drafter_refit import DrafterSection
 from trex.train.optim import OptimSection
 from trex.train.schedule import ScheduleSection
 from trex.train.signals import FidelitySection
+from trex.train.trackers import LoggingSection
 
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
 
@@ -113,7 +113,7 @@ class TrainSection:
     indexer_loss: float = 0.0
     """Weight of the indexer alignment loss: the KL from the main attention's distribution over the
     picked compressed entries to the indexer's, on every CSA layer, indexer inputs detached
-    (trex.models.deepseek_v4.Indexer.align; logged as ``indexer_loss``). Needs freeze_indexer = false.
+    (trex.models.deepseek_v4.compressor.Indexer.align; logged as ``indexer_loss``). Needs freeze_indexer = false.
     DeepSeek-V3.2 (trex.models.deepseek_v3.dsa): the same KL over each query's picked tokens, the sparse
     training stage of DeepSeek's V3.2 report."""
     indexer_warmup: bool = False

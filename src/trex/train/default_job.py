@@ -33,8 +33,9 @@ from trex.data.chat import completion_answer, render_prompt
 from trex.data.config import ChatFormat, DataSection
 from trex.data.records import write_jsonl
 from trex.data.tokenizer import Tokenizer, compact_tokenizer
+from trex.models.common.heads import Model
 from trex.rollout.generate import greedy_generate
-from trex.models import DeepseekV4, build_model
+from trex.models import build_model
 from trex.parallel.mesh import ParallelSection
 from trex.precision import PrecisionSection
 from trex.train.config import EvalSection, ModelSection, TrainRecipe, TrainSection
@@ -115,7 +116,7 @@ def _stage(job: DefaultJob, name: str, paths: list[str], eval_paths: list[str], 
     )
 
 
-def exact_match(model: DeepseekV4, tokenizer: Tokenizer, prompts: list[tuple[list[dict], str]],
+def exact_match(model: Model, tokenizer: Tokenizer, prompts: list[tuple[list[dict], str]],
                 max_new_tokens: int = 8, chat_format: str = "deepseek-v4") -> tuple[float, list[dict]]:
     """Greedy answers to questions rendered as ``chat_format``'s generation prompts; the fraction exactly equal
     to the expected answer."""
@@ -130,7 +131,7 @@ def exact_match(model: DeepseekV4, tokenizer: Tokenizer, prompts: list[tuple[lis
     return sum(r["correct"] for r in rows) / max(1, len(rows)), rows
 
 
-def export_model(model: DeepseekV4, path: str) -> str:
+def export_model(model: Model, path: str) -> str:
     """Write ``model`` to ``path`` in the HF layout (fp32) for recipes to start from (atomically:
     the checkpoint writer fills a temporary directory, then renames it over ``path``). A sharded
     model is gathered to rank 0 (torch's full state dict, on the host), which writes it; every rank

@@ -1,8 +1,9 @@
 """``[drafter]``: re-fit the model's drafter against the target the job post-trained.
 
-Two drafters: DeepSeek-V4.1's DSpark stages (``mtp.*``, a module of their own, ``trex.models.dspark``) and
+Two drafters: DeepSeek-V4.1's DSpark stages (``mtp.*``, a module of their own, ``trex.models.deepseek_v4.dspark``) and
 the multi-token-prediction modules of DeepSeek-V4 and the V3 family (the model's own ``mtp``, which vLLM and
-SGLang serve as a drafter of one token per module; ``MTPDrafter``). Post-training moves the backbone's
+SGLang serve as a drafter of one token per module; ``MTPDrafter``). This file is the driver; each kind is a
+module of ``trex.train.drafters`` (``dspark``, ``mtp``) filling one interface. Post-training moves the backbone's
 hidden states and greedy tokens away from the ones the drafter learned, and speculative decoding accepts
 fewer of its drafts (``trex fidelity drafter`` measures it). With ``[drafter] enabled`` the job restores them
 itself: after its main steps (and, in GRPO and distillation, every ``every_n`` steps, where the policy keeps
@@ -53,17 +54,15 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from trex import logs
 from trex.checkpoint.training import CheckpointSection, Checkpointer, RunState, one_process_dcp
-from trex.models import evaluating
 from trex.models.registry import drafter_kind
 from trex.posttrain.objective import reshard
 from trex.precision import StepGuard
 from trex.recipe import check_choices
-from trex.rollout.speculation import Acceptance, Continuation, continue_prompts, measure_acceptance, \
-    measure_mtp_acceptance, mtp_width
+from trex.rollout.speculation import Acceptance, Continuation, continue_prompts
+from trex.train.drafters import kind_of
 from trex.train.optim import OptimSection, build_optimizer, clip_grad_norm
 from trex.train.schedule import ScheduleSection, build_scheduler
 from trex.train.step import read_scalars
@@ -147,28 +146,14 @@ class DrafterSection:
         """ValueError (one line, naming the key) when this section cannot apply to ``mode`` and model ``cfg``."""
         if not self.enabled:
             return
-        kind = drafter_kind(cfg)
-        if kind is None:
+        if drafter_kind(cfg) is None:
             raise ValueError("drafter.enabled: the model has no drafter to re-fit (DeepSeek-V4.1's DSpark stages: "
                              "num_nextn_predict_layers and dspark_target_layer_ids; or the multi-token prediction "
                              "modules of DeepSeek-V4 and the V3 family: num_nextn_predict_layers > 0)")
         if self.every_n and mode not in ("grpo", "distill"):
             raise ValueError(f"drafter.every_n = {self.every_n} re-fits during GRPO or distillation; train.mode is "
                              f"{mode!r} (set drafter.every_n = 0: the re-fit follows the main steps)")
-        if kind == "mtp":
-            if self.block_size:
-                raise ValueError(f"drafter.block_size = {self.block_size}: the model's {cfg.num_nextn_predict_layers} "
-                                 "multi-token prediction module(s) draft one token each; set drafter.block_size = 0")
-            if cfg.num_nextn_predict_layers >= self.new_tokens:
-                raise ValueError(f"drafter.new_tokens = {self.new_tokens}; expected more than the model's "
-                                 f"{cfg.num_nextn_predict_layers} multi-token prediction module(s)")
-            return
-        if self.block_size and self.block_size >= self.new_tokens:
-            raise ValueError(f"drafter.block_size = {self.block_size}; expected fewer than drafter.new_tokens = "
-                             f"{self.new_tokens} (each anchor needs a block of continuation after it)")
-        if not self.block_size and cfg.dspark_block_size >= self.new_tokens:
-            raise ValueError(f"drafter.new_tokens = {self.new_tokens}; expected more than the config's "
-                             f"dspark_block_size = {cfg.dspark_block_size}")
+        kind_of(cfg).check(self, cfg)
 
 
 # ---- the objective ----------------------------------------------------------------------------------
@@ -192,70 +177,15 @@ def drafter_loss(logits: torch.Tensor, confidence: torch.Tensor | None, labels: 
     return loss, {k: v.detach() for k, v in parts.items()}
 
 
-# ---- the drafters' training forwards ----------------------------------------------------------------------
-class MTPDrafter(nn.Module):
-    """The multi-token prediction modules of a DeepSeek-V4 or V3-family ``model`` as the re-fit's drafter: the
-    model's own ``mtp`` (shared, not copied: its state_dict is the model's ``mtp.*``). ``trainable``: the
-    parameters the re-fit trains, those the recipe's post-training freezes (``freeze``, called on this module:
-    the indexer, a frozen router) leave."""
-
-    def __init__(self, model, freeze=None):
-        super().__init__()
-        self.cfg = model.cfg
-        self.mtp = model.mtp
-        held = {p: p.requires_grad for p in self.parameters()}
-        self.requires_grad_(True)
-        if freeze is not None:
-            freeze(self)
-        self.trainable = [p for p in self.parameters() if p.requires_grad]
-        for p, was in held.items():
-            p.requires_grad_(was)
-
-    @property
-    def block_size(self) -> int:
-        return len(self.mtp)
-
-    def draft_logits(self, model, c: Continuation, anchors: int) -> torch.Tensor:
-        """Module j's logits at anchors P - 1 .. P - 2 + ``anchors`` of continuation ``c`` (each drafts the
-        token j + 2 ahead) -> [B, anchors, T, V] fp32, from one forward of ``model`` over the continuation
-        (evaluation mode: no balance loss, no indexer alignment; only the trainable modules record a graph)."""
-        P = c.width
-        with evaluating(model):
-            out = model(c.ids, doc_ids=(c.positions >= 0).long())
-        return torch.stack([logits[:, P - 1:P - 1 + anchors] for logits in out.mtp_logits], 2)
-
-
-def trainable_parameters(drafter) -> list[torch.Tensor]:
-    """The parameters the re-fit trains: an MTPDrafter's ``trainable``, all of a DSpark drafter's."""
-    return drafter.trainable if isinstance(drafter, MTPDrafter) else list(drafter.parameters())
-
-
-def hold_mtp(model, recipe) -> list[str]:
-    """``[drafter]`` on a model whose MTP modules are its drafter, in DPO / GRPO / distillation (where the
-    objective gives them no gradient): freeze them for the main steps, so that only the re-fit moves them
-    (no weight decay drifts them, and the main optimizer holds no state for them). Returns the names of those
-    it froze (the recipe's freezes may have frozen some already)."""
-    if not recipe.drafter.enabled or recipe.train.mode not in ("dpo", "grpo", "distill") \
-            or drafter_kind(model.cfg) != "mtp":
-        return []
-    held = [(n, p) for n, p in model.mtp.named_parameters() if p.requires_grad]
-    for _, p in held:
-        p.requires_grad_(False)
-    return [f"mtp.{n}" for n, _ in held]
-
-
+# ---- the drafters' training forward -----------------------------------------------------------------------
 def fit_batch(drafter, model, c: Continuation, block: int, stop_ids: tuple[int, ...]):
-    """The drafter's training forward over continuation ``c``: anchors at every position from the prompt's
-    last (P - 1) to the last whose block fits -> (logits [B, A, T, V], confidence (None: MTP), labels [B, A, T], target
-    logits [B, A, T, V], mask [B, A, T]: labels generated before the row's stop token)."""
+    """The drafter's training forward over continuation ``c`` (its kind's ``draft``): anchors at every position
+    from the prompt's last (P - 1) to the last whose block fits -> (logits [B, A, T, V], confidence (None: MTP),
+    labels [B, A, T], target logits [B, A, T, V], mask [B, A, T]: labels generated before the row's stop token)."""
     P, L = c.width, c.ids.shape[1]
     A = L - P - block
     a = torch.arange(A, device=c.ids.device)[:, None] + torch.arange(block, device=c.ids.device)  # [A, T]
-    if isinstance(drafter, MTPDrafter):
-        logits, confidence = drafter.draft_logits(model, c, A), None
-    else:
-        embed, head = _full(model.embed.weight), _full(model.head.weight)
-        logits, confidence = drafter(c.hidden, c.ids, c.positions, P - 1, A, embed, head, block)
+    logits, confidence = kind_of(drafter.cfg).draft(drafter, model, c, A, block)
     labels = c.ids[:, P + 1 + a]
     target = c.logits[:, a]
     generated = c.ids[:, P:]
@@ -266,12 +196,6 @@ def fit_batch(drafter, model, c: Continuation, block: int, stop_ids: tuple[int, 
     else:
         mask = torch.ones_like(labels, dtype=torch.bool)
     return logits, confidence, labels, target, mask
-
-
-def _full(weight: torch.Tensor) -> torch.Tensor:
-    """A (maybe FSDP-sharded) weight as a whole local tensor, detached."""
-    weight = weight.detach()
-    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
 
 
 def step_prompts(n: int, per_step: int, seed: int, k: int) -> list[int]:
@@ -323,12 +247,10 @@ class DrafterRefit:
         self.train_prompts = prompts[:len(prompts) - section.held_out]
         self.held_out = prompts[len(prompts) - section.held_out:]
         self.pad_id, self.stop_ids = pad_id, stop_ids
-        self.mtp = isinstance(drafter, MTPDrafter)
-        self.block = drafter.block_size if self.mtp else section.block_size or drafter.cfg.dspark_block_size
-        self.width = max(len(p) for p in prompts)
-        if self.mtp:  # the teacher-forced forward splits the rows over a context-parallel group
-            self.width = mtp_width(drafter.cfg, self.width, section.new_tokens, par.cp)
-        self.params = trainable_parameters(drafter)
+        self.kind = kind_of(drafter.cfg)
+        self.block = self.kind.block_size(drafter, section)
+        self.width = self.kind.width(drafter, max(len(p) for p in prompts), section, par)
+        self.params = self.kind.trainable_parameters(drafter)
         with trainable(self.params):  # the optimizer takes the parameters that require grad
             optim = OptimSection(name="adamw", lr=section.lr, weight_decay=section.weight_decay, eps=1e-8,
                                  grad_clip=section.grad_clip)
@@ -365,7 +287,7 @@ class DrafterRefit:
                 par.data_rank * share:(par.data_rank + 1) * share]
         c = continue_prompts(model, [self.train_prompts[i] for i in mine], s.new_tokens, self.pad_id, self.width,
                              s.temperature if uniforms is not None else 0.0, uniforms,
-                             None if self.mtp else self.drafter.target_layers)
+                             self.kind.target_layers(self.drafter))
         logits, confidence, labels, target, mask = fit_batch(self.drafter, model, c, self.block, self.stop_ids)
         count = mask.sum()
         if par.distributed:
@@ -425,14 +347,8 @@ class DrafterRefit:
     @torch.no_grad()
     def acceptance(self, model) -> Acceptance:
         """``trex fidelity drafter``'s measure on the held-out prompts: ``model`` with the drafter as it is."""
-        s = self.section
-        if self.mtp:
-            measured = measure_mtp_acceptance(model, self.held_out, s.measure_tokens, self.pad_id, self.stop_ids,
-                                              batch_size=max(1, len(self.held_out)), shards=self.par.cp)
-        else:
-            with gathered(self.drafter):
-                measured = measure_acceptance(model, self.drafter, self.held_out, s.measure_tokens, self.pad_id,
-                                              self.stop_ids, batch_size=max(1, len(self.held_out)))
+        measured = self.kind.measure(self.drafter, model, self.held_out, self.section, self.pad_id, self.stop_ids,
+                                     self.par)
         reshard(model)
         return measured
 
@@ -533,50 +449,6 @@ def load_job_prompts(recipe, tokenizer) -> list[list[int]]:
         raise ValueError(f"{key} (the drafter's prompts): {line}; set drafter.prompts to prompt files") from None
 
 
-def shard_drafter(drafter, par, policy) -> None:
-    """The drafter under the main job's layout: routed experts by EP over ``ep``, then FSDP2 (the experts on
-    the expert data-parallel mesh, the drafter as one unit: its forward gathers the stages); gradients
-    summed, as the main model's."""
-    if not par.distributed:
-        return
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import Shard
-
-    from trex.parallel.expert_parallel import shard_experts
-
-    mp = MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=policy.reduce_dtype)
-    if par.ep > 1 and shard_experts(drafter, par.ep_mesh):
-        local = drafter.cfg.dspark_n_routed_experts // par.ep
-        placement = Shard(0) if local % par.expert_dp_mesh.size(1) == 0 else Shard(1)
-        for stage in drafter.mtp:
-            fully_shard(stage.ffn.experts, mesh=par.expert_dp_mesh, mp_policy=mp, shard_placement_fn=lambda p: placement)
-    fully_shard(drafter, mesh=par.dp_mesh, mp_policy=mp)
-    for module in drafter.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
-    # drafting (``prefill``, ``draft``) calls the experts' units before any forward of the root: initialise the
-    # root now, or the experts' unit would take itself for one
-    drafter._get_fsdp_state()._lazy_init()
-
-
-class gathered:
-    """The drafter's stages whole while drafting (``prefill`` and ``draft`` reach into them outside its
-    forward); a no-op unsharded."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def __enter__(self):
-        if hasattr(self.module, "unshard"):
-            self.module.unshard()
-        return self.module
-
-    def __exit__(self, *_):
-        if hasattr(self.module, "reshard"):
-            self.module.reshard()
-
-
 class JobRefit:
     """``[drafter]`` in a training job: ``start`` (after set-up: the drafter loaded, sharded, resumed, and
     acceptance (a) measured on a fresh run), ``after_step`` (GRPO / distillation every ``every_n``),
@@ -588,16 +460,9 @@ class JobRefit:
         self.section, self.par, self.out = section, par, out
         self.main_steps = recipe.train.steps
         self.source = recipe.model.path
-        self.kind = drafter_kind(model.cfg)
-        if self.kind == "mtp":  # the model's own modules: loaded, sharded and resumed with it
-            from trex.train.moe_balance import freeze_for_post_training
-
-            t = recipe.train
-            drafter = MTPDrafter(model, lambda m: freeze_for_post_training(m, t.freeze_indexer, "frozen",
-                                                                           t.router_frozen()))
-        else:
-            drafter = self._load(model.cfg, dev, policy, recipe.model.init_seed).requires_grad_(True)
-            shard_drafter(drafter, par, policy)
+        kind = kind_of(model.cfg)
+        self.kind = kind.__name__.rpartition(".")[2]
+        drafter = kind.build(model, recipe, par, dev, policy)
         stop = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
         self.refit = DrafterRefit(section, drafter, load_job_prompts(recipe, tokenizer), par, dev, tokenizer.pad_id,
                                   stop, recipe.checkpoint, out, config)
@@ -605,23 +470,6 @@ class JobRefit:
         self.acceptance: dict = {}
         self.main_time_s = 0.0  # the main steps' time in this process (a resumed run: since it resumed)
         self.exported: str | None = None
-
-    def _load(self, cfg, dev, policy, seed: int):
-        from trex.checkpoint.load import load_drafter
-        from trex.models.common.heads import init_parameters
-        from trex.models.dspark import DSparkDrafter
-
-        dtype = torch.float32 if self.par.distributed else policy.param_dtype
-        if self.source:
-            try:
-                return load_drafter(self.source, dtype=dtype, device=dev.name)
-            except Exception as e:  # noqa: BLE001 -- any load problem is the same user fault here
-                raise ValueError(f"drafter.enabled: model.path {self.source}: {' '.join(str(e).split())}") from None
-        log.warning("drafter: the model is a preset: its drafter starts from a fresh initialisation")
-        with torch.device(dev.torch_device):
-            drafter = DSparkDrafter(cfg).to(dtype)
-        init_parameters(drafter, cfg.initializer_range, seed)  # the same in a resumed run (its RNG is restored)
-        return drafter
 
     def phases(self) -> int:
         """Phases in the run: one each ``every_n`` main steps before the last, and the last."""
@@ -645,8 +493,8 @@ class JobRefit:
     def _resume(self, main_step: int) -> None:
         """The re-fit checkpoint that belongs with main checkpoint ``main_step``: the newest whose step K
         the run had reached by then (K <= the started phases' steps, a later one is the next attempt's)."""
-        from trex.checkpoint.training import list_checkpoints
         from trex.checkpoint.manifest import verify_checkpoint
+        from trex.checkpoint.training import list_checkpoints
 
         R = self.section.steps
         started, complete = self._phases_at(main_step)
@@ -705,12 +553,9 @@ class JobRefit:
         self.acceptance["refit"] = self.refit.acceptance(model).to_dict()
         if self.par.is_main:
             write_json(os.path.join(self.out, ACCEPTANCE_FILE), self.acceptance)
-        if self.kind == "mtp":
-            self.exported = export_mtp(self.refit.drafter, os.path.join(self.checkpoints, "mtp"), self.main_steps,
-                                       self.par.is_main)
-        else:
-            self.exported = export_drafter(self.refit.drafter, self.source, os.path.join(self.checkpoints, "released"),
-                                           self.main_steps, self.par.is_main)
+        kind = self.refit.kind
+        self.exported = kind.export(self.refit.drafter, self.source, os.path.join(self.checkpoints, kind.EXPORT_DIR),
+                                    self.main_steps, self.par.is_main)
         return status
 
     def summary(self) -> dict:
@@ -756,62 +601,3 @@ def _keep_metrics(path: str, upto: int, main: bool) -> None:
     from trex import atomic
 
     atomic.write_text(path, "".join(rows))
-
-
-def export_drafter(drafter, source: str | None, path: str, target_step: int, main: bool) -> str | None:
-    """Write the drafter's stages in the released ``mtp.*`` layout (official names; FP8 32x32 linears and FP4
-    experts when the source checkpoint stored its stages so, else bf16) with the run's config.json, where
-    ``load_drafter`` reads them and ``trex ckpt export`` carries them (``target.json``: the main step whose
-    target they were fitted to). Every rank calls it (a sharded drafter is gathered); rank 0 writes."""
-    from trex.checkpoint.layouts import TrexTensor, plan_outputs
-    from trex.checkpoint.reader import CheckpointReader
-    from trex.checkpoint.save import checkpoint_config
-    from trex.checkpoint.writer import write_checkpoint
-
-    state = {k: _full(v) for k, v in drafter.state_dict().items()}
-    if not main:
-        return None
-    quantize, hint = None, None
-    if source:
-        reader = CheckpointReader(source)
-        codecs = {s.codec for sources in reader.drafter_sources.values() for s in sources} - {"plain"}
-        if codecs:
-            quantize = "fp8+fp4experts" if "fp4" in codecs else "fp8"
-            hint = reader.stored if reader.layout == "official" else None  # unchanged blocks keep their scales
-    tensors = [TrexTensor(k, tuple(v.shape), v.dtype, lambda e, v=v: v if e is None else v[e]) for k, v in state.items()]
-    cfg = drafter.cfg
-    groups = plan_outputs(tensors, "official", torch.bfloat16, quantize, cfg.architecture, hint, cfg.num_hidden_layers)
-    write_checkpoint(path, groups, checkpoint_config(cfg, "official", "bf16", quantize, source), overwrite=True,
-                     copies={"target.json": _target_file(path, target_step)})
-    return path
-
-
-def export_mtp(drafter: MTPDrafter, path: str, target_step: int, main: bool) -> str | None:
-    """Write the re-fit MTP modules (trex names ``mtp.*``, as trained) to ``path``/model.safetensors with
-    ``target.json`` (the main step whose target they were fitted to): `trex ckpt export` of that step's
-    checkpoint writes them in place of the checkpoint's (which the main steps left). Every rank calls it (the
-    modules' shards are gathered); rank 0 writes, the directory replaced whole."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    state = {k: _full(v).contiguous().cpu() for k, v in drafter.state_dict().items()}
-    if not main:
-        return None
-    tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_file(state, os.path.join(tmp, "model.safetensors"))
-    write_json(os.path.join(tmp, "target.json"), {"target_step": target_step})
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
-    return path
-
-
-def _target_file(path: str, step: int) -> str:
-    import tempfile
-
-    fd, name = tempfile.mkstemp(suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"target_step": step}, f)
-    return name

@@ -14,18 +14,17 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from trex import device as device_layer
-from trex.models import ModelConfig, build_model, get_preset
-from trex.models.config_v41 import V41Config
-from trex.models.registry import config_from_file, with_overrides
+from trex.models import build_model, get_preset
+from trex.models.registry import AnyConfig, config_from_file, with_overrides
 from trex.parallel.mesh import init_parallel
 from trex.parallel.plan import apply_parallelism
+from trex.precision import PrecisionPolicy
 from trex.train.config import TrainRecipe
 from trex.train.moe_balance import ENGRAM_TABLE, freeze_for_post_training
 from trex.train.optim import build_optimizer
-from trex.precision import PrecisionPolicy
 
 
-def model_config(recipe: TrainRecipe) -> ModelConfig | V41Config:
+def model_config(recipe: TrainRecipe) -> AnyConfig:
     """The checkpoint's config.json when the path exists here, else the recipe's preset; with the recipe's
     ``model.overrides`` on either, as `trex train` builds it."""
     if recipe.model.path and os.path.exists(recipe.model.path):

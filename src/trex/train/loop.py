@@ -35,16 +35,17 @@ from trex import kernels
 from trex import logs
 from trex import recipe as recipe_io
 from trex.checkpoint import load_pretrained
+from trex.checkpoint.manifest import TRAINER_STATE
 from trex.checkpoint.migration import configuration, migration
 from trex.checkpoint.migration import describe as describe_move
 from trex.checkpoint.migration import record as record_moves
-from trex.checkpoint.manifest import TRAINER_STATE
 from trex.checkpoint.training import Checkpointer, RunState
 from trex.data import load_tokenizer
 from trex.data.tokenizer import Tokenizer, compact_tokenizer
 from trex.hardware import profile_for_device_name
-from trex.models import DeepseekV4, build_model, get_preset
-from trex.models.engram import compressed_token_map
+from trex.models import build_model, get_preset
+from trex.models.common.heads import Model
+from trex.models.deepseek_v4.engram import compressed_token_map
 from trex.models.flops import flops_per_token
 from trex.models.registry import check_shardable, with_overrides
 from trex.parallel.load import load_sharded
@@ -55,19 +56,20 @@ from trex.parallel.watchdog import Heartbeat
 from trex.posttrain import Objective, TrainContext, build_objective
 from trex.posttrain.objective import reshard
 from trex.posttrain.sft import accumulate_gradients
-from trex.rollout.engine import EngineDied
 from trex.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy, StepGuard
+from trex.rollout.engine import EngineDied
 from trex.train.config import TrainRecipe
-from trex.train.drafter_refit import JobRefit, hold_mtp
+from trex.train.drafter_refit import JobRefit
+from trex.train.drafters.mtp import hold_mtp
 from trex.train.dry_run import model_config
 from trex.train.moe_balance import freeze_for_post_training
-from trex.train.trackers import Trackers, flatten
 from trex.train.optim import build_optimizer
 from trex.train.progress import StepProgress
 from trex.train.run_dir import METRICS_FILE, RunDir
 from trex.train.schedule import build_scheduler
 from trex.train.signals import SIGNAL_FILES, FidelityRecorder
 from trex.train.step import read_scalars, train_step
+from trex.train.trackers import Trackers, flatten
 
 __all__ = ["TrainResult", "train", "accumulate_gradients", "model_for", "prepare_model", "tokenizer_for"]
 
@@ -86,7 +88,7 @@ class Terminated(SystemExit):
 
 @dataclass
 class TrainResult:
-    model: DeepseekV4
+    model: Model
     tokenizer: Tokenizer
     summary: dict
     run_dir: str
@@ -98,7 +100,7 @@ def tokenizer_for(spec: str) -> Tokenizer:
 
 
 def model_for(recipe: TrainRecipe, tokenizer: Tokenizer, dev: device_layer.Device,
-              policy: PrecisionPolicy) -> DeepseekV4:
+              policy: PrecisionPolicy) -> Model:
     section = recipe.model
     if section.path:
         model = load_pretrained(section.path, dtype=policy.param_dtype, device=dev.name, overrides=section.overrides)
@@ -139,7 +141,7 @@ def keep_recorded_packing(recipe: TrainRecipe) -> TrainRecipe:
     return dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, packing=packing))
 
 
-def check_vocab(model: DeepseekV4, tokenizer: Tokenizer) -> None:
+def check_vocab(model: Model, tokenizer: Tokenizer) -> None:
     if model.cfg.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"tokenizer {tokenizer.source} has {tokenizer.vocab_size} ids but the model's vocab_size "
                          f"is {model.cfg.vocab_size}")
@@ -203,7 +205,7 @@ class CompiledGraphs:
                 "graphs": self._count() - self.start}
 
 
-def prepare_model(m: DeepseekV4, recipe: TrainRecipe, par: Parallel, policy: PrecisionPolicy,
+def prepare_model(m: Model, recipe: TrainRecipe, par: Parallel, policy: PrecisionPolicy,
                   compile_backend: str | None) -> list[str]:
     """Make a built (or loaded) model the run's student: cast, indexer frozen or aligned, QAT
     simulation set, the parallel plan applied; returns the names of the frozen parameters. One
@@ -236,7 +238,7 @@ class StepObserver(Protocol):
     def stepped(self, step: int, metrics: dict) -> None: ...
 
 
-def train(recipe: TrainRecipe, model: DeepseekV4 | None = None, tokenizer: Tokenizer | None = None,
+def train(recipe: TrainRecipe, model: Model | None = None, tokenizer: Tokenizer | None = None,
           observer: StepObserver | None = None) -> TrainResult:
     """Run ``recipe``; ``model``/``tokenizer`` continue from a previous stage instead of [model]/[data].
     Set-up, the steps, the summary; the status becomes the exception a CLI maps to its exit code."""
@@ -281,7 +283,7 @@ class _Run:
     run_dir: RunDir
     heartbeat: Heartbeat
     tokenizer: Tokenizer
-    model: DeepseekV4
+    model: Model
     frozen: list[str]
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -306,7 +308,7 @@ class _Run:
     observer: StepObserver | None = None
 
 
-def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer | None,
+def _set_up(recipe: TrainRecipe, model: Model | None, tokenizer: Tokenizer | None,
             heartbeat: Heartbeat) -> _Run:
     """Device, process group, model (built, loaded or loaded into shards) under the parallel plan,
     optimizer, schedule, step guard, objective, fidelity recorder, checkpointer (resumed if asked),
@@ -334,7 +336,7 @@ def _set_up(recipe: TrainRecipe, model: DeepseekV4 | None, tokenizer: Tokenizer 
     tokenizer = tokenizer or tokenizer_for(recipe.data.tokenizer)
     frozen: list[str] = []
 
-    def prepare(m: DeepseekV4) -> None:
+    def prepare(m: Model) -> None:
         frozen.extend(prepare_model(m, recipe, par, policy, compile_backend))
 
     if layout.cp > 1:  # every row of SFT/CPT and DPO is data.seq_len long

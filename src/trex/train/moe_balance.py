@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from trex.models.deepseek_v4 import MoEStats
+from trex.models.common.moe import MoEStats
 
 INDEXER_MARK = ".attn.indexer."
 ENGRAM_TABLE = ".engram.embed.weight"

@@ -38,9 +38,6 @@ from torch import nn
 from trex import device as trex_device
 from trex.logs import plural
 from trex.recipe import check_choices
-from trex.models.deepseek_v4 import Attention, Compressor, Experts, HyperConnection, HyperHead, RMSNorm
-from trex.models.deepseek_v41 import Attention as AttentionV41
-from trex.models.engram import Engram
 
 OptimizerName = Literal["muon", "adamw"]
 OPTIMIZERS = typing.get_args(OptimizerName)
@@ -219,10 +216,14 @@ RULES = {r.key: r for r in (
 def classify(model: nn.Module) -> list[tuple[str, nn.Parameter, Rule, list[int]]]:
     """(name, parameter, rule, row_blocks) for every trainable parameter, in model order.
 
+    The model's modules say which of their parameters take a rule other than the default: a module with
+    ``optimizer_rules()`` returns {parameter name relative to it (``wkv.weight``): (a key of RULES, row
+    blocks)}. The interface each family's modules fill (V4's compressor, attention and mHC, V4.1's Engram,
+    the shared routed experts), so no family's class is named here. The rest: the embedding and the output
+    head ``embed_head``, 1-D parameters ``gains_biases``, matrices ``matrix``.
     A parameter shared by two modules (tied embedding and head) is listed once.
     """
-    split_linears = _split_linears(model)
-    tables = {id(m.embed.weight) for m in model.modules() if isinstance(m, Engram)}
+    declared = _declared_rules(model)
     out, seen = [], set()
     for mod_name, module in model.named_modules():
         for leaf, p in module.named_parameters(recurse=False):
@@ -230,39 +231,29 @@ def classify(model: nn.Module) -> list[tuple[str, nn.Parameter, Rule, list[int]]
                 continue
             seen.add(id(p))
             name = f"{mod_name}.{leaf}" if mod_name else leaf
-            if id(p) in tables:
-                rule, blocks = RULES["engram_table"], []
-            else:
-                rule, blocks = split_linears.get(id(p)) or _rule_for(model, module, leaf, p, name)
+            rule, blocks = declared.get(id(p)) or _default_rule(model, module, p, name)
             out.append((name, p, rule, blocks))
     return out
 
 
-def _split_linears(model: nn.Module) -> dict[int, tuple[Rule, list[int]]]:
-    """Linear weights that stack several logical matrices, by parameter id."""
+def _declared_rules(model: nn.Module) -> dict[int, tuple[Rule, list[int]]]:
+    """The rules the model's modules declare (``optimizer_rules``), by parameter id."""
     found = {}
-    for module in model.modules():
-        if isinstance(module, Compressor) and module.overlap:
-            for linear in (module.wkv, module.wgate):
-                found[id(linear.weight)] = (RULES["csa_halves"], [module.c, module.c])
-        if isinstance(module, (Attention, AttentionV41)):
-            found[id(module.wo_a.weight)] = (RULES["wo_a_groups"], [module.cfg.o_lora_rank] * module.cfg.o_groups)
+    for mod_name, module in model.named_modules():
+        declare = getattr(module, "optimizer_rules", None)
+        if declare is None:
+            continue
+        for rel, (key, blocks) in declare().items():
+            if key not in RULES:
+                raise ValueError(f"optimizer grouping: {type(module).__name__} ({mod_name or 'the model'}) names "
+                                 f"rule {key!r} for {rel}; expected one of {sorted(RULES)}")
+            found[id(module.get_parameter(rel))] = (RULES[key], list(blocks))
     return found
 
 
-def _rule_for(model: nn.Module, module: nn.Module, leaf: str, p: nn.Parameter, name: str) -> tuple[Rule, list[int]]:
+def _default_rule(model: nn.Module, module: nn.Module, p: nn.Parameter, name: str) -> tuple[Rule, list[int]]:
     if isinstance(module, nn.Embedding) or module is getattr(model, "head", None):
         return RULES["embed_head"], []
-    if isinstance(module, RMSNorm) or (isinstance(module, (HyperConnection, HyperHead)) and leaf in ("base", "scale")):
-        return RULES["gains_biases"], []
-    if (isinstance(module, Attention) and leaf == "attn_sink") or (isinstance(module, Compressor) and leaf == "ape"):
-        return RULES["gains_biases"], []
-    if isinstance(module, Engram) and leaf in ("q_weight", "k_weight"):  # per-stream channel gains of its gate
-        return RULES["gains_biases"], []
-    if isinstance(module, HyperConnection) and leaf == "fn":
-        return RULES["mhc_fn"], [module.n, module.n, module.n * module.n]
-    if isinstance(module, Experts):
-        return RULES["experts"], []
     if p.dim() == 1:
         return RULES["gains_biases"], []
     if p.dim() == 2:

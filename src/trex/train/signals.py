@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from trex.models import evaluating
-from trex.models.cross_entropy import token_nll
-from trex.models.deepseek_v4 import IGNORE_INDEX, shift_labels
+from trex.models.common.context import shift_labels
+from trex.models.common.cross_entropy import IGNORE_INDEX, token_nll
 from trex.recipe import require_positive
 
 if TYPE_CHECKING:

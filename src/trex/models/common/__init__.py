@@ -11,9 +11,11 @@
     moe.py      the router (Gate), routed experts sorted by expert (Experts), SharedExpert, MoE, MoEStats
     context.py  segments, SequenceShard, SequenceContext (ids, documents, positions, shard rows, RoPE
                 tables), DecodeCacheLike, DecodeSteps (a cache's shared bookkeeping), shift_labels
-    heads.py    ModelOutput, init_parameters
+    heads.py    ModelOutput, Model (a model of any family, as generic code names it), init_parameters
+    cross_entropy.py  IGNORE_INDEX, token_nll, head_nll (the LM head fused with the loss, in chunks)
 
-A file here imports only torch, trex.kernels, trex.models.cross_entropy and other files here: never an
-architecture (deepseek_v4, deepseek_v41, ...) nor what sits above them (tests/test_models_layering.py).
+A file here imports only torch, trex.kernels and other files here: never a family (deepseek_v4/,
+deepseek_v3/, ...) nor what sits above them (tests/test_models_layering.py). Every importer names the file
+that defines a part (no family module passes one on).
 Nothing is exported from this package's namespace, so importing ``common.config`` imports no torch.
 """

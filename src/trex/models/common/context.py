@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from trex.models.cross_entropy import IGNORE_INDEX
+from trex.models.common.cross_entropy import IGNORE_INDEX
 
 
 class SequenceShard(Protocol):
@@ -37,11 +37,12 @@ class SequenceShard(Protocol):
 
 
 class DecodeCacheLike(Protocol):
-    """What a sequence context and a model's forward read of a decode cache (``trex.models.decode.DecodeCache``,
-    V4.1's ``V41DecodeCache``). The cache's module imports the model's, so the model names this contract,
-    not the class. ``pos`` [B]: the position of the next token of each row, None until the prefill;
-    ``count_step`` is called as each forward with the cache begins. Each architecture's attention hands its
-    layer's state to ``prefill`` and takes a decode step's output from ``step``, with its own arguments."""
+    """What a sequence context and a model's forward read of a decode cache (V4's
+    ``trex.models.deepseek_v4.decode.DecodeCache``, V4.1's ``V41DecodeCache``). The cache's module imports the
+    model's, so the model names this contract, not the class. ``pos`` [B]: the position of the next token of
+    each row, None until the prefill; ``count_step`` is called as each forward with the cache begins. Each
+    architecture's attention hands its layer's state to ``prefill`` and takes a decode step's output from
+    ``step``, with its own arguments."""
 
     max_new_tokens: int
     pos: torch.Tensor | None

@@ -1,4 +1,5 @@
-"""What every model's forward returns (``ModelOutput``) and how a model's parameters start (``init_parameters``)."""
+"""What every model's forward returns (``ModelOutput``), the type generic code names a model of any family by
+(``Model``), and how a model's parameters start (``init_parameters``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from trex.models.common.cross_entropy import head_nll
 from trex.models.common.linear import linear_fp32
 from trex.models.common.moe import Gate, MoEStats
-from trex.models.cross_entropy import head_nll
+
+Model = nn.Module
+"""A model of any family (the registry's ``model_class``; trex.models.build.build_model), as generic code
+(objectives, the loop, parallelism, checkpoints) annotates it. What it relies on: ``cfg`` (the config),
+``init_weights(seed)``, ``set_quant(QuantSim)``, ``layers`` (the blocks), ``sequence_shard`` and the forward
+``model(input_ids, labels=None, doc_ids=None, cache=None, *, targets=None, return_logits=True,
+token_mask=None, ...) -> ModelOutput``."""
 
 
 @dataclass
@@ -69,5 +77,5 @@ class UntiedHead:
 
     def head_nll(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The LM head fused with the loss: h [B, S, d], targets [B, S] -> fp32 per-token NLL [B, S]
-        (0 where IGNORE_INDEX), with no [B, S, V] logits (``trex.models.cross_entropy.head_nll``)."""
+        (0 where IGNORE_INDEX), with no [B, S, V] logits (``trex.models.common.cross_entropy.head_nll``)."""
         return head_nll(h, self.head.weight, targets)

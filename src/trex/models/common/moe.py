@@ -131,6 +131,10 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n, dim, inter))
         self.w3 = nn.Parameter(torch.empty(n, inter, dim))
 
+    def optimizer_rules(self) -> dict[str, tuple[str, list[int]]]:
+        """{parameter: (optimizer rule, row blocks)} (trex.train.optim.classify): each expert a matrix of its own."""
+        return {w: ("experts", []) for w in ("w1", "w2", "w3")}
+
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [T, d]; idx, weights: [T, k] -> sum_k weights * expert_idx(x): fp32 [T, d]."""
         sort = sort_by_expert(idx, self.w1.shape[0])

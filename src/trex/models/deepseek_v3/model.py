@@ -34,13 +34,13 @@ from torch import nn
 
 from trex.models.common.config import MOE
 from trex.models.common.context import DecodeCacheLike, SequenceContext, SequenceShard, shift_labels
+from trex.models.common.cross_entropy import IGNORE_INDEX, token_nll
 from trex.models.common.heads import ModelOutput, UntiedHead, init_parameters
 from trex.models.common.indexer import take_indexer_measures
 from trex.models.common.linear import QuantLinear, QuantSim, spread_quant
 from trex.models.common.moe import Experts, MoE, SharedExpert
 from trex.models.common.norm import RMSNorm
 from trex.models.common.rope import rope_inv_freq
-from trex.models.cross_entropy import IGNORE_INDEX, token_nll
 from trex.models.deepseek_v3.attention import MLA
 from trex.models.deepseek_v3.config import V3Config
 from trex.models.deepseek_v3.dsa import SparseMLA

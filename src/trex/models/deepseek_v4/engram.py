@@ -36,7 +36,7 @@ from torch import nn
 
 from trex.kernels import quantize
 from trex.models.common.linear import QuantLinear, QuantSim
-from trex.models.engram_layout import EngramLayout, is_prime  # noqa: F401 - is_prime: re-exported
+from trex.models.deepseek_v4.engram_layout import EngramLayout
 
 
 def hash_multipliers(layer_ids: Sequence[int], max_ngram: int, compressed_vocab: int) -> torch.Tensor:
@@ -157,6 +157,12 @@ class Engram(nn.Module):
         self.wkv = QuantLinear(columns * head_dim, dim * (hc + 1), block=block)
         self.q_weight = nn.Parameter(torch.ones(hc, dim))
         self.k_weight = nn.Parameter(torch.ones(hc, dim))
+
+    def optimizer_rules(self) -> dict[str, tuple[str, list[int]]]:
+        """{parameter: (optimizer rule, row blocks)} (trex.train.optim.classify): the table row-wise, the gate's
+        per-stream channel gains as gains."""
+        return {"embed.weight": ("engram_table", []), "q_weight": ("gains_biases", []),
+                "k_weight": ("gains_biases", [])}
 
     def forward(self, X: torch.Tensor, hash_ids: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
         """X: [B, S, hc, d]; hash_ids: [B, S, cols]; live: [B, S] (False: the stream passes unchanged)

@@ -1,6 +1,6 @@
 """Generation with DeepSeek-V4.1: its decode cache and one decode step of each attention layer.
 
-As ``trex.models.decode`` for V4: ``model(ids, doc_ids=docs, cache=V41DecodeCache(n))`` runs the
+As ``trex.models.deepseek_v4.decode`` for V4: ``model(ids, doc_ids=docs, cache=V41DecodeCache(n))`` runs the
 training forward over the prompts (the prefill), each ``Attention.forward`` handing its state to
 ``cache.prefill``; each later call feeds one token per row, [B, 1], and ``Attention.forward`` hands it
 to ``cache.step``. V4.1's layers read what earlier layers computed, and so does its cache:
@@ -28,9 +28,10 @@ import torch.nn.functional as F
 from trex.kernels import quantize
 from trex.models.common.linear import linear_fp32
 from trex.models.common.rope import apply_rope
-from trex.models.decode import DecodeCache, decode_attention
-from trex.models.deepseek_v4 import SeqContext, grouped_output
-from trex.models.deepseek_v41 import Attention, Shared
+from trex.models.deepseek_v4.attention import grouped_output
+from trex.models.deepseek_v4.attention_v41 import Attention, Shared
+from trex.models.deepseek_v4.context import SeqContext
+from trex.models.deepseek_v4.decode import DecodeCache, decode_attention
 
 
 @dataclass

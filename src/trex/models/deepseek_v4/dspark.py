@@ -40,10 +40,12 @@ from trex.models.common.heads import init_parameters
 from trex.models.common.linear import QuantLinear, QuantSim, linear_fp32, spread_quant
 from trex.models.common.norm import RMSNorm
 from trex.models.common.rope import apply_rope, rope_inv_freq
-from trex.models.config_v41 import V41Config
-from trex.models.decode import decode_attention
-from trex.models.deepseek_v4 import HyperConnection, add_projections, grouped_output
-from trex.models.deepseek_v41 import Block, Shared
+from trex.models.deepseek_v4.attention import add_projections, grouped_output
+from trex.models.deepseek_v4.attention_v41 import Shared
+from trex.models.deepseek_v4.config_v41 import V41Config
+from trex.models.deepseek_v4.decode import decode_attention
+from trex.models.deepseek_v4.mhc import HyperConnection
+from trex.models.deepseek_v4.model_v41 import Block
 
 
 @dataclass

@@ -20,7 +20,9 @@ from trex.kernels.sparse_attention import gather_rows, scores_fp32
 from trex.models.common.context import DecodeSteps
 from trex.models.common.indexer import select_topk
 from trex.models.common.linear import linear_fp32
-from trex.models.deepseek_v4 import Attention, Compressor, Indexer, SeqContext, WindowLayout
+from trex.models.deepseek_v4.attention import Attention
+from trex.models.deepseek_v4.compressor import Compressor, Indexer
+from trex.models.deepseek_v4.context import SeqContext, WindowLayout
 
 
 # ---- the cache: per attention layer the raw K=V of the last W tokens, and per compressor the

@@ -18,10 +18,9 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from trex.models.common.config import (GENERIC_FIELDS, MOE, ConfigError, YarnScaling, need, read_config_json,
-                                       rope_fields)
-from trex.models.config import SLIDING, ModelConfig, validate_shared
-from trex.models.engram_layout import EngramLayout
+from trex.models.common.config import GENERIC_FIELDS, MOE, ConfigError, YarnScaling, need, read_config_json, rope_fields
+from trex.models.deepseek_v4.config import SLIDING, ModelConfig, validate_shared
+from trex.models.deepseek_v4.engram_layout import EngramLayout
 
 CSA2 = "csa2"  # the layer type of every compressed V4.1 layer; its rate is the layer's own ratio
 
@@ -183,7 +182,7 @@ class V41Config:
 
     def compress_rate(self, layer_type: str) -> int:
         """The largest ratio of a layer type (0 for window-only): what a context-parallel shard's halo
-        must cover (trex.models.deepseek_v4.shard_halo)."""
+        must cover (trex.models.deepseek_v4.config.shard_halo)."""
         return 0 if layer_type == SLIDING else max(self.layer_ratios)
 
     def layer_rates(self) -> list[int]:
@@ -199,7 +198,7 @@ class V41Config:
         return max((i for i in self.index_source_layer_ids if i <= layer), default=None)
 
     def engram_layout(self):
-        """The Engram tables' bucket layout (trex.models.engram_layout.EngramLayout)."""
+        """The Engram tables' bucket layout (trex.models.deepseek_v4.engram_layout.EngramLayout)."""
         return EngramLayout.build(self.engram_layer_ids, self.engram_max_ngram_size, self.engram_n_heads,
                                   self.engram_vocab_size)
 

@@ -9,6 +9,7 @@ names (``dim``, ``n_layers``, ...). Presets: ``deepseek-v4-flash``, ``deepseek-v
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from trex.models.common.config import (GENERIC_FIELDS, HASH_MOE, MOE, ConfigError, YarnScaling, lookup_preset, need,
@@ -304,3 +305,49 @@ def get_preset(name: str) -> ModelConfig:
     """A DeepSeek-V4 preset's config (PRESETS). Every architecture's presets: trex.models.registry.get_preset
     (``trex.models.get_preset``), which this module cannot reach: the registry imports it."""
     return lookup_preset(PRESETS, name)
+
+
+# ==================================================================================================
+# The context-parallel split rule (trex.models.registry.check_shardable): each shard a whole number of
+# every compression window, and at least as long as the halo it lends its neighbours.
+# ==================================================================================================
+def shard_halo(cfg: ModelConfig, layer_type: str) -> tuple[int, int]:
+    """Rows (before, after) a shard of a layer of ``layer_type`` needs from its neighbours' inputs: the
+    sliding window's W - 1 keys before it (and CSA's previous window, m rows), and the m - 1 rows a
+    compression window that starts in the shard reaches into the next one."""
+    m = cfg.compress_rate(layer_type)
+    before = max(cfg.sliding_window - 1, m if layer_type == CSA else 0)
+    return before, max(m - 1, 0)
+
+
+def _shard_unit(cfg: ModelConfig) -> tuple[int, int]:
+    """(tokens a shard must be a multiple of: every compression rate; the longest halo it lends)."""
+    types = set(cfg.layer_types) | {cfg.mtp_layer_type}
+    unit = math.lcm(*[r for r in cfg.layer_rates() if r], 1)
+    return unit, max(max(shard_halo(cfg, t)) for t in types)
+
+
+def shardable_length(cfg: ModelConfig, length: int, shards: int) -> int:
+    """The shortest sequence length >= ``length`` that splits into ``shards`` shards (check_shardable)."""
+    if shards == 1:
+        return length
+    unit, halo = _shard_unit(cfg)
+    q = shards * unit
+    return max(q * -(-shards * halo // q), -(-length // q) * q)
+
+
+def check_shardable(cfg: ModelConfig, seq_len: int, shards: int) -> None:
+    """ValueError unless a sequence of ``seq_len`` splits into ``shards`` context-parallel shards: each
+    shard a whole number of every compression window (so entries split evenly), and at least as long
+    as the halo it lends its neighbours. The message names lengths that would work."""
+    if shards == 1:
+        return
+    unit, halo = _shard_unit(cfg)
+    if seq_len % (shards * unit) or seq_len // shards < halo:
+        q = shards * unit
+        least = shardable_length(cfg, 1, shards)
+        near = sorted({max(least, seq_len // q * q), shardable_length(cfg, seq_len, shards)})
+        raise ValueError(f"a sequence of {seq_len} tokens does not split into cp = {shards} shards: each shard "
+                         f"must be a multiple of {unit} tokens (the compression windows) and at least {halo} "
+                         f"(the halo it lends), so seq_len must be a multiple of {q} and >= {least}; "
+                         f"{' or '.join(map(str, near))} would work")

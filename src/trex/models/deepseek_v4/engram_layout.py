@@ -1,5 +1,5 @@
 """Engram's hash tables' layout (DeepSeek-V4.1): the primes each (layer, n-gram, head) takes modulo, and
-where each range starts in its layer's table (the rule: trex.models.engram's docstring, **Primes**).
+where each range starts in its layer's table (the rule: trex.models.deepseek_v4.engram's docstring, **Primes**).
 
 Arithmetic only, without torch, so that V41Config validates its table sizes (``engram_num_embeddings``)
 without importing the model.
