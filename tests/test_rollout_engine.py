@@ -353,6 +353,63 @@ def test_asynchronous_rollouts_are_one_step_off_policy(tmp_path, monkeypatch):
         train(_recipe(files, tmp_path / "bad", "sampling.asynchronous=true"))
 
 
+class _Lagging:
+    """A slowed engine: it takes only every ``every``-th weight sync, so the batches it samples come from
+    weights up to ``every`` - 1 versions older than the ones it was asked to hold, as an engine that falls
+    behind the trainer would. At lr 0 every version holds the same weights, so the parity gate passes."""
+
+    def __init__(self, engine, every: int):
+        self.engine, self.every = engine, every
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def sync(self, model, version):
+        if version % self.every == 0:
+            self.engine.sync(model, version)
+
+
+def test_asynchronous_rollouts_never_train_a_sample_beyond_max_staleness(tmp_path, monkeypatch):
+    """`sampling.max_staleness`: with an engine that lags (its batches 0, 1, 2 and 3 versions behind the step
+    that trains them), no trained sample's first token is more than max_staleness = 2 versions old; the
+    3-stale batch carries no loss and is counted in the staleness histogram, `rollout/stale_dropped`, the
+    summary and a warning."""
+    from trex.posttrain import grpo
+    from trex.train.loop import train
+
+    files = _files(tmp_path)
+    monkeypatch.syspath_prepend(str(files))
+    make, collect, batches = grpo.make_engine, grpo.GRPOObjective._collect, []
+    monkeypatch.setattr(grpo, "make_engine", lambda *a: _Lagging(make(*a), every=4))
+
+    def kept(self, model, step):
+        batches.append((step, collect(self, model, step)))
+        return batches[-1][1]
+    monkeypatch.setattr(grpo.GRPOObjective, "_collect", kept)
+    result = train(_recipe(files, tmp_path / "run", 'sampling.engine="server"', "sampling.asynchronous=true",
+                           "sampling.max_staleness=2", "optim.lr=0", "train.steps=4"))
+    trained = {step: b.loss_mask.any(dim=1) for step, b in batches}
+    assert [b.rollouts.version for _, b in batches] == [0, 0, 0, 0]  # sampled at v0: 0, 1, 2 and 3 steps stale
+    assert [int(t.sum()) for t in trained.values()] == [32, 32, 32, 0]
+    assert all(step - b.rollouts.version <= 2 for step, b in batches if trained[step].any())
+    rows = _metrics(tmp_path / "run")
+    hist = [[r[f"rollout/staleness_{k}"] for k in range(3)] + [r["rollout/stale_dropped"]] for r in rows]
+    assert hist == [[32, 0, 0, 0], [0, 32, 0, 0], [0, 0, 32, 0], [0, 0, 0, 32]]
+    assert [r["rollout/older_token_share"] for r in rows[:3]] == [0.0, 1.0, 1.0]
+    assert rows[3]["response_length"] > 0 and rows[3]["loss"] == 0  # sampled, scored, never trained
+    assert result.summary["data"]["stale_dropped"] == 32
+    assert any("32 samples dropped untrained" in w for w in result.summary["warnings"])
+
+
+def test_max_staleness_is_refused_in_one_line_below_one_or_without_asynchronous(tmp_path):
+    from trex.posttrain.on_policy import SamplingSection
+
+    with pytest.raises(ValueError, match=r"^sampling\.max_staleness must be >= 1 .*, got 0$"):
+        SamplingSection(asynchronous=True, max_staleness=0)
+    with pytest.raises(ValueError, match=r"^sampling\.max_staleness = 3 bounds asynchronous rollouts only"):
+        SamplingSection(max_staleness=3)
+
+
 def test_a_quantised_sync_serves_what_the_exported_checkpoint_serves(tiny, tmp_path):
     """`sync_quantize = "fp8+fp4experts"`: the sync sends FP8 linears and FP4 experts with their scales (the
     export's codec), the engine dequantises them, and its log-probs are those of the same model exported
