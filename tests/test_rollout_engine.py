@@ -371,10 +371,11 @@ class _Lagging:
 
 
 def test_asynchronous_rollouts_never_train_a_sample_beyond_max_staleness(tmp_path, monkeypatch):
-    """`sampling.max_staleness`: with an engine that lags (its batches 0, 1, 2 and 3 versions behind the step
-    that trains them), no trained sample's first token is more than max_staleness = 2 versions old; the
-    3-stale batch carries no loss and is counted in the staleness histogram, `rollout/stale_dropped`, the
-    summary and a warning."""
+    """`sampling.max_staleness`: two batches are in flight while a step trains (as many as the bound allows,
+    fewer near the end); with an engine that lags (its batches 0, 1, 2 and 3 versions behind the step that
+    trains them), no trained sample's first token is more than max_staleness = 2 versions old; the 3-stale
+    batch carries no loss and is counted in the staleness histogram, `rollout/stale_dropped`, the summary
+    and a warning."""
     from trex.posttrain import grpo
     from trex.train.loop import train
 
@@ -384,15 +385,16 @@ def test_asynchronous_rollouts_never_train_a_sample_beyond_max_staleness(tmp_pat
     monkeypatch.setattr(grpo, "make_engine", lambda *a: _Lagging(make(*a), every=4))
 
     def kept(self, model, step):
-        batches.append((step, collect(self, model, step)))
+        batches.append((step, collect(self, model, step), len(self.inflight)))
         return batches[-1][1]
     monkeypatch.setattr(grpo.GRPOObjective, "_collect", kept)
     result = train(_recipe(files, tmp_path / "run", 'sampling.engine="server"', "sampling.asynchronous=true",
                            "sampling.max_staleness=2", "optim.lr=0", "train.steps=4"))
-    trained = {step: b.loss_mask.any(dim=1) for step, b in batches}
-    assert [b.rollouts.version for _, b in batches] == [0, 0, 0, 0]  # sampled at v0: 0, 1, 2 and 3 steps stale
+    assert [n for _, _, n in batches] == [2, 2, 1, 0]  # in flight after each step's batch was taken
+    trained = {step: b.loss_mask.any(dim=1) for step, b, _ in batches}
+    assert [b.rollouts.version for _, b, _ in batches] == [0, 0, 0, 0]  # sampled at v0: 0, 1, 2, 3 steps stale
     assert [int(t.sum()) for t in trained.values()] == [32, 32, 32, 0]
-    assert all(step - b.rollouts.version <= 2 for step, b in batches if trained[step].any())
+    assert all(step - b.rollouts.version <= 2 for step, b, _ in batches if trained[step].any())
     rows = _metrics(tmp_path / "run")
     hist = [[r[f"rollout/staleness_{k}"] for k in range(3)] + [r["rollout/stale_dropped"]] for r in rows]
     assert hist == [[32, 0, 0, 0], [0, 32, 0, 0], [0, 0, 32, 0], [0, 0, 0, 32]]

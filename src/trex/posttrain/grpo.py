@@ -24,6 +24,7 @@ The math is in trex.posttrain.grpo_loss; prompts, sampling and rows in trex.post
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -119,6 +120,14 @@ class GRPOSection:
 
 
 @dataclass
+class InFlight:
+    """A batch the rollout thread is sampling (asynchronous)."""
+    prompts: list                # its prompts, each G times
+    result: Future               # -> Samples, or a list of Trajectory with an [environment]
+    before: dict                 # the prompt order and generator before it was drawn (a resume draws it again)
+
+
+@dataclass
 class GroupBatch:
     """The sampled batch of one rank and what every step that uses it needs."""
     rollouts: Rollouts
@@ -151,11 +160,9 @@ class GRPOObjective(Objective):
         self.engine = None  # started at the first batch
         if self.sampling.asynchronous and (self.sampling.engine != "server" or self.cfg.ppo_epochs != 1):
             raise ValueError('sampling.asynchronous = true needs sampling.engine = "server" and grpo.ppo_epochs = 1 '
-                             "(it generates the next batch in the engine's process while this one trains)")
-        self.inflight: list | None = None  # the prompts of a batch the engine is generating (asynchronous)
-        self.rolling: Future | None = None  # its trajectories, rolled out in a thread (asynchronous, multi-turn)
-        self.pool: ThreadPoolExecutor | None = None
-        self.before_inflight: dict | None = None  # the prompt order and sampler state before they were drawn
+                             "(it samples the next batches in the engine's process while this one trains)")
+        self.inflight: deque[InFlight] = deque()  # asynchronous: the batches being sampled, oldest first
+        self.pool: ThreadPoolExecutor | None = None  # their thread: one batch at a time, in order
         self.correction = self.cfg.correction if self.cfg.correction != "auto" else (
             "none" if self.sampling.engine == "in_process" else "decoupled")
         self.signal = [0, 0]  # steps, and steps with a learning signal (a group whose rewards differ)
@@ -171,15 +178,16 @@ class GRPOObjective(Objective):
             self.engine = make_engine(self.sampling, model, ctx.dev, ctx.policy)
         probe = [p.ids for p in self.prompts[:self.sampling.probe_rows]]
         params = sampling_params(self.sampling, ctx.tokenizer)
-        if self.inflight is not None and self.multiturn is not None:  # asynchronous, multi-turn: the sync lands
-            # between two rounds of the trajectories in flight, which go on under the new weights (partial rollout)
-            chosen, self.inflight = self.inflight, None
+        if self.inflight and self.multiturn is not None:  # asynchronous, multi-turn: the sync lands between two
+            # rounds of the trajectories in flight, which go on under the new weights (partial rollout)
+            flight = self.inflight.popleft()
+            chosen = flight.prompts
             engine_metrics = sync_engine(self.engine, model, step, probe, self.sampling, ctx.par, step + 1)
-            trajs, self.rolling = self.rolling.result(), None
+            trajs = flight.result.result()
             rollouts = self.multiturn.lay_out(model, trajs, device)
-        elif self.inflight is not None:  # asynchronous: the batch generated while the last step trained
-            chosen, self.inflight = self.inflight, None
-            samples = self.engine.collect()
+        elif self.inflight:  # asynchronous: the oldest batch in flight, sampled while earlier steps trained
+            flight = self.inflight.popleft()
+            chosen, samples = flight.prompts, flight.result.result()
             engine_metrics = sync_engine(self.engine, model, step, probe, self.sampling, ctx.par, step + 1)
         else:
             engine_metrics = sync_engine(self.engine, model, step, probe, self.sampling, ctx.par, step + 1)
@@ -190,16 +198,8 @@ class GRPOObjective(Objective):
             else:
                 samples = self.engine.generate([p.ids for p in chosen], params, uniforms, self.sampling.batch_size,
                                                cfg.routing == "replay")
-        if self.sampling.asynchronous and step + 1 < ctx.recipe.train.steps:  # the next batch, while this trains
-            self.before_inflight = self.state_dict()
-            self.inflight, uniforms = self._draw()
-            if self.multiturn is None:
-                self.engine.submit([p.ids for p in self.inflight], params, uniforms, self.sampling.batch_size,
-                                   cfg.routing == "replay")
-            else:  # the engine is thread-safe (ServerEngine): the trainer's syncs interleave with the rounds
-                self.pool = self.pool or ThreadPoolExecutor(1, thread_name_prefix="trex-rollout")
-                self.rolling = self.pool.submit(self.multiturn.trajectories, self.engine, self.inflight, params,
-                                                uniforms, self.sampling.batch_size, device, cfg.routing == "replay")
+        if self.sampling.asynchronous:
+            self._fill(params, step, device)
         if self.multiturn is None:
             rollouts = lay_out(model, samples, ctx.tokenizer, device)
             scored = [self.rewards.score(c) for c in completions(rollouts, chosen, self.thinking)]
@@ -240,6 +240,29 @@ class GRPOObjective(Objective):
         keep = loss_mask.clone() if self.correction != "none" else None
         return GroupBatch(rollouts, advantages, loss_mask, ref_logp, old_logp, is_weights, keep, metrics,
                           (int(n_seq), int(n_tok)))
+
+    def _fill(self, params, step: int, device: torch.device) -> None:
+        """Asynchronous: keep ``max_staleness`` batches in flight (fewer near the last step), each drawn now and
+        sampled in the rollout thread while the trainer goes on. The engine is thread-safe (ServerEngine):
+        a batch starts under the weights the engine holds then; the one taken at step s trains at step
+        s + max_staleness at the latest, so its staleness stays within the bound unless the engine falls
+        behind the syncs. A multi-turn batch's later rounds sample under whatever weights the trainer has
+        synced meanwhile."""
+        replay, size = self.cfg.routing == "replay", self.sampling.batch_size
+        self.pool = self.pool or ThreadPoolExecutor(1, thread_name_prefix="trex-rollout")
+        while (len(self.inflight) < self.sampling.max_staleness
+               and step + 1 + len(self.inflight) < self.ctx.recipe.train.steps):
+            before = self._position()
+            prompts, uniforms = self._draw()
+            result = (self.pool.submit(self.engine.generate, [p.ids for p in prompts], params, uniforms, size, replay)
+                      if self.multiturn is None else
+                      self.pool.submit(self.multiturn.trajectories, self.engine, prompts, params, uniforms, size,
+                                       device, replay))
+            self.inflight.append(InFlight(prompts, result, before))
+
+    def _position(self) -> dict:
+        """Where the prompt order and the sampler's generator stand (what a resume restores)."""
+        return {"order": self.order.state_dict(), "generator": generator_state(self.generator)}
 
     def _draw(self) -> tuple[list, torch.Tensor]:
         """The next batch's prompts (each G times, prompt-major) and its sampler uniforms."""
@@ -337,9 +360,9 @@ class GRPOObjective(Objective):
                                   ctx.dev.torch_device) if self.eval_sets else {}
 
     def state_dict(self) -> dict:
-        if self.inflight is not None:  # a batch being generated is drawn again on resume
-            return {**self.before_inflight, "signal": list(self.signal), "dropped": self.dropped}
-        return {"order": self.order.state_dict(), "generator": generator_state(self.generator),
+        if self.inflight:  # the batches in flight are drawn again on resume
+            return {**self.inflight[0].before, "signal": list(self.signal), "dropped": self.dropped}
+        return {**self._position(),
                 "batch": _batch_state(self.batch) if self.batch is not None and self.cfg.ppo_epochs > 1 else None,
                 "signal": list(self.signal), "dropped": self.dropped}
 
@@ -353,7 +376,7 @@ class GRPOObjective(Objective):
 
     def close(self) -> None:
         if self.pool is not None:  # a rollout in flight ends before its engine does
-            self.pool.shutdown(wait=True)
+            self.pool.shutdown(wait=True, cancel_futures=True)
         if self.engine is not None:
             self.engine.close()
 
