@@ -42,8 +42,8 @@ from trex.posttrain.objective import (Objective, StepResult, TrainContext, backw
                                       next_token_logprobs,
                                       token_logprobs)
 from trex.posttrain.on_policy import (PromptOrder, Rollouts, bound_staleness, completions, exact_match_by_set,
-                                      generator_state, lay_out, load_eval_sets, load_prompts, make_engine, probe_batch, rank_uniforms,
-                                      sampling_params, set_generator_state, sync_engine)
+                                      generator_state, lay_out, load_eval_sets, load_prompts, make_engine,
+                                      probe_batch, rank_uniforms, sampling_params, set_generator_state, sync_engine)
 from trex.posttrain.rewards import RewardSet
 from trex.posttrain.rollout_parity import N_MAXIMA, N_SUMS, parity_metrics, parity_sums
 
@@ -178,17 +178,16 @@ class GRPOObjective(Objective):
             self.engine = make_engine(self.sampling, model, ctx.dev, ctx.policy)
         probe = [p.ids for p in self.prompts[:self.sampling.probe_rows]]
         params = sampling_params(self.sampling, ctx.tokenizer)
-        if self.inflight and self.multiturn is not None:  # asynchronous, multi-turn: the sync lands between two
-            # rounds of the trajectories in flight, which go on under the new weights (partial rollout)
+        if self.inflight:  # asynchronous: the oldest batch in flight, sampled while earlier steps trained
             flight = self.inflight.popleft()
             chosen = flight.prompts
+            if self.multiturn is None:  # one generate call: the sync comes after it
+                samples = flight.result.result()
+            # trajectories still going take the sync between two rounds and go on under the new weights
             engine_metrics = sync_engine(self.engine, model, step, probe, self.sampling, ctx.par, step + 1)
-            trajs = flight.result.result()
-            rollouts = self.multiturn.lay_out(model, trajs, device)
-        elif self.inflight:  # asynchronous: the oldest batch in flight, sampled while earlier steps trained
-            flight = self.inflight.popleft()
-            chosen, samples = flight.prompts, flight.result.result()
-            engine_metrics = sync_engine(self.engine, model, step, probe, self.sampling, ctx.par, step + 1)
+            if self.multiturn is not None:
+                trajs = flight.result.result()
+                rollouts = self.multiturn.lay_out(model, trajs, device)
         else:
             engine_metrics = sync_engine(self.engine, model, step, probe, self.sampling, ctx.par, step + 1)
             chosen, uniforms = self._draw()

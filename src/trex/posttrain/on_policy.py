@@ -76,11 +76,11 @@ class SamplingSection:
     probe_rows: int = 4
     """Prompts in the parity probe."""
     asynchronous: bool = False
-    """Off-policy by a bounded lag (grpo, server engine): the engine generates step k + 1's batch with the
-    weights of step k while step k trains; each batch records its weight-version lag (``engine/lag``) and the
-    decoupled correction weighs the lag's policy change. With an [environment] a trajectory in flight across
-    the weight sync goes on under the new weights (each token keeps its version). A resumed run samples its
-    first batch anew."""
+    """Off-policy by a bounded lag (grpo, server engine): while step k trains, the engine samples the next
+    ``max_staleness`` batches in a rollout thread, each with the weights it holds when the batch starts; each
+    batch records its weight-version lag (``engine/lag``) and the decoupled correction weighs the lag's policy
+    change. With an [environment] a trajectory in flight across a weight sync goes on under the new weights
+    (each token keeps its version). A resumed run samples its first batch anew."""
     max_staleness: int = 1
     """Asynchronous: the most optimizer steps a sample may train after the weights that sampled its first
     token; staler samples are dropped (no loss) and counted (``rollout/stale_dropped``, summary.json)."""
