@@ -372,10 +372,10 @@ class _Lagging:
 
 def test_asynchronous_rollouts_never_train_a_sample_beyond_max_staleness(tmp_path, monkeypatch):
     """`sampling.max_staleness`: two batches are in flight while a step trains (as many as the bound allows,
-    fewer near the end); with an engine that lags (its batches 0, 1, 2 and 3 versions behind the step that
-    trains them), no trained sample's first token is more than max_staleness = 2 versions old; the 3-stale
-    batch carries no loss and is counted in the staleness histogram, `rollout/stale_dropped`, the summary
-    and a warning."""
+    fewer near the end; a checkpoint's prompt position is the oldest one's, drawn again on resume); with an
+    engine that lags (its batches 0, 1, 2 and 3 versions behind the step that trains them), no trained
+    sample's first token is more than max_staleness = 2 versions old; the 3-stale batch carries no loss and
+    is counted in the staleness histogram, `rollout/stale_dropped`, the summary and a warning."""
     from trex.posttrain import grpo
     from trex.train.loop import train
 
@@ -384,8 +384,9 @@ def test_asynchronous_rollouts_never_train_a_sample_beyond_max_staleness(tmp_pat
     make, collect, batches = grpo.make_engine, grpo.GRPOObjective._collect, []
     monkeypatch.setattr(grpo, "make_engine", lambda *a: _Lagging(make(*a), every=4))
 
-    def kept(self, model, step):
+    def kept(self, model, step):  # and where a resume would draw from: after the batches taken, not those in flight
         batches.append((step, collect(self, model, step), len(self.inflight)))
+        assert self.state_dict()["order"]["pos"] == 4 * (step + 1) < self.order.pos or not self.inflight
         return batches[-1][1]
     monkeypatch.setattr(grpo.GRPOObjective, "_collect", kept)
     result = train(_recipe(files, tmp_path / "run", 'sampling.engine="server"', "sampling.asynchronous=true",
