@@ -352,6 +352,9 @@ def test_asynchronous_rollouts_are_one_step_off_policy(tmp_path, monkeypatch):
     assert abs(rows[2]["rollout_corr/is_mean"] - 1.0) > 1e-4
     with pytest.raises(ValueError, match="asynchronous = true needs"):
         train(_recipe(files, tmp_path / "bad", "sampling.asynchronous=true"))
+    with pytest.raises(ValueError, match="^sampling.asynchronous = true: on-policy distillation samples each"):
+        train(_recipe(files, tmp_path / "distill", 'train.mode="distill"', 'sampling.engine="server"',
+                      "sampling.asynchronous=true"))
 
 
 class _Lagging:
