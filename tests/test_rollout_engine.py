@@ -389,23 +389,24 @@ def test_asynchronous_rollouts_never_train_a_sample_beyond_max_staleness(tmp_pat
 
     def kept(self, model, step):  # and where a resume would draw from: after the batches taken, not those in flight
         batches.append((step, collect(self, model, step), len(self.inflight)))
-        assert self.state_dict()["order"]["pos"] == 4 * (step + 1) < self.order.pos or not self.inflight
+        assert self.state_dict()["order"]["pos"] == step + 1 < self.order.pos or not self.inflight
         return batches[-1][1]
     monkeypatch.setattr(grpo.GRPOObjective, "_collect", kept)
     result = train(_recipe(files, tmp_path / "run", 'sampling.engine="server"', "sampling.asynchronous=true",
-                           "sampling.max_staleness=2", "optim.lr=0", "train.steps=4"))
+                           "sampling.max_staleness=2", "optim.lr=0", "train.steps=4", "grpo.prompts_per_step=1",
+                           "grpo.group_size=2"))
     assert [n for _, _, n in batches] == [2, 2, 1, 0]  # in flight after each step's batch was taken
     trained = {step: b.loss_mask.any(dim=1) for step, b, _ in batches}
     assert [b.rollouts.version for _, b, _ in batches] == [0, 0, 0, 0]  # sampled at v0: 0, 1, 2, 3 steps stale
-    assert [int(t.sum()) for t in trained.values()] == [32, 32, 32, 0]
+    assert [int(t.sum()) for t in trained.values()] == [2, 2, 2, 0]
     assert all(step - b.rollouts.version <= 2 for step, b, _ in batches if trained[step].any())
     rows = _metrics(tmp_path / "run")
     hist = [[r[f"rollout/staleness_{k}"] for k in range(3)] + [r["rollout/stale_dropped"]] for r in rows]
-    assert hist == [[32, 0, 0, 0], [0, 32, 0, 0], [0, 0, 32, 0], [0, 0, 0, 32]]
+    assert hist == [[2, 0, 0, 0], [0, 2, 0, 0], [0, 0, 2, 0], [0, 0, 0, 2]]
     assert [r["rollout/older_token_share"] for r in rows[:3]] == [0.0, 1.0, 1.0]
     assert rows[3]["response_length"] > 0 and rows[3]["loss"] == 0  # sampled, scored, never trained
-    assert result.summary["data"]["stale_dropped"] == 32
-    assert any("32 samples dropped untrained" in w for w in result.summary["warnings"])
+    assert result.summary["data"]["stale_dropped"] == 2
+    assert any("2 samples dropped untrained" in w for w in result.summary["warnings"])
 
 
 class _RoundsAcrossSyncs:
@@ -475,8 +476,9 @@ def test_a_multi_turn_trajectory_in_flight_across_a_sync_goes_on_under_the_new_w
     train(_recipe(files, tmp_path / "run", 'sampling.engine="server"', "sampling.asynchronous=true",
                   'environment.name="tools"', 'environment.options={tools=["calculator"]}', "environment.max_turns=2",
                   "environment.max_tokens=320", "sampling.max_new_tokens=140", 'grpo.rewards=["counted_reward:counted"]',
-                  "grpo.prompts_per_step=1", "grpo.group_size=2"))
+                  "grpo.prompts_per_step=1", "grpo.group_size=2", "train.steps=2"))
     rows = _metrics(tmp_path / "run")
+    assert len(batches) == len(rows) == 2
     for k, (b, row) in enumerate(zip(batches, rows)):
         r = b.rollouts
         versions = r.versions[r.mask]
