@@ -19,6 +19,10 @@ it, and the clipped ratio keeps them near the policy that sampled it):
 With an ``[environment]`` each completion is a multi-turn, tool-using trajectory
 (trex.posttrain.environment): the loss reads the model's tokens only, the rewards the whole trajectory.
 
+With ``sampling.asynchronous`` the next ``max_staleness`` batches are sampled in a rollout thread while
+steps train (:meth:`GRPOObjective._fill`); a sample whose first token's weights are more than
+``max_staleness`` steps old carries no loss and is counted (on_policy.bound_staleness).
+
 The math is in trex.posttrain.grpo_loss; prompts, sampling and rows in trex.posttrain.on_policy.
 """
 
