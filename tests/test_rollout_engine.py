@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 
 import pytest
 import torch
 
 from trex.models import build_model, get_preset
 from trex.rollout.engine import InProcessEngine, ServerEngine, SyncError, check_parity, parity_probe, stream_weights
-from trex.rollout.sampling import SamplingParams
+from trex.rollout.sampling import Samples, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -351,6 +352,154 @@ def test_asynchronous_rollouts_are_one_step_off_policy(tmp_path, monkeypatch):
     assert abs(rows[2]["rollout_corr/is_mean"] - 1.0) > 1e-4
     with pytest.raises(ValueError, match="asynchronous = true needs"):
         train(_recipe(files, tmp_path / "bad", "sampling.asynchronous=true"))
+    with pytest.raises(ValueError, match="^sampling.asynchronous = true: on-policy distillation samples each"):
+        train(_recipe(files, tmp_path / "distill", 'train.mode="distill"', 'sampling.engine="server"',
+                      "sampling.asynchronous=true"))
+
+
+class _Lagging:
+    """A slowed engine: it takes only every ``every``-th weight sync, so the batches it samples come from
+    weights up to ``every`` - 1 versions older than the ones it was asked to hold, as an engine that falls
+    behind the trainer would. At lr 0 every version holds the same weights, so the parity gate passes."""
+
+    def __init__(self, engine, every: int):
+        self.engine, self.every = engine, every
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def sync(self, model, version):
+        if version % self.every == 0:
+            self.engine.sync(model, version)
+
+
+def test_asynchronous_rollouts_never_train_a_sample_beyond_max_staleness(tmp_path, monkeypatch):
+    """`sampling.max_staleness`: two batches are in flight while a step trains (as many as the bound allows,
+    fewer near the end; a checkpoint's prompt position is the oldest one's, drawn again on resume); with an
+    engine that lags (its batches 0, 1, 2 and 3 versions behind the step that trains them), no trained
+    sample's first token is more than max_staleness = 2 versions old; the 3-stale batch carries no loss and
+    is counted in the staleness histogram, `rollout/stale_dropped`, the summary and a warning."""
+    from trex.posttrain import grpo
+    from trex.train.loop import train
+
+    files = _files(tmp_path)
+    monkeypatch.syspath_prepend(str(files))
+    make, collect, batches = grpo.make_engine, grpo.GRPOObjective._collect, []
+    monkeypatch.setattr(grpo, "make_engine", lambda *a: _Lagging(make(*a), every=4))
+
+    def kept(self, model, step):  # and where a resume would draw from: after the batches taken, not those in flight
+        batches.append((step, collect(self, model, step), len(self.inflight)))
+        assert self.state_dict()["order"]["pos"] == step + 1 < self.order.pos or not self.inflight
+        return batches[-1][1]
+    monkeypatch.setattr(grpo.GRPOObjective, "_collect", kept)
+    result = train(_recipe(files, tmp_path / "run", 'sampling.engine="server"', "sampling.asynchronous=true",
+                           "sampling.max_staleness=2", "optim.lr=0", "train.steps=4", "grpo.prompts_per_step=1",
+                           "grpo.group_size=2"))
+    assert [n for _, _, n in batches] == [2, 2, 1, 0]  # in flight after each step's batch was taken
+    trained = {step: b.loss_mask.any(dim=1) for step, b, _ in batches}
+    assert [b.rollouts.version for _, b, _ in batches] == [0, 0, 0, 0]  # sampled at v0: 0, 1, 2, 3 steps stale
+    assert [int(t.sum()) for t in trained.values()] == [2, 2, 2, 0]
+    assert all(step - b.rollouts.version <= 2 for step, b, _ in batches if trained[step].any())
+    rows = _metrics(tmp_path / "run")
+    hist = [[r[f"rollout/staleness_{k}"] for k in range(3)] + [r["rollout/stale_dropped"]] for r in rows]
+    assert hist == [[2, 0, 0, 0], [0, 2, 0, 0], [0, 0, 2, 0], [0, 0, 0, 2]]
+    assert [r["rollout/older_token_share"] for r in rows[:3]] == [0.0, 1.0, 1.0]
+    assert rows[3]["response_length"] > 0 and rows[3]["loss"] == 0  # sampled, scored, never trained
+    assert result.summary["data"]["stale_dropped"] == 2
+    assert any("2 samples dropped untrained" in w for w in result.summary["warnings"])
+
+
+class _RoundsAcrossSyncs:
+    """A slowed engine for asynchronous multi-turn rollouts: every round is the forced calculator call
+    (forced_calls, with the engine's own log-probs of it at its current weights). In the rollout thread, a
+    trajectory's second round waits for the trainer's next weight sync, and that sync waits for the first
+    round: every batch sampled in flight spans exactly one sync (first round at version k - 1, second at k)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls, self.first, self.cond = engine, 0, -1, threading.Condition()
+
+    @property
+    def version(self):
+        return self.engine.version
+
+    def sync(self, model, version):  # batch k + 1's first round comes before sync k + 1 (batch 0: two calls)
+        with self.cond:
+            assert self.cond.wait_for(lambda: version == 0 or self.calls >= 2 * version + 1, timeout=120)
+        self.engine.sync(model, version)
+        with self.cond:
+            self.cond.notify_all()
+
+    def generate(self, prompts, params, uniforms, batch_size, record_routes=False):
+        from forced_calls import CALCULATOR_CALL
+
+        with self.cond:
+            if self.calls % 2 == 0:
+                self.first = self.engine.version
+            elif threading.current_thread() is not threading.main_thread():  # in flight: after the next sync
+                assert self.cond.wait_for(lambda: self.engine.version > self.first, timeout=120)
+        n = len(CALCULATOR_CALL)
+        logp = [lp[-n:] for lp in self.engine.score([p + CALCULATOR_CALL for p in prompts])]
+        out = Samples(prompts, [CALCULATOR_CALL] * len(prompts), logp, [True] * len(prompts), None,
+                      self.engine.version)
+        with self.cond:
+            self.calls += 1
+            self.cond.notify_all()
+        return out
+
+    def score(self, rows):
+        return self.engine.score(rows)
+
+    def close(self):
+        self.engine.close()
+
+
+def test_a_multi_turn_trajectory_in_flight_across_a_sync_goes_on_under_the_new_weights(tmp_path, monkeypatch):
+    """Asynchronous GRPO with an [environment]: each batch sampled while the previous step trained began
+    under weights k - 1 and, after the trainer's sync, went on under weights k (a partial rollout). Each token
+    keeps its own version, the sample counts one step stale (its first token's), and the decoupled correction
+    weighs each token by its own engine log-prob: the tokens of the current weights get importance weight 1,
+    those of the version before do not (the trainer moved at lr 1e-2)."""
+    from trex.posttrain import grpo
+    from trex.train.loop import train
+
+    files = _files(tmp_path)
+    (files / "counted_reward.py").write_text(  # rewards that differ within a group: the weights move each step
+        "import itertools\n_n = itertools.count()\ndef counted(c):\n    return float(next(_n) % 3)\n")
+    monkeypatch.syspath_prepend(str(files))
+    make, collect, batches = grpo.make_engine, grpo.GRPOObjective._collect, []
+    monkeypatch.setattr(grpo, "make_engine", lambda *a: _RoundsAcrossSyncs(make(*a)))
+
+    def kept(self, model, step):
+        batches.append(collect(self, model, step))
+        return batches[-1]
+    monkeypatch.setattr(grpo.GRPOObjective, "_collect", kept)
+    train(_recipe(files, tmp_path / "run", 'sampling.engine="server"', "sampling.asynchronous=true",
+                  'environment.name="tools"', 'environment.options={tools=["calculator"]}', "environment.max_turns=2",
+                  "environment.max_tokens=320", "sampling.max_new_tokens=140", 'grpo.rewards=["counted_reward:counted"]',
+                  "grpo.prompts_per_step=1", "grpo.group_size=2", "train.steps=2"))
+    rows = _metrics(tmp_path / "run")
+    assert len(batches) == len(rows) == 2
+    for k, (b, row) in enumerate(zip(batches, rows)):
+        r = b.rollouts
+        versions = r.versions[r.mask]
+        assert set(versions.tolist()) == ({0} if k == 0 else {k - 1, k}), k  # per round, across the sync
+        assert row[f"rollout/staleness_{min(k, 1)}"] == 2 and row["rollout/stale_dropped"] == 0
+        assert row["rollout/older_token_share"] == pytest.approx((versions < k).float().mean().item())
+        assert b.loss_mask.any(dim=1).all()  # one step stale: within max_staleness = 1, trained
+        if k:
+            current, older = r.mask & (r.versions == k), r.mask & (r.versions == k - 1)
+            assert row["rollout/older_token_share"] == pytest.approx(0.5)  # two calls of one length
+            assert (b.is_weights[current] - 1).abs().max() < 1e-4, k
+            assert (b.is_weights[older] - 1).abs().max() > 1e-3, k
+
+
+def test_max_staleness_is_refused_in_one_line_below_one_or_without_asynchronous(tmp_path):
+    from trex.posttrain.on_policy import SamplingSection
+
+    with pytest.raises(ValueError, match=r"^sampling\.max_staleness must be >= 1 .*, got 0$"):
+        SamplingSection(asynchronous=True, max_staleness=0)
+    with pytest.raises(ValueError, match=r"^sampling\.max_staleness = 3 bounds asynchronous rollouts only"):
+        SamplingSection(max_staleness=3)
 
 
 def test_a_quantised_sync_serves_what_the_exported_checkpoint_serves(tiny, tmp_path):

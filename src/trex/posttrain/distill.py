@@ -98,6 +98,9 @@ class DistillObjective(Objective):
         recipe, par = ctx.recipe, ctx.par
         self.ctx, self.cfg, self.sampling = ctx, recipe.distill, recipe.sampling
         self.thinking = recipe.data.thinking
+        if self.sampling.asynchronous:
+            raise ValueError("sampling.asynchronous = true: on-policy distillation samples each step's batch "
+                             "synchronously (asynchronous rollouts are grpo's); expected false")
         if not self.cfg.teachers:
             raise ValueError("distill.teachers is empty; expected [{ path = \"...\", weight = 1.0 }, ...]")
         if not self.cfg.prompts:

@@ -83,6 +83,17 @@ class MultiTurn:
                  batch_size: int, device: torch.device, record_routes: bool = False
                  ) -> tuple[Rollouts, list[Trajectory]]:
         """A trajectory per prompt (each its own episode) and the training rows they make."""
+        trajs = self.trajectories(engine, prompts, params, uniforms, batch_size, device, record_routes)
+        return self.lay_out(model, trajs, device), trajs
+
+    def lay_out(self, model, trajs: list[Trajectory], device: torch.device) -> Rollouts:
+        """The trajectories as training rows (on_policy.lay_out; the tool tokens off the mask)."""
+        return lay_out(model, as_samples(trajs), self.tokenizer, device)
+
+    def trajectories(self, engine, prompts: list[Prompt], params: SamplingParams, uniforms: torch.Tensor | None,
+                     batch_size: int, device: torch.device, record_routes: bool = False) -> list[Trajectory]:
+        """A trajectory per prompt, each its own episode. Touches no model and runs no collective with an
+        engine of its own process (asynchronous rollouts run it in a thread beside training)."""
         episodes = []
         for i, p in enumerate(prompts):
             try:
@@ -95,7 +106,7 @@ class MultiTurn:
         trajs = roll_out_turns(engine, episodes, [p.record for p in prompts], self.codec, self.tokenizer, params,
                                self.limits, uniforms, batch_size, record_routes,
                                (lambda n: agree_max(n, device)) if lockstep else int, self.section.tool_workers)
-        return lay_out(model, as_samples(trajs), self.tokenizer, device), trajs
+        return trajs
 
     def completions(self, trajs: list[Trajectory]) -> list[Completion]:
         """The trajectories as reward inputs: ``text`` the last model turn, ``trajectory`` the whole."""

@@ -19,11 +19,17 @@ it, and the clipped ratio keeps them near the policy that sampled it):
 With an ``[environment]`` each completion is a multi-turn, tool-using trajectory
 (trex.posttrain.environment): the loss reads the model's tokens only, the rewards the whole trajectory.
 
+With ``sampling.asynchronous`` the next ``max_staleness`` batches are sampled in a rollout thread while
+steps train (:meth:`GRPOObjective._fill`); a sample whose first token's weights are more than
+``max_staleness`` steps old carries no loss and is counted (on_policy.bound_staleness).
+
 The math is in trex.posttrain.grpo_loss; prompts, sampling and rows in trex.posttrain.on_policy.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -39,9 +45,9 @@ from trex.posttrain.environment import MultiTurn
 from trex.posttrain.objective import (Objective, StepResult, TrainContext, backward_micro_batches, load_frozen,
                                       next_token_logprobs,
                                       token_logprobs)
-from trex.posttrain.on_policy import (PromptOrder, Rollouts, completions, exact_match_by_set, generator_state,
-                                      lay_out, load_eval_sets, load_prompts, make_engine, probe_batch, rank_uniforms,
-                                      sampling_params, set_generator_state, sync_engine)
+from trex.posttrain.on_policy import (PromptOrder, Rollouts, bound_staleness, completions, exact_match_by_set,
+                                      generator_state, lay_out, load_eval_sets, load_prompts, make_engine,
+                                      probe_batch, rank_uniforms, sampling_params, set_generator_state, sync_engine)
 from trex.posttrain.rewards import RewardSet
 from trex.posttrain.rollout_parity import N_MAXIMA, N_SUMS, parity_metrics, parity_sums
 
@@ -118,6 +124,14 @@ class GRPOSection:
 
 
 @dataclass
+class InFlight:
+    """A batch the rollout thread is sampling (asynchronous)."""
+    prompts: list                # its prompts, each G times
+    result: Future               # -> Samples, or a list of Trajectory with an [environment]
+    before: dict                 # the prompt order and generator before it was drawn (a resume draws it again)
+
+
+@dataclass
 class GroupBatch:
     """The sampled batch of one rank and what every step that uses it needs."""
     rollouts: Rollouts
@@ -150,17 +164,15 @@ class GRPOObjective(Objective):
         self.engine = None  # started at the first batch
         if self.sampling.asynchronous and (self.sampling.engine != "server" or self.cfg.ppo_epochs != 1):
             raise ValueError('sampling.asynchronous = true needs sampling.engine = "server" and grpo.ppo_epochs = 1 '
-                             "(it generates the next batch in the engine's process while this one trains)")
-        self.inflight: list | None = None  # the prompts of a batch the engine is generating (asynchronous)
-        self.before_inflight: dict | None = None  # the prompt order and sampler state before they were drawn
+                             "(it samples the next batches in the engine's process while this one trains)")
+        self.inflight: deque[InFlight] = deque()  # asynchronous: the batches being sampled, oldest first
+        self.pool: ThreadPoolExecutor | None = None  # their thread: one batch at a time, in order
         self.correction = self.cfg.correction if self.cfg.correction != "auto" else (
             "none" if self.sampling.engine == "in_process" else "decoupled")
         self.signal = [0, 0]  # steps, and steps with a learning signal (a group whose rewards differ)
+        self.dropped = 0  # samples dropped as staler than sampling.max_staleness
         self.multiturn = (MultiTurn(recipe.environment, chat_format, self.thinking, ctx.tokenizer, "grpo")
                           if recipe.environment.name else None)
-        if self.multiturn is not None and self.sampling.asynchronous:
-            raise ValueError("sampling.asynchronous = true with an [environment]: multi-turn rollouts are "
-                             "synchronous for now")
 
     # ---- sampling and scoring ------------------------------------------------------------------------
     def _collect(self, model: Model, step: int) -> GroupBatch:
@@ -170,10 +182,16 @@ class GRPOObjective(Objective):
             self.engine = make_engine(self.sampling, model, ctx.dev, ctx.policy)
         probe = [p.ids for p in self.prompts[:self.sampling.probe_rows]]
         params = sampling_params(self.sampling, ctx.tokenizer)
-        if self.inflight is not None:  # asynchronous: the batch generated while the last step trained
-            chosen, self.inflight = self.inflight, None
-            samples = self.engine.collect()
+        if self.inflight:  # asynchronous: the oldest batch in flight, sampled while earlier steps trained
+            flight = self.inflight.popleft()
+            chosen = flight.prompts
+            if self.multiturn is None:  # one generate call: the sync comes after it
+                samples = flight.result.result()
+            # trajectories still going take the sync between two rounds and go on under the new weights
             engine_metrics = sync_engine(self.engine, model, step, probe, self.sampling, ctx.par, step + 1)
+            if self.multiturn is not None:
+                trajs = flight.result.result()
+                rollouts = self.multiturn.lay_out(model, trajs, device)
         else:
             engine_metrics = sync_engine(self.engine, model, step, probe, self.sampling, ctx.par, step + 1)
             chosen, uniforms = self._draw()
@@ -183,11 +201,8 @@ class GRPOObjective(Objective):
             else:
                 samples = self.engine.generate([p.ids for p in chosen], params, uniforms, self.sampling.batch_size,
                                                cfg.routing == "replay")
-        if self.sampling.asynchronous and step + 1 < ctx.recipe.train.steps:  # the next batch, while this trains
-            self.before_inflight = self.state_dict()
-            self.inflight, uniforms = self._draw()
-            self.engine.submit([p.ids for p in self.inflight], params, uniforms, self.sampling.batch_size,
-                               cfg.routing == "replay")
+        if self.sampling.asynchronous:
+            self._fill(params, step, device)
         if self.multiturn is None:
             rollouts = lay_out(model, samples, ctx.tokenizer, device)
             scored = [self.rewards.score(c) for c in completions(rollouts, chosen, self.thinking)]
@@ -195,9 +210,14 @@ class GRPOObjective(Objective):
             scored = [self.rewards.score(c) for c in self.multiturn.completions(trajs)]
             engine_metrics.update(self.multiturn.metrics(trajs, ctx.par, device))
         engine_metrics["engine/lag"] = float(step - rollouts.version)
+        # the hard bound: a sample staler than max_staleness (by its first token's version) is never trained
+        fresh, staleness = bound_staleness(rollouts, step, self.sampling.max_staleness, ctx.par, device)
+        engine_metrics.update(staleness)
+        self.dropped += int(staleness["rollout/stale_dropped"])
         rewards = torch.tensor([total for total, _ in scored], dtype=torch.float32)
         advantages = group_advantages(rewards, G, cfg.scale_by_std).to(device)
         loss_mask = rollouts.mask & rollouts.finished[:, None] if cfg.mask_truncated else rollouts.mask
+        loss_mask = loss_mask & fresh[:, None]
         ref_logp = None
         if self.reference is not None:
             ref_logp = torch.zeros(rollouts.mask.shape, dtype=torch.float32, device=device)
@@ -223,6 +243,29 @@ class GRPOObjective(Objective):
         keep = loss_mask.clone() if self.correction != "none" else None
         return GroupBatch(rollouts, advantages, loss_mask, ref_logp, old_logp, is_weights, keep, metrics,
                           (int(n_seq), int(n_tok)))
+
+    def _fill(self, params, step: int, device: torch.device) -> None:
+        """Asynchronous: keep ``max_staleness`` batches in flight (fewer near the last step), each drawn now and
+        sampled in the rollout thread while the trainer goes on. The engine is thread-safe (ServerEngine):
+        a batch starts under the weights the engine holds then; the one taken at step s trains at step
+        s + max_staleness at the latest, so its staleness stays within the bound unless the engine falls
+        behind the syncs. A multi-turn batch's later rounds sample under whatever weights the trainer has
+        synced meanwhile."""
+        replay, size = self.cfg.routing == "replay", self.sampling.batch_size
+        self.pool = self.pool or ThreadPoolExecutor(1, thread_name_prefix="trex-rollout")
+        while (len(self.inflight) < self.sampling.max_staleness
+               and step + 1 + len(self.inflight) < self.ctx.recipe.train.steps):
+            before = self._position()
+            prompts, uniforms = self._draw()
+            result = (self.pool.submit(self.engine.generate, [p.ids for p in prompts], params, uniforms, size, replay)
+                      if self.multiturn is None else
+                      self.pool.submit(self.multiturn.trajectories, self.engine, prompts, params, uniforms, size,
+                                       device, replay))
+            self.inflight.append(InFlight(prompts, result, before))
+
+    def _position(self) -> dict:
+        """Where the prompt order and the sampler's generator stand (what a resume restores)."""
+        return {"order": self.order.state_dict(), "generator": generator_state(self.generator)}
 
     def _draw(self) -> tuple[list, torch.Tensor]:
         """The next batch's prompts (each G times, prompt-major) and its sampler uniforms."""
@@ -320,20 +363,23 @@ class GRPOObjective(Objective):
                                   ctx.dev.torch_device) if self.eval_sets else {}
 
     def state_dict(self) -> dict:
-        if self.inflight is not None:  # a batch being generated is drawn again on resume
-            return {**self.before_inflight, "signal": list(self.signal)}
-        return {"order": self.order.state_dict(), "generator": generator_state(self.generator),
+        if self.inflight:  # the batches in flight are drawn again on resume
+            return {**self.inflight[0].before, "signal": list(self.signal), "dropped": self.dropped}
+        return {**self._position(),
                 "batch": _batch_state(self.batch) if self.batch is not None and self.cfg.ppo_epochs > 1 else None,
-                "signal": list(self.signal)}
+                "signal": list(self.signal), "dropped": self.dropped}
 
     def load_state_dict(self, state: dict) -> None:
         self.order.load_state_dict(state["order"])
         self.signal = list(state.get("signal", [0, 0]))  # checkpoints before the count: from the resume on
+        self.dropped = int(state.get("dropped", 0))
         set_generator_state(self.generator, state["generator"])
         if state.get("batch") is not None:
             self.batch = _batch_from_state(state["batch"], self.ctx.dev.torch_device)
 
     def close(self) -> None:
+        if self.pool is not None:  # a rollout in flight ends before its engine does
+            self.pool.shutdown(wait=True, cancel_futures=True)
         if self.engine is not None:
             self.engine.close()
 
@@ -346,19 +392,24 @@ class GRPOObjective(Objective):
     def summary(self) -> dict:
         return {"prompts": len(self.prompts), "eval_prompts": self._n_eval(), "rewards": self.rewards.names,
                 "environment": self.ctx.recipe.environment.name or None,
-                "prompt_epoch": self.order.epoch, "steps_with_learning_signal": self.signal[1]}
+                "prompt_epoch": self.order.epoch, "steps_with_learning_signal": self.signal[1],
+                "stale_dropped": self.dropped}
 
     def warnings(self) -> list[str]:
         steps, with_signal = self.signal
+        stale = [] if not self.dropped else [
+            f"grpo: {logs.plural(self.dropped, 'sample')} dropped untrained, staler than sampling.max_staleness = "
+            f"{self.sampling.max_staleness} (rollout/stale_dropped in metrics.jsonl): the rollout engine fell "
+            "behind the trainer; raise max_staleness or give the engine more devices"]
         if not steps or with_signal:
-            return []
+            return stale
         G = self.cfg.group_size
         return [f"grpo: no step had a learning signal: in all {logs.plural(steps, 'step')} every group of {G} "
                 "completions got equal rewards (zero_std_group_frac 1 in metrics.jsonl), so every advantage was 0 "
                 f"and the rewards taught nothing; check the reward function ({', '.join(self.rewards.names)}) on "
                 f"a few completions, or make rewards differ within a group: raise grpo.group_size (now {G}) or "
                 f"sampling.temperature (now {self.sampling.temperature:g}), or use prompts the model sometimes "
-                "but not always solves"]
+                "but not always solves", *stale]
 
     def probe_batch(self, rows: int) -> Batch:
         return probe_batch(self.prompts, rows, self.ctx.recipe.data.seq_len, self.ctx.tokenizer.pad_id)

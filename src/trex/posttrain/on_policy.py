@@ -76,15 +76,26 @@ class SamplingSection:
     probe_rows: int = 4
     """Prompts in the parity probe."""
     asynchronous: bool = False
-    """One step off-policy (grpo, server engine): the engine generates step k + 1's batch with the weights
-    of step k while step k trains; each batch records its weight-version lag (``engine/lag``) and the
-    decoupled correction weighs the lag's policy change. A resumed run samples its first batch anew."""
+    """Off-policy by a bounded lag (grpo, server engine): while step k trains, the engine samples the next
+    ``max_staleness`` batches in a rollout thread, each with the weights it holds when the batch starts; each
+    batch records its weight-version lag (``engine/lag``) and the decoupled correction weighs the lag's policy
+    change. With an [environment] a trajectory in flight across a weight sync goes on under the new weights
+    (each token keeps its version). A resumed run samples its first batch anew."""
+    max_staleness: int = 1
+    """Asynchronous: the most optimizer steps a sample may train after the weights that sampled its first
+    token; staler samples are dropped (no loss) and counted (``rollout/stale_dropped``, summary.json)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "sampling")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1 or self.batch_size < 1:
             raise ValueError("sampling: expected temperature >= 0, 0 < top_p <= 1, max_new_tokens >= 1, "
                              "batch_size >= 1")
+        if self.max_staleness < 1:
+            raise ValueError(f"sampling.max_staleness must be >= 1 (an asynchronous sample is at least one step "
+                             f"stale), got {self.max_staleness}")
+        if self.max_staleness != 1 and not self.asynchronous:
+            raise ValueError(f"sampling.max_staleness = {self.max_staleness} bounds asynchronous rollouts only; "
+                             "expected sampling.asynchronous = true with it")
         if self.sync_bucket_mb < 1 or self.probe_rows < 1 or self.parity_bound < 0:
             raise ValueError("sampling: expected sync_bucket_mb >= 1, probe_rows >= 1 and parity_bound >= 0")
         from trex.rollout.vllm_engine import server_url
@@ -240,6 +251,19 @@ class Rollouts:
     versions: torch.Tensor | None = None  # multi-turn: long [B, L], the weight version that sampled the next
     # token (-1 off the mask: tool tokens, the prompt, padding)
 
+    def token_versions(self) -> torch.Tensor:
+        """long [B, L]: the weight version that sampled each position's next token (``versions``, or
+        ``version`` on the mask of a single-turn batch), -1 off the mask."""
+        if self.versions is not None:
+            return self.versions
+        return torch.where(self.mask, self.version, -1)
+
+    def first_versions(self) -> torch.Tensor:
+        """long [B]: the weight version of each row's first sampled token (``version`` for a row with none)."""
+        versions = self.token_versions()
+        first = (self.mask.cumsum(dim=1) == 1) & self.mask
+        return torch.where(self.mask.any(dim=1), (versions * first).sum(dim=1), self.version)
+
     def routes_of(self, rows: slice) -> dict[str, torch.Tensor] | None:
         """The routes of ``rows``, for a training forward's ``routes`` (None without routing replay)."""
         return None if self.routes is None else {k: v[rows] for k, v in self.routes.items()}
@@ -350,6 +374,26 @@ def sync_engine(engine, model, version: int, probe: list[list[int]], section: Sa
         torch.distributed.all_reduce(measures, op=torch.distributed.ReduceOp.MAX)
     reshard(model)
     return {**check_parity(measures.tolist(), section.parity_bound, step, version), "engine/version": float(version)}
+
+
+def bound_staleness(rollouts: Rollouts, version: int, max_staleness: int, par: Parallel,
+                    device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
+    """The hard staleness bound on rows about to train at weight ``version``: a row's staleness is
+    ``version`` minus the version of its first sampled token; rows staler than ``max_staleness`` are
+    dropped. Returns keep (bool [B]) and, over all ranks, the histogram ``rollout/staleness_<k>`` (rows of
+    staleness k = 0 .. max_staleness), ``rollout/stale_dropped`` (rows dropped) and
+    ``rollout/older_token_share`` (of the kept rows' sampled tokens, the share sampled by a version older
+    than ``version``: 1 for a one-step-stale single-turn batch, less where a trajectory went on under newer
+    weights)."""
+    staleness = version - rollouts.first_versions()
+    keep = staleness <= max_staleness
+    tokens = rollouts.mask & keep[:, None]
+    older = tokens & (rollouts.token_versions() < version)
+    hist = [(staleness == k).sum() for k in range(max_staleness + 1)]
+    sums = torch.stack([*hist, (~keep).sum(), older.sum(), tokens.sum()]).double().to(device)
+    *counts, dropped, n_older, n_tokens = par.all_reduce_sum(sums).tolist()
+    return keep, {**{f"rollout/staleness_{k}": c for k, c in enumerate(counts)}, "rollout/stale_dropped": dropped,
+                  "rollout/older_token_share": n_older / max(n_tokens, 1.0)}
 
 
 def completions(rollouts: Rollouts, prompts: list[Prompt], thinking: bool) -> list[Completion]:

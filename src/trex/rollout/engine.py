@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from multiprocessing.connection import Connection, Listener
 
@@ -172,13 +173,16 @@ class InProcessEngine:
 class ServerEngine:
     """trex's sampler in a child process (``python -m trex.rollout.server``) on ``device``, holding a model of
     ``config`` (a ``to_hf_dict``) in ``dtype``; messages are JSON, tensors safetensors bytes, over a loopback
-    connection authenticated with a random key. Its weights come only through :meth:`sync`."""
+    connection authenticated with a random key. Its weights come only through :meth:`sync`. Thread-safe: each
+    call holds the engine's lock, so a sync from the trainer's thread lands between two ``generate`` calls of
+    a rollout in another (asynchronous multi-turn rollouts: the rounds after it sample under the new weights)."""
 
     def __init__(self, config: dict, dtype: str = "float32", device: str = "cpu", bucket_bytes: int = 64 << 20,
                  engram_token_map: tuple[list[int], int] | None = None, env: dict | None = None,
                  quantize: str | None = None):
         self.bucket_bytes, self.quantize = bucket_bytes, quantize
         self.version = -1  # no weights yet
+        self._lock = threading.RLock()
         self._pending: tuple | None = None  # a submitted generation not yet collected
         self._shm = tempfile.mkdtemp(prefix="trex-engine-", dir="/dev/shm") if os.path.isdir("/dev/shm") else None
         key = secrets.token_bytes(32)
@@ -237,8 +241,9 @@ class ServerEngine:
     # ---- the engine ----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
                  batch_size: int, record_routes: bool = False) -> Samples:
-        self.submit(prompts, params, uniforms, batch_size, record_routes)
-        return self.collect()
+        with self._lock:
+            self.submit(prompts, params, uniforms, batch_size, record_routes)
+            return self.collect()
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
                batch_size: int, record_routes: bool = False) -> None:
@@ -269,6 +274,10 @@ class ServerEngine:
     def sync(self, model: torch.nn.Module, version: int) -> None:
         """Stream ``model``'s weights as version ``version``; SyncError if the engine's digest differs from
         what was sent or its model lacks a tensor the sync should have brought."""
+        with self._lock:
+            self._sync(model, version)
+
+    def _sync(self, model: torch.nn.Module, version: int) -> None:
         self._ask({"op": "begin", "version": version})
         digest = Digest()
         bucket, size = {}, 0
@@ -308,7 +317,8 @@ class ServerEngine:
         return stream_weights(model, self.quantize)
 
     def score(self, rows: list[list[int]]) -> list[list[float]]:
-        return self._ask({"op": "score", "rows": rows})["logprobs"]
+        with self._lock:
+            return self._ask({"op": "score", "rows": rows})["logprobs"]
 
     def close(self) -> None:
         if self._proc.poll() is None:
