@@ -220,34 +220,17 @@ class V3Codec(ToolCodec):
         return (reasoning.removesuffix("\n"), content.removeprefix("\n\n")) if self.thinking else (reasoning, content)
 
     def _parse_calls(self, text, s, finished):
-        content, sep, rest = text.partition(s[TOOL_CALLS_BEGIN])
-        if not sep:
-            return content, []
-        body, sep, tail = rest.partition(s[TOOL_CALLS_END])
-        if not sep:
-            return content, [_block_error(f"the calls block has no {TOOL_CALLS_END}" if finished else
-                                          f"the turn was cut off before {TOOL_CALLS_END}")]
-        calls = []
         pattern = re.compile(f"\n?{s[TOOL_CALL_BEGIN]}(.*?){s[TOOL_SEP]}(.*?)\n```json\n(.*?)\n```{s[TOOL_CALL_END]}",
                              re.DOTALL)
-        pos = 0
-        for m in pattern.finditer(body):
-            if body[pos:m.start()].strip():
-                calls.append(_block_error(f"unexpected text between calls: {body[pos:m.start()][:200]!r}"))
-            pos = m.end()
+
+        def call(m):
             kind, name, args = m.groups()
             if kind != "function":
-                calls.append(ToolCall(name, None, f"call type {kind!r}; expected 'function'"))
-                continue
-            value, error = _json_object(args)
-            calls.append(ToolCall(name, value, error))
-        if body[pos:].strip() or not calls:
-            calls.append(_block_error(
-                f"expected {TOOL_CALL_BEGIN}function{TOOL_SEP}NAME\\n```json\\n{{...}}\\n```{TOOL_CALL_END}, "
-                f"got {body[pos:][:200]!r}"))
-        if tail.strip():
-            calls.append(_block_error(f"unexpected text after {TOOL_CALLS_END}: {tail[:200]!r}"))
-        return content, calls
+                return ToolCall(name, None, f"call type {kind!r}; expected 'function'")
+            return ToolCall(name, *_json_object(args))
+
+        return _block_calls(text, s, finished, pattern, call,
+                            f"{TOOL_CALL_BEGIN}function{TOOL_SEP}NAME\\n```json\\n{{...}}\\n```{TOOL_CALL_END}")
 
 
 # ---- DeepSeek-V3.1 --------------------------------------------------------------------------------
@@ -295,26 +278,9 @@ class V31Codec(ToolCodec):
         return False  # the template keeps "</think>" and what follows it
 
     def _parse_calls(self, text, s, finished):
-        content, sep, rest = text.partition(s[TOOL_CALLS_BEGIN])
-        if not sep:
-            return content, []
-        body, sep, tail = rest.partition(s[TOOL_CALLS_END])
-        if not sep:
-            return content, [_block_error(f"the calls block has no {TOOL_CALLS_END}" if finished else
-                                          f"the turn was cut off before {TOOL_CALLS_END}")]
-        calls, pos = [], 0
-        for m in re.finditer(f"{s[TOOL_CALL_BEGIN]}(.*?){s[TOOL_SEP]}(.*?){s[TOOL_CALL_END]}", body, re.DOTALL):
-            if body[pos:m.start()].strip():
-                calls.append(_block_error(f"unexpected text between calls: {body[pos:m.start()][:200]!r}"))
-            pos = m.end()
-            value, error = _json_object(m.group(2))
-            calls.append(ToolCall(m.group(1), value, error))
-        if body[pos:].strip() or not calls:
-            calls.append(_block_error(f"expected {TOOL_CALL_BEGIN}NAME{TOOL_SEP}{{json}}{TOOL_CALL_END}, "
-                                      f"got {body[pos:][:200]!r}"))
-        if tail.strip():
-            calls.append(_block_error(f"unexpected text after {TOOL_CALLS_END}: {tail[:200]!r}"))
-        return content, calls
+        pattern = re.compile(f"{s[TOOL_CALL_BEGIN]}(.*?){s[TOOL_SEP]}(.*?){s[TOOL_CALL_END]}", re.DOTALL)
+        return _block_calls(text, s, finished, pattern, lambda m: ToolCall(m.group(1), *_json_object(m.group(2))),
+                            f"{TOOL_CALL_BEGIN}NAME{TOOL_SEP}{{json}}{TOOL_CALL_END}")
 
 
 # ---- DSML: DeepSeek-V3.2, V4, V4.1 ----------------------------------------------------------------
@@ -474,6 +440,31 @@ class V41Codec(DSMLCodec):
 
 def _block_error(message: str) -> ToolCall:
     return ToolCall("", None, message)
+
+
+def _block_calls(text: str, s: dict[str, str], finished: bool, pattern: re.Pattern, call, expected: str
+                 ) -> tuple[str, list[ToolCall]]:
+    """V3's and V3.1's calls block: (the content before it, its calls). Each call is a match of ``pattern``
+    made a ToolCall by ``call``; a block never closed, text around the calls, or a block without a call
+    that matches (``expected`` names the form) is an error call."""
+    content, sep, rest = text.partition(s[TOOL_CALLS_BEGIN])
+    if not sep:
+        return content, []
+    body, sep, tail = rest.partition(s[TOOL_CALLS_END])
+    if not sep:
+        return content, [_block_error(f"the calls block has no {TOOL_CALLS_END}" if finished else
+                                      f"the turn was cut off before {TOOL_CALLS_END}")]
+    calls, pos = [], 0
+    for m in pattern.finditer(body):
+        if body[pos:m.start()].strip():
+            calls.append(_block_error(f"unexpected text between calls: {body[pos:m.start()][:200]!r}"))
+        pos = m.end()
+        calls.append(call(m))
+    if body[pos:].strip() or not calls:
+        calls.append(_block_error(f"expected {expected}, got {body[pos:][:200]!r}"))
+    if tail.strip():
+        calls.append(_block_error(f"unexpected text after {TOOL_CALLS_END}: {tail[:200]!r}"))
+    return content, calls
 
 
 CODECS = {"deepseek-v3": V3Codec, "deepseek-v3.1": V31Codec, "deepseek-v3.2": V32Codec,
