@@ -153,6 +153,52 @@ def test_grouping_rules_on_tiny_model():
     assert rules["layers.3.ffn.gate.weight"] == ("matrix", [])
 
 
+def test_grouping_rules_of_v41_and_v3_come_from_their_modules():
+    """The rules each family's modules declare (optimizer_rules), not family classes named in the optimizer:
+    V4.1's Engram (row-wise tables, gains), its grouped output projection and mHC; V3's experts, and its
+    MLA projections whole (as Moonlight trains them)."""
+    from trex.models.deepseek_v3.config import tiny_v3
+    from trex.models.deepseek_v4.config_v41 import tiny_v41
+
+    cfg = tiny_v41()
+    rules = {n: (rule.key, blocks) for n, _, rule, blocks in classify(build_model(cfg))}
+    engram = next(n.split(".engram.")[0] for n in rules if ".engram." in n)
+    assert rules[f"{engram}.engram.embed.weight"] == ("engram_table", [])
+    assert rules[f"{engram}.engram.q_weight"] == rules[f"{engram}.engram.k_weight"] == ("gains_biases", [])
+    assert rules["layers.0.attn.wo_a.weight"] == ("wo_a_groups", [cfg.o_lora_rank] * cfg.o_groups)
+    assert rules["layers.0.hc_attn.fn"] == ("mhc_fn", [cfg.hc_mult, cfg.hc_mult, cfg.hc_mult ** 2])
+    assert rules["layers.0.ffn.experts.w1"] == ("experts", [])
+    rules = {n: (rule.key, blocks) for n, _, rule, blocks in classify(build_model(tiny_v3()))}
+    assert {k for k, _ in rules.values()} == {"matrix", "gains_biases", "experts", "embed_head"}
+    assert rules["layers.1.attn.wkv_a.weight"] == rules["layers.1.attn.wkv_b.weight"] == ("matrix", [])
+    assert rules["mtp.0.ffn.experts.w3"] == ("experts", [])
+
+
+def test_a_module_declares_its_rules_and_an_unknown_rule_is_refused_naming_it():
+    """The interface a new family fills: a module's optimizer_rules() decides its parameters' rules (row blocks
+    included); what it does not name takes the default by kind and shape; a rule that does not exist is
+    refused with the module, its path and the rule."""
+    class Part(torch.nn.Module):
+        def __init__(self, rule="csa_halves"):
+            super().__init__()
+            self.rule = rule
+            self.w = torch.nn.Parameter(torch.zeros(4, 3))
+            self.v = torch.nn.Parameter(torch.zeros(4, 3))
+            self.g = torch.nn.Parameter(torch.ones(3))
+
+        def optimizer_rules(self):
+            return {"w": (self.rule, [2, 2])}
+
+    model = torch.nn.Module()
+    model.embed, model.part = torch.nn.Embedding(5, 3), Part()
+    rules = {n: (rule.key, blocks) for n, _, rule, blocks in classify(model)}
+    assert rules == {"embed.weight": ("embed_head", []), "part.w": ("csa_halves", [2, 2]),
+                     "part.v": ("matrix", []), "part.g": ("gains_biases", [])}
+    model.part = Part("halves")
+    with pytest.raises(ValueError, match=r"Part \(part\) names rule 'halves' for w; expected one of"):
+        classify(model)
+
+
 def test_optimizer_groups_frozen_params_and_adamw_mode():
     model = build_model(tiny())
     frozen = set(freeze_indexer(model))
