@@ -6,7 +6,8 @@ import pytest
 
 from trex.models import build_model, get_preset
 from trex.models.deepseek_v4.config import tiny
-from trex.models.flops import _mean_closed_windows, _mean_topk, _mean_window_keys, flops_per_token
+from trex.models.common.flops import mean_closed_windows, mean_topk, mean_window_keys
+from trex.models.flops import flops_per_token
 
 
 @pytest.mark.parametrize("preset", ["tiny", "deepseek-v4-flash"])
@@ -33,9 +34,9 @@ def test_matmul_flops_equal_six_times_active_matmul_parameters(preset):
 
 def test_attention_key_counts_by_brute_force():
     for S, W in [(5, 8), (8, 8), (100, 8), (4096, 128)]:
-        assert _mean_window_keys(S, W) == pytest.approx(sum(min(t + 1, W) for t in range(S)) / S)
-    assert _mean_closed_windows(10, 4) == pytest.approx((0 + 0 + 0 + 1 + 1 + 1 + 1 + 2 + 2 + 2) / 10)
-    assert _mean_topk(12, 4, 2) == pytest.approx((3 * 0 + 4 * 1 + 5 * 2) / 12)
+        assert mean_window_keys(S, W) == pytest.approx(sum(min(t + 1, W) for t in range(S)) / S)
+    assert mean_closed_windows(10, 4) == pytest.approx((0 + 0 + 0 + 1 + 1 + 1 + 1 + 2 + 2 + 2) / 10)
+    assert mean_topk(12, 4, 2) == pytest.approx((3 * 0 + 4 * 1 + 5 * 2) / 12)
 
 
 def test_attention_grows_with_length_only_through_compressed_entries():

@@ -47,7 +47,8 @@ from dataclasses import asdict, dataclass
 from trex.hardware import HardwareProfile
 from trex.models.deepseek_v4.config import CSA, ModelConfig, shard_halo
 from trex.models.deepseek_v4.config_v41 import CSA2
-from trex.models.flops import FlopsPerToken, flops_per_token
+from trex.models.common.flops import FlopsPerToken
+from trex.models.flops import flops_per_token
 from trex.plan.activations import is_v3, layer_kind, layer_kinds, mtp_blocks
 from trex.plan.layout import Layout
 from trex.plan.model_facts import ModelFacts
