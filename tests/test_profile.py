@@ -173,3 +173,20 @@ def test_on_a_plugged_device_without_kernel_timing_the_host_ops_time_the_classes
     got = {c["class"]: c for c in r["classes"]}
     assert got["dense_gemm"]["time_s"] > 0 and "device/idle" not in got
     assert abs(r["sum_vs_step"] - 1) < 0.05
+
+
+@pytest.mark.parametrize("preset, scopes", [
+    ("tiny", {"attention/sliding", "attention/csa", "attention/hca", "norm_mhc"}),
+    ("tiny-v4.1", {"attention/sliding", "attention/csa", "norm_mhc"}),
+    ("tiny-v3", {"attention/mla"}),
+    ("tiny-v3.2", {"attention/dsa"}),
+])
+def test_every_familys_modules_name_their_scope(preset, scopes):
+    """Each family's own modules name their profile scope (``profile_scope``); the profiler imports no family.
+    V4.1's attention has no ``layer_type``: the old by-class lookup raised on it."""
+    from trex.models import build_model, get_preset
+    from trex.profile.scopes import scope_of
+
+    named = {scope_of(m) for m in build_model(get_preset(preset), device="meta").modules()}
+    assert scopes <= named and {"linear", "moe/route", "moe/experts"} <= named, named
+    assert not {s for s in named if s and s.startswith("attention/")} - scopes

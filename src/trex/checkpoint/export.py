@@ -25,8 +25,7 @@ from trex.checkpoint.save import (check_output, checkpoint_config, passthrough_t
 from trex.checkpoint.training import one_process_dcp
 from trex.checkpoint.writer import check_destination, write_checkpoint
 from trex.models.build import build_model
-from trex.models.deepseek_v4.config_v41 import V41Config
-from trex.models.registry import config_from_dict
+from trex.models.registry import architecture, config_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +112,7 @@ def export_checkpoint(path: str, out: str, layout: str = "hf", dtype: str = "bf1
     carried = []
     if origin is not None:
         reader = CheckpointReader(origin)
-        carried = passthrough_tensors(reader) if isinstance(cfg, V41Config) else []
+        carried = passthrough_tensors(reader)
         log.info("carrying %d untrained tensors and %s from %s", len(carried), sorted(copies) or "no tokenizer", origin)
     refit = _refit_drafter(path, "released")
     if refit is not None:
@@ -170,8 +169,9 @@ def _origin(path: str, source: str | None, cfg) -> str | None:
         return None
     if os.path.isfile(os.path.join(started, "config.json")):
         return started
-    if isinstance(cfg, V41Config):
-        raise ValueError(f"{path}: the run started from {started}, which is not here; the export carries its vision "
-                         "tower, DSpark stages and tokenizer: name that checkpoint with --source DIR")
+    if architecture(cfg).passthrough is not None:
+        raise ValueError(f"{path}: the run started from {started}, which is not here; the export carries the tensors "
+                         f"{cfg.architecture} keeps untrained (V4.1's vision tower and DSpark stages) and its tokenizer: "
+                         "name that checkpoint with --source DIR")
     log.warning("%s: the run started from %s, which is not here: its tokenizer files are not copied", path, started)
     return None

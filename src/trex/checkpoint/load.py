@@ -22,6 +22,7 @@ from trex.checkpoint.reader import CheckpointReader, problems_error
 from trex.checkpoint.sharding import ShardFn, default_placements, local_region
 from trex.models import build_model
 from trex.models.common.heads import Model
+from trex.models.registry import architecture, drafter_kind
 
 log = logging.getLogger(__name__)
 
@@ -75,19 +76,18 @@ def load_pretrained(path: str, dtype: torch.dtype | None = None, device: str | t
 
 
 def load_drafter(path: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
-    """The DSpark drafter (``trex.models.deepseek_v4.dspark.DSparkDrafter``, frozen) of the V4.1 checkpoint at ``path``,
-    its ``mtp.*`` stages checked and dequantised as the model's tensors are; CheckpointError when the checkpoint has
-    no drafter or it does not match its config. The stages stay carried through on export, as stored."""
-    from trex.models.deepseek_v4.config_v41 import V41Config
-    from trex.models.deepseek_v4.dspark import DSparkDrafter
-
+    """The drafter a checkpoint carries besides its model (``Architecture.drafter``: V4.1's DSpark stages,
+    ``trex.models.deepseek_v4.dspark.DSparkDrafter``), frozen, its ``mtp.*`` stages checked and dequantised as the
+    model's tensors are; CheckpointError when the checkpoint has no such drafter or it does not match its config.
+    The stages stay carried through on export, as stored."""
     reader = CheckpointReader(path)
     cfg = reader.config
-    if not isinstance(cfg, V41Config) or not cfg.num_nextn_predict_layers or not cfg.dspark_target_layer_ids:
+    drafter_class = architecture(cfg).load("drafter")
+    if drafter_class is None or drafter_kind(cfg) != "dspark":
         raise CheckpointError(f"{path}: no DSpark drafter (a DeepSeek-V4.1 config with num_nextn_predict_layers "
                               "and dspark_target_layer_ids)")
     with torch.device("meta"):
-        drafter = DSparkDrafter(cfg)
+        drafter = drafter_class(cfg)
     tensors = drafter.state_dict()  # the routers' bias is a buffer
     diagnosis = reader.diagnose({k: tuple(t.shape) for k, t in tensors.items()}, optional_prefixes=(), drafter=True)
     if diagnosis.problems:
@@ -113,10 +113,9 @@ def set_engram_tokenizer(model, path: str) -> None:
         return
     from tokenizers import Tokenizer
 
-    from trex.models.deepseek_v4.engram import compressed_token_map
-
     try:
-        model.set_engram_token_map(*compressed_token_map(Tokenizer.from_file(found[0])))
+        token_map = architecture(model.cfg).load("tokenizer_map")(model.cfg, Tokenizer.from_file(found[0]))
+        model.set_engram_token_map(token_map.token_map, token_map.compressed_vocab)
     except ValueError as e:
         raise CheckpointError(f"{found[0]}: {e}") from None
 

@@ -34,8 +34,7 @@ from trex.checkpoint.naming import (LAYOUTS, V3_ARCHITECTURES, Target, detect_la
                                     official_name, scale_candidates, trex_targets, v3_hf_name)
 from trex.checkpoint.safetensors_io import SafetensorsFile
 from trex.kernels import quantize as quant
-from trex.models.deepseek_v4.config_v41 import PASSTHROUGH, V41Config
-from trex.models.registry import config_from_file, with_overrides
+from trex.models.registry import architecture, config_from_file, with_overrides
 
 Region = tuple[tuple[int, int], ...]
 """Per dim [start, stop) of a tensor's full (unsharded) shape."""
@@ -160,14 +159,16 @@ class CheckpointReader:
         self.sources: dict[str, list[Source]] = {}
         scale_of = {n: c for n in located for c in scale_candidates(n) if c in located and c != n}
         scales = set(scale_of.values())
-        # V4.1's vision tower and DSpark stages: carried through, not loaded into the model (names with their
-        # files); the DSpark stages' sources are kept apart, for the drafter (``load_drafter``)
+        # what the architecture carries untrained (Architecture.passthrough; V4.1's vision tower and DSpark
+        # stages): carried through, not loaded into the model (names with their files); the drafter stages'
+        # sources are kept apart, for the drafter (``load_drafter``)
         self.passthrough: dict[str, SafetensorsFile] = {}
         self.drafter_sources: dict[str, list[Source]] = {}
         self.copies: dict[str, list[Source]] = {}  # trex key -> tensors that duplicate it (V3's MTP embed, head)
         arch, n_layers = self.config.architecture, self.config.num_hidden_layers
-        if isinstance(self.config, V41Config):
-            self.passthrough = {n: f for n, f in located.items() if PASSTHROUGH.match(n)}
+        carried = architecture(self.config).passthrough
+        if carried is not None:
+            self.passthrough = {n: f for n, f in located.items() if carried.match(n)}
         for name, file in located.items():
             drafter = name in self.passthrough and name.startswith("mtp.")
             if name in scales or (name in self.passthrough and not drafter):

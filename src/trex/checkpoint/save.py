@@ -21,9 +21,7 @@ from trex.checkpoint.reader import CheckpointReader
 from trex.checkpoint.safetensors_io import PlannedTensor
 from trex.checkpoint.writer import check_destination, write_checkpoint
 from trex.models import build_model
-from trex.models.common.config import HASH_MOE
-from trex.models.deepseek_v4.config import CSA, HCA, ModelConfig
-from trex.models.deepseek_v4.config_v41 import V41Config
+from trex.models.registry import AnyConfig, architecture
 
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"^layers\.(\d+)\.")
@@ -49,7 +47,7 @@ def save_pretrained(model: torch.nn.Module, path: str, layout: str = "hf", dtype
     tensors = [TrexTensor(k, tuple(v.shape), v.dtype, _getter(v)) for k, v in _ordered(state)]
     src = sources[0] if sources[0] and os.path.isdir(sources[0]) else None
     reader = CheckpointReader(src) if src else None
-    carried = passthrough_tensors(reader) if reader and isinstance(model.cfg, V41Config) else []
+    carried = passthrough_tensors(reader) if reader else []
     return _write(tensors, model.cfg, path, layout, dtype, quantize, max_shard_size, overwrite, progress, sources,
                   carried, _scale_hint(reader, layout), src)
 
@@ -141,7 +139,8 @@ def _json(path: str) -> dict:
 
 
 def passthrough_tensors(reader: CheckpointReader) -> list[list[PlannedTensor]]:
-    """V4.1's vision tower and DSpark stages of the source checkpoint, to be written as they are stored."""
+    """The tensors the source checkpoint's architecture carries untrained (``Architecture.passthrough``: V4.1's
+    vision tower and DSpark stages), to be written as they are stored; none for an architecture without them."""
     return [[PlannedTensor(name, file.tensors[name].dtype, tuple(file.tensors[name].shape),
                            lambda file=file, name=name: file.read(name))] for name, file in reader.passthrough.items()]
 
@@ -175,7 +174,7 @@ def _ordered(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     return sorted(state.items(), key=rank)
 
 
-def _write(tensors: list[TrexTensor], cfg: ModelConfig | V41Config, path: str, layout: str, dtype: str,
+def _write(tensors: list[TrexTensor], cfg: AnyConfig, path: str, layout: str, dtype: str,
            quantize: str | None, max_shard_size: int | str, overwrite: bool, progress: bool,
            sources: tuple[str | None, ...], carried: list[list[PlannedTensor]] = (), scale_hint=None,
            origin: str | None = None) -> list[str]:
@@ -208,7 +207,7 @@ def official_config_fields() -> dict:
         return json.load(f)
 
 
-def checkpoint_config(cfg: ModelConfig, layout: str, dtype: str, quantize: str | None, origin: str | None = None
+def checkpoint_config(cfg: AnyConfig, layout: str, dtype: str, quantize: str | None, origin: str | None = None
                       ) -> dict:
     """config.json for a saved checkpoint: transformers' fields for "hf"; for "official", every field
     of the released checkpoints' config.json (`official_config_fields`: legacy ``compress_ratios``
@@ -224,24 +223,9 @@ def checkpoint_config(cfg: ModelConfig, layout: str, dtype: str, quantize: str |
         out["quantization_config"] = {**qcfg, **carried.get("quantization_config", {})}
         if quantize == "fp8+fp4experts":
             out["expert_dtype"] = "fp4"
-    if layout == "hf" or isinstance(cfg, V41Config):
+    official = architecture(cfg).load("official_config")
+    if layout == "hf" or official is None:
         return out
-    ratio = {CSA: cfg.compress_rates[CSA], HCA: cfg.compress_rates[HCA]}
-    out["compress_ratios"] = [ratio.get(t, 0) for t in cfg.layer_types] + [ratio.get(cfg.mtp_layer_type, 0)]
-    if cfg.compress_rates == ModelConfig().compress_rates:
-        del out["compress_rates"]  # the released rates: compress_ratios says them
-    n_hash = sum(t == HASH_MOE for t in cfg.mlp_layer_types)
-    if cfg.mlp_layer_types == [HASH_MOE] * n_hash + ["moe"] * (cfg.num_hidden_layers - n_hash):
-        out["num_hash_layers"] = n_hash
-        del out["mlp_layer_types"]
-    del out["layer_types"], out["rope_parameters"], out["partial_rotary_factor"]
-    out["qk_rope_head_dim"] = cfg.qk_rope_head_dim
+    out = official(cfg, out)
     out.update(official_config_fields()["constants"])
-    yarn = cfg.rope_scaling
-    if yarn is not None:
-        out["rope_scaling"] = {"type": "yarn", "factor": yarn.factor, "beta_fast": yarn.beta_fast,
-                               "beta_slow": yarn.beta_slow,
-                               "original_max_position_embeddings": yarn.original_max_position_embeddings}
-    else:
-        out["rope_scaling"] = {"type": "default"}
     return out

@@ -4,7 +4,8 @@ V4.1-Flash's two tables hold 2 x ~384 M rows of 256 (197 B parameters, 788 GB in
 hold one, and FSDP would gather a whole table for the block that reads it. Here each table is a
 DTensor Shard(0) over a one-dimensional mesh of all ranks (rank r keeps rows [r * c, (r + 1) * c),
 c = ceil(rows / world)), left out of FSDP, and its module (``Engram.embed``, same name, same
-parameter) looks rows up like expert parallelism moves tokens:
+parameter) looks rows up like expert parallelism moves tokens. A model marks such a table by naming it in its
+module's ``sharded_table`` attribute (the name of an nn.Embedding child; V4.1's ``Engram``):
 
 1. the step's row ids [T] (T = tokens x (max_ngram - 1) x heads of this rank) are sorted by owner;
 2. one all-to-all of the per-owner counts, read on the host once per table and forward (a
@@ -25,8 +26,6 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
-
-from trex.models.deepseek_v4.engram import Engram
 
 
 class ShardedTable(nn.Module):
@@ -61,13 +60,16 @@ class ShardedTable(nn.Module):
 
 
 def shard_engram_tables(model: nn.Module, mesh) -> list[nn.Parameter]:
-    """Swap every Engram layer's ``embed`` (an nn.Embedding) for a :class:`ShardedTable` over ``mesh``
-    (all ranks); returns the tables, for FSDP to leave alone. Names and global shapes are unchanged, so
-    checkpoints, sharded loading and DCP resharding see the same tensors."""
+    """Swap every table a module names in its ``sharded_table`` attribute (an nn.Embedding child: each V4.1
+    Engram layer's ``embed``) for a :class:`ShardedTable` over ``mesh`` (all ranks); returns the tables, for FSDP
+    to leave alone. Names and global shapes are unchanged, so checkpoints, sharded loading and DCP resharding see
+    the same tensors."""
     tables = []
     for module in model.modules():
-        if isinstance(module, Engram) and isinstance(module.embed, nn.Embedding):
-            module.embed = ShardedTable(module.embed.weight, mesh)
-            tables.append(module.embed.weight)
+        name = getattr(module, "sharded_table", None)
+        table = getattr(module, name, None) if name else None
+        if isinstance(table, nn.Embedding):
+            setattr(module, name, ShardedTable(table.weight, mesh))
+            tables.append(getattr(module, name).weight)
     return tables
 

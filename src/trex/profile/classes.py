@@ -38,8 +38,8 @@ from trex.profile.scopes import PREFIX
 CLASSES: dict[str, str] = {
     "dense_gemm": "GEMMs of dense projections (attention in/out, dense and shared FFN, MTP)",
     "moe/expert_gemm": "grouped GEMMs of the routed experts",
-    "attention/sliding": "sliding-window attention (V4)",
-    "attention/csa": "compressed sparse attention with its compressor and indexer (V4)",
+    "attention/sliding": "sliding-window attention (V4, V4.1)",
+    "attention/csa": "compressed sparse attention with its compressor and indexer (V4; V4.1's CSA2)",
     "attention/hca": "heavily compressed attention with its compressor (V4)",
     "attention/mla": "multi-head latent attention (V3)",
     "attention/dsa": "DeepSeek sparse attention: indexer + sparse MLA (V3.2)",

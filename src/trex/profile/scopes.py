@@ -6,7 +6,8 @@ The model is not changed: forward pre-/post-hooks open and close the ranges, and
 returns a handle that removes them. Inside a compiled region the hooks do nothing (they would break
 the graph); a compiled block's fused kernels are classed by their own names (trex.profile.classes).
 
-Scopes (the part of the model a module is):
+Scopes (the part of the model a module is). A family's module names its own with a ``profile_scope`` attribute
+(a string; a property where it depends on the layer); the shared parts are known by class:
 
     attention/<kind>   an attention layer, with its compressor and indexer: sliding, csa, hca (V4,
                        V4.1), mla (V3), dsa (V3.2's indexer + sparse MLA), dspark (the drafter)
@@ -28,28 +29,16 @@ from torch import nn
 
 from trex.models.common.moe import Experts, Gate, MoE, SharedExpert
 from trex.models.common.norm import LayerNorm, RMSNorm
-from trex.models.deepseek_v3.attention import MLA
-from trex.models.deepseek_v3.dsa import SparseMLA
-from trex.models.deepseek_v4.attention import Attention as V4Attention
-from trex.models.deepseek_v4.attention_v41 import Attention as V41Attention
-from trex.models.deepseek_v4.config import CSA, HCA, SLIDING
-from trex.models.deepseek_v4.dspark import DSparkAttention
-from trex.models.deepseek_v4.mhc import HyperConnection, HyperHead
 
 PREFIX = "trex/"
-ATTENTION_KINDS = {SLIDING: "sliding", CSA: "csa", HCA: "hca"}
 
 
 def scope_of(module: nn.Module) -> str | None:
-    """The scope ``module`` opens, or None for a module that is only a container."""
-    if isinstance(module, (V4Attention, V41Attention)):
-        return f"attention/{ATTENTION_KINDS.get(module.layer_type, module.layer_type)}"
-    if isinstance(module, SparseMLA):  # before MLA: it is one
-        return "attention/dsa"
-    if isinstance(module, MLA):
-        return "attention/mla"
-    if isinstance(module, DSparkAttention):
-        return "attention/dspark"
+    """The scope ``module`` opens, or None for a module that is only a container. A family's own modules name
+    theirs (``profile_scope``: its attention layers, V4's hyper-connections); the shared parts by class."""
+    own = getattr(module, "profile_scope", None)
+    if own is not None:
+        return own
     if isinstance(module, nn.Linear):
         return "linear"
     if isinstance(module, SharedExpert):
@@ -60,7 +49,7 @@ def scope_of(module: nn.Module) -> str | None:
         return "moe/experts"
     if isinstance(module, MoE):
         return "moe/dispatch"
-    if isinstance(module, (RMSNorm, LayerNorm, HyperConnection, HyperHead)):
+    if isinstance(module, (RMSNorm, LayerNorm)):
         return "norm_mhc"
     if isinstance(module, nn.Embedding):
         return "embedding"

@@ -45,9 +45,8 @@ from trex.data.tokenizer import Tokenizer, compact_tokenizer
 from trex.hardware import profile_for_device_name
 from trex.models import build_model, get_preset
 from trex.models.common.heads import Model
-from trex.models.deepseek_v4.engram import compressed_token_map
 from trex.models.flops import flops_per_token
-from trex.models.registry import check_shardable, with_overrides
+from trex.models.registry import architecture, check_shardable, with_overrides
 from trex.parallel.load import load_sharded
 from trex.parallel.mesh import Parallel, init_parallel
 from trex.parallel.plan import apply_parallelism
@@ -108,13 +107,15 @@ def model_for(recipe: TrainRecipe, tokenizer: Tokenizer, dev: device_layer.Devic
         cfg = get_preset(section.preset)
         overrides = dict(section.overrides)
         overrides.setdefault("vocab_size", -(-tokenizer.vocab_size // 8) * 8)  # a preset fits its tokenizer
-        engram = getattr(cfg, "engram_layer_ids", None) and compressed_token_map(tokenizer.backend)
-        if engram:  # V4.1's Engram hashes through this tokenizer's compressed ids
-            overrides.setdefault("engram_compressed_vocab_size", engram[1])
+        hook = architecture(cfg).load("tokenizer_map")
+        token_map = hook(cfg, tokenizer.backend) if hook else None
+        if token_map:  # the model hashes token ids through this tokenizer's compressed ids (V4.1's Engram)
+            for field, value in token_map.overrides.items():
+                overrides.setdefault(field, value)
         cfg = with_overrides(cfg, overrides)
         model = build_model(cfg, device=dev.torch_device, dtype=policy.param_dtype, seed=section.init_seed)
-        if engram:
-            model.set_engram_token_map(*engram)
+        if token_map:
+            model.set_engram_token_map(token_map.token_map, token_map.compressed_vocab)
     check_vocab(model, tokenizer)
     return model
 

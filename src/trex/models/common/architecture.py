@@ -18,11 +18,15 @@ Contracts of what the strings name:
     flops            function: ``flops(cfg, seq_len, training, with_mtp) -> trex.models.common.flops.FlopsPerToken``
     plan_terms       module: the planner's memory and time terms of the family (trex.plan reads them; the
                      functions it calls are listed in trex.models.common.plan_terms)
-    tokenizer_map    function or None: ``tokenizer_map(cfg, tokenizer) -> (token_map, compressed_vocab) | None``,
-                     for a model that hashes token ids through its tokenizer (V4.1's Engram); the model then
-                     takes it with ``model.set_engram_token_map(token_map, compressed_vocab)``
+    tokenizer_map    function or None: ``tokenizer_map(cfg, tokenizer) -> TokenMap | None`` (a
+                     ``tokenizers.Tokenizer``), for a model that hashes token ids through its tokenizer (V4.1's
+                     Engram; None when ``cfg``'s model does not); the model then takes it with
+                     ``model.set_engram_token_map(token_map, compressed_vocab)``
     drafter          class or None: the drafter a checkpoint carries besides the model (V4.1's DSpark stages),
                      ``Drafter(cfg)``, loaded frozen by trex.checkpoint.load.load_drafter
+    params           function or None: ``params(cfg, model, counted) -> trex.models.common.params.ParamCount``,
+                     the count read from the model (trex.models.params) corrected for what the model alone does not
+                     say (V4.1: Engram rows a token does not read, the DSpark stages it does not build)
     official_config  function or None: ``official_config(cfg, hf_dict) -> dict``, the config.json of the
                      "official" checkpoint layout from the transformers one (None: the same)
 """
@@ -33,6 +37,16 @@ import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class TokenMap(NamedTuple):
+    """What ``Architecture.tokenizer_map`` makes of a tokenizer: each token id's compressed id, the number of
+    compressed ids, and the config fields that number fixes (set on a config built fresh, e.g. from a preset)."""
+
+    token_map: list[int]
+    compressed_vocab: int
+    overrides: dict
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,7 @@ class Architecture:
     passthrough: re.Pattern | None = None
     tokenizer_map: str | None = None
     drafter: str | None = None
+    params: str | None = None
     official_config: str | None = None
 
     def load(self, part: str):

@@ -40,6 +40,8 @@ LATENT_NORM_EPS = 1e-6
 
 
 class MLA(nn.Module):
+    profile_scope = "attention/mla"  # trex.profile.scopes
+
     def __init__(self, cfg: V3Config):
         super().__init__()
         d, H, block = cfg.hidden_size, cfg.num_attention_heads, cfg.fp8_block

@@ -157,6 +157,8 @@ def dense_probs(q: torch.Tensor, kv: torch.Tensor, scale: float, visible: torch.
 class SparseMLA(MLA):
     """MLA whose queries attend only to their indexer's picks (dense in the warm-up stage)."""
 
+    profile_scope = "attention/dsa"  # trex.profile.scopes
+
     def __init__(self, cfg: V3Config):
         super().__init__(cfg)
         self.indexer = Indexer(cfg)

@@ -14,7 +14,7 @@ from trex.models.common.linear import QuantLinear
 from trex.models.common.norm import RMSNorm, unweighted_rms_norm
 from trex.models.common.rope import apply_rope
 from trex.models.deepseek_v4.compressor import Compressor, Indexer, fake_kv
-from trex.models.deepseek_v4.config import CSA, SLIDING, ModelConfig, shard_halo
+from trex.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig, shard_halo
 from trex.models.deepseek_v4.context import SeqContext
 
 
@@ -77,6 +77,9 @@ def grouped_output(attn: nn.Module, o: torch.Tensor, cos: torch.Tensor, sin: tor
     return attn.wo_b(o.flatten(2))
 
 
+PROFILE_KINDS = {SLIDING: "sliding", CSA: "csa", HCA: "hca"}  # layer type -> its profile scope's kind
+
+
 class Attention(nn.Module):
     """Shared-KV MQA with low-rank queries, partial RoPE, sinks and a grouped output projection."""
 
@@ -85,6 +88,7 @@ class Attention(nn.Module):
         d, c = cfg.hidden_size, cfg.head_dim
         add_projections(self, cfg)
         self.layer_type = layer_type
+        self.profile_scope = f"attention/{PROFILE_KINDS[layer_type]}"  # trex.profile.scopes
         self.m = cfg.compress_rate(layer_type)
         self.rope_kind = "main" if layer_type == SLIDING else "compress"
         self.compressor = Compressor(d, c, self.m, layer_type == CSA, cfg.rms_norm_eps) if self.m else None

@@ -209,6 +209,7 @@ class Attention(nn.Module):
         d, c = cfg.hidden_size, cfg.head_dim
         add_projections(self, cfg)
         self.m = cfg.compress_ratios[layer]
+        self.profile_scope = "attention/csa" if self.m else "attention/sliding"  # trex.profile.scopes
         self.rope_kind = "compress" if self.m else "main"
         kv_source = layer in cfg.kv_source_layer_ids
         self.compressor = Compressor(d, c, self.m, cfg.rms_norm_eps) if kv_source else None

@@ -307,6 +307,32 @@ def get_preset(name: str) -> ModelConfig:
     return lookup_preset(PRESETS, name)
 
 
+def official_config(cfg: ModelConfig, out: dict) -> dict:
+    """``Architecture.official_config``: the config.json of the "official" checkpoint layout from the transformers
+    one (``out``: ``to_hf_dict`` and what the writer added), as DeepSeek's released config.json spells it: legacy
+    ``compress_ratios`` with the MTP entry, ``num_hash_layers``, ``qk_rope_head_dim``, flat ``rope_scaling``. Reads
+    back to ``cfg``."""
+    out = dict(out)
+    ratio = {CSA: cfg.compress_rates[CSA], HCA: cfg.compress_rates[HCA]}
+    out["compress_ratios"] = [ratio.get(t, 0) for t in cfg.layer_types] + [ratio.get(cfg.mtp_layer_type, 0)]
+    if cfg.compress_rates == ModelConfig().compress_rates:
+        del out["compress_rates"]  # the released rates: compress_ratios says them
+    n_hash = sum(t == HASH_MOE for t in cfg.mlp_layer_types)
+    if cfg.mlp_layer_types == [HASH_MOE] * n_hash + ["moe"] * (cfg.num_hidden_layers - n_hash):
+        out["num_hash_layers"] = n_hash
+        del out["mlp_layer_types"]
+    del out["layer_types"], out["rope_parameters"], out["partial_rotary_factor"]
+    out["qk_rope_head_dim"] = cfg.qk_rope_head_dim
+    yarn = cfg.rope_scaling
+    if yarn is not None:
+        out["rope_scaling"] = {"type": "yarn", "factor": yarn.factor, "beta_fast": yarn.beta_fast,
+                               "beta_slow": yarn.beta_slow,
+                               "original_max_position_embeddings": yarn.original_max_position_embeddings}
+    else:
+        out["rope_scaling"] = {"type": "default"}
+    return out
+
+
 # ==================================================================================================
 # The context-parallel split rule (trex.models.registry.check_shardable): each shard a whole number of
 # every compression window, and at least as long as the halo it lends its neighbours.

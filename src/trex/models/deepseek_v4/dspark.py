@@ -103,6 +103,8 @@ class DSparkAttention(nn.Module):
     """Window attention of a DSpark stage: the V4 projections; keys are the stage's window of main-model
     positions and the block's own tokens."""
 
+    profile_scope = "attention/dspark"  # trex.profile.scopes
+
     def __init__(self, cfg: V41Config):
         super().__init__()
         add_projections(self, cfg)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trex.kernels import quantize
+from trex.models.common.architecture import TokenMap
 from trex.models.common.linear import QuantLinear, QuantSim
 from trex.models.deepseek_v4.engram_layout import EngramLayout
 
@@ -73,6 +74,15 @@ def compressed_token_map(tokenizer) -> tuple[list[int], int]:
             key = normaliser.normalize_str(text) or text
         lookup.append(key_to_new.setdefault(key, len(key_to_new)))
     return lookup, len(key_to_new)
+
+
+def tokenizer_map(cfg, tokenizer) -> TokenMap | None:
+    """``Architecture.tokenizer_map`` of DeepSeek-V4.1: ``compressed_token_map`` of ``tokenizer`` when ``cfg`` has
+    Engram layers (which fixes ``engram_compressed_vocab_size``), else None."""
+    if not cfg.engram_layer_ids:
+        return None
+    token_map, compressed = compressed_token_map(tokenizer)
+    return TokenMap(token_map, compressed, {"engram_compressed_vocab_size": compressed})
 
 
 def ngram_hashes(compressed: torch.Tensor, pos: torch.Tensor, live: torch.Tensor | None, pad_id: int,
@@ -149,6 +159,7 @@ class Engram(nn.Module):
     rounding the looked-up rows is rounding the table)."""
 
     quant = QuantSim()
+    sharded_table = "embed"  # trex.parallel.engram splits this nn.Embedding's rows over every rank
 
     def __init__(self, rows: int, columns: int, head_dim: int, dim: int, hc: int, eps: float, block: int):
         super().__init__()

@@ -47,6 +47,8 @@ class _Sinkhorn(torch.autograd.Function):
 class HyperConnection(nn.Module):
     """Mixes n residual streams: pre (collapse), post (expand), comb (Sinkhorn, applied as comb^T)."""
 
+    profile_scope = "norm_mhc"  # trex.profile.scopes
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         n = cfg.hc_mult
@@ -92,6 +94,8 @@ class HyperConnection(nn.Module):
 
 class HyperHead(nn.Module):
     """Collapses the n streams into one: sigmoid pre-weights, no Sinkhorn."""
+
+    profile_scope = "norm_mhc"  # trex.profile.scopes
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

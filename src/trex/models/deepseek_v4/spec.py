@@ -35,4 +35,5 @@ V41 = Architecture(
     passthrough=PASSTHROUGH,
     tokenizer_map=f"{_PKG}.engram:tokenizer_map",
     drafter=f"{_PKG}.dspark:DSparkDrafter",
+    params=f"{_PKG}.params_v41:v41_params",
 )

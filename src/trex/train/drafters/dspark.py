@@ -43,7 +43,7 @@ def load(cfg, source: str | None, par, dev, policy, seed: int):
     of a preset's config freshly initialised with ``seed`` (the same in a resumed run)."""
     from trex.checkpoint.load import load_drafter
     from trex.models.common.heads import init_parameters
-    from trex.models.deepseek_v4.dspark import DSparkDrafter
+    from trex.models.registry import architecture
 
     dtype = torch.float32 if par.distributed else policy.param_dtype
     if source:
@@ -53,7 +53,7 @@ def load(cfg, source: str | None, par, dev, policy, seed: int):
             raise ValueError(f"drafter.enabled: model.path {source}: {' '.join(str(e).split())}") from None
     log.warning("drafter: the model is a preset: its drafter starts from a fresh initialisation")
     with torch.device(dev.torch_device):
-        drafter = DSparkDrafter(cfg).to(dtype)
+        drafter = architecture(cfg).load("drafter")(cfg).to(dtype)
     init_parameters(drafter, cfg.initializer_range, seed)  # the same in a resumed run (its RNG is restored)
     return drafter
 
