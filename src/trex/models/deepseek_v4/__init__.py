@@ -2,7 +2,8 @@
 and nothing of another family's. A file is one concern; V4.1's variant of a concern is ``<concern>_v41``,
 built on V4's.
 
-    config.py         ModelConfig, the presets, config.json reading, the context-parallel split rule
+    spec.py           the V4 and V4.1 Architectures (trex.models.common.architecture): what code outside reads
+    config.py         ModelConfig, the presets, config.json reading (and the official one), the context-parallel split rule
                       (shard_halo, check_shardable) (no torch)
     config_v41.py     V41Config: V4.1's additions (CSA2 ratios, KV/index sources, Engram, DSpark stages) (no torch)
     context.py        SeqContext: the compressed-window layouts (WindowLayout) and halos of one forward
@@ -18,6 +19,9 @@ built on V4's.
     engram.py         Engram (V4.1's n-gram memory), NgramHasher, the tokenizer's compressed token map
     engram_layout.py  EngramLayout: the tables' bucket layout (no torch)
     dspark.py         DSparkDrafter: V4.1's speculative-decoding stages
+    flops.py          FLOPs per token (V4, V4.1)
+    params_v41.py     V4.1's parameter-count correction (Engram rows read, the DSpark stages) (no torch)
+    plan_terms.py     the planner's memory and time terms (V4, V4.1) (no torch)
 
 The names load on first use (trex.lazy): the configs' arithmetic does not import torch.
 """
