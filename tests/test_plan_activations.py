@@ -1,4 +1,4 @@
-"""The activation model against what autograd really saves in trex's DeepSeek-V4.
+"""The activation model (each family's plan terms) against what autograd really saves in trex's models.
 
 Every tensor saved for backward is caught with saved_tensors_hooks, deduplicated by storage
 (views of one tensor count once), parameters left out, and the bytes attributed to the block
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from trex.models import build_model
-from trex.models.deepseek_v4.config import tiny
 from trex.models.deepseek_v4 import plan_terms as v4_terms
+from trex.models.deepseek_v4.config import tiny
 from trex.plan.terms import forward_saved, terms
 
 
