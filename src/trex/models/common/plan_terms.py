@@ -4,7 +4,7 @@
 (``trex.models.registry.architecture(cfg).load("plan_terms")``, trex.models.common.architecture) and sums them
 over blocks, micro-batches, pipeline stages and collectives. A family's ``plan_terms`` module
 (``trex.models.deepseek_v4.plan_terms``: V4 and V4.1; ``trex.models.deepseek_v3.plan_terms``) provides the
-functions below. No torch; every count is a Python int or float.
+functions below (:data:`FUNCTIONS`); every count is a Python int or float.
 
 Conventions: ``cfg`` the family's config; ``S`` the tokens of one sequence (a batch row; the whole sequence,
 also under context parallelism); ``b`` bytes of an element of the compute dtype (2 for bf16, 4 for fp32);
@@ -68,6 +68,11 @@ from dataclasses import dataclass
 from trex.models.common.cross_entropy import head_tiles
 
 F32, I64 = 4, 8  # bytes of an fp32 element and of an int64 index
+
+# what a family's plan_terms module defines (tests/test_plan.py checks every architecture's)
+FUNCTIONS = ("main_blocks", "mtp_blocks", "mtp_kind", "stream_bytes", "block", "weight_copies", "backward_workspace",
+             "model_level", "moe_layers", "dense_ffn_flops", "busiest_shard_flops", "cp_traffic", "tp_split",
+             "table_reads", "table_lookup_bytes", "counted_model", "notes")
 
 
 @dataclass(frozen=True)
