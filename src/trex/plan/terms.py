@@ -8,14 +8,21 @@ planner reaches them only through :func:`terms` and sums them.
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
-from trex.models.registry import AnyConfig, architecture
+from trex.models.registry import ARCHITECTURES, AnyConfig
 
 
 def terms(cfg: AnyConfig) -> ModuleType:
     """The ``plan_terms`` module of ``cfg``'s family (imported on first use)."""
-    return architecture(cfg).load("plan_terms")
+    return _terms(cfg.architecture)
+
+
+@functools.cache
+def _terms(name: str) -> ModuleType:
+    """Remembered per architecture: a search asks for it several times per layout, over thousands of layouts."""
+    return ARCHITECTURES[name].load("plan_terms")
 
 
 def forward_saved(cfg: AnyConfig, S: int, b: int) -> float:
