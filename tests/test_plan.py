@@ -9,13 +9,23 @@ import pytest
 from trex.cli import main
 from trex.hardware import HardwareProfile, load_profiles
 from trex.models import build_model, count_parameters, get_preset
+from trex.models.common.plan_terms import FUNCTIONS
 from trex.models.deepseek_v4.config import tiny
+from trex.models.registry import ARCHITECTURES
 from trex.plan import Layout, PlanError, TimeAssumptions, annotate, fewest_devices, make_plan, parse_layout, search
 from trex.plan.model_facts import model_facts
 from trex.plan.planner import device_counts
 
 H100 = load_profiles()["h100-sxm"]
 FLASH = get_preset("deepseek-v4-flash")
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_every_architecture_provides_the_planners_terms(name):
+    """Each architecture's plan_terms module defines every function trex.models.common.plan_terms lists (the
+    planner calls them through trex.plan.terms): a family that lacks one fails here, not halfway through a plan."""
+    module = ARCHITECTURES[name].load("plan_terms")
+    assert [f for f in FUNCTIONS if not callable(getattr(module, f, None))] == []
 
 
 def test_parameter_counts_are_the_meta_model_and_split_by_type():

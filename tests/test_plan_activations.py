@@ -1,4 +1,4 @@
-"""The activation model against what autograd really saves in trex's DeepSeek-V4.
+"""The activation model (each family's plan terms) against what autograd really saves in trex's models.
 
 Every tensor saved for backward is caught with saved_tensors_hooks, deduplicated by storage
 (views of one tensor count once), parameters left out, and the bytes attributed to the block
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from trex.models import build_model
+from trex.models.deepseek_v4 import plan_terms as v4_terms
 from trex.models.deepseek_v4.config import tiny
-from trex.plan import activations as act
+from trex.plan.terms import forward_saved, terms
 
 
 def _saved_bytes(cfg, S: int, dtype: torch.dtype, shard=None) -> Counter:
@@ -56,20 +57,20 @@ def test_saved_activation_bytes_match_autograd(S, dtype):
     cfg = tiny()
     b = torch.tensor([], dtype=dtype).element_size()
     measured = _saved_bytes(cfg, S, dtype)
-    predicted = act.forward_saved(cfg, S, b)
+    predicted = forward_saved(cfg, S, b)
     assert predicted == pytest.approx(sum(measured.values()), rel=1e-4)
     # block by block, every layer type (sliding, CSA, HCA); tensors shared by all blocks (RoPE tables)
     # are counted once at model level but caught in the first block that saves them, hence 2%
     for i, (lt, mt) in enumerate(zip(cfg.layer_types, cfg.mlp_layer_types)):
-        expected = act.block(cfg, lt, mt, S, b).total + act.weight_copies(cfg, lt, b)
+        expected = v4_terms.block(cfg, lt, mt, S, b).total + v4_terms.weight_copies(cfg, lt, b)
         assert measured[f"layers.{i}"] == pytest.approx(expected, rel=0.02), f"layers.{i} ({lt})"
 
 
 def test_saved_bytes_grow_with_the_window_padding_and_the_compressed_entries():
     cfg = tiny()
     # HCA scores every compressed entry: its bytes per token grow with S; a sliding layer's do not
-    per_tok = [act.attention(cfg, "sliding_attention", S, 4) / S for S in (256, 1024)]
-    hca = [act.attention(cfg, "heavily_compressed_attention", S, 4) / S for S in (256, 1024)]
+    per_tok = [v4_terms.attention(cfg, "sliding_attention", S, 4) / S for S in (256, 1024)]
+    hca = [v4_terms.attention(cfg, "heavily_compressed_attention", S, 4) / S for S in (256, 1024)]
     assert per_tok[0] == pytest.approx(per_tok[1], rel=0.02) and hca[1] > 1.1 * hca[0]
 
 
@@ -83,12 +84,12 @@ def test_the_v41_estimate_is_within_its_stated_bound_of_autograd(dtype):
     cfg = tiny_v41()
     b = torch.tensor([], dtype=dtype).element_size()
     measured = _saved_bytes(cfg, 200, dtype)
-    assert act.forward_saved(cfg, 200, b) == pytest.approx(sum(measured.values()), rel=0.03)
-    kinds = act.layer_kinds(cfg)
+    assert forward_saved(cfg, 200, b) == pytest.approx(sum(measured.values()), rel=0.03)
+    kinds = v4_terms.layer_kinds(cfg)
     assert kinds == ["sliding_attention+engram", "csa2/2/kv", "csa2/2", "csa2/2/kv+engram", "csa2/1/kv", "csa2/1",
                      "csa2/1"]
     for i, (kind, mt) in enumerate(zip(kinds, cfg.mlp_layer_types)):
-        expected = act.block(cfg, kind, mt, 200, b).total + act.weight_copies(cfg, kind, b)
+        expected = v4_terms.block(cfg, kind, mt, 200, b).total + v4_terms.weight_copies(cfg, kind, b)
         assert measured[f"layers.{i}"] == pytest.approx(expected, rel=0.12), f"layers.{i} ({kind})"
 
 
@@ -106,8 +107,9 @@ def test_the_v3_estimate_is_within_the_stated_bound_of_autograd(S, dtype, monkey
 
     cfg = tiny_v3()
     b = torch.tensor([], dtype=dtype).element_size()
+    act = terms(cfg)  # the family's plan terms, as the planner reaches them
     measured = _saved_bytes(cfg, S, dtype)
-    assert act.forward_saved(cfg, S, b) == pytest.approx(sum(measured.values()), rel=0.03)
+    assert forward_saved(cfg, S, b) == pytest.approx(sum(measured.values()), rel=0.03)
     blocks = act.main_blocks(cfg) + [(act.mtp_kind(cfg), "moe")]
     names = [f"layers.{i}" for i in range(cfg.num_hidden_layers)] + ["mtp.0"]
     assert [k for k, _ in blocks] == ["mla/dense", "mla/moe", "mla/moe", "mla/mtp"]
@@ -126,8 +128,9 @@ def test_the_v32_sparse_mla_estimate_is_what_autograd_saves(S, dtype):
     cfg = get_preset("tiny-v3.2")
     assert cfg.index_topk < 0.25 * S  # the gathered kernel, not the mask form of small cases
     b = torch.tensor([], dtype=dtype).element_size()
+    act = terms(cfg)  # the family's plan terms, as the planner reaches them
     measured = _saved_bytes(cfg, S, dtype)
-    assert act.forward_saved(cfg, S, b) == pytest.approx(sum(measured.values()), rel=0.01)
+    assert forward_saved(cfg, S, b) == pytest.approx(sum(measured.values()), rel=0.01)
     names = [f"layers.{i}" for i in range(cfg.num_hidden_layers)] + ["mtp.0"]
     for name, (kind, mt) in zip(names, act.main_blocks(cfg) + [(act.mtp_kind(cfg), "moe")]):
         expected = act.block(cfg, kind, mt, S, b).total + act.weight_copies(cfg, kind, b)

@@ -17,11 +17,11 @@ import torch
 from trex.cli import main
 from trex.hardware import load_profiles
 from trex.models import build_model, count_parameters, get_preset
-from trex.plan import activations as act
+from trex.models.deepseek_v3 import plan_terms as v3_terms
 from trex.plan.layout import Layout, PlanError
 from trex.plan.model_facts import model_facts
 from trex.plan.planner import GiB, make_plan
-from trex.plan.timing import cp_traffic, v3_cp_extra_flops
+from trex.plan.terms import terms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H200, DIE = load_profiles()["h200-sxm"], load_profiles()["ascend-910c-die"]
@@ -67,18 +67,18 @@ def test_context_parallelism_for_v3_by_hand():
     cfg = get_preset("deepseek-v3")
     # traffic: every MLA layer all-gathers [latent | k_pe] of every row forward and reduce-scatters its gradient
     # backward: 2 x 576 values x 2 bytes a token and layer, no halo
-    assert cp_traffic(cfg, 4096, 2) == (0.0, 62 * 4096 * 2 * 576 * 2)
+    assert v3_terms.cp_traffic(cfg, 4096, 2) == (0.0, 62 * 4096 * 2 * 576 * 2)
     # a rank's attention activations: its 2048 rows' norms, projections' inputs, RoPE and kv_norm (91,660 bytes a
     # row), q (128 x 192) and the output (128 x 128) in bf16 and the fp32 log-sum-exp per head; every row's
     # gathered latent and k_pe (576 x 2 bytes) and document id (8)
     norms = 4 * (2 * 7168 + 1) + 2 * 7168 + 4 * (2 * 1536 + 1) + 2 * 1536 + 2 * 4 * 64 + 4 * 512 + 4 * 513
     assert norms == 91_660
-    assert act.v3_attention(cfg, 4096, 2, cp=2) == (norms + 2 * 128 * 320 + 4 * 128) * 2048 + (2 * 576 + 8) * 4096
+    assert v3_terms.attention(cfg, 4096, 2, cp=2) == (norms + 2 * 128 * 320 + 4 * 128) * 2048 + (2 * 576 + 8) * 4096
     # nothing quadratic is left: the whole-row terms grow linearly with S, the rank's with S / cp
-    assert act.v3_attention(cfg, 8192, 2, cp=4) == act.v3_attention(cfg, 4096, 2, cp=2) + (2 * 576 + 8) * 4096
+    assert v3_terms.attention(cfg, 8192, 2, cp=4) == v3_terms.attention(cfg, 4096, 2, cp=2) + (2 * 576 + 8) * 4096
     # each rank also expands the other ranks' latents through wkv_b (2 x 512 x 128 x 256 FLOPs a row), forward,
     # in latent_attention's backward, and back-propagates them: 4 x cp - 3 more per own row and layer
-    assert v3_cp_extra_flops(cfg, 2) == 5 * 2 * 512 * 128 * 256 * 62
+    assert v3_terms.cp_extra_flops(cfg, 2) == 5 * 2 * 512 * 128 * 256 * 62
     plan1 = make_plan(cfg, Layout(dp_shard=256, ep=256, recompute="full"), 4096, H200)
     plan2 = make_plan(cfg, Layout(dp_shard=128, cp=2, ep=128, recompute="full"), 4096, H200)
     assert plan2.time.cp_comm > 0 == plan1.time.cp_comm and plan2.memory.activations < plan1.memory.activations / 2
@@ -101,6 +101,7 @@ def test_v3_activations_under_cp_are_what_autograd_saves():
             return torch.cat((x, x), dim=1)
 
     cfg = tiny_v3()
+    act = terms(cfg)
     names = [f"layers.{i}" for i in range(cfg.num_hidden_layers)] + ["mtp.0"]
     for dtype in (torch.float32, torch.bfloat16):
         b = dtype.itemsize

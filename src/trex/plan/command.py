@@ -11,9 +11,7 @@ import sys
 from trex import atomic, logs
 from trex.hardware import HardwareProfile, load_profiles
 from trex.models.common.config import ConfigError
-from trex.models.deepseek_v4.config import ModelConfig
-from trex.models.deepseek_v4.config_v41 import V41Config
-from trex.models.registry import PRESETS, config_from_file, get_preset, with_overrides
+from trex.models.registry import PRESETS, AnyConfig, config_from_file, get_preset, with_overrides
 from trex.plan import annotate
 from trex.plan.layout import Layout, PlanError, parse_layout
 from trex.plan.planner import (fewest_devices, layout_changes, make_plan, nearest_fitting, no_fit_hint, search,
@@ -24,16 +22,9 @@ from trex.plan.timing import TimeAssumptions
 DEFAULT_SEQ = 4096
 
 
-def resolve_model(spec: str) -> ModelConfig | V41Config:
-    """A preset name (V4, V4.1 or the DeepSeek-V3 family), a config.json, or a checkpoint directory holding one."""
-    cfg = _find_model(spec)
-    if cfg.architecture not in ("deepseek_v4", "deepseek_v41", "deepseek_v3"):
-        raise PlanError(f"model {spec!r}: trex plan models DeepSeek-V4, V4.1 and the V3 family; the "
-                        f"{cfg.architecture} family's memory and time models are not written yet")
-    return cfg
-
-
-def _find_model(spec: str):
+def resolve_model(spec: str) -> AnyConfig:
+    """A preset name (any architecture of trex.models.registry: each family plans through its plan terms), a
+    config.json, or a checkpoint directory holding one."""
     if spec in PRESETS:
         return get_preset(spec)
     if os.path.exists(spec):
@@ -161,7 +152,7 @@ def _check_ranges(args: argparse.Namespace) -> None:
             raise PlanError(f"{flag} {value:g}: expected {expected}")
 
 
-def _inputs(args: argparse.Namespace) -> tuple[str, ModelConfig, Layout, int, str]:
+def _inputs(args: argparse.Namespace) -> tuple[str, AnyConfig, Layout, int, str]:
     """(model spec, model, layout, sequence length, dtype) from the recipe and the flags."""
     base, model_spec, seq, dtype = Layout(dp_shard=1), args.model, args.seq, args.dtype
     if args.recipe:
@@ -217,7 +208,7 @@ def _recipe_clusters(args: argparse.Namespace) -> int:
     return 0 if all(p.fits for _, p in plans) else 1
 
 
-def _fewest(args: argparse.Namespace, spec: str, cfg: ModelConfig, layout: Layout, seq: int, hw: HardwareProfile,
+def _fewest(args: argparse.Namespace, spec: str, cfg: AnyConfig, layout: Layout, seq: int, hw: HardwareProfile,
             assume: TimeAssumptions) -> int:
     """No device count: the fewest devices that fit, and the fastest layout there."""
     found = fewest_devices(cfg, seq, hw, assume, optimizer=layout.optimizer,
@@ -292,7 +283,7 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
-def _nearest(cfg: ModelConfig, plan, hw: HardwareProfile, assume: TimeAssumptions) -> tuple[dict | None, str]:
+def _nearest(cfg: AnyConfig, plan, hw: HardwareProfile, assume: TimeAssumptions) -> tuple[dict | None, str]:
     """The layout that fits on the same devices and batch and changes the fewest of ``plan``'s choices (JSON,
     and one line saying it with its changes and throughput)."""
     layout = plan.layout

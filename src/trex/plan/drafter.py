@@ -60,13 +60,11 @@ class DrafterPlan:
 def drafter_counts(cfg) -> tuple[int, int, int]:
     """(parameters, routed-expert parameters, active parameters per token) of ``cfg``'s drafter: the DSpark
     stages, or the MTP modules (``mtp.*`` of the model built on the meta device)."""
-    from trex.models.registry import drafter_kind
+    from trex.models.registry import architecture, drafter_kind
 
-    if drafter_kind(cfg) == "dspark":
-        from trex.models.deepseek_v4.dspark import DSparkDrafter
-
+    if drafter_kind(cfg) == "dspark":  # a module of its own, the architecture's drafter
         with torch.device("meta"):
-            named = list(DSparkDrafter(cfg).named_parameters())
+            named = list(architecture(cfg).load("drafter")(cfg).named_parameters())
         k, n = cfg.dspark_num_experts_per_tok, cfg.dspark_n_routed_experts
     else:
         from trex.models.build import build_model

@@ -23,13 +23,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from trex.models.deepseek_v4.config import ModelConfig
-from trex.models.registry import check_shardable
+from trex.models.registry import AnyConfig, check_shardable
+from trex.plan.terms import terms
 
 RECOMPUTE = ("none", "selective", "full")
 
 
-def check_context_parallel(cfg: ModelConfig, seq_len: int, cp: int) -> None:
+def check_context_parallel(cfg: AnyConfig, seq_len: int, cp: int) -> None:
     """ValueError unless a sequence of ``seq_len`` splits over ``cp`` context-parallel ranks, by the rule of the
     model's family (trex.models.registry.check_shardable: V4's compression windows and halos, the V3 family's
     equal shards); the message names lengths that would work."""
@@ -40,19 +40,16 @@ class PlanError(ValueError):
     """Input the planner cannot plan for; the message says what was expected."""
 
 
-def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
-    """PlanError unless ``tp`` divides everything tensor parallelism splits: the attention heads, the
-    vocabulary (embedding and head), the dense FFN and shared-expert widths (and V3.2's indexer heads);
-    the message names the numbers. TP is planned for the DeepSeek-V3 family only."""
+def check_tensor_parallel(cfg: AnyConfig, tp: int) -> None:
+    """PlanError unless ``tp`` divides everything tensor parallelism splits in the model (the family's
+    ``tp_split``: for the DeepSeek-V3 family the attention heads, the vocabulary, the dense FFN and shared-expert
+    widths, V3.2's indexer heads); the message names the numbers, or why the family's TP is not planned."""
     if tp == 1:
         return
-    if getattr(cfg, "architecture", None) != "deepseek_v3":
-        raise PlanError(f"layout: tp={tp}: tensor parallelism is planned for the DeepSeek-V3 family only (V4's "
-                        "mHC, compressor and grouped output projection under TP are not modelled yet)")
-    split = {"attention heads": cfg.num_attention_heads, "vocabulary": cfg.vocab_size,
-             "dense FFN width": cfg.intermediate_size,
-             "shared-expert width": cfg.moe_intermediate_size * cfg.n_shared_experts,
-             "indexer heads": cfg.index_n_heads}
+    try:
+        split = terms(cfg).tp_split(cfg)
+    except NotImplementedError as e:
+        raise PlanError(f"layout: tp={tp}: {e}") from None
     bad = [f"{n} {v}" for n, v in split.items() if v and v % tp]
     if bad:
         raise PlanError(f"layout: tp={tp} does not divide the model's {', '.join(bad)}")
@@ -111,7 +108,7 @@ class Layout:
             parts.append("engram-trained")
         return " ".join(parts)
 
-    def check(self, cfg: ModelConfig, seq_len: int) -> None:
+    def check(self, cfg: AnyConfig, seq_len: int) -> None:
         """Raise PlanError unless the layout divides the model and the sequence is allowed."""
         for name in ("dp_shard", "dp_replicate", "ep", "cp", "tp", "pp", "micro_batch", "grad_accum"):
             if getattr(self, name) < 1:

@@ -5,12 +5,12 @@ fp32 parameters, which are the master weights (FSDP2's mixed precision, and Comp
 process, cast them to the compute dtype per block), fp32 gradients, Muon one fp32 momentum per
 parameter and AdamW two fp32 moments. FSDP shards all of it over dp_shard x cp (experts: ep x
 dp_shard x cp / ep), pipeline stages over pp. A context-parallel rank keeps the activations of its
-S / cp rows (trex.plan.activations).
+S / cp rows.
 
 Tensor parallelism (``Layout.tp``, the V3 family): a parameter TP splits (trex.plan.model_facts.TP_SPLIT)
 holds 1 / tp of itself on each TP rank, then FSDP shards that over dp_shard x cp; the parts TP leaves whole
 (MLA's down projections, norms, the router) are FSDP-sharded only; routed experts are split over
-dp_shard x cp x tp (EP, then FSDP over what is left). Activations of a TP rank: trex.plan.activations (``tp``).
+dp_shard x cp x tp (EP, then FSDP over what is left). Activations of a TP rank: the family's plan terms (``tp``).
 
 A step's memory peaks at one of two moments, and the breakdown keeps what is alive at each:
   backward   activations at their backward peak, the FSDP working set (`gathered`), the fused
@@ -20,9 +20,10 @@ A step's memory peaks at one of two moments, and the breakdown keeps what is ali
   optimizer  the sharded gradients and the Newton-Schulz workspace of the largest Muon matrix.
 total = weights + optimizer state + the larger of the two. V4.1's Engram tables are split by rows
 over every device outside FSDP (fp32); trained, they add an fp32 gradient of the device's rows and
-row-wise AdaGrad's one fp32 per row. Activations come from
-`trex.plan.activations`. tests/test_plan_memory_cpu.py and tests/test_plan_memory_distributed.py
-check the step peak against measured CPU runs (one process; FSDP and FSDP+EP on two).
+row-wise AdaGrad's one fp32 per row. Activations, per block and outside the blocks, are the family's plan
+terms (trex.plan.terms; their list: trex.models.common.plan_terms). tests/test_plan_memory_cpu.py and
+tests/test_plan_memory_distributed.py check the step peak against measured CPU runs (one process; FSDP and
+FSDP+EP on two).
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from itertools import accumulate
 
-from trex.models.deepseek_v4.config import ModelConfig
-from trex.plan import activations as act
+from trex.models.common.plan_terms import head_backward_workspace
+from trex.models.registry import AnyConfig
 from trex.plan.layout import Layout
 from trex.plan.model_facts import ModelFacts
+from trex.plan.terms import terms
 
 HEADROOM = 0.10  # of device memory, kept free for allocator fragmentation, runtime and collective buffers
 
@@ -83,7 +85,7 @@ class BackwardMoment:
     gradients: float  # gradients this backward has already produced (this rank's shard)
 
 
-def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, b: int,
+def backward_peak(cfg: AnyConfig, facts: ModelFacts, layout: Layout, seq_len: int, b: int,
                   grads_held: bool) -> BackwardMoment:
     """The busiest moment of the backward of the busiest pipeline stage, found by walking the backward
     in autograd's order: the start (everything the forward saved, the fused head + loss backward), then the MTP
@@ -95,6 +97,7 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
     exist before this backward (gradient accumulation), so it adds none."""
     S, mb, cp, tp = seq_len, layout.micro_batch, layout.cp, layout.tp
     S_local = S // cp  # a context-parallel rank's rows of each sequence
+    act = terms(cfg)  # the family's activation terms
     main = act.main_blocks(cfg)[: cfg.num_hidden_layers // layout.pp]
     n_mtp = act.mtp_blocks(cfg)
     blocks = main + [(act.mtp_kind(cfg), "moe")] * n_mtp
@@ -133,7 +136,7 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
     before = [0.0, *accumulate(saved)]  # before[i]: what blocks 0..i-1 saved
     after = [0.0, *accumulate(reversed(grad))][::-1][1:]  # after[j]: gradients of blocks j+1.. (sum(grad[j + 1:]))
     # (activations, transient, gradients) at each moment, as plain tuples: the search calls this per layout
-    moments = [(mb * (sum(saved) + model_level) + others, act.head_backward_workspace(cfg, tokens, tp), 0.0)]
+    moments = [(mb * (sum(saved) + model_level) + others, head_backward_workspace(cfg, tokens, tp), 0.0)]
     L = len(main)
     for j in reversed(range(L, len(blocks))):  # MTP blocks; the main heads are still alive
         moments.append((mb * (before[j] + own(j) + model_level) + others, ep_buffers, after[j]))
@@ -142,7 +145,7 @@ def backward_peak(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: 
     return BackwardMoment(*max(moments, key=sum))
 
 
-def memory(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, b: int) -> MemoryBreakdown:
+def memory(cfg: AnyConfig, facts: ModelFacts, layout: Layout, seq_len: int, b: int) -> MemoryBreakdown:
     shard, tp = layout.fsdp * layout.pp, layout.tp
 
     def per_rank(total: int, whole: int) -> float:

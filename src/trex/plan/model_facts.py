@@ -7,11 +7,9 @@ Newton-Schulz work of one Muon step. DeepSeek-V4.1's Engram tables are counted a
 split by rows over every rank outside FSDP (trex.parallel.engram), frozen or trained with row-wise
 AdaGrad by ``[train] engram``, so no other count includes them.
 
-The DeepSeek-V3 family (trex.models.deepseek_v3) is read the same way. DeepSeek-V3.2's lightning indexer
-is counted from its config (per layer, MTP included: wq_b [q_lora_rank -> index_n_heads x index_head_dim],
-wk [hidden -> index_head_dim], k_norm's LayerNorm weight and bias, weights_proj [hidden -> index_n_heads],
-as DeepSeek's inference code and trex's V3.2 model build it) on top of the dense V3 model; it is frozen, as
-V4's indexer in post-training.
+Every family is read the same way; what its model built on meta lacks (DeepSeek-V3.2's lightning indexer,
+counted from its config: frozen, in each block's FSDP unit) its plan terms add (``counted_model``), and its
+MoE layers and the Engram rows a token reads come from them too (trex.plan.terms).
 """
 
 from __future__ import annotations
@@ -19,8 +17,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from trex.models.deepseek_v4.config import ModelConfig
-from trex.models.deepseek_v4.config_v41 import V41Config
+from trex.models.registry import AnyConfig
+from trex.plan.terms import terms
 
 # Module types, first match wins (names follow the official checkpoint, see trex.checkpoint.naming).
 MODULE_TYPES = (
@@ -116,26 +114,12 @@ def _ns_flops(shape: tuple[int, ...], row_blocks: list[int]) -> float:
     return total
 
 
-def v32_indexer_per_layer(cfg) -> int:
-    """Parameters of one DeepSeek-V3.2 indexer (0 for a dense V3 config)."""
-    if getattr(cfg, "architecture", None) != "deepseek_v3" or not cfg.index_topk:
-        return 0
-    h, dh, d = cfg.index_n_heads, cfg.index_head_dim, cfg.hidden_size
-    return cfg.q_lora_rank * h * dh + d * dh + 2 * dh + d * h
-
-
-def _build_facts(cfg: ModelConfig | V41Config) -> ModelFacts:
+def _build_facts(cfg: AnyConfig) -> ModelFacts:
     from trex.models import build_model
     from trex.train.optim import classify
 
-    indexer = v32_indexer_per_layer(cfg)
-    index_whole = cfg.hidden_size * cfg.index_head_dim + 2 * cfg.index_head_dim if indexer else 0  # wk, k_norm
-    if indexer:  # V3.2: the dense V3 model, the indexers added below
-        import dataclasses
-
-        from trex.models.deepseek_v3.config import V3
-
-        cfg = dataclasses.replace(cfg, index_n_heads=0, index_head_dim=0, index_topk=0, model_type=V3)
+    family = terms(cfg)
+    cfg, indexer, index_whole = family.counted_model(cfg)  # V3.2: the dense V3 model, the indexers added below
     model = build_model(cfg, device="meta")
     by_type: dict[str, int] = {kind: 0 for kind, _ in MODULE_TYPES}
     mtp = experts = trainable = muon = tables = rows = 0
@@ -180,10 +164,9 @@ def _build_facts(cfg: ModelConfig | V41Config) -> ModelFacts:
             ns += _ns_flops(tuple(p.shape), row_blocks)
             if p.dim() == 2:
                 largest = max(largest, p.numel())
-    if indexer:  # frozen: stored, in each block's FSDP unit, never trained
+    if indexer:  # frozen: stored, in each block's FSDP unit, never trained; index_whole of it left whole by TP
         by_type["indexer"] += cfg.num_hidden_layers * indexer
         mtp += cfg.num_nextn_predict_layers * indexer
-        # under TP split by heads (wq_b, weights_proj); wk and k_norm whole
         for entry in blocks.values():
             entry[0] += indexer
             entry[3] += index_whole
@@ -191,11 +174,10 @@ def _build_facts(cfg: ModelConfig | V41Config) -> ModelFacts:
     total = sum(by_type.values())
     largest_block = max(blocks.values(), key=lambda v: v[0])
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    moe_layers = cfg.moe_layers() if hasattr(cfg, "moe_layers") else cfg.num_hidden_layers
+    moe_layers = family.moe_layers(cfg, cfg.num_hidden_layers)
     inactive = moe_layers * (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
-    if tables:  # a token reads (max_ngram - 1) x heads rows of each table
-        read = len(cfg.engram_layer_ids) * (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim
-        inactive += tables - read
+    if tables:  # the rows a token reads are active
+        inactive += tables - family.table_reads(cfg)
     return ModelFacts(
         by_type=by_type, mtp=mtp, total=total, active=total - inactive, trainable=trainable, experts=experts,
         muon=muon, adamw=trainable - muon, block_dense=max(v[0] for v in blocks.values()),
@@ -208,7 +190,7 @@ def _build_facts(cfg: ModelConfig | V41Config) -> ModelFacts:
 _CACHE: dict[str, ModelFacts] = {}
 
 
-def model_facts(cfg: ModelConfig | V41Config) -> ModelFacts:
+def model_facts(cfg: AnyConfig) -> ModelFacts:
     """Facts of ``cfg`` (cached by the config's contents)."""
     key = repr(cfg)
     if key not in _CACHE:

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 from trex.hardware import HardwareProfile
 from trex.logs import plural
-from trex.models.deepseek_v4.config import ModelConfig
-from trex.models.registry import drafter_kind
+from trex.models.registry import AnyConfig, drafter_kind
 from trex.plan.drafter import DrafterPlan, drafter_plan
 from trex.plan.layout import Layout, PlanError, check_context_parallel, check_tensor_parallel
 from trex.plan.memory import HEADROOM, MemoryBreakdown, memory
 from trex.plan.model_facts import ModelFacts, model_facts
+from trex.plan.terms import terms
 from trex.plan.timing import StepTime, TimeAssumptions, step_time, training_flops
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -33,7 +33,7 @@ class Plan:
     flops_per_token: float
     assumptions: TimeAssumptions
     routed_experts: int = 0  # per MoE layer (the model's n_routed_experts): what ep must divide
-    v32: bool = False  # DeepSeek-V3.2 (its indexer planned from its config)
+    model_notes: tuple[str, ...] = ()  # how the family's plan terms model this config (their ``notes``)
     drafter: DrafterPlan | None = None  # a recipe's [drafter] re-fit (trex.plan.drafter)
 
     @property
@@ -81,10 +81,7 @@ class Plan:
             out.append(f"{self.hardware.name} states no host memory: offloaded state is not checked")
         if ep_note := expert_parallel_note(self.layout, self.routed_experts):
             out.append(ep_note)
-        if self.v32:
-            out.append("DeepSeek-V3.2's indexer is planned from its config (its parameters and FLOPs, attention over "
-                       "its top-k); its sparse MLA's activations as trex's gathered kernel saves them")
-        return out
+        return out + list(self.model_notes)
 
 
 def expert_parallel_note(layout: Layout, experts: int) -> str | None:
@@ -104,7 +101,7 @@ def expert_parallel_note(layout: Layout, experts: int) -> str | None:
             f"ep={math.gcd(better, experts)}")
 
 
-def make_plan(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
+def make_plan(cfg: AnyConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
               assume: TimeAssumptions = TimeAssumptions()) -> Plan:
     layout.check(cfg, seq_len)
     if assume.dtype not in DTYPE_BYTES:
@@ -117,8 +114,7 @@ def make_plan(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfil
                 memory=memory(cfg, facts, layout, seq_len, b),
                 time=step_time(cfg, facts, layout, seq_len, hw, assume, b),
                 flops_per_token=training_flops(cfg, seq_len).total, assumptions=assume,
-                routed_experts=cfg.n_routed_experts,
-                v32=bool(getattr(cfg, "index_topk", 0)) and getattr(cfg, "architecture", None) == "deepseek_v3")
+                routed_experts=cfg.n_routed_experts, model_notes=tuple(terms(cfg).notes(cfg)))
 
 
 def with_drafter(plan: Plan, cfg, section, main_steps: int) -> Plan:
@@ -139,7 +135,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: int, hw: HardwareProfile,
+def search(cfg: AnyConfig, devices: int, seq_len: int, global_batch_tokens: int, hw: HardwareProfile,
            assume: TimeAssumptions = TimeAssumptions(), optimizer: str = "muon",
            micro_batches: tuple[int, ...] = (1, 2, 4), recompute: tuple[str, ...] = ("none", "selective", "full"),
            pipeline: tuple[int, ...] = (1,), fitting_only: bool = True,
@@ -149,7 +145,7 @@ def search(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: in
     reaches ``global_batch_tokens`` exactly, fastest first; ``offload`` and ``largest_ep_only``
     narrow the options tried; ``train_engram``: V4.1's Engram tables train (trex.plan.layout.Layout). tp ranges
     over ``tensor`` (default :func:`tensor_parallel_sizes`: within a node, dividing what TP splits), cp over the
-    divisors of the devices left that split the sequence (see trex.models.deepseek_v4.config.check_shardable), shard
+    divisors of the devices left that split the sequence (see trex.models.registry.check_shardable), shard
     sizes over the divisors of what it leaves; ep divides the expert count and dp_shard x tp (the search carves
     experts from those; an explicit layout may span cp too)."""
     if global_batch_tokens % seq_len:
@@ -197,7 +193,7 @@ def nearest_fitting(layout: Layout, plans: list[Plan]) -> Plan | None:
     return min(fitting, key=lambda p: (len(layout_changes(layout, p.layout)), p.time.total), default=None)
 
 
-def no_fit_hint(cfg: ModelConfig, devices: int, seq_len: int, global_batch_tokens: int, hw: HardwareProfile,
+def no_fit_hint(cfg: AnyConfig, devices: int, seq_len: int, global_batch_tokens: int, hw: HardwareProfile,
                 assume: TimeAssumptions = TimeAssumptions(), optimizer: str = "muon", train_engram: bool = False) -> str:
     """Why :func:`search` found nothing, naming only what it did not try: the batch does not split over
     any layout, or the leanest layout it tried needs more memory than the device has."""
@@ -213,7 +209,7 @@ def no_fit_hint(cfg: ModelConfig, devices: int, seq_len: int, global_batch_token
             "tried: add devices (without --devices, trex plan finds the fewest that fit) or shorten the sequence")
 
 
-def tensor_parallel_sizes(cfg: ModelConfig, devices: int, hw: HardwareProfile) -> list[int]:
+def tensor_parallel_sizes(cfg: AnyConfig, devices: int, hw: HardwareProfile) -> list[int]:
     """The tp sizes a search tries: powers of two dividing ``devices``, within one node (TP's per-layer
     collectives need the node's link), that divide what TP splits (trex.plan.layout.check_tensor_parallel); 1 for
     a family TP is not planned for."""
@@ -229,7 +225,7 @@ def tensor_parallel_sizes(cfg: ModelConfig, devices: int, hw: HardwareProfile) -
     return sizes
 
 
-def _context_parallel_sizes(cfg: ModelConfig, seq_len: int, devices: int) -> list[int]:
+def _context_parallel_sizes(cfg: AnyConfig, seq_len: int, devices: int) -> list[int]:
     """The cp sizes a search tries: divisors of ``devices`` that split ``seq_len``."""
     sizes = []
     for cp in _divisors(devices):
@@ -259,7 +255,7 @@ class Fewest:
     global_batch_tokens: int | None  # None: one sequence per device per step
 
 
-def fewest_devices(cfg: ModelConfig, seq_len: int, hw: HardwareProfile, assume: TimeAssumptions = TimeAssumptions(),
+def fewest_devices(cfg: AnyConfig, seq_len: int, hw: HardwareProfile, assume: TimeAssumptions = TimeAssumptions(),
                    optimizer: str = "muon", global_batch_tokens: int | None = None,
                    limit: int = 1 << 17, train_engram: bool = False) -> Fewest | None:
     """The fewest devices (of :func:`device_counts`) on which some layout fits, and every layout that

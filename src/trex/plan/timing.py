@@ -28,11 +28,13 @@ Communication per step and device, ring algorithms (a device moves (g-1)/g of th
 Expert parallelism spans dp_shard x cp x tp ranks (trex.plan.layout): the all-to-all of each rank's own rows
 (mb x S / (cp x tp)); FSDP gathers a TP rank's 1 / tp of the split parameters over dp_shard x cp ranks spaced
 tp apart, the experts over dp_shard x cp x tp / ep ranks spaced ep apart.
-Context-parallel ranks of one group wait for the busiest: with contiguous shards the last one,
-whose queries see the most compressed entries (HCA attention and the CSA indexer's scores grow with
-the position); its FLOPs per token are the mean over the last S / cp positions. The V3 family's
-shards do equal work (the dense document-causal mask skips nothing), the mean per token, plus the
-``wkv_b`` expansion of the other ranks' rows (``v3_cp_extra_flops``; none for V3.2's absorbed sparse MLA).
+Context-parallel ranks of one group wait for the busiest (the family's ``busiest_shard_flops``): for V4 and
+V4.1, with contiguous shards, the last one, whose queries see the most compressed entries (HCA attention and
+the CSA indexer's scores grow with the position); its FLOPs per token are the mean over the last S / cp
+positions. The V3 family's shards do equal work (the dense document-causal mask skips nothing), the mean per
+token, plus the ``wkv_b`` expansion of the other ranks' rows (none for V3.2's absorbed sparse MLA).
+What depends on the family (busiest shard, CP traffic, MoE and dense layers, the Engram lookup) comes from its
+plan terms (trex.plan.terms; their list: trex.models.common.plan_terms).
 A group of g ranks runs at the intra-node bandwidth when it fits in one node, at the
 inter-node bandwidth otherwise. ``fsdp_overlap`` / ``ep_overlap`` of that time hides behind
 compute (never more than the compute itself). Optimizer: the Newton-Schulz FLOPs of Muon split
@@ -41,23 +43,21 @@ over the shard group, and, with offload, the moments crossing the host link twic
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import asdict, dataclass
 
 from trex.hardware import HardwareProfile
-from trex.models.deepseek_v4.config import CSA, ModelConfig, shard_halo
-from trex.models.deepseek_v4.config_v41 import CSA2
 from trex.models.common.flops import FlopsPerToken
 from trex.models.flops import flops_per_token
-from trex.plan.activations import is_v3, layer_kind, layer_kinds, mtp_blocks
+from trex.models.registry import AnyConfig
 from trex.plan.layout import Layout
 from trex.plan.model_facts import ModelFacts
+from trex.plan.terms import terms
 
 
 _FLOPS_CACHE: dict[tuple[str, int], FlopsPerToken] = {}
 
 
-def training_flops(cfg: ModelConfig, seq_len: int) -> FlopsPerToken:
+def training_flops(cfg: AnyConfig, seq_len: int) -> FlopsPerToken:
     """`flops_per_token` (training), memoised: a search evaluates hundreds of layouts of one model."""
     key = (repr(cfg), seq_len)
     if key not in _FLOPS_CACHE:
@@ -97,7 +97,7 @@ class StepTime:
         return {**asdict(self), "total": self.total}
 
 
-def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str) -> float:
+def recompute_flops_per_token(cfg: AnyConfig, seq_len: int, recompute: str) -> float:
     """Forward FLOPs repeated in backward. Selective: mHC and attention (everything but the MoE)."""
     f = training_flops(cfg, seq_len)
     if recompute == "none":
@@ -105,75 +105,29 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str) ->
     trained_forward = (f.total - f.indexer) / 3
     if recompute == "full":
         return trained_forward + f.indexer
-    layers = _moe_layers(cfg, cfg.num_hidden_layers) + mtp_blocks(cfg)
+    family = terms(cfg)
+    layers = family.moe_layers(cfg, cfg.num_hidden_layers) + family.mtp_blocks(cfg)
     moe_dense = 2 * layers * (cfg.n_routed_experts + 3 * cfg.moe_intermediate_size * cfg.n_shared_experts) * cfg.hidden_size
-    moe_dense += 2 * getattr(cfg, "first_k_dense_replace", 0) * 3 * getattr(cfg, "intermediate_size", 0) * cfg.hidden_size
+    moe_dense += family.dense_ffn_flops(cfg)
     return (f.dense_matmuls + f.attention_core) / 3 - moe_dense + f.indexer
 
 
-def _moe_layers(cfg: ModelConfig, layers: int) -> int:
-    """MoE layers among ``layers`` main layers (the DeepSeek-V3 family's first first_k_dense_replace are dense;
-    a pipeline stage is charged as the busiest, all MoE)."""
-    return min(layers, cfg.num_hidden_layers - getattr(cfg, "first_k_dense_replace", 0))
-
-
-def busiest_shard_flops(cfg: ModelConfig, seq_len: int, cp: int) -> float:
-    """Training FLOPs per token of the last of ``cp`` contiguous shards: the mean over its positions
-    (``flops_per_token(S)`` is the mean over positions 0..S-1, so a sum over positions is S times it)."""
-    total = training_flops(cfg, seq_len).total
+def busiest_shard_flops(cfg: AnyConfig, seq_len: int, cp: int) -> float:
+    """Training FLOPs per token of the busiest of ``cp`` context-parallel shards (the family's rule)."""
     if cp == 1:
-        return total
-    if is_v3(cfg):
-        return total + v3_cp_extra_flops(cfg, cp)
-    before = seq_len - seq_len // cp
-    return (seq_len * total - before * training_flops(cfg, before).total) / (seq_len - before)
+        return training_flops(cfg, seq_len).total
+    return terms(cfg).busiest_shard_flops(cfg, seq_len, cp, lambda n: training_flops(cfg, n).total)
 
 
-def v3_cp_extra_flops(cfg, cp: int) -> float:
-    """Training FLOPs per token a V3-family rank runs at cp > 1 beyond one process's: each rank expands the
-    gathered latent of all S = cp x s rows through ``wkv_b`` (2 x kv_lora_rank x H x (nope + v) a row) in
-    forward, again in ``latent_attention``'s backward, and back-propagates it (dX and dW, twice that): 4 x cp
-    expansions per own row against one process's 3, in every layer and MTP block. V3.2's sparse MLA runs in the
-    absorbed form (trex.kernels.sparse_mla: q and the output go through ``wkv_b``'s rows, per own row) and expands
-    no row's keys: nothing more. A recomputed forward's expansion of the other ranks' rows is not counted (1 x
-    cp - 1 more per row and layer under recomputation)."""
-    if cfg.index_topk:
-        return 0.0
-    per_row = 2 * cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    runs = 4 * cp - 3
-    return runs * per_row * (cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
-
-
-def cp_traffic(cfg: ModelConfig, seq_len: int, b: int) -> tuple[float, float]:
-    """Context-parallel bytes per sequence row and pass (forward and backward), for one rank:
-    (halo bytes it sends to its neighbours: each layer's input rows forward, their gradients backward;
-    ring-collective buffer bytes: each compressed layer's entries, all-gathered forward and their
-    gradients reduce-scattered backward, and the CSA indexer's keys, forward only)."""
-    halo = gathered = 0.0
-    if is_v3(cfg):  # no halo; every MLA layer (MTP blocks too) gathers [latent | k_pe], V3.2 its index keys
-        layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
-        gathered = layers * seq_len * b * (2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-                                           + (cfg.index_head_dim if cfg.index_topk else 0))
-        return halo, gathered
-    kinds = (*layer_kinds(cfg), *[cfg.mtp_layer_type] * mtp_blocks(cfg))
-    for kind, n in Counter(kinds).items():
-        lt, m, computes_entries, _ = layer_kind(cfg, kind)
-        halo += n * 2 * b * cfg.hidden_size * sum(shard_halo(cfg, lt))
-        if m and computes_entries:  # V4.1: only KV sources gather entries; the layers after them reuse them
-            gathered += n * 2 * b * cfg.head_dim * (seq_len // m)
-            if lt in (CSA, CSA2):
-                gathered += n * b * cfg.index_head_dim * (seq_len // m)
-    return halo, gathered
-
-
-def tp_traffic(cfg: ModelConfig, layout: Layout, seq_len: int, b: int) -> float:
+def tp_traffic(cfg: AnyConfig, layout: Layout, seq_len: int, b: int) -> float:
     """Ring-collective buffer bytes one TP rank takes part in per micro-batch (see the module docstring: the
     all-gathers and reduce-scatters of [mb x S / cp, hidden] at the compute dtype); 0 without TP."""
     if layout.tp == 1:
         return 0.0
     per_pass = {"none": 8, "selective": 10, "full": 12}[layout.recompute]  # forward 4, backward 4, recompute
-    blocks = cfg.num_hidden_layers // layout.pp + mtp_blocks(cfg)
-    heads = 1 + mtp_blocks(cfg)
+    mtp = terms(cfg).mtp_blocks(cfg)
+    blocks = cfg.num_hidden_layers // layout.pp + mtp
+    heads = 1 + mtp
     buffer = b * layout.micro_batch * (seq_len // layout.cp) * cfg.hidden_size
     return buffer * (blocks * per_pass + 2 * (1 + heads))
 
@@ -197,7 +151,7 @@ def _group_seconds(nbytes: float, group: int, hw: HardwareProfile, span: int = 1
     return nbytes * (group - 1) / group / _bandwidth(group, hw, span)
 
 
-def step_time(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int, hw: HardwareProfile,
+def step_time(cfg: AnyConfig, facts: ModelFacts, layout: Layout, seq_len: int, hw: HardwareProfile,
               assume: TimeAssumptions, b: int) -> StepTime:
     tokens_per_device = layout.micro_batch * seq_len * layout.grad_accum * layout.dp_replicate * layout.dp_shard \
         / layout.devices
@@ -218,18 +172,18 @@ def step_time(cfg: ModelConfig, facts: ModelFacts, layout: Layout, seq_len: int,
     replicate = 2 * _group_seconds(4 * stored / layout.pp / shard, layout.dp_replicate, hw, shard * tp)
     fsdp = gather + reduce + replicate
 
-    layers = _moe_layers(cfg, cfg.num_hidden_layers // layout.pp) + mtp_blocks(cfg)
+    family = terms(cfg)
+    layers = family.moe_layers(cfg, cfg.num_hidden_layers // layout.pp) + family.mtp_blocks(cfg)
     a2a_bytes = 4 * b * layout.micro_batch * seq_len * cfg.num_experts_per_tok * cfg.hidden_size * layers * micro
     ep = _group_seconds(a2a_bytes / layout.cp / tp, layout.ep, hw)
     if facts.engram_tables:  # fp32 rows (and their gradients when trained) and int64 ids, every table
-        cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
-        per_token = len(cfg.engram_layer_ids) * cols * (8 + 4 * cfg.engram_head_dim * (2 if layout.train_engram else 1))
+        per_token = family.table_lookup_bytes(cfg, layout.train_engram)
         passes = 2 if layout.recompute == "full" else 1  # a recomputed block looks its rows up again
         ep += _group_seconds(passes * per_token * layout.micro_batch * seq_len * micro / layout.cp, layout.devices, hw)
     cp = 0.0
     if layout.cp > 1:  # a recompute (selective or full) runs the attention's collectives again
         passes = micro * layout.micro_batch * (1.5 if layout.recompute != "none" else 1)
-        halo, gathered = cp_traffic(cfg, seq_len, b)
+        halo, gathered = family.cp_traffic(cfg, seq_len, b)
         cp = passes * (halo / _bandwidth(layout.cp, hw) + _group_seconds(gathered, layout.cp, hw))
 
     tp_comm = micro * _group_seconds(tp_traffic(cfg, layout, seq_len, b), tp, hw)

@@ -1,4 +1,7 @@
-"""Bytes that autograd keeps for backward in one training forward of trex's DeepSeek-V4.
+"""The planner's memory and time terms of DeepSeek-V4 and V4.1 (the functions trex.models.common.plan_terms
+lists; trex.plan sums them).
+
+Activations: the bytes that autograd keeps for backward in one training forward of trex's DeepSeek-V4.
 
 Derived from the real layer shapes *and* from what ``trex.models.deepseek_v4`` (with the
 reference kernels) actually saves: every term below names the tensor and why it is kept.
@@ -28,36 +31,19 @@ collapse, no HC head. The V4.1 terms are an estimate checked against autograd to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable
 
-from trex.kernels import latent_attention, sparse_mla
 from trex.kernels.sparse_attention import CHUNK_BYTES, DENSE_TOPK_FRACTION
 from trex.models.common.config import HASH_MOE
-from trex.models.common.cross_entropy import head_tiles
+from trex.models.common.plan_terms import F32, I64, LayerActivations, rms_norm
 from trex.models.deepseek_v4.config import CSA, SLIDING, ModelConfig, shard_halo
 from trex.models.deepseek_v4.config_v41 import CSA2, V41Config
-
-F32, I64 = 4, 8
-
-
-@dataclass(frozen=True)
-class LayerActivations:
-    """Saved bytes of one block for one sequence: both mHC sites, attention, MoE."""
-
-    mhc: float
-    attention: float
-    moe: float
-
-    @property
-    def total(self) -> float:
-        return self.mhc + self.attention + self.moe
 
 
 def layer_kinds(cfg: ModelConfig | V41Config) -> list[str]:
     """Each main layer's kind: V4's layer type; for V4.1 ``"csa2/<ratio>"`` (``"/kv"`` for a KV source)
     or the sliding type, with ``"+engram"`` where Engram writes before the block."""
-    if is_v3(cfg):
-        return v3_kinds(cfg)
     if not isinstance(cfg, V41Config):
         return list(cfg.layer_types)
     kinds = []
@@ -81,27 +67,20 @@ def mtp_blocks(cfg: ModelConfig | V41Config) -> int:
     return 0 if isinstance(cfg, V41Config) else cfg.num_nextn_predict_layers
 
 
-def main_blocks(cfg) -> list[tuple[str, str]]:
+def main_blocks(cfg: ModelConfig | V41Config) -> list[tuple[str, str]]:
     """(layer kind, FFN type) of each main layer."""
-    if is_v3(cfg):
-        return [(k, "dense" if k == V3_DENSE else "moe") for k in v3_kinds(cfg)]
     return list(zip(layer_kinds(cfg), cfg.mlp_layer_types))
 
 
-def mtp_kind(cfg) -> str:
+def mtp_kind(cfg: ModelConfig | V41Config) -> str:
     """The layer kind of an MTP block."""
-    return V3_MTP if is_v3(cfg) else cfg.mtp_layer_type
+    return cfg.mtp_layer_type
 
 
-def stream_bytes(cfg, b: int, tp: int = 1) -> float:
-    """Per token, a block's input: all a checkpointed block keeps (V4's hc_mult streams, V3's one; under tensor
-    parallelism a rank keeps its 1 / tp of the rows, sequence parallelism)."""
-    return b * cfg.hidden_size * (1 if is_v3(cfg) else cfg.hc_mult) / tp
-
-
-def _rms_norm(D: int) -> float:
-    """Weighted RMSNorm (reference kernel): fp32 input, rstd, normalised pre-weight value."""
-    return F32 * (2 * D + 1)
+def stream_bytes(cfg: ModelConfig | V41Config, b: int, tp: int = 1) -> float:
+    """Per token, a block's input: all a checkpointed block keeps (the hc_mult streams; ``tp`` is 1: TP is not
+    modelled, tp_split)."""
+    return b * cfg.hidden_size * cfg.hc_mult / tp
 
 
 def mhc_site(cfg: ModelConfig, b: int) -> float:
@@ -143,12 +122,12 @@ def attention(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1) ->
     d, H, c, q, W = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.sliding_window
     rd = cfg.qk_rope_head_dim
     K = max(1, W // 4) + W  # window keys per query block of W/4 (the probabilities keep all K)
-    per_tok = _rms_norm(d)  # attn_norm
-    per_tok += b * d + _rms_norm(q) + b * q  # wq_a input (shared with wkv), q_norm, wq_b input
+    per_tok = rms_norm(d)  # attn_norm
+    per_tok += b * d + rms_norm(q) + b * q  # wq_a input (shared with wkv), q_norm, wq_b input
     lt, _, computes_entries, engram = layer_kind(cfg, layer_type)
     if lt != CSA2:
         per_tok += F32 * (H * c + H)  # unweighted RMSNorm of the heads: fp32 input and rstd (not in V4.1)
-    per_tok += _rms_norm(c)  # kv_norm
+    per_tok += rms_norm(c)  # kv_norm
     per_tok += 3 * F32 * rd  # RoPE of q, kv and the output: each keeps its complex rotation [rd/2]
     per_tok += b * H * c + b * cfg.o_groups * cfg.o_lora_rank  # grouped wo_a input (permuted copy), wo_b input
     # sparse attention (kernels.sparse_attention, hand-written backward): q, kv and the probabilities
@@ -183,14 +162,14 @@ def compressor(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1) -
     lt, m, _, _ = layer_kind(cfg, layer_type)
     c = cfg.head_dim
     if lt == CSA2 and m == 1:  # V4.1's ratio 1: norm(wkv x) per row, then RoPE
-        return (S // cp) * (_rms_norm(c) + F32 * cfg.qk_rope_head_dim)
+        return (S // cp) * (rms_norm(c) + F32 * cfg.qk_rope_head_dim)
     coff = 2 if lt == CSA else 1
     N = S // cp // m
     total = (S // cp + _halo(cfg, layer_type, cp)[1]) * F32 * 2 * coff * c  # kv and gate scores (fp32; linear_fp32 keeps x as it is, shared)
     total += N * m * F32 * 2 * coff * c  # gathered window slots and their softmax weights
     total += N * m * I64 * (2 if lt == CSA else 1)  # slot index (and previous-window index)
     total += N * (1 if lt == CSA else 0)  # previous-window mask (bool)
-    total += N * _rms_norm(c)  # norm of the pooled entries
+    total += N * rms_norm(c)  # norm of the pooled entries
     total += N * F32 * cfg.qk_rope_head_dim  # RoPE of the entries: their complex rotation
     return total
 
@@ -198,7 +177,7 @@ def compressor(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1) -
 def moe(cfg: ModelConfig, mlp_type: str, b: int) -> float:
     """Per token, ffn_norm and the MoE (router, k routed experts, shared expert)."""
     d, E, k, inter = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-    per = _rms_norm(d)  # ffn_norm
+    per = rms_norm(d)  # ffn_norm
     per += b * d  # router and expert input (linear_fp32 keeps it at the compute dtype)
     per += F32 * 2 * E + I64 * k + F32 * (k + 1)  # logits, scores; top-k index; weights and their sum
     per += F32 if mlp_type != HASH_MOE else 0  # balance loss: score sums (and [E] per sequence, in block())
@@ -212,10 +191,7 @@ def moe(cfg: ModelConfig, mlp_type: str, b: int) -> float:
 
 def block(cfg: ModelConfig, layer_type: str, mlp_type: str, S: int, b: int, cp: int = 1,
           tp: int = 1) -> LayerActivations:
-    """One block's saved bytes for one sequence on one of ``cp`` context-parallel and ``tp`` tensor-parallel
-    ranks (tp > 1: the DeepSeek-V3 family only, trex.plan.layout.check_tensor_parallel)."""
-    if is_v3(cfg):
-        return v3_block(cfg, layer_type, S, b, cp, tp)
+    """One block's saved bytes for one sequence on one of ``cp`` context-parallel ranks (``tp`` is 1: tp_split)."""
     balance = F32 * cfg.n_routed_experts if mlp_type != HASH_MOE else 0  # per-sequence expert fractions
     return LayerActivations(mhc=2 * mhc_site(cfg, b) * (S // cp), attention=attention(cfg, layer_type, S, b, cp),
                             moe=moe(cfg, mlp_type, b) * (S // cp) + balance)
@@ -228,8 +204,6 @@ def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: in
     entries (HCA, and CSA whose top-k covers half of them) the probabilities as one matmul operand;
     for gathered top-k, one query chunk's stacked [2H] operands and [T, k, c] per-pick gradients).
     Checked end to end by the full-recompute cases of tests/test_plan_memory_cpu.py, where it shows."""
-    if is_v3(cfg):
-        return v3_backward_workspace(cfg, S, b, cp, tp)
     n, d, H, c = cfg.hc_mult, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     total = 2 * F32 * n * d * (S // cp)
     if layer_kind(cfg, layer_type)[0] != SLIDING:
@@ -246,8 +220,6 @@ def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: in
 
 def weight_copies(cfg: ModelConfig, layer_type: str, b: int) -> float:
     """fp32 copies of weights that one block keeps at bf16 (0 at fp32, where .float() is free)."""
-    if is_v3(cfg):
-        return v3_weight_copies(cfg, layer_type, b)
     if b == F32:
         return 0.0
     n, d, c = cfg.hc_mult, cfg.hidden_size, cfg.head_dim
@@ -266,24 +238,12 @@ def head(cfg: ModelConfig, b: int) -> float:
     hc_head = F32 * (2 * n * d + 1 + 3 * n) + cp * n * d
     if isinstance(cfg, V41Config):  # single-pass mHC: the streams collapse with the last block's pre
         hc_head = b * n * d + F32 * n
-    return hc_head + _rms_norm(d) + b * d + F32 + I64 + 1  # ...; target index and its valid mask
-
-
-def head_backward_workspace(cfg: ModelConfig, tokens: int, tp: int = 1) -> float:
-    """Transient bytes of one fused head + loss backward (cross_entropy.head_nll) over ``tokens``:
-    one tile's fp32 logits, the fp32 hidden-state gradient, the head weight's fp32 copy and its
-    fp32 gradient. Under tensor parallelism (vocabulary-parallel head and loss) a rank holds V / tp of the
-    vocabulary of every token of the group."""
-    V, d = cfg.vocab_size // tp, cfg.hidden_size
-    block, rows = head_tiles(tokens, V)
-    return F32 * (block * rows + tokens * d + 2 * V * d)
+    return hc_head + rms_norm(d) + b * d + F32 + I64 + 1  # ...; target index and its valid mask
 
 
 def model_level(cfg: ModelConfig, S: int, b: int, heads: bool = True, tp: int = 1) -> float:
     """Per-sequence bytes outside the blocks: ids, document ids, heads, MTP inputs, weight copies.
     ``heads=False``: what is left once the heads and MTP modules are back-propagated."""
-    if is_v3(cfg):
-        return v3_model_level(cfg, S, b, heads, tp)
     n, d = cfg.hc_mult, cfg.hidden_size
     cp = 0 if b == F32 else F32
     mtp = mtp_blocks(cfg)
@@ -291,7 +251,7 @@ def model_level(cfg: ModelConfig, S: int, b: int, heads: bool = True, tp: int = 
     per_tok += I64  # document ids (sparse attention rebuilds its window masks from them in backward)
     if heads:
         per_tok += head(cfg, b) * (1 + mtp)
-        per_tok += mtp * (_rms_norm(d) + b * d)  # enorm, e_proj input
+        per_tok += mtp * (rms_norm(d) + b * d)  # enorm, e_proj input
         per_tok += mtp * (cp * n * d + F32 * (n * d + n) + b * n * d)  # hnorm (input copy at bf16), h_proj input
     copies = 0.0
     if b != F32 and heads:  # the heads' fp32 weight copies
@@ -299,156 +259,69 @@ def model_level(cfg: ModelConfig, S: int, b: int, heads: bool = True, tp: int = 
     return per_tok * S + copies
 
 
-def forward_saved(cfg: ModelConfig, S: int, b: int) -> float:
-    """Everything autograd keeps for one sequence of S tokens (the whole model, MTP included)."""
-    total = model_level(cfg, S, b)
-    for lt, mt in main_blocks(cfg):
-        total += block(cfg, lt, mt, S, b).total + weight_copies(cfg, lt, b)
-    for _ in range(mtp_blocks(cfg)):
-        total += block(cfg, mtp_kind(cfg), "moe", S, b).total + weight_copies(cfg, mtp_kind(cfg), b)
-    return total
+# ---- time, facts, notes ------------------------------------------------------------------------------------
+
+def moe_layers(cfg: ModelConfig | V41Config, layers: int) -> int:
+    """MoE layers among ``layers`` main layers: every layer (hash-routed ones too)."""
+    return min(layers, cfg.num_hidden_layers)
 
 
-# ---- the DeepSeek-V3 family (trex.models.deepseek_v3) ---------------------------------------------
-# MLA in its MHA form over a plain residual stream at the compute dtype (no mHC), a dense SwiGLU MLP in
-# the first first_k_dense_replace layers and the MoE (sigmoid router, group-limited top-k) after, an MTP
-# block fed eh_proj([enorm(next embedding), hnorm(h)]). The attention core is counted as the kernel
-# registry's reference for ``dense_attention`` (plain PyTorch over [B, H, S, S] scores), which saves the
-# fp32 probabilities (and their compute-dtype cast) and the [S, S] document-causal mask: quadratic in S,
-# per layer. The fused default (SDPA) keeps a logsumexp instead of the probabilities, so this is an upper
-# bound on what a run saves; modelling the fused path exactly is left to do (docs/planning.md). Under context
-# parallelism (cp > 1) the dense core is ``latent_attention``'s, counted as it saves (no [S, S] terms; checked
-# against autograd on tiny-v3 as rank 1 of 2, tests/test_plan_v3.py).
-# V3.2's attention is its sparse MLA as trex's gathered kernel saves it (the absorbed form, the top-k picks;
-# nothing [S, S]; equal to autograd on tiny-v3.2, tests/test_plan_activations.py). Layer kinds: "mla/dense",
-# "mla/moe" and "mla/mtp" (an MTP block's extra norms and eh_proj input). Checked against autograd on
-# tiny-v3 (tests/test_plan_activations.py).
-V3_DENSE, V3_MOE, V3_MTP = "mla/dense", "mla/moe", "mla/mtp"
+def dense_ffn_flops(cfg: ModelConfig | V41Config) -> int:
+    """Forward FLOPs per token of dense FFN layers: none, every layer is MoE."""
+    return 0
 
 
-def is_v3(cfg) -> bool:
-    return getattr(cfg, "architecture", None) == "deepseek_v3"
+def busiest_shard_flops(cfg: ModelConfig | V41Config, seq_len: int, cp: int, total: Callable[[int], float]) -> float:
+    """Training FLOPs per token of the last of ``cp`` contiguous shards, whose queries see the most compressed
+    entries (HCA attention and the CSA indexer's scores grow with the position): the mean over its positions
+    (``total(S)`` is the mean over positions 0..S-1, so a sum over positions is S times it)."""
+    before = seq_len - seq_len // cp
+    return (seq_len * total(seq_len) - before * total(before)) / (seq_len - before)
 
 
-def v3_attention(cfg, S: int, b: int, cp: int = 1, tp: int = 1) -> float:
-    """One sequence of S tokens through attn_norm and MLA, on one of ``cp`` context-parallel ranks (its s = S / cp
-    rows). At cp > 1 the dense MLA runs the kernel op ``latent_attention`` (trex.kernels.latent_attention: keys
-    and values expanded a chunk at a time and again in backward): it keeps the gathered [S, kv_lora_rank +
-    qk_rope_head_dim] latent and k_pe and the rows' document ids, and of its own rows q, the output (wo's input
-    is a view of it) and the fp32 log-sum-exp per head, nothing quadratic. V3.2 (any cp) runs its sparse MLA in
-    the absorbed form, the op ``sparse_mla``'s gathered kernel (trex.kernels.sparse_mla; trex.models.deepseek_v3.dsa):
-    of its own rows the rotated q, the absorbed q, the latent output, a log-sum-exp, wo's input and the top-k
-    picks; the whole rows' [latent | k_pe]; nothing quadratic (checked against autograd on tiny-v3.2,
-    tests/test_plan_activations.py). The kernel's mask form, which it takes only when the picks are a quarter
-    of the keys and its [s, H, S] scores fit 64 MiB (tiny cases), is not modelled.
-    Under tensor parallelism (``tp``, Megatron's / torchtitan's MLA plan) a rank keeps 1 / tp of the rows' attn_norm
-    (sequence parallel) and its H / tp heads' terms; the all-gathered norm output, the down projections' latents
-    and their norms (replicated: every TP rank computes them on every row) whole."""
-    d, H, q, kv, rd = cfg.hidden_size, cfg.num_attention_heads // tp, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    qk, nope, dv = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
-    s = S // cp
-    per_tok = _rms_norm(d) / tp + b * d  # attn_norm (sequence parallel); wq_a / wkv_a input (one tensor)
-    if q:
-        per_tok += _rms_norm(q) + b * q  # q_norm, wq_b input
-    per_tok += 2 * F32 * rd  # RoPE of q and k_pe: each keeps its complex rotation [rd/2]
-    # kv_norm: its fp32 input (at fp32 the split view keeps wkv_a's whole [latent | k_pe] output), rstd,
-    # normalised latent
-    per_tok += F32 * (kv + rd if b == F32 else kv) + F32 * (kv + 1)
-    if cfg.index_topk:  # V3.2: the gathered sparse MLA in the absorbed form (kernels.sparse_mla, the default)
-        k = min(cfg.index_topk, S)
-        # the rotated q (the absorption's input), q_abs, the latent output (the value lift's input too), the
-        # fp32 logsumexp, wo's input; the picks and their valid mask
-        per_q = b * H * qk + b * H * (kv + rd) + b * H * kv + F32 * H + b * H * dv + (I64 + 1) * k
-        return (per_tok + per_q) * s + b * (kv + rd) * S  # the whole rows' [latent | k_pe]
-    if cp > 1:  # latent_attention: q, the output, the log-sum-exp; the gathered latent,
-        return (per_tok + b * H * (qk + dv) + F32 * H) * s + (b * (kv + rd) + I64) * S  # the rows' document ids
-    per_tok += F32 * H * qk  # q as the fp32 operand of the scores (scores_fp32)
-    per_tok += b * H * dv  # wo input
-    # per key row: wkv_b's input (at cp > 1 a view of the gathered [latent | k_pe]); k as the fp32 operand of the
-    # scores; v, a view of wkv_b's output, which it keeps whole
-    per_key = b * (kv if cp == 1 else kv + rd) + F32 * H * qk + b * H * (nope + dv)
-    per_seq = s * S * (1 + H * (F32 + (b if b != F32 else 0)))  # mask; fp32 probabilities and their cast
-    return per_tok * s + per_key * S + per_seq
+def cp_traffic(cfg: ModelConfig | V41Config, seq_len: int, b: int) -> tuple[float, float]:
+    """Context-parallel bytes per sequence row and pass (forward and backward), for one rank:
+    (halo bytes it sends to its neighbours: each layer's input rows forward, their gradients backward;
+    ring-collective buffer bytes: each compressed layer's entries, all-gathered forward and their
+    gradients reduce-scattered backward, and the CSA indexer's keys, forward only)."""
+    halo = gathered = 0.0
+    kinds = (*layer_kinds(cfg), *[cfg.mtp_layer_type] * mtp_blocks(cfg))
+    for kind, n in Counter(kinds).items():
+        lt, m, computes_entries, _ = layer_kind(cfg, kind)
+        halo += n * 2 * b * cfg.hidden_size * sum(shard_halo(cfg, lt))
+        if m and computes_entries:  # V4.1: only KV sources gather entries; the layers after them reuse them
+            gathered += n * 2 * b * cfg.head_dim * (seq_len // m)
+            if lt in (CSA, CSA2):
+                gathered += n * b * cfg.index_head_dim * (seq_len // m)
+    return halo, gathered
 
 
-def v3_ffn(cfg, moe_layer: bool, b: int, tp: int = 1) -> float:
-    """Per token, ffn_norm and the dense SwiGLU MLP or the MoE (router, k routed experts, shared experts).
-    Under tensor parallelism (``tp``): ffn_norm over 1 / tp of the rows (sequence parallel), its all-gathered output
-    and the router's terms whole (every TP rank routes every row), the dense MLP's and shared experts' widths
-    / tp, the routed copies of 1 / tp of the rows (each TP rank dispatches its share: torchtitan's
-    ReordererSequenceParallel)."""
-    d = cfg.hidden_size
-    per = _rms_norm(d) / tp + b * d  # ffn_norm; the FFN's input
-    if not moe_layer:
-        return per + (3 * F32 + b) * cfg.intermediate_size / tp  # gate, up, silu(gate) in fp32; w2 input
-    E, k, inter, g = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.n_group
-    per += F32 * E  # sigmoid scores
-    if g > 1:  # group limit: each group's top-2 index, the groups' top-k index, the kept-group mask
-        per += I64 * 2 * g + I64 * cfg.topk_group + g
-    per += I64 * k + F32 * (k + 1)  # top-k index; gathered weights and their sum
-    per += F32  # balance loss: score sums
-    routed = 2 * I64 * k + b * d * k  # sort order and token index of the k copies; permuted inputs
-    routed += ((4 * F32 + b) * inter + F32) * k  # gate, up, silu, h (fp32), w2 input; row weight
-    routed += F32 * d * k  # expert outputs as the fp32 copies the combine sums
-    per += routed / tp
-    per += (3 * F32 + b) * inter * cfg.n_shared_experts / tp
-    return per
+def tp_split(cfg: ModelConfig | V41Config) -> dict[str, int]:
+    """Tensor parallelism is not modelled for V4 and V4.1."""
+    raise NotImplementedError("tensor parallelism is planned for the DeepSeek-V3 family only (V4's mHC, compressor "
+                              "and grouped output projection under TP are not modelled yet)")
 
 
-def v3_block(cfg, kind: str, S: int, b: int, cp: int = 1, tp: int = 1) -> LayerActivations:
-    moe_layer = kind != V3_DENSE
-    s = S // cp
-    per_seq = (4 * cfg.n_routed_experts + 2 * F32 * cfg.n_routed_experts) if moe_layer else 0  # offsets; balance
-    d = cfg.hidden_size
-    # enorm, hnorm (at fp32 its input is the previous head's input, saved already), eh_proj input [2d]; the
-    # module's final norm
-    # (under TP: the norms over 1 / tp of the rows, eh_proj's all-gathered input whole)
-    mtp = ((3 * _rms_norm(d) - (F32 * d if b == F32 else 0)) / tp + 2 * b * d) * s if kind == V3_MTP else 0.0
-    return LayerActivations(mhc=0.0, attention=v3_attention(cfg, S, b, cp, tp) + mtp,
-                            moe=v3_ffn(cfg, moe_layer, b, tp) * s + per_seq)
+def table_reads(cfg: ModelConfig | V41Config) -> int:
+    """Elements of V4.1's Engram tables one token reads: (max_ngram - 1) x heads rows of each table (0 for V4)."""
+    if not isinstance(cfg, V41Config):
+        return 0
+    return len(cfg.engram_layer_ids) * (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim
 
 
-def v3_weight_copies(cfg, kind: str, b: int) -> float:
-    """fp32 copies of the RMSNorm weights one block keeps at bf16 (0 at fp32)."""
-    if b == F32:
-        return 0.0
-    d = cfg.hidden_size
-    return F32 * (2 * d + cfg.q_lora_rank + cfg.kv_lora_rank + (3 * d if kind == V3_MTP else 0))
+def table_lookup_bytes(cfg: ModelConfig | V41Config, trained: bool) -> int:
+    """Bytes per token of V4.1's Engram lookup over every rank: per table its int64 row ids and fp32 rows there
+    and back, and the rows' fp32 gradients back when the tables train (0 for V4)."""
+    if not isinstance(cfg, V41Config):
+        return 0
+    cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+    return len(cfg.engram_layer_ids) * cols * (8 + 4 * cfg.engram_head_dim * (2 if trained else 1))
 
 
-def v3_model_level(cfg, S: int, b: int, heads: bool = True, tp: int = 1) -> float:
-    """Per-sequence bytes outside the blocks: token ids, the final norm, each head's input and loss terms. Under
-    tensor parallelism the final norm over 1 / tp of the rows (sequence parallel), the vocabulary-parallel heads'
-    all-gathered inputs and the loss terms of every row whole."""
-    heads_n = 1 + cfg.num_nextn_predict_layers
-    total = I64 * heads_n * S  # ids for the embeddings (main and each MTP module's tokens ahead)
-    if heads:
-        d = cfg.hidden_size
-        total += (_rms_norm(d) / tp + heads_n * (b * d + F32 + I64 + 1)) * S + 8 * heads_n  # norm; head input, lse, target
-        total += F32 * d if b != F32 else 0.0
-    return total
+def counted_model(cfg: ModelConfig | V41Config) -> tuple[ModelConfig | V41Config, int, int]:
+    """The model built on meta is counted as it is: nothing added."""
+    return cfg, 0, 0
 
 
-def v3_backward_workspace(cfg, S: int, b: int, cp: int = 1, tp: int = 1) -> float:
-    """Transient bytes while one V3 block runs backward on one of ``cp`` ranks: the gradients of its output and
-    input streams (its s = S / cp rows), and the attention core's: [H, s, S] gradients (of the probabilities
-    at the compute dtype, of the fp32 scores through softmax and the mask); at cp > 1 for the dense MLA
-    ``latent_attention``'s fp32 dq, the gathered latent's and k_pe's fp32 gradients and three fp32
-    [H, tile, chunk] tiles (the scores turned probabilities in place, a matmul's output, dP turned dS); for
-    V3.2's gathered sparse MLA its dq, the fp32 gradient of the whole rows' [latent | k_pe] it scatter-adds into
-    and one query chunk's transients (at most sparse_mla.CHUNK_BYTES). Under tensor parallelism: the streams
-    of 1 / tp of the rows, H / tp heads. An estimate, not measured."""
-    H, s = cfg.num_attention_heads // tp, S // cp
-    streams = 2 * b * cfg.hidden_size * s / tp
-    if cfg.index_topk:
-        c, k = cfg.kv_lora_rank + cfg.qk_rope_head_dim, min(cfg.index_topk, S)
-        chunk = min(sparse_mla.CHUNK_BYTES, s * k * (c * (b + 8) + 16 * H))
-        return streams + b * s * H * c + F32 * (S * c + s * H) + chunk
-    if cp > 1:
-        tile = min(latent_attention.TILE, s) * min(latent_attention.CHUNK, S)
-        return streams + F32 * (H * cfg.qk_head_dim * s + (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * S + 3 * H * tile)
-    return streams + (2 * F32 + b) * H * s * S
-
-
-def v3_kinds(cfg) -> list[str]:
-    return [V3_DENSE if i < cfg.first_k_dense_replace else V3_MOE for i in range(cfg.num_hidden_layers)]
+def notes(cfg: ModelConfig | V41Config) -> list[str]:
+    return []
