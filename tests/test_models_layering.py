@@ -219,9 +219,6 @@ def test_the_check_sees_an_import_through_a_family(tmp_path):
 
 
 SRC = os.path.dirname(MODELS)
-# packages outside trex.models that still import a family's modules, moving to the Architecture interface
-# (trex.models.common.architecture); each one's case below passes once it no longer does
-MOVING = {"checkpoint", "parallel", "profile", "train"}
 
 
 def family_imports(paths: list[str]) -> list[str]:
@@ -258,9 +255,7 @@ def outside_packages() -> dict[str, list[str]]:
     return found
 
 
-@pytest.mark.parametrize("package", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="moving to the Architecture interface"))
-    if p in MOVING else p for p in sorted(outside_packages())])
+@pytest.mark.parametrize("package", sorted(outside_packages()))
 def test_code_outside_the_models_imports_no_family(package):
     """Generic code reaches a family only through its Architecture (trex.models.registry); it imports the shared
     parts and the registry, never a family's package: a new family adds its package and one registry line."""
