@@ -50,6 +50,11 @@ SPLIT_RULES = {
     "deepseek_v3": "trex.models.deepseek_v3.config",
 }
 
+# a config's ``architecture`` -> the module of its tensor-parallel plan (``TP_PLAN``: trex.parallel.tensor_parallel)
+TP_PLANS = {
+    "deepseek_v3": "trex.models.deepseek_v3.tp_plan",
+}
+
 
 def get_preset(name: str) -> AnyConfig:
     """A preset's config, of any architecture (PRESETS: DeepSeek-V4's, V4.1's and the V3 family's)."""

@@ -432,7 +432,7 @@ def _run_steps(r: _Run) -> None:
                 imbalance = {f"expert_imbalance/{k}": v.max() / v.mean().clamp(min=1e-9) for k, v in out.loads.items()}
                 result = out.result
                 if result.indexer_loss is not None:  # a rank's mean -> the mean over ranks
-                    result.metrics["indexer_loss"] = r.par.all_reduce_sum(result.indexer_loss) / r.par.world_size
+                    result.metrics["indexer_loss"] = r.par.all_reduce_sum(result.indexer_loss) / r.par.summed_ranks
                 read = read_scalars({"loss": result.loss, **result.metrics, "grad_norm": out.grad_norm,
                                      "tokens": result.tokens, "loss_ok": out.finite[0], "norm_ok": out.finite[1],
                                      **imbalance})  # the step's one host read: it waits for the step to finish
