@@ -58,3 +58,16 @@ def test_deepseek_v3_at_tp2_gives_the_losses_and_gradients_of_one_process(tmp_pa
     _assert_as_one_process(reference_v3, got)
     worst = max((got["grads"][n] - g).abs().max().item() for n, g in reference_v3["grads"].items())
     assert (got["loss"] - reference_v3["loss"]).abs().max() <= 1e-5 and worst <= 1e-5
+
+
+@pytest.mark.slow
+def test_deepseek_v32_at_tp2_gives_the_losses_and_gradients_of_one_process(tmp_path):
+    """tiny-v3.2 at tp = 2, the indexer's KL trained (the sparse stage): sparse MLA by heads over the replicated
+    indexer's picks, and the KL's target, the main attention averaged over every head of the group (each rank
+    averages its own heads, the group's mean through ``head_split``). The indexer's gradients are small (3e-6):
+    the relative check of ``_assert_as_one_process`` is what sees a target averaged over one rank's heads only
+    (then 50% off)."""
+    worker.step(str(tmp_path / "one.pt"), v3=2)
+    one = torch.load(tmp_path / "one.pt")
+    assert any(".attn.indexer." in name for name in one["grads"])
+    _assert_as_one_process(one, _run_worker(tmp_path, 2, 1, 1, 1, 0, v3=2, tp=2))

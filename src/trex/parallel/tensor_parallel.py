@@ -16,7 +16,8 @@ Styles:
                     cross-entropy (trex.models.common.cross_entropy.head_nll);
 ``enter:METHOD``    the tensors the module's METHOD returns enter the region (replicated values every head
                     reads, such as MLA's latent, where no linear of their own takes them in);
-``heads:ATTR``      the module's integer ATTR (its head count) divided by tp: it reshapes by this rank's heads.
+``heads:ATTR``      the module's integer ATTR (its head count) divided by tp: it reshapes by this rank's heads;
+                    its ``head_split`` (trex.models.common.context.HeadSplit) averages a statistic over all heads.
 
 The parameters become DTensors on the tp mesh with their global shapes and names (checkpoints reshard across
 layouts; FSDP2 shards them again over the data-parallel mesh, 2-D). While a block's part runs (the block's child
@@ -97,6 +98,10 @@ class TensorParallelSlice:
         whole = funcol.all_gather_tensor_autograd(logits.movedim(-1, 0).contiguous(), 0, self.group)
         return funcol.wait_tensor(whole).movedim(0, -1)
 
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        """``HeadSplit.mean``: the group's mean of each rank's per-head mean (equal head counts)."""
+        return self.all_reduce_sum(x.clone()).div_(self.size)
+
     def enter(self, x):
         return _Enter.apply(x, self.group) if isinstance(x, torch.Tensor) and x.requires_grad else x
 
@@ -167,13 +172,14 @@ def check_divisible(model: Model, tp: int) -> None:
         for style in styles:
             kind, _, attr = style.partition(":")
             if kind == "heads":
-                n, what = getattr(module, attr), f"{attr.replace('n_', '')} {getattr(module, attr)}"
+                n, name = getattr(module, attr), attr.replace("n_", "")
             elif kind in ("colwise", "colwise_within", "vocab"):
-                n, what = module.weight.shape[0], f"{'vocabulary' if kind == 'vocab' else 'rows'} {module.weight.shape[0]}"
+                n, name = module.weight.shape[0], "vocabulary" if kind == "vocab" else "rows"
             elif kind == "rowwise":
-                n, what = module.weight.shape[1], f"columns {module.weight.shape[1]}"
+                n, name = module.weight.shape[1], "columns"
             else:
                 continue
+            what = f"{name} {n}"
             if n % tp:
                 bad.setdefault(what, path)
     if bad:
@@ -229,6 +235,7 @@ def apply_tensor_parallel(model: Model, tp_mesh: DeviceMesh) -> None:
                 _enter_outputs(module, arg, slice_)
             elif kind == "heads":
                 setattr(module, arg, getattr(module, arg) // tp)
+                module.head_split = slice_
             if kind in ("colwise", "colwise_within", "rowwise", "vocab"):
                 unit = _unit_of(path, blocks)
                 units[unit] = model.get_submodule(unit)
