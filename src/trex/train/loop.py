@@ -325,7 +325,7 @@ def _set_up(recipe: TrainRecipe, model: Model | None, tokenizer: Tokenizer | Non
     dev.set_current()
     kernels.prepare(dev.type)  # the fast paths' probes, before step 1
     par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev,
-                        trace_dir=os.path.join(cfg_train.out, "flight_recorder"), cp=layout.cp)
+                        trace_dir=os.path.join(cfg_train.out, "flight_recorder"), cp=layout.cp, tp=layout.tp)
     heartbeat.start()
     dev.manual_seed(cfg_train.seed)  # the same on every rank: identical initial weights
     compile_backend = cfg_train.compile_with(dev)
@@ -593,5 +593,6 @@ def _summary(r: _Run, wall_time_s: float) -> dict:
         "peak_flops_source": r.peak_source,
         **({"drafter": r.refit.summary()} if r.refit is not None else {}),
         "parallel": {"world_size": r.par.world_size, "dp_replicate": r.par.dp_replicate, "dp_shard": r.par.dp_shard,
-                     "ep": r.par.ep, "cp": r.par.cp, "activation_checkpointing": layout.activation_checkpointing},
+                     "ep": r.par.ep, "cp": r.par.cp, "tp": r.par.tp,
+                     "activation_checkpointing": layout.activation_checkpointing},
     }
