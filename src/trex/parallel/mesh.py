@@ -84,6 +84,9 @@ class Parallel:
     cp: int = 1
     mesh: DeviceMesh | None = None
     tp: int = 1
+    summed_group: dist.ProcessGroup | None = None
+    """The process group ``all_reduce_sum`` reduces over when tp > 1 (the "summed" mesh dimension's, made once:
+    slicing a mesh reads its coordinates on the host); None: every rank."""
 
     @property
     def data_rank(self) -> int:
@@ -150,8 +153,7 @@ class Parallel:
         """Sum ``tensor`` in place over the ranks (over ``summed_ranks``: a tensor-parallel group's ranks hold
         the same value, each group adds it once)."""
         if self.distributed:
-            group = self._sliced("summed").get_group() if self.tp > 1 else None
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.summed_group)
         return tensor
 
 
@@ -213,7 +215,10 @@ def init_parallel(dp_replicate: int, dp_shard: int, ep: int, timeout_s: int,
     mesh["efsdp", "cp"]._flatten("efsdp_cp")
     mesh["dp_replicate", "efsdp", "ep", "cp"]._flatten("summed")
     mesh["dp_replicate", "efsdp", "ep", "cp", "tp"]._flatten("world")
-    return Parallel(dist.get_rank(), world_size, replicate, shard, ep, cp, mesh, tp)
+    par = Parallel(dist.get_rank(), world_size, replicate, shard, ep, cp, mesh, tp)
+    if tp > 1:
+        par.summed_group = par._sliced("summed").get_group()
+    return par
 
 
 def shutdown_distributed() -> None:
