@@ -30,7 +30,7 @@ from trex.parallel.context_parallel import apply_context_parallel
 from trex.parallel.engram import shard_engram_tables
 from trex.parallel.expert_parallel import shard_experts
 from trex.parallel.mesh import Parallel
-from trex.parallel.tensor_parallel import apply_tensor_parallel
+from trex.parallel.tensor_parallel import apply_tensor_parallel, local_view_of
 from trex.precision import PrecisionPolicy
 
 
@@ -107,11 +107,12 @@ def _recompute(module: nn.Module, block: nn.Module) -> None:
     """Recompute ``module`` (inside ``block``)'s forward during backward instead of keeping its activations.
 
     Wraps the instance's forward, so parameter names (and checkpoints) do not change. The
-    recomputation enters ``block``'s compute cast, if it has one (one process, low precision)."""
+    recomputation enters ``block``'s compute cast, if it has one (one process, low precision), and its
+    tensor-parallel local view (trex.parallel.tensor_parallel.LocalView), as the block's hooks did in forward."""
     forward = module.forward
 
     def run(*args, **kwargs):
-        with _cast_of(block):
+        with _cast_of(block), local_view_of(block):
             return forward(*args, **kwargs)
 
     @functools.wraps(forward)

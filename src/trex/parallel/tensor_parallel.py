@@ -20,20 +20,20 @@ Styles:
                     its ``head_split`` (trex.models.common.context.HeadSplit) averages a statistic over all heads.
 
 The parameters become DTensors on the tp mesh with their global shapes and names (checkpoints reshard across
-layouts; FSDP2 shards them again over the data-parallel mesh, 2-D). While a block's part runs (the block's child
-that holds split parameters: its attention, its FFN), those parameters are seen as their local shards
-(``LocalView``), so the model's own forward, and any direct read of a weight (MLA's absorbed forms), computes on
-this rank's slice with plain tensors. The collectives are differentiable all-reduces; none reads the host.
+layouts; FSDP2 shards them again over the data-parallel mesh, 2-D). While a block runs (and the root, for the
+embedding and head), those parameters are seen as their local shards (``LocalView``), so the model's own
+forward, and any direct read of a weight (MLA's absorbed forms), computes on this rank's slice with plain
+tensors, and a compiled block traces no DTensor. The collectives are differentiable all-reduces; none reads the host.
 Everything else (norms, routers, routed experts, MLA's down projections, V3.2's indexer) is replicated: each
 rank of the group computes it on the same inputs, so their gradients are whole on every rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -43,6 +43,11 @@ from trex.models.common.heads import Model
 from trex.models.registry import TP_PLANS
 
 STYLES = ("colwise", "colwise_within", "rowwise", "vocab", "enter", "heads")
+
+
+def _all_reduce(x: torch.Tensor, op: str, group) -> torch.Tensor:
+    """The group's sum (or max) of x, a new tensor (functional collectives: traceable by torch.compile)."""
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, group))
 
 
 class _Enter(torch.autograd.Function):
@@ -55,9 +60,7 @@ class _Enter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _all_reduce(grad, "sum", ctx.group), None
 
 
 class _Leave(torch.autograd.Function):
@@ -65,9 +68,7 @@ class _Leave(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
+        return _all_reduce(x, "sum", group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -83,12 +84,10 @@ class TensorParallelSlice:
         self.start = vocab // self.size * self.rank
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return t
+        return _all_reduce(t, "max", self.group)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t, group=self.group)
-        return t
+        return _all_reduce(t, "sum", self.group)
 
     def local(self, weight: torch.Tensor) -> torch.Tensor:
         return weight.to_local() if isinstance(weight, DTensor) else weight
@@ -100,7 +99,7 @@ class TensorParallelSlice:
 
     def mean(self, x: torch.Tensor) -> torch.Tensor:
         """``HeadSplit.mean``: the group's mean of each rank's per-head mean (equal head counts)."""
-        return self.all_reduce_sum(x.clone()).div_(self.size)
+        return self.all_reduce_sum(x) / self.size
 
     def enter(self, x):
         return _Enter.apply(x, self.group) if isinstance(x, torch.Tensor) and x.requires_grad else x
@@ -109,32 +108,48 @@ class TensorParallelSlice:
         return _Leave.apply(x, self.group)
 
 
-class LocalView:
-    """While ``unit``'s forward runs, its split (DTensor) parameters are seen as their local shards: differentiable
-    views (``to_local``) whose gradients reach the DTensor parameters. Entering again while entered does nothing
-    (activation checkpointing's recompute sees the same views)."""
+_VIEW = "_trex_local_view"
 
-    def __init__(self, unit: nn.Module):
-        self.slots = [(m, name) for m in unit.modules() for name, p in m.named_parameters(recurse=False)
-                      if isinstance(p, DTensor)]
+
+class LocalView:
+    """While ``unit``'s forward runs (each block, and the root for what lies outside blocks), the split (DTensor)
+    parameters under it (minus those under ``skip``) are seen as their local shards: differentiable views
+    (``to_local``) whose gradients reach the DTensor parameters. The hooks run outside a block's compiled
+    forward (torch.compile sees plain tensors) and after FSDP2's gather (which its pre-forward hook runs first).
+    Entering again while entered does nothing; activation checkpointing's recompute, which calls the block's
+    forward without its hooks, enters it (``local_view_of``)."""
+
+    def __init__(self, unit: nn.Module, skip: tuple[nn.Module, ...] = ()):
+        skipped = {id(m) for s in skip for m in s.modules()}
+        self.slots = [(m, name) for m in unit.modules() if id(m) not in skipped
+                      for name, p in m.named_parameters(recurse=False) if isinstance(p, DTensor)]
         self.saved: list[nn.Parameter] = []
         self.depth = 0
-        unit.register_forward_pre_hook(lambda *_: self.enter())
-        unit.register_forward_hook(lambda *_: self.exit(), always_call=True)
+        unit.register_forward_pre_hook(lambda *_: self.__enter__() and None)  # None: the arguments unchanged
+        unit.register_forward_hook(lambda *_: self.__exit__(), always_call=True)
+        unit.__dict__[_VIEW] = self
 
-    def enter(self) -> None:
+    def __enter__(self) -> "LocalView":
         if self.depth == 0:
             self.saved = [m._parameters[name] for m, name in self.slots]  # FSDP2's unsharded ones, if sharded
             for (m, name), p in zip(self.slots, self.saved):
                 m._parameters[name] = p.to_local()
         self.depth += 1
+        return self
 
-    def exit(self) -> None:
+    def __exit__(self, *_) -> None:
         self.depth -= 1
         if self.depth == 0:
             for (m, name), p in zip(self.slots, self.saved):
                 m._parameters[name] = p
             self.saved = []
+
+
+def local_view_of(unit: nn.Module) -> contextlib.AbstractContextManager:
+    """The unit's ``LocalView`` for an eager recompute; a no-op context without tensor parallelism, and inside a
+    compiled block (its graph took the local shards as inputs from the hooks, and recomputes from them)."""
+    view = unit.__dict__.get(_VIEW)
+    return view if view is not None and not torch.compiler.is_compiling() else contextlib.nullcontext()
 
 
 def tp_plan(model: Model) -> dict[str, tuple[str, ...]]:
@@ -193,16 +208,6 @@ def _split(module: nn.Module, dim: int, mesh: DeviceMesh) -> None:
                                  requires_grad=full.requires_grad)
 
 
-def _unit_of(path: str, blocks: set[str]) -> str:
-    """The module whose forward sees ``path``'s split weights as local shards: the block's child that holds it
-    (a block's attention reads its linears' weights directly), else the module itself."""
-    parts = path.split(".")
-    for i in range(1, len(parts)):
-        if ".".join(parts[:i]) in blocks:
-            return ".".join(parts[:i + 1])
-    return path
-
-
 def apply_tensor_parallel(model: Model, tp_mesh: DeviceMesh) -> None:
     """Split ``model`` over ``tp_mesh`` by its family's plan (module docstring); a no-op for a group of one. The
     model's parameters must be the same on every rank of the group (each keeps its slice, no communication)."""
@@ -212,9 +217,6 @@ def apply_tensor_parallel(model: Model, tp_mesh: DeviceMesh) -> None:
     check_divisible(model, tp)
     modules = planned_modules(model, tp_plan(model))
     slice_ = TensorParallelSlice(tp_mesh, model.cfg.vocab_size)
-    names = {id(m): n for n, m in model.named_modules()}
-    blocks = {names[id(b)] for b in (*model.layers, *getattr(model, "mtp", ()))}
-    units: dict[str, nn.Module] = {}
     for path, (module, styles) in modules.items():
         for style in styles:
             kind, _, arg = style.partition(":")
@@ -236,11 +238,9 @@ def apply_tensor_parallel(model: Model, tp_mesh: DeviceMesh) -> None:
             elif kind == "heads":
                 setattr(module, arg, getattr(module, arg) // tp)
                 module.head_split = slice_
-            if kind in ("colwise", "colwise_within", "rowwise", "vocab"):
-                unit = _unit_of(path, blocks)
-                units[unit] = model.get_submodule(unit)
-    for unit in units.values():
-        LocalView(unit)
+    blocks = (*model.layers, *getattr(model, "mtp", ()))
+    for unit in (model, *blocks):
+        LocalView(unit, skip=blocks if unit is model else ())
 
 
 def _vocab_embedding(module: nn.Embedding, slice_: TensorParallelSlice) -> None:

@@ -87,7 +87,7 @@ def _in_slice(safe: torch.Tensor, v0: int, v1: int) -> tuple[torch.Tensor, torch
 
 class VocabSlice(Protocol):
     """This rank's rows [start, start + its rows) of a vocabulary split over a group of ranks, and the group's
-    in-place reductions (trex.parallel.tensor_parallel supplies one)."""
+    reductions, each a new tensor (trex.parallel.tensor_parallel supplies one)."""
 
     start: int
 
@@ -116,7 +116,7 @@ class _HeadNLL(torch.autograd.Function):
                 picked[t0:t1] += torch.where(inside, z.gather(1, col)[:, 0], 0.0)
             lse[t0:t1] = torch.logsumexp(part, dim=-1)
         if vocab is not None:  # the group's rows: log sum_r exp(lse_r), from the largest; the target's owner's logit
-            top = vocab.all_reduce_max(lse.clone())
+            top = vocab.all_reduce_max(lse)
             lse = vocab.all_reduce_sum((lse - top).exp_()).log_().add_(top)
             picked = vocab.all_reduce_sum(picked)
         ctx.vocab = vocab
