@@ -52,6 +52,7 @@ SPLIT_RULES = {
 
 # a config's ``architecture`` -> the module of its tensor-parallel plan (``TP_PLAN``: trex.parallel.tensor_parallel)
 TP_PLANS = {
+    "deepseek_v4": "trex.models.deepseek_v4.tp_plan",
     "deepseek_v3": "trex.models.deepseek_v3.tp_plan",
 }
 

@@ -16,8 +16,11 @@ Styles:
                     cross-entropy (trex.models.common.cross_entropy.head_nll);
 ``enter:METHOD``    the tensors the module's METHOD returns enter the region (replicated values every head
                     reads, such as MLA's latent, where no linear of their own takes them in);
-``heads:ATTR``      the module's integer ATTR (its head count) divided by tp: it reshapes by this rank's heads;
-                    its ``head_split`` (trex.models.common.context.HeadSplit) averages a statistic over all heads.
+``heads:ATTR``      the module's integer ATTR (its head count, or its count of head groups) divided by tp: it
+                    reshapes by this rank's heads; its ``head_split`` (trex.models.common.context.HeadSplit)
+                    averages a statistic over all heads;
+``heads_param:NAME`` the module's per-head parameter NAME split with the heads (Shard(0));
+``head_split``      the module (an indexer aligned to the attention) is given the ``head_split`` only.
 
 The parameters become DTensors on the tp mesh with their global shapes and names (checkpoints reshard across
 layouts; FSDP2 shards them again over the data-parallel mesh, 2-D). While a block runs (and the root, for the
@@ -42,7 +45,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from trex.models.common.heads import Model
 from trex.models.registry import TP_PLANS
 
-STYLES = ("colwise", "colwise_within", "rowwise", "vocab", "enter", "heads")
+STYLES = ("colwise", "colwise_within", "rowwise", "vocab", "enter", "heads", "heads_param", "head_split")
 
 
 def _all_reduce(x: torch.Tensor, op: str, group) -> torch.Tensor:
@@ -188,6 +191,8 @@ def check_divisible(model: Model, tp: int) -> None:
             kind, _, attr = style.partition(":")
             if kind == "heads":
                 n, name = getattr(module, attr), attr.replace("n_", "")
+            elif kind == "heads_param":
+                n, name = getattr(module, attr).shape[0], f"{attr} rows"
             elif kind in ("colwise", "colwise_within", "vocab"):
                 n, name = module.weight.shape[0], "vocabulary" if kind == "vocab" else "rows"
             elif kind == "rowwise":
@@ -202,10 +207,10 @@ def check_divisible(model: Model, tp: int) -> None:
         raise ValueError(f"parallel.tp = {tp} does not divide {parts}")
 
 
-def _split(module: nn.Module, dim: int, mesh: DeviceMesh) -> None:
-    full = module.weight
-    module.weight = nn.Parameter(distribute_tensor(full.detach(), mesh, [Shard(dim)], src_data_rank=None),
-                                 requires_grad=full.requires_grad)
+def _split(module: nn.Module, dim: int, mesh: DeviceMesh, name: str = "weight") -> None:
+    full = getattr(module, name)
+    setattr(module, name, nn.Parameter(distribute_tensor(full.detach(), mesh, [Shard(dim)], src_data_rank=None),
+                                       requires_grad=full.requires_grad))
 
 
 def apply_tensor_parallel(model: Model, tp_mesh: DeviceMesh) -> None:
@@ -237,6 +242,10 @@ def apply_tensor_parallel(model: Model, tp_mesh: DeviceMesh) -> None:
                 _enter_outputs(module, arg, slice_)
             elif kind == "heads":
                 setattr(module, arg, getattr(module, arg) // tp)
+                module.head_split = slice_
+            elif kind == "heads_param":
+                _split(module, 0, tp_mesh, arg)
+            elif kind == "head_split":
                 module.head_split = slice_
     blocks = (*model.layers, *getattr(model, "mtp", ()))
     for unit in (model, *blocks):
