@@ -15,6 +15,7 @@ import torch
 import context_parallel_worker as worker
 from test_context_parallel import _assert_as_one_process, _run_worker
 from trex.models import build_model
+from trex.models.deepseek_v4.config import tiny
 from trex.models.registry import get_preset
 from trex.parallel.mesh import Parallel, ParallelSection, resolve_layout
 from trex.parallel.tensor_parallel import check_divisible
@@ -40,6 +41,16 @@ def test_a_tp_that_does_not_divide_the_model_names_the_numbers():
     assert "\n" not in message and message.startswith("parallel.tp = 3 does not divide")
     for part in ("layers.0.attn's heads 4", "embed's vocabulary 256", "columns 32"):
         assert part in message, message
+    v4 = build_model(tiny(), seed=0)  # 4 heads in 2 groups of the grouped output projection
+    check_divisible(v4, 2)
+    with pytest.raises(ValueError, match=r"parallel.tp = 4 does not divide layers.0.attn's o_groups 2"):
+        check_divisible(v4, 4)
+
+
+def test_a_family_without_a_plan_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^parallel.tp: deepseek_v41 has no tensor-parallel plan yet \(families "
+                                         r"with one: deepseek_v3, deepseek_v4\)$"):
+        check_divisible(build_model(get_preset("tiny-v4.1"), seed=0), 2)
 
 
 @pytest.fixture(scope="module")
