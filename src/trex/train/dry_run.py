@@ -101,7 +101,8 @@ def format_report(report: dict) -> str:
     mesh = report["mesh"]
     lines = [
         f"world size {report['world_size']}: mesh dp_replicate={mesh['dp_replicate']} x dp_shard={mesh['dp_shard']} "
-        f"(= efsdp {mesh['efsdp']} x ep {mesh['ep']}) x cp={mesh['cp']}; precision {report['precision']['name']}; "
+        f"(= efsdp {mesh['efsdp']} x ep {mesh['ep']}) x cp={mesh['cp']} x tp={mesh['tp']}; "
+        f"precision {report['precision']['name']}; "
         f"activation checkpointing {report['activation_checkpointing']}",
         f"model parameters: {report['parameters_total'] / 1e9:,.1f}B",
         "per rank (rank 0):",
