@@ -1,12 +1,14 @@
 """One SFT step's forward and backward of the tiny model at a layout, for tests/test_context_parallel.py.
 
-    torchrun --nproc-per-node N tests/context_parallel_worker.py OUT.pt DP_SHARD EP CP [COMPILED [V3]]
+    torchrun --nproc-per-node N tests/context_parallel_worker.py OUT.pt DP_SHARD EP CP [COMPILED [V3 [TP]]]
     python tests/context_parallel_worker.py OUT.pt            (one process: the reference)
 
 COMPILED = 1: every block checkpointed (full) and compiled with fullgraph=True (the aot_eager
 backend: the graphs, partitioned for the recompute as Inductor's are, without code generation).
 V3 = 1: DeepSeek-V3's tiny preset (MLA, a dense first layer, group-limited routing, MTP), not V4's; V3 = 2:
 tiny-v3.2 (its indexer picking 8 keys, their KL trained as the sparse stage's ``[train] indexer_loss``).
+V3 = 3: V4's tiny model with its CSA layers' indexer KL trained likewise. TP: tensor-parallel size
+(tests/test_tensor_parallel.py).
 
 The global batch (ROWS rows of SEQ tokens, packed documents that cross every shard boundary) is the
 same at every layout; each data-parallel rank takes its rows. Rank 0 saves the step's loss, the
@@ -51,20 +53,20 @@ def rows(batch: Batch, index: slice) -> Batch:
                  batch.token_mask[index])
 
 
-def step(out: str, dp_shard: int = 1, ep: int = 1, cp: int = 1, compiled: int = 0, v3: int = 0) -> None:
+def step(out: str, dp_shard: int = 1, ep: int = 1, cp: int = 1, compiled: int = 0, v3: int = 0, tp: int = 1) -> None:
     dev = device_layer.Device("cpu")
-    par = init_parallel(1, dp_shard, ep, 120, dev, cp=cp)
+    par = init_parallel(1, dp_shard, ep, 120, dev, cp=cp, tp=tp)
     preset = {1: "tiny-v3", 2: "tiny-v3.2"}.get(v3)
     model = build_model(get_preset(preset) if preset else tiny(hc_sinkhorn_iters=SINKHORN), seed=0).train()
-    model.align_indexer = v3 == 2
+    model.align_indexer = v3 in (2, 3)
     if compiled:  # the plan's order: activation checkpointing, compile, then (below) CP, EP and FSDP2
         apply_activation_checkpointing(model, "full")
         apply_compile(model, fullgraph=True, backend="aot_eager")
     apply_parallelism(model, par, PrecisionPolicy.resolve("fp32", dev))
     per_rank = ROWS // par.data_world
     mine = rows(global_batch(), slice(par.data_rank * per_rank, (par.data_rank + 1) * per_rank))
-    train = TrainSection(mtp_weight=0.3, balance_alpha=0.01, indexer_loss=0.5 if v3 == 2 else 0.0,
-                         freeze_indexer=v3 != 2)
+    train = TrainSection(mtp_weight=0.3, balance_alpha=0.01, indexer_loss=0.5 if v3 in (2, 3) else 0.0,
+                         freeze_indexer=v3 not in (2, 3))
     lm, mtp, _ = accumulate_gradients(model, [mine], train, DynamicLossScaler(enabled=False), par)
     loss = par.all_reduce_sum(torch.stack([lm, mtp]))
     grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad

@@ -110,12 +110,12 @@ def reference(tmp_path_factory):
     return torch.load(d / "one.pt")
 
 
-def _run_worker(tmp_path, nproc: int, dp_shard: int, ep: int, cp: int, compiled: int, v3: int = 0) -> dict:
+def _run_worker(tmp_path, nproc: int, dp_shard: int, ep: int, cp: int, compiled: int, v3: int = 0, tp: int = 1) -> dict:
     from trex_run import torchrun  # each rank forked from a warm process
 
-    out = tmp_path / f"cp{cp}_dp{dp_shard}_ep{ep}.pt"
+    out = tmp_path / f"cp{cp}_dp{dp_shard}_ep{ep}_tp{tp}.pt"
     proc = torchrun(os.path.join(HERE, "context_parallel_worker.py"),
-                    [str(out), str(dp_shard), str(ep), str(cp), str(compiled), str(v3)], nproc=nproc)
+                    [str(out), str(dp_shard), str(ep), str(cp), str(compiled), str(v3), str(tp)], nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 

@@ -28,7 +28,7 @@ def test_tiny_model_shards_evenly_across_ranks():
     assert one["parameters_total"] == total
     assert total / 4 <= four["per_rank"]["parameter_elements"] <= total / 4 * 1.05  # FSDP pads a few rows
     assert four["per_rank"]["optimizer_state_bytes"] == 2 * four["per_rank"]["grads_bytes"]  # AdamW: 2 moments
-    assert four["mesh"] == {"dp_replicate": 1, "dp_shard": 4, "efsdp": 2, "ep": 2, "cp": 1}
+    assert four["mesh"] == {"dp_replicate": 1, "dp_shard": 4, "efsdp": 2, "ep": 2, "cp": 1, "tp": 1}
 
 
 def test_bf16_on_a_cpu_where_it_is_slow_is_no_warning_in_a_dry_run(tmp_path, monkeypatch, capsys, caplog):

@@ -162,19 +162,31 @@ def test_a_v41_run_moves_its_micro_batch_split_and_continues_the_run_that_never_
     assert [(m["step"], m["profile"]) for m in _moves(run)] == [(2, "layout")]
 
 
+V3 = ('model.preset="tiny-v3"', "model.overrides={}", "fidelity.every=0", 'optim.name="adamw"')
+
+
+@pytest.fixture(scope="module")
+def v3_straight(tmp_path_factory):
+    """The DeepSeek-V3 run that never moved: 4 steps of tiny-v3 on one process, fp32, AdamW."""
+    out = tmp_path_factory.mktemp("migration_v3") / "straight"
+    _leg(out, 4, *V3)
+    return out
+
+
 @pytest.mark.slow
-def test_a_v3_run_moves_onto_two_context_parallel_ranks_and_continues_the_run_that_never_moved(tmp_path):
-    """DeepSeek-V3 through a checkpoint and a layout move: one process for 2 steps, then every row split over
-    two ranks (cp = 2, MLA gathering its KV latents; FSDP2 over the two), resumed from step 2; every step's loss
-    and gradient norm within 1e-5 of the run that never moved (so also `trex train` at cp = 2 against one
-    process), and the move recorded under the layout profile."""
-    v3 = ('model.preset="tiny-v3"', "model.overrides={}", "fidelity.every=0", 'optim.name="adamw"')
-    straight, run = tmp_path / "straight", tmp_path / "run"
-    _leg(straight, 4, *v3)
-    _leg(run, 2, *v3)
-    moved = _leg(run, 4, *v3, "parallel.cp=2", "parallel.dp_shard=1", procs=2)
-    assert "world_size 1 -> 2" in moved.stderr and "cp 1 -> 2" in moved.stderr, moved.stderr[-2000:]
-    rows, ref = _rows(run), _rows(straight)
+@pytest.mark.parametrize("split", ["cp", "tp"])
+def test_a_v3_run_moves_onto_two_ranks_and_continues_the_run_that_never_moved(tmp_path, v3_straight, split):
+    """DeepSeek-V3 through a checkpoint and a layout move: one process for 2 steps, then two ranks resumed from
+    step 2 (DCP reshards): every row split over them (cp = 2, MLA gathering its KV latents; FSDP2 over the two),
+    or every block's heads, FFN widths and the vocabulary split over them (tp = 2: the tensor-parallel slices
+    of the checkpoint's tensors); every step's loss and gradient norm within 1e-5 of the run that never moved
+    (so also `trex train` at cp = 2 and at tp = 2 against one process), and the move recorded under the layout
+    profile."""
+    run = tmp_path / "run"
+    _leg(run, 2, *V3)
+    moved = _leg(run, 4, *V3, f"parallel.{split}=2", "parallel.dp_shard=1", procs=2)
+    assert "world_size 1 -> 2" in moved.stderr and f"{split} 1 -> 2" in moved.stderr, moved.stderr[-2000:]
+    rows, ref = _rows(run), _rows(v3_straight)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for a, b in zip(rows, ref):
         for key in ("loss", "grad_norm"):

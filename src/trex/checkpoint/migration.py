@@ -30,7 +30,7 @@ import trex
 from trex import atomic
 
 MIGRATIONS_FILE = "migrations.jsonl"
-LAYOUT_KEYS = ("world_size", "dp_replicate", "ep", "cp", "micro_batch_size", "grad_accum")
+LAYOUT_KEYS = ("world_size", "dp_replicate", "ep", "cp", "tp", "micro_batch_size", "grad_accum")
 PROFILE_OF = {"device": "vendor", "precision": "precision", **{k: "layout" for k in LAYOUT_KEYS}}
 _LOOSENESS = ("layout", "precision", "vendor")
 
@@ -42,7 +42,7 @@ def versions() -> dict[str, str]:
 def _layout(recipe: dict, default) -> dict:
     """The layout part of a configuration, from a recipe as a dict (``default`` for sizes it lacks)."""
     parallel = recipe.get("parallel") or {}
-    return {**{k: parallel.get(k, default) for k in ("dp_replicate", "ep", "cp")},
+    return {**{k: parallel.get(k, default) for k in ("dp_replicate", "ep", "cp", "tp")},
             "micro_batch_size": (recipe.get("data") or {}).get("micro_batch_size"),
             "grad_accum": (recipe.get("train") or {}).get("grad_accum")}
 

@@ -103,7 +103,7 @@ def build_parts(side: Side) -> Parts:
     dev = device_layer.detect(recipe.train.device or None)
     dev.set_current()
     layout = recipe.parallel
-    par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev, cp=layout.cp)
+    par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev, cp=layout.cp, tp=layout.tp)
     dev.manual_seed(recipe.train.seed)
     policy = PrecisionPolicy.resolve(recipe.precision.dtype, dev)
     tokenizer = tokenizer_for(recipe.data.tokenizer)
@@ -372,7 +372,7 @@ def run_ladder(recipe_path: str, variant_overrides: list[str], out: str, profile
     for side, recipe in (("reference", ref_recipe), ("variant", var_recipe)):
         layout = recipe.parallel
         try:
-            resolve_layout(layout.dp_replicate, layout.dp_shard, layout.ep, 1, layout.cp)
+            resolve_layout(layout.dp_replicate, layout.dp_shard, layout.ep, 1, layout.cp, layout.tp)
         except ValueError as e:
             raise ValueError(f"the {side}'s layout needs several processes ({e}); the ladder runs both sides in one "
                              "process: compare layouts across processes with `trex fidelity matrix`") from None

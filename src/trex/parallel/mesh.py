@@ -1,12 +1,15 @@
 """Process group and device mesh from the recipe's [parallel] section.
 
-Ranks form a 4-D mesh ("dp_replicate", "efsdp", "ep", "cp"). The ("dp_replicate", "efsdp", "ep")
+Ranks form a 5-D mesh ("dp_replicate", "efsdp", "ep", "cp", "tp"). The ("dp_replicate", "efsdp", "ep")
 ranks are data parallel (each reads its own micro-batches); the "cp" ranks of one data-parallel
 index read the same micro-batch and each computes a contiguous shard of its sequences (context
-parallelism, trex.parallel.context_parallel). Parameters are sharded over the flattened
-("efsdp", "ep", "cp") = "fsdp" dimension (FSDP2, replicated over "dp_replicate" as HSDP); routed
-experts are split over "ep" and their shards are FSDP-sharded again over ("dp_replicate",
-("efsdp", "cp")), the ranks that hold the same experts.
+parallelism, trex.parallel.context_parallel); the "tp" ranks, innermost (adjacent), read the same
+micro-batch too and each holds a slice of the attention heads, FFN widths and vocabulary (tensor
+parallelism, trex.parallel.tensor_parallel). Parameters are sharded over the flattened
+("efsdp", "ep", "cp") = "fsdp" dimension (FSDP2, replicated over "dp_replicate" as HSDP; a tensor-parallel
+slice is FSDP-sharded again over it, 2-D); routed experts are split over "ep" and their shards are
+FSDP-sharded again over ("dp_replicate", ("efsdp", "cp")), the ranks that hold the same experts (the tp
+ranks of a group hold the same experts and run them on the same tokens).
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ class ParallelSection:
     """With grad_accum > 1: reduce-scatter gradients after every micro-batch, so only sharded fp32
     gradients accumulate (grad_accum reduce-scatters per step). Off: one reduce-scatter after the
     last micro-batch, and FSDP2 keeps the stage's gradients unsharded in between (see trex plan)."""
+    tp: int = 1
+    """Tensor-parallel size: each block's attention heads, dense FFN and shared-expert widths, and the
+    vocabulary of the embedding and head are split over this many adjacent ranks, which read the same
+    micro-batches (trex.parallel.tensor_parallel; the model's family declares what it splits)."""
     timeout_s: int = 1800
     """Collective timeout in seconds: how long a rank waits in one collective before the backend
     gives up (long enough for a first step that compiles on a large cluster)."""
@@ -53,15 +60,16 @@ class ParallelSection:
 
     def __post_init__(self) -> None:
         check_choices(self, "parallel")
-        if self.dp_replicate < 1 or self.ep < 1 or self.cp < 1 or (self.dp_shard < 1 and self.dp_shard != -1):
-            raise ValueError("parallel: dp_replicate, ep and cp must be >= 1 and dp_shard >= 1 or -1")
+        if (self.dp_replicate < 1 or self.ep < 1 or self.cp < 1 or self.tp < 1
+                or (self.dp_shard < 1 and self.dp_shard != -1)):
+            raise ValueError("parallel: dp_replicate, ep, cp and tp must be >= 1 and dp_shard >= 1 or -1")
         if self.timeout_s <= 0 or self.heartbeat_timeout_s < 0:
             raise ValueError("parallel: timeout_s must be > 0 and heartbeat_timeout_s >= 0 (0: no heartbeat)")
 
     def world_size(self, available: int) -> int:
         """Ranks the layout needs given ``available`` ranks (resolving dp_shard = -1)."""
-        shard = available // (self.dp_replicate * self.cp) if self.dp_shard == -1 else self.dp_shard
-        return self.dp_replicate * shard * self.cp
+        shard = available // (self.dp_replicate * self.cp * self.tp) if self.dp_shard == -1 else self.dp_shard
+        return self.dp_replicate * shard * self.cp * self.tp
 
 
 @dataclass
@@ -75,21 +83,31 @@ class Parallel:
     ep: int = 1
     cp: int = 1
     mesh: DeviceMesh | None = None
+    tp: int = 1
+    summed_group: dist.ProcessGroup | None = None
+    """The process group ``all_reduce_sum`` reduces over when tp > 1 (the "summed" mesh dimension's, made once:
+    slicing a mesh reads its coordinates on the host); None: every rank."""
 
     @property
     def data_rank(self) -> int:
-        """This rank's index among the data-parallel ranks (the cp ranks of a group share it)."""
-        return self.rank // self.cp
+        """This rank's index among the data-parallel ranks (the cp x tp ranks of a group share it)."""
+        return self.rank // (self.cp * self.tp)
 
     @property
     def cp_rank(self) -> int:
         """This rank's place in its context-parallel group (0 .. cp - 1)."""
-        return self.rank % self.cp
+        return self.rank // self.tp % self.cp
 
     @property
     def data_world(self) -> int:
-        """Data-parallel ranks: distinct micro-batches per micro-step (world_size / cp)."""
-        return self.world_size // self.cp
+        """Data-parallel ranks: distinct micro-batches per micro-step (world_size / (cp x tp))."""
+        return self.world_size // (self.cp * self.tp)
+
+    @property
+    def summed_ranks(self) -> int:
+        """The ranks ``all_reduce_sum`` adds up: every rank but the copies a tensor-parallel group holds of one
+        value (world_size / tp). Averages over ranks (balance and indexer losses, DPO's pairs) divide by it."""
+        return self.world_size // self.tp
 
     @property
     def distributed(self) -> bool:
@@ -118,6 +136,10 @@ class Parallel:
         return self.mesh["cp"]
 
     @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
     def world_mesh(self) -> DeviceMesh:
         """1-D mesh of every rank (what V4.1's Engram tables are split over, trex.parallel.engram)."""
         return self._sliced("world")
@@ -128,20 +150,23 @@ class Parallel:
             return self.mesh[names]
 
     def all_reduce_sum(self, tensor):
+        """Sum ``tensor`` in place over the ranks (over ``summed_ranks``: a tensor-parallel group's ranks hold
+        the same value, each group adds it once)."""
         if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.summed_group)
         return tensor
 
 
-def resolve_layout(dp_replicate: int, dp_shard: int, ep: int, world_size: int, cp: int = 1) -> tuple[int, int, int]:
-    """Check the layout against the world size; dp_shard = -1 takes the ranks dp_replicate and cp leave."""
-    if world_size % (dp_replicate * cp):
-        raise ValueError(f"parallel.dp_replicate x cp = {dp_replicate} x {cp} does not divide the world size "
-                         f"{world_size}")
-    shard = world_size // (dp_replicate * cp) if dp_shard == -1 else dp_shard
-    if dp_replicate * shard * cp != world_size:
-        raise ValueError(f"parallel: dp_replicate ({dp_replicate}) x dp_shard ({shard}) x cp ({cp}) = "
-                         f"{plural(dp_replicate * shard * cp, 'rank')}, but the run has {world_size} "
+def resolve_layout(dp_replicate: int, dp_shard: int, ep: int, world_size: int, cp: int = 1,
+                   tp: int = 1) -> tuple[int, int, int]:
+    """Check the layout against the world size; dp_shard = -1 takes the ranks dp_replicate, cp and tp leave."""
+    if world_size % (dp_replicate * cp * tp):
+        raise ValueError(f"parallel.dp_replicate x cp x tp = {dp_replicate} x {cp} x {tp} does not divide the world "
+                         f"size {world_size}")
+    shard = world_size // (dp_replicate * cp * tp) if dp_shard == -1 else dp_shard
+    if dp_replicate * shard * cp * tp != world_size:
+        raise ValueError(f"parallel: dp_replicate ({dp_replicate}) x dp_shard ({shard}) x cp ({cp}) x tp ({tp}) = "
+                         f"{plural(dp_replicate * shard * cp * tp, 'rank')}, but the run has {world_size} "
                          f"(torchrun --nproc-per-node x --nnodes)")
     if shard % ep:
         raise ValueError(f"parallel.ep = {ep} must divide dp_shard = {shard}")
@@ -166,12 +191,12 @@ def attempt_store(timeout: timedelta) -> dist.Store | None:
 
 def init_parallel(dp_replicate: int, dp_shard: int, ep: int, timeout_s: int,
                   dev: device_layer.Device, world_size: int | None = None, trace_dir: str | None = None,
-                  cp: int = 1) -> Parallel:
+                  cp: int = 1, tp: int = 1) -> Parallel:
     """Join the process group (torchrun's environment) and build the mesh; a no-op for one process.
     With ``trace_dir``, a backend with a flight recorder dumps each rank's last collectives there
     (``rank_<r>``) when one times out; variables already set in the environment win."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    replicate, shard, ep = resolve_layout(dp_replicate, dp_shard, ep, world_size, cp)
+    replicate, shard, ep = resolve_layout(dp_replicate, dp_shard, ep, world_size, cp, tp)
     if world_size == 1:
         return Parallel()
     if not dist.is_initialized():
@@ -184,12 +209,16 @@ def init_parallel(dp_replicate: int, dp_shard: int, ep: int, timeout_s: int,
         store = attempt_store(timeout)
         dist.init_process_group(backend=dev.backend(), timeout=timeout, store=store,
                                 **({"rank": int(os.environ["RANK"]), "world_size": world_size} if store else {}))
-    mesh = init_device_mesh(dev.type, (replicate, shard // ep, ep, cp),
-                            mesh_dim_names=("dp_replicate", "efsdp", "ep", "cp"))
+    mesh = init_device_mesh(dev.type, (replicate, shard // ep, ep, cp, tp),
+                            mesh_dim_names=("dp_replicate", "efsdp", "ep", "cp", "tp"))
     mesh["efsdp", "ep", "cp"]._flatten("fsdp")
     mesh["efsdp", "cp"]._flatten("efsdp_cp")
-    mesh["dp_replicate", "efsdp", "ep", "cp"]._flatten("world")
-    return Parallel(dist.get_rank(), world_size, replicate, shard, ep, cp, mesh)
+    mesh["dp_replicate", "efsdp", "ep", "cp"]._flatten("summed")
+    mesh["dp_replicate", "efsdp", "ep", "cp", "tp"]._flatten("world")
+    par = Parallel(dist.get_rank(), world_size, replicate, shard, ep, cp, mesh, tp)
+    if tp > 1:
+        par.summed_group = par._sliced("summed").get_group()
+    return par
 
 
 def shutdown_distributed() -> None:

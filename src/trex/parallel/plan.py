@@ -1,5 +1,6 @@
 """Apply the parallel plan to an unchanged model of any family: activation checkpointing, compiled blocks,
-context parallel, expert parallel, then FSDP2 per block (and the root) over the data-parallel mesh.
+tensor parallel, context parallel, expert parallel, then FSDP2 per block (and the root) over the data-parallel
+mesh (2-D over the tensor-parallel slices).
 
 Gradients are summed, not averaged, across ranks (``set_gradient_divide_factor(1.0)``): the loop
 divides every loss by the global number of targets, so a step at any layout computes the same
@@ -29,6 +30,7 @@ from trex.parallel.context_parallel import apply_context_parallel
 from trex.parallel.engram import shard_engram_tables
 from trex.parallel.expert_parallel import shard_experts
 from trex.parallel.mesh import Parallel
+from trex.parallel.tensor_parallel import apply_tensor_parallel, local_view_of
 from trex.precision import PrecisionPolicy
 
 
@@ -105,11 +107,12 @@ def _recompute(module: nn.Module, block: nn.Module) -> None:
     """Recompute ``module`` (inside ``block``)'s forward during backward instead of keeping its activations.
 
     Wraps the instance's forward, so parameter names (and checkpoints) do not change. The
-    recomputation enters ``block``'s compute cast, if it has one (one process, low precision)."""
+    recomputation enters ``block``'s compute cast, if it has one (one process, low precision), and its
+    tensor-parallel local view (trex.parallel.tensor_parallel.LocalView), as the block's hooks did in forward."""
     forward = module.forward
 
     def run(*args, **kwargs):
-        with _cast_of(block):
+        with _cast_of(block), local_view_of(block):
             return forward(*args, **kwargs)
 
     @functools.wraps(forward)
@@ -171,13 +174,13 @@ def apply_parallelism(model: Model, par: Parallel, policy: PrecisionPolicy,
                       compile: str | None = None) -> list[nn.Parameter]:
     """Returns the expert-parallel parameters. Expects the parameters in fp32 (the master weights).
     ``reduce_every_micro_batch``: see :func:`sync_gradients`. ``compile``: the torch.compile backend of
-    the blocks (None: eager). Order: activation checkpointing, compile (:func:`apply_compile`), expert
-    parallelism, V4.1's Engram tables split over every rank (trex.parallel.engram), FSDP2.
+    the blocks (None: eager). Order: activation checkpointing, compile (:func:`apply_compile`), tensor
+    parallelism (trex.parallel.tensor_parallel), context parallelism, expert parallelism, V4.1's Engram tables split over every rank (trex.parallel.engram), FSDP2.
 
     A sharded model handed to a later stage (the default job's SFT after its CPT) keeps its plan:
     applying the same one again changes nothing, a different one is a ValueError."""
     plan = {"world_size": par.world_size, "dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "ep": par.ep,
-            "cp": par.cp,
+            "cp": par.cp, "tp": par.tp,
             "activation_checkpointing": activation_checkpointing, "compile": compile,
             "param_dtype": str(policy.compute_dtype), "reduce_dtype": str(policy.reduce_dtype)}
     if par.distributed and isinstance(model, FSDPModule):
@@ -204,6 +207,8 @@ def apply_parallelism(model: Model, par: Parallel, policy: PrecisionPolicy,
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor",
                             category=UserWarning)
     mp = MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=policy.reduce_dtype)
+    if par.tp > 1:
+        apply_tensor_parallel(model, par.tp_mesh)
     if par.cp > 1:
         apply_context_parallel(model, par.cp_mesh)
     experts = shard_experts(model, par.ep_mesh) if par.ep > 1 else []

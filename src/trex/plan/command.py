@@ -54,7 +54,7 @@ def recipe_inputs(path: str, devices: int | None) -> tuple[str | None, Layout, i
     par = r.parallel
     if par.dp_shard == -1 and not devices:
         raise PlanError(f"{path}: [parallel] dp_shard = -1 takes every rank; say how many with --devices")
-    tp = getattr(par, "tp", 1)  # [parallel] tp, once trex train has tensor parallelism
+    tp = par.tp
     shard = par.dp_shard if par.dp_shard != -1 else devices // (par.dp_replicate * par.cp * tp)
     layout = Layout(dp_shard=shard, dp_replicate=par.dp_replicate, ep=par.ep, cp=par.cp, tp=tp,
                     micro_batch=r.data.micro_batch_size, grad_accum=r.train.grad_accum,

@@ -187,7 +187,7 @@ class DistillObjective(Objective):
             return loss, out
 
         aux = backward_micro_batches(model, slices, loss_of, scaler, ctx.recipe.train,
-                                       ctx.par.world_size)
+                                       ctx.par.summed_ranks)
         sums = ctx.par.all_reduce_sum(torch.cat([sums, is_sum[None], loss_total[None]]))
         if ctx.par.distributed:
             torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX)

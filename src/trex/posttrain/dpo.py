@@ -156,7 +156,7 @@ class DPOObjective(Objective):
     def step(self, model: Model, step: int, scaler) -> StepResult:
         ctx = self.ctx
         micro = [next(self.loader).to(ctx.dev.torch_device) for _ in range(ctx.recipe.train.grad_accum)]
-        pairs = sum(len(b.index) for b in micro) * ctx.par.world_size
+        pairs = sum(len(b.index) for b in micro) * ctx.par.summed_ranks
         sums = torch.zeros(5, dtype=torch.float64, device=ctx.dev.torch_device)
 
         def loss_of(b):
@@ -166,7 +166,7 @@ class DPOObjective(Objective):
             return terms.losses.sum() / pairs, out
 
         aux = backward_micro_batches(model, micro, loss_of, scaler, ctx.recipe.train,
-                                       ctx.par.world_size)
+                                       ctx.par.summed_ranks)
         sums = ctx.par.all_reduce_sum(sums)
         mean = (sums[:4] / pairs).tolist()
         return StepResult(loss=(sums[0] / pairs).float(), tokens=int(sums[4]), moe_stats=aux.moe_stats, indexer_loss=aux.indexer_loss,

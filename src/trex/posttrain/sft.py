@@ -61,7 +61,7 @@ def accumulate_gradients(model: Model, micro: list, cfg_train, scaler: DynamicLo
     alignment loss). No host read: the
     target counts stay on the device (all-reduced there).
     """
-    world = par.world_size if par is not None else 1
+    world = par.summed_ranks if par is not None else 1
     shifts = [1] + [j + 2 for j in range(len(model.mtp))]  # the MTP heads (V4.1's mtp.* are no heads)
     targets = [[targets_for(b.labels, b.doc_ids, s) for s in shifts] for b in micro]
     counts = torch.stack([sum(_count(t[i]) for t in targets) for i in range(len(shifts))])

@@ -41,7 +41,7 @@ def dry_run(recipe: TrainRecipe, world_size: int) -> dict:
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
         par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, cpu, world_size,
-                            cp=layout.cp)
+                            cp=layout.cp, tp=layout.tp)
         # bf16 on this CPU is no warning: the dry run only counts bytes, nothing runs here
         policy = PrecisionPolicy.resolve(recipe.precision.dtype if recipe.precision.dtype != "auto" else "bf16",
                                          cpu, warn_slow=False)
@@ -75,7 +75,7 @@ def dry_run(recipe: TrainRecipe, world_size: int) -> dict:
         return {
             "world_size": world_size,
             "mesh": {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "efsdp": par.dp_shard // par.ep,
-                     "ep": par.ep, "cp": par.cp},
+                     "ep": par.ep, "cp": par.cp, "tp": par.tp},
             "precision": policy.to_dict(),
             "activation_checkpointing": layout.activation_checkpointing,
             "parameters_total": sum(p.numel() for p in model.parameters()),
@@ -101,7 +101,8 @@ def format_report(report: dict) -> str:
     mesh = report["mesh"]
     lines = [
         f"world size {report['world_size']}: mesh dp_replicate={mesh['dp_replicate']} x dp_shard={mesh['dp_shard']} "
-        f"(= efsdp {mesh['efsdp']} x ep {mesh['ep']}) x cp={mesh['cp']}; precision {report['precision']['name']}; "
+        f"(= efsdp {mesh['efsdp']} x ep {mesh['ep']}) x cp={mesh['cp']} x tp={mesh['tp']}; "
+        f"precision {report['precision']['name']}; "
         f"activation checkpointing {report['activation_checkpointing']}",
         f"model parameters: {report['parameters_total'] / 1e9:,.1f}B",
         "per rank (rank 0):",

@@ -326,7 +326,7 @@ def _set_up(recipe: TrainRecipe, model: Model | None, tokenizer: Tokenizer | Non
     dev.set_current()
     kernels.prepare(dev.type)  # the fast paths' probes, before step 1
     par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev,
-                        trace_dir=os.path.join(cfg_train.out, "flight_recorder"), cp=layout.cp)
+                        trace_dir=os.path.join(cfg_train.out, "flight_recorder"), cp=layout.cp, tp=layout.tp)
     heartbeat.start()
     dev.manual_seed(cfg_train.seed)  # the same on every rank: identical initial weights
     compile_backend = cfg_train.compile_with(dev)
@@ -433,7 +433,7 @@ def _run_steps(r: _Run) -> None:
                 imbalance = {f"expert_imbalance/{k}": v.max() / v.mean().clamp(min=1e-9) for k, v in out.loads.items()}
                 result = out.result
                 if result.indexer_loss is not None:  # a rank's mean -> the mean over ranks
-                    result.metrics["indexer_loss"] = r.par.all_reduce_sum(result.indexer_loss) / r.par.world_size
+                    result.metrics["indexer_loss"] = r.par.all_reduce_sum(result.indexer_loss) / r.par.summed_ranks
                 read = read_scalars({"loss": result.loss, **result.metrics, "grad_norm": out.grad_norm,
                                      "tokens": result.tokens, "loss_ok": out.finite[0], "norm_ok": out.finite[1],
                                      **imbalance})  # the step's one host read: it waits for the step to finish
@@ -594,5 +594,6 @@ def _summary(r: _Run, wall_time_s: float) -> dict:
         "peak_flops_source": r.peak_source,
         **({"drafter": r.refit.summary()} if r.refit is not None else {}),
         "parallel": {"world_size": r.par.world_size, "dp_replicate": r.par.dp_replicate, "dp_shard": r.par.dp_shard,
-                     "ep": r.par.ep, "cp": r.par.cp, "activation_checkpointing": layout.activation_checkpointing},
+                     "ep": r.par.ep, "cp": r.par.cp, "tp": r.par.tp,
+                     "activation_checkpointing": layout.activation_checkpointing},
     }

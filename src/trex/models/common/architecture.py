@@ -27,6 +27,8 @@ Contracts of what the strings name:
     params           function or None: ``params(cfg, model, counted) -> trex.models.common.params.ParamCount``,
                      the count read from the model (trex.models.params) corrected for what the model alone does not
                      say (V4.1: Engram rows a token does not read, the DSpark stages it does not build)
+    tp_plan          module or None: ``TP_PLAN``, what tensor parallelism splits, as data (module-path patterns ->
+                     styles; trex.parallel.tensor_parallel applies it); None: the family has no plan yet
     official_config  function or None: ``official_config(cfg, hf_dict) -> dict``, the config.json of the
                      "official" checkpoint layout from the transformers one (None: the same)
 """
@@ -68,6 +70,7 @@ class Architecture:
     tokenizer_map: str | None = None
     drafter: str | None = None
     params: str | None = None
+    tp_plan: str | None = None
     official_config: str | None = None
 
     def load(self, part: str):

@@ -36,6 +36,15 @@ class SequenceShard(Protocol):
     def exchange(self, head: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class HeadSplit(Protocol):
+    """This rank's slice of an attention's heads under tensor parallelism: trex.parallel.tensor_parallel sets one
+    as the attention module's ``head_split`` and divides its head count, so the module computes its own heads.
+    ``mean(x)``: a mean over this rank's heads (each rank has as many) -> the mean over every head of the group,
+    the same on every rank (what a statistic over all heads needs: V3.2's indexer target; no gradient)."""
+
+    def mean(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class DecodeCacheLike(Protocol):
     """What a sequence context and a model's forward read of a decode cache (V4's
     ``trex.models.deepseek_v4.decode.DecodeCache``, V4.1's ``V41DecodeCache``). The cache's module imports the

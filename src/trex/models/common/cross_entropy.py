@@ -11,9 +11,17 @@ pretraining): it fuses the fp32 LM head with the loss (its products through the 
 vocabulary slice], so no [N, V] tensor exists beyond one tile (HEAD_TILE_BYTES) in forward or backward;
 it saves the hidden states and one log-sum-exp per token and recomputes each tile's logits in backward.
 (tests/test_cross_entropy.py checks both against ``F.cross_entropy``.)
+
+Under tensor parallelism the head's vocabulary is split over ranks (trex.parallel.tensor_parallel): ``head_nll``
+takes this rank's rows of the weight and a ``VocabSlice`` (where they start, and the group's sums): each rank
+runs the same tiles over its rows, the per-token log-sum-exps are combined by an all-reduce of their maximum
+and one of the exponentials' sum, the target's logit by a sum (its owner's, zeros elsewhere), and in backward
+the hidden states' gradient by a sum; no rank holds more than its own [tokens, V / tp] logits, a tile at a time.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -77,11 +85,23 @@ def _in_slice(safe: torch.Tensor, v0: int, v1: int) -> tuple[torch.Tensor, torch
     return local.clamp(0, v1 - v0 - 1)[:, None], (local >= 0) & (local < v1 - v0)
 
 
+class VocabSlice(Protocol):
+    """This rank's rows [start, start + its rows) of a vocabulary split over a group of ranks, and the group's
+    reductions, each a new tensor (trex.parallel.tensor_parallel supplies one)."""
+
+    start: int
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor: ...
+
+
 class _HeadNLL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                vocab: VocabSlice | None) -> torch.Tensor:
         valid = targets != IGNORE_INDEX
-        safe = torch.where(valid, targets, 0)
+        safe = torch.where(valid, targets, 0) - (vocab.start if vocab is not None else 0)  # in this rank's rows
         matmul, w = kernels.fp32_products(weight)  # fp32 products (one fp32 copy where they are computed in fp32)
         block, rows = head_tiles(h.shape[0], w.shape[0])
         slices = _spans(w.shape[0], rows)
@@ -95,6 +115,11 @@ class _HeadNLL(torch.autograd.Function):
                 col, inside = _in_slice(safe[t0:t1], v0, v1)
                 picked[t0:t1] += torch.where(inside, z.gather(1, col)[:, 0], 0.0)
             lse[t0:t1] = torch.logsumexp(part, dim=-1)
+        if vocab is not None:  # the group's rows: log sum_r exp(lse_r), from the largest; the target's owner's logit
+            top = vocab.all_reduce_max(lse)
+            lse = vocab.all_reduce_sum((lse - top).exp_()).log_().add_(top)
+            picked = vocab.all_reduce_sum(picked)
+        ctx.vocab = vocab
         ctx.save_for_backward(h, weight, lse, safe, valid)
         return (lse - picked) * valid
 
@@ -116,15 +141,20 @@ class _HeadNLL(torch.autograd.Function):
                     matmul(d, w[v0:v1], dh[t0:t1])
                 if dw is not None:
                     matmul(d.T, hc, dw[v0:v1])
-        return (None if dh is None else dh.to(h.dtype)), (None if dw is None else dw.to(weight.dtype)), None
+        if dh is not None and ctx.vocab is not None:  # every rank's rows contribute to each hidden state
+            dh = ctx.vocab.all_reduce_sum(dh)
+        return (None if dh is None else dh.to(h.dtype)), (None if dw is None else dw.to(weight.dtype)), None, None
 
 
-def head_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def head_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+             vocab: VocabSlice | None = None) -> torch.Tensor:
     """-log softmax(h @ weight.T in fp32)[target] per token, fp32, 0 where target == IGNORE_INDEX,
     without materialising the [..., V] logits. Equal to ``token_nll(linear_fp32(h, weight), targets)``.
 
     h: [..., d] (any dtype), weight: [V, d] (the LM head), targets: [...] long -> [...]. Gradients come
-    back in h's and weight's dtypes."""
+    back in h's and weight's dtypes. With ``vocab``, ``weight`` holds this rank's rows of the head (from
+    ``vocab.start``) and h, targets are the same on every rank of the group: the result is the whole
+    vocabulary's NLL on every rank, h's gradient summed over the group, the weight's this rank's rows'."""
     shape = targets.shape
-    nll = _HeadNLL.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1))
+    nll = _HeadNLL.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), vocab)
     return nll.view(shape)

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from trex.models.common.cross_entropy import head_nll
+from trex.models.common.cross_entropy import VocabSlice, head_nll
 from trex.models.common.linear import linear_fp32
 from trex.models.common.moe import Gate, MoEStats
 
@@ -66,16 +67,32 @@ def init_parameters(model: nn.Module, std: float, seed: int | None, ones: tuple[
     return gen
 
 
+class HeadSlice(VocabSlice, Protocol):
+    """A head split by vocabulary rows over a group of ranks (trex.parallel.tensor_parallel sets one as the
+    model's ``head_slice``): this rank's rows of a weight, and the whole vocabulary's logits from each rank's."""
+
+    def local(self, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+
 class UntiedHead:
-    """The LM head of a model whose ``head`` is its own [V, d] linear (not tied to the embedding)."""
+    """The LM head of a model whose ``head`` is its own [V, d] linear (not tied to the embedding). With
+    ``head_slice`` set (tensor parallelism) each rank holds its rows of the vocabulary."""
 
     head: nn.Linear
+    head_slice: HeadSlice | None = None
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """LM head in fp32: [B, S, d] -> [B, S, V]."""
-        return linear_fp32(h, self.head.weight)
+        """LM head in fp32: [B, S, d] -> [B, S, V] (split by vocabulary: each rank's rows, gathered)."""
+        if self.head_slice is None:
+            return linear_fp32(h, self.head.weight)
+        return self.head_slice.gather(linear_fp32(h, self.head_slice.local(self.head.weight)))
 
     def head_nll(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The LM head fused with the loss: h [B, S, d], targets [B, S] -> fp32 per-token NLL [B, S]
-        (0 where IGNORE_INDEX), with no [B, S, V] logits (``trex.models.common.cross_entropy.head_nll``)."""
-        return head_nll(h, self.head.weight, targets)
+        (0 where IGNORE_INDEX), with no [B, S, V] logits (``trex.models.common.cross_entropy.head_nll``; split
+        by vocabulary, no rank holds more than its rows' logits of a tile)."""
+        if self.head_slice is None:
+            return head_nll(h, self.head.weight, targets)
+        return head_nll(h, self.head_slice.local(self.head.weight), targets, self.head_slice)

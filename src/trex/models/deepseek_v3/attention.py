@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from trex import kernels
-from trex.models.common.context import SequenceContext
+from trex.models.common.context import HeadSplit, SequenceContext
 from trex.models.common.linear import QuantLinear
 from trex.models.common.norm import RMSNorm
 from trex.models.common.rope import apply_rope
@@ -41,6 +41,8 @@ LATENT_NORM_EPS = 1e-6
 
 class MLA(nn.Module):
     profile_scope = "attention/mla"  # trex.profile.scopes
+    head_split: HeadSplit | None = None
+    """Tensor parallelism: this rank's heads are a slice of ``num_attention_heads`` (``n_heads`` of them)."""
 
     def __init__(self, cfg: V3Config):
         super().__init__()
@@ -62,6 +64,10 @@ class MLA(nn.Module):
         yarn = cfg.rope_scaling
         self.softmax_scale = qk ** -0.5 * (yarn.softmax_scale if yarn is not None else 1.0)
         self.rope_scale = yarn.rope_scale if yarn is not None else 1.0
+
+    def heads_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """A mean over this module's heads -> over all heads (the same under tensor parallelism: ``head_split``)."""
+        return x if self.head_split is None else self.head_split.mean(x)
 
     def rope_table(self, ctx: SequenceContext) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, S, rope/2] fp32 of the context's positions, times transformers' cos/sin factor when

@@ -201,14 +201,14 @@ class SparseMLA(MLA):
         q_main, kv_main, scale = q_abs.detach(), kv.detach(), self.softmax_scale
         if getattr(ctx, "measure_recall", False) and not warmup:
             self.indexer.recall = sum(
-                picked_mass(dense_probs(q_main[:, t0:t1], kv_main, scale, visible_rows(ctx, t0, t1)),
+                picked_mass(self.heads_mean(dense_probs(q_main[:, t0:t1], kv_main, scale, visible_rows(ctx, t0, t1))),
                             idx[:, t0:t1], valid[:, t0:t1], visible_rows(ctx, t0, t1))
                 for t0, t1 in self.indexer.chunks(B, s, kv.shape[1], self.n_heads))
         if align:
-            def target(t0: int, t1: int) -> torch.Tensor:
+            def target(t0: int, t1: int) -> torch.Tensor:  # the mean over all heads (tensor parallelism's too)
                 if idx is None:
-                    return dense_probs(q_main[:, t0:t1], kv_main, scale, visible_rows(ctx, t0, t1))
-                return pick_probs(q_main[:, t0:t1], kv_main, scale, idx[:, t0:t1], valid[:, t0:t1])
+                    return self.heads_mean(dense_probs(q_main[:, t0:t1], kv_main, scale, visible_rows(ctx, t0, t1)))
+                return self.heads_mean(pick_probs(q_main[:, t0:t1], kv_main, scale, idx[:, t0:t1], valid[:, t0:t1]))
 
             self.indexer.alignment = self.indexer.align(x, qr, ctx, idx, valid, target, self.n_heads)
             if warmup:  # only the indexer trains: 0 x its KL gives the block's output a gradient, as FSDP2

@@ -16,4 +16,5 @@ V3 = Architecture(
     flops=f"{_PKG}.flops:flops_v3",
     plan_terms=f"{_PKG}.plan_terms",
     drafter_kind=mtp_drafter,
+    tp_plan=f"{_PKG}.tp_plan",
 )

@@ -48,6 +48,7 @@ def add_projections(attn: nn.Module, cfg) -> None:
     o_groups x [H c / o_groups -> o_lora_rank]), wo_b, and the per-head ``attn_sink``."""
     d, H, c = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     attn.cfg, attn.n_heads, attn.head_dim = cfg, H, c
+    attn.o_groups = cfg.o_groups  # this rank's groups under tensor parallelism (as n_heads its heads)
     block = cfg.fp8_block
     attn.wq_a = QuantLinear(d, cfg.q_lora_rank, block=block)
     attn.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
@@ -68,10 +69,11 @@ def projection_rules(attn: nn.Module) -> dict[str, tuple[str, list[int]]]:
 
 def grouped_output(attn: nn.Module, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Attention output o [B, S, H, c] -> RoPE removed (cos, sin [B, S, rd/2]), the grouped ``wo_a`` (each
-    group of heads to its own o_lora_rank), ``wo_b`` -> [B, S, d]."""
+    group of heads to its own o_lora_rank), ``wo_b`` -> [B, S, d]. Under tensor parallelism the module holds
+    ``o_groups`` whole groups of its ``n_heads`` heads."""
     B, S = o.shape[:2]
     o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
-    g = attn.cfg.o_groups
+    g = attn.o_groups
     wo_a = attn.wo_a.quantized_weight().view(g, attn.cfg.o_lora_rank, -1)
     o = torch.einsum("bsgi,goi->bsgo", o.reshape(B, S, g, -1), wo_a)
     return attn.wo_b(o.flatten(2))

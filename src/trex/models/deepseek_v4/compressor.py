@@ -10,6 +10,7 @@ from torch import nn
 
 from trex.kernels import quantize
 from trex.kernels.sparse_attention import entry_scores, gather_rows
+from trex.models.common.context import HeadSplit
 from trex.models.common.indexer import alignment_kl, picked_mass, select_topk
 from trex.models.common.linear import QuantLinear, QuantSim, linear_fp32
 from trex.models.common.norm import RMSNorm
@@ -102,6 +103,9 @@ class Indexer(nn.Module):
     no_grad, in query chunks so the [B, chunk, H_I, N] scores stay bounded.
     """
 
+    head_split: HeadSplit | None = None
+    """Tensor parallelism: the main attention's queries this indexer is aligned to hold this rank's heads."""
+
     chunk_elems = 1 << 21
 
     def __init__(self, cfg: ModelConfig, m: int):
@@ -169,7 +173,7 @@ class Indexer(nn.Module):
         per row the KL summed over queries with at least two valid picks, and their number."""
         with torch.no_grad():
             s = entry_scores(q, compressed, idx, fp32=True).mul_(scale).masked_fill_(~valid[:, :, None], float("-inf"))
-            target = torch.nan_to_num(s.softmax(dim=-1), nan=0.0).mean(dim=2)  # [B, S, k]
+            target = self.heads_mean(torch.nan_to_num(s.softmax(dim=-1), nan=0.0).mean(dim=2))  # [B, S, k]
         keys = ctx.gather(self.compressor(rows.detach(), layout, first_row, ctx.own_entries(layout))).float()
         qi, w = (t.float() for t in self._query(x.detach(), qr.detach(), ctx))  # the loss in fp32
         B, S = idx.shape[:2]
@@ -181,14 +185,18 @@ class Indexer(nn.Module):
         counted = valid.sum(dim=-1) > 1  # one pick: the distributions agree, nothing to learn
         return torch.stack((torch.cat(kl, dim=1).sum(dim=1), counted.sum(dim=1).float()), dim=1)
 
-    @staticmethod
     @torch.no_grad()
-    def picked_mass(q: torch.Tensor, scale: float, compressed: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
-                    visible: torch.Tensor) -> torch.Tensor:
+    def picked_mass(self, q: torch.Tensor, scale: float, compressed: torch.Tensor, idx: torch.Tensor,
+                    valid: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """How much of the main attention the picks cover: per query, the mean over heads of
         softmax(q . entry * scale) over all entries the query may see (visible [B, S, N]), summed over
         the valid picks (1: the top-k holds all of it). Dense over the entries: a measurement, not a
         training-time path. Returns [B, 2]: per row the summed coverage of queries that see an
         entry, and their number."""
         s = entry_scores(q, compressed, None, fp32=True).mul_(scale).masked_fill_(~visible[:, :, None], float("-inf"))
-        return picked_mass(torch.nan_to_num(s.softmax(dim=-1), nan=0.0).mean(dim=2), idx, valid, visible)
+        return picked_mass(self.heads_mean(torch.nan_to_num(s.softmax(dim=-1), nan=0.0).mean(dim=2)), idx, valid,
+                           visible)
+
+    def heads_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """A mean over the attention's heads q holds -> over all its heads (tensor parallelism: ``head_split``)."""
+        return x if self.head_split is None else self.head_split.mean(x)

@@ -21,6 +21,7 @@ V4 = Architecture(
     flops=f"{_PKG}.flops:flops_v4",
     plan_terms=f"{_PKG}.plan_terms",
     drafter_kind=mtp_drafter,
+    tp_plan=f"{_PKG}.tp_plan",
     official_config=f"{_PKG}.config:official_config",
 )
 

@@ -1,0 +1,281 @@
+"""Tensor parallelism: each block's attention heads, dense FFN and shared-expert widths, and the vocabulary of the
+embedding and head split over the "tp" mesh dimension (Megatron's scheme), applied from outside to the unchanged
+model from the plan its family declares as data (``TP_PLAN`` in the module its ``Architecture.tp_plan``
+names: module-path patterns, ``*`` one path segment, -> styles).
+
+Styles:
+
+``colwise``         a linear's output rows split (Shard(0)): its replicated input enters the split region here
+                    (identity forward; the input's gradient summed over the group in backward);
+``colwise_within``  the same, its input already inside the region (entered by ``enter``: no second sum);
+``rowwise``         a linear's input columns split (Shard(1)): its output, a partial sum on each rank, is summed
+                    over the group (forward; identity backward) and leaves the region;
+``vocab``           an embedding's or the head's vocabulary rows split (Shard(0)): the embedding looks up the
+                    ids in its rows, zeros the others' and sums over the group; the head (the model's
+                    ``head_slice``) computes its rows' logits, and its loss the vocabulary-parallel
+                    cross-entropy (trex.models.common.cross_entropy.head_nll);
+``enter:METHOD``    the tensors the module's METHOD returns enter the region (replicated values every head
+                    reads, such as MLA's latent, where no linear of their own takes them in);
+``heads:ATTR``      the module's integer ATTR (its head count, or its count of head groups) divided by tp: it
+                    reshapes by this rank's heads; its ``head_split`` (trex.models.common.context.HeadSplit)
+                    averages a statistic over all heads;
+``heads_param:NAME`` the module's per-head parameter NAME split with the heads (Shard(0));
+``head_split``      the module (an indexer aligned to the attention) is given the ``head_split`` only.
+
+The parameters become DTensors on the tp mesh with their global shapes and names (checkpoints reshard across
+layouts; FSDP2 shards them again over the data-parallel mesh, 2-D). While a block runs (and the root, for the
+embedding and head), those parameters are seen as their local shards (``LocalView``), so the model's own
+forward, and any direct read of a weight (MLA's absorbed forms), computes on this rank's slice with plain
+tensors, and a compiled block traces no DTensor. The collectives are differentiable all-reduces; none reads the host.
+Everything else (norms, routers, routed experts, MLA's down projections, V3.2's indexer) is replicated: each
+rank of the group computes it on the same inputs, so their gradients are whole on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from trex.models.common.heads import Model
+from trex.models.registry import ARCHITECTURES, architecture
+
+STYLES = ("colwise", "colwise_within", "rowwise", "vocab", "enter", "heads", "heads_param", "head_split")
+
+
+def _all_reduce(x: torch.Tensor, op: str, group) -> torch.Tensor:
+    """The group's sum (or max) of x, a new tensor (functional collectives: traceable by torch.compile)."""
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, group))
+
+
+class _Enter(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group (each rank's heads add their part)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, "sum", ctx.group), None
+
+
+class _Leave(torch.autograd.Function):
+    """Forward sums each rank's partial output over the group; identity backward (the sum is replicated)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        return _all_reduce(x, "sum", group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class TensorParallelSlice:
+    """This rank's place in the tp group, and the head's vocabulary rows (``HeadSlice``)."""
+
+    def __init__(self, mesh: DeviceMesh, vocab: int = 0):
+        self.group = mesh.get_group()
+        self.rank, self.size = mesh.get_local_rank(), mesh.size()
+        self.start = vocab // self.size * self.rank
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(t, "max", self.group)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(t, "sum", self.group)
+
+    def local(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.to_local() if isinstance(weight, DTensor) else weight
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V / tp] this rank's logits -> [..., V], differentiable (its backward keeps this rank's columns)."""
+        whole = funcol.all_gather_tensor_autograd(logits.movedim(-1, 0).contiguous(), 0, self.group)
+        return funcol.wait_tensor(whole).movedim(0, -1)
+
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        """``HeadSplit.mean``: the group's mean of each rank's per-head mean (equal head counts)."""
+        return self.all_reduce_sum(x) / self.size
+
+    def enter(self, x):
+        return _Enter.apply(x, self.group) if isinstance(x, torch.Tensor) and x.requires_grad else x
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        return _Leave.apply(x, self.group)
+
+
+_VIEW = "_trex_local_view"
+
+
+class LocalView:
+    """While ``unit``'s forward runs (each block, and the root for what lies outside blocks), the split (DTensor)
+    parameters under it (minus those under ``skip``) are seen as their local shards: differentiable views
+    (``to_local``) whose gradients reach the DTensor parameters. The hooks run outside a block's compiled
+    forward (torch.compile sees plain tensors) and after FSDP2's gather (which its pre-forward hook runs first).
+    Entering again while entered does nothing; activation checkpointing's recompute, which calls the block's
+    forward without its hooks, enters it (``local_view_of``)."""
+
+    def __init__(self, unit: nn.Module, skip: tuple[nn.Module, ...] = ()):
+        skipped = {id(m) for s in skip for m in s.modules()}
+        self.slots = [(m, name) for m in unit.modules() if id(m) not in skipped
+                      for name, p in m.named_parameters(recurse=False) if isinstance(p, DTensor)]
+        self.saved: list[nn.Parameter] = []
+        self.depth = 0
+        unit.register_forward_pre_hook(lambda *_: self.__enter__() and None)  # None: the arguments unchanged
+        unit.register_forward_hook(lambda *_: self.__exit__(), always_call=True)
+        unit.__dict__[_VIEW] = self
+
+    def __enter__(self) -> "LocalView":
+        if self.depth == 0:
+            self.saved = [m._parameters[name] for m, name in self.slots]  # FSDP2's unsharded ones, if sharded
+            for (m, name), p in zip(self.slots, self.saved):
+                m._parameters[name] = p.to_local()
+        self.depth += 1
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            for (m, name), p in zip(self.slots, self.saved):
+                m._parameters[name] = p
+            self.saved = []
+
+
+def local_view_of(unit: nn.Module) -> contextlib.AbstractContextManager:
+    """The unit's ``LocalView`` for an eager recompute; a no-op context without tensor parallelism, and inside a
+    compiled block (its graph took the local shards as inputs from the hooks, and recomputes from them)."""
+    view = unit.__dict__.get(_VIEW)
+    return view if view is not None and not torch.compiler.is_compiling() else contextlib.nullcontext()
+
+
+def tp_plan(model: Model) -> dict[str, tuple[str, ...]]:
+    """The plan of ``model``'s family; a family without one is a ValueError naming it."""
+    plan = architecture(model.cfg).load("tp_plan")
+    if plan is None:
+        planned = sorted(name for name, a in ARCHITECTURES.items() if a.tp_plan)
+        raise ValueError(f"parallel.tp: {model.cfg.architecture} has no tensor-parallel plan yet (families with one: "
+                         f"{', '.join(planned)})")
+    return plan.TP_PLAN
+
+
+def _matches(pattern: str, path: str) -> bool:
+    want, have = pattern.split("."), path.split(".")
+    return len(want) == len(have) and all(w in ("*", h) for w, h in zip(want, have))
+
+
+def planned_modules(model: Model, plan: dict[str, tuple[str, ...]]) -> dict[str, tuple[nn.Module, list[str]]]:
+    """Module path -> (module, its styles) for every module of ``model`` a pattern of ``plan`` matches."""
+    found = {}
+    for path, module in model.named_modules():
+        styles = [s for pattern, ss in plan.items() if _matches(pattern, path) for s in ss]
+        for style in styles:
+            if style.partition(":")[0] not in STYLES:
+                raise ValueError(f"tensor-parallel plan of {model.cfg.architecture}: {path}: unknown style "
+                                 f"{style!r} (known: {', '.join(STYLES)})")
+        if styles:
+            found[path] = (module, styles)
+    return found
+
+
+def check_divisible(model: Model, tp: int) -> None:
+    """ValueError unless ``tp`` divides everything the plan splits; one line naming each number that does not."""
+    bad = {}
+    for path, (module, styles) in planned_modules(model, tp_plan(model)).items():
+        for style in styles:
+            kind, _, attr = style.partition(":")
+            if kind == "heads":
+                n, name = getattr(module, attr), attr.replace("n_", "")
+            elif kind == "heads_param":
+                n, name = getattr(module, attr).shape[0], f"{attr} rows"
+            elif kind in ("colwise", "colwise_within", "vocab"):
+                n, name = module.weight.shape[0], "vocabulary" if kind == "vocab" else "rows"
+            elif kind == "rowwise":
+                n, name = module.weight.shape[1], "columns"
+            else:
+                continue
+            what = f"{name} {n}"
+            if n % tp:
+                bad.setdefault(what, path)
+    if bad:
+        parts = ", ".join(f"{path}'s {what}" for what, path in bad.items())
+        raise ValueError(f"parallel.tp = {tp} does not divide {parts}")
+
+
+def _split(module: nn.Module, dim: int, mesh: DeviceMesh, name: str = "weight") -> None:
+    full = getattr(module, name)
+    setattr(module, name, nn.Parameter(distribute_tensor(full.detach(), mesh, [Shard(dim)], src_data_rank=None),
+                                       requires_grad=full.requires_grad))
+
+
+def apply_tensor_parallel(model: Model, tp_mesh: DeviceMesh) -> None:
+    """Split ``model`` over ``tp_mesh`` by its family's plan (module docstring); a no-op for a group of one. The
+    model's parameters must be the same on every rank of the group (each keeps its slice, no communication)."""
+    tp = tp_mesh.size()
+    if tp == 1:
+        return
+    check_divisible(model, tp)
+    modules = planned_modules(model, tp_plan(model))
+    slice_ = TensorParallelSlice(tp_mesh, model.cfg.vocab_size)
+    for path, (module, styles) in modules.items():
+        for style in styles:
+            kind, _, arg = style.partition(":")
+            if kind in ("colwise", "colwise_within", "rowwise", "vocab"):
+                _split(module, 1 if kind == "rowwise" else 0, tp_mesh)
+            if kind == "colwise":
+                module.register_forward_pre_hook(lambda m, args: (slice_.enter(args[0]), *args[1:]))
+            elif kind == "rowwise":
+                module.register_forward_hook(lambda m, args, out: slice_.leave(out))
+            elif kind == "vocab" and isinstance(module, nn.Embedding):
+                _vocab_embedding(module, slice_)
+            elif kind == "vocab":
+                if module is not getattr(model, "head", None):
+                    raise ValueError(f"tensor-parallel plan: {path}: vocab splits an embedding or the model's head")
+                model.head_slice = slice_
+                continue
+            elif kind == "enter":
+                _enter_outputs(module, arg, slice_)
+            elif kind == "heads":
+                setattr(module, arg, getattr(module, arg) // tp)
+                module.head_split = slice_
+            elif kind == "heads_param":
+                _split(module, 0, tp_mesh, arg)
+            elif kind == "head_split":
+                module.head_split = slice_
+    blocks = (*model.layers, *getattr(model, "mtp", ()))
+    for unit in (model, *blocks):
+        LocalView(unit, skip=blocks if unit is model else ())
+
+
+def _vocab_embedding(module: nn.Embedding, slice_: TensorParallelSlice) -> None:
+    """Ids outside this rank's rows look up row 0 and are zeroed; the group's sum is every id's row."""
+    rows = module.weight.shape[0] // slice_.size
+    lo = rows * slice_.rank
+
+    def before(m, args):
+        ids = args[0]
+        m._tp_outside = (ids < lo) | (ids >= lo + rows)
+        return ((ids - lo).masked_fill(m._tp_outside, 0), *args[1:])
+
+    def after(m, args, out):
+        outside = m.__dict__.pop("_tp_outside")
+        return slice_.leave(out.masked_fill(outside[..., None], 0.0))
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
+
+
+def _enter_outputs(module: nn.Module, method: str, slice_: TensorParallelSlice) -> None:
+    """Wrap the instance's ``method`` so the tensors it returns enter the split region."""
+    original = getattr(module, method)
+
+    def entered(*args, **kwargs):
+        out = original(*args, **kwargs)
+        return type(out)(slice_.enter(t) for t in out) if isinstance(out, tuple) else slice_.enter(out)
+
+    setattr(module, method, entered)
