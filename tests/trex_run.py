@@ -106,6 +106,13 @@ _SEQUENCE = "@@trex_sequence@@"
 _ZYGOTE: tuple[str, str] | None = None  # (its socket, its client) once started
 
 
+def zygote_socket() -> str:
+    """The socket of the warm process above (started on first use, one per test process), for a test that puts its
+    own client where a command finds ``trex`` (tests/test_docs_commands.py's sandboxes, tests/trex_zygote.py's
+    ``write_client``)."""
+    return _zygote()[0]
+
+
 def _zygote() -> tuple[str, str]:
     global _ZYGOTE
     if _ZYGOTE is None:
