@@ -1,7 +1,9 @@
 """One SFT step's forward and backward of the tiny model at a layout, for tests/test_context_parallel.py.
 
-    torchrun --nproc-per-node N tests/context_parallel_worker.py OUT.pt DP_SHARD EP CP [COMPILED [V3 [TP]]]
+    torchrun --nproc-per-node N tests/context_parallel_worker.py OUT.pt,DP_SHARD,EP,CP[,COMPILED[,V3[,TP]]] ...
     python tests/context_parallel_worker.py OUT.pt            (one process: the reference)
+
+Several layouts run one after the other in one launch, on one process group (each its own mesh and model).
 
 COMPILED = 1: every block checkpointed (full) and compiled with fullgraph=True (the aot_eager
 backend: the graphs, partitioned for the recompute as Inductor's are, without code generation).
@@ -53,7 +55,9 @@ def rows(batch: Batch, index: slice) -> Batch:
                  batch.token_mask[index])
 
 
-def step(out: str, dp_shard: int = 1, ep: int = 1, cp: int = 1, compiled: int = 0, v3: int = 0, tp: int = 1) -> None:
+def step(out: str, dp_shard: int = 1, ep: int = 1, cp: int = 1, compiled: int = 0, v3: int = 0, tp: int = 1,
+         last: bool = True) -> None:
+    """One layout's step; ``last``: leave the process group after it (`shutdown_distributed`)."""
     dev = device_layer.Device("cpu")
     par = init_parallel(1, dp_shard, ep, 120, dev, cp=cp, tp=tp)
     preset = {1: "tiny-v3", 2: "tiny-v3.2"}.get(v3)
@@ -79,9 +83,11 @@ def step(out: str, dp_shard: int = 1, ep: int = 1, cp: int = 1, compiled: int = 
     if par.rank == 0:
         torch.save({"loss": loss, "nll": [t[:1] for t in nll], "grads": grads}, out)
     del model
-    shutdown_distributed()
+    if last:
+        shutdown_distributed()
 
 
 if __name__ == "__main__":
-    out, *layout = sys.argv[1:]
-    step(out, *map(int, layout))
+    layouts = [arg.split(",") for arg in sys.argv[1:]]
+    for i, (out, *layout) in enumerate(layouts):
+        step(out, *map(int, layout), last=i == len(layouts) - 1)

@@ -9,7 +9,7 @@ per block and root when distributed, MuonAdamW, ``grad_accum`` micro-batches of 
 the reduce-scatter after the last), runs a warm-up step, resets the peak resident set
 (clear_refs) and reports the VmHWM growth of the next step over the resident set before it.
 MALLOC_MMAP_THRESHOLD_=4096 makes every tensor above 4 KiB its own mapping, so freed tensors leave the
-resident set. The warm-up step also counts the bytes autograd saves for backward (storage-deduplicated,
+resident set (``map_every_block`` sets the same in a process forked from a warm one, as the tests run it). The warm-up step also counts the bytes autograd saves for backward (storage-deduplicated,
 parameters excluded), for the breakdown a failing test prints.
 """
 
@@ -99,6 +99,18 @@ def run_case(case: dict, dev) -> dict:
     return result  # the model and optimizer go with this frame (FSDP's cycles: gc.collect above)
 
 
+def map_every_block() -> None:
+    """What MALLOC_MMAP_THRESHOLD_=4096 MALLOC_TRIM_THRESHOLD_=0 give a process at its start, set in this one
+    (glibc's mallopt): every block above 4 KiB its own mapping, returned to the system when freed. A process
+    forked from a warm one (tests/trex_run.py) read its environment before these were set."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    if not (libc.mallopt(m_mmap_threshold, 4096) and libc.mallopt(m_trim_threshold, 0)):
+        raise RuntimeError("mallopt refused the thresholds")
+
+
 # ---- used by the tests (tests/test_plan_memory_cpu.py, tests/test_plan_memory_distributed.py) ----------
 SMALL = dict(hidden_size=256, num_attention_heads=8, head_dim=64, q_lora_rank=128, o_lora_rank=64, sliding_window=128,
              index_topk=64, index_head_dim=32, moe_intermediate_size=128, vocab_size=1024)
@@ -106,24 +118,24 @@ MiB = 2**20
 
 
 def launch(cases: list[dict], nproc: int, timeout: int = 400) -> list[dict]:
-    """Run ``cases`` in one process, or under torchrun on ``nproc`` gloo ranks; one result per case and rank."""
+    """Run ``cases`` in one process, or under torchrun on ``nproc`` gloo ranks; one result per case and rank.
+    Each process is a child forked from a warm one (tests/trex_run.py: no ~4 CPU seconds of imports), which
+    maps its blocks as MALLOC_MMAP_THRESHOLD_=4096 would (`map_every_block`: the warm process read its
+    environment before)."""
     import os
-    import socket
-    import subprocess
-
     import tempfile
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from trex_run import python, torchrun
+
+    env = {"MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "0", "TREX_DEVICE": "cpu"}
     here = os.path.abspath(__file__)
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, here, json.dumps(cases), out] if nproc == 1 else [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}", here,
-            json.dumps(cases), out]
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "1",
-               "TREX_DEVICE": "cpu"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        args = [json.dumps(cases), out]
+        if nproc == 1:
+            code = f"import runpy, sys\nsys.argv = [{here!r}, *sys.argv[1:]]\nrunpy.run_path({here!r}, run_name='__main__')\n"
+            proc = python(code, args, env=env, timeout=timeout)
+        else:
+            proc = torchrun(here, args, nproc=nproc, env=env, timeout=timeout)
         assert proc.returncode == 0, proc.stderr[-3000:]
         results = [json.loads(line) for rank in range(nproc) for line in open(os.path.join(out, f"rank{rank}.jsonl"))]
     return sorted(results, key=lambda r: (r["case"], r["rank"]))
@@ -155,6 +167,7 @@ def explain(result: dict, memory) -> str:
 
 def main(cases: str, out: str) -> None:
     """Each rank writes its results to ``out``/rank<R>.jsonl, a line per case (numbered ``case``)."""
+    map_every_block()
     dev = device.detect("cpu")
     for i, case in enumerate(json.loads(cases)):
         result = {**run_case(case, dev), "case": i}

@@ -111,43 +111,63 @@ def reference(tmp_path_factory):
 
 
 def _run_worker(tmp_path, nproc: int, dp_shard: int, ep: int, cp: int, compiled: int, v3: int = 0, tp: int = 1) -> dict:
-    from trex_run import torchrun  # each rank forked from a warm process
+    """One layout's step in a launch of its own (each rank forked from a warm process)."""
+    from trex_run import torchrun
 
     out = tmp_path / f"cp{cp}_dp{dp_shard}_ep{ep}_tp{tp}.pt"
     proc = torchrun(os.path.join(HERE, "context_parallel_worker.py"),
-                    [str(out), str(dp_shard), str(ep), str(cp), str(compiled), str(v3), str(tp)], nproc=nproc)
+                    [",".join(map(str, [out, dp_shard, ep, cp, compiled, v3, tp]))], nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("nproc,dp_shard,ep,cp,compiled", [(2, 1, 1, 2, 0), (4, 1, 1, 4, 0), (4, 2, 2, 2, 0),
-                                                           (2, 1, 1, 2, 1)],
-                         ids=["cp2", "cp4", "fsdp2-ep2-cp2", "cp2-checkpointed-compiled"])
-def test_sharded_sequence_gives_the_losses_and_gradients_of_one_process(tmp_path, reference, nproc, dp_shard, ep, cp,
-                                                                       compiled):
-    _assert_as_one_process(reference, _run_worker(tmp_path, nproc, dp_shard, ep, cp, compiled))
+# name -> (nproc, dp_shard, ep, cp, compiled, v3) of context_parallel_worker.py; the compiled layout last on its
+# ranks, after the eager ones
+LAYOUTS = {"cp2": (2, 1, 1, 2, 0, 0), "cp4": (4, 1, 1, 4, 0, 0), "fsdp2-ep2-cp2": (4, 2, 2, 2, 0, 0),
+           "v3-fsdp2-ep2-cp2": (4, 2, 2, 2, 0, 1), "v32-cp2": (2, 1, 1, 2, 0, 2), "cp2-checkpointed-compiled": (2, 1, 1, 2, 1, 0)}
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> dict:
+    """Each layout's step (its loss, NLL and gradients, a path to ``torch.load``): one torchrun per number of
+    ranks, which runs its layouts one after the other on one process group, each rank forked from a warm
+    process (tests/trex_run.py)."""
+    from trex_run import torchrun
+
+    d = tmp_path_factory.mktemp("cp")
+    for nproc in sorted({layout[0] for layout in LAYOUTS.values()}):
+        args = [",".join(map(str, [d / f"{name}.pt", *layout[1:]])) for name, layout in LAYOUTS.items()
+                if layout[0] == nproc]
+        proc = torchrun(os.path.join(HERE, "context_parallel_worker.py"), args, nproc=nproc)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return {name: d / f"{name}.pt" for name in LAYOUTS}
 
 
 @pytest.mark.slow
-def test_deepseek_v3_under_fsdp2_ep2_cp2_gives_the_losses_and_gradients_of_one_process(tmp_path):
+@pytest.mark.parametrize("name", ["cp2", "cp4", "fsdp2-ep2-cp2", "cp2-checkpointed-compiled"])
+def test_sharded_sequence_gives_the_losses_and_gradients_of_one_process(reference, sharded, name):
+    _assert_as_one_process(reference, torch.load(sharded[name]))
+
+
+@pytest.mark.slow
+def test_deepseek_v3_under_fsdp2_ep2_cp2_gives_the_losses_and_gradients_of_one_process(tmp_path, sharded):
     """tiny-v3 (MLA gathering its KV latents, a dense first layer, group-limited routing, MTP) on the same packed
     batch on four ranks, FSDP2 over dp_shard 2 x cp 2, experts split in two, every row split in two: the loss,
     every position's NLL of both heads and every gradient as one process's (measured, the core being
     ``latent_attention``'s chunked online softmax: loss 9e-8 relative, NLL within 1e-6, gradients 5.2e-7). cp = 2 alone on two ranks: tests/test_migration.py's V3 move, in `trex train`."""
     worker.step(str(tmp_path / "one.pt"), v3=1)
-    _assert_as_one_process(torch.load(tmp_path / "one.pt"), _run_worker(tmp_path, 4, 2, 2, 2, 0, v3=1))
+    _assert_as_one_process(torch.load(tmp_path / "one.pt"), torch.load(sharded["v3-fsdp2-ep2-cp2"]))
 
 
 @pytest.mark.slow
-def test_deepseek_v32_under_cp2_gives_the_losses_and_gradients_of_one_process(tmp_path):
+def test_deepseek_v32_under_cp2_gives_the_losses_and_gradients_of_one_process(tmp_path, sharded):
     """tiny-v3.2 on two ranks, every row split in two, the indexer's KL trained (the sparse stage): each rank's
     queries pick among the whole rows' gathered index keys, and the loss, the NLL and every gradient (the
     indexers' from the KL through the gathered keys included) are one process's."""
     worker.step(str(tmp_path / "one.pt"), v3=2)
     one = torch.load(tmp_path / "one.pt")
     assert any(".attn.indexer." in name for name in one["grads"])
-    _assert_as_one_process(one, _run_worker(tmp_path, 2, 1, 1, 2, 0, v3=2))
+    _assert_as_one_process(one, torch.load(sharded["v32-cp2"]))
 
 
 def _assert_as_one_process(one: dict, got: dict) -> None:

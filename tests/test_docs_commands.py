@@ -233,10 +233,13 @@ def run_doc(doc: str, assets, sandbox_dir, zygote: str | None = None) -> str | N
 @pytest.mark.slow
 def test_documented_commands_run(assets, tmp_path):
     # each document in its own sandbox, two at a time (each command runs on one thread); every `trex` a child of
-    # one warm process (tests/trex_zygote.py), which spares each ~3.5 CPU seconds of imports
+    # one warm process (tests/trex_zygote.py), which spares each ~3.5 CPU seconds of imports: the one that
+    # tests/trex_run.py starts for this test process (one thread, as the documents' commands), not one more
+    from trex_run import zygote_socket
+
     docs = [d for d in DOCS if any(b.skip is None for b in blocks(d))]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with trex_zygote.running(env) as zygote, ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+    zygote = zygote_socket()
+    with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
         failures = [f for f in pool.map(lambda d: run_doc(d, assets, tmp_path / d.replace("/", "_"), zygote), docs)
                     if f]
     assert not failures, "\n\n".join(failures)

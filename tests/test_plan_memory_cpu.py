@@ -1,8 +1,8 @@
 """The memory model against the measured peak of real single-process CPU training steps.
 
-Each case runs in a fresh process (tests/plan_memory_worker.py: fp32 or bf16 compute on fp32
+Each case runs in a process of its own, forked from a warm one (tests/plan_memory_worker.py: fp32 or bf16 compute on fp32
 parameters, the real MuonAdamW, a frozen indexer, activation checkpointing as trex train applies it). glibc keeps freed small blocks in its
-heap, which would hide a step's growth, so the child sets MALLOC_MMAP_THRESHOLD_=4096: every tensor
+heap, which would hide a step's growth, so the child maps as MALLOC_MMAP_THRESHOLD_=4096 does: every tensor
 above 4 KiB is its own mapping, returned to the system when freed. The baseline is the resident set
 after a warm-up step (model and optimizer state exist, gradients freed); the measured peak is the
 VmHWM growth during the next step, compared with the planner's step peak (the larger of the
@@ -29,7 +29,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def measured():
-    return {name: launch([case], nproc=1)[0] for name, case in CASES.items()}  # a fresh process each
+    return {name: launch([case], nproc=1)[0] for name, case in CASES.items()}  # a process of its own each
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import pathlib
 import socket
-import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -580,15 +579,16 @@ def test_collectives_and_ddp_on_vdev_tensors_run_on_gloo():
 
     dist.destroy_process_group()
     """
+    from trex_run import python  # each rank a child forked from a warm process, as run_child's
+
     code = PRELUDE + textwrap.dedent(body) + EPILOGUE
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), PORT=str(port))
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(env, RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    env = {"PYTHONPATH": str(ROOT / "src"), "PORT": str(port)}
+    with ThreadPoolExecutor(max_workers=2) as pool:  # both ranks at once: they meet in init_process_group
+        procs = list(pool.map(lambda r: python(code, env={**env, "RANK": str(r)}, cwd=str(ROOT)), range(2)))
     results = []
-    for p, (out, err) in zip(procs, outs):
-        marker = [line for line in out.splitlines() if line.startswith("@@RESULTS@@")]
-        assert p.returncode == 0 and marker, f"rank failed (rc={p.returncode}):\n{out[-2000:]}\n{err[-3000:]}"
+    for p in procs:
+        marker = [line for line in p.stdout.splitlines() if line.startswith("@@RESULTS@@")]
+        assert p.returncode == 0 and marker, f"rank failed (rc={p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
         results.append(json.loads(marker[-1][len("@@RESULTS@@"):]))
     for rank, r in enumerate(results):
         assert ok(r, "collectives") == [[3.0] * 3, [0.0, 0.0], [0.0, 0.0, 1.0, 1.0],

@@ -5,9 +5,9 @@
   so the reduction order, and every number, is the one a separate process computes; ``PYTHONPATH`` in
   ``env`` goes on sys.path for the call, where a reward plug-in is imported from). A process start
   (importing torch, dynamo and DCP: ~4 CPU seconds) costs more than most test runs' steps.
-- ``procs`` > 1 runs under torchrun (``python -m torch.distributed.run --standalone``), each rank a child
-  forked from a process that has imported trex (tests/trex_zygote.py, started on first use, one per test
-  process): torchrun starts the zygote's client as the rank's program (``--no-python``), with the rank's
+- ``procs`` > 1 runs under torchrun (``python -m torch.distributed.run --standalone``), the launcher and each
+  rank a child forked from a process that has imported trex (tests/trex_zygote.py, started on first use, one per
+  test process): torchrun starts the zygote's client as the rank's program (``--no-python``), with the rank's
   environment, and the client forwards torchrun's signals to its child.
 - ``torchrun(script, args)``: a test's worker script under torchrun, its ranks forked from the same zygote.
 - ``python(code)``: ``python -c CODE`` as a child forked from the same zygote.
@@ -53,7 +53,7 @@ def trex(args: list[str], *, procs: int = 1, env: dict | None = None, cwd: str =
     else:
         socket_path, client = _zygote()
         env["TREX_ZYGOTE"] = socket_path
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--standalone",
+        command = [client, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--standalone",
                    "--no-python", client, *args]
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
 
@@ -61,11 +61,12 @@ def trex(args: list[str], *, procs: int = 1, env: dict | None = None, cwd: str =
 def torchrun(script: str, args: list[str], *, nproc: int = 2, env: dict | None = None,
              timeout: float = 300) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node NPROC SCRIPT ARGS`` of a test's worker script, on the CPU with one thread a
-    rank: each rank a child forked from the warm process of ``trex`` above (tests/trex_zygote.py runs a
-    ``.py`` command as ``python SCRIPT ARGS``), which spares each rank ~3.5 CPU seconds of imports."""
+    rank: the launcher and each rank a child forked from the warm process of ``trex`` above (tests/trex_zygote.py
+    runs ``-m MODULE`` as python does, and a ``.py`` command as ``python SCRIPT ARGS``), which spares each rank
+    ~3.5 CPU seconds of imports and the launcher ~2."""
     socket_path, client = _zygote()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu", **(env or {}), "TREX_ZYGOTE": socket_path}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+    command = [client, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
                "--no-python", client, os.path.abspath(script), *args]
     return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
 
@@ -104,6 +105,13 @@ def trex_sequence(commands: list[list[str]], *, env: dict, cwd: str = ROOT,
 
 _SEQUENCE = "@@trex_sequence@@"
 _ZYGOTE: tuple[str, str] | None = None  # (its socket, its client) once started
+
+
+def zygote_socket() -> str:
+    """The socket of the warm process above (started on first use, one per test process), for a test that puts its
+    own client where a command finds ``trex`` (tests/test_docs_commands.py's sandboxes, tests/trex_zygote.py's
+    ``write_client``)."""
+    return _zygote()[0]
 
 
 def _zygote() -> tuple[str, str]:
