@@ -2,7 +2,7 @@
 
     python -m trex.train.tool_demo --out runs/tool_demo
 
-1. data (trex.data.arithmetic): 5-digit additions; ``demonstrations`` of them as calculator calls
+1. data (trex.data.arithmetic): 4-digit additions; ``demonstrations`` of them as calculator calls
    (``tool_call_records``) and the same problems answered directly (``sft_records``); ``prompts`` others
    as GRPO prompts (``prompt_records``);
 2. per arm, from the same random init: the SFT warm-up (``recipes/calculator_warmup.toml``) on its
@@ -42,7 +42,7 @@ class ToolDemo:
     out: str = "runs/tool_demo"
     warmup_recipe: str = "recipes/calculator_warmup.toml"
     grpo_recipe: str = "recipes/grpo_calculator.toml"
-    digits: int = 5
+    digits: int = 4
     """Operands below 10**digits."""
     demonstrations: int = 256
     """Warm-up conversations per arm (the same problems in both)."""
@@ -74,7 +74,7 @@ def run_arm(demo: ToolDemo, arm: str, files: dict[str, str]) -> str:
     shown = files["tool_calls"] if arm == "tools" else files["answers"]
     common = ["train.progress=false", "train.overwrite=true"]
     warm = load(TrainRecipe, demo.warmup_recipe, [f"data.paths=[{json.dumps(shown)}]", f"train.out={json.dumps(warm_dir)}",
-                                                  f"model.seed={demo.seed}", *common, *demo.warmup_set])
+                                                  f"model.init_seed={demo.seed}", *common, *demo.warmup_set])
     result = train(warm)
     model = export_model(result.model, os.path.join(warm_dir, "model"))
     grpo = load(TrainRecipe, demo.grpo_recipe, [
