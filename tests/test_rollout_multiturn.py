@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trex.data.tokenizer import compact_tokenizer
-from trex.data.tool_calls import tool_codec
+from trex.data.tool_calls import ToolCall, tool_codec
 from trex.rollout.environment import ToolsEnvironment
 from trex.rollout.multiturn import TurnLimits, roll_out_turns
 from trex.rollout.sampling import Samples, SamplingParams
@@ -173,6 +173,9 @@ def test_the_tools_environment_reads_prompt_and_messages_records():
     sft = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
                         {"role": "assistant", "content": "5"}]}
     assert (env.reset(sft).system, env.reset(sft).user) == ("S", "U")
+    # schemas = false: the prompt lists no tools, the calls are answered all the same
+    quiet = ToolsEnvironment(tools=["calculator"], schemas=False).reset({"prompt": "2+3?"})
+    assert quiet.tools == [] and quiet.step([ToolCall("calculator", {"expression": "2+3"})], 1.0)[0].content == "5"
     with pytest.raises(ValueError, match="expected"):
         env.reset({"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]})
     with pytest.raises(ValueError, match="tools \\['shell'\\]: expected some of"):

@@ -28,7 +28,7 @@ import json
 
 import pytest
 
-from trex.data.chat import render_conversation
+from trex.data.chat import render_conversation, render_prompt
 from trex.data.tokenizer import ASSISTANT, BOS, EOS, USER, load_tokenizer
 from trex.data.tool_calls import FAMILIES, ToolCall, tool_codec
 
@@ -174,6 +174,17 @@ def test_v4_agrees_with_the_v4_chat_encoder(thinking):
     assert dsml_call("tool_calls") in rendered
     assert (USER + "<tool_result>18C</tool_result>" + ASSISTANT + ("<think>" if thinking else "</think>")) in rendered
     assert codec.reasoning_kept(after_last_user=False)  # tools defined: encode_messages keeps all reasoning
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v3.1", "deepseek-v4"])
+def test_no_tools_renders_the_prompt_of_a_conversation_without_tools(family):
+    """An episode that lists no tools: no tools block, as the chat encoder renders a conversation with none
+    (the calculator demonstration's short prompts); V3.2's and V4.1's share V4's rule."""
+    for system, messages in (("", []), (SYS, [{"role": "system", "content": SYS}])):
+        want = render_prompt([*messages, {"role": "user", "content": USER_TEXT}], thinking=False, chat_format=family)
+        assert tool_codec(family, thinking=False).prompt(system, USER_TEXT, []) == want
+    for family in ("deepseek-v3.2", "deepseek-v4.1"):
+        assert "## Tools" not in tool_codec(family, thinking=False).prompt(SYS, USER_TEXT, [])
 
 
 def test_v41_released_form():

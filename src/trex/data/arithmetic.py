@@ -9,7 +9,8 @@ negative) and ``*`` (b is a single digit). The same problems serve three uses:
 
 Post-training demos draw on a third split (`fresh_problems`): GRPO/distillation prompts
 (`prompt_records`) and DPO pairs (`preference_records` with synthetic slips, or `mistake_records`
-with a model's own wrong answers).
+with a model's own wrong answers). The calculator demonstration (trex.train.tool_demo) warms a model up
+on `tool_call_records`: the question answered by a call to the calculator and a copy of its result.
 """
 
 from __future__ import annotations
@@ -161,3 +162,15 @@ def mistake_records(problems: list[Problem], answers: list[list[str]]) -> list[d
 def prompt_records(problems: list[Problem]) -> list[dict]:
     """GRPO/distillation prompts: the question as ``prompt`` and its exact ``answer``."""
     return [{"prompt": p.question, "answer": p.answer} for p in problems]
+
+
+def tool_call_records(problems: list[Problem], tool: str = "calculator", argument: str = "expression") -> list[dict]:
+    """SFT demonstrations of a tool call, one conversation per problem: the question from the user, an
+    assistant turn that calls ``tool`` with the question as ``argument``, the tool's answer (the exact
+    answer) and the assistant's copy of it."""
+    return [{"messages": [
+        {"role": "user", "content": p.question},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": tool, "arguments": {argument: p.question}}}]},
+        {"role": "tool", "content": p.answer},
+        {"role": "assistant", "content": p.answer}]} for p in problems]

@@ -87,7 +87,9 @@ class ToolCodec:
 
     # ---- rendering ------------------------------------------------------------------------------
     def prompt(self, system: str, user: str, tools: list[dict]) -> str:
-        """BOS, the system text with the tool schemas, the user turn and the generation prompt."""
+        """BOS, the system text with the tool schemas, the user turn and the generation prompt. No tools
+        (``[]``): no tools block, the prompt of a conversation that defines none (as trex.data.chat renders
+        it): a model that learnt the calls from demonstrations is still answered."""
         raise NotImplementedError
 
     def assistant(self, content: str = "", calls: list[dict] = (), reasoning: str = "") -> str:
@@ -197,7 +199,7 @@ class V3Codec(ToolCodec):
         listing = "\n\n".join(f"- `{fn['name']}`:\n```json\n{json.dumps(fn, indent=4, ensure_ascii=False)}\n```"
                               for fn in _schemas(tools))
         head = f"{system}\n\n## Tools\n\n### Function\n\nYou have the following functions available:\n\n{listing}"
-        return BOS + head + USER + user + ASSISTANT + (R1_THINK_OPEN if self.thinking else "")
+        return BOS + (head if tools else system) + USER + user + ASSISTANT + (R1_THINK_OPEN if self.thinking else "")
 
     def assistant(self, content="", calls=(), reasoning=""):
         text = (reasoning + R1_THINK_CLOSE) if self.thinking else ""
@@ -263,7 +265,7 @@ class V31Codec(ToolCodec):
     def prompt(self, system, user, tools):
         listing = "".join(f"### {fn['name']}\nDescription: {fn.get('description', '')}\n\n"
                           f"Parameters: {json.dumps(fn.get('parameters', {}))}\n\n" for fn in _schemas(tools))
-        return BOS + system + "\n\n" + V31_TOOLS.format(listing=listing) + USER + user + ASSISTANT + THINK_END
+        return BOS + system + ("\n\n" + V31_TOOLS.format(listing=listing) if tools else "") + USER + user + ASSISTANT + THINK_END
 
     def assistant(self, content="", calls=(), reasoning=""):
         if not calls:
@@ -325,7 +327,7 @@ class DSMLCodec(ToolCodec):
         return TOOLS_PROMPT.format(schemas="\n".join(json.dumps(fn, ensure_ascii=False) for fn in _schemas(tools)))
 
     def _system(self, system: str, tools: list[dict]) -> str:
-        return system + "\n\n" + self._tools_block(tools)
+        return system + ("\n\n" + self._tools_block(tools) if tools else "")
 
     def prompt(self, system, user, tools):
         opener = THINK_START if self.thinking else THINK_END

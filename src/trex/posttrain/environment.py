@@ -37,7 +37,7 @@ class EnvironmentSection:
     the entry-point group trex.environments, or module:Class; empty: single-turn rollouts."""
     options: dict = field(default_factory=dict)
     """Keyword arguments of the environment's constructor ("tools": tools = ["calculator", "python"],
-    python_wall_s, python_cpu_s)."""
+    python_wall_s, python_cpu_s, schemas = false: the prompt lists no tools)."""
     tool_format: str = ""
     """The tool-call format (deepseek-v3, deepseek-v3.1, deepseek-v3.2, deepseek-v4, deepseek-v4.1; in
     thinking or chat form as [data] thinking); empty: [data] chat_format."""

@@ -36,25 +36,28 @@ class ToolsEnvironment:
     """``name = "tools"``: the built-in tools (``tools``: any of "calculator", "python") for every record.
     A record is ``{"prompt": str}`` or ``{"messages": [{"role": "system"}?, {"role": "user"}]}`` (an SFT
     record's final assistant turn left out: it is the prompt's answer), plus ``system`` (a string)
-    optionally and whatever the rewards read (``answer``)."""
+    optionally and whatever the rewards read (``answer``). ``schemas`` false: the prompt names no tools (no
+    tools block: a prompt as short as the record's own), the calls are answered all the same; for a model that
+    learnt the calls from demonstrations (the calculator demonstration, docs/post_training.md)."""
 
     def __init__(self, tools: Sequence[str] = ("calculator", "python"), python_cpu_s: int = 10,
-                 python_wall_s: float = 10.0):
+                 python_wall_s: float = 10.0, schemas: bool = True):
         unknown = [t for t in tools if t not in BUILTIN_TOOLS]
         if unknown or not tools:
             raise ValueError(f"tools {list(tools)}: expected some of {', '.join(BUILTIN_TOOLS)}")
         self.names = list(tools)
         self.limits = SandboxLimits(wall_s=python_wall_s, cpu_s=python_cpu_s)
+        self.schemas = bool(schemas)
 
     def reset(self, record: dict) -> ToolsEpisode:
-        return ToolsEpisode(*_system_user(record), self.names, self.limits)
+        return ToolsEpisode(*_system_user(record), self.names, self.limits, self.schemas)
 
 
 class ToolsEpisode:
-    def __init__(self, system: str, user: str, names: list[str], limits: SandboxLimits):
+    def __init__(self, system: str, user: str, names: list[str], limits: SandboxLimits, schemas: bool = True):
         self.system, self.user, self.limits = system, user, limits
         self._tools = {n: BUILTIN_TOOLS[n]() for n in names}
-        self.tools = [t.schema for t in self._tools.values()]
+        self.tools = [t.schema for t in self._tools.values()] if schemas else []
 
     def step(self, calls: Sequence[ToolCall], seconds_left: float) -> list[ToolResult]:
         if "python" in self._tools:  # a program runs at most for what is left of the trajectory's tool time
