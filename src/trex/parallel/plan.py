@@ -30,11 +30,12 @@ from trex.parallel.context_parallel import apply_context_parallel
 from trex.parallel.engram import shard_engram_tables
 from trex.parallel.expert_parallel import shard_experts
 from trex.parallel.mesh import Parallel
+from trex.parallel.parameter_view import ParameterView
 from trex.parallel.tensor_parallel import apply_tensor_parallel, local_view_of
 from trex.precision import PrecisionPolicy
 
 
-class ComputeCast:
+class ComputeCast(ParameterView):
     """While entered, the fp32 parameters of ``unit`` (minus those under ``skip``) are seen by the
     forward as casts to ``dtype``; leaving restores them. Entering again while entered does nothing,
     so a region that activation checkpointing recomputes during backward can enter it again and see
@@ -46,36 +47,7 @@ class ComputeCast:
     """
 
     def __init__(self, unit: nn.Module, dtype: torch.dtype, skip: tuple[nn.Module, ...] = ()):
-        skipped = {id(m) for s in skip for m in s.modules()}
-        self.dtype = dtype
-        self.slots = [(m, name) for m in unit.modules() if id(m) not in skipped
-                      for name, p in m.named_parameters(recurse=False) if p.is_floating_point()]
-        self.saved: list[nn.Parameter] = []
-        self.depth = 0
-        self.hooks = [unit.register_forward_pre_hook(lambda *_: self._enter()),
-                      unit.register_forward_hook(lambda *_: self.__exit__(), always_call=True)]
-
-    def __enter__(self) -> "ComputeCast":
-        self._enter()
-        return self
-
-    def _enter(self) -> None:
-        if self.depth == 0:
-            self.saved = [m._parameters[name] for m, name in self.slots]
-            for (m, name), p in zip(self.slots, self.saved):
-                m._parameters[name] = p.to(self.dtype)  # a tensor, not a Parameter: the forward's view
-        self.depth += 1
-
-    def __exit__(self, *_) -> None:
-        self.depth -= 1
-        if self.depth == 0:
-            for (m, name), p in zip(self.slots, self.saved):
-                m._parameters[name] = p
-            self.saved = []
-
-    def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
+        super().__init__(unit, lambda p: p.is_floating_point(), lambda p: p.to(dtype), skip)
 
 
 _CAST = "_trex_compute_cast"

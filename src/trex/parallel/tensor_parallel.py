@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from trex.models.common.heads import Model
 from trex.models.registry import ARCHITECTURES, architecture
+from trex.parallel.parameter_view import ParameterView
 
 STYLES = ("colwise", "colwise_within", "rowwise", "vocab", "enter", "heads", "heads_param", "head_split")
 
@@ -113,7 +114,7 @@ class TensorParallelSlice:
 _VIEW = "_trex_local_view"
 
 
-class LocalView:
+class LocalView(ParameterView):
     """While ``unit``'s forward runs (each block, and the root for what lies outside blocks), the split (DTensor)
     parameters under it (minus those under ``skip``) are seen as their local shards: differentiable views
     (``to_local``) whose gradients reach the DTensor parameters. The hooks run outside a block's compiled
@@ -122,29 +123,8 @@ class LocalView:
     forward without its hooks, enters it (``local_view_of``)."""
 
     def __init__(self, unit: nn.Module, skip: tuple[nn.Module, ...] = ()):
-        skipped = {id(m) for s in skip for m in s.modules()}
-        self.slots = [(m, name) for m in unit.modules() if id(m) not in skipped
-                      for name, p in m.named_parameters(recurse=False) if isinstance(p, DTensor)]
-        self.saved: list[nn.Parameter] = []
-        self.depth = 0
-        unit.register_forward_pre_hook(lambda *_: self.__enter__() and None)  # None: the arguments unchanged
-        unit.register_forward_hook(lambda *_: self.__exit__(), always_call=True)
+        super().__init__(unit, lambda p: isinstance(p, DTensor), lambda p: p.to_local(), skip)
         unit.__dict__[_VIEW] = self
-
-    def __enter__(self) -> "LocalView":
-        if self.depth == 0:
-            self.saved = [m._parameters[name] for m, name in self.slots]  # FSDP2's unsharded ones, if sharded
-            for (m, name), p in zip(self.slots, self.saved):
-                m._parameters[name] = p.to_local()
-        self.depth += 1
-        return self
-
-    def __exit__(self, *_) -> None:
-        self.depth -= 1
-        if self.depth == 0:
-            for (m, name), p in zip(self.slots, self.saved):
-                m._parameters[name] = p
-            self.saved = []
 
 
 def local_view_of(unit: nn.Module) -> contextlib.AbstractContextManager:

@@ -19,6 +19,8 @@ vocabulary-parallel cross-entropy). MTP modules as the main blocks; their ``eh_p
 
 from __future__ import annotations
 
+from trex.models.common.tp_plan import model_plan
+
 _BLOCK = {
     "attn": ("heads:n_heads", "enter:latent_kv"),
     "attn.wq": ("colwise",),  # Moonlight: no query latent
@@ -28,13 +30,6 @@ _BLOCK = {
     "ffn.w1": ("colwise",),  # the dense layers' FFN
     "ffn.w3": ("colwise",),
     "ffn.w2": ("rowwise",),
-    "ffn.shared_experts.w1": ("colwise",),
-    "ffn.shared_experts.w3": ("colwise",),
-    "ffn.shared_experts.w2": ("rowwise",),
 }
 
-TP_PLAN: dict[str, tuple[str, ...]] = {
-    "embed": ("vocab",),
-    "head": ("vocab",),
-    **{f"{blocks}.*.{path}": styles for blocks in ("layers", "mtp") for path, styles in _BLOCK.items()},
-}
+TP_PLAN = model_plan(_BLOCK)

@@ -14,6 +14,8 @@ vocabulary rows. MTP blocks as the main blocks; their ``e_proj``, ``h_proj`` rep
 
 from __future__ import annotations
 
+from trex.models.common.tp_plan import model_plan
+
 _BLOCK = {
     "attn": ("heads:n_heads", "heads:o_groups", "heads_param:attn_sink", "enter:_kv"),
     "attn.compressor": ("enter:forward",),
@@ -21,13 +23,6 @@ _BLOCK = {
     "attn.wq_b": ("colwise",),
     "attn.wo_a": ("colwise_within",),
     "attn.wo_b": ("rowwise",),
-    "ffn.shared_experts.w1": ("colwise",),
-    "ffn.shared_experts.w3": ("colwise",),
-    "ffn.shared_experts.w2": ("rowwise",),
 }
 
-TP_PLAN: dict[str, tuple[str, ...]] = {
-    "embed": ("vocab",),
-    "head": ("vocab",),
-    **{f"{blocks}.*.{path}": styles for blocks in ("layers", "mtp") for path, styles in _BLOCK.items()},
-}
+TP_PLAN = model_plan(_BLOCK)
