@@ -15,5 +15,6 @@ V3 = Architecture(
     split_rule=f"{_PKG}.config",
     flops=f"{_PKG}.flops:flops_v3",
     plan_terms=f"{_PKG}.plan_terms",
+    checkpoint_names=f"{_PKG}.checkpoint_names:V3_NAMES",
     drafter_kind=mtp_drafter,
 )

@@ -20,6 +20,7 @@ V4 = Architecture(
     split_rule=f"{_PKG}.config",
     flops=f"{_PKG}.flops:flops_v4",
     plan_terms=f"{_PKG}.plan_terms",
+    checkpoint_names=f"{_PKG}.checkpoint_names:V4_NAMES",
     drafter_kind=mtp_drafter,
     official_config=f"{_PKG}.config:official_config",
 )
@@ -31,6 +32,7 @@ V41 = Architecture(
     split_rule=f"{_PKG}.config",
     flops=f"{_PKG}.flops:flops_v41",
     plan_terms=f"{_PKG}.plan_terms",
+    checkpoint_names=f"{_PKG}.checkpoint_names:V41_NAMES",
     drafter_kind=_dspark_drafter,
     passthrough=PASSTHROUGH,
     tokenizer_map=f"{_PKG}.engram:tokenizer_map",
