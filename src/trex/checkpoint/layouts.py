@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from trex.kernels import quantize as quant
-from trex.checkpoint.naming import checkpoint_names, scale_name
+from trex.checkpoint.naming import DEFAULT_ARCH, checkpoint_names, scale_name
 from trex.checkpoint.safetensors_io import PlannedTensor
 from trex.models.common.checkpoint_names import STACKED, CheckpointNames
 
@@ -50,7 +50,7 @@ class TrexTensor:
     get: Callable[[int | None], torch.Tensor]
 
 
-def codec_for(key: str, quantize: str | None, arch: str = "deepseek_v4", scale_fmt: str | None = None) -> str:
+def codec_for(key: str, quantize: str | None, arch: str = DEFAULT_ARCH, scale_fmt: str | None = None) -> str:
     """plain, fp8 (128x128 blocks), fp8/32 (32x32), fp8/1x32 (a scale per row and 32 columns), fp8/fp32
     (128x128 blocks, fp32 scales: DeepSeek-V3's), fp8/fp32-ue8m0 (the same, powers of two: the V3 family's
     under config ``scale_fmt`` "ue8m0") or fp4: how trex tensor ``key`` of architecture ``arch`` is stored
@@ -63,7 +63,7 @@ def codec_for(key: str, quantize: str | None, arch: str = "deepseek_v4", scale_f
 
 
 def plan_outputs(tensors: list[TrexTensor], layout: str, dtype: torch.dtype, quantize: str | None,
-                 arch: str = "deepseek_v4", scale_hint: ScaleHint | None = None, n_layers: int | None = None,
+                 arch: str = DEFAULT_ARCH, scale_hint: ScaleHint | None = None, n_layers: int | None = None,
                  scale_fmt: str | None = None) -> list[list[PlannedTensor]]:
     """Groups of tensors to write for ``layout`` ("official" or "hf"), in the order given, named and quantised
     as architecture ``arch`` says (``CheckpointNames``: a layout it is not written in is a ValueError; routed
@@ -151,6 +151,6 @@ def _encode(name: str, shape: tuple[int, ...], dtype: torch.dtype, codec: str, l
             PlannedTensor(scale_name(name, layout), sdtype, qshape[1], scale)]
 
 
-def quantization_config(quantize: str | None, arch: str = "deepseek_v4") -> dict | None:
+def quantization_config(quantize: str | None, arch: str = DEFAULT_ARCH) -> dict | None:
     """The ``quantization_config`` of config.json for ``quantize`` (None when unquantised)."""
     return None if quantize is None else checkpoint_names(arch).quantization_config(quantize)

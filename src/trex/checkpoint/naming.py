@@ -21,11 +21,11 @@ import torch
 from trex.models.common.checkpoint_names import CheckpointNames, Target
 from trex.models.registry import ARCHITECTURES
 
-__all__ = ["LAYOUTS", "Target", "checkpoint_names", "detect_layout", "hf_name", "mtp_copy_of", "official_name",
-           "scale_candidates", "scale_name", "to_trex", "trex_targets", "written_name"]
+__all__ = ["DEFAULT_ARCH", "LAYOUTS", "Target", "checkpoint_names", "detect_layout", "hf_name", "mtp_copy_of",
+           "official_name", "scale_candidates", "scale_name", "to_trex", "trex_targets", "written_name"]
 
 LAYOUTS = ("official", "hf")
-_DEFAULT = "deepseek_v4"  # the architecture of a caller that names none
+DEFAULT_ARCH = "deepseek_v4"  # the architecture of a caller that names none
 
 
 def checkpoint_names(arch: str) -> CheckpointNames:
@@ -38,7 +38,7 @@ def detect_layout(names: list[str]) -> str:
     return "hf" if any(n.startswith(("model.", "lm_head.")) for n in names) else "official"
 
 
-def trex_targets(name: str, layout: str = "auto", arch: str = _DEFAULT, n_layers: int | None = None
+def trex_targets(name: str, layout: str = "auto", arch: str = DEFAULT_ARCH, n_layers: int | None = None
                  ) -> list[Target]:
     """Where checkpoint tensor ``name`` goes (none: a tensor trex does not load). ``layout`` "official"
     applies only the official renames; "hf" and "auto" also strip ``model.`` and undo the transformers
@@ -47,14 +47,14 @@ def trex_targets(name: str, layout: str = "auto", arch: str = _DEFAULT, n_layers
     return checkpoint_names(arch).trex_targets(name, layout, n_layers)
 
 
-def mtp_copy_of(name: str, layout: str = "auto", arch: str = _DEFAULT, n_layers: int | None = None
+def mtp_copy_of(name: str, layout: str = "auto", arch: str = DEFAULT_ARCH, n_layers: int | None = None
                 ) -> str | None:
     """The trex key (``embed.weight`` or ``head.weight``) that checkpoint tensor ``name`` duplicates: a
     DeepSeek-V3 family MTP layer's ``embed_tokens`` / ``shared_head.head``; None for any other tensor."""
     return checkpoint_names(arch).mtp_copy_of(name, layout, n_layers)
 
 
-def to_trex(name: str, tensor: torch.Tensor, layout: str = "auto", arch: str = _DEFAULT,
+def to_trex(name: str, tensor: torch.Tensor, layout: str = "auto", arch: str = DEFAULT_ARCH,
             n_layers: int | None = None) -> list[tuple[str, int | None, torch.Tensor]]:
     """One checkpoint tensor -> [(trex name, expert index or None, tensor)] (none: not loaded).
 
@@ -71,7 +71,7 @@ def to_trex(name: str, tensor: torch.Tensor, layout: str = "auto", arch: str = _
     return out
 
 
-def written_name(key: str, layout: str, arch: str = _DEFAULT, n_layers: int | None = None,
+def written_name(key: str, layout: str, arch: str = DEFAULT_ARCH, n_layers: int | None = None,
                  expert: int | None = None) -> str:
     """The name trex writes trex tensor ``key`` (routed expert ``expert`` of a stacked one, where ``layout``
     stores experts one by one) as, in ``layout``, for architecture ``arch``."""
