@@ -27,7 +27,8 @@ SHARED_LEAVES = {"modes"}  # a shared part that stays beside the families
 FAMILIES = {"deepseek_v4", "deepseek_v3"}  # each a package below trex.models
 TOP = {"__init__", "registry", "build", "params", "flops"}
 TORCH_FREE = ("common.config", "deepseek_v4", "deepseek_v4.config", "deepseek_v4.config_v41",
-              "deepseek_v4.engram_layout", "deepseek_v3", "deepseek_v3.config", "registry")  # read by `trex --help`
+              "deepseek_v4.engram_layout", "deepseek_v3", "deepseek_v3.config", "registry",  # read by `trex --help`
+              "common.checkpoint_names", "deepseek_v4.checkpoint_names", "deepseek_v3.checkpoint_names")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -269,3 +270,28 @@ def test_the_check_sees_a_family_import(tmp_path):
                        "from trex.models import deepseek_v4\nimport trex.models.deepseek_v4.spec\n")
     found = sorted(line.split(": ", 1)[1] for line in family_imports([str(generic)]))
     assert found == ["trex.models.deepseek_v3.config", "trex.models.deepseek_v4", "trex.models.deepseek_v4.spec"]
+
+
+def architecture_strings(package: str) -> list[tuple[str, int, str]]:
+    """(file, line, string) for each string constant in trex.<package> equal to a config ``architecture``."""
+    from trex.models.registry import ARCHITECTURES
+
+    root = os.path.join(os.path.dirname(MODELS), package)
+    found = []
+    for d, _, files in os.walk(root):
+        for f in sorted(files):
+            if f.endswith(".py"):
+                path = os.path.join(d, f)
+                tree = ast.parse(open(path, encoding="utf-8").read(), path)
+                found += [(os.path.relpath(path, os.path.dirname(MODELS)), n.lineno, n.value) for n in ast.walk(tree)
+                          if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in ARCHITECTURES]
+    return found
+
+
+def test_checkpoints_and_rollout_reach_a_family_through_its_architecture():
+    """What a checkpoint's tensors are called and how they are stored, per architecture, is the family's
+    (``Architecture.checkpoint_names``): trex.checkpoint and trex.rollout name one architecture only, the default
+    of a caller that names none."""
+    found = architecture_strings("checkpoint") + architecture_strings("rollout")
+    default = (os.path.join("checkpoint", "naming.py"), "deepseek_v4")
+    assert [(path, value) for path, _, value in found] == [default], found

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from trex.checkpoint.errors import CheckpointError
-from trex.checkpoint.naming import (LAYOUTS, V3_ARCHITECTURES, Target, detect_layout, hf_name, mtp_copy_of,
-                                    official_name, scale_candidates, trex_targets, v3_hf_name)
+from trex.checkpoint.naming import (LAYOUTS, Target, detect_layout, mtp_copy_of, scale_candidates, trex_targets,
+                                    written_name)
 from trex.checkpoint.safetensors_io import SafetensorsFile
 from trex.kernels import quantize as quant
 from trex.models.registry import architecture, config_from_file, with_overrides
@@ -280,11 +280,7 @@ class CheckpointReader:
 
     def _written_name(self, key: str, expert: int | None) -> str:
         """What trex writes ``key`` as in this checkpoint's layout (`trex.checkpoint.layouts`)."""
-        if self.layout == "official":
-            return official_name(key, expert)
-        if self.config.architecture in V3_ARCHITECTURES:
-            return v3_hf_name(key, self.config.num_hidden_layers, expert)
-        return hf_name(key)
+        return written_name(key, self.layout, self.config.architecture, self.config.num_hidden_layers, expert)
 
     def logical_shape(self, source: Source, cols: int | None = None) -> tuple[int, ...]:
         """Shape of ``source`` once dequantised (FP4 needs the column count; default 2x packed)."""

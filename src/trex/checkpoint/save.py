@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from trex.checkpoint.layouts import SAVE_DTYPES, SCALE_FORMATS, TrexTensor, plan_outputs, quantization_config
-from trex.checkpoint.naming import LAYOUTS
+from trex.checkpoint.naming import LAYOUTS, checkpoint_names
 from trex.checkpoint.reader import CheckpointReader
 from trex.checkpoint.safetensors_io import PlannedTensor
 from trex.checkpoint.writer import check_destination, write_checkpoint
@@ -75,15 +75,16 @@ def convert(src: str, dst: str, layout: str = "hf", dtype: str = "bf16", quantiz
 
 def check_output(arch: str, layout: str, dtype: str) -> None:
     """ValueError unless a model of architecture ``arch`` is written in ``layout`` with unquantised tensors in
-    ``dtype``: DeepSeek-V4.1 only in the official layout (what its Hugging Face repository holds; transformers
-    has no V4.1 module names, and no other reader takes trex's). Every writer asks before it writes."""
+    ``dtype``: in a layout the architecture is written in (``CheckpointNames.layout_refused``: DeepSeek-V4.1 only
+    in the official layout, what its Hugging Face repository holds; the V3 family only in the hf one, its released
+    names). Every writer asks before it writes."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(SAVE_DTYPES)}, got {dtype!r}")
-    if arch == "deepseek_v41" and layout != "official":
-        raise ValueError("DeepSeek-V4.1 is written in the official layout, which is what its Hugging Face repository "
-                         "holds: transformers has no V4.1 module names to write")
+    refused = checkpoint_names(arch).layout_refused(layout)
+    if refused:
+        raise ValueError(refused)
 
 
 def tokenizer_files(src: str | None) -> dict[str, str]:

@@ -44,6 +44,7 @@ from safetensors.torch import save as save_tensors
 from safetensors.torch import save_file
 
 from trex.checkpoint.layouts import TrexTensor, plan_outputs
+from trex.checkpoint.naming import checkpoint_names
 from trex.models import evaluating
 from trex.rollout.sampling import Samples, SamplingParams, left_pad, sample, whole_rows
 
@@ -123,15 +124,16 @@ def stream_weights(model: torch.nn.Module, quantize: str | None = None) -> Itera
                for k, t in state.items()]
     dtype = torch.bfloat16 if quantize else next(t for t in state.values() if t.is_floating_point()).dtype
     arch = model.cfg.architecture
-    layers = model.cfg.num_hidden_layers if arch == "deepseek_v3" else None
-    for group in plan_outputs(tensors, engine_layout(arch), dtype, quantize, arch, n_layers=layers):
+    for group in plan_outputs(tensors, engine_layout(arch), dtype, quantize, arch,
+                              n_layers=model.cfg.num_hidden_layers):
         yield [(p.name, p.produce()) for p in group]
 
 
 def engine_layout(architecture: str) -> str:
     """The checkpoint layout an inference engine reads for ``architecture``: the released names, which are
-    DeepSeek's own ("official") for V4 and V4.1 and the Hugging Face ones ("hf") for the V3 family."""
-    return "hf" if architecture == "deepseek_v3" else "official"
+    DeepSeek's own ("official") for V4 and V4.1 and the Hugging Face ones ("hf") for the V3 family
+    (``CheckpointNames.released_layout``)."""
+    return checkpoint_names(architecture).released_layout
 
 
 @torch.no_grad()

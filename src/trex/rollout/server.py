@@ -42,8 +42,7 @@ class Server:
             self.model.set_engram_token_map(*hello["engram_token_map"])
         self.state = self.model.state_dict()
         arch = cfg.architecture  # the names a sync sends: the released layout (trex.rollout.engine.engine_layout)
-        self.naming = {"layout": engine_layout(arch), "arch": arch,
-                       "n_layers": cfg.num_hidden_layers if arch == "deepseek_v3" else None}
+        self.naming = {"layout": engine_layout(arch), "arch": arch, "n_layers": cfg.num_hidden_layers}
         self.version = -1
         self._pending: tuple[int, Digest, set[str]] | None = None
 

@@ -13,6 +13,8 @@
                 tables), DecodeCacheLike, DecodeSteps (a cache's shared bookkeeping), shift_labels
     heads.py    ModelOutput, Model (a model of any family, as generic code names it), init_parameters
     cross_entropy.py  IGNORE_INDEX, token_nll, head_nll (the LM head fused with the loss, in chunks)
+    checkpoint_names.py  CheckpointNames (what a family says of its checkpoints: names, layouts, codecs),
+                Target, the stacked routed experts' names (no torch)
 
 A file here imports only torch, trex.kernels and other files here: never a family (deepseek_v4/,
 deepseek_v3/, ...) nor what sits above them (tests/test_models_layering.py). Every importer names the file

@@ -18,6 +18,11 @@ Contracts of what the strings name:
     flops            function: ``flops(cfg, seq_len, training, with_mtp) -> trex.models.common.flops.FlopsPerToken``
     plan_terms       module: the planner's memory and time terms of the family (trex.plan reads them; the
                      functions it calls are listed in trex.models.common.plan_terms)
+    checkpoint_names object: a ``trex.models.common.checkpoint_names.CheckpointNames``, what trex.checkpoint
+                     asks of the architecture's checkpoints: its tensor names in each layout (read and
+                     written), the layouts it is written in and the one engines read, each tensor's on-disk
+                     precision under a ``quantize`` mode and config.json's ``quantization_config`` (the
+                     contract: that module's docstring)
     tokenizer_map    function or None: ``tokenizer_map(cfg, tokenizer) -> TokenMap | None`` (a
                      ``tokenizers.Tokenizer``), for a model that hashes token ids through its tokenizer (V4.1's
                      Engram; None when ``cfg``'s model does not); the model then takes it with
@@ -65,6 +70,7 @@ class Architecture:
     split_rule: str
     flops: str
     plan_terms: str
+    checkpoint_names: str
     drafter_kind: Callable[[object], str | None]
     passthrough: re.Pattern | None = None
     tokenizer_map: str | None = None

@@ -8,6 +8,8 @@
     decode.py     V3DecodeCache: the MLA latents per token, the absorbed decode step
     flops.py      FLOPs per token
     plan_terms.py the planner's memory and time terms (no torch)
+    checkpoint_names.py  the checkpoint tensor names (released, transformers', DeepSeek's) and on-disk
+                  precision (no torch)
 
 The names load on first use (trex.lazy): the config's arithmetic does not import torch.
 """

@@ -15,6 +15,7 @@ V3 = Architecture(
     split_rule=f"{_PKG}.config",
     flops=f"{_PKG}.flops:flops_v3",
     plan_terms=f"{_PKG}.plan_terms",
+    checkpoint_names=f"{_PKG}.checkpoint_names:V3_NAMES",
     drafter_kind=mtp_drafter,
     tp_plan=f"{_PKG}.tp_plan",
 )

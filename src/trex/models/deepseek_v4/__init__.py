@@ -22,6 +22,7 @@ built on V4's.
     flops.py          FLOPs per token (V4, V4.1)
     params_v41.py     V4.1's parameter-count correction (Engram rows read, the DSpark stages) (no torch)
     plan_terms.py     the planner's memory and time terms (V4, V4.1) (no torch)
+    checkpoint_names.py  V4's and V4.1's checkpoint tensor names in each layout and on-disk precision (no torch)
 
 The names load on first use (trex.lazy): the configs' arithmetic does not import torch.
 """
