@@ -272,26 +272,21 @@ def test_the_check_sees_a_family_import(tmp_path):
     assert found == ["trex.models.deepseek_v3.config", "trex.models.deepseek_v4", "trex.models.deepseek_v4.spec"]
 
 
-def architecture_strings(package: str) -> list[tuple[str, int, str]]:
-    """(file, line, string) for each string constant in trex.<package> equal to a config ``architecture``."""
+def architecture_strings(paths: list[str]) -> list[tuple[str, int, str]]:
+    """(file, line, string) for each string constant in ``paths`` equal to a config ``architecture``."""
     from trex.models.registry import ARCHITECTURES
 
-    root = os.path.join(os.path.dirname(MODELS), package)
     found = []
-    for d, _, files in os.walk(root):
-        for f in sorted(files):
-            if f.endswith(".py"):
-                path = os.path.join(d, f)
-                tree = ast.parse(open(path, encoding="utf-8").read(), path)
-                found += [(os.path.relpath(path, os.path.dirname(MODELS)), n.lineno, n.value) for n in ast.walk(tree)
-                          if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in ARCHITECTURES]
+    for path in paths:
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        found += [(os.path.relpath(path, SRC), n.lineno, n.value) for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in ARCHITECTURES]
     return found
 
 
-def test_checkpoints_and_rollout_reach_a_family_through_its_architecture():
-    """What a checkpoint's tensors are called and how they are stored, per architecture, is the family's
-    (``Architecture.checkpoint_names``): trex.checkpoint and trex.rollout name one architecture only, the default
-    of a caller that names none."""
-    found = architecture_strings("checkpoint") + architecture_strings("rollout")
+def test_code_outside_the_models_names_no_architecture():
+    """What differs per architecture is the family's (its Architecture: checkpoint names, plan terms, ...): code
+    outside trex.models names one architecture only, the default of a checkpoint caller that names none."""
+    found = [f for paths in outside_packages().values() for f in architecture_strings(paths)]
     default = (os.path.join("checkpoint", "naming.py"), "deepseek_v4")
     assert [(path, value) for path, _, value in found] == [default], found
