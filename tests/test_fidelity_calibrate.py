@@ -89,6 +89,15 @@ def test_a_bad_envelope_names_the_key(tmp_path, spread, message):
         load_signals(_golden_with_spread(tmp_path, spread))
 
 
+def test_a_bad_per_step_spread_names_the_group_and_step(tmp_path):
+    path = _golden_with_spread(tmp_path, {})
+    data = json.load(open(path))
+    data["envelope"]["group_step_spread"] = {"vendor": {"layers.0.hc": {"5": 0.1, "last": 0.2}}}
+    open(path, "w").write(json.dumps(data))
+    with pytest.raises(FidelityInputError, match=r"group_step_spread\.vendor\.layers\.0\.hc\.last: expected a step"):
+        load_signals(path)
+
+
 @pytest.mark.slow
 def test_calibrate_measures_the_spread_of_a_reduction_order_and_compare_uses_it(tmp_path, capsys):
     golden, out = tmp_path / "golden.json", tmp_path / "cal"
@@ -126,6 +135,7 @@ def test_calibrations_from_two_machines_merge_into_one_envelope_that_names_its_s
     b["environment"].update(device_name="virtual accelerator", host="cluster-b")
     b["envelope"]["spread"]["layout"]["loss_mean_rel_err"] = 10 * data["envelope"]["spread"]["layout"]["loss_mean_rel_err"] + 1e-6
     b["envelope"]["loss"]["max"] = [v + 0.5 for v in b["envelope"]["loss"]["max"]]
+    b["envelope"]["group_step_spread"] = {"vendor": {"layers.0.hc": {"5": 0.02, "20": 0.3}}}
     (tmp_path / "b.json").write_text(json.dumps(b))
     merged_path = tmp_path / "merged.json"
     capsys.readouterr()
@@ -140,6 +150,7 @@ def test_calibrations_from_two_machines_merge_into_one_envelope_that_names_its_s
     assert merged["loss"]["max"] == b["envelope"]["loss"]["max"] and merged["loss"]["min"] == data["envelope"]["loss"]["min"]
     assert merged["runs"] == 2 * data["envelope"]["runs"] and "virtual accelerator on cluster-b" in printed
     assert load_signals(str(merged_path)).envelope["spread"] == merged["spread"]  # compare reads it
+    assert merged["group_step_spread"]["vendor"]["layers.0.hc"] == {"5": 0.02, "20": 0.3}  # per step, the larger
     b["config"]["optim"]["lr"] = 1.0
     (tmp_path / "other.json").write_text(json.dumps(b))
     assert main(["fidelity", "calibrate", "--merge", golden_a, "--merge", str(tmp_path / "other.json"),

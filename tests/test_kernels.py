@@ -119,3 +119,42 @@ def test_an_alternative_chosen_by_name_compiles_in_a_full_graph(monkeypatch):
 
     x = torch.randn(4, 8)
     assert torch.equal(torch.compile(norm, fullgraph=True, backend="eager")(x), fused.rms_norm(x, None, 1e-6))
+
+
+def _mhc_inputs(dev, dtype, B=2, S=5, n=4, d=24):
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(B, S, n, d, generator=g)
+    params = (torch.randn((2 + n) * n, n * d, generator=g) * 0.1, torch.randn((2 + n) * n, generator=g),
+              torch.rand(3, generator=g) + 0.5)
+    y, post, comb = torch.randn(B, S, d, generator=g), torch.rand(B, S, n, generator=g) * 2, torch.rand(B, S, n, n, generator=g)
+    return [t.to(dev, dtype if t is X or t is y else torch.float32).requires_grad_() for t in (X, *params, y, post, comb)]
+
+
+@pytest.mark.parametrize("dev", _devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mhc_fused_mixing_matches_reference_forward_and_backward(dev, dtype):
+    """The fused mHC ops (one RMS factor on the mixes, one sigmoid for pre and post, the expand as one baddbmm)
+    against the reference: every output and every input's gradient, in
+    fp32 (the math's own precision) to its rounding, and with bf16 streams to the rounding of a bf16 result."""
+    from trex.kernels import mhc
+
+    results = []
+    for coefficients, expand in ((mhc.reference_coefficients, mhc.reference_expand),
+                                 (mhc.fused_coefficients, mhc.fused_expand)):
+        X, fn, base, scale, y, post, comb = inputs = _mhc_inputs(dev, dtype)
+        outs = [*coefficients(X, fn, base, scale, 6, 1e-6, 1e-6), expand(y, X, post, comb)]
+        torch.autograd.backward(outs, [torch.cos(torch.arange(o.numel(), device=dev).view(o.shape).to(o.dtype)) for o in outs])
+        results.append(([o.detach().double() for o in outs], [t.grad.double() for t in inputs]))
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    for got, want in zip(results[1][0] + results[1][1], results[0][0] + results[0][1]):
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_mhc_is_registered_with_its_reference(monkeypatch):
+    from trex.kernels import mhc
+
+    assert kernels.get("mhc_expand", "some_new_vendor") is mhc.fused_expand
+    assert kernels.get("mhc_coefficients", "cpu") is mhc.fused_coefficients
+    assert kernels.get("mhc_collapse", "cuda") is mhc.reference_collapse  # no fast path (trex.kernels.mhc)
+    monkeypatch.setenv("TREX_KERNELS", "reference")
+    assert kernels.get("mhc_coefficients", "cuda") is mhc.reference_coefficients

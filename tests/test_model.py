@@ -11,7 +11,7 @@ from trex.models import build_model, count_parameters, get_preset
 from trex.models.common.moe import Experts
 from trex.models.deepseek_v4.attention import sparse_attention
 from trex.models.deepseek_v4.config import tiny
-from trex.models.deepseek_v4.mhc import _Sinkhorn
+from trex.kernels.mhc import _Sinkhorn
 
 
 def test_packed_documents_match_each_document_alone():

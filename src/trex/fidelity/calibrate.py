@@ -47,14 +47,23 @@ def envelope(signals: list) -> dict:
     the profile's EMA, the per-layer ones on its floor) and measure, and the per-step loss bounds.
     ``group_spread`` keeps the per-layer measures per layer group (profile -> measure -> group ->
     worst error over the runs), so that `compare` can judge each group by its own spread: a group
-    that is noisy by construction (mHC mixers, norm gains) does not widen the bound of a quiet one."""
+    that is noisy by construction (mHC mixers, norm gains) does not widen the bound of a quiet one.
+    ``group_step_spread`` keeps the per-step gradient-norm error per group and recorded step too
+    (profile -> group -> step -> worst error; steps as strings, as in JSON), so that `compare` judges a
+    step by the spread at that step: a chaotic run's late steps scatter far more than its early ones."""
     spread: dict[str, dict[str, float]] = {}
     groups: dict[str, dict[str, dict[str, float]]] = {}
+    step_groups: dict[str, dict[str, dict[str, float]]] = {}
     for profile in PROFILES.values():
         measured = spread.setdefault(profile.name, {})
         per_group = groups.setdefault(profile.name, {})
+        per_step = step_groups.setdefault(profile.name, {})
         for other in signals[1:]:
             result = compare(other, signals[0], profile)
+            for group, by_step in result.layer_step_errors.items():
+                worst = per_step.setdefault(group, {})
+                for step, value in by_step.items():
+                    worst[str(step)] = max(worst.get(str(step), 0.0), value)
             for check in result.checks:
                 if check.value is not None and check.applies:
                     measured[check.measure] = max(measured.get(check.measure, 0.0), check.value)
@@ -65,7 +74,7 @@ def envelope(signals: list) -> dict:
                     worst[group] = max(worst.get(group, 0.0), value)
     series = [s.series("loss") for s in signals]
     steps = sorted(set.intersection(*(set(s) for s in series)))
-    return {"spread": spread, "group_spread": groups,
+    return {"spread": spread, "group_spread": groups, "group_step_spread": step_groups,
             "loss": {"steps": steps, "min": [min(s[t] for s in series) for t in steps],
                      "max": [max(s[t] for s in series) for t in steps]}}
 
@@ -146,18 +155,13 @@ def merge(goldens: list[str], out: str) -> dict:
                 if value > spread.setdefault(profile, {}).get(measure, -1.0):  # a tie: the first file's
                     spread[profile][measure] = value
                     spread_from.setdefault(profile, {})[measure] = _machine(golden, path)
-    groups: dict[str, dict[str, dict[str, float]]] = {}
-    for _, golden in loaded:
-        for profile, measures in golden["envelope"].get("group_spread", {}).items():
-            for measure, per_group in measures.items():
-                merged_groups = groups.setdefault(profile, {}).setdefault(measure, {})
-                for group, value in per_group.items():
-                    merged_groups[group] = max(merged_groups.get(group, 0.0), value)
+    groups = _worst([g["envelope"].get("group_spread", {}) for _, g in loaded])
+    step_groups = _worst([g["envelope"].get("group_step_spread", {}) for _, g in loaded])
     bounds = [g["envelope"].get("loss", {}) for _, g in loaded]
     steps = sorted(set.intersection(*(set(b.get("steps", [])) for b in bounds)))
     lo = [dict(zip(b["steps"], b["min"])) for b in bounds]
     hi = [dict(zip(b["steps"], b["max"])) for b in bounds]
-    envelope = {"spread": spread, "spread_from": spread_from, "group_spread": groups,
+    envelope = {"spread": spread, "spread_from": spread_from, "group_spread": groups, "group_step_spread": step_groups,
                 "loss": {"steps": steps, "min": [min(m[t] for m in lo) for t in steps],
                          "max": [max(m[t] for m in hi) for t in steps]},
                 "runs": sum(g["envelope"].get("runs", 0) for _, g in loaded),
@@ -167,6 +171,18 @@ def merge(goldens: list[str], out: str) -> dict:
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
     atomic.write_json(out, merged, indent=1)
     return merged
+
+
+def _worst(trees: list[dict]) -> dict:
+    """Nested dicts of spreads merged key by key, each leaf the largest of the trees'."""
+    out: dict = {}
+    for tree in trees:
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                out[key] = _worst([out.get(key, {}), value])
+            else:
+                out[key] = max(out.get(key, 0.0), value)
+    return out
 
 
 def merge_markdown(merged: dict, profile: Profile) -> str:

@@ -62,6 +62,9 @@ class Comparison:
     checks: list[Check]
     layer_errors: dict[str, float] = field(default_factory=dict)
     layer_scale_errors: dict[str, float] = field(default_factory=dict)
+    layer_step_errors: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Per layer group and recorded step: the relative error of its gradient norm (``layer_errors`` is
+    their mean)."""
     curves: dict[str, list[float]] = field(default_factory=dict)
     """ref, run, ema_ref, ema_run, rel_err: per aligned step (for the plot)."""
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -93,6 +96,7 @@ class Comparison:
             "devices": self.devices,
             "layer_grad_norm_rel_err": self.layer_errors,
             "layer_grad_scale_rel_err": self.layer_scale_errors,
+            "layer_grad_norm_rel_err_per_step": self.layer_step_errors,
             "probe_top1_agreement": self.probe_top1_agreement,
             "counts": self.counts,
             "curves": {"steps": self.steps, **self.curves},
@@ -134,15 +138,16 @@ def skips_per_window(signals: RunSignals, window: int = NONFINITE_WINDOW) -> dic
     return counts
 
 
-def _layer_errors(run: RunSignals, ref: RunSignals, floor: float) -> tuple[dict[str, float], dict[str, float]] | None:
-    """Per layer group: (mean over common steps of its per-step relative error, relative error of its
-    norm averaged over those steps). A group's reference norm below ``floor`` x the reference's
+def _layer_errors(run: RunSignals, ref: RunSignals,
+                  floor: float) -> tuple[dict[str, dict[int, float]], dict[str, float]] | None:
+    """Per layer group: (its relative error at each common recorded step, relative error of its norm
+    averaged over those steps). A group's reference norm below ``floor`` x the reference's
     global norm (the root of the groups' squared norms, at that step or averaged) is replaced by
     that floor in the denominator."""
     steps = sorted(set(run.grad_norms) & set(ref.grad_norms))
     if not steps:
         return None
-    per_step: dict[str, list[float]] = {}
+    per_step: dict[str, dict[int, float]] = {}
     sums: dict[str, list[float]] = {}
     global_sum = 0.0
     for step in steps:
@@ -156,15 +161,14 @@ def _layer_errors(run: RunSignals, ref: RunSignals, floor: float) -> tuple[dict[
         global_sum += global_ref
         for group, ref_norm in b.items():
             scale = max(abs(ref_norm), floor * global_ref, _TINY)
-            per_step.setdefault(group, []).append(abs(a[group] - ref_norm) / scale if math.isfinite(a[group])
-                                                  else math.inf)
+            per_step.setdefault(group, {})[step] = abs(a[group] - ref_norm) / scale if math.isfinite(a[group]) else math.inf
             total = sums.setdefault(group, [0.0, 0.0])
             total[0] += a[group]
             total[1] += ref_norm
     n = len(steps)
     averaged = {g: abs(r - f) / n / max(abs(f) / n, floor * global_sum / n, _TINY) if math.isfinite(r) else math.inf
                 for g, (r, f) in sums.items()}
-    return {g: sum(e) / n for g, e in per_step.items()}, averaged
+    return per_step, averaged
 
 
 def position_kl(ref_ids: list[int], ref_logp: list[float], run_ids: list[int], run_logp: list[float]) -> float:
@@ -214,7 +218,8 @@ def compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str = "l
     a calibrated envelope (trex.fidelity.calibrate), every check records the reference's own spread;
     ``envelope="note"`` says where a threshold is tighter than it, ``"widen"`` judges by
     max(threshold, spread); per-layer measures calibrated per group (``group_spread``) are judged
-    group by group, each by max(threshold, its own spread).
+    group by group, each by max(threshold, its own spread), and the per-step one, where the envelope
+    keeps its spread per recorded step too (``group_step_spread``), step by step (`_step_bound`).
     """
     if envelope not in ENVELOPE_MODES:
         raise FidelityInputError(f"envelope {envelope!r}: expected one of {', '.join(ENVELOPE_MODES)}")
@@ -227,10 +232,12 @@ def compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str = "l
         result.curves["envelope_hi"] = [hi.get(s, math.nan) for s in result.steps]
     spread = ref.envelope.get("spread", {}).get(profile.name, {})
     group_spread = ref.envelope.get("group_spread", {}).get(profile.name, {})
+    step_spread = ref.envelope.get("group_step_spread", {}).get(profile.name, {})
     for check in result.checks:
         per_group = group_spread.get(check.measure)
         if per_group and check.threshold is not None and check.value is not None:
-            _judge_by_group(check, result, per_group, envelope)
+            _judge_by_group(check, result, per_group, envelope,
+                            step_spread if check.measure == "layer_grad_norm_rel_err" else {})
             continue
         check.spread = spread.get(check.measure)
         if check.spread is None or check.threshold is None or check.threshold >= check.spread:
@@ -244,22 +251,41 @@ def compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str = "l
     return result
 
 
-def _judge_by_group(check: Check, result: Comparison, per_group: dict[str, float], envelope: str) -> None:
+def _judge_by_group(check: Check, result: Comparison, per_group: dict[str, float], envelope: str,
+                    per_step: dict[str, dict[str, float]]) -> None:
     """A per-layer check against a reference calibrated per layer group: each group's bound is
     max(threshold, its own spread) under ``widen`` (the threshold under ``note``, which names the
-    groups whose spread exceeds it). The check then holds the group worst by error / bound: its
-    error, its bound, its spread."""
+    groups whose spread exceeds it); with ``per_step`` (group -> recorded step -> spread) the bound
+    of the per-step measure comes from the spread at each step (`_step_bound`). The check then holds
+    the group worst by error / bound: its error, its bound, its spread."""
     errors = result.layer_errors if check.measure == "layer_grad_norm_rel_err" else result.layer_scale_errors
     t = check.threshold
     bound = {g: max(t, per_group.get(g, 0.0)) if envelope == "widen" else t for g in errors}
+    by_step = envelope == "widen" and bool(per_step)
+    if by_step:
+        bound = {g: _step_bound(result.layer_step_errors[g], per_step.get(g, {}), t, bound[g]) for g in errors}
     worst = max(errors, key=lambda g: errors[g] / max(bound[g], _TINY))
     check.value, check.threshold, check.spread = errors[worst], bound[worst], per_group.get(worst)
     check.detail = f"worst group {worst} (its spread {per_group.get(worst, 0.0):.3g}" + (
-        f", bound {bound[worst]:.3g})" if envelope == "widen" else ")")
+        f", bound {bound[worst]:.3g}{' from its spread at each step' if by_step else ''})" if envelope == "widen" else ")")
     noisy = sorted(g for g, v in per_group.items() if v > t)
     if noisy and envelope != "widen":
         result.notes.append(f"{check.measure}: the threshold {t:g} is tighter than the reference's own spread in "
                             f"{', '.join(noisy)} (--envelope widen judges each group by its spread)")
+
+
+def _step_bound(errors: dict[int, float], spread: dict[str, float], threshold: float, fallback: float) -> float:
+    """The bound of a group's per-step error judged step by step: each recorded step's error in units
+    of that step's bound, max(``threshold``, the spread at that step; ``fallback`` where the reference
+    kept none for it), averaged over the steps, must be <= 1. Returned as the bound of the group's mean
+    error that this amounts to (mean error / mean units: the error-weighted harmonic mean of the step
+    bounds), so that error <= bound is the verdict. A chaotic late step then counts against the noise
+    at that step, not against the noise averaged over a run whose early steps are quiet."""
+    bounds = {s: max(threshold, spread[str(s)]) if str(s) in spread else fallback for s in errors}
+    units = sum(e / max(bounds[s], _TINY) for s, e in errors.items()) / len(errors)
+    if not math.isfinite(units):
+        return fallback
+    return sum(errors.values()) / len(errors) / units if units > 0 else sum(bounds.values()) / len(bounds)
 
 
 def _compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str, allow_prefix: bool) -> Comparison:
@@ -314,7 +340,8 @@ def _compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str, al
                         sum(_rel(gn_run[s], gn_ref[s]) for s in gn_steps) / len(gn_steps) if gn_steps else None,
                         t.get("grad_norm_mean_rel_err"),
                         f"over {logs.plural(len(gn_steps), 'step')}" if gn_steps else "no common grad_norm steps"))
-    layers, scales = _layer_errors(run, ref, profile.layer_norm_floor) or ({}, {})
+    per_step, scales = _layer_errors(run, ref, profile.layer_norm_floor) or ({}, {})
+    layers = {g: sum(e.values()) / len(e) for g, e in per_step.items()}
     for measure, errors in (("layer_grad_norm_rel_err", layers), ("layer_grad_scale_rel_err", scales)):
         worst = max(errors, key=errors.get) if errors else None
         checks.append(Check(measure, errors[worst] if errors else None, t.get(measure),
@@ -340,7 +367,7 @@ def _compare(run: RunSignals, ref: RunSignals, profile: Profile, metric: str, al
     return Comparison(run=run.source, reference=ref.source, profile=profile, metric=metric, steps=steps,
                       missing_in_run=missing, not_reached=not_reached,
                       first_step_outside_band=outside[0] if outside else None, checks=checks,
-                      layer_errors=layers, layer_scale_errors=scales,
+                      layer_errors=layers, layer_scale_errors=scales, layer_step_errors=per_step,
                       curves={"ref": b, "run": a, "ema_ref": ema_b, "ema_run": ema_a, "rel_err": rel},
                       counts=counts, probe_top1_agreement=probe[2] if probe else None)
 

@@ -67,10 +67,11 @@ def variants(micro_batch_size: int, grad_accum: int) -> list[Variant]:
 # control's own spread is measured first by correct bf16 op orders that are no accelerator switch
 # (NOISE: the batch split into 2, and into 4, accumulated micro-batches, which reorder the gradient
 # sums; the pure-PyTorch reference kernels, which the CPU's fast paths equal at identical inputs and
-# which reorder the forward's rounding too) and stored per measure and layer group (the worst over the
-# noise runs): every switch is judged with each bounded by max(vendor threshold, its spread)
-# (trex.fidelity.compare), so the verdict separates a switch that departs from the noise of any
-# correct bf16 reordering.
+# which reorder the forward's rounding too) and stored per measure, per layer group and, for the per-step
+# gradient-norm error, per recorded step (the worst over the noise runs): every switch is judged with each
+# bounded by max(vendor threshold, its spread), a group's per-step error step by step against the spread
+# at that step (trex.fidelity.compare), so the verdict separates a switch that departs from the noise of
+# any correct bf16 reordering, and a chaotic late step is judged against the noise of the late steps.
 SWITCHES_CONTROL = ['precision.dtype="bf16"', "train.compile=false", 'optim.ns_dtype="fp32"']
 # A few noise runs bound a chaotic spread from below: on the default recipe one correct op order exceeded
 # the worst of four others by up to 2.0x in a layer group (measured, docs/fidelity.md), so the bounds are
@@ -285,7 +286,8 @@ def run_matrix(recipe_path: str, out: str, steps: int | None = None, only: list[
 def _widened(env: dict, factor: float) -> dict:
     """``env`` (trex.fidelity.calibrate.envelope) with every spread, per measure and per group, x ``factor``."""
     scale = lambda tree: {k: scale(v) if isinstance(v, dict) else v * factor for k, v in tree.items()}  # noqa: E731
-    return {**env, "spread": scale(env["spread"]), "group_spread": scale(env["group_spread"])}
+    return {**env, "spread": scale(env["spread"]), "group_spread": scale(env["group_spread"]),
+            "group_step_spread": scale(env["group_step_spread"])}
 
 
 class _Unavailable(Exception):

@@ -151,6 +151,15 @@ def _envelope(envelope, path: str) -> dict:
             for group, value in per_group.items():
                 if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
                     raise FidelityInputError(f"{where}.{group}: expected a number >= 0, got {value!r}")
+    for profile, groups in envelope.get("group_step_spread", {}).items():
+        for group, by_step in (groups or {}).items():
+            where = f"{path}: envelope.group_step_spread.{profile}.{group}"
+            if not isinstance(by_step, dict):
+                raise FidelityInputError(f"{where}: expected {{step: value}}")
+            for step, value in by_step.items():
+                if not str(step).isdigit() or not isinstance(value, (int, float)) or isinstance(value, bool) \
+                        or not value >= 0:
+                    raise FidelityInputError(f"{where}.{step}: expected a step number and a number >= 0, got {value!r}")
     loss = envelope.get("loss", {})
     if loss and not (isinstance(loss, dict) and len(loss.get("steps", [])) == len(loss.get("min", []))
                      == len(loss.get("max", []))):

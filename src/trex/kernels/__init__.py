@@ -12,7 +12,7 @@ fidelity runs, debugging); or per op, comma-separated ``op=impl`` with impl ``re
 or a named alternative (``sparse_attention=flex``: FlexAttention, trex.kernels.flex_attention;
 ``rms_norm=fused``: the accelerators' ``F.rms_norm`` on any device).
 Each fast path and alternative has an equivalence test against its reference
-(tests/test_kernels.py, tests/test_flex_attention.py, tests/test_dense_attention.py,
+(tests/test_kernels.py: rms_norm, grouped_mm, sparse_attention, mhc_*; tests/test_flex_attention.py, tests/test_dense_attention.py,
 tests/test_latent_attention.py, tests/test_sparse_mla.py). Vendor plugins
 register their kernels with ``register``.
 """
@@ -27,6 +27,7 @@ import torch
 from trex.kernels import dense_attention as _dense_attention
 from trex.kernels import fp32_matmul as _fp32_matmul
 from trex.kernels import latent_attention as _latent_attention
+from trex.kernels import mhc as _mhc
 from trex.kernels import reference
 from trex.kernels import sparse_attention as _sparse_attention
 from trex.kernels import sparse_mla as _sparse_mla
@@ -39,6 +40,9 @@ _REFERENCE: dict[str, Callable] = {
     "latent_attention": _latent_attention.reference,
     "sparse_mla": _sparse_mla.reference,
     "fp32_matmul": _fp32_matmul.reference,
+    "mhc_coefficients": _mhc.reference_coefficients,
+    "mhc_collapse": _mhc.reference_collapse,
+    "mhc_expand": _mhc.reference_expand,
 }
 _FAST: dict[tuple[str, str], Callable] = {}
 ANY = "*"  # the device type of a vendor-neutral default
@@ -118,6 +122,10 @@ register("sparse_mla", ANY, _sparse_mla.gathered)
 # the LM head's fp32 products from low-precision GEMMs with fp32 accumulation where the device has them
 # (the same products, summed in another order; an fp32 operand split in two); elsewhere the reference
 register("fp32_matmul", ANY, _fp32_matmul.split_matmul)
+# mHC's mixing in fewer passes over the n residual streams (no normalised copy of them; the expand's
+# comb^T X added into post (x) y); the collapse keeps its reference (trex.kernels.mhc)
+register("mhc_coefficients", ANY, _mhc.fused_coefficients)
+register("mhc_expand", ANY, _mhc.fused_expand)
 
 
 def fp32_products(t: torch.Tensor) -> tuple[Callable, torch.Tensor]:
