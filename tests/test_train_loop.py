@@ -181,7 +181,7 @@ def test_the_cli_names_the_skipped_records_on_the_console(arithmetic_files, tmp_
 
 
 def test_layout_that_does_not_match_the_world_size_is_refused(arithmetic_files, tmp_path):
-    with pytest.raises(ValueError, match=r"dp_shard \(4\) x cp \(1\) = 4 ranks, but the run has 1"):
+    with pytest.raises(ValueError, match=r"dp_shard \(4\) x cp \(1\) x tp \(1\) = 4 ranks, but the run has 1"):
         train(_recipe(arithmetic_files, tmp_path / "p", "parallel.dp_shard=4"))
 
 

@@ -84,11 +84,13 @@ def stream_bytes(cfg: ModelConfig | V41Config, b: int, tp: int = 1) -> float:
 
 
 def mhc_site(cfg: ModelConfig, b: int) -> float:
-    """Per token, one HyperConnection (pre/post/comb with Sinkhorn) around a sublayer."""
+    """Per token, one HyperConnection (pre/post/comb with Sinkhorn) around a sublayer, as the registry's default
+    mixing runs it (trex.kernels.mhc's fused coefficients: the RMS factor scales the mixes, so no normalised copy
+    of the streams is kept)."""
     n, d, it = cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters
     cp = 0 if b == F32 else F32
-    per = 2 * n * d + 1  # fp32 streams (rms input) and the normalised streams fed to fn; rstd
-    per += (2 + n) * n  # mixes
+    per = n * d + 1  # fp32 streams (fn's and the RMS factor's input); rstd
+    per += 2 * (2 + n) * n  # the mixes before and after the RMS factor
     per += 4 * n  # two sigmoids, pre (+eps), post
     per += 3 * n * n  # softmax output, the last normalisation's output, comb (its copy, the stream mix's)
     per += (2 * it - 2) * n * n + (2 * it - 1) * n  # Sinkhorn: the other normalisations' outputs, denominators

@@ -1,0 +1,173 @@
+"""Tensor parallelism on the CPU: tokens/s, peak memory per rank and the TP traffic per layer at tp = 1 and 2, and
+that traffic against the planner's prediction (trex.plan.timing.tp_traffic).
+
+A DeepSeek-V3 family model (MLA; a dense first layer, then MoE; no MTP) at two sizes, one sequence of S tokens,
+fp32, gloo; each rank one thread. Every layout runs in its own torchrun (tp = 1: one process), split by
+trex.parallel.tensor_parallel as `[parallel] tp` does. Time: the slowest rank's forward + backward, the median of
+the timed steps. Memory: Linux VmHWM during the step minus VmRSS before it, the worst rank. On a machine with
+fewer cores than ranks the ranks share cores, so there the times say nothing about speed-up.
+
+Traffic: every all-reduce of the tp group one rank takes part in during one forward + backward, counted as the
+planner counts (ring-collective buffer bytes: an all-reduce of B bytes is a reduce-scatter plus an all-gather of
+B, 2 B). The planner's figure is Megatron's sequence-parallel scheme, recompute "none": 4 buffers of [S, hidden]
+forward and 4 backward per block, and 2 per embedding and head. trex does not split the sequence between the
+collectives (no sequence parallelism) and enters the split region once per split input (MLA's latent and k_pe,
+the FFN's w1 and w3 each): docs/distributed.md.
+
+    .venv/bin/python bench/tensor_parallel.py            # printed
+    .venv/bin/python bench/tensor_parallel.py --write    # into docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_step import _status_kib, write_docs_section  # noqa: E402
+
+MARK_BEGIN, MARK_END = "<!-- tensor-parallel-bench:begin -->", "<!-- tensor-parallel-bench:end -->"
+# name -> overrides of the tiny-v3 preset (no MTP: the planner's per-block figure is for the main blocks)
+SIZES = {
+    "small": {"num_nextn_predict_layers": 0},
+    "wider": {"num_nextn_predict_layers": 0, "hidden_size": 512, "num_attention_heads": 8, "q_lora_rank": 192,
+              "kv_lora_rank": 128, "intermediate_size": 1024, "moe_intermediate_size": 256, "vocab_size": 4096},
+}
+
+
+def config(size: str):
+    from trex.models.registry import get_preset, with_overrides
+
+    return with_overrides(get_preset("tiny-v3"), SIZES[size])
+
+
+def child(size: str, seq: int, steps: int, out: str) -> None:
+    """One rank: build the model, split it over the tp group under torchrun, time forward + backward, count the
+    tp group's all-reduce bytes of one step."""
+    import torch
+    import torch.distributed as dist
+
+    from trex import device as device_layer
+    from trex.models import build_model
+    from trex.models.common.context import shift_labels
+    from trex.parallel import tensor_parallel
+    from trex.parallel.mesh import init_parallel, shutdown_distributed
+    from trex.parallel.plan import apply_parallelism
+    from trex.precision import PrecisionPolicy
+
+    torch.set_num_threads(1)
+    cfg = config(size)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dev = device_layer.Device("cpu")
+    par = init_parallel(1, 1, 1, 600, dev, tp=world)
+    model = build_model(cfg, seed=0).train()
+    apply_parallelism(model, par, PrecisionPolicy.resolve("fp32", dev))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=g)
+    docs = torch.zeros_like(ids)
+    targets = [shift_labels(ids, 1, docs)]
+    counted = {"bytes": 0, "calls": 0}
+    all_reduce = tensor_parallel._all_reduce
+
+    def counting(x, op, group):
+        counted["bytes"] += 2 * x.numel() * x.element_size()  # reduce-scatter + all-gather of the buffer
+        counted["calls"] += 1
+        return all_reduce(x, op, group)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        out = model(ids, doc_ids=docs, targets=targets, return_logits=False)
+        out.token_nll[0].sum().backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    step()  # warm-up: the first step allocates the gradients
+    tensor_parallel._all_reduce = counting
+    step()
+    tensor_parallel._all_reduce = all_reduce
+    before = _status_kib("VmRSS")
+    times = sorted(step() for _ in range(steps))
+    result = {"peak_step_kib": _status_kib("VmHWM") - before, "step_s": times[len(times) // 2], **counted}
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, result)
+        result = {**result, "peak_step_kib": max(r["peak_step_kib"] for r in gathered),
+                  "step_s": max(r["step_s"] for r in gathered)}
+    shutdown_distributed()
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+def run(size: str, tp: int, seq: int, steps: int) -> dict:
+    out = os.path.join(ROOT, f".bench_tp_{size}_{tp}.json")
+    me = [os.path.abspath(__file__), "--child", size, str(seq), str(steps), out]
+    if tp == 1:
+        cmd = [sys.executable, *me]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp}", f"--master-port={port}", *me]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{size} at tp = {tp} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    with open(out) as f:
+        result = json.load(f)
+    os.remove(out)
+    return result
+
+
+def predicted(size: str, seq: int, tp: int) -> float:
+    """The planner's TP bytes of one forward + backward (trex.plan.timing.tp_traffic, fp32, recompute none)."""
+    from trex.plan.layout import Layout
+    from trex.plan.timing import tp_traffic
+
+    return tp_traffic(config(size), Layout(dp_shard=1, tp=tp), seq, 4)
+
+
+def table(seq: int, results: dict[tuple[str, int], dict]) -> str:
+    lines = [f"S = {seq} tokens, batch 1, fp32, DeepSeek-V3 family (tiny-v3 without MTP, and wider), "
+             f"{os.cpu_count()} CPU cores; TP traffic of one rank in one forward + backward",
+             "",
+             "| size | tp | tokens/s | peak step MiB per rank | vs tp = 1 | all-reduces | TP MiB, measured | "
+             "planned (Megatron SP) | measured / planned |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (size, tp), r in results.items():
+        base = results[(size, 1)]
+        measured = r["bytes"] / 2**20
+        planned = predicted(size, seq, tp) / 2**20 if tp > 1 else 0.0
+        ratio = f"{measured / planned:.2f}" if planned else "-"
+        lines.append(f"| {size} | {tp} | {seq / r['step_s']:.0f} | {r['peak_step_kib'] / 1024:.0f} | "
+                     f"{r['peak_step_kib'] / base['peak_step_kib']:.2f} | {r['calls']} | {measured:.2f} | "
+                     f"{planned:.2f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--write", action="store_true", help="put the table into docs/benchmarks.md (default: print)")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        size, seq, steps, out = args.child
+        child(size, int(seq), int(steps), out)
+        return
+    results = {(size, tp): run(size, tp, args.seq, args.steps) for size in SIZES for tp in (1, 2)}
+    text = table(args.seq, results)
+    print(text)
+    if args.write:
+        write_docs_section(MARK_BEGIN, MARK_END, "## Tensor parallelism: throughput, memory and traffic (CPU)\n\n"
+                           "Command: `.venv/bin/python bench/tensor_parallel.py`\n\n" + text)
+
+
+if __name__ == "__main__":
+    main()
