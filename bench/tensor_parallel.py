@@ -4,8 +4,10 @@ that traffic against the planner's prediction (trex.plan.timing.tp_traffic).
 A DeepSeek-V3 family model (MLA; a dense first layer, then MoE; no MTP) at two sizes, one sequence of S tokens,
 fp32, gloo; each rank one thread. Every layout runs in its own torchrun (tp = 1: one process), split by
 trex.parallel.tensor_parallel as `[parallel] tp` does. Time: the slowest rank's forward + backward, the median of
-the timed steps. Memory: Linux VmHWM during the step minus VmRSS before it, the worst rank. On a machine with
-fewer cores than ranks the ranks share cores, so there the times say nothing about speed-up.
+the timed steps. Memory: the bytes autograd saves for backward in one step (unique storages, weights left out),
+and the weights' local shards, the worst rank; and Linux VmHWM during the timed steps minus VmRSS before them,
+which also holds what the allocator and gloo keep (at these sizes it says little). On a machine with fewer cores
+than ranks the ranks share cores, so there the times say nothing about speed-up.
 
 Traffic: every all-reduce of the tp group one rank takes part in during one forward + backward, counted as the
 planner counts (ring-collective buffer bytes: an all-reduce of B bytes is a reduce-scatter plus an all-gather of
@@ -88,17 +90,29 @@ def child(size: str, seq: int, steps: int, out: str) -> None:
         return time.perf_counter() - t0
 
     step()  # warm-up: the first step allocates the gradients
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    weights = {t.untyped_storage().data_ptr() for t in local}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
     tensor_parallel._all_reduce = counting
-    step()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
     tensor_parallel._all_reduce = all_reduce
+    counted["saved_kib"] = sum(saved.values()) / 1024
+    counted["weights_kib"] = sum(t.numel() * t.element_size() for t in local) / 1024
     before = _status_kib("VmRSS")
     times = sorted(step() for _ in range(steps))
     result = {"peak_step_kib": _status_kib("VmHWM") - before, "step_s": times[len(times) // 2], **counted}
     if world > 1:
         gathered = [None] * world
         dist.all_gather_object(gathered, result)
-        result = {**result, "peak_step_kib": max(r["peak_step_kib"] for r in gathered),
-                  "step_s": max(r["step_s"] for r in gathered)}
+        result = {**result, **{k: max(r[k] for r in gathered) for k in ("peak_step_kib", "step_s", "saved_kib")}}
     shutdown_distributed()
     if int(os.environ.get("RANK", "0")) == 0:
         with open(out, "w") as f:
@@ -136,17 +150,18 @@ def table(seq: int, results: dict[tuple[str, int], dict]) -> str:
     lines = [f"S = {seq} tokens, batch 1, fp32, DeepSeek-V3 family (tiny-v3 without MTP, and wider), "
              f"{os.cpu_count()} CPU cores; TP traffic of one rank in one forward + backward",
              "",
-             "| size | tp | tokens/s | peak step MiB per rank | vs tp = 1 | all-reduces | TP MiB, measured | "
-             "planned (Megatron SP) | measured / planned |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| size | tp | tokens/s | weights MiB per rank | saved activations MiB per rank | vs tp = 1 | "
+             "peak step MiB per rank (RSS) | all-reduces | TP MiB, measured | planned (Megatron SP) | "
+             "measured / planned |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (size, tp), r in results.items():
         base = results[(size, 1)]
         measured = r["bytes"] / 2**20
         planned = predicted(size, seq, tp) / 2**20 if tp > 1 else 0.0
         ratio = f"{measured / planned:.2f}" if planned else "-"
-        lines.append(f"| {size} | {tp} | {seq / r['step_s']:.0f} | {r['peak_step_kib'] / 1024:.0f} | "
-                     f"{r['peak_step_kib'] / base['peak_step_kib']:.2f} | {r['calls']} | {measured:.2f} | "
-                     f"{planned:.2f} | {ratio} |")
+        lines.append(f"| {size} | {tp} | {seq / r['step_s']:.0f} | {r['weights_kib'] / 1024:.1f} | "
+                     f"{r['saved_kib'] / 1024:.1f} | {r['saved_kib'] / base['saved_kib']:.2f} | "
+                     f"{r['peak_step_kib'] / 1024:.0f} | {r['calls']} | {measured:.2f} | {planned:.2f} | {ratio} |")
     return "\n".join(lines)
 
 
