@@ -18,14 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_step import BENCH_CONFIG, _status_kib, write_docs_section  # noqa: E402
+from model_step import BENCH_CONFIG, _status_kib, run_on_ranks, write_docs_section  # noqa: E402
 
 MARK_BEGIN, MARK_END = "<!-- context-parallel-bench:begin -->", "<!-- context-parallel-bench:end -->"
 
@@ -80,17 +78,7 @@ def child(seq: int, steps: int, out: str) -> None:
 def run(cp: int, seq: int, steps: int) -> dict:
     out = os.path.join(ROOT, ".bench_cp.json")
     me = [os.path.abspath(__file__), "--child", str(seq), str(steps), out]
-    if cp == 1:
-        cmd = [sys.executable, *me]
-    else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cp}", f"--master-port={port}", *me]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"cp = {cp} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    run_on_ranks(cp, me, f"cp = {cp}")
     with open(out) as f:
         result = json.load(f)
     os.remove(out)

@@ -212,6 +212,26 @@ def report(begin: str, end: str, lines: list[str], write: bool) -> None:
         write_docs_section(begin, end, body)
 
 
+def run_on_ranks(ranks: int, argv: list[str], what: str) -> None:
+    """Run ``argv`` (a script and its arguments) in one process (``ranks`` 1) or under torchrun on ``ranks``
+    processes (a free port), one thread each, from the repository root; a failure is a SystemExit naming ``what``
+    with the end of its stderr."""
+    import socket
+    import subprocess
+
+    if ranks == 1:
+        cmd = [sys.executable, *argv]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={port}",
+               *argv]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{what} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
 def write_docs_section(begin: str, end: str, body: str) -> None:
     """Put ``body`` between the markers ``begin`` and ``end`` of docs/benchmarks.md (appended the first
     time), written atomically."""

@@ -4,7 +4,8 @@ that traffic against the planner's prediction (trex.plan.timing.tp_traffic).
 A DeepSeek-V3 family model (MLA; a dense first layer, then MoE; no MTP) at two sizes, one sequence of S tokens,
 fp32, gloo; each rank one thread. Every layout runs in its own torchrun (tp = 1: one process), split by
 trex.parallel.tensor_parallel as `[parallel] tp` does. Time: the slowest rank's forward + backward, the median of
-the timed steps. Memory: the bytes autograd saves for backward in one step (unique storages, weights left out),
+the timed steps. Memory: the bytes autograd saves for backward in one step (unique storages; weights, their local shards and
+FSDP2's unsharded copies left out),
 and the weights' local shards, the worst rank; and Linux VmHWM during the timed steps minus VmRSS before them,
 which also holds what the allocator and gloo keep (at these sizes it says little). On a machine with fewer cores
 than ranks the ranks share cores, so there the times say nothing about speed-up.
@@ -25,14 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_step import _status_kib, write_docs_section  # noqa: E402
+from model_step import _status_kib, run_on_ranks, write_docs_section  # noqa: E402
 
 MARK_BEGIN, MARK_END = "<!-- tensor-parallel-bench:begin -->", "<!-- tensor-parallel-bench:end -->"
 # name -> overrides of the tiny-v3 preset (no MTP: the planner's per-block figure is for the main blocks)
@@ -95,9 +94,13 @@ def child(size: str, seq: int, steps: int, out: str) -> None:
     saved: dict[int, int] = {}
 
     def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in weights:
-            saved[ptr] = t.untyped_storage().nbytes()
+        # weights are not activations: a parameter's storage or a view of a leaf that requires grad (FSDP2's
+        # unsharded copies over its 1-rank mesh here), or a split weight's local shard (its to_local view)
+        base = t._base if t._base is not None else t
+        weight = (t.untyped_storage().data_ptr() in weights or (base.is_leaf and base.requires_grad)
+                  or type(base.grad_fn).__name__ == "_ToTorchTensorBackward")
+        if not weight:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     tensor_parallel._all_reduce = counting
@@ -122,16 +125,7 @@ def child(size: str, seq: int, steps: int, out: str) -> None:
 def run(size: str, tp: int, seq: int, steps: int) -> dict:
     out = os.path.join(ROOT, f".bench_tp_{size}_{tp}.json")
     me = [os.path.abspath(__file__), "--child", size, str(seq), str(steps), out]
-    if tp == 1:
-        cmd = [sys.executable, *me]
-    else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp}", f"--master-port={port}", *me]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"{size} at tp = {tp} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    run_on_ranks(tp, me, f"{size} at tp = {tp}")
     with open(out) as f:
         result = json.load(f)
     os.remove(out)
