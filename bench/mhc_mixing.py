@@ -50,7 +50,8 @@ def measure(B: int, S: int, n: int, d: int, dtype: torch.dtype, rounds: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", action="append", help="B,S,n,d (repeatable); default 4,64,4,64 and 1,1024,4,512")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="interleaved rounds; the minimum counts (default: %(default)s)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shape or ["4,64,4,64", "1,1024,4,512"]]

@@ -161,8 +161,8 @@ def table(seq: int, results: dict[tuple[str, int], dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq", type=int, default=2048, help="tokens of the one sequence (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps; the median counts (default: %(default)s)")
     parser.add_argument("--write", action="store_true", help="put the table into docs/benchmarks.md (default: print)")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()

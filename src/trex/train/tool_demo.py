@@ -152,13 +152,14 @@ def run(demo: ToolDemo) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trex.train.tool_demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=ToolDemo.out, help="directory of data, runs and figures (default: %(default)s)")
-    p.add_argument("--warmup-recipe", default=ToolDemo.warmup_recipe)
+    p.add_argument("--warmup-recipe", default=ToolDemo.warmup_recipe,
+                   help="the warm-up SFT recipe (default: %(default)s)")
     p.add_argument("--recipe", default=ToolDemo.grpo_recipe, help="the GRPO recipe (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the data's and both arms' seed (default: %(default)s)")
     p.add_argument("--set", dest="grpo_set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override the GRPO recipe of both arms")
+                   help="override the GRPO recipe of both arms (repeatable; default: none)")
     p.add_argument("--warmup-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override the warm-up recipe of both arms")
+                   help="override the warm-up recipe of both arms (repeatable; default: none)")
     args = p.parse_args(argv)
     demo = ToolDemo(out=args.out, warmup_recipe=args.warmup_recipe, grpo_recipe=args.recipe, seed=args.seed,
                     warmup_set=args.warmup_set, grpo_set=args.grpo_set)
