@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from trex.models.common.cross_entropy import VocabSlice, head_nll
+from trex.models.common.context import SequenceContext, shift_labels
+from trex.models.common.cross_entropy import IGNORE_INDEX, VocabSlice, head_nll, token_nll
 from trex.models.common.linear import linear_fp32
 from trex.models.common.moe import Gate, MoEStats
 
@@ -96,3 +99,48 @@ class UntiedHead:
         if self.head_slice is None:
             return head_nll(h, self.head.weight, targets)
         return head_nll(h, self.head_slice.local(self.head.weight), targets, self.head_slice)
+
+
+def fill_heads(model: nn.Module, out: ModelOutput, ctx: SequenceContext, h: torch.Tensor,
+               mtp_step: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor], input_ids: torch.Tensor,
+               labels: torch.Tensor | None, doc_ids: torch.Tensor | None, targets: list[torch.Tensor] | None,
+               return_logits: bool) -> None:
+    """Run the main head and then each MTP head of ``model`` (an ``UntiedHead`` with ``embed`` and ``mtp``) into
+    ``out``. h [B, s, d]: the main head's normed input, this rank's rows ``ctx.t0:ctx.t1``; head j > 0 reads
+    ``mtp_step(j, h, emb)``, MTP module j - 1 given the previous head's input and ``emb`` [B, s, d], the
+    embedding of the token j ahead. Fills, for the whole rows (gathered over the sequence shard): ``logits``
+    and ``mtp_logits`` when ``return_logits`` (otherwise each head is fused with its loss and no [B, S, V]
+    logits exist); ``token_nll[j]`` fp32 [B, S] for each of ``targets`` (shifted, one per head); from HF-style
+    ``labels`` [B, S], ``loss`` (the main head's mean NLL over labelled tokens) and ``mtp_loss`` (the MTP
+    heads' losses averaged)."""
+    if targets is not None and len(targets) > 1 + len(model.mtp):
+        raise ValueError(f"targets: at most one [B, S] tensor per head (1 + {len(model.mtp)} MTP), "
+                         f"got {len(targets)}")
+
+    def nll(h: torch.Tensor, logits: torch.Tensor | None, tgt: torch.Tensor) -> torch.Tensor:
+        """One head's per-token NLL of the whole rows' targets [B, S] (this rank's rows computed from its
+        logits, or fused with the head when there are none; then gathered)."""
+        tgt = tgt[:, ctx.t0:ctx.t1]
+        return ctx.gather(token_nll(logits, tgt) if logits is not None else model.head_nll(h, tgt))
+
+    mtp_losses = []
+    for j in range(1 + len(model.mtp)):  # head 0 is the main one; head j > 0 is MTP module j - 1
+        if j > 0:
+            ahead = F.pad(input_ids[:, j:], (0, j), value=0)[:, ctx.t0:ctx.t1]
+            h = mtp_step(j, h, model.embed(ahead))
+        logits = model.logits(h) if return_logits else None
+        if logits is not None and j == 0:
+            out.logits = ctx.gather(logits)
+        elif logits is not None:
+            out.mtp_logits.append(ctx.gather(logits))
+        if targets is not None and j < len(targets):
+            out.token_nll.append(nll(h, logits, targets[j]))
+        if labels is not None:
+            shifted = shift_labels(labels, j + 1, doc_ids)
+            loss = nll(h, logits, shifted).sum() / (shifted != IGNORE_INDEX).sum().clamp(min=1)
+            if j == 0:
+                out.loss = loss
+            else:
+                mtp_losses.append(loss)
+    if mtp_losses:
+        out.mtp_loss = torch.stack(mtp_losses).mean()

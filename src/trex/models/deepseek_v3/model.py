@@ -29,13 +29,11 @@ transformers' ``MtpModel`` feeds it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from trex.models.common.config import MOE
-from trex.models.common.context import DecodeCacheLike, SequenceContext, SequenceShard, shift_labels
-from trex.models.common.cross_entropy import IGNORE_INDEX, token_nll
-from trex.models.common.heads import ModelOutput, UntiedHead, init_parameters
+from trex.models.common.context import DecodeCacheLike, SequenceContext, SequenceShard
+from trex.models.common.heads import ModelOutput, UntiedHead, fill_heads, init_parameters
 from trex.models.common.indexer import take_indexer_measures
 from trex.models.common.linear import QuantLinear, QuantSim, spread_quant
 from trex.models.common.moe import Experts, MoE, SharedExpert
@@ -142,9 +140,6 @@ class DeepseekV3(UntiedHead, nn.Module):
             if labels is not None:
                 raise ValueError("forward with a decode cache takes no labels (generation only)")
             cache.count_step()
-        if targets is not None and len(targets) > 1 + len(self.mtp):
-            raise ValueError(f"targets: at most one [B, S] tensor per head (1 + {len(self.mtp)} MTP), "
-                             f"got {len(targets)}")
         ctx = sequence_context(self.cfg, input_ids, doc_ids, cache, self.sequence_shard)
         if token_mask is not None and cache is None:
             if token_mask.shape != input_ids.shape:
@@ -162,34 +157,8 @@ class DeepseekV3(UntiedHead, nn.Module):
             return ModelOutput(logits=self.logits(self.norm(x[:, -1:])),
                                moe_stats=[block.ffn.take_stats() for block in self.layers if block.moe])
         out = ModelOutput(logits=None)
-
-        def nll(h: torch.Tensor, logits: torch.Tensor | None, tgt: torch.Tensor) -> torch.Tensor:
-            """One head's per-token NLL of the whole rows' targets [B, S]: this rank's rows, then gathered."""
-            tgt = tgt[:, ctx.t0:ctx.t1]
-            return ctx.gather(token_nll(logits, tgt) if logits is not None else self.head_nll(h, tgt))
-
-        mtp_losses = []
-        h = self.norm(x)
-        for j in range(1 + len(self.mtp)):  # head 0 is the main one; head j > 0 is MTP module j - 1
-            if j > 0:
-                ahead = F.pad(input_ids[:, j:], (0, j), value=0)[:, ctx.t0:ctx.t1]
-                h = self.mtp[j - 1](h, self.embed(ahead), ctx)
-            logits = self.logits(h) if return_logits else None
-            if logits is not None and j == 0:
-                out.logits = ctx.gather(logits)
-            elif logits is not None:
-                out.mtp_logits.append(ctx.gather(logits))
-            if targets is not None and j < len(targets):
-                out.token_nll.append(nll(h, logits, targets[j]))
-            if labels is not None:
-                shifted = shift_labels(labels, j + 1, doc_ids)
-                loss = nll(h, logits, shifted).sum() / (shifted != IGNORE_INDEX).sum().clamp(min=1)
-                if j == 0:
-                    out.loss = loss
-                else:
-                    mtp_losses.append(loss)
-        if mtp_losses:
-            out.mtp_loss = torch.stack(mtp_losses).mean()
+        fill_heads(self, out, ctx, self.norm(x), lambda j, h, emb: self.mtp[j - 1](h, emb, ctx), input_ids,
+                   labels, doc_ids, targets, return_logits)
         out.moe_stats = [block.ffn.take_stats() for block in [*self.layers, *self.mtp] if block.moe]
         out.indexer_loss = take_indexer_measures([*self.layers, *self.mtp], ctx, "alignment")
         out.indexer_recall = take_indexer_measures([*self.layers, *self.mtp], ctx, "recall")

@@ -30,13 +30,11 @@ and the per-token losses and balance statistics come back whole on every rank of
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from trex.models.common.config import MOE
-from trex.models.common.context import DecodeCacheLike, SequenceShard, shift_labels
-from trex.models.common.cross_entropy import IGNORE_INDEX, token_nll
-from trex.models.common.heads import ModelOutput, UntiedHead, init_parameters
+from trex.models.common.context import DecodeCacheLike, SequenceShard
+from trex.models.common.heads import ModelOutput, UntiedHead, fill_heads, init_parameters
 from trex.models.common.indexer import take_indexer_measures
 from trex.models.common.linear import QuantLinear, QuantSim, spread_quant
 from trex.models.common.moe import Experts, Gate, MoE
@@ -175,39 +173,16 @@ class DeepseekV4(UntiedHead, nn.Module):
             ctx.recording = False
             return ModelOutput(logits=self.logits(self.norm(self.hc_head(X[:, -1:]))),
                                moe_stats=[layer.ffn.take_stats() for layer in self.layers])
-        if targets is not None and len(targets) > 1 + len(self.mtp):
-            raise ValueError(f"targets: at most one [B, S] tensor per head (1 + {len(self.mtp)} MTP), "
-                             f"got {len(targets)}")
         out = ModelOutput(logits=None)
 
-        def nll(h: torch.Tensor, logits: torch.Tensor | None, tgt: torch.Tensor) -> torch.Tensor:
-            """One head's per-token NLL of the whole rows' targets [B, S] (this rank's rows computed
-            from its logits, or fused with the head when there are none; then gathered)."""
-            tgt = tgt[:, ctx.t0:ctx.t1]
-            return ctx.gather(token_nll(logits, tgt) if logits is not None else self.head_nll(h, tgt))
+        def mtp_step(j: int, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+            """MTP module j - 1 carries the streams X on and gives its head's normed input."""
+            nonlocal X
+            X, h = self.mtp[j - 1](X, emb, ctx)
+            return h
 
-        mtp_losses = []
-        h = self.norm(self.hc_head(X))
-        for j in range(1 + len(self.mtp)):  # head 0 is the main one; head j > 0 is MTP module j - 1
-            if j > 0:
-                ahead = F.pad(input_ids[:, j:], (0, j), value=0)[:, ctx.t0:ctx.t1]
-                X, h = self.mtp[j - 1](X, self.embed(ahead), ctx)
-            logits = self.logits(h) if return_logits else None
-            if logits is not None and j == 0:
-                out.logits = ctx.gather(logits)
-            elif logits is not None:
-                out.mtp_logits.append(ctx.gather(logits))
-            if targets is not None and j < len(targets):
-                out.token_nll.append(nll(h, logits, targets[j]))
-            if labels is not None:
-                shifted = shift_labels(labels, j + 1, doc_ids)
-                loss = nll(h, logits, shifted).sum() / (shifted != IGNORE_INDEX).sum().clamp(min=1)
-                if j == 0:
-                    out.loss = loss
-                else:
-                    mtp_losses.append(loss)
-        if mtp_losses:
-            out.mtp_loss = torch.stack(mtp_losses).mean()
+        fill_heads(self, out, ctx, self.norm(self.hc_head(X)), mtp_step, input_ids, labels, doc_ids, targets,
+                   return_logits)
         out.moe_stats = [block.ffn.take_stats() for block in [*self.layers, *self.mtp]]
         out.indexer_loss = take_indexer_measures([*self.layers, *self.mtp], ctx, "alignment")
         out.indexer_recall = take_indexer_measures([*self.layers, *self.mtp], ctx, "recall")
