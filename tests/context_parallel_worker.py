@@ -1,6 +1,6 @@
 """One SFT step's forward and backward of the tiny model at a layout, for tests/test_context_parallel.py.
 
-    torchrun --nproc-per-node N tests/context_parallel_worker.py OUT.pt,DP_SHARD,EP,CP[,COMPILED[,V3[,TP]]] ...
+    torchrun --nproc-per-node N tests/context_parallel_worker.py OUT.pt,DP_SHARD,EP,CP[,COMPILED[,V3[,TP[,SAMPLE]]]] ...
     python tests/context_parallel_worker.py OUT.pt            (one process: the reference)
 
 Several layouts run one after the other in one launch, on one process group (each its own mesh and model).
@@ -9,8 +9,10 @@ COMPILED = 1: every block checkpointed (full) and compiled with fullgraph=True (
 backend: the graphs, partitioned for the recompute as Inductor's are, without code generation).
 V3 = 1: DeepSeek-V3's tiny preset (MLA, a dense first layer, group-limited routing, MTP), not V4's; V3 = 2:
 tiny-v3.2 (its indexer picking 8 keys, their KL trained as the sparse stage's ``[train] indexer_loss``).
-V3 = 3: V4's tiny model with its CSA layers' indexer KL trained likewise. TP: tensor-parallel size
-(tests/test_tensor_parallel.py).
+V3 = 3: V4's tiny model with its CSA layers' indexer KL trained likewise; V3 = 4: tiny-v4.1 (CSA2, Engram, the
+candidate pool). TP: tensor-parallel size
+(tests/test_tensor_parallel.py). SAMPLE = 1: after the step, the in-process rollout engine samples a few tokens
+of PROMPTS with fixed draws (temperature 1), as GRPO's rollouts do (decode cache and all).
 
 The global batch (ROWS rows of SEQ tokens, packed documents that cross every shard boundary) is the
 same at every layout; each data-parallel rank takes its rows. Rank 0 saves the step's loss, the
@@ -20,6 +22,7 @@ per-token NLL of its rows and every parameter's full gradient.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -33,12 +36,15 @@ from trex.parallel.plan import apply_activation_checkpointing, apply_compile, ap
 from trex.posttrain.objective import next_token_nll
 from trex.posttrain.sft import accumulate_gradients
 from trex.precision import DynamicLossScaler, PrecisionPolicy
+from trex.rollout.engine import InProcessEngine
+from trex.rollout.sampling import SamplingParams
 from trex.train.config import TrainSection
 
 ROWS, SEQ = 4, 64
 SINKHORN = 3  # mHC's Sinkhorn iterations (V4: 20): the same loop, a third of the ops to trace when compiled
 # document lengths per row: boundaries inside shards, on shard edges (16, 32, 48) and windows cut by them
 DOCS = [[5, 30, 29], [17, 3, 44], [16, 16, 32], [64]]
+PROMPTS, NEW_TOKENS = (5, 9, 3, 12), 6  # SAMPLE: prompt lengths (the batch's rows' first tokens), tokens drawn
 
 
 def global_batch() -> Batch:
@@ -56,12 +62,14 @@ def rows(batch: Batch, index: slice) -> Batch:
 
 
 def step(out: str, dp_shard: int = 1, ep: int = 1, cp: int = 1, compiled: int = 0, v3: int = 0, tp: int = 1,
-         last: bool = True) -> None:
+         sample: int = 0, last: bool = True) -> None:
     """One layout's step; ``last``: leave the process group after it (`shutdown_distributed`)."""
     dev = device_layer.Device("cpu")
     par = init_parallel(1, dp_shard, ep, 120, dev, cp=cp, tp=tp)
     preset = {1: "tiny-v3", 2: "tiny-v3.2"}.get(v3)
-    model = build_model(get_preset(preset) if preset else tiny(hc_sinkhorn_iters=SINKHORN), seed=0).train()
+    cfg = (get_preset(preset) if preset else replace(get_preset("tiny-v4.1"), hc_sinkhorn_iters=SINKHORN) if v3 == 4
+           else tiny(hc_sinkhorn_iters=SINKHORN))
+    model = build_model(cfg, seed=0).train()
     model.align_indexer = v3 in (2, 3)
     if compiled:  # the plan's order: activation checkpointing, compile, then (below) CP, EP and FSDP2
         apply_activation_checkpointing(model, "full")
@@ -79,12 +87,22 @@ def step(out: str, dp_shard: int = 1, ep: int = 1, cp: int = 1, compiled: int = 
     # graphs would be traced again (a new grad mode), a third of this layout's time for what the loss and the
     # gradients above already check of the compiled blocks
     with torch.no_grad(), torch.compiler.set_stance("force_eager" if compiled else "default"):
-        nll = next_token_nll(model, mine.input_ids, mine.doc_ids, heads=2).token_nll
+        nll = next_token_nll(model, mine.input_ids, mine.doc_ids, heads=1 if v3 == 4 else 2).token_nll
+    samples = _sample(model) if sample else None
     if par.rank == 0:
-        torch.save({"loss": loss, "nll": [t[:1] for t in nll], "grads": grads}, out)
+        torch.save({"loss": loss, "nll": [t[:1] for t in nll], "grads": grads, "samples": samples}, out)
     del model
     if last:
         shutdown_distributed()
+
+
+def _sample(model) -> tuple[list[list[int]], list[list[float]]]:
+    """The in-process engine's completions of PROMPTS (the batch's rows' first tokens, left-padded together) under
+    fixed draws, and their log-probabilities."""
+    prompts = [global_batch().input_ids[i, :n].tolist() for i, n in enumerate(PROMPTS)]
+    uniforms = torch.rand(len(prompts), NEW_TOKENS, generator=torch.Generator().manual_seed(1))
+    drawn = InProcessEngine(model).generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS), uniforms, len(prompts))
+    return drawn.completion_ids, drawn.logprobs
 
 
 if __name__ == "__main__":
