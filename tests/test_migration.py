@@ -167,31 +167,35 @@ V3 = ('model.preset="tiny-v3"', "model.overrides={}", "fidelity.every=0", 'optim
 
 @pytest.fixture(scope="module")
 def v3_straight(tmp_path_factory):
-    """The DeepSeek-V3 run that never moved: 4 steps of tiny-v3 on one process, fp32, AdamW."""
+    """The DeepSeek-V3 run that never moved: 6 steps of tiny-v3 on one process, fp32, AdamW."""
     out = tmp_path_factory.mktemp("migration_v3") / "straight"
-    _leg(out, 4, *V3)
+    _leg(out, 6, *V3)
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("split", ["cp", "tp"])
-def test_a_v3_run_moves_onto_two_ranks_and_continues_the_run_that_never_moved(tmp_path, v3_straight, split):
-    """DeepSeek-V3 through a checkpoint and a layout move: one process for 2 steps, then two ranks resumed from
+def test_a_v3_run_moves_onto_two_ranks_and_back_and_continues_the_run_that_never_moved(tmp_path, v3_straight,
+                                                                                      split):
+    """DeepSeek-V3 through checkpoints and two layout moves: one process for 2 steps, then two ranks resumed from
     step 2 (DCP reshards): every row split over them (cp = 2, MLA gathering its KV latents; FSDP2 over the two),
     or every block's heads, FFN widths and the vocabulary split over them (tp = 2: the tensor-parallel slices
-    of the checkpoint's tensors); every step's loss and gradient norm within 1e-5 of the run that never moved
-    (so also `trex train` at cp = 2 and at tp = 2 against one process), and the move recorded under the layout
-    profile."""
+    of the checkpoint's tensors); then one process again from the two ranks' step 4 (the tp = 2 checkpoint's
+    slices, and AdamW's moments, put back together). Every step's loss and gradient norm within 1e-5 of the run
+    that never moved (so also `trex train` at cp = 2 and at tp = 2 against one process), and both moves
+    recorded under the layout profile."""
     run = tmp_path / "run"
     _leg(run, 2, *V3)
     moved = _leg(run, 4, *V3, f"parallel.{split}=2", "parallel.dp_shard=1", procs=2)
     assert "world_size 1 -> 2" in moved.stderr and f"{split} 1 -> 2" in moved.stderr, moved.stderr[-2000:]
+    back = _leg(run, 6, *V3)
+    assert "world_size 2 -> 1" in back.stderr and f"{split} 2 -> 1" in back.stderr, back.stderr[-2000:]
     rows, ref = _rows(run), _rows(v3_straight)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(rows, ref):
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (a["step"], key, a[key], b[key])
-    assert [(m["step"], m["profile"]) for m in _moves(run)] == [(2, "layout")]
+    assert [(m["step"], m["profile"]) for m in _moves(run)] == [(2, "layout"), (4, "layout")]
 
 
 GENERATE = """

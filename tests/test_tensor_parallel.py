@@ -9,14 +9,17 @@ tests/context_parallel_worker.py.
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
+
 import pytest
 import torch
 
 import context_parallel_worker as worker
-from test_context_parallel import _assert_as_one_process, _run_worker
+from test_context_parallel import HERE, _assert_as_one_process, _gradient_errors, _run_worker
 from trex.models import build_model
 from trex.models.deepseek_v4.config import tiny
-from trex.models.registry import get_preset
+from trex.models.registry import ARCHITECTURES, get_preset
 from trex.parallel.mesh import Parallel, ParallelSection, resolve_layout
 from trex.parallel.tensor_parallel import check_divisible
 
@@ -47,7 +50,8 @@ def test_a_tp_that_does_not_divide_the_model_names_the_numbers():
         check_divisible(v4, 4)
 
 
-def test_a_family_without_a_plan_is_refused_in_one_line():
+def test_a_family_without_a_plan_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setitem(ARCHITECTURES, "deepseek_v41", replace(ARCHITECTURES["deepseek_v41"], tp_plan=None))
     with pytest.raises(ValueError, match=r"^parallel.tp: deepseek_v41 has no tensor-parallel plan yet \(families "
                                          r"with one: deepseek_v3, deepseek_v4\)$"):
         check_divisible(build_model(get_preset("tiny-v4.1"), seed=0), 2)
@@ -84,27 +88,91 @@ def test_deepseek_v3_at_tp2_with_fsdp_ep_or_cp_on_four_ranks_gives_one_process(t
     _assert_as_one_process(reference_v3, _run_worker(tmp_path, 4, dp_shard, ep, cp, 0, v3=1, tp=2))
 
 
+# name -> (the worker's V3 code, SAMPLE, GRPO) of the steps run eagerly at tp = 2, one launch of two ranks for all
+EAGER_TP2 = {"v3.2": (2, 1, 0), "v4": (3, 1, 0), "v4.1": (4, 1, 0), "v4-grpo": (3, 0, 1)}
+
+
+@pytest.fixture(scope="module")
+def tp2_eager(tmp_path_factory) -> dict:
+    """Each of EAGER_TP2's steps at tp = 2 (its loss, NLL and gradients, and the in-process rollout engine's
+    samples): one torchrun of two ranks running them one after the other on one process group."""
+    from trex_run import torchrun
+
+    d = tmp_path_factory.mktemp("tp2")
+    args = [",".join(map(str, [d / f"{name}.pt", 1, 1, 1, 0, v3, 2, sample, grpo]))
+            for name, (v3, sample, grpo) in EAGER_TP2.items()]
+    proc = torchrun(os.path.join(HERE, "context_parallel_worker.py"), args, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {name: torch.load(d / f"{name}.pt") for name in EAGER_TP2}
+
+
+def _one_process(tmp_path, name: str) -> dict:
+    v3, sample, grpo = EAGER_TP2[name]
+    worker.step(str(tmp_path / "one.pt"), v3=v3, sample=sample, grpo=grpo)
+    return torch.load(tmp_path / "one.pt")
+
+
+def _assert_samples_as_one_process(one: dict, got: dict) -> None:
+    """The rollout engine at tp = 2 (prefill and decode cache over the split heads, the gathered vocabulary's
+    logits) samples the tokens one process samples under the same draws, with their log-probabilities."""
+    (ids, logp), (got_ids, got_logp) = one["samples"], got["samples"]
+    assert got_ids == ids
+    assert torch.allclose(torch.tensor(got_logp), torch.tensor(logp), rtol=0, atol=1e-5)
+
+
 @pytest.mark.slow
-def test_deepseek_v32_at_tp2_gives_the_losses_and_gradients_of_one_process(tmp_path):
+def test_deepseek_v32_at_tp2_gives_the_losses_and_gradients_of_one_process(tmp_path, tp2_eager):
     """tiny-v3.2 at tp = 2, the indexer's KL trained (the sparse stage): sparse MLA by heads over the replicated
     indexer's picks, and the KL's target, the main attention averaged over every head of the group (each rank
     averages its own heads, the group's mean through ``head_split``). The indexer's gradients are small (3e-6):
     the relative check of ``_assert_as_one_process`` is what sees a target averaged over one rank's heads only
     (then 50% off)."""
-    worker.step(str(tmp_path / "one.pt"), v3=2)
-    one = torch.load(tmp_path / "one.pt")
+    one = _one_process(tmp_path, "v3.2")
     assert any(".attn.indexer." in name for name in one["grads"])
-    _assert_as_one_process(one, _run_worker(tmp_path, 2, 1, 1, 1, 0, v3=2, tp=2))
+    _assert_as_one_process(one, tp2_eager["v3.2"])
+    _assert_samples_as_one_process(one, tp2_eager["v3.2"])
 
 
 @pytest.mark.slow
-def test_deepseek_v4_at_tp2_gives_the_losses_and_gradients_of_one_process(tmp_path):
+def test_deepseek_v4_at_tp2_gives_the_losses_and_gradients_of_one_process(tmp_path, tp2_eager):
     """The tiny V4 (sliding, CSA and HCA layers, mHC, hash and score MoE, MTP) at tp = 2, its indexers' KL trained:
     queries, sinks and the grouped output projection by heads (one whole group of wo_a per rank), the shared K = V
     head and the compressed entries entering every head, the indexers replicated and their KL target averaged
     over the group's heads (without that, 5% off in the indexers' gradients). Measured: loss 9.5e-7 abs, NLL
     9.5e-7, gradients 7.3e-7 relative."""
-    worker.step(str(tmp_path / "one.pt"), v3=3)
-    one = torch.load(tmp_path / "one.pt")
+    one = _one_process(tmp_path, "v4")
     assert any(".attn.indexer." in name for name in one["grads"])
-    _assert_as_one_process(one, _run_worker(tmp_path, 2, 1, 1, 1, 0, v3=3, tp=2))
+    _assert_as_one_process(one, tp2_eager["v4"])
+    _assert_samples_as_one_process(one, tp2_eager["v4"])
+
+
+@pytest.mark.slow
+def test_deepseek_v41_at_tp2_gives_the_losses_and_gradients_of_one_process(tmp_path, tp2_eager):
+    """tiny-v4.1 (CSA2 with its compressor, indexer and candidate pool, Engram in two layers, single-pass mHC) at
+    tp = 2: V4's attention split (the K = V head and the KV sources' compressed entries, which later layers read
+    through ``Shared``, entering every head), the head through the model's vocabulary-parallel ``head_nll``, the
+    Engram tables split by rows over both ranks, whose identical look-ups are counted once (without that, every
+    table's gradient is doubled). Measured: loss 1.4e-6 abs (2.6e-7 relative), NLL 4.8e-7, gradients 1.9e-6
+    relative, but Engram's in the deepest Engram layer, 1.0e-5: its gate's sign(x) sqrt(|x|) has a slope up
+    to 500 where x nears 0 and magnifies the reduction-order differences of the heads' partial sums (clamped at
+    1e-2 instead of 1e-6, the same run gives 4e-7 there too), so Engram's parameters are held to 1e-4."""
+    one, got = _one_process(tmp_path, "v4.1"), tp2_eager["v4.1"]
+    assert any(".engram.embed." in name for name in one["grads"])
+    errors = _gradient_errors(one["grads"], got["grads"])
+    worst = max(v for n, v in errors.items() if ".engram." in n)
+    assert worst <= 1e-4, f"Engram: gradient error {worst:.2e}"
+    engram = {n for n in errors if ".engram." in n}
+    _assert_as_one_process({**one, "grads": {n: g for n, g in one["grads"].items() if n not in engram}},
+                           {**got, "grads": {n: g for n, g in got["grads"].items() if n not in engram}})
+    _assert_samples_as_one_process(one, got)
+
+
+@pytest.mark.slow
+def test_a_grpo_step_on_deepseek_v4_at_tp2_gives_the_loss_and_gradients_of_one_process(tmp_path, tp2_eager):
+    """GRPO's loss (context_parallel_worker.grpo_loss, trex.posttrain.grpo's computation) on the tiny V4 at tp = 2:
+    the reference's log-probs through the vocabulary-parallel fused head (``token_logprobs``), the training
+    forward's logits gathered whole from each rank's vocabulary rows, the clipped surrogate (some ratios clipped)
+    and the k3 KL. The gather's backward keeps each rank's columns (a reduce-scatter there summed the group's
+    identical gradients: the head's gradient doubled). Measured: loss 0 abs, gradients 7.3e-7 relative."""
+    one = _one_process(tmp_path, "v4-grpo")
+    _assert_as_one_process(one, tp2_eager["v4-grpo"])

@@ -28,13 +28,29 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 
+class _Share(torch.autograd.Function):
+    """Identity forward; backward divides the gradient by ``replicas``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, replicas: int) -> torch.Tensor:
+        ctx.replicas = replicas
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad / ctx.replicas, None
+
+
 class ShardedTable(nn.Module):
     """``weight`` [rows, dim]: a DTensor Shard(0) over ``mesh``, every rank of the run. forward(ids)
-    with ids [...] global row numbers -> [..., dim] rows in the table's dtype."""
+    with ids [...] global row numbers -> [..., dim] rows in the table's dtype. ``replicas``: how many ranks
+    look up the same ids with the same gradient (a tensor-parallel group's, which compute the replicated
+    parts alike): each rank's share of a row's gradient is divided by it, so the owner's sum counts those
+    ranks' tokens once."""
 
-    def __init__(self, weight: nn.Parameter, mesh):
+    def __init__(self, weight: nn.Parameter, mesh, replicas: int = 1):
         super().__init__()
-        self.mesh = mesh
+        self.mesh, self.replicas = mesh, replicas
         self.weight = nn.Parameter(distribute_tensor(weight.detach(), mesh, [Shard(0)], src_data_rank=None),
                                    requires_grad=weight.requires_grad)
 
@@ -56,20 +72,22 @@ class ShardedTable(nn.Module):
         served = F.embedding(wanted - rank * rows_per_rank, local)
         back = funcol.all_to_all_single(served, send, recv, group)
         rows = torch.empty_like(back).index_copy(0, order, back)
+        if self.replicas > 1:
+            rows = _Share.apply(rows, self.replicas)
         return rows.view(*ids.shape, local.shape[-1])
 
 
-def shard_engram_tables(model: nn.Module, mesh) -> list[nn.Parameter]:
+def shard_engram_tables(model: nn.Module, mesh, replicas: int = 1) -> list[nn.Parameter]:
     """Swap every table a module names in its ``sharded_table`` attribute (an nn.Embedding child: each V4.1
-    Engram layer's ``embed``) for a :class:`ShardedTable` over ``mesh`` (all ranks); returns the tables, for FSDP
-    to leave alone. Names and global shapes are unchanged, so checkpoints, sharded loading and DCP resharding see
-    the same tensors."""
+    Engram layer's ``embed``) for a :class:`ShardedTable` over ``mesh`` (all ranks; ``replicas``: the tensor-parallel
+    size, whose ranks look up the same rows); returns the tables, for FSDP to leave alone. Names and global shapes
+    are unchanged, so checkpoints, sharded loading and DCP resharding see the same tensors."""
     tables = []
     for module in model.modules():
         name = getattr(module, "sharded_table", None)
         table = getattr(module, name, None) if name else None
         if isinstance(table, nn.Embedding):
-            setattr(module, name, ShardedTable(table.weight, mesh))
+            setattr(module, name, ShardedTable(table.weight, mesh, replicas))
             tables.append(getattr(module, name).weight)
     return tables
 

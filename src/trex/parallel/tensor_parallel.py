@@ -78,6 +78,20 @@ class _Leave(torch.autograd.Function):
         return grad, None
 
 
+class _Gather(torch.autograd.Function):
+    """Forward gathers each rank's columns (the last dimension) of x; backward keeps this rank's columns."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, slice_: TensorParallelSlice) -> torch.Tensor:
+        ctx.rank, ctx.columns = slice_.rank, x.shape[-1]
+        whole = funcol.wait_tensor(funcol.all_gather_single(x.movedim(-1, 0).contiguous(), 0, slice_.group))
+        return whole.movedim(0, -1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.narrow(-1, ctx.rank * ctx.columns, ctx.columns), None
+
+
 class TensorParallelSlice:
     """This rank's place in the tp group, and the head's vocabulary rows (``HeadSlice``)."""
 
@@ -96,9 +110,10 @@ class TensorParallelSlice:
         return weight.to_local() if isinstance(weight, DTensor) else weight
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor:
-        """[..., V / tp] this rank's logits -> [..., V], differentiable (its backward keeps this rank's columns)."""
-        whole = funcol.all_gather_tensor_autograd(logits.movedim(-1, 0).contiguous(), 0, self.group)
-        return funcol.wait_tensor(whole).movedim(0, -1)
+        """[..., V / tp] this rank's logits -> [..., V], differentiable: the whole logits are the same on every rank,
+        and so is any loss of them, so the backward keeps this rank's columns of the gradient (not the group's sum
+        of them, which is tp times that: a reduce-scatter, the all-gather's autograd)."""
+        return _Gather.apply(logits, self)
 
     def mean(self, x: torch.Tensor) -> torch.Tensor:
         """``HeadSplit.mean``: the group's mean of each rank's per-head mean (equal head counts)."""

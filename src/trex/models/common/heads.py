@@ -76,7 +76,11 @@ class HeadSlice(VocabSlice, Protocol):
 
     def local(self, weight: torch.Tensor) -> torch.Tensor: ...
 
-    def gather(self, logits: torch.Tensor) -> torch.Tensor: ...
+    def enter(self, h: torch.Tensor) -> torch.Tensor:
+        """h, whose gradient (each rank's rows' part) is summed over the group in backward."""
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each rank's rows' logits [..., V / tp] -> the whole vocabulary's [..., V]; backward: this rank's part."""
 
 
 class UntiedHead:
@@ -90,7 +94,7 @@ class UntiedHead:
         """LM head in fp32: [B, S, d] -> [B, S, V] (split by vocabulary: each rank's rows, gathered)."""
         if self.head_slice is None:
             return linear_fp32(h, self.head.weight)
-        return self.head_slice.gather(linear_fp32(h, self.head_slice.local(self.head.weight)))
+        return self.head_slice.gather(linear_fp32(self.head_slice.enter(h), self.head_slice.local(self.head.weight)))
 
     def head_nll(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The LM head fused with the loss: h [B, S, d], targets [B, S] -> fp32 per-token NLL [B, S]

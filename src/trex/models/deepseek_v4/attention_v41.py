@@ -234,9 +234,7 @@ class Attention(nn.Module):
         rows = ctx.extend(x, w, after)  # [B, w + S + after, d]
         qr = self.q_norm(self.wq_a(x))
         q = apply_rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos[:, :, None], sin[:, :, None])
-        kv = apply_rope(self.kv_norm(self.wkv(rows[:, :w + S])), *ctx.window_rope[self.rope_kind])
-        if self.wkv.quant.kv:  # the whole RoPE'd vector through FP8, blocks of 32
-            kv = quantize.fake_fp8_act(kv, 32)
+        kv = self._kv(rows[:, :w + S], ctx.window_rope[self.rope_kind])
         if self.m:
             layout = ctx.layout(self.m)
             own = ctx.own_entries(layout)
@@ -262,3 +260,9 @@ class Attention(nn.Module):
         if ctx.cache is not None:  # a prefill: the cache keeps the layer's decode state
             ctx.cache.prefill(self, x, kv, ctx, shared)
         return grouped_output(self, o, cos, sin), shared
+
+    def _kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [B, R, d] -> the shared keys/values [B, R, c], RoPE'd by the (cos, sin) tables of its rows (as served
+        with ``quant.kv``: the whole RoPE'd vector through FP8, blocks of 32)."""
+        kv = apply_rope(self.kv_norm(self.wkv(x)), *rope)
+        return quantize.fake_fp8_act(kv, 32) if self.wkv.quant.kv else kv

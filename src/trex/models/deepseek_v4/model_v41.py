@@ -26,9 +26,9 @@ from torch import nn
 
 from trex.models.common.config import MOE
 from trex.models.common.context import shift_labels
-from trex.models.common.cross_entropy import IGNORE_INDEX, head_nll, token_nll
-from trex.models.common.heads import ModelOutput, init_parameters
-from trex.models.common.linear import QuantLinear, QuantSim, linear_fp32, spread_quant
+from trex.models.common.cross_entropy import IGNORE_INDEX, token_nll
+from trex.models.common.heads import ModelOutput, UntiedHead, init_parameters
+from trex.models.common.linear import QuantLinear, QuantSim, spread_quant
 from trex.models.common.moe import Experts, MoE
 from trex.models.common.norm import RMSNorm
 from trex.models.deepseek_v4.attention_v41 import Attention, Indexer, Shared
@@ -86,7 +86,7 @@ class Block(nn.Module):
         return HyperConnection.expand(y, X, post, comb), ffn_pre, shared
 
 
-class DeepseekV41(nn.Module):
+class DeepseekV41(UntiedHead, nn.Module):
     """The V4.1 text model: embed -> n streams -> blocks -> collapse with the last ``pre`` -> norm -> head.
     The forward's contract is ``DeepseekV4.forward``'s (training targets, HF-style labels, context
     parallelism through ``sequence_shard``; generation through a ``trex.models.deepseek_v4.decode_v41.V41DecodeCache``),
@@ -177,16 +177,16 @@ class DeepseekV41(nn.Module):
                 cache.tail = F.pad(row, (max(0, n - 1 - row.shape[1]), 0))[:, -(n - 1):]
             ctx.recording = False
             h = self.norm(HyperConnection.collapse(X[:, -1:], pre[:, -1:]))
-            return ModelOutput(logits=linear_fp32(h, self.head.weight), hidden=hidden,
+            return ModelOutput(logits=self.logits(h), hidden=hidden,
                                moe_stats=[block.ffn.take_stats() for block in self.layers])
         h = self.norm(HyperConnection.collapse(X, pre))
-        logits = linear_fp32(h, self.head.weight) if return_logits else None
+        logits = self.logits(h) if return_logits else None
         out = ModelOutput(logits=None if logits is None else ctx.gather(logits), hidden=hidden)
 
         def nll(tgt: torch.Tensor) -> torch.Tensor:
             """Per-token NLL of the whole rows' targets [B, S]: this rank's rows, then gathered."""
             tgt = tgt[:, ctx.t0:ctx.t1]
-            return ctx.gather(token_nll(logits, tgt) if logits is not None else head_nll(h, self.head.weight, tgt))
+            return ctx.gather(token_nll(logits, tgt) if logits is not None else self.head_nll(h, tgt))
 
         if targets:
             out.token_nll.append(nll(targets[0]))

@@ -39,4 +39,5 @@ V41 = Architecture(
     tokenizer_map=f"{_PKG}.engram:tokenizer_map",
     drafter=f"{_PKG}.dspark:DSparkDrafter",
     params=f"{_PKG}.params_v41:v41_params",
+    tp_plan=f"{_PKG}.tp_plan_v41",
 )
