@@ -106,13 +106,13 @@ class UntiedHead:
 
 
 def fill_heads(model: nn.Module, out: ModelOutput, ctx: SequenceContext, h: torch.Tensor,
-               mtp_step: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor], input_ids: torch.Tensor,
+               mtp_step: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None, input_ids: torch.Tensor,
                labels: torch.Tensor | None, doc_ids: torch.Tensor | None, targets: list[torch.Tensor] | None,
                return_logits: bool) -> None:
     """Run the main head and then each MTP head of ``model`` (an ``UntiedHead`` with ``embed`` and ``mtp``) into
     ``out``. h [B, s, d]: the main head's normed input, this rank's rows ``ctx.t0:ctx.t1``; head j > 0 reads
     ``mtp_step(j, h, emb)``, MTP module j - 1 given the previous head's input and ``emb`` [B, s, d], the
-    embedding of the token j ahead. Fills, for the whole rows (gathered over the sequence shard): ``logits``
+    embedding of the token j ahead (None for a model without MTP heads). Fills, for the whole rows (gathered over the sequence shard): ``logits``
     and ``mtp_logits`` when ``return_logits`` (otherwise each head is fused with its loss and no [B, S, V]
     logits exist); ``token_nll[j]`` fp32 [B, S] for each of ``targets`` (shifted, one per head); from HF-style
     ``labels`` [B, S], ``loss`` (the main head's mean NLL over labelled tokens) and ``mtp_loss`` (the MTP

@@ -25,9 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trex.models.common.config import MOE
-from trex.models.common.context import shift_labels
-from trex.models.common.cross_entropy import IGNORE_INDEX, token_nll
-from trex.models.common.heads import ModelOutput, UntiedHead, init_parameters
+from trex.models.common.heads import ModelOutput, UntiedHead, fill_heads, init_parameters
 from trex.models.common.linear import QuantLinear, QuantSim, spread_quant
 from trex.models.common.moe import Experts, MoE
 from trex.models.common.norm import RMSNorm
@@ -179,20 +177,9 @@ class DeepseekV41(UntiedHead, nn.Module):
             h = self.norm(HyperConnection.collapse(X[:, -1:], pre[:, -1:]))
             return ModelOutput(logits=self.logits(h), hidden=hidden,
                                moe_stats=[block.ffn.take_stats() for block in self.layers])
-        h = self.norm(HyperConnection.collapse(X, pre))
-        logits = self.logits(h) if return_logits else None
-        out = ModelOutput(logits=None if logits is None else ctx.gather(logits), hidden=hidden)
-
-        def nll(tgt: torch.Tensor) -> torch.Tensor:
-            """Per-token NLL of the whole rows' targets [B, S]: this rank's rows, then gathered."""
-            tgt = tgt[:, ctx.t0:ctx.t1]
-            return ctx.gather(token_nll(logits, tgt) if logits is not None else self.head_nll(h, tgt))
-
-        if targets:
-            out.token_nll.append(nll(targets[0]))
-        if labels is not None:
-            shifted = shift_labels(labels, 1, doc_ids)
-            out.loss = nll(shifted).sum() / (shifted != IGNORE_INDEX).sum().clamp(min=1)
+        out = ModelOutput(logits=None, hidden=hidden)
+        fill_heads(self, out, ctx, self.norm(HyperConnection.collapse(X, pre)), None, input_ids, labels, doc_ids,
+                   targets, return_logits)
         out.moe_stats = [block.ffn.take_stats() for block in self.layers]
         ctx.recording = False  # activation checkpointing re-runs blocks in backward with this ctx
         return out
