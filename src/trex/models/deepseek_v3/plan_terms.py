@@ -226,6 +226,19 @@ def tp_split(cfg: V3Config) -> dict[str, int]:
             "indexer heads": cfg.index_n_heads}
 
 
+def tp_traffic(cfg: V3Config, S: int, b: int, recompute: str, layers: int, cp: int = 1) -> float:
+    """Ring-collective buffer bytes one TP rank takes part in for one sequence of ``S`` tokens on one of ``cp``
+    context-parallel ranks (its S / cp rows) through ``layers`` main layers, the MTP blocks and the heads, modelled as Megatron's / torchtitan's TP
+    with sequence parallelism: per block forward an all-gather of the [S, hidden] input before attention and
+    before the FFN and a reduce-scatter of each one's output (2 + 2 buffers), backward the mirror (2 + 2), a
+    recompute the forward's again (full: 4, selective: the attention site's 2); the embedding (reduce-scatter
+    forward, all-gather backward) and each vocabulary-parallel head (all-gather forward, reduce-scatter
+    backward) once each way."""
+    per_pass = {"none": 8, "selective": 10, "full": 12}[recompute]
+    mtp = cfg.num_nextn_predict_layers
+    return b * (S // cp) * cfg.hidden_size * ((layers + mtp) * per_pass + 2 * (2 + mtp))
+
+
 def table_reads(cfg: V3Config) -> int:
     return 0  # no row-split tables
 
@@ -255,8 +268,13 @@ def counted_model(cfg: V3Config) -> tuple[V3Config, int, int]:
     return dataclasses.replace(cfg, index_n_heads=0, index_head_dim=0, index_topk=0, model_type=V3), indexer, whole
 
 
-def notes(cfg: V3Config) -> list[str]:
+def notes(cfg: V3Config, tp: int = 1) -> list[str]:
+    out = []
+    if tp > 1:
+        out.append("tensor parallelism is planned as Megatron's / torchtitan's plan with sequence parallelism "
+                   "(all-gathers and reduce-scatters; norms over 1/tp of the rows); trex train runs it with "
+                   "all-reduces and the residual stream whole")
     if not cfg.index_topk:
-        return []
-    return ["DeepSeek-V3.2's indexer is planned from its config (its parameters and FLOPs, attention over its top-k); "
-            "its sparse MLA's activations as trex's gathered kernel saves them"]
+        return out
+    return out + ["DeepSeek-V3.2's indexer is planned from its config (its parameters and FLOPs, attention over its "
+                  "top-k); its sparse MLA's activations as trex's gathered kernel saves them"]
