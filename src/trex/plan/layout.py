@@ -43,7 +43,7 @@ class PlanError(ValueError):
 def check_tensor_parallel(cfg: AnyConfig, tp: int) -> None:
     """PlanError unless ``tp`` divides everything tensor parallelism splits in the model (the family's
     ``tp_split``: for the DeepSeek-V3 family the attention heads, the vocabulary, the dense FFN and shared-expert
-    widths, V3.2's indexer heads; for V4 and V4.1 the heads, the output groups, the vocabulary and the shared
+    widths; for V4 the heads, the output groups, the vocabulary and the shared
     expert's width); the message names the numbers, or why the family's TP is not planned."""
     if tp == 1:
         return

@@ -82,8 +82,8 @@ class ModelFacts:
     #                          token, main layers and MTP blocks: the attention's down projections, V4's K = V head
     #                          and compressor, the router): the work TP repeats on each rank
     tp_whole_indexer: bool = False  # the lightning indexer (frozen, forward only) is whole on every TP rank (V4:
-    #                                 it is among the model's parameters and TP_SPLIT leaves it), so each rank
-    #                                 runs all of it on the group's tokens
+    #                                 it is among the model's parameters and TP_SPLIT leaves it; V3.2: its
+    #                                 ``counted_model`` says so), so each rank runs all of it on the group's tokens
 
     def per_tp_rank(self, total: int, whole: int, tp: int) -> float:
         """Elements of ``total`` one of ``tp`` TP ranks holds, ``whole`` of them not split (routed experts split
@@ -181,6 +181,7 @@ def _build_facts(cfg: AnyConfig) -> ModelFacts:
             entry[0] += indexer
             entry[3] += index_whole
         whole_stored += len(blocks) * index_whole
+        whole_indexer = index_whole == indexer
     total = sum(by_type.values())
     largest_block = max(blocks.values(), key=lambda v: v[0])
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size

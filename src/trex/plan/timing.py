@@ -1,13 +1,16 @@
 """Step time of one layout: compute, communication with stated overlap, pipeline bubble, optimizer.
 
-Compute: tokens per device x FLOPs per token (`trex.models.flops`, the MFU numerator) plus the
-forward work that recomputation repeats, at ``compute_efficiency`` x the device peak.
+Compute: tokens per device x FLOPs per token (`trex.models.flops`, the MFU numerator) plus what the
+family's kernels run beyond it (its ``kernel_extra_flops``: V3.2's absorbed sparse MLA) and the forward work
+that recomputation repeats, at ``compute_efficiency`` x the device peak.
 Communication per step and device, ring algorithms (a device moves (g-1)/g of the buffer):
   FSDP   all-gather of parameters in forward and again in backward per micro-batch (compute
          dtype), reduce-scatter of gradients once per step (fp32, trex's reduce dtype), or once
          per micro-batch with ``reduce_every_micro_batch``;
   HSDP   all-reduce of the sharded gradients over dp_replicate;
-  EP     all-to-all dispatch and combine of k copies of every token, forward and backward;
+  EP     all-to-all dispatch and combine of k copies of every token, forward and backward, and forward again
+         under full recompute (trex's, and torchtitan's, full activation checkpointing wraps the whole block, so
+         its recompute dispatches and combines again; selective recompute keeps the MoE's tensors);
   Engram (V4.1) the all-to-all lookup over every rank: per token and table, its row ids and rows
          there and back, and the rows' gradients back when the tables train (counted with EP);
   CP     per layer and micro-batch, forward and backward (and again in a recompute): the halo
@@ -162,8 +165,11 @@ def step_time(cfg: AnyConfig, facts: ModelFacts, layout: Layout, seq_len: int, h
         / layout.devices
     rate = hw.peak_flops(assume.dtype) * assume.compute_efficiency
     whole, whole_again = tp_whole_flops(cfg, facts, seq_len, layout.tp, layout.recompute)
-    compute = tokens_per_device * (busiest_shard_flops(cfg, seq_len, layout.cp) + whole) / rate
-    recompute = tokens_per_device * (recompute_flops_per_token(cfg, seq_len, layout.recompute) + whole_again) / rate
+    kernel = terms(cfg).kernel_extra_flops(cfg, seq_len)  # e.g. V3.2's absorbed sparse MLA; the attention is
+    kernel_again = kernel / 3 if layout.recompute != "none" else 0.0  # recomputed under either recompute
+    compute = tokens_per_device * (busiest_shard_flops(cfg, seq_len, layout.cp) + whole + kernel) / rate
+    recompute = tokens_per_device * (recompute_flops_per_token(cfg, seq_len, layout.recompute) + whole_again
+                                     + kernel_again) / rate
 
     micro, tp = layout.grad_accum, layout.tp
     shard, ef = layout.fsdp, layout.expert_fsdp
@@ -178,7 +184,8 @@ def step_time(cfg: AnyConfig, facts: ModelFacts, layout: Layout, seq_len: int, h
 
     family = terms(cfg)
     layers = family.moe_layers(cfg, cfg.num_hidden_layers // layout.pp) + family.mtp_blocks(cfg)
-    a2a_bytes = 4 * b * layout.micro_batch * seq_len * cfg.num_experts_per_tok * cfg.hidden_size * layers * micro
+    passes = 6 if layout.recompute == "full" else 4  # dispatch + combine, forward + backward (+ the recompute's)
+    a2a_bytes = passes * b * layout.micro_batch * seq_len * cfg.num_experts_per_tok * cfg.hidden_size * layers * micro
     ep = _group_seconds(a2a_bytes / layout.cp / tp, layout.ep, hw)
     if facts.engram_tables:  # fp32 rows (and their gradients when trained) and int64 ids, every table
         per_token = family.table_lookup_bytes(cfg, layout.train_engram)

@@ -41,6 +41,10 @@ Time (FLOPs per token; bytes per sequence row and pass):
                                             training FLOPs per token of the busiest of ``cp`` > 1 shards;
                                             ``total(n)`` is the model's training FLOPs per token, the mean over
                                             positions 0..n-1 (trex.models.flops, memoised by the planner)
+    kernel_extra_flops(cfg, seq_len) -> float
+                                            training FLOPs per token the family's kernels run beyond the model
+                                            FLOPs trex.models.flops counts (the MFU numerator): in the step time,
+                                            not in the MFU; its forward third again in a recompute
     cp_traffic(cfg, seq_len, b) -> (halo, gathered)
                                             context-parallel bytes per row and pass for one rank: sent to the
                                             neighbours, and moved by ring collectives (all-gather / reduce-scatter)
@@ -76,7 +80,8 @@ F32, I64 = 4, 8  # bytes of an fp32 element and of an int64 index
 
 # what a family's plan_terms module defines (tests/test_plan.py checks every architecture's)
 FUNCTIONS = ("main_blocks", "mtp_blocks", "mtp_kind", "stream_bytes", "block", "weight_copies", "backward_workspace",
-             "model_level", "moe_layers", "dense_ffn_flops", "busiest_shard_flops", "cp_traffic", "tp_split",
+             "model_level", "moe_layers", "dense_ffn_flops", "busiest_shard_flops", "kernel_extra_flops", "cp_traffic",
+             "tp_split",
              "tp_traffic", "table_reads", "table_lookup_bytes", "counted_model", "notes")
 
 

@@ -289,6 +289,12 @@ def busiest_shard_flops(cfg: ModelConfig | V41Config, seq_len: int, cp: int, tot
     return (seq_len * total(seq_len) - before * total(before)) / (seq_len - before)
 
 
+def kernel_extra_flops(cfg: ModelConfig | V41Config, seq_len: int) -> float:
+    """Training FLOPs per token the kernels run beyond the model FLOPs: none counted (trex.models.flops counts
+    the attention as trex's sparse attention runs it)."""
+    return 0.0
+
+
 def cp_traffic(cfg: ModelConfig | V41Config, seq_len: int, b: int) -> tuple[float, float]:
     """Context-parallel bytes per sequence row and pass (forward and backward), for one rank:
     (halo bytes it sends to its neighbours: each layer's input rows forward, their gradients backward;
