@@ -1,4 +1,4 @@
-"""trex plan with tensor parallelism (Layout.tp; the DeepSeek-V3 family and V4 / V4.1): what TP splits and what it leaves whole,
+"""trex plan with tensor parallelism (Layout.tp; the V3 family and V4): what TP splits and what it leaves whole,
 its per-layer collectives, the layout checks, the search, the default and nearest fitting layouts, and the
 published torchtitan-npu runs (docs/planning.md#tensor-parallelism-and-the-published-runs)."""
 

@@ -6,8 +6,8 @@
                parameters (FSDP over dp_shard x cp) and read the same micro-batches;
     tp         tensor parallel: attention heads, the dense FFNs and shared experts split column/row-wise,
                embedding and head by vocabulary (the V3 family as Megatron / torchtitan, with sequence
-               parallelism between them; V4 and V4.1 as trex's TP runs them: the family's plan terms); the TP ranks of a group read the same
-               micro-batches and are the innermost (adjacent) ranks, inside one node when they fit;
+               parallelism between them; V4 as trex's TP runs it: the family's plan terms); the TP ranks of a
+               group read the same micro-batches and are the innermost (adjacent) ranks, inside one node when they fit;
     ep         routed experts split over this many ranks carved from dp_shard x cp x tp (torchtitan's
                expert_tensor_parallel_degree = 1: experts are never TP-split; under TP each rank
                dispatches its own tokens of the group's sequence); trex train splits them inside

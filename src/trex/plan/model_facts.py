@@ -195,8 +195,8 @@ def _build_facts(cfg: AnyConfig) -> ModelFacts:
         block_experts=max(v[1] for v in blocks.values()), root=root,
         block_trainable=tuple(v[2] for v in blocks.values()), largest_muon_matrix=largest, muon_ns_flops=ns,
         engram_tables=tables, engram_rows=rows, tp_whole_stored=whole_stored, tp_whole_trainable=whole_trainable,
-        tp_whole_muon=whole_muon, tp_whole_block=largest_block[3], tp_whole_root=root_whole, tp_whole_matmul=whole_matmul,
-        tp_whole_indexer=whole_indexer)
+        tp_whole_muon=whole_muon, tp_whole_block=largest_block[3], tp_whole_root=root_whole,
+        tp_whole_matmul=whole_matmul, tp_whole_indexer=whole_indexer)
 
 
 _CACHE: dict[str, ModelFacts] = {}

@@ -81,8 +81,7 @@ F32, I64 = 4, 8  # bytes of an fp32 element and of an int64 index
 # what a family's plan_terms module defines (tests/test_plan.py checks every architecture's)
 FUNCTIONS = ("main_blocks", "mtp_blocks", "mtp_kind", "stream_bytes", "block", "weight_copies", "backward_workspace",
              "model_level", "moe_layers", "dense_ffn_flops", "busiest_shard_flops", "kernel_extra_flops", "cp_traffic",
-             "tp_split",
-             "tp_traffic", "table_reads", "table_lookup_bytes", "counted_model", "notes")
+             "tp_split", "tp_traffic", "table_reads", "table_lookup_bytes", "counted_model", "notes")
 
 
 @dataclass(frozen=True)

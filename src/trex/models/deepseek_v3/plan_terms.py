@@ -244,12 +244,12 @@ def tp_split(cfg: V3Config) -> dict[str, int]:
 
 def tp_traffic(cfg: V3Config, S: int, b: int, recompute: str, layers: int, cp: int = 1) -> float:
     """Ring-collective buffer bytes one TP rank takes part in for one sequence of ``S`` tokens on one of ``cp``
-    context-parallel ranks (its S / cp rows) through ``layers`` main layers, the MTP blocks and the heads, modelled as Megatron's / torchtitan's TP
-    with sequence parallelism: per block forward an all-gather of the [S, hidden] input before attention and
-    before the FFN and a reduce-scatter of each one's output (2 + 2 buffers), backward the mirror (2 + 2), a
-    recompute the forward's again (full: 4, selective: the attention site's 2); the embedding (reduce-scatter
-    forward, all-gather backward) and each vocabulary-parallel head (all-gather forward, reduce-scatter
-    backward) once each way."""
+    context-parallel ranks (its S / cp rows) through ``layers`` main layers, the MTP blocks and the heads, modelled as
+    Megatron's / torchtitan's TP with sequence parallelism: per block forward an all-gather of the [S, hidden] input
+    before attention and before the FFN and a reduce-scatter of each one's output (2 + 2 buffers), backward the
+    mirror (2 + 2), a recompute the forward's again (full: 4, selective: the attention site's 2); the embedding
+    (reduce-scatter forward, all-gather backward) and each vocabulary-parallel head (all-gather forward,
+    reduce-scatter backward) once each way."""
     per_pass = {"none": 8, "selective": 10, "full": 12}[recompute]
     mtp = cfg.num_nextn_predict_layers
     return b * (S // cp) * cfg.hidden_size * ((layers + mtp) * per_pass + 2 * (2 + mtp))

@@ -321,16 +321,16 @@ def tp_split(cfg: ModelConfig | V41Config) -> dict[str, int]:
 
 def tp_traffic(cfg: ModelConfig | V41Config, S: int, b: int, recompute: str, layers: int, cp: int = 1) -> float:
     """Ring-collective buffer bytes (an all-reduce counts twice: reduce-scatter + all-gather) one TP rank takes
-    part in for one sequence of ``S`` tokens on one of ``cp`` context-parallel ranks (its S / cp rows) through ``layers`` main layers, the MTP
-    blocks and the heads, as trex.parallel.tensor_parallel runs V4's plan (no sequence parallelism: every
-    collective is an all-reduce at the compute dtype). Per block, forward: the row-parallel outputs, ``wo_b``'s
-    and the shared expert's ``w2`` [S, hidden]; backward: the gradients of what enters the heads' region,
-    ``wq_b``'s input [S, q_lora_rank], the shared K = V head ``_kv`` [S + window halo, head_dim], the compressed
-    entries a compressing layer's compressor returns [S / ratio, head_dim], and the shared expert's input once
-    for ``w1`` and once for ``w3`` (each column-parallel linear enters it) [S, hidden]; a full recompute runs the
-    forward's again, a selective one the attention's (``wo_b``). Each embedding lookup (main and each MTP
-    block's) sums [S, hidden] forward; each vocabulary-parallel loss (head_nll) sums three fp32 statistics per
-    row forward and the fp32 hidden-state gradient [S, hidden] backward."""
+    part in for one sequence of ``S`` tokens on one of ``cp`` context-parallel ranks (its S / cp rows) through
+    ``layers`` main layers, the MTP blocks and the heads, as trex.parallel.tensor_parallel runs V4's plan (no
+    sequence parallelism: every collective is an all-reduce at the compute dtype). Per block, forward: the
+    row-parallel outputs, ``wo_b``'s and the shared expert's ``w2`` [S, hidden]; backward: the gradients of what
+    enters the heads' region, ``wq_b``'s input [S, q_lora_rank], the shared K = V head ``_kv`` [S + window halo,
+    head_dim], the compressed entries a compressing layer's compressor returns [S / ratio, head_dim], and the shared
+    expert's input once for ``w1`` and once for ``w3`` (each column-parallel linear enters it) [S, hidden]; a full
+    recompute runs the forward's again, a selective one the attention's (``wo_b``). Each embedding lookup (main and
+    each MTP block's) sums [S, hidden] forward; each vocabulary-parallel loss (head_nll) sums three fp32 statistics
+    per row forward and the fp32 hidden-state gradient [S, hidden] backward."""
     d, c, q = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
     shared = 1 if cfg.n_shared_experts else 0
     mtp = mtp_blocks(cfg)
