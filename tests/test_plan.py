@@ -96,6 +96,8 @@ def test_state_shrinks_with_shards_and_recompute_trades_memory_for_time():
     times = [plans[rc].time.total for rc in ("none", "selective", "full")]
     assert acts[0] > acts[1] > acts[2] and work[0] == 0 < work[1] < work[2]
     assert times == sorted(times)  # recompute can hide behind communication, never make a step faster
+    ep = [plans[rc].time.ep_comm for rc in ("none", "selective", "full")]
+    assert ep[1] == ep[0] and ep[2] == pytest.approx(1.5 * ep[0])  # a full recompute dispatches and combines again
     wide = make_plan(FLASH, dataclasses.replace(base, dp_shard=128), 4096, H100)
     assert wide.memory.weights == pytest.approx(plans["none"].memory.weights / 2)
     # fp32 parameters (the masters) and gradients, Muon momentum / AdamW moments, all sharded

@@ -137,3 +137,24 @@ def test_kimi_k2_recipe_at_1024_ranks():
     per_rank = float(re.search(r"\(([\d.]+)B elements\)", proc.stdout)[1]) * 1e9
     assert total / 1024 * 0.99 <= per_rank <= total / 1024 * 1.02
     assert float(re.search(r"total before activations\s+([\d.]+) GiB", proc.stdout)[1]) < 20
+
+
+def test_v32_step_counts_the_absorbed_sparse_mla_it_runs():
+    """trex's sparse MLA (and torchtitan-npu's npu_sparse_flash_attention, MLA-absorb) scores each query's
+    min(index_topk, S) picks over the [latent | k_pe] and sums their latent values, per head: more FLOPs than the
+    MHA form the model FLOPs count. The step time counts them; the MFU does not."""
+    from trex.models.deepseek_v3 import plan_terms
+    from trex.plan.timing import recompute_flops_per_token, training_flops
+
+    cfg, S = get_preset("tiny-v3.2"), 64  # index_topk 8: every query scores 8 picks
+    H, kv, rd = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    counted = (8 * 9 / 2 + (S - 8) * 8) / S * (cfg.qk_head_dim + cfg.v_head_dim)  # min(t + 1, 8) keys, MHA form
+    extra = 3 * 2 * H * (8 * (kv + rd + kv) - counted) * (cfg.num_hidden_layers + 1)
+    assert plan_terms.kernel_extra_flops(cfg, S) == pytest.approx(extra)
+    assert plan_terms.kernel_extra_flops(get_preset("tiny-v3"), S) == 0
+    plan = make_plan(cfg, Layout(dp_shard=1), S, H200)
+    rate = H200.peak_flops("bf16") * plan.assumptions.compute_efficiency
+    assert plan.time.compute == pytest.approx(S * (training_flops(cfg, S).total + extra) / rate)
+    full = make_plan(cfg, Layout(dp_shard=1, recompute="full"), S, H200)  # the attention's forward again
+    assert full.time.recompute == pytest.approx(S * (recompute_flops_per_token(cfg, S, "full") + extra / 3) / rate)
+    assert plan.flops_per_token == training_flops(cfg, S).total  # the MFU's numerator is the model's

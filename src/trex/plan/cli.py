@@ -21,7 +21,10 @@ def register(sub) -> None:
     p.add_argument("--seq", type=int, help="tokens per sequence")
     p.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (sets grad_accum)")
     p.add_argument("--layout", default="", help="Layout fields, e.g. dp_shard=64,ep=32,pp=1,micro_batch=1; tp=N for tensor "
-                                                        "parallelism (the DeepSeek-V3 family)")
+                                                "parallelism")
+    p.add_argument("--override", default="", metavar="FIELD=VALUE,...",
+                   help="model config fields changed on the preset, as a recipe's [model] overrides, e.g. "
+                        "num_nextn_predict_layers=0 (no MTP module)")
     p.add_argument("--recompute", choices=("none", "selective", "full"),
                    help="activation recomputation (default: the recipe's, else none)")
     p.add_argument("--optimizer", choices=("adamw", "muon"), help="optimizer (default: the recipe's, else muon)")

@@ -36,6 +36,26 @@ def resolve_model(spec: str) -> AnyConfig:
     raise PlanError(f"model {spec!r}: not a preset ({', '.join(sorted(PRESETS))}) and no such config file")
 
 
+def parse_overrides(text: str) -> dict:
+    """``"num_nextn_predict_layers=0,index_topk=1024"`` -> config field overrides (integers, floats, true/false,
+    else strings), as a recipe's ``[model] overrides``."""
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise PlanError(f"--override: cannot read {item!r}; expected FIELD=VALUE")
+        value = value.strip()
+        for kind in (int, float):
+            try:
+                out[key.strip()] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key.strip()] = {"true": True, "false": False}.get(value.lower(), value)
+    return out
+
+
 def resolve_hardware(name: str | None) -> HardwareProfile:
     profiles = load_profiles()
     if name is None or name not in profiles:
@@ -161,6 +181,7 @@ def _inputs(args: argparse.Namespace) -> tuple[str, AnyConfig, Layout, int, str]
     if model_spec is None:
         raise PlanError("give a recipe or --model")
     cfg = recipe_model(args.recipe, model_spec) if args.recipe else resolve_model(model_spec)
+    cfg = with_overrides(cfg, parse_overrides(args.override), "--override")
     if seq is None:
         seq = DEFAULT_SEQ
         print(f"note: no recipe or --seq: planning {seq}-token sequences", file=sys.stderr)

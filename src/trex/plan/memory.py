@@ -7,9 +7,10 @@ parameter and AdamW two fp32 moments. FSDP shards all of it over dp_shard x cp (
 dp_shard x cp / ep), pipeline stages over pp. A context-parallel rank keeps the activations of its
 S / cp rows.
 
-Tensor parallelism (``Layout.tp``, the V3 family): a parameter TP splits (trex.plan.model_facts.TP_SPLIT)
+Tensor parallelism (``Layout.tp``): a parameter TP splits (trex.plan.model_facts.TP_SPLIT)
 holds 1 / tp of itself on each TP rank, then FSDP shards that over dp_shard x cp; the parts TP leaves whole
-(MLA's down projections, norms, the router) are FSDP-sharded only; routed experts are split over
+(the attention's down projections, V4's K = V head, compressor and indexer, mHC, norms, the router) are
+FSDP-sharded only; routed experts are split over
 dp_shard x cp x tp (EP, then FSDP over what is left). Activations of a TP rank: the family's plan terms (``tp``).
 
 A step's memory peaks at one of two moments, and the breakdown keeps what is alive at each:

@@ -37,12 +37,16 @@ MODULE_TYPES = (
     ("norms", r"norm\.weight$"),
     ("mtp_projections", r"\.(e_proj|h_proj)\."),
 )
-# Parameters tensor parallelism splits (trex.plan.layout.Layout.tp; the DeepSeek-V3 family): MLA's up
-# projections column-wise and output row-wise (the low-rank down projections, their norms and the router stay
-# whole on every TP rank), the dense FFN and shared experts column/row-wise, embedding and head by vocabulary,
-# an MTP block's eh_proj column-wise (as Megatron's MTP).
+# Parameters tensor parallelism splits (trex.plan.layout.Layout.tp). The DeepSeek-V3 family as Megatron /
+# torchtitan: MLA's up projections column-wise and output row-wise (the low-rank down projections, their norms
+# and the router stay whole on every TP rank), the dense FFN column/row-wise, an MTP block's eh_proj
+# column-wise (as Megatron's MTP). V4 and V4.1 as trex.models.deepseek_v4.tp_plan: wq_b by heads, the per-head
+# attn_sink with them, wo_a by whole output groups, wo_b row-wise (wq_a, the K = V head wkv, the compressor, the
+# indexer, mHC, the norms and the router whole; tests/test_plan_tp.py checks this against the plan). Both: the
+# shared experts column/row-wise, embedding and head by vocabulary.
 # Routed experts are split by expert parallelism instead (counted apart, ``experts``).
-TP_SPLIT = r"\.attn\.(wq_b|wkv_b|wo)\.|\.ffn\.(w[123]|shared_experts)\.|\.eh_proj\.|^embed\.|^head\."
+TP_SPLIT = (r"\.attn\.(wq_b|wkv_b|wo|wo_a|wo_b)\.|\.attn\.attn_sink$|\.ffn\.(w[123]|shared_experts)\.|\.eh_proj\.|"
+            r"^embed\.|^head\.")
 INDEXER = ".attn.indexer."
 TABLE = ".engram.embed."
 NS_ITERATIONS = 10  # DeepSeek-V4's hybrid Newton-Schulz: 8 + 2 iterations (trex.train.optim.OptimSection)
@@ -74,9 +78,12 @@ class ModelFacts:
     tp_whole_muon: int = 0  # of ``muon``
     tp_whole_block: int = 0  # of ``block_dense`` (the largest block)
     tp_whole_root: int = 0  # of ``root`` (the final norm: embedding and head are split)
-    tp_whole_matmul: int = 0  # weights of the whole matmuls every TP rank runs on the group's tokens (per token,
-    #                          main layers and MTP blocks: MLA's down projections and the router): the work TP
-    #                          repeats on each rank
+    tp_whole_matmul: int = 0  # weights of the whole trained matmuls every TP rank runs on the group's tokens (per
+    #                          token, main layers and MTP blocks: the attention's down projections, V4's K = V head
+    #                          and compressor, the router): the work TP repeats on each rank
+    tp_whole_indexer: bool = False  # the lightning indexer (frozen, forward only) is whole on every TP rank (V4:
+    #                                 it is among the model's parameters and TP_SPLIT leaves it; V3.2: its
+    #                                 ``counted_model`` says so), so each rank runs all of it on the group's tokens
 
     def per_tp_rank(self, total: int, whole: int, tp: int) -> float:
         """Elements of ``total`` one of ``tp`` TP ranks holds, ``whole`` of them not split (routed experts split
@@ -126,6 +133,7 @@ def _build_facts(cfg: AnyConfig) -> ModelFacts:
     blocks: dict[str, list[int]] = {}  # block prefix -> [dense, routed experts, trainable, TP-whole] parameters
     root = root_whole = 0
     whole_stored = whole_trainable = whole_muon = whole_matmul = 0
+    whole_indexer = False
     largest = 0
     ns = 0.0
     for name, p in model.named_parameters():
@@ -140,7 +148,9 @@ def _build_facts(cfg: AnyConfig) -> ModelFacts:
         experts += p.numel() if is_expert else 0
         whole = not is_expert and not re.search(TP_SPLIT, name)
         whole_stored += p.numel() if whole else 0
-        whole_matmul += p.numel() if whole and p.dim() == 2 and (".attn." in name or ".ffn.gate." in name) else 0
+        trained_matmul = p.dim() == 2 and (".attn." in name or ".ffn.gate." in name) and INDEXER not in f".{name}"
+        whole_matmul += p.numel() if whole and trained_matmul else 0
+        whole_indexer = whole_indexer or (whole and INDEXER in f".{name}")
         block = re.match(r"^(layers|mtp)\.\d+\.", name)
         if block:
             entry = blocks.setdefault(block.group(0), [0, 0, 0, 0])
@@ -171,6 +181,7 @@ def _build_facts(cfg: AnyConfig) -> ModelFacts:
             entry[0] += indexer
             entry[3] += index_whole
         whole_stored += len(blocks) * index_whole
+        whole_indexer = index_whole == indexer
     total = sum(by_type.values())
     largest_block = max(blocks.values(), key=lambda v: v[0])
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
@@ -184,7 +195,8 @@ def _build_facts(cfg: AnyConfig) -> ModelFacts:
         block_experts=max(v[1] for v in blocks.values()), root=root,
         block_trainable=tuple(v[2] for v in blocks.values()), largest_muon_matrix=largest, muon_ns_flops=ns,
         engram_tables=tables, engram_rows=rows, tp_whole_stored=whole_stored, tp_whole_trainable=whole_trainable,
-        tp_whole_muon=whole_muon, tp_whole_block=largest_block[3], tp_whole_root=root_whole, tp_whole_matmul=whole_matmul)
+        tp_whole_muon=whole_muon, tp_whole_block=largest_block[3], tp_whole_root=root_whole,
+        tp_whole_matmul=whole_matmul, tp_whole_indexer=whole_indexer)
 
 
 _CACHE: dict[str, ModelFacts] = {}

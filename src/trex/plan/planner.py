@@ -72,8 +72,9 @@ class Plan:
         if self.layout.pp > 1:
             out.append("pipeline parallelism is modelled, but trex train does not run it yet")
         if self.layout.tp > 1:
-            out.append("tensor parallelism is modelled (Megatron's / torchtitan's plan with sequence parallelism), but "
-                       "trex train does not run it yet")
+            out.append("tp > 1: routed experts are planned as torchtitan places them (each TP rank dispatches its 1/tp "
+                       "of the rows to experts split over dp_shard x cp x tp); trex train runs them on every rank of a "
+                       "TP group, on the same rows")
         if self.layout.dp_shard % self.layout.ep:
             out.append(f"ep={self.layout.ep} spans context- and tensor-parallel ranks (torchtitan's "
                        "expert_tensor_parallel_degree = 1); trex train splits experts inside dp_shard only")
@@ -114,7 +115,7 @@ def make_plan(cfg: AnyConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
                 memory=memory(cfg, facts, layout, seq_len, b),
                 time=step_time(cfg, facts, layout, seq_len, hw, assume, b),
                 flops_per_token=training_flops(cfg, seq_len).total, assumptions=assume,
-                routed_experts=cfg.n_routed_experts, model_notes=tuple(terms(cfg).notes(cfg)))
+                routed_experts=cfg.n_routed_experts, model_notes=tuple(terms(cfg).notes(cfg, layout.tp)))
 
 
 def with_drafter(plan: Plan, cfg, section, main_steps: int) -> Plan:

@@ -1,13 +1,16 @@
 """Step time of one layout: compute, communication with stated overlap, pipeline bubble, optimizer.
 
-Compute: tokens per device x FLOPs per token (`trex.models.flops`, the MFU numerator) plus the
-forward work that recomputation repeats, at ``compute_efficiency`` x the device peak.
+Compute: tokens per device x FLOPs per token (`trex.models.flops`, the MFU numerator) plus what the
+family's kernels run beyond it (its ``kernel_extra_flops``: V3.2's absorbed sparse MLA) and the forward work
+that recomputation repeats, at ``compute_efficiency`` x the device peak.
 Communication per step and device, ring algorithms (a device moves (g-1)/g of the buffer):
   FSDP   all-gather of parameters in forward and again in backward per micro-batch (compute
          dtype), reduce-scatter of gradients once per step (fp32, trex's reduce dtype), or once
          per micro-batch with ``reduce_every_micro_batch``;
   HSDP   all-reduce of the sharded gradients over dp_replicate;
-  EP     all-to-all dispatch and combine of k copies of every token, forward and backward;
+  EP     all-to-all dispatch and combine of k copies of every token, forward and backward, and forward again
+         under full recompute (trex's, and torchtitan's, full activation checkpointing wraps the whole block, so
+         its recompute dispatches and combines again; selective recompute keeps the MoE's tensors);
   Engram (V4.1) the all-to-all lookup over every rank: per token and table, its row ids and rows
          there and back, and the rows' gradients back when the tables train (counted with EP);
   CP     per layer and micro-batch, forward and backward (and again in a recompute): the halo
@@ -16,14 +19,13 @@ Communication per step and device, ring algorithms (a device moves (g-1)/g of th
          the DeepSeek-V3 family no halo, the all-gather of every row's MLA latent and k_pe
          (kv_lora_rank + qk_rope_head_dim values a token) and the reduce-scatter of its gradient
          (and V3.2's index keys, forward only).
-  TP     (tensor parallelism with sequence parallelism, the V3 family) per layer (MTP blocks too) and
-         micro-batch, forward: an all-gather of the [rows, hidden] input before attention and before the FFN,
-         a reduce-scatter of each one's output (2 + 2, of the group's mb x S / cp rows at the compute dtype);
-         backward the mirror (2 + 2), and a recompute the forward's again (full: 4, selective: the attention
-         site's 2); embedding (reduce-scatter forward, all-gather backward) and each vocabulary-parallel head
-         (all-gather forward, reduce-scatter backward) once each way. TP ranks are adjacent: a group within a
-         node runs at the intra-node link. ``tp_overlap`` (default 0, as torchtitan without async TP) hides
-         it. Every TP rank also runs the matmuls TP leaves whole (MLA's down projections, the router) on all
+  TP     per micro-batch, the family's ``tp_traffic`` (its collectives per layer, forward, backward and again
+         in a recompute, and the embedding's and heads'): the V3 family as Megatron / torchtitan with sequence
+         parallelism (all-gathers and reduce-scatters of [mb x S / cp, hidden]), V4 and V4.1 as trex's TP
+         runs them (all-reduces of the row-parallel outputs forward and of the column-parallel inputs'
+         gradients backward). TP ranks are adjacent: a group within a node runs at the intra-node link.
+         ``tp_overlap`` (default 0, as torchtitan without async TP) hides it. Every TP rank also runs the
+         matmuls TP leaves whole (``ModelFacts.tp_whole_matmul``: the attention's and the router's) on all
          of the group's rows: ``tp - 1`` extra copies of that work, in the compute time, not in the MFU.
 Expert parallelism spans dp_shard x cp x tp ranks (trex.plan.layout): the all-to-all of each rank's own rows
 (mb x S / (cp x tp)); FSDP gathers a TP rank's 1 / tp of the split parameters over dp_shard x cp ranks spaced
@@ -120,22 +122,28 @@ def busiest_shard_flops(cfg: AnyConfig, seq_len: int, cp: int) -> float:
 
 
 def tp_traffic(cfg: AnyConfig, layout: Layout, seq_len: int, b: int) -> float:
-    """Ring-collective buffer bytes one TP rank takes part in per micro-batch (see the module docstring: the
-    all-gathers and reduce-scatters of [mb x S / cp, hidden] at the compute dtype); 0 without TP."""
+    """Ring-collective buffer bytes one TP rank takes part in per micro-batch (an all-reduce counts twice: a
+    reduce-scatter and an all-gather), the family's ``tp_traffic`` of a context-parallel rank's rows through one
+    pipeline stage; 0 without TP."""
     if layout.tp == 1:
         return 0.0
-    per_pass = {"none": 8, "selective": 10, "full": 12}[layout.recompute]  # forward 4, backward 4, recompute
-    mtp = terms(cfg).mtp_blocks(cfg)
-    blocks = cfg.num_hidden_layers // layout.pp + mtp
-    heads = 1 + mtp
-    buffer = b * layout.micro_batch * (seq_len // layout.cp) * cfg.hidden_size
-    return buffer * (blocks * per_pass + 2 * (1 + heads))
+    family = terms(cfg)
+    return layout.micro_batch * family.tp_traffic(cfg, seq_len, b, layout.recompute,
+                                                  cfg.num_hidden_layers // layout.pp, layout.cp)
 
 
-def tp_whole_flops(facts: ModelFacts, tp: int) -> float:
-    """Training FLOPs per token that each of ``tp`` TP ranks runs beyond its 1 / tp share: the matmuls TP leaves
-    whole (``ModelFacts.tp_whole_matmul``: 2 forward + 4 backward FLOPs a weight) on the other ranks' rows."""
-    return 6 * facts.tp_whole_matmul * (tp - 1)
+def tp_whole_flops(cfg: AnyConfig, facts: ModelFacts, seq_len: int, tp: int, recompute: str) -> tuple[float, float]:
+    """(training, recomputed) FLOPs per token that each of ``tp`` TP ranks runs beyond its 1 / tp share, on the
+    other ranks' rows: the trained matmuls TP leaves whole (``ModelFacts.tp_whole_matmul``: 2 forward + 4 backward
+    FLOPs a weight; their forward again under full recompute) and, where TP leaves it whole
+    (``ModelFacts.tp_whole_indexer``: V4's), the frozen indexer's forward (again under any recompute, as
+    :func:`recompute_flops_per_token` counts it)."""
+    if tp == 1:
+        return 0.0, 0.0
+    matmul = 6 * facts.tp_whole_matmul * (tp - 1)
+    indexer = training_flops(cfg, seq_len).indexer * (tp - 1) if facts.tp_whole_indexer else 0.0
+    again = {"none": 0.0, "selective": indexer, "full": matmul / 3 + indexer}[recompute]
+    return matmul + indexer, again
 
 
 def _bandwidth(group: int, hw: HardwareProfile, span: int = 1) -> float:
@@ -156,10 +164,12 @@ def step_time(cfg: AnyConfig, facts: ModelFacts, layout: Layout, seq_len: int, h
     tokens_per_device = layout.micro_batch * seq_len * layout.grad_accum * layout.dp_replicate * layout.dp_shard \
         / layout.devices
     rate = hw.peak_flops(assume.dtype) * assume.compute_efficiency
-    compute = tokens_per_device * (busiest_shard_flops(cfg, seq_len, layout.cp) + tp_whole_flops(facts, layout.tp)) / rate
-    recompute = tokens_per_device * recompute_flops_per_token(cfg, seq_len, layout.recompute) / rate
-    if layout.recompute == "full":  # the whole matmuls' forward again on the other TP ranks' rows
-        recompute += tokens_per_device * tp_whole_flops(facts, layout.tp) / 3 / rate
+    whole, whole_again = tp_whole_flops(cfg, facts, seq_len, layout.tp, layout.recompute)
+    kernel = terms(cfg).kernel_extra_flops(cfg, seq_len)  # e.g. V3.2's absorbed sparse MLA; the attention is
+    kernel_again = kernel / 3 if layout.recompute != "none" else 0.0  # recomputed under either recompute
+    compute = tokens_per_device * (busiest_shard_flops(cfg, seq_len, layout.cp) + whole + kernel) / rate
+    recompute = tokens_per_device * (recompute_flops_per_token(cfg, seq_len, layout.recompute) + whole_again
+                                     + kernel_again) / rate
 
     micro, tp = layout.grad_accum, layout.tp
     shard, ef = layout.fsdp, layout.expert_fsdp
@@ -174,7 +184,8 @@ def step_time(cfg: AnyConfig, facts: ModelFacts, layout: Layout, seq_len: int, h
 
     family = terms(cfg)
     layers = family.moe_layers(cfg, cfg.num_hidden_layers // layout.pp) + family.mtp_blocks(cfg)
-    a2a_bytes = 4 * b * layout.micro_batch * seq_len * cfg.num_experts_per_tok * cfg.hidden_size * layers * micro
+    passes = 6 if layout.recompute == "full" else 4  # dispatch + combine, forward + backward (+ the recompute's)
+    a2a_bytes = passes * b * layout.micro_batch * seq_len * cfg.num_experts_per_tok * cfg.hidden_size * layers * micro
     ep = _group_seconds(a2a_bytes / layout.cp / tp, layout.ep, hw)
     if facts.engram_tables:  # fp32 rows (and their gradients when trained) and int64 ids, every table
         per_token = family.table_lookup_bytes(cfg, layout.train_engram)

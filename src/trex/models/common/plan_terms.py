@@ -9,7 +9,7 @@ functions below (:data:`FUNCTIONS`); every count is a Python int or float.
 Conventions: ``cfg`` the family's config; ``S`` the tokens of one sequence (a batch row; the whole sequence,
 also under context parallelism); ``b`` bytes of an element of the compute dtype (2 for bf16, 4 for fp32);
 ``cp`` the context-parallel ranks a sequence is split over (a rank keeps its own S / cp rows); ``tp`` the
-tensor-parallel ranks (1 where the family's TP is not modelled: ``tp_split``). Bytes are per device, for one
+tensor-parallel ranks. Bytes are per device, for one
 sequence unless stated; a *layer kind* is an opaque string the family's ``main_blocks`` / ``mtp_kind`` hand
 out and its other functions take back.
 
@@ -41,12 +41,20 @@ Time (FLOPs per token; bytes per sequence row and pass):
                                             training FLOPs per token of the busiest of ``cp`` > 1 shards;
                                             ``total(n)`` is the model's training FLOPs per token, the mean over
                                             positions 0..n-1 (trex.models.flops, memoised by the planner)
+    kernel_extra_flops(cfg, seq_len) -> float
+                                            training FLOPs per token the family's kernels run beyond the model
+                                            FLOPs trex.models.flops counts (the MFU numerator): in the step time,
+                                            not in the MFU; its forward third again in a recompute
     cp_traffic(cfg, seq_len, b) -> (halo, gathered)
                                             context-parallel bytes per row and pass for one rank: sent to the
                                             neighbours, and moved by ring collectives (all-gather / reduce-scatter)
     tp_split(cfg) -> dict[str, int]         what tensor parallelism splits, by name, each a size ``tp`` must divide
                                             (0: absent); NotImplementedError(reason) where the family's TP is not
                                             modelled
+    tp_traffic(cfg, S, b, recompute, layers, cp=1) -> float
+                                            ring-collective buffer bytes (an all-reduce counts twice) one TP rank
+                                            takes part in for one sequence through ``layers`` main layers, the MTP
+                                            blocks and the heads, under ``recompute`` ("none", "selective", "full")
     table_reads(cfg) -> int                 elements of the row-split embedding tables (V4.1's Engram) one token
                                             reads (0: none)
     table_lookup_bytes(cfg, trained) -> int bytes per token the tables' all-to-all lookup moves (row ids, rows,
@@ -58,7 +66,8 @@ Facts and notes:
                                             the config whose model (built on meta) the parameter count reads, and
                                             the frozen parameters per block (main layers and MTP) it lacks that the
                                             planner adds, ``per_block_whole`` of them left whole by TP
-    notes(cfg) -> list[str]                 what a plan of ``cfg`` says about how it was modelled
+    notes(cfg, tp=1) -> list[str]           what a plan of ``cfg`` (at ``tp`` tensor-parallel ranks) says about how
+                                            it was modelled
 """
 
 from __future__ import annotations
@@ -71,8 +80,8 @@ F32, I64 = 4, 8  # bytes of an fp32 element and of an int64 index
 
 # what a family's plan_terms module defines (tests/test_plan.py checks every architecture's)
 FUNCTIONS = ("main_blocks", "mtp_blocks", "mtp_kind", "stream_bytes", "block", "weight_copies", "backward_workspace",
-             "model_level", "moe_layers", "dense_ffn_flops", "busiest_shard_flops", "cp_traffic", "tp_split",
-             "table_reads", "table_lookup_bytes", "counted_model", "notes")
+             "model_level", "moe_layers", "dense_ffn_flops", "busiest_shard_flops", "kernel_extra_flops", "cp_traffic",
+             "tp_split", "tp_traffic", "table_reads", "table_lookup_bytes", "counted_model", "notes")
 
 
 @dataclass(frozen=True)

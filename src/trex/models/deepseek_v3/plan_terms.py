@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Callable
 
 from trex.kernels import latent_attention, sparse_mla
+from trex.models.common.flops import mean_window_keys
 from trex.models.common.plan_terms import F32, I64, LayerActivations, rms_norm
 from trex.models.deepseek_v3.config import V3, V3Config
 
@@ -207,6 +208,22 @@ def cp_extra_flops(cfg: V3Config, cp: int) -> float:
     return runs * per_row * (cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
 
 
+def kernel_extra_flops(cfg: V3Config, seq_len: int) -> float:
+    """Training FLOPs per token V3.2's attention kernel runs beyond the model FLOPs (trex.models.flops counts MLA
+    in its MHA form: q.k over qk_head_dim and p.v over v_head_dim, H heads, each query's min(t + 1, index_topk)
+    picks). trex's sparse MLA (trex.kernels.sparse_mla) runs the absorbed (MQA) form: per head q.kv over the
+    kv_lora_rank + qk_rope_head_dim latent and p.kv over its kv_lora_rank values, for all min(index_topk, S)
+    picks of every query (the invalid ones masked), forward once and backward twice (torchtitan-npu's
+    ``npu_sparse_flash_attention`` runs the same form, attention_mode 2, MLA-absorb). The absorption through
+    ``wkv_b`` (per query) replaces the MHA form's expansion (per key) at equal FLOPs. 0 for a dense V3."""
+    if not cfg.index_topk:
+        return 0.0
+    H, kv, rd = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    executed = min(cfg.index_topk, seq_len) * (2 * kv + rd)
+    counted = mean_window_keys(seq_len, cfg.index_topk) * (cfg.qk_head_dim + cfg.v_head_dim)
+    return 3 * 2 * H * (executed - counted) * (cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+
+
 def cp_traffic(cfg: V3Config, seq_len: int, b: int) -> tuple[float, float]:
     """Context-parallel bytes per sequence row and pass, for one rank: no halo; every MLA layer (MTP blocks too)
     all-gathers every row's [latent | k_pe] forward and reduce-scatters its gradient backward, V3.2 its index
@@ -219,11 +236,23 @@ def cp_traffic(cfg: V3Config, seq_len: int, b: int) -> tuple[float, float]:
 
 def tp_split(cfg: V3Config) -> dict[str, int]:
     """What tensor parallelism (Megatron's / torchtitan's plan) splits: the attention heads, the vocabulary
-    (embedding and head), the dense FFN and shared-expert widths, V3.2's indexer heads."""
+    (embedding and head), the dense FFN and shared-expert widths. V3.2's indexer is not split (counted_model)."""
     return {"attention heads": cfg.num_attention_heads, "vocabulary": cfg.vocab_size,
             "dense FFN width": cfg.intermediate_size,
-            "shared-expert width": cfg.moe_intermediate_size * cfg.n_shared_experts,
-            "indexer heads": cfg.index_n_heads}
+            "shared-expert width": cfg.moe_intermediate_size * cfg.n_shared_experts}
+
+
+def tp_traffic(cfg: V3Config, S: int, b: int, recompute: str, layers: int, cp: int = 1) -> float:
+    """Ring-collective buffer bytes one TP rank takes part in for one sequence of ``S`` tokens on one of ``cp``
+    context-parallel ranks (its S / cp rows) through ``layers`` main layers, the MTP blocks and the heads, modelled as
+    Megatron's / torchtitan's TP with sequence parallelism: per block forward an all-gather of the [S, hidden] input
+    before attention and before the FFN and a reduce-scatter of each one's output (2 + 2 buffers), backward the
+    mirror (2 + 2), a recompute the forward's again (full: 4, selective: the attention site's 2); the embedding
+    (reduce-scatter forward, all-gather backward) and each vocabulary-parallel head (all-gather forward,
+    reduce-scatter backward) once each way."""
+    per_pass = {"none": 8, "selective": 10, "full": 12}[recompute]
+    mtp = cfg.num_nextn_predict_layers
+    return b * (S // cp) * cfg.hidden_size * ((layers + mtp) * per_pass + 2 * (2 + mtp))
 
 
 def table_reads(cfg: V3Config) -> int:
@@ -246,17 +275,23 @@ def counted_model(cfg: V3Config) -> tuple[V3Config, int, int]:
     """DeepSeek-V3.2's lightning indexer is counted from its config (per layer, MTP included: wq_b [q_lora_rank ->
     index_n_heads x index_head_dim], wk [hidden -> index_head_dim], k_norm's LayerNorm weight and bias,
     weights_proj [hidden -> index_n_heads], as DeepSeek's inference code and trex's V3.2 model build it) on top
-    of the dense V3 model; it is frozen, as V4's indexer in post-training. Under TP split by heads (wq_b,
-    weights_proj); wk and k_norm whole."""
+    of the dense V3 model; it is frozen, as V4's indexer in post-training. Under TP all of it is whole on every
+    rank, which runs it on the group's every row: trex.models.deepseek_v3.tp_plan replicates it (its top-k needs
+    the score summed over all its heads), as torchtitan-npu's V3.2 plan does (``NoParallel`` on its wq_b, wk,
+    k_norm and weights_proj)."""
     indexer = indexer_per_layer(cfg)
     if not indexer:
         return cfg, 0, 0
-    whole = cfg.hidden_size * cfg.index_head_dim + 2 * cfg.index_head_dim
-    return dataclasses.replace(cfg, index_n_heads=0, index_head_dim=0, index_topk=0, model_type=V3), indexer, whole
+    return dataclasses.replace(cfg, index_n_heads=0, index_head_dim=0, index_topk=0, model_type=V3), indexer, indexer
 
 
-def notes(cfg: V3Config) -> list[str]:
+def notes(cfg: V3Config, tp: int = 1) -> list[str]:
+    out = []
+    if tp > 1:
+        out.append("tensor parallelism is planned as Megatron's / torchtitan's plan with sequence parallelism "
+                   "(all-gathers and reduce-scatters; norms over 1/tp of the rows); trex train runs it with "
+                   "all-reduces and the residual stream whole")
     if not cfg.index_topk:
-        return []
-    return ["DeepSeek-V3.2's indexer is planned from its config (its parameters and FLOPs, attention over its top-k); "
-            "its sparse MLA's activations as trex's gathered kernel saves them"]
+        return out
+    return out + ["DeepSeek-V3.2's indexer is planned from its config (its parameters and FLOPs, attention over its "
+                  "top-k); its sparse MLA's activations as trex's gathered kernel saves them"]

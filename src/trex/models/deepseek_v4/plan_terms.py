@@ -78,9 +78,9 @@ def mtp_kind(cfg: ModelConfig | V41Config) -> str:
 
 
 def stream_bytes(cfg: ModelConfig | V41Config, b: int, tp: int = 1) -> float:
-    """Per token, a block's input: all a checkpointed block keeps (the hc_mult streams; ``tp`` is 1: TP is not
-    modelled, tp_split)."""
-    return b * cfg.hidden_size * cfg.hc_mult / tp
+    """Per token, a block's input: all a checkpointed block keeps (the hc_mult streams; whole on every TP rank:
+    trex's TP has no sequence parallelism, trex.models.deepseek_v4.tp_plan)."""
+    return b * cfg.hidden_size * cfg.hc_mult
 
 
 def mhc_site(cfg: ModelConfig, b: int) -> float:
@@ -118,10 +118,13 @@ def _halo(cfg: ModelConfig, layer_type: str, cp: int) -> tuple[int, int]:
     return cfg.sliding_window - 1, sum(shard_halo(cfg, layer_kind(cfg, layer_type)[0]))
 
 
-def attention(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1) -> float:
+def attention(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1, tp: int = 1) -> float:
     """One sequence of S tokens through attn_norm and Attention (compressor included), on one of ``cp``
-    context-parallel ranks."""
-    d, H, c, q, W = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.sliding_window
+    context-parallel and ``tp`` tensor-parallel ranks. Under TP (trex.models.deepseek_v4.tp_plan) a rank keeps
+    the terms of its H / tp heads (the heads' norm, q, the probabilities, wo_a's input) and of its o_groups / tp
+    output groups (wo_b's input); attn_norm, the query latent, the shared K = V head, the compressed entries,
+    the indexer's picks and the RoPE rotations are replicated: whole on every rank."""
+    d, H, c, q, W = cfg.hidden_size, cfg.num_attention_heads // tp, cfg.head_dim, cfg.q_lora_rank, cfg.sliding_window
     rd = cfg.qk_rope_head_dim
     K = max(1, W // 4) + W  # window keys per query block of W/4 (the probabilities keep all K)
     per_tok = rms_norm(d)  # attn_norm
@@ -131,7 +134,7 @@ def attention(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1) ->
         per_tok += F32 * (H * c + H)  # unweighted RMSNorm of the heads: fp32 input and rstd (not in V4.1)
     per_tok += rms_norm(c)  # kv_norm
     per_tok += 3 * F32 * rd  # RoPE of q, kv and the output: each keeps its complex rotation [rd/2]
-    per_tok += b * H * c + b * cfg.o_groups * cfg.o_lora_rank  # grouped wo_a input (permuted copy), wo_b input
+    per_tok += b * H * c + b * cfg.o_groups // tp * cfg.o_lora_rank  # grouped wo_a input (permuted copy), wo_b input
     # sparse attention (kernels.sparse_attention, hand-written backward): q, kv and the probabilities
     per_tok += b * H * c + b * c
     per_seq = 0.0
@@ -176,27 +179,31 @@ def compressor(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1) -
     return total
 
 
-def moe(cfg: ModelConfig, mlp_type: str, b: int) -> float:
-    """Per token, ffn_norm and the MoE (router, k routed experts, shared expert)."""
+def moe(cfg: ModelConfig, mlp_type: str, b: int, tp: int = 1) -> float:
+    """Per token, ffn_norm and the MoE (router, k routed experts, shared expert). Under TP the shared expert's
+    width / tp (column/row-wise); ffn_norm and the router whole (replicated); the routed copies of 1 / tp of the
+    rows, as the planner splits experts over ``ep`` carved from dp_shard x cp x tp (trex.plan.layout)."""
     d, E, k, inter = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     per = rms_norm(d)  # ffn_norm
     per += b * d  # router and expert input (linear_fp32 keeps it at the compute dtype)
     per += F32 * 2 * E + I64 * k + F32 * (k + 1)  # logits, scores; top-k index; weights and their sum
     per += F32 if mlp_type != HASH_MOE else 0  # balance loss: score sums (and [E] per sequence, in block())
-    per += 2 * I64 * k + F32 * k  # sort order and token index of the k copies, gathered weights
-    per += b * d * k + F32 * d * k  # permuted inputs; expert outputs, as the fp32 copies the combine sums
+    routed = 2 * I64 * k + F32 * k  # sort order and token index of the k copies, gathered weights
+    routed += b * d * k + F32 * d * k  # permuted inputs; expert outputs, as the fp32 copies the combine sums
     swiglu = F32 * 5 + F32 + b  # clamped SwiGLU's five fp32 tensors, routed product, w2 input
-    per += swiglu * inter * k
-    per += (F32 * 5 + b) * inter * cfg.n_shared_experts
+    routed += swiglu * inter * k
+    per += routed / tp
+    per += (F32 * 5 + b) * inter * cfg.n_shared_experts / tp
     return per
 
 
 def block(cfg: ModelConfig, layer_type: str, mlp_type: str, S: int, b: int, cp: int = 1,
           tp: int = 1) -> LayerActivations:
-    """One block's saved bytes for one sequence on one of ``cp`` context-parallel ranks (``tp`` is 1: tp_split)."""
+    """One block's saved bytes for one sequence on one of ``cp`` context-parallel and ``tp`` tensor-parallel
+    ranks (mHC is replicated under TP: whole)."""
     balance = F32 * cfg.n_routed_experts if mlp_type != HASH_MOE else 0  # per-sequence expert fractions
-    return LayerActivations(mhc=2 * mhc_site(cfg, b) * (S // cp), attention=attention(cfg, layer_type, S, b, cp),
-                            moe=moe(cfg, mlp_type, b) * (S // cp) + balance)
+    return LayerActivations(mhc=2 * mhc_site(cfg, b) * (S // cp), attention=attention(cfg, layer_type, S, b, cp, tp),
+                            moe=moe(cfg, mlp_type, b, tp) * (S // cp) + balance)
 
 
 def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1, tp: int = 1) -> float:
@@ -205,8 +212,9 @@ def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: in
     (kernels.sparse_attention: the score and probability gradients of the compressed entries; over all
     entries (HCA, and CSA whose top-k covers half of them) the probabilities as one matmul operand;
     for gathered top-k, one query chunk's stacked [2H] operands and [T, k, c] per-pick gradients).
-    Checked end to end by the full-recompute cases of tests/test_plan_memory_cpu.py, where it shows."""
-    n, d, H, c = cfg.hc_mult, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    Checked end to end by the full-recompute cases of tests/test_plan_memory_cpu.py, where it shows. Under TP
+    the H / tp heads' buffers; the streams whole."""
+    n, d, H, c = cfg.hc_mult, cfg.hidden_size, cfg.num_attention_heads // tp, cfg.head_dim
     total = 2 * F32 * n * d * (S // cp)
     if layer_kind(cfg, layer_type)[0] != SLIDING:
         _, kc, gathered = compressed_seen(cfg, layer_type, S)
@@ -281,6 +289,12 @@ def busiest_shard_flops(cfg: ModelConfig | V41Config, seq_len: int, cp: int, tot
     return (seq_len * total(seq_len) - before * total(before)) / (seq_len - before)
 
 
+def kernel_extra_flops(cfg: ModelConfig | V41Config, seq_len: int) -> float:
+    """Training FLOPs per token the kernels run beyond the model FLOPs: none counted (trex.models.flops counts
+    the attention as trex's sparse attention runs it)."""
+    return 0.0
+
+
 def cp_traffic(cfg: ModelConfig | V41Config, seq_len: int, b: int) -> tuple[float, float]:
     """Context-parallel bytes per sequence row and pass (forward and backward), for one rank:
     (halo bytes it sends to its neighbours: each layer's input rows forward, their gradients backward;
@@ -299,9 +313,40 @@ def cp_traffic(cfg: ModelConfig | V41Config, seq_len: int, b: int) -> tuple[floa
 
 
 def tp_split(cfg: ModelConfig | V41Config) -> dict[str, int]:
-    """Tensor parallelism is not modelled for V4 and V4.1."""
-    raise NotImplementedError("tensor parallelism is planned for the DeepSeek-V3 family only (V4's mHC, compressor "
-                              "and grouped output projection under TP are not modelled yet)")
+    """What trex's TP splits (trex.models.deepseek_v4.tp_plan): the attention heads (``wq_b``'s rows, the sinks),
+    whole output groups (``wo_a``), the vocabulary (embedding and head), the shared expert's width."""
+    return {"attention heads": cfg.num_attention_heads, "output groups": cfg.o_groups,
+            "vocabulary": cfg.vocab_size, "shared-expert width": cfg.moe_intermediate_size * cfg.n_shared_experts}
+
+
+def tp_traffic(cfg: ModelConfig | V41Config, S: int, b: int, recompute: str, layers: int, cp: int = 1) -> float:
+    """Ring-collective buffer bytes (an all-reduce counts twice: reduce-scatter + all-gather) one TP rank takes
+    part in for one sequence of ``S`` tokens on one of ``cp`` context-parallel ranks (its S / cp rows) through
+    ``layers`` main layers, the MTP blocks and the heads, as trex.parallel.tensor_parallel runs V4's plan (no
+    sequence parallelism: every collective is an all-reduce at the compute dtype). Per block, forward: the
+    row-parallel outputs, ``wo_b``'s and the shared expert's ``w2`` [S, hidden]; backward: the gradients of what
+    enters the heads' region, ``wq_b``'s input [S, q_lora_rank], the shared K = V head ``_kv`` [S + window halo,
+    head_dim], the compressed entries a compressing layer's compressor returns [S / ratio, head_dim], and the shared
+    expert's input once for ``w1`` and once for ``w3`` (each column-parallel linear enters it) [S, hidden]; a full
+    recompute runs the forward's again, a selective one the attention's (``wo_b``). Each embedding lookup (main and
+    each MTP block's) sums [S, hidden] forward; each vocabulary-parallel loss (head_nll) sums three fp32 statistics
+    per row forward and the fp32 hidden-state gradient [S, hidden] backward."""
+    d, c, q = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
+    shared = 1 if cfg.n_shared_experts else 0
+    mtp = mtp_blocks(cfg)
+    s = S // cp
+    total = 0.0  # elements at the compute dtype
+    for kind, n in Counter(k for k, _ in main_blocks(cfg)[:layers] + [(mtp_kind(cfg), "moe")] * mtp).items():
+        lt, m, computes_entries, _ = layer_kind(cfg, kind)
+        attention_fwd, ffn_fwd = d * s, shared * d * s
+        backward = q * s + c * (s + _halo(cfg, kind, cp)[0]) + 2 * shared * d * s
+        if lt != SLIDING and computes_entries:
+            backward += c * (s // m)
+        again = {"none": 0, "selective": attention_fwd, "full": attention_fwd + ffn_fwd}[recompute]
+        total += n * (attention_fwd + ffn_fwd + backward + again)
+    heads = 1 + mtp
+    total += heads * d * s + heads * F32 / b * (3 + d) * s  # embeddings; the losses' fp32 statistics and dh
+    return 2 * b * total
 
 
 def table_reads(cfg: ModelConfig | V41Config) -> int:
@@ -325,5 +370,5 @@ def counted_model(cfg: ModelConfig | V41Config) -> tuple[ModelConfig | V41Config
     return cfg, 0, 0
 
 
-def notes(cfg: ModelConfig | V41Config) -> list[str]:
+def notes(cfg: ModelConfig | V41Config, tp: int = 1) -> list[str]:
     return []
