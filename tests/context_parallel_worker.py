@@ -48,7 +48,9 @@ ROWS, SEQ = 4, 64
 SINKHORN = 3  # mHC's Sinkhorn iterations (V4: 20): the same loop, a third of the ops to trace when compiled
 # document lengths per row: boundaries inside shards, on shard edges (16, 32, 48) and windows cut by them
 DOCS = [[5, 30, 29], [17, 3, 44], [16, 16, 32], [64]]
-PROMPTS, NEW_TOKENS = (5, 9, 3, 12), 6  # SAMPLE: prompt lengths (the batch's rows' first tokens), tokens drawn
+# SAMPLE: prompt lengths (the batch's rows' first tokens), tokens drawn; three rows, so that the prefill's 27 and each
+# decode step's 3 tokens do not split evenly over the tp ranks an expert-parallel group spans (padded there)
+PROMPTS, NEW_TOKENS = (5, 9, 3), 6
 
 
 def global_batch() -> Batch:

@@ -35,7 +35,7 @@ def main() -> None:
             "train.steps=2", f'train.out="{out_dir}/run{i}"', "train.progress=false", "fidelity.every=0",
             'model.overrides={sliding_window=16}', *extra])
         result = loop.train(recipe)
-        layers = len(result.model.layers) + len(result.model.mtp)
+        layers = sum(hasattr(block.ffn, "experts") for block in (*result.model.layers, *result.model.mtp))  # MoE
         del result
         with open(os.path.join(out_dir, f"case{i}_rank{rank}.json"), "w") as f:
             json.dump({"rank": rank, "moe_layers": layers, "steps": steps}, f)

@@ -30,6 +30,17 @@ def test_tiny_model_shards_evenly_across_ranks():
     assert four["mesh"] == {"dp_replicate": 1, "dp_shard": 4, "efsdp": 2, "ep": 2, "cp": 1, "tp": 1}
 
 
+def test_an_expert_parallel_group_spanning_the_tp_ranks_splits_the_experts_over_them():
+    """tp = 2, ep = 4 on four ranks: the experts over dp_shard 2 x tp 2, a quarter on each rank, none FSDP-sharded
+    further (efsdp 1)."""
+    overrides = ["parallel.tp=2", 'optim.name="adamw"', "train.freeze_indexer=false"]
+    # world size = dp_shard x tp = ep
+    two, four = (dry_run(load(TrainRecipe, overrides=[*overrides, f"parallel.ep={ep}"]), ep) for ep in (2, 4))
+    assert four["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "efsdp": 1, "ep": 4, "cp": 1, "tp": 2}
+    assert two["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "efsdp": 1, "ep": 2, "cp": 1, "tp": 2}
+    assert four["per_rank"]["parameter_elements"] < two["per_rank"]["parameter_elements"]
+
+
 def test_bf16_on_a_cpu_where_it_is_slow_is_no_warning_in_a_dry_run(tmp_path, monkeypatch, capsys, caplog):
     """Nothing runs in a dry run, so nothing "will be slow"; a real run on that CPU is still warned."""
     from trex import device

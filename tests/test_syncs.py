@@ -91,8 +91,9 @@ def test_reference_kernels_are_caught(monkeypatch, sft_file, tmp_path):
 def test_distributed_step_syncs_only_for_expert_parallel_split_sizes(sft_file, tmp_path):
     """Two FSDP2 ranks: no host read without expert parallelism (context parallelism adds none, on V4 and on
     DeepSeek-V3's MLA, nor does tensor parallelism on DeepSeek-V3); with it, exactly one per MoE layer forward (the
-    all-to-all split sizes), in expert_parallel.py, and nothing else. The five layouts (FSDP2, FSDP2 + EP2,
-    cp = 2, tiny-v3 at cp = 2, tiny-v3 at tp = 2) run one after the other in one launch."""
+    all-to-all split sizes), in expert_parallel.py, and nothing else, also when the expert-parallel group spans the
+    tp ranks (its token split and output gather add none). The six layouts (FSDP2, FSDP2 + EP2, cp = 2, tiny-v3 at
+    cp = 2, tiny-v3 at tp = 2, tiny-v3 at tp = 2 x ep = 2) run one after the other in one launch."""
     import json
     import os
 
@@ -102,7 +103,8 @@ def test_distributed_step_syncs_only_for_expert_parallel_split_sizes(sft_file, t
     grad_accum = 2
     v3 = ('model.preset="tiny-v3"', "model.overrides={}")
     layouts = {"fsdp": (1, 1, ()), "fsdp-ep": (2, 1, ()), "cp": (1, 2, ()), "v3-cp": (1, 2, v3),
-               "v3-tp": (1, 1, (*v3, "parallel.tp=2", "parallel.dp_shard=1"))}
+               "v3-tp": (1, 1, (*v3, "parallel.tp=2", "parallel.dp_shard=1")),
+               "v3-tp-ep": (2, 1, (*v3, "parallel.tp=2", "parallel.dp_shard=1"))}
     cases = [[f"parallel.dp_shard={2 // cp}", f"parallel.ep={ep}", f"parallel.cp={cp}", f"train.grad_accum={grad_accum}",
               *model] for ep, cp, model in layouts.values()]
     proc = torchrun(os.path.join(here, "syncs_worker.py"), [str(tmp_path), str(sft_file), json.dumps(cases)])

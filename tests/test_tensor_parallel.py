@@ -2,9 +2,9 @@
 computes.
 
 The layout arithmetic and the divisibility check in one process; the collectives with torchrun on gloo: one SFT
-step of tiny-v3 (MLA by heads, a dense first layer, shared experts, routed experts replicated over the group, MTP,
-the embedding and the fused head + loss by vocabulary) at tp = 2 against one process, through
-tests/context_parallel_worker.py.
+step of tiny-v3 (MLA by heads, a dense first layer, shared experts, routed experts replicated over the group or
+split over an expert-parallel group spanning it, MTP, the embedding and the fused head + loss by vocabulary) at
+tp = 2 against one process, through tests/context_parallel_worker.py.
 """
 
 from __future__ import annotations
@@ -33,6 +33,19 @@ def test_tp_ranks_are_innermost_and_share_a_micro_batch():
     assert [p.data_rank for p in ranks] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [p.cp_rank for p in ranks] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert ranks[0].data_world == 2 and ranks[0].summed_ranks == 4
+
+
+def test_an_expert_parallel_group_spans_the_tp_ranks():
+    """With tp > 1 the ep ranks are ep / tp ranks of dp_shard times the tp ranks (torchtitan's expert-tensor-parallel
+    degree 1); a layout they do not make is one line naming the numbers."""
+    assert resolve_layout(1, -1, 4, 4, tp=2) == (1, 2, 4)  # dp_shard 2 x tp 2
+    assert resolve_layout(1, -1, 2, 2, tp=2) == (1, 1, 2)  # the tp ranks alone
+    assert Parallel(world_size=4, dp_shard=2, ep=4, tp=2).ep_spans_tp and not Parallel(world_size=2, tp=2).ep_spans_tp
+    for ep, world in ((3, 4), (8, 4), (2, 8)):
+        tp = 4 if world == 8 else 2
+        with pytest.raises(ValueError, match=rf"^parallel.ep = {ep} spans the tp ranks: it must be tp \({tp}\) times a "
+                                             rf"divisor of dp_shard \({world // tp}\)$"):
+            resolve_layout(1, -1, ep, world, tp=tp)
 
 
 def test_a_tp_that_does_not_divide_the_model_names_the_numbers():
@@ -78,18 +91,21 @@ def test_deepseek_v3_at_tp2_checkpointed_and_compiled_gives_one_process(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp_shard,ep,cp", [(2, 2, 1), (1, 1, 2)], ids=["fsdp2-ep2-tp2", "cp2-tp2"])
+@pytest.mark.parametrize("dp_shard,ep,cp", [(2, 4, 1), (1, 1, 2)], ids=["fsdp2-tp2-ep4", "cp2-tp2"])
 def test_deepseek_v3_at_tp2_with_fsdp_ep_or_cp_on_four_ranks_gives_one_process(tmp_path, reference_v3, dp_shard, ep,
                                                                                 cp):
-    """Four ranks: FSDP2 over two data-parallel ranks (2-D, over the tp slices) with the routed experts split in two
-    and replicated over each tp group; or every row split over two cp ranks, each a tp group of two (MLA gathering
+    """Four ranks: FSDP2 over two data-parallel ranks (2-D, over the tp slices) with the routed experts split over
+    all four (the expert-parallel group spans both tp groups: each tp rank dispatches half its group's tokens and
+    the group all-gathers the outputs); or every row split over two cp ranks, each a tp group of two (MLA gathering
     its KV latents through ``latent_attention``, which reads ``wkv_b``'s local rows). Measured: loss 9.5e-7 abs,
-    NLL 9.5e-7, gradients 1.9e-8 abs."""
+    NLL 9.5e-7, gradients 1.9e-8 abs (4.1e-7 relative)."""
     _assert_as_one_process(reference_v3, _run_worker(tmp_path, 4, dp_shard, ep, cp, 0, v3=1, tp=2))
 
 
-# name -> (the worker's V3 code, SAMPLE, GRPO) of the steps run eagerly at tp = 2, one launch of two ranks for all
-EAGER_TP2 = {"v3.2": (2, 1, 0), "v4": (3, 1, 0), "v4.1": (4, 1, 0), "v4-grpo": (3, 0, 1)}
+# name -> (the worker's V3 code, SAMPLE, GRPO, EP) of the steps run eagerly at tp = 2, one launch of two ranks for all
+# (EP = 2: the expert-parallel group is the tp group)
+EAGER_TP2 = {"v3.2": (2, 1, 0, 1), "v4-ep2": (3, 1, 0, 2), "v4.1": (4, 1, 0, 1), "v4-grpo": (3, 0, 1, 1),
+             "v3-ep2": (1, 0, 0, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -99,15 +115,15 @@ def tp2_eager(tmp_path_factory) -> dict:
     from trex_run import torchrun
 
     d = tmp_path_factory.mktemp("tp2")
-    args = [",".join(map(str, [d / f"{name}.pt", 1, 1, 1, 0, v3, 2, sample, grpo]))
-            for name, (v3, sample, grpo) in EAGER_TP2.items()]
+    args = [",".join(map(str, [d / f"{name}.pt", 1, ep, 1, 0, v3, 2, sample, grpo]))
+            for name, (v3, sample, grpo, ep) in EAGER_TP2.items()]
     proc = torchrun(os.path.join(HERE, "context_parallel_worker.py"), args, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {name: torch.load(d / f"{name}.pt") for name in EAGER_TP2}
 
 
 def _one_process(tmp_path, name: str) -> dict:
-    v3, sample, grpo = EAGER_TP2[name]
+    v3, sample, grpo, _ = EAGER_TP2[name]
     worker.step(str(tmp_path / "one.pt"), v3=v3, sample=sample, grpo=grpo)
     return torch.load(tmp_path / "one.pt")
 
@@ -134,16 +150,27 @@ def test_deepseek_v32_at_tp2_gives_the_losses_and_gradients_of_one_process(tmp_p
 
 
 @pytest.mark.slow
-def test_deepseek_v4_at_tp2_gives_the_losses_and_gradients_of_one_process(tmp_path, tp2_eager):
+def test_deepseek_v4_at_tp2_ep2_gives_the_losses_and_gradients_of_one_process(tmp_path, tp2_eager):
     """The tiny V4 (sliding, CSA and HCA layers, mHC, hash and score MoE, MTP) at tp = 2, its indexers' KL trained:
     queries, sinks and the grouped output projection by heads (one whole group of wo_a per rank), the shared K = V
     head and the compressed entries entering every head, the indexers replicated and their KL target averaged
-    over the group's heads (without that, 5% off in the indexers' gradients). Measured: loss 9.5e-7 abs, NLL
-    9.5e-7, gradients 7.3e-7 relative."""
-    one = _one_process(tmp_path, "v4")
+    over the group's heads (without that, 5% off in the indexers' gradients); the routed experts split over the
+    tp group as its expert-parallel group (each rank dispatches half the tokens; the rollout's prefill and decode
+    steps, 27 and 3 tokens, padded to an even count). Measured: loss 0 abs, NLL 9.5e-7, gradients 7.7e-7
+    relative, log-probabilities of the samples 4.8e-7."""
+    one = _one_process(tmp_path, "v4-ep2")
     assert any(".attn.indexer." in name for name in one["grads"])
-    _assert_as_one_process(one, tp2_eager["v4"])
-    _assert_samples_as_one_process(one, tp2_eager["v4"])
+    _assert_as_one_process(one, tp2_eager["v4-ep2"])
+    _assert_samples_as_one_process(one, tp2_eager["v4-ep2"])
+
+
+@pytest.mark.slow
+def test_deepseek_v3_at_tp2_ep2_on_two_ranks_gives_one_process(reference_v3, tp2_eager):
+    """tiny-v3 with its routed experts split over the tp group itself (ep = tp = 2 on two ranks): the router runs on
+    every token on both ranks (the balance loss, in the loss and the router's gradients, is one process's), each
+    rank dispatches its half of the tokens through the all-to-all and the group all-gathers the outputs. Measured:
+    loss 4.8e-7 abs, NLL 9.5e-7, gradients 1.9e-8 abs (4.1e-7 relative)."""
+    _assert_as_one_process(reference_v3, tp2_eager["v3-ep2"])
 
 
 @pytest.mark.slow

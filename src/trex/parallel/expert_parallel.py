@@ -5,6 +5,12 @@ ep mesh, so their names and global shapes are unchanged (checkpoints reshard acr
 forward sends every (token, expert) pair to the rank owning the expert with one variable-size
 all-to-all, runs the local experts with the model's own grouped FFN, and brings the results back
 with a second all-to-all; autograd runs the same exchanges in reverse.
+
+When the group spans the tensor-parallel ranks (``shard_experts``' ``tp_mesh``: torchtitan's expert-tensor-parallel
+degree 1), the tp ranks of a group hold the same tokens, routed the same way (the router is replicated): each
+dispatches only its 1/tp of them (the rows padded to a multiple of tp with rows of routing weight 0, exact and of
+static shape), and the group all-gathers the outputs (the gather's backward keeps this rank's rows; the split's
+gathers the group's gradients, so the MoE input's gradient is whole on every rank, as the replicated parts expect).
 """
 
 from __future__ import annotations
@@ -12,10 +18,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from trex.models.common.moe import Experts, combine, expert_ffn, sort_by_expert
+from trex.parallel.tensor_parallel import TensorParallelSlice
 
 
 class ExpertParallelExperts(Experts):
@@ -24,10 +32,26 @@ class ExpertParallelExperts(Experts):
     The dispatch is the model's own (``sort_by_expert``, ``expert_ffn``, ``combine``); between the
     sort and the FFN the sorted rows, and their routing weights, travel to the rank that owns their
     expert, and the FFN's output travels back. The only host read is the all-to-all split sizes, once
-    per layer forward (a variable-size all-to-all needs them on the host)."""
+    per layer forward (a variable-size all-to-all needs them on the host). ``tp_slice``: the tp group the
+    expert-parallel group spans (module docstring), None when it does not."""
+
+    tp_slice: TensorParallelSlice | None = None
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [T, d] local tokens; idx, weights: [T, k] global expert ids -> fp32 [T, d]."""
+        tp = self.tp_slice
+        if tp is None:
+            return self._dispatch(x, idx, weights)
+        T = x.shape[0]
+        pad = -T % tp.size  # padded rows: expert 0 at weight 0, which adds exactly 0 to its output and gradients
+        if pad:
+            x, idx, weights = (F.pad(t, (0, 0, 0, pad)) for t in (x, idx, weights))
+        rows = (T + pad) // tp.size
+        y = self._dispatch(tp.scatter(x, 0), idx.narrow(0, tp.rank * rows, rows), tp.scatter(weights, 0))
+        return tp.gather(y, 0)[:T]
+
+    def _dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The all-to-all dispatch of this rank's tokens (class docstring)."""
         group = self.ep_mesh.get_group()
         ep = self.ep_mesh.size()
         w1, w2, w3 = (w.to_local() for w in (self.w1, self.w2, self.w3))
@@ -58,9 +82,11 @@ def _exchange(x: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group)
     return funcol.all_to_all_single(x, out_sizes, in_sizes, group)
 
 
-def shard_experts(model: nn.Module, ep_mesh) -> list[nn.Parameter]:
-    """Replace every routed-experts module by its expert-parallel form; returns the expert params."""
+def shard_experts(model: nn.Module, ep_mesh, tp_mesh=None) -> list[nn.Parameter]:
+    """Replace every routed-experts module by its expert-parallel form; returns the expert params. ``tp_mesh``:
+    the tp ranks ``ep_mesh`` spans, whose tokens are the same (module docstring); None: it spans none."""
     ep = ep_mesh.size()
+    tp_slice = TensorParallelSlice(tp_mesh) if tp_mesh is not None else None
     params = []
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
@@ -70,7 +96,7 @@ def shard_experts(model: nn.Module, ep_mesh) -> list[nn.Parameter]:
             if n % ep:
                 raise ValueError(f"parallel.ep = {ep} does not divide n_routed_experts = {n}")
             child.__class__ = ExpertParallelExperts
-            child.ep_mesh = ep_mesh
+            child.ep_mesh, child.tp_slice = ep_mesh, tp_slice
             for name in ("w1", "w2", "w3"):
                 full = getattr(child, name)
                 sharded = nn.Parameter(distribute_tensor(full.detach(), ep_mesh, [Shard(0)], src_data_rank=None),

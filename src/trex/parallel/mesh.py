@@ -7,9 +7,11 @@ parallelism, trex.parallel.context_parallel); the "tp" ranks, innermost (adjacen
 micro-batch too and each holds a slice of the attention heads, FFN widths and vocabulary (tensor
 parallelism, trex.parallel.tensor_parallel). Parameters are sharded over the flattened
 ("efsdp", "ep", "cp") = "fsdp" dimension (FSDP2, replicated over "dp_replicate" as HSDP; a tensor-parallel
-slice is FSDP-sharded again over it, 2-D); routed experts are split over "ep" and their shards are
-FSDP-sharded again over ("dp_replicate", ("efsdp", "cp")), the ranks that hold the same experts (the tp
-ranks of a group hold the same experts and run them on the same tokens).
+slice is FSDP-sharded again over it, 2-D). Routed experts are split over the expert-parallel group
+(``Parallel.ep_mesh``) and their shards are FSDP-sharded again over ("dp_replicate", ("efsdp", "cp")), the
+ranks that hold the same experts. With tp > 1 the group spans the tp ranks (torchtitan's expert-tensor-parallel
+degree 1): it is ("ep", "tp") flattened, the "ep" dimension holding ep / tp ranks of dp_shard, and each tp rank
+dispatches its 1/tp of the group's tokens (trex.parallel.expert_parallel); with tp = 1 it is the "ep" dimension.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ class ParallelSection:
     """Ranks that shard parameters, gradients and optimizer state (FSDP); -1: all ranks not used by
     dp_replicate."""
     ep: int = 1
-    """Expert-parallel size: routed experts are split across this many ranks of the shard dimension."""
+    """Expert-parallel size: routed experts are split across this many ranks of the shard dimension; with tp > 1,
+    across ep / tp ranks of the shard dimension times the tp ranks (each tp rank dispatches its 1/tp of the
+    tokens), so tp must divide it."""
     cp: int = 1
     """Context-parallel size: each sequence is split into this many contiguous shards, one per rank
     (those ranks read the same micro-batches). data.seq_len must split evenly (see trex plan)."""
@@ -128,8 +132,20 @@ class Parallel:
         return self._sliced("dp_replicate", "efsdp_cp")
 
     @property
+    def ep_spans_tp(self) -> bool:
+        """Whether the expert-parallel group spans the tp ranks (module docstring)."""
+        return ep_spans_tp(self.ep, self.tp)
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks of dp_shard that hold the same routed experts: dp_shard / ep, or dp_shard / (ep / tp) when the
+        expert-parallel group spans the tp ranks."""
+        return self.dp_shard * (self.tp if self.ep_spans_tp else 1) // self.ep
+
+    @property
     def ep_mesh(self) -> DeviceMesh:
-        return self.mesh["ep"]
+        """The expert-parallel group: ("ep", "tp") flattened when it spans the tp ranks, else "ep"."""
+        return self._sliced("ep_tp") if self.ep_spans_tp else self.mesh["ep"]
 
     @property
     def cp_mesh(self) -> DeviceMesh:
@@ -157,6 +173,12 @@ class Parallel:
         return tensor
 
 
+def ep_spans_tp(ep: int, tp: int) -> bool:
+    """Whether the expert-parallel group spans the tp ranks (ep / tp shard ranks x tp): with tp > 1 it always
+    does (ep = 1: no expert parallelism, each tp rank runs every expert on the same tokens)."""
+    return tp > 1 and ep > 1
+
+
 def resolve_layout(dp_replicate: int, dp_shard: int, ep: int, world_size: int, cp: int = 1,
                    tp: int = 1) -> tuple[int, int, int]:
     """Check the layout against the world size; dp_shard = -1 takes the ranks dp_replicate, cp and tp leave."""
@@ -168,7 +190,10 @@ def resolve_layout(dp_replicate: int, dp_shard: int, ep: int, world_size: int, c
         raise ValueError(f"parallel: dp_replicate ({dp_replicate}) x dp_shard ({shard}) x cp ({cp}) x tp ({tp}) = "
                          f"{plural(dp_replicate * shard * cp * tp, 'rank')}, but the run has {world_size} "
                          f"(torchrun --nproc-per-node x --nnodes)")
-    if shard % ep:
+    if ep_spans_tp(ep, tp) and (ep % tp or shard % (ep // tp)):
+        raise ValueError(f"parallel.ep = {ep} spans the tp ranks: it must be tp ({tp}) times a divisor of dp_shard "
+                         f"({shard})")
+    if not ep_spans_tp(ep, tp) and shard % ep:
         raise ValueError(f"parallel.ep = {ep} must divide dp_shard = {shard}")
     return dp_replicate, shard, ep
 
@@ -209,12 +234,15 @@ def init_parallel(dp_replicate: int, dp_shard: int, ep: int, timeout_s: int,
         store = attempt_store(timeout)
         dist.init_process_group(backend=dev.backend(), timeout=timeout, store=store,
                                 **({"rank": int(os.environ["RANK"]), "world_size": world_size} if store else {}))
-    mesh = init_device_mesh(dev.type, (replicate, shard // ep, ep, cp, tp),
+    ep_shard = ep // tp if ep_spans_tp(ep, tp) else ep  # the expert-parallel ranks inside dp_shard
+    mesh = init_device_mesh(dev.type, (replicate, shard // ep_shard, ep_shard, cp, tp),
                             mesh_dim_names=("dp_replicate", "efsdp", "ep", "cp", "tp"))
     mesh["efsdp", "ep", "cp"]._flatten("fsdp")
     mesh["efsdp", "cp"]._flatten("efsdp_cp")
     mesh["dp_replicate", "efsdp", "ep", "cp"]._flatten("summed")
     mesh["dp_replicate", "efsdp", "ep", "cp", "tp"]._flatten("world")
+    if ep_spans_tp(ep, tp):
+        mesh["ep", "tp"]._flatten("ep_tp")
     par = Parallel(dist.get_rank(), world_size, replicate, shard, ep, cp, mesh, tp)
     if tp > 1:
         par.summed_group = par._sliced("summed").get_group()

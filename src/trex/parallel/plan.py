@@ -183,7 +183,7 @@ def apply_parallelism(model: Model, par: Parallel, policy: PrecisionPolicy,
         apply_tensor_parallel(model, par.tp_mesh)
     if par.cp > 1:
         apply_context_parallel(model, par.cp_mesh)
-    experts = shard_experts(model, par.ep_mesh) if par.ep > 1 else []
+    experts = shard_experts(model, par.ep_mesh, par.tp_mesh if par.ep_spans_tp else None) if par.ep > 1 else []
     tables = set(shard_engram_tables(model, par.world_mesh, par.tp))  # rows over every rank, outside FSDP
     if experts:  # expert shards are further sharded over the ranks that hold the same experts
         efsdp = par.expert_dp_mesh.size(1)

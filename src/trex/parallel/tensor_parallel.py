@@ -79,17 +79,35 @@ class _Leave(torch.autograd.Function):
 
 
 class _Gather(torch.autograd.Function):
-    """Forward gathers each rank's columns (the last dimension) of x; backward keeps this rank's columns."""
+    """Forward gathers each rank's slice of x along ``dim`` (equal slices, in rank order); backward keeps this rank's
+    slice of the gradient (the whole result is the same on every rank, and so is any loss of it: the group's sum of
+    its gradients, the all-gather's autograd, would be tp times this rank's)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, slice_: TensorParallelSlice) -> torch.Tensor:
-        ctx.rank, ctx.columns = slice_.rank, x.shape[-1]
-        whole = funcol.wait_tensor(funcol.all_gather_single(x.movedim(-1, 0).contiguous(), 0, slice_.group))
-        return whole.movedim(0, -1)
+    def forward(ctx, x: torch.Tensor, slice_: TensorParallelSlice, dim: int) -> torch.Tensor:
+        ctx.rank, ctx.dim, ctx.rows = slice_.rank, dim, x.shape[dim]
+        whole = funcol.wait_tensor(funcol.all_gather_single(x.movedim(dim, 0).contiguous(), 0, slice_.group))
+        return whole.movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.narrow(-1, ctx.rank * ctx.columns, ctx.columns), None
+        return grad.narrow(ctx.dim, ctx.rank * ctx.rows, ctx.rows), None, None
+
+
+class _Scatter(torch.autograd.Function):
+    """Forward keeps this rank's slice of x along ``dim`` (x the same on every rank; its size a multiple of the
+    group's); backward gathers every rank's slice of the gradient, so x's gradient is whole on every rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, slice_: TensorParallelSlice, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = slice_.group, dim
+        rows = x.shape[dim] // slice_.size
+        return x.narrow(dim, slice_.rank * rows, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        whole = funcol.wait_tensor(funcol.all_gather_single(grad.movedim(ctx.dim, 0).contiguous(), 0, ctx.group))
+        return whole.movedim(0, ctx.dim), None, None
 
 
 class TensorParallelSlice:
@@ -109,11 +127,15 @@ class TensorParallelSlice:
     def local(self, weight: torch.Tensor) -> torch.Tensor:
         return weight.to_local() if isinstance(weight, DTensor) else weight
 
-    def gather(self, logits: torch.Tensor) -> torch.Tensor:
-        """[..., V / tp] this rank's logits -> [..., V], differentiable: the whole logits are the same on every rank,
-        and so is any loss of them, so the backward keeps this rank's columns of the gradient (not the group's sum
-        of them, which is tp times that: a reduce-scatter, the all-gather's autograd)."""
-        return _Gather.apply(logits, self)
+    def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Each rank's slice of x along ``dim`` (the head's logits [..., V / tp]: the vocabulary's columns) -> the
+        whole, the same on every rank, differentiable (``_Gather``: the backward keeps this rank's slice)."""
+        return _Gather.apply(x, self, dim)
+
+    def scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """x, the same on every rank -> this rank's 1/tp of it along ``dim`` (a size the group divides),
+        differentiable (``_Scatter``: the backward gathers the group's slices of the gradient)."""
+        return _Scatter.apply(x, self, dim)
 
     def mean(self, x: torch.Tensor) -> torch.Tensor:
         """``HeadSplit.mean``: the group's mean of each rank's per-head mean (equal head counts)."""

@@ -74,7 +74,7 @@ def dry_run(recipe: TrainRecipe, world_size: int) -> dict:
         buffers = sum(b.numel() * b.element_size() for b in model.buffers())
         return {
             "world_size": world_size,
-            "mesh": {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "efsdp": par.dp_shard // par.ep,
+            "mesh": {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "efsdp": par.efsdp,
                      "ep": par.ep, "cp": par.cp, "tp": par.tp},
             "precision": policy.to_dict(),
             "activation_checkpointing": layout.activation_checkpointing,
@@ -99,9 +99,11 @@ def format_report(report: dict) -> str:
     gib = 2**30
     r = report["per_rank"]
     mesh = report["mesh"]
+    ep_shard = mesh["dp_shard"] // mesh["efsdp"]  # the expert-parallel ranks inside dp_shard (ep / tp: spanning tp)
+    experts = f"ep {mesh['ep']}" if ep_shard == mesh["ep"] else f"ep {mesh['ep']} / tp"
     lines = [
         f"world size {report['world_size']}: mesh dp_replicate={mesh['dp_replicate']} x dp_shard={mesh['dp_shard']} "
-        f"(= efsdp {mesh['efsdp']} x ep {mesh['ep']}) x cp={mesh['cp']} x tp={mesh['tp']}; "
+        f"(= efsdp {mesh['efsdp']} x {experts}) x cp={mesh['cp']} x tp={mesh['tp']}; "
         f"precision {report['precision']['name']}; "
         f"activation checkpointing {report['activation_checkpointing']}",
         f"model parameters: {report['parameters_total'] / 1e9:,.1f}B",

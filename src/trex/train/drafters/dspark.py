@@ -70,7 +70,7 @@ def shard_drafter(drafter, par, policy) -> None:
     from trex.parallel.expert_parallel import shard_experts
 
     mp = MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=policy.reduce_dtype)
-    if par.ep > 1 and shard_experts(drafter, par.ep_mesh):
+    if par.ep > 1 and shard_experts(drafter, par.ep_mesh, par.tp_mesh if par.ep_spans_tp else None):
         local = drafter.cfg.dspark_n_routed_experts // par.ep
         placement = Shard(0) if local % par.expert_dp_mesh.size(1) == 0 else Shard(1)
         for stage in drafter.mtp:
