@@ -284,3 +284,18 @@ def test_override_changes_the_planned_model_and_a_bad_one_is_one_line(capsys):
     assert main([*args[:-2], "--override", "num_nextn_predict_layers"]) == 2
     err = capsys.readouterr().err
     assert "--override: cannot read 'num_nextn_predict_layers'; expected FIELD=VALUE" in err and err.count("\n") == 1
+
+
+def test_the_notes_say_which_expert_splits_trex_train_runs_under_tp():
+    """trex train splits the experts over ep / tp ranks of dp_shard x the tp ranks (the published V3-671B layout runs
+    as planned: no note), never over cp ranks or a part of a tp group (trex.parallel.mesh.check_expert_split's
+    line in the note); ep = 1 leaves every expert on every tp rank, which the planner does not model."""
+    def refusals(layout: Layout) -> list[str]:
+        return [n for n in make_plan(TINY_V3, layout, 64, H100).notes
+                if "trex train" in n and ("expert" in n or "ep=" in n)]
+
+    assert refusals(Layout(dp_shard=2, ep=4, tp=2)) == [] and refusals(Layout(dp_shard=2, ep=2, tp=2)) == []
+    assert refusals(Layout(dp_shard=1, ep=4, cp=2, tp=2)) == [
+        "ep=4 spans context-parallel ranks or a part of the tp ranks (torchtitan's expert_tensor_parallel_degree = 1); "
+        "trex train refuses it: parallel.ep = 4 spans the tp ranks: it must be tp (2) times a divisor of dp_shard (1)"]
+    assert refusals(Layout(dp_shard=2, tp=2))[0].startswith("tp > 1, ep = 1: ")

@@ -190,12 +190,18 @@ def resolve_layout(dp_replicate: int, dp_shard: int, ep: int, world_size: int, c
         raise ValueError(f"parallel: dp_replicate ({dp_replicate}) x dp_shard ({shard}) x cp ({cp}) x tp ({tp}) = "
                          f"{plural(dp_replicate * shard * cp * tp, 'rank')}, but the run has {world_size} "
                          f"(torchrun --nproc-per-node x --nnodes)")
-    if ep_spans_tp(ep, tp) and (ep % tp or shard % (ep // tp)):
-        raise ValueError(f"parallel.ep = {ep} spans the tp ranks: it must be tp ({tp}) times a divisor of dp_shard "
-                         f"({shard})")
-    if not ep_spans_tp(ep, tp) and shard % ep:
-        raise ValueError(f"parallel.ep = {ep} must divide dp_shard = {shard}")
+    check_expert_split(shard, ep, tp)
     return dp_replicate, shard, ep
+
+
+def check_expert_split(dp_shard: int, ep: int, tp: int = 1) -> None:
+    """ValueError unless trex can split the routed experts over ``ep`` ranks: inside dp_shard (tp = 1), or over
+    ep / tp ranks of dp_shard times the tp ranks (tp > 1, ``ep_spans_tp``); never over context-parallel ranks."""
+    if ep_spans_tp(ep, tp) and (ep % tp or dp_shard % (ep // tp)):
+        raise ValueError(f"parallel.ep = {ep} spans the tp ranks: it must be tp ({tp}) times a divisor of dp_shard "
+                         f"({dp_shard})")
+    if not ep_spans_tp(ep, tp) and dp_shard % ep:
+        raise ValueError(f"parallel.ep = {ep} must divide dp_shard = {dp_shard}")
 
 
 def attempt_store(timeout: timedelta) -> dist.Store | None:

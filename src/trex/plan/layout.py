@@ -10,8 +10,9 @@
                group read the same micro-batches and are the innermost (adjacent) ranks, inside one node when they fit;
     ep         routed experts split over this many ranks carved from dp_shard x cp x tp (torchtitan's
                expert_tensor_parallel_degree = 1: experts are never TP-split; under TP each rank
-               dispatches its own tokens of the group's sequence); trex train splits them inside
-               dp_shard only, so ep must divide dp_shard to run there (`Plan.notes`). The expert
+               dispatches its own tokens of the group's sequence); trex train splits them over
+               ep / tp ranks of dp_shard x the tp ranks, never over cp, so there ep must be tp times a
+               divisor of dp_shard (ep dividing dp_shard at tp = 1; `Plan.notes`). The expert
                weights are FSDP-sharded over the dp_shard x cp x tp / ep ranks left;
     pp         pipeline stages, each holding num_hidden_layers / pp blocks (trex train has no
                pipeline parallelism yet: plans with pp > 1 say so);

@@ -71,18 +71,29 @@ class Plan:
         out = []
         if self.layout.pp > 1:
             out.append("pipeline parallelism is modelled, but trex train does not run it yet")
-        if self.layout.tp > 1:
-            out.append("tp > 1: routed experts are planned as torchtitan places them (each TP rank dispatches its 1/tp "
-                       "of the rows to experts split over dp_shard x cp x tp); trex train runs them on every rank of a "
-                       "TP group, on the same rows")
-        if self.layout.dp_shard % self.layout.ep:
-            out.append(f"ep={self.layout.ep} spans context- and tensor-parallel ranks (torchtitan's "
-                       "expert_tensor_parallel_degree = 1); trex train splits experts inside dp_shard only")
+        if self.layout.tp > 1 and self.layout.ep == 1:
+            out.append("tp > 1, ep = 1: routed experts are planned as torchtitan places them (each TP rank dispatches "
+                       "its 1/tp of the rows); trex train runs them on every rank of a TP group, on the same rows")
+        if refusal := expert_split_refusal(self.layout):
+            out.append(f"ep={self.layout.ep} spans context-parallel ranks or a part of the tp ranks (torchtitan's "
+                       f"expert_tensor_parallel_degree = 1); trex train refuses it: {refusal}")
         if self.host_fits is None:
             out.append(f"{self.hardware.name} states no host memory: offloaded state is not checked")
         if ep_note := expert_parallel_note(self.layout, self.routed_experts):
             out.append(ep_note)
         return out + list(self.model_notes)
+
+
+def expert_split_refusal(layout: Layout) -> str | None:
+    """trex train's one line refusing the layout's expert split (trex.parallel.mesh.check_expert_split: experts over
+    ep / tp ranks of dp_shard x the tp ranks, never over cp), or None where it runs it."""
+    from trex.parallel.mesh import check_expert_split  # here: it imports torch.distributed
+
+    try:
+        check_expert_split(layout.dp_shard, layout.ep, layout.tp)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def expert_parallel_note(layout: Layout, experts: int) -> str | None:
