@@ -179,14 +179,16 @@ def test_a_v3_run_moves_onto_two_ranks_and_back_and_continues_the_run_that_never
                                                                                       split):
     """DeepSeek-V3 through checkpoints and two layout moves: one process for 2 steps, then two ranks resumed from
     step 2 (DCP reshards): every row split over them (cp = 2, MLA gathering its KV latents; FSDP2 over the two),
-    or every block's heads, FFN widths and the vocabulary split over them (tp = 2: the tensor-parallel slices
-    of the checkpoint's tensors); then one process again from the two ranks' step 4 (the tp = 2 checkpoint's
-    slices, and AdamW's moments, put back together). Every step's loss and gradient norm within 1e-5 of the run
-    that never moved (so also `trex train` at cp = 2 and at tp = 2 against one process), and both moves
+    or every block's heads, FFN widths and the vocabulary split over them and the routed experts over the same
+    two ranks as their expert-parallel group (tp = 2, ep = 2: the tensor- and expert-parallel slices of the
+    checkpoint's tensors); then one process again from the two ranks' step 4 (the tp = 2 checkpoint's slices,
+    and AdamW's moments, put back together). Every step's loss and gradient norm within 1e-5 of the run that
+    never moved (so also `trex train` at cp = 2 and at tp = 2 x ep = 2 against one process), and both moves
     recorded under the layout profile."""
     run = tmp_path / "run"
     _leg(run, 2, *V3)
-    moved = _leg(run, 4, *V3, f"parallel.{split}=2", "parallel.dp_shard=1", procs=2)
+    experts = ("parallel.ep=2",) if split == "tp" else ()
+    moved = _leg(run, 4, *V3, f"parallel.{split}=2", "parallel.dp_shard=1", *experts, procs=2)
     assert "world_size 1 -> 2" in moved.stderr and f"{split} 1 -> 2" in moved.stderr, moved.stderr[-2000:]
     back = _leg(run, 6, *V3)
     assert "world_size 2 -> 1" in back.stderr and f"{split} 2 -> 1" in back.stderr, back.stderr[-2000:]
