@@ -15,6 +15,10 @@ so the shell line runs as written (pipes, redirections and exit codes are the ch
   its directory first on sys.path): a test's torchrun worker (tests/trex_run.py's ``torchrun``); one that
   starts ``-m MODULE`` runs the module as ``python -m MODULE ARGS`` would: torchrun's launcher, which spares it
   ~2 CPU seconds of importing torch.
+- A child whose environment names ``TREX_ZYGOTE_PYTHON`` (a client) takes it as ``sys.executable``: what the command
+  starts as ``python -m MODULE`` or ``python -u -m MODULE`` (trex's fidelity runs, torchrun's ranks) forks from the
+  server too; ``python`` with any other flag (``-c``, ``-I``: a tool's sandbox) is the real interpreter. A child
+  takes the thread count a fresh interpreter would (its ``OMP_NUM_THREADS``, else one per CPU).
 """
 
 from __future__ import annotations
@@ -54,7 +58,12 @@ def _send(sock: socket.socket, value) -> None:
 
 
 def client() -> None:
-    request = json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    argv = sys.argv[1:]
+    if argv[:1] == ["-u"]:  # as torchrun starts a rank: `python -u -m MODULE`
+        argv, os.environ["PYTHONUNBUFFERED"] = argv[1:], "1"
+    if argv[:1] and argv[0].startswith("-") and argv[0] != "-m":  # `python -I -S -c ...` (a tool's sandbox): python
+        os.execv(sys.executable, [sys.executable, *argv])
+    request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(os.environ["TREX_ZYGOTE"])
         socket.send_fds(sock, [_HEADER.pack(len(request))], [0, 1, 2])
@@ -81,6 +90,16 @@ def _child(conn: socket.socket, fds: list[int], request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    if os.environ.get("PYTHONUNBUFFERED"):
+        sys.stdout.reconfigure(line_buffering=True)
+    import torch  # imported by the server already
+
+    if os.environ.get("TREX_ZYGOTE_PYTHON"):  # the processes this command starts as `python ...` fork from here too
+        sys.executable = os.environ["TREX_ZYGOTE_PYTHON"]
+    # the thread count a fresh interpreter takes: its OMP_NUM_THREADS, else one per CPU it may run on
+    threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or len(os.sched_getaffinity(0))
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
     # what a fresh interpreter would put on sys.path from the command's PYTHONPATH (a reward plug-in's module)
     sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     argv = request["argv"]
