@@ -120,7 +120,7 @@ def warm_python(monkeypatch) -> None:
     """For one test (pytest's ``monkeypatch``): ``sys.executable`` is the warm process's client, so what the code
     under test starts as ``python -m MODULE`` (an engine process, `trex train`) is a child forked from it, as ``trex``
     above starts its commands' processes."""
-    socket_path, client = _zygote()
+    socket_path, client = _warm_python()
     monkeypatch.setenv("TREX_ZYGOTE", socket_path)
     monkeypatch.setenv("TREX_ZYGOTE_PYTHON", client)
     monkeypatch.setattr(sys, "executable", client)
@@ -133,7 +133,14 @@ def _zygote() -> tuple[str, str]:
         socket_path = server.__enter__()
         atexit.register(server.__exit__, None, None, None)
         _ZYGOTE = socket_path, trex_zygote.write_client(os.path.dirname(socket_path))
+        trex_zygote.write_client(os.path.dirname(socket_path), python=True)
     return _ZYGOTE
+
+
+def _warm_python() -> tuple[str, str]:
+    """(the warm process's socket, its client that stands for ``python``)."""
+    socket_path, client = _zygote()
+    return socket_path, os.path.join(os.path.dirname(client), "python")
 
 
 def _in_process(args: list[str], env: dict, cwd: str) -> subprocess.CompletedProcess:
@@ -143,7 +150,7 @@ def _in_process(args: list[str], env: dict, cwd: str) -> subprocess.CompletedPro
     path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     python = sys.executable
     if "TREX_DEVICE_PLUGINS" not in {**os.environ, **env}:  # what it starts as `python -m ...` forks from the warm process
-        socket_path, python = _zygote()
+        socket_path, python = _warm_python()
         env = {"TREX_ZYGOTE": socket_path, "TREX_ZYGOTE_PYTHON": python, "OMP_NUM_THREADS": "1", **env}
     torch.set_num_threads(1)
     try:

@@ -15,9 +15,10 @@ so the shell line runs as written (pipes, redirections and exit codes are the ch
   its directory first on sys.path): a test's torchrun worker (tests/trex_run.py's ``torchrun``); one that
   starts ``-m MODULE`` runs the module as ``python -m MODULE ARGS`` would: torchrun's launcher, which spares it
   ~2 CPU seconds of importing torch.
-- A child whose environment names ``TREX_ZYGOTE_PYTHON`` (a client) takes it as ``sys.executable``: what the command
-  starts as ``python -m MODULE`` or ``python -u -m MODULE`` (trex's fidelity runs, torchrun's ranks) forks from the
-  server too; ``python`` with any other flag (``-c``, ``-I``: a tool's sandbox) is the real interpreter. A child
+- ``write_client(DIR, python=True)``: a client that stands for the interpreter. A child whose environment names
+  ``TREX_ZYGOTE_PYTHON`` (such a client) takes it as ``sys.executable``: what the command starts as ``python -m
+  MODULE`` or ``python -u -m MODULE`` (trex's fidelity runs, torchrun's ranks) forks from the server too; ``python``
+  with any other flag (``-c``, ``-I``: a tool's sandbox) is the real interpreter. A child
   takes the thread count a fresh interpreter would (its ``OMP_NUM_THREADS``, else one per CPU).
 """
 
@@ -57,11 +58,13 @@ def _send(sock: socket.socket, value) -> None:
     sock.sendall(_HEADER.pack(len(data)) + data)
 
 
-def client() -> None:
+def client(python: bool = False) -> None:
+    """``python``: the client stands for the interpreter (``python -m MODULE``, ``python -u -m MODULE`` as torchrun
+    starts a rank, ``python SCRIPT.py``); with any other flag (``-c``, ``-I``: a tool's sandbox) it is the real one."""
     argv = sys.argv[1:]
-    if argv[:1] == ["-u"]:  # as torchrun starts a rank: `python -u -m MODULE`
+    if python and argv[:1] == ["-u"]:
         argv, os.environ["PYTHONUNBUFFERED"] = argv[1:], "1"
-    if argv[:1] and argv[0].startswith("-") and argv[0] != "-m":  # `python -I -S -c ...` (a tool's sandbox): python
+    if python and argv[:1] and argv[0].startswith("-") and argv[0] != "-m":
         os.execv(sys.executable, [sys.executable, *argv])
     request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -171,13 +174,14 @@ def serve(path: str) -> None:
             conn.close()
 
 
-def write_client(directory: str) -> str:
-    """An executable ``trex`` in ``directory`` that is this module's client; returns its path."""
-    path = os.path.join(directory, "trex")
+def write_client(directory: str, python: bool = False) -> str:
+    """An executable ``trex`` (``python``: ``python``) in ``directory`` that is this module's client; returns its
+    path."""
+    path = os.path.join(directory, "python" if python else "trex")
     here = os.path.dirname(os.path.abspath(__file__))
     with open(path, "w") as f:
         f.write(f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {here!r})\nimport trex_zygote\n"
-                "trex_zygote.client()\n")
+                f"trex_zygote.client(python={python})\n")
     os.chmod(path, 0o755)
     return path
 
