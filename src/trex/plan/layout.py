@@ -6,8 +6,9 @@
                parameters (FSDP over dp_shard x cp) and read the same micro-batches;
     tp         tensor parallel: attention heads, the dense FFNs and shared experts split column/row-wise,
                embedding and head by vocabulary (the V3 family as Megatron / torchtitan, with sequence
-               parallelism between them; V4 as trex's TP runs it: the family's plan terms); the TP ranks of a
-               group read the same micro-batches and are the innermost (adjacent) ranks, inside one node when they fit;
+               parallelism between them; V4 and V4.1 as trex's TP runs them: the family's plan terms); the TP
+               ranks of a group read the same micro-batches and are the innermost (adjacent) ranks, inside one
+               node when they fit;
     ep         routed experts split over this many ranks carved from dp_shard x cp x tp (torchtitan's
                expert_tensor_parallel_degree = 1: experts are never TP-split; under TP each rank
                dispatches its own tokens of the group's sequence); trex train splits them inside
@@ -43,8 +44,7 @@ class PlanError(ValueError):
 def check_tensor_parallel(cfg: AnyConfig, tp: int) -> None:
     """PlanError unless ``tp`` divides everything tensor parallelism splits in the model (the family's
     ``tp_split``: for the DeepSeek-V3 family the attention heads, the vocabulary, the dense FFN and shared-expert
-    widths; for V4 the heads, the output groups, the vocabulary and the shared
-    expert's width); the message names the numbers, or why the family's TP is not planned."""
+    widths; for V4 and V4.1 the heads, the output groups, the vocabulary and the shared expert's width); the message names the numbers, or why the family's TP is not planned."""
     if tp == 1:
         return
     if not architecture(cfg).tp_plan:  # what trex.parallel.tensor_parallel would refuse
