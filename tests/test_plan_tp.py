@@ -79,11 +79,15 @@ def test_a_layout_tp_cannot_split_is_one_line_naming_the_numbers(model, layout, 
 
 
 def test_the_search_finds_tp_layouts_for_v3():
-    plans = search(get_preset("deepseek-v3"), 128, 4096, 4194304, DIE, optimizer="adamw", micro_batches=(1,),
-                   recompute=("full",), offload=(True,))
-    assert plans and plans[0].layout.tp > 1, plans[:1]  # TP beats every tp = 1 layout that fits here
+    args = (get_preset("deepseek-v3"), 128, 4096, 4194304, DIE)
+    narrow = dict(optimizer="adamw", micro_batches=(1,), recompute=("full",), offload=(True,))
+    plans = search(*args, **narrow)
     assert {p.layout.tp for p in plans} >= {1, 2, 4, 8}
-    assert all(p.layout.tp <= DIE.devices_per_node for p in plans)
+    assert all(p.layout.tp <= DIE.devices_per_node and p.layout.train_refusal() is None for p in plans)
+    # with experts over dp_shard x tp (torchtitan's placement, which trex train does not run yet) TP beats every
+    # tp = 1 layout that fits here
+    anywhere = search(*args, **narrow, runnable_only=False)
+    assert anywhere[0].layout.tp > 1 and anywhere[0].layout.train_refusal(), anywhere[:1]
 
 
 TINY_V4 = get_preset("tiny")
@@ -245,9 +249,12 @@ def small_gpu(tmp_path, monkeypatch):
     return load_profiles()["small"]
 
 
-def test_without_a_layout_the_plan_is_a_fitting_one_and_says_it_chose_it(small_gpu, capsys):
-    assert not make_plan(TINY_V3, Layout(dp_shard=4), 256, small_gpu).fits  # the layout --devices alone would be
-    args = ["plan", "--model", "tiny-v3", "--hardware", "small", "--devices", "4", "--seq", "256"]
+@pytest.mark.parametrize("model", ["tiny-v3", "tiny-v4.1"])
+def test_without_a_layout_the_plan_is_a_fitting_one_and_says_it_chose_it(small_gpu, capsys, model):
+    from trex.parallel.mesh import resolve_layout
+
+    assert not make_plan(get_preset(model), Layout(dp_shard=4), 256, small_gpu).fits  # what --devices alone would be
+    args = ["plan", "--model", model, "--hardware", "small", "--devices", "4", "--seq", "256"]
     assert main(args) == 0
     captured = capsys.readouterr()
     assert "FITS" in captured.out and "chosen      no recipe or --layout: the planner chose the fastest of" in captured.out
@@ -255,6 +262,28 @@ def test_without_a_layout_the_plan_is_a_fitting_one_and_says_it_chose_it(small_g
     assert main([*args, "--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] and out["chosen"].startswith("no recipe or --layout")
+    lay = out["layout"]  # one trex train runs
+    assert resolve_layout(lay["dp_replicate"], lay["dp_shard"], lay["ep"], 4, lay["cp"], lay["tp"])
+
+
+def test_the_search_offers_only_layouts_trex_train_runs_and_an_explicit_one_says_why_not(capsys):
+    """trex train splits experts inside dp_shard (trex.parallel.mesh.check_expert_split); the planner can model ep
+    over dp_shard x tp (torchtitan's way). A search (the default plan, the nearest fitting, the fewest devices) keeps
+    only what trex train runs; an explicit layout it cannot run yet still plans, with the reason."""
+    from trex.parallel.mesh import resolve_layout
+
+    every = search(TINY_V4, 4, 64, 4 * 64 * 2, H100, runnable_only=False)
+    refused = [p for p in every if p.layout.train_refusal()]
+    assert any(p.layout.describe().startswith("dp_shard=2 ep=4 tp=2") for p in refused)  # ep over dp_shard x tp
+    runnable = search(TINY_V4, 4, 64, 4 * 64 * 2, H100)
+    assert [p.layout for p in runnable] == [p.layout for p in every if not p.layout.train_refusal()]
+    for p in runnable:
+        lay = p.layout
+        assert lay.pp == 1 and resolve_layout(lay.dp_replicate, lay.dp_shard, lay.ep, lay.devices, lay.cp, lay.tp)
+    assert main(["plan", "--model", "tiny", "--hardware", "h100-sxm", "--seq", "64", "--layout",
+                 "dp_shard=2,ep=4,tp=2"]) == 0
+    assert ("note        trex train refuses it (parallel.ep = 4 must divide dp_shard = 2): ep=4 spans context- or "
+            "tensor-parallel ranks") in capsys.readouterr().out
 
 
 def test_a_layout_that_does_not_fit_names_the_nearest_that_does(small_gpu, capsys):

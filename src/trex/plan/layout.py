@@ -12,7 +12,8 @@
     ep         routed experts split over this many ranks carved from dp_shard x cp x tp (torchtitan's
                expert_tensor_parallel_degree = 1: experts are never TP-split; under TP each rank
                dispatches its own tokens of the group's sequence); trex train splits them inside
-               dp_shard only, so ep must divide dp_shard to run there (`Plan.notes`). The expert
+               dp_shard only, so ep must divide dp_shard to run there (`Layout.train_refusal`: a search
+               offers only layouts trex train runs, an explicit one says why not). The expert
                weights are FSDP-sharded over the dp_shard x cp x tp / ep ranks left;
     pp         pipeline stages, each holding num_hidden_layers / pp blocks (trex train has no
                pipeline parallelism yet: plans with pp > 1 say so);
@@ -112,6 +113,21 @@ class Layout:
         if self.train_engram:
             parts.append("engram-trained")
         return " ".join(parts)
+
+    def train_refusal(self) -> str | None:
+        """Why trex train would refuse this layout today, beyond what :meth:`check` checks (None: it runs it): no
+        pipeline parallelism, and experts split inside dp_shard only (trex.parallel.mesh.check_expert_split, the
+        check trex train runs)."""
+        from trex.parallel.mesh import check_expert_split  # here: it imports torch.distributed
+
+        if self.pp > 1:
+            return "pipeline parallelism is modelled, but trex train does not run it yet"
+        try:
+            check_expert_split(self.dp_shard, self.ep, self.tp)
+        except ValueError as e:
+            return (f"trex train refuses it ({e}): ep={self.ep} spans context- or tensor-parallel ranks, as "
+                    "torchtitan places experts (expert_tensor_parallel_degree = 1)")
+        return None
 
     def check(self, cfg: AnyConfig, seq_len: int) -> None:
         """Raise PlanError unless the layout divides the model and the sequence is allowed."""
