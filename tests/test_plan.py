@@ -161,7 +161,8 @@ def test_cli_plans_a_recipe_and_a_user_hardware_profile(tmp_path, monkeypatch, c
 
 
 @pytest.mark.parametrize("model, hardware", [("deepseek-v4-flash", "h200-sxm"), ("deepseek-v4-flash", "ascend-910c-die"),
-                                             ("deepseek-v4-pro", "h200-sxm"), ("deepseek-v4-pro", "ascend-910c-die")])
+                                             ("deepseek-v4-pro", "h200-sxm"), ("deepseek-v4-pro", "ascend-910c-die"),
+                                             ("deepseek-v4.1-flash", "h200-sxm")])
 def test_the_fewest_devices_that_fit_are_found(model, hardware):
     cfg, hw = get_preset(model), load_profiles()[hardware]
     found = fewest_devices(cfg, 4096, hw)
