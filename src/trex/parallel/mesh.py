@@ -168,9 +168,17 @@ def resolve_layout(dp_replicate: int, dp_shard: int, ep: int, world_size: int, c
         raise ValueError(f"parallel: dp_replicate ({dp_replicate}) x dp_shard ({shard}) x cp ({cp}) x tp ({tp}) = "
                          f"{plural(dp_replicate * shard * cp * tp, 'rank')}, but the run has {world_size} "
                          f"(torchrun --nproc-per-node x --nnodes)")
-    if shard % ep:
-        raise ValueError(f"parallel.ep = {ep} must divide dp_shard = {shard}")
+    check_expert_split(shard, ep, tp)
     return dp_replicate, shard, ep
+
+
+def check_expert_split(dp_shard: int, ep: int, tp: int = 1) -> None:
+    """ValueError unless trex can split the routed experts over ``ep`` ranks beside ``dp_shard`` and ``tp``: ep
+    divides dp_shard (experts are split inside the shard group, never over context- or tensor-parallel ranks,
+    whatever tp). trex.plan asks this too (trex.plan.layout.Layout.train_refusal), so a search offers only layouts
+    trex train runs."""
+    if dp_shard % ep:
+        raise ValueError(f"parallel.ep = {ep} must divide dp_shard = {dp_shard}")
 
 
 def attempt_store(timeout: timedelta) -> dist.Store | None:
