@@ -74,6 +74,22 @@ def test_record_formats():
     assert render_prompt(messages, thinking=False) == BOS + USER + held[0].question + ASSISTANT + THINK_END
 
 
+def test_fixed_width_puts_every_digit_at_the_same_place():
+    """The calculator demonstration's problems: operands and sums all ``digits`` long, so a call copies the
+    question at a constant distance; the space (m (m + 1) / 2 sums, m = 10**d - 2 * 10**(d - 1)) bounds the counts."""
+    task = ArithmeticTask(digits=3, ops="+", n_train=2000, n_eval=100, fixed_width=True)
+    train, held = generate(task)
+    assert len(set(train + held)) == 2100
+    assert all(len(str(p.a)) == len(str(p.b)) == len(p.answer) == 3 and p.answer == solve(p.question)
+               for p in train + held)
+    assert max(int(p.answer) for p in train) > 950 and min(p.a for p in train) < 110  # the whole range is drawn
+    assert len(fresh_problems(task, 500, seed=1)) == 500
+    with pytest.raises(ValueError, match="distinct problems"):  # 2-digit: m = 80, 3240 problems
+        generate(ArithmeticTask(digits=2, ops="+", n_train=1700, n_eval=0, fixed_width=True))
+    with pytest.raises(ValueError, match="fixed_width"):
+        generate(ArithmeticTask(digits=2, ops="+-", fixed_width=True))
+
+
 def test_too_many_problems_for_the_digit_count():
     with pytest.raises(ValueError, match="distinct problems"):
         generate(ArithmeticTask(digits=1, ops="+", n_train=60, n_eval=10))

@@ -14,6 +14,7 @@ from trex.fidelity.compare import compare
 from trex.fidelity.profiles import get_profile
 from trex.fidelity.runs import FidelityInputError, load_signals
 from test_fidelity_compare import CURVE, write_run
+from trex_run import trex
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "fidelity_default.toml")
@@ -103,8 +104,9 @@ def test_calibrate_measures_the_spread_of_a_reduction_order_and_compare_uses_it(
     golden, out = tmp_path / "golden.json", tmp_path / "cal"
     cmd = ["fidelity", "calibrate", RECIPE, "--golden", str(golden), "--out", str(out), "--runs", "2",
            "--set", "train.steps=4", "--vary", "data.micro_batch_size=2;train.grad_accum=2"]
-    assert main(cmd) == 0  # (the runs are `trex train` processes of their own)
-    printed = capsys.readouterr().out
+    proc = trex(cmd)  # the runs are `trex train` processes of their own (forked from a warm one: tests/trex_run.py)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = proc.stdout
     envelope = json.load(open(golden))["envelope"]
     assert envelope["runs"] == 2 and envelope["variation"][1]["threads"] == 2
     layout = envelope["spread"]["layout"]

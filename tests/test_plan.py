@@ -12,6 +12,7 @@ from trex.models import build_model, count_parameters, get_preset
 from trex.models.common.plan_terms import FUNCTIONS
 from trex.models.deepseek_v4.config import tiny
 from trex.models.registry import ARCHITECTURES
+from trex.parallel.mesh import resolve_layout
 from trex.plan import Layout, PlanError, TimeAssumptions, annotate, fewest_devices, make_plan, parse_layout, search
 from trex.plan.model_facts import model_facts
 from trex.plan.planner import device_counts
@@ -160,11 +161,15 @@ def test_cli_plans_a_recipe_and_a_user_hardware_profile(tmp_path, monkeypatch, c
 
 
 @pytest.mark.parametrize("model, hardware", [("deepseek-v4-flash", "h200-sxm"), ("deepseek-v4-flash", "ascend-910c-die"),
-                                             ("deepseek-v4-pro", "h200-sxm"), ("deepseek-v4-pro", "ascend-910c-die")])
+                                             ("deepseek-v4-pro", "h200-sxm"), ("deepseek-v4-pro", "ascend-910c-die"),
+                                             ("deepseek-v4.1-flash", "h200-sxm")])
 def test_the_fewest_devices_that_fit_are_found(model, hardware):
     cfg, hw = get_preset(model), load_profiles()[hardware]
     found = fewest_devices(cfg, 4096, hw)
     assert found.plans and all(p.fits and p.layout.devices == found.devices for p in found.plans)
+    for p in found.plans:  # every one a layout trex train runs: its mesh accepts it (ep inside dp_shard)
+        lay = p.layout
+        assert lay.pp == 1 and resolve_layout(lay.dp_replicate, lay.dp_shard, lay.ep, lay.devices, lay.cp, lay.tp)
     assert [p.time.total for p in found.plans] == sorted(p.time.total for p in found.plans)
     assert found.fewer == max(n for n in device_counts(hw) if n < found.devices)  # the count just below was tried
     assert not search(cfg, found.fewer, 4096, found.fewer * 4096, hw)  # and no layout fits there

@@ -1,4 +1,4 @@
-"""trex plan with tensor parallelism (Layout.tp; the V3 family and V4): what TP splits and what it leaves whole,
+"""trex plan with tensor parallelism (Layout.tp; the V3 family, V4 and V4.1): what TP splits and what it leaves whole,
 its per-layer collectives, the layout checks, the search, the default and nearest fitting layouts, and the
 published torchtitan-npu runs (docs/planning.md#tensor-parallelism-and-the-published-runs)."""
 
@@ -66,8 +66,7 @@ def test_tp_collective_volume_and_time_by_hand():
     ("deepseek-v3", "dp_shard=32,tp=3,ep=32",
      "layout: tp=3 does not divide the model's attention heads 128, vocabulary 129280, shared-expert width 2048"),
     ("deepseek-v3", "dp_shard=4,tp=4,ep=32", "layout: ep=32 must divide dp_shard x cp x tp = 4 x 1 x 4"),
-    ("tiny-v4.1", "dp_shard=2,tp=2,ep=2", "layout: tp=2: deepseek_v41 has no tensor-parallel plan (families with "
-                                          "one: deepseek_v3, deepseek_v4)"),
+    ("tiny-v4.1", "dp_shard=2,tp=4,ep=2", "layout: tp=4 does not divide the model's output groups 2"),
     ("deepseek-v4-flash", "dp_shard=8,tp=16,ep=8", "layout: tp=16 does not divide the model's output groups 8"),
     ("deepseek-v4-flash", "dp_shard=32,tp=3,ep=32", "layout: tp=3 does not divide the model's attention heads 64, "
                                                     "output groups 8, vocabulary 129280, shared-expert width 2048"),
@@ -80,25 +79,30 @@ def test_a_layout_tp_cannot_split_is_one_line_naming_the_numbers(model, layout, 
 
 
 def test_the_search_finds_tp_layouts_for_v3():
-    plans = search(get_preset("deepseek-v3"), 128, 4096, 4194304, DIE, optimizer="adamw", micro_batches=(1,),
-                   recompute=("full",), offload=(True,))
-    assert plans and plans[0].layout.tp > 1, plans[:1]  # TP beats every tp = 1 layout that fits here
+    args = (get_preset("deepseek-v3"), 128, 4096, 4194304, DIE)
+    narrow = dict(optimizer="adamw", micro_batches=(1,), recompute=("full",), offload=(True,))
+    plans = search(*args, **narrow)
     assert {p.layout.tp for p in plans} >= {1, 2, 4, 8}
-    assert all(p.layout.tp <= DIE.devices_per_node for p in plans)
+    assert all(p.layout.tp <= DIE.devices_per_node and p.layout.train_refusal() is None for p in plans)
+    # with experts over dp_shard x tp (torchtitan's placement, which trex train does not run yet) TP beats every
+    # tp = 1 layout that fits here
+    anywhere = search(*args, **narrow, runnable_only=False)
+    assert anywhere[0].layout.tp > 1 and anywhere[0].layout.train_refusal(), anywhere[:1]
 
 
 TINY_V4 = get_preset("tiny")
 
 
-def test_v4_tp_split_is_what_the_trainers_plan_splits():
-    """model_facts.TP_SPLIT names exactly the parameters trex.models.deepseek_v4.tp_plan splits."""
+@pytest.mark.parametrize("preset", ["tiny", "tiny-v4.1"])
+def test_v4_tp_split_is_what_the_trainers_plan_splits(preset):
+    """model_facts.TP_SPLIT names exactly the parameters trex.models.deepseek_v4.tp_plan (tp_plan_v41) splits."""
     import re
 
     from trex.models import build_model
     from trex.parallel.tensor_parallel import planned_modules, tp_plan
     from trex.plan.model_facts import TP_SPLIT
 
-    model = build_model(TINY_V4, device="meta")
+    model = build_model(get_preset(preset), device="meta")
     split = set()
     for path, (_, styles) in planned_modules(model, tp_plan(model)).items():
         for style in styles:
@@ -161,6 +165,55 @@ def test_v4_tp_collective_volume_by_hand():
     assert plan.time.tp_comm == pytest.approx(2 * b * (forward + backward + heads) / 2 / (H100.intra_node_gbps * 1e9))
 
 
+TINY_V41 = get_preset("tiny-v4.1")
+
+
+def test_v41_weights_per_rank_fall_as_the_split_predicts():
+    """V4.1 as tp_plan_v41 splits it: CSA2's wq_b, sinks, wo_a and wo_b and the shared expert split, Engram whole
+    (its wkv and gains on every rank; its tables row-split over every rank, apart), as is V4's K = V head."""
+    cfg, facts = TINY_V41, model_facts(TINY_V41)
+    d, H, c, q, g, r = (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups,
+                        cfg.o_lora_rank)
+    assert cfg.num_nextn_predict_layers == 0 or facts.mtp == 0  # DSpark stages are not built into the model
+    per_block = H + q * H * c + H * c // g * g * r + g * r * d + 3 * d * cfg.moe_intermediate_size
+    split = cfg.num_hidden_layers * per_block + 2 * cfg.vocab_size * d
+    assert facts.tp_whole_stored == facts.stored - facts.experts - split
+    plain = make_plan(cfg, Layout(dp_shard=2, ep=2, recompute="full"), 64, H100)
+    tp2 = make_plan(cfg, Layout(dp_shard=2, ep=2, tp=2, recompute="full"), 64, H100)
+    # fp32: as V4's, and the Engram tables split by rows over every rank (4 with tp=2, 2 without)
+    tables = facts.engram_tables
+    assert tables and tp2.memory.weights == 4 * (facts.tp_whole_stored + (facts.stored - facts.tp_whole_stored) / 2) \
+        / 2 + 4 * tables / 4
+    assert plain.memory.weights == 4 * facts.stored / 2 + 4 * tables / 2
+    assert tp2.memory.activations < plain.memory.activations
+    # the whole trained matmuls every TP rank runs on the group's rows: wq_a, the K = V head, the router, a KV
+    # source's compressor (wkv, and wgate where it pools: ratio > 1) and Engram's wkv (its looked-up rows to the
+    # value and the hc keys); not the indexer
+    engram_in = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim
+    matmul = cfg.num_hidden_layers * (d * q + d * c + cfg.n_routed_experts * d)
+    matmul += sum((2 if cfg.layer_ratios[i] > 1 else 1) * d * c for i in cfg.kv_source_layer_ids)
+    matmul += len(cfg.engram_layer_ids) * engram_in * d * (cfg.hc_mult + 1)
+    assert facts.tp_whole_matmul == matmul
+
+
+def test_v41_tp_collective_volume_by_hand():
+    """As V4's, with only the KV sources' compressed entries entering the heads (the layers after a source reuse
+    them) and no MTP block: one embedding and one loss."""
+    cfg, S, b = TINY_V41, 64, 2
+    d, c, q = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
+    entries = sum(S // cfg.layer_ratios[i] for i in cfg.kv_source_layer_ids if cfg.layer_ratios[i])
+    blocks = cfg.num_hidden_layers
+    forward = blocks * 2 * d * S
+    backward = blocks * (q + c + 2 * d) * S + entries * c
+    heads = d * S + 2 * (3 + d) * S
+    layout = Layout(dp_shard=2, ep=2, tp=2)
+    assert tp_traffic(cfg, layout, S, b) == 2 * b * (forward + backward + heads)
+    selective = dataclasses.replace(layout, recompute="selective")  # wo_b's all-reduce again
+    assert tp_traffic(cfg, selective, S, b) == 2 * b * (forward + blocks * d * S + backward + heads)
+    plan = make_plan(cfg, layout, S, H100)
+    assert plan.time.tp_comm == pytest.approx(2 * b * (forward + backward + heads) / 2 / (H100.intra_node_gbps * 1e9))
+
+
 def test_the_search_considers_tp_for_v4(capsys):
     plans = search(get_preset("deepseek-v4-flash"), 128, 4096, 4194304, DIE, optimizer="adamw", micro_batches=(1,),
                    recompute=("full",), offload=(True,), largest_ep_only=True)
@@ -196,9 +249,12 @@ def small_gpu(tmp_path, monkeypatch):
     return load_profiles()["small"]
 
 
-def test_without_a_layout_the_plan_is_a_fitting_one_and_says_it_chose_it(small_gpu, capsys):
-    assert not make_plan(TINY_V3, Layout(dp_shard=4), 256, small_gpu).fits  # the layout --devices alone would be
-    args = ["plan", "--model", "tiny-v3", "--hardware", "small", "--devices", "4", "--seq", "256"]
+@pytest.mark.parametrize("model", ["tiny-v3", "tiny-v4.1"])
+def test_without_a_layout_the_plan_is_a_fitting_one_and_says_it_chose_it(small_gpu, capsys, model):
+    from trex.parallel.mesh import resolve_layout
+
+    assert not make_plan(get_preset(model), Layout(dp_shard=4), 256, small_gpu).fits  # what --devices alone would be
+    args = ["plan", "--model", model, "--hardware", "small", "--devices", "4", "--seq", "256"]
     assert main(args) == 0
     captured = capsys.readouterr()
     assert "FITS" in captured.out and "chosen      no recipe or --layout: the planner chose the fastest of" in captured.out
@@ -206,6 +262,28 @@ def test_without_a_layout_the_plan_is_a_fitting_one_and_says_it_chose_it(small_g
     assert main([*args, "--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] and out["chosen"].startswith("no recipe or --layout")
+    lay = out["layout"]  # one trex train runs
+    assert resolve_layout(lay["dp_replicate"], lay["dp_shard"], lay["ep"], 4, lay["cp"], lay["tp"])
+
+
+def test_the_search_offers_only_layouts_trex_train_runs_and_an_explicit_one_says_why_not(capsys):
+    """trex train splits experts inside dp_shard (trex.parallel.mesh.check_expert_split); the planner can model ep
+    over dp_shard x tp (torchtitan's way). A search (the default plan, the nearest fitting, the fewest devices) keeps
+    only what trex train runs; an explicit layout it cannot run yet still plans, with the reason."""
+    from trex.parallel.mesh import resolve_layout
+
+    every = search(TINY_V4, 4, 64, 4 * 64 * 2, H100, runnable_only=False)
+    refused = [p for p in every if p.layout.train_refusal()]
+    assert any(p.layout.describe().startswith("dp_shard=2 ep=4 tp=2") for p in refused)  # ep over dp_shard x tp
+    runnable = search(TINY_V4, 4, 64, 4 * 64 * 2, H100)
+    assert [p.layout for p in runnable] == [p.layout for p in every if not p.layout.train_refusal()]
+    for p in runnable:
+        lay = p.layout
+        assert lay.pp == 1 and resolve_layout(lay.dp_replicate, lay.dp_shard, lay.ep, lay.devices, lay.cp, lay.tp)
+    assert main(["plan", "--model", "tiny", "--hardware", "h100-sxm", "--seq", "64", "--layout",
+                 "dp_shard=2,ep=4,tp=2"]) == 0
+    assert ("note        trex train refuses it (parallel.ep = 4 must divide dp_shard = 2): ep=4 spans context- or "
+            "tensor-parallel ranks") in capsys.readouterr().out
 
 
 def test_a_layout_that_does_not_fit_names_the_nearest_that_does(small_gpu, capsys):

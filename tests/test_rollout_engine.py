@@ -16,6 +16,15 @@ from trex.rollout.engine import InProcessEngine, ServerEngine, SyncError, check_
 from trex.rollout.sampling import Samples, SamplingParams
 
 
+@pytest.fixture(autouse=True)
+def warm_engine_processes(monkeypatch):
+    """Each engine process a child forked from a warm one (tests/trex_run.py: ~3.5 CPU seconds of imports spared
+    a start)."""
+    from trex_run import warm_python
+
+    warm_python(monkeypatch)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return build_model(get_preset("tiny"), device="cpu", dtype=torch.float32, seed=0)
@@ -163,6 +172,7 @@ def test_a_killed_engine_ends_the_run_in_one_line_that_summary_json_keeps(tmp_pa
     from trex.cli import main
     from trex.recipe import save
 
+    monkeypatch.undo()  # the engine a process of its own: the SIGKILL must reach it, not a client of a forked one
     files = _files(tmp_path)
     monkeypatch.syspath_prepend(str(files))
     generate, pids = ServerEngine.generate, []

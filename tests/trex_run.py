@@ -4,7 +4,9 @@
   with ``env`` set around the call and one compute thread (what OMP_NUM_THREADS=1 gives a process of its own,
   so the reduction order, and every number, is the one a separate process computes; ``PYTHONPATH`` in
   ``env`` goes on sys.path for the call, where a reward plug-in is imported from). A process start
-  (importing torch, dynamo and DCP: ~4 CPU seconds) costs more than most test runs' steps.
+  (importing torch, dynamo and DCP: ~4 CPU seconds) costs more than most test runs' steps. What the command
+  starts as ``sys.executable -m ...`` (the fidelity tools' `trex train` runs, torchrun and its ranks) is a child
+  forked from the warm process below (``sys.executable`` is its client for the call).
 - ``procs`` > 1 runs under torchrun (``python -m torch.distributed.run --standalone``), the launcher and each
   rank a child forked from a process that has imported trex (tests/trex_zygote.py, started on first use, one per
   test process): torchrun starts the zygote's client as the rank's program (``--no-python``), with the rank's
@@ -114,6 +116,16 @@ def zygote_socket() -> str:
     return _zygote()[0]
 
 
+def warm_python(monkeypatch) -> None:
+    """For one test (pytest's ``monkeypatch``): ``sys.executable`` is the warm process's client, so what the code
+    under test starts as ``python -m MODULE`` (an engine process, `trex train`) is a child forked from it, as ``trex``
+    above starts its commands' processes."""
+    socket_path, client = _warm_python()
+    monkeypatch.setenv("TREX_ZYGOTE", socket_path)
+    monkeypatch.setenv("TREX_ZYGOTE_PYTHON", client)
+    monkeypatch.setattr(sys, "executable", client)
+
+
 def _zygote() -> tuple[str, str]:
     global _ZYGOTE
     if _ZYGOTE is None:
@@ -121,7 +133,14 @@ def _zygote() -> tuple[str, str]:
         socket_path = server.__enter__()
         atexit.register(server.__exit__, None, None, None)
         _ZYGOTE = socket_path, trex_zygote.write_client(os.path.dirname(socket_path))
+        trex_zygote.write_client(os.path.dirname(socket_path), python=True)
     return _ZYGOTE
+
+
+def _warm_python() -> tuple[str, str]:
+    """(the warm process's socket, its client that stands for ``python``)."""
+    socket_path, client = _zygote()
+    return socket_path, os.path.join(os.path.dirname(client), "python")
 
 
 def _in_process(args: list[str], env: dict, cwd: str) -> subprocess.CompletedProcess:
@@ -129,9 +148,14 @@ def _in_process(args: list[str], env: dict, cwd: str) -> subprocess.CompletedPro
 
     out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
     path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    python = sys.executable
+    if "TREX_DEVICE_PLUGINS" not in {**os.environ, **env}:  # what it starts as `python -m ...` forks from the warm process
+        socket_path, python = _warm_python()
+        env = {"TREX_ZYGOTE": socket_path, "TREX_ZYGOTE_PYTHON": python, "OMP_NUM_THREADS": "1", **env}
     torch.set_num_threads(1)
     try:
         with mock.patch.dict(os.environ, env), mock.patch.object(sys, "path", [*path, *sys.path]), \
+                mock.patch.object(sys, "executable", python), \
                 contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 code = main(args)

@@ -15,6 +15,11 @@ so the shell line runs as written (pipes, redirections and exit codes are the ch
   its directory first on sys.path): a test's torchrun worker (tests/trex_run.py's ``torchrun``); one that
   starts ``-m MODULE`` runs the module as ``python -m MODULE ARGS`` would: torchrun's launcher, which spares it
   ~2 CPU seconds of importing torch.
+- ``write_client(DIR, python=True)``: a client that stands for the interpreter. A child whose environment names
+  ``TREX_ZYGOTE_PYTHON`` (such a client) takes it as ``sys.executable``: what the command starts as ``python -m
+  MODULE`` or ``python -u -m MODULE`` (trex's fidelity runs, torchrun's ranks) forks from the server too; ``python``
+  with any other flag (``-c``, ``-I``: a tool's sandbox) is the real interpreter. A child
+  takes the thread count a fresh interpreter would (its ``OMP_NUM_THREADS``, else one per CPU).
 """
 
 from __future__ import annotations
@@ -53,8 +58,15 @@ def _send(sock: socket.socket, value) -> None:
     sock.sendall(_HEADER.pack(len(data)) + data)
 
 
-def client() -> None:
-    request = json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+def client(python: bool = False) -> None:
+    """``python``: the client stands for the interpreter (``python -m MODULE``, ``python -u -m MODULE`` as torchrun
+    starts a rank, ``python SCRIPT.py``); with any other flag (``-c``, ``-I``: a tool's sandbox) it is the real one."""
+    argv = sys.argv[1:]
+    if python and argv[:1] == ["-u"]:
+        argv, os.environ["PYTHONUNBUFFERED"] = argv[1:], "1"
+    if python and argv[:1] and argv[0].startswith("-") and argv[0] != "-m":
+        os.execv(sys.executable, [sys.executable, *argv])
+    request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(os.environ["TREX_ZYGOTE"])
         socket.send_fds(sock, [_HEADER.pack(len(request))], [0, 1, 2])
@@ -81,6 +93,16 @@ def _child(conn: socket.socket, fds: list[int], request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    if os.environ.get("PYTHONUNBUFFERED"):
+        sys.stdout.reconfigure(line_buffering=True)
+    import torch  # imported by the server already
+
+    if os.environ.get("TREX_ZYGOTE_PYTHON"):  # the processes this command starts as `python ...` fork from here too
+        sys.executable = os.environ["TREX_ZYGOTE_PYTHON"]
+    # the thread count a fresh interpreter takes: its OMP_NUM_THREADS, else one per CPU it may run on
+    threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or len(os.sched_getaffinity(0))
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
     # what a fresh interpreter would put on sys.path from the command's PYTHONPATH (a reward plug-in's module)
     sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     argv = request["argv"]
@@ -152,13 +174,14 @@ def serve(path: str) -> None:
             conn.close()
 
 
-def write_client(directory: str) -> str:
-    """An executable ``trex`` in ``directory`` that is this module's client; returns its path."""
-    path = os.path.join(directory, "trex")
+def write_client(directory: str, python: bool = False) -> str:
+    """An executable ``trex`` (``python``: ``python``) in ``directory`` that is this module's client; returns its
+    path."""
+    path = os.path.join(directory, "python" if python else "trex")
     here = os.path.dirname(os.path.abspath(__file__))
     with open(path, "w") as f:
         f.write(f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {here!r})\nimport trex_zygote\n"
-                "trex_zygote.client()\n")
+                f"trex_zygote.client(python={python})\n")
     os.chmod(path, 0o755)
     return path
 

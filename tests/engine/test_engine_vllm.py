@@ -125,6 +125,69 @@ def test_sampled_tokens_and_log_probs_come_back_and_trex_rescores_them(served, t
     assert max(gaps) < 1e-3
 
 
+def _fit_to_call(model, text_ids: list[int], until: float = 2e-4, steps: int = 400) -> float:
+    """Fit ``model`` (fp32, in place) to one conversation's tokens until its mean loss is below ``until`` (it
+    then repeats them); returns the last loss."""
+    ids = torch.tensor([text_ids])
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        loss = model(ids, labels=ids).loss
+        if loss.item() < until:
+            break
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return loss.item()
+
+
+def test_a_multi_turn_tool_trajectory_is_sampled_by_vllm_parsed_from_its_ids_and_rescored(served, tmp_path):
+    """A tool-using trajectory through the real engine. The tiny model is first fitted here to one
+    conversation (a question, a calculator call in V4's DSML, the tool's answer, the final answer: what no
+    random model samples) and synced. trex's multi-turn rollout then takes the call from vLLM's sampled ids
+    (the DSML markers are single special tokens, kept: ``skip_special_tokens`` false), answers it with the
+    built-in calculator in a sandbox, appends the tool turn as the template's ids (mask 0, no engine
+    log-prob) and asks vLLM for the next turn. The trajectory is the engine's ids and the template's, never
+    re-tokenised; every sampled token's engine log-prob agrees with trex's forward of the whole trajectory."""
+    from trex.data.tokenizer import compact_tokenizer
+    from trex.data.tool_calls import tool_codec
+    from trex.rollout.environment import ToolsEnvironment
+    from trex.rollout.multiturn import TurnLimits, roll_out_turns
+    from trex.rollout.sampling import SamplingParams
+
+    server, model_dir = served
+    tok, codec = compact_tokenizer(), tool_codec("deepseek-v4", thinking=False)
+    record = {"prompt": "What is 12+30?", "answer": "42"}
+    episode = ToolsEnvironment(tools=["calculator"], schemas=False).reset(record)
+    prompt = tok.encode(codec.prompt(episode.system, episode.user, episode.tools)).tolist()
+    call = tok.encode(codec.assistant("", [{"name": "calculator", "arguments": {"expression": "12+30"}}])).tolist()
+    tool_turn = tok.encode(codec.results(["42"])).tolist()
+    answer = tok.encode(codec.assistant("42", [])).tolist()
+    model = _load(model_dir)
+    fitted = _fit_to_call(model, prompt + call + tool_turn + answer)
+    engine = VLLMEngine(server.url, sync_dir=str(tmp_path / "sync"))
+    engine.sync(model, 20)
+    # near-greedy draws (vLLM's log-probs are the raw model's at any temperature: --logprobs-mode raw_logprobs)
+    params = SamplingParams(0.2, 1.0, len(call) + 8, (tok.eos_id,))
+    (t,) = roll_out_turns(engine, [episode], [record], codec, tok, params,
+                          TurnLimits(max_turns=3, max_tokens=len(call) + len(tool_turn) + 16),
+                          torch.full((1, 3, len(call) + 8), 0.25), batch_size=1)
+    assert t.prompt_ids == prompt
+    assert (t.calls, t.parse_errors, t.tool_errors) == (1, 0, 0), (fitted, t.turns)
+    assert t.turns[0].calls[0].arguments == {"expression": "12+30"} and t.results[0][0].content == "42"
+    first = t.turn_ids[0]
+    assert t.ids[:len(first)] == first and t.ids[len(first):len(first) + len(tool_turn)] == tool_turn
+    assert t.sampled == [True] * len(first) + [False] * len(tool_turn) + [True] * (len(t.ids) - len(first) - len(tool_turn))
+    assert len(t.turn_ids) == 2 and t.stop == "answer" and tok.decode(t.turn_ids[1]).startswith("42")
+    assert {v for v, s in zip(t.versions, t.sampled) if s} == {20}
+    (ours,) = score_rows(model, [t.prompt_ids + t.ids])
+    gaps = [abs(a - b) for a, b, s in zip(ours[len(prompt) - 1:], t.logprobs, t.sampled) if s]
+    report(figure="multiturn_vllm", fitted_loss=fitted, trajectory_tokens=len(t.ids), sampled=len(gaps),
+           tool_tokens=len(tool_turn), max_abs=max(gaps))
+    assert len(gaps) == len(t.ids) - len(tool_turn) and max(gaps) < 1e-3
+
+
 # ---- GRPO and distillation through the engine -----------------------------------------------------------
 def _prompt_files(tmp_path):
     from trex.data.arithmetic import ArithmeticTask, generate

@@ -35,6 +35,10 @@ class ArithmeticTask:
     problems_per_text: int = 8
     """Problems per raw-text record for continued pretraining (one per line)."""
     seed: int = 0
+    fixed_width: bool = False
+    """Every number exactly ``digits`` digits long: operands from [10**(digits-1), 10**digits), sums below
+    10**digits, so each digit sits at the same place in every problem (``ops = "+"`` only). The calculator
+    demonstration's: a call copies the question at a constant distance from it."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,9 @@ class Problem:
 
 
 def _space_size(task: ArithmeticTask) -> int:
+    if task.fixed_width:  # a, b >= low with a + b < high: m (m + 1) / 2 pairs, m = high - 2 low
+        m = max(0, 10 ** task.digits - 2 * 10 ** (task.digits - 1))
+        return m * (m + 1) // 2
     n = 10 ** task.digits
     per_op = {"+": n * n, "-": n * (n + 1) // 2, "*": n * 10}
     return sum(per_op[op] for op in set(task.ops))
@@ -66,24 +73,30 @@ def _space_size(task: ArithmeticTask) -> int:
 def _check_ops(task: ArithmeticTask) -> None:
     if not task.ops or set(task.ops) - set(OPS):
         raise ValueError(f"arithmetic ops {task.ops!r}; expected a non-empty subset of {OPS!r}")
+    if task.fixed_width and task.ops != "+":
+        raise ValueError(f"arithmetic fixed_width with ops {task.ops!r}; it takes ops \"+\" only")
 
 
 def _draw(task: ArithmeticTask, wanted: int, rng: np.random.Generator, exclude: set[Problem]) -> list[Problem]:
     """``wanted`` distinct problems not in ``exclude``, in draw order: an operator uniformly from
-    ``task.ops``, then both operands uniformly (swapped for ``-`` so a >= b)."""
+    ``task.ops``, then both operands uniformly (swapped for ``-`` so a >= b; with ``fixed_width``, a draw
+    whose sum is too long is dropped)."""
     seen: dict[Problem, None] = {}
     limit = 10 ** task.digits
+    low = 10 ** (task.digits - 1) if task.fixed_width else 0
     while len(seen) < wanted:
         n = wanted - len(seen)
         ops = rng.choice(list(task.ops), size=n)
-        a = rng.integers(0, limit, size=n)
-        b = rng.integers(0, limit, size=n)
+        a = rng.integers(low, limit, size=n)
+        b = rng.integers(low, limit, size=n)
         for op, x, y in zip(ops.tolist(), a.tolist(), b.tolist()):
             if op == "-" and x < y:
                 x, y = y, x
             if op == "*":
                 y %= 10
             p = Problem(x, op, y)
+            if task.fixed_width and x + y >= limit:
+                continue
             if p not in exclude:
                 seen.setdefault(p)
     return list(seen)[:wanted]

@@ -196,7 +196,9 @@ def resolve_layout(dp_replicate: int, dp_shard: int, ep: int, world_size: int, c
 
 def check_expert_split(dp_shard: int, ep: int, tp: int = 1) -> None:
     """ValueError unless trex can split the routed experts over ``ep`` ranks: inside dp_shard (tp = 1), or over
-    ep / tp ranks of dp_shard times the tp ranks (tp > 1, ``ep_spans_tp``); never over context-parallel ranks."""
+    ep / tp ranks of dp_shard times the tp ranks (tp > 1, ``ep_spans_tp``); never over context-parallel ranks.
+    trex.plan asks this too (trex.plan.layout.Layout.train_refusal), so a search offers only layouts trex train
+    runs."""
     if ep_spans_tp(ep, tp) and (ep % tp or dp_shard % (ep // tp)):
         raise ValueError(f"parallel.ep = {ep} spans the tp ranks: it must be tp ({tp}) times a divisor of dp_shard "
                          f"({dp_shard})")

@@ -6,13 +6,15 @@
                parameters (FSDP over dp_shard x cp) and read the same micro-batches;
     tp         tensor parallel: attention heads, the dense FFNs and shared experts split column/row-wise,
                embedding and head by vocabulary (the V3 family as Megatron / torchtitan, with sequence
-               parallelism between them; V4 as trex's TP runs it: the family's plan terms); the TP ranks of a
-               group read the same micro-batches and are the innermost (adjacent) ranks, inside one node when they fit;
+               parallelism between them; V4 and V4.1 as trex's TP runs them: the family's plan terms); the TP
+               ranks of a group read the same micro-batches and are the innermost (adjacent) ranks, inside one
+               node when they fit;
     ep         routed experts split over this many ranks carved from dp_shard x cp x tp (torchtitan's
                expert_tensor_parallel_degree = 1: experts are never TP-split; under TP each rank
                dispatches its own tokens of the group's sequence); trex train splits them over
                ep / tp ranks of dp_shard x the tp ranks, never over cp, so there ep must be tp times a
-               divisor of dp_shard (ep dividing dp_shard at tp = 1; `Plan.notes`). The expert
+               divisor of dp_shard (ep dividing dp_shard at tp = 1; `Layout.train_refusal`: a search
+               offers only layouts trex train runs, an explicit one says why not). The expert
                weights are FSDP-sharded over the dp_shard x cp x tp / ep ranks left;
     pp         pipeline stages, each holding num_hidden_layers / pp blocks (trex train has no
                pipeline parallelism yet: plans with pp > 1 say so);
@@ -44,8 +46,7 @@ class PlanError(ValueError):
 def check_tensor_parallel(cfg: AnyConfig, tp: int) -> None:
     """PlanError unless ``tp`` divides everything tensor parallelism splits in the model (the family's
     ``tp_split``: for the DeepSeek-V3 family the attention heads, the vocabulary, the dense FFN and shared-expert
-    widths; for V4 the heads, the output groups, the vocabulary and the shared
-    expert's width); the message names the numbers, or why the family's TP is not planned."""
+    widths; for V4 and V4.1 the heads, the output groups, the vocabulary and the shared expert's width); the message names the numbers, or why the family's TP is not planned."""
     if tp == 1:
         return
     if not architecture(cfg).tp_plan:  # what trex.parallel.tensor_parallel would refuse
@@ -113,6 +114,21 @@ class Layout:
         if self.train_engram:
             parts.append("engram-trained")
         return " ".join(parts)
+
+    def train_refusal(self) -> str | None:
+        """Why trex train would refuse this layout today, beyond what :meth:`check` checks (None: it runs it): no
+        pipeline parallelism, and experts split over ep / tp ranks of dp_shard x the tp ranks, never over cp
+        (trex.parallel.mesh.check_expert_split, the check trex train runs)."""
+        from trex.parallel.mesh import check_expert_split  # here: it imports torch.distributed
+
+        if self.pp > 1:
+            return "pipeline parallelism is modelled, but trex train does not run it yet"
+        try:
+            check_expert_split(self.dp_shard, self.ep, self.tp)
+        except ValueError as e:
+            return (f"trex train refuses it ({e}): ep={self.ep} spans context-parallel ranks or a part of the tp "
+                    "ranks, as torchtitan may place experts (expert_tensor_parallel_degree = 1)")
+        return None
 
     def check(self, cfg: AnyConfig, seq_len: int) -> None:
         """Raise PlanError unless the layout divides the model and the sequence is allowed."""

@@ -40,13 +40,18 @@ MODULE_TYPES = (
 # Parameters tensor parallelism splits (trex.plan.layout.Layout.tp). The DeepSeek-V3 family as Megatron /
 # torchtitan: MLA's up projections column-wise and output row-wise (the low-rank down projections, their norms
 # and the router stay whole on every TP rank), the dense FFN column/row-wise, an MTP block's eh_proj
-# column-wise (as Megatron's MTP). V4 and V4.1 as trex.models.deepseek_v4.tp_plan: wq_b by heads, the per-head
-# attn_sink with them, wo_a by whole output groups, wo_b row-wise (wq_a, the K = V head wkv, the compressor, the
-# indexer, mHC, the norms and the router whole; tests/test_plan_tp.py checks this against the plan). Both: the
+# column-wise (as Megatron's MTP). V4 and V4.1 as trex.models.deepseek_v4.tp_plan and tp_plan_v41: wq_b by heads,
+# the per-head attn_sink with them, wo_a by whole output groups, wo_b row-wise (wq_a, the K = V head wkv, the
+# compressor, the indexer, mHC, the norms, the router and V4.1's Engram whole; tests/test_plan_tp.py checks this
+# against both plans). Both: the
 # shared experts column/row-wise, embedding and head by vocabulary.
 # Routed experts are split by expert parallelism instead (counted apart, ``experts``).
 TP_SPLIT = (r"\.attn\.(wq_b|wkv_b|wo|wo_a|wo_b)\.|\.attn\.attn_sink$|\.ffn\.(w[123]|shared_experts)\.|\.eh_proj\.|"
             r"^embed\.|^head\.")
+# The trained matmuls among the parameters TP leaves whole, which every TP rank runs on all of the group's rows
+# (``ModelFacts.tp_whole_matmul``): the attention's (down projections, V4's K = V head and compressor), the router,
+# V4.1's Engram value/key projection (its ``wkv``; Engram is replicated over the TP group, tp_plan_v41).
+WHOLE_MATMUL = r"\.attn\.|\.ffn\.gate\.|\.engram\.wkv\."
 INDEXER = ".attn.indexer."
 TABLE = ".engram.embed."
 NS_ITERATIONS = 10  # DeepSeek-V4's hybrid Newton-Schulz: 8 + 2 iterations (trex.train.optim.OptimSection)
@@ -79,8 +84,7 @@ class ModelFacts:
     tp_whole_block: int = 0  # of ``block_dense`` (the largest block)
     tp_whole_root: int = 0  # of ``root`` (the final norm: embedding and head are split)
     tp_whole_matmul: int = 0  # weights of the whole trained matmuls every TP rank runs on the group's tokens (per
-    #                          token, main layers and MTP blocks: the attention's down projections, V4's K = V head
-    #                          and compressor, the router): the work TP repeats on each rank
+    #                          token, main layers and MTP blocks: WHOLE_MATMUL): the work TP repeats on each rank
     tp_whole_indexer: bool = False  # the lightning indexer (frozen, forward only) is whole on every TP rank (V4:
     #                                 it is among the model's parameters and TP_SPLIT leaves it; V3.2: its
     #                                 ``counted_model`` says so), so each rank runs all of it on the group's tokens
@@ -148,7 +152,7 @@ def _build_facts(cfg: AnyConfig) -> ModelFacts:
         experts += p.numel() if is_expert else 0
         whole = not is_expert and not re.search(TP_SPLIT, name)
         whole_stored += p.numel() if whole else 0
-        trained_matmul = p.dim() == 2 and (".attn." in name or ".ffn.gate." in name) and INDEXER not in f".{name}"
+        trained_matmul = p.dim() == 2 and re.search(WHOLE_MATMUL, name) is not None and INDEXER not in f".{name}"
         whole_matmul += p.numel() if whole and trained_matmul else 0
         whole_indexer = whole_indexer or (whole and INDEXER in f".{name}")
         block = re.match(r"^(layers|mtp)\.\d+\.", name)

@@ -69,31 +69,16 @@ class Plan:
     @property
     def notes(self) -> list[str]:
         out = []
-        if self.layout.pp > 1:
-            out.append("pipeline parallelism is modelled, but trex train does not run it yet")
+        if refusal := self.layout.train_refusal():
+            out.append(refusal)
         if self.layout.tp > 1 and self.layout.ep == 1:
             out.append("tp > 1, ep = 1: routed experts are planned as torchtitan places them (each TP rank dispatches "
                        "its 1/tp of the rows); trex train runs them on every rank of a TP group, on the same rows")
-        if refusal := expert_split_refusal(self.layout):
-            out.append(f"ep={self.layout.ep} spans context-parallel ranks or a part of the tp ranks (torchtitan's "
-                       f"expert_tensor_parallel_degree = 1); trex train refuses it: {refusal}")
         if self.host_fits is None:
             out.append(f"{self.hardware.name} states no host memory: offloaded state is not checked")
         if ep_note := expert_parallel_note(self.layout, self.routed_experts):
             out.append(ep_note)
         return out + list(self.model_notes)
-
-
-def expert_split_refusal(layout: Layout) -> str | None:
-    """trex train's one line refusing the layout's expert split (trex.parallel.mesh.check_expert_split: experts over
-    ep / tp ranks of dp_shard x the tp ranks, never over cp), or None where it runs it."""
-    from trex.parallel.mesh import check_expert_split  # here: it imports torch.distributed
-
-    try:
-        check_expert_split(layout.dp_shard, layout.ep, layout.tp)
-    except ValueError as e:
-        return str(e)
-    return None
 
 
 def expert_parallel_note(layout: Layout, experts: int) -> str | None:
@@ -152,14 +137,17 @@ def search(cfg: AnyConfig, devices: int, seq_len: int, global_batch_tokens: int,
            micro_batches: tuple[int, ...] = (1, 2, 4), recompute: tuple[str, ...] = ("none", "selective", "full"),
            pipeline: tuple[int, ...] = (1,), fitting_only: bool = True,
            offload: tuple[bool, ...] = (False, True), largest_ep_only: bool = False,
-           train_engram: bool = False, tensor: tuple[int, ...] | None = None) -> list[Plan]:
+           train_engram: bool = False, tensor: tuple[int, ...] | None = None,
+           runnable_only: bool = True) -> list[Plan]:
     """Every layout on ``devices`` devices that fits (every one, with ``fitting_only=False``) and
     reaches ``global_batch_tokens`` exactly, fastest first; ``offload`` and ``largest_ep_only``
     narrow the options tried; ``train_engram``: V4.1's Engram tables train (trex.plan.layout.Layout). tp ranges
     over ``tensor`` (default :func:`tensor_parallel_sizes`: within a node, dividing what TP splits), cp over the
     divisors of the devices left that split the sequence (see trex.models.registry.check_shardable), shard
     sizes over the divisors of what it leaves; ep divides the expert count and dp_shard x tp (the search carves
-    experts from those; an explicit layout may span cp too)."""
+    experts from those; an explicit layout may span cp too). ``runnable_only`` (the default, and what the default
+    plan, the nearest fitting layout and the fewest devices use): only layouts trex train runs today
+    (Layout.train_refusal None: ep inside dp_shard, no pipeline stages)."""
     if global_batch_tokens % seq_len:
         raise PlanError(f"global batch of {global_batch_tokens} tokens is not a whole number of "
                         f"{seq_len}-token sequences")
@@ -171,7 +159,8 @@ def search(cfg: AnyConfig, devices: int, seq_len: int, global_batch_tokens: int,
         for cp, shard in ((c, s) for c in _context_parallel_sizes(cfg, seq_len, devices // pp // tp)
                           if (seq_len // c) % tp == 0 for s in _divisors(devices // pp // tp // c)):
             replicate = devices // pp // tp // cp // shard
-            eps = [e for e in _divisors(shard * tp) if cfg.n_routed_experts % e == 0]
+            eps = [e for e in _divisors(shard * tp) if cfg.n_routed_experts % e == 0 and not (
+                runnable_only and Layout(dp_shard=shard, ep=e, cp=cp, tp=tp, pp=pp).train_refusal())]
             for ep in eps[-1:] if largest_ep_only else eps:
                 for mb in micro_batches:
                     rows = global_batch_tokens // seq_len
@@ -217,8 +206,9 @@ def no_fit_hint(cfg: AnyConfig, devices: int, seq_len: int, global_batch_tokens:
                 "change --global-batch-tokens or --devices")
     lean = min(tried, key=lambda p: p.memory.total)
     return (f"the leanest layout tried ({lean.layout.describe()}) needs {lean.memory.total / GiB:.1f} GiB per device, "
-            f"{lean.usable_bytes / GiB:.1f} usable; every recompute, offload, micro-batch and shard/ep/cp/tp split was "
-            "tried: add devices (without --devices, trex plan finds the fewest that fit) or shorten the sequence")
+            f"{lean.usable_bytes / GiB:.1f} usable; every recompute, offload, micro-batch and shard/ep/cp/tp split trex "
+            "train runs was tried: add devices (without --devices, trex plan finds the fewest that fit) or shorten the "
+            "sequence")
 
 
 def tensor_parallel_sizes(cfg: AnyConfig, devices: int, hw: HardwareProfile) -> list[int]:

@@ -2,7 +2,8 @@
 
     python -m trex.train.tool_demo --out runs/tool_demo
 
-1. data (trex.data.arithmetic): 4-digit additions; ``demonstrations`` of them as calculator calls
+1. data (trex.data.arithmetic): 3-digit additions of fixed width (operands and sums all 3 digits, so the
+   call copies the question from a constant distance); ``demonstrations`` of them as calculator calls
    (``tool_call_records``) and the same problems answered directly (``sft_records``); ``prompts`` others
    as GRPO prompts (``prompt_records``);
 2. per arm, from the same random init: the SFT warm-up (``recipes/calculator_warmup.toml``) on its
@@ -42,8 +43,8 @@ class ToolDemo:
     out: str = "runs/tool_demo"
     warmup_recipe: str = "recipes/calculator_warmup.toml"
     grpo_recipe: str = "recipes/grpo_calculator.toml"
-    digits: int = 4
-    """Operands below 10**digits."""
+    digits: int = 3
+    """Operands and sums of exactly this many digits (ArithmeticTask.fixed_width)."""
     demonstrations: int = 256
     """Warm-up conversations per arm (the same problems in both)."""
     prompts: int = 512
@@ -56,7 +57,7 @@ class ToolDemo:
 def write_data(demo: ToolDemo) -> dict[str, str]:
     """The demonstration's data files under ``DIR/data``: tool_calls.jsonl, answers.jsonl, prompts.jsonl."""
     task = ArithmeticTask(digits=demo.digits, ops="+", n_train=demo.demonstrations + demo.prompts, n_eval=0,
-                          seed=demo.seed)
+                          seed=demo.seed, fixed_width=True)
     problems, _ = generate(task)
     shown, asked = problems[:demo.demonstrations], problems[demo.demonstrations:]
     data = os.path.join(demo.out, "data")
