@@ -84,10 +84,9 @@ def test_the_search_finds_tp_layouts_for_v3():
     plans = search(*args, **narrow)
     assert {p.layout.tp for p in plans} >= {1, 2, 4, 8}
     assert all(p.layout.tp <= DIE.devices_per_node and p.layout.train_refusal() is None for p in plans)
-    # with experts over dp_shard x tp (torchtitan's placement, which trex train does not run yet) TP beats every
-    # tp = 1 layout that fits here
-    anywhere = search(*args, **narrow, runnable_only=False)
-    assert anywhere[0].layout.tp > 1 and anywhere[0].layout.train_refusal(), anywhere[:1]
+    # with the experts over ep / tp ranks of dp_shard x the tp ranks (torchtitan's placement, which trex train
+    # runs) TP beats every tp = 1 layout that fits here
+    assert plans[0].layout.tp > 1 and plans[0].layout.ep > plans[0].layout.dp_shard, plans[:1]
 
 
 TINY_V4 = get_preset("tiny")
@@ -267,23 +266,23 @@ def test_without_a_layout_the_plan_is_a_fitting_one_and_says_it_chose_it(small_g
 
 
 def test_the_search_offers_only_layouts_trex_train_runs_and_an_explicit_one_says_why_not(capsys):
-    """trex train splits experts inside dp_shard (trex.parallel.mesh.check_expert_split); the planner can model ep
-    over dp_shard x tp (torchtitan's way). A search (the default plan, the nearest fitting, the fewest devices) keeps
-    only what trex train runs; an explicit layout it cannot run yet still plans, with the reason."""
+    """trex train splits experts over ep / tp ranks of dp_shard x the tp ranks, never over cp
+    (trex.parallel.mesh.check_expert_split); the planner can model ep over dp_shard x cp x tp (torchtitan's way). A
+    search (the default plan, the nearest fitting, the fewest devices) keeps only what trex train runs; an explicit
+    layout it cannot run yet still plans, with the reason."""
     from trex.parallel.mesh import resolve_layout
 
     every = search(TINY_V4, 4, 64, 4 * 64 * 2, H100, runnable_only=False)
-    refused = [p for p in every if p.layout.train_refusal()]
-    assert any(p.layout.describe().startswith("dp_shard=2 ep=4 tp=2") for p in refused)  # ep over dp_shard x tp
     runnable = search(TINY_V4, 4, 64, 4 * 64 * 2, H100)
+    assert any(p.layout.describe().startswith("dp_shard=2 ep=4 tp=2") for p in runnable)  # ep over dp_shard x tp
     assert [p.layout for p in runnable] == [p.layout for p in every if not p.layout.train_refusal()]
     for p in runnable:
         lay = p.layout
         assert lay.pp == 1 and resolve_layout(lay.dp_replicate, lay.dp_shard, lay.ep, lay.devices, lay.cp, lay.tp)
     assert main(["plan", "--model", "tiny", "--hardware", "h100-sxm", "--seq", "64", "--layout",
-                 "dp_shard=2,ep=4,tp=2"]) == 0
-    assert ("note        trex train refuses it (parallel.ep = 4 must divide dp_shard = 2): ep=4 spans context- or "
-            "tensor-parallel ranks") in capsys.readouterr().out
+                 "dp_shard=1,ep=4,cp=2,tp=2"]) == 0
+    assert ("note        trex train refuses it (parallel.ep = 4 spans the tp ranks: it must be tp (2) times a divisor "
+            "of dp_shard (1)): ep=4 spans context-parallel ranks") in capsys.readouterr().out
 
 
 def test_a_layout_that_does_not_fit_names_the_nearest_that_does(small_gpu, capsys):
@@ -374,6 +373,7 @@ def test_the_notes_say_which_expert_splits_trex_train_runs_under_tp():
 
     assert refusals(Layout(dp_shard=2, ep=4, tp=2)) == [] and refusals(Layout(dp_shard=2, ep=2, tp=2)) == []
     assert refusals(Layout(dp_shard=1, ep=4, cp=2, tp=2)) == [
-        "ep=4 spans context-parallel ranks or a part of the tp ranks (torchtitan's expert_tensor_parallel_degree = 1); "
-        "trex train refuses it: parallel.ep = 4 spans the tp ranks: it must be tp (2) times a divisor of dp_shard (1)"]
+        "trex train refuses it (parallel.ep = 4 spans the tp ranks: it must be tp (2) times a divisor of dp_shard (1)): "
+        "ep=4 spans context-parallel ranks or a part of the tp ranks, as torchtitan may place experts "
+        "(expert_tensor_parallel_degree = 1)"]
     assert refusals(Layout(dp_shard=2, tp=2))[0].startswith("tp > 1, ep = 1: ")
