@@ -37,7 +37,7 @@ def test_the_training_forward_drafts_what_each_decode_step_drafts():
         for a in range(anchors):
             j = start + a
             fed = iter(range(j + 2, j + 2 + T))
-            d = drafter.draft(cache, ids[:, j + 1], hidden[:, j], model.embed, model.head.weight,
+            d = drafter.draft(cache, ids[:, j + 1], hidden[:, j], model.embed.weight, model.head.weight,
                               sample=lambda z: ids[:, next(fed)])  # the verified tokens before each position
             assert (d.logits - logits[:, a]).abs().max() <= 1e-5 * d.logits.abs().max(), a
             assert (d.confidence - confidence[:, a]).abs().max() <= 1e-5 * d.confidence.abs().max(), a
@@ -216,9 +216,11 @@ def run_layouts(tmp_path, common: list[str], runs: dict) -> tuple[dict, dict, di
 
 
 @pytest.mark.slow
-def test_fsdp2_and_expert_parallelism_on_two_ranks_refit_with_the_losses_of_one_process(tmp_path):
+def test_fsdp2_expert_and_tensor_parallelism_on_two_ranks_refit_with_the_losses_of_one_process(tmp_path):
     """`trex train` with ``[drafter]`` under `torchrun --nproc-per-node 2` as FSDP2 + EP2 (the main model's and
-    the drafter's experts split over both ranks, each rank half of every re-fit step's prompts) against one
+    the drafter's experts split over both ranks, each rank half of every re-fit step's prompts), and as TP2 x EP2
+    (the target's embedding and head split by vocabulary: the re-fit's drafting and its acceptance measure read
+    them gathered whole; both ranks every prompt, the drafter's experts over the tp group) against one
     process taking the same main step (its two micro-batches the two ranks' rows: the global batch is
     micro_batch_size x grad_accum x ranks): the main step's loss and gradient norm within 1e-6, every one of 4
     re-fit steps' loss, parts and gradient norm within 1e-5 of one process's, and the updated drafter (its DCP
@@ -238,20 +240,23 @@ def test_fsdp2_and_expert_parallelism_on_two_ranks_refit_with_the_losses_of_one_
               "--set", "drafter.new_tokens=6", "--set", "drafter.prompts_per_step=2", "--set", "drafter.held_out=1",
               "--set", "drafter.measure_tokens=6", "--set", "drafter.lr=1e-3", "--set", "checkpoint.save_every=4"]
     runs = {"one": (1, ["--set", "train.grad_accum=2"]),
-            "fsdp2-ep2": (2, ["--set", "parallel.dp_shard=2", "--set", "parallel.ep=2"])}
+            "fsdp2-ep2": (2, ["--set", "parallel.dp_shard=2", "--set", "parallel.ep=2"]),
+            "tp2-ep2": (2, ["--set", "parallel.tp=2", "--set", "parallel.dp_shard=1", "--set", "parallel.ep=2",
+                            "--set", "train.grad_accum=2"])}
     main, rows, summaries, weights = run_layouts(tmp_path, common, runs)
-    a, b = main["one"], main["fsdp2-ep2"]
-    assert a["tokens"] == b["tokens"]
-    assert all(abs(a[key] - b[key]) <= 1e-6 * abs(a[key]) for key in ("loss", "grad_norm")), (a, b)
-    assert [r["drafter_step"] for r in rows["one"]] == [r["drafter_step"] for r in rows["fsdp2-ep2"]] == [1, 2, 3, 4]
-    for a, b in zip(rows["one"], rows["fsdp2-ep2"]):
-        for key in ("loss", "ce", "tv", "confidence", "grad_norm"):
-            key = f"drafter/{key}"
-            assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (a["drafter_step"], key, a[key], b[key])
-    assert set(weights["one"]) == set(weights["fsdp2-ep2"])
-    for key, value in weights["one"].items():
-        assert torch.allclose(value, weights["fsdp2-ep2"][key], rtol=0, atol=2e-5), key
-    assert summaries["one"]["acceptance"] == summaries["fsdp2-ep2"]["acceptance"]
+    for layout in ("fsdp2-ep2", "tp2-ep2"):
+        a, b = main["one"], main[layout]
+        assert a["tokens"] == b["tokens"]
+        assert all(abs(a[key] - b[key]) <= 1e-6 * abs(a[key]) for key in ("loss", "grad_norm")), (layout, a, b)
+        assert [r["drafter_step"] for r in rows["one"]] == [r["drafter_step"] for r in rows[layout]] == [1, 2, 3, 4]
+        for a, b in zip(rows["one"], rows[layout]):
+            for key in ("loss", "ce", "tv", "confidence", "grad_norm"):
+                key = f"drafter/{key}"
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (layout, a["drafter_step"], key, a[key], b[key])
+        assert set(weights["one"]) == set(weights[layout])
+        for key, value in weights["one"].items():
+            assert torch.allclose(value, weights[layout][key], rtol=0, atol=2e-5), (layout, key)
+        assert summaries["one"]["acceptance"] == summaries[layout]["acceptance"], layout
 
 
 def grpo_inputs(tmp_path, monkeypatch) -> None:

@@ -499,7 +499,7 @@ def draft_loop(model, drafter, ids: torch.Tensor, prefill: int) -> dict[str, tor
         for i in range(prefill, ids.shape[1]):
             step = model(ids[:, i:i + 1], cache=cache, tap_layers=taps)
             token = step.logits[:, -1].argmax(-1)
-            d = drafter.draft(draft_cache, token, step.hidden[:, -1], model.embed, model.head.weight)
+            d = drafter.draft(draft_cache, token, step.hidden[:, -1], model.embed.weight, model.head.weight)
             for key, value in zip(out, (token, step.hidden[:, -1], d.ids, d.logits, d.confidence)):
                 out[key].append(value.float() if value.is_floating_point() else value)
     return {k: torch.stack(v, dim=1) for k, v in out.items()}
@@ -526,7 +526,7 @@ def _draft_from_official_steps(drafter, tensors, run: str, model, dtype, prefill
     logits, confidence = [], []
     for i in range(tensors[f"token.{run}"].shape[1]):
         d = drafter.draft(cache, tensors[f"token.{run}"][:, i], tensors[f"hidden.{run}"][:, i].to(dtype),
-                          model.embed.to(dtype), model.head.weight.to(dtype))
+                          model.embed.weight.to(dtype), model.head.weight.to(dtype))
         logits.append(d.logits)
         confidence.append(d.confidence)
     return torch.stack(logits, 1), torch.stack(confidence, 1)

@@ -14,6 +14,14 @@ import torch
 from torch import nn
 
 
+def whole(weight: torch.Tensor) -> torch.Tensor:
+    """A parameter outside the forward that views it (split over tp, sharded by FSDP2: a DTensor) as the whole
+    tensor, the same on every rank, detached; a plain tensor as itself, detached. Every rank of the parameter's
+    mesh must call it (a DTensor's ``full_tensor`` gathers)."""
+    weight = weight.detach()
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+
+
 class ParameterView:
     """While entered, the parameters of ``unit`` that ``select`` picks (minus those under the modules ``skip``)
     are seen as ``view(parameter)``: a differentiable tensor whose gradient reaches the parameter. The unit's

@@ -24,6 +24,7 @@ import torch
 
 from trex.models import evaluating
 from trex.models.registry import decode_cache, shardable_length
+from trex.parallel.parameter_view import whole
 from trex.rollout.sampling import SamplingParams, choose_tokens, left_pad
 
 
@@ -141,6 +142,7 @@ def draft_steps(model, drafter, prompts: list[list[int]], max_new_tokens: int, p
     ids, docs = left_pad(prompts, pad_id, device)
     cache = decode_cache(model.cfg, max_new_tokens)
     taps = drafter.target_layers
+    embed, head = whole(model.embed.weight), whole(model.head.weight)  # split by vocabulary under tp: gathered
     with evaluating(model):
         out = model(ids, doc_ids=docs, cache=cache, tap_layers=taps)
         positions = cache.pos[:, None] - ids.shape[1] + torch.arange(ids.shape[1], device=device)  # padding: < 0
@@ -150,7 +152,7 @@ def draft_steps(model, drafter, prompts: list[list[int]], max_new_tokens: int, p
         for _ in range(max_new_tokens - 1):
             step = model(tokens[-1][:, None], cache=cache, tap_layers=taps)
             token = step.logits[:, -1].argmax(-1)
-            drafts.append(drafter.draft(draft_cache, token, step.hidden[:, -1], model.embed, model.head.weight).ids[:, 1:])
+            drafts.append(drafter.draft(draft_cache, token, step.hidden[:, -1], embed, head).ids[:, 1:])
             tokens.append(token)
     T = drafter.cfg.dspark_block_size
     drafted = torch.stack(drafts, dim=1) if drafts else torch.zeros(len(prompts), 0, T, dtype=torch.long, device=device)

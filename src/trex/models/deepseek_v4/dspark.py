@@ -234,10 +234,11 @@ class DSparkDrafter(nn.Module):
         return cache
 
     @torch.no_grad()
-    def draft(self, cache: DraftCache, token: torch.Tensor, hidden: torch.Tensor, embed: nn.Embedding,
+    def draft(self, cache: DraftCache, token: torch.Tensor, hidden: torch.Tensor, embed: torch.Tensor,
               head: torch.Tensor, sample=None) -> Draft:
         """One step at main position p = cache.pos: the main model's token [B] there and its target hidden
-        [B, k d]; ``embed`` and ``head`` [V, d] are the main model's. ``sample`` maps logits [B, V] to ids [B]
+        [B, k d]; ``embed`` and ``head`` [V, d] are the main model's weights, whole (under tensor parallelism
+        the caller gathers them: trex.rollout.speculation.draft_steps). ``sample`` maps logits [B, V] to ids [B]
         (default: greedy). The windows then hold position p."""
         cfg, B = self.cfg, token.shape[0]
         T, W = cfg.dspark_block_size, cfg.sliding_window
@@ -248,7 +249,7 @@ class DSparkDrafter(nn.Module):
         main_cos, main_sin = self._rope(pos[:, None])
         valid = torch.arange(W, device=token.device) >= W - 1 - pos[:, None]  # the last min(W, p + 1) positions
         ctx = DraftContext(ids, cos, sin, self._main_x(hidden[:, None]), main_cos, main_sin, valid, cache)
-        X = embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous()
+        X = F.embedding(ids, embed).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous()
         pre = torch.zeros(*X.shape[:3], device=X.device)
         pre[..., 0] = 1.0
         for stage in self.mtp:

@@ -21,8 +21,6 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-import torch
-
 from trex.models.registry import drafter_kind
 
 KINDS = {"dspark": "trex.train.drafters.dspark", "mtp": "trex.train.drafters.mtp"}
@@ -31,9 +29,3 @@ KINDS = {"dspark": "trex.train.drafters.dspark", "mtp": "trex.train.drafters.mtp
 def kind_of(cfg) -> ModuleType:
     """The module of the drafter kind of a config (``drafter_kind``): the model's, or a drafter's own."""
     return importlib.import_module(KINDS[drafter_kind(cfg)])
-
-
-def whole(weight: torch.Tensor) -> torch.Tensor:
-    """A (maybe FSDP-sharded) weight as a whole local tensor, detached."""
-    weight = weight.detach()
-    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight

@@ -14,7 +14,7 @@ import os
 import torch
 
 from trex.rollout.speculation import Acceptance, Continuation, measure_acceptance
-from trex.train.drafters import whole
+from trex.parallel.parameter_view import whole
 
 log = logging.getLogger(__name__)
 

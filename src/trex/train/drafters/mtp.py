@@ -17,7 +17,7 @@ from trex import atomic
 from trex.models import evaluating
 from trex.models.registry import drafter_kind
 from trex.rollout.speculation import Acceptance, Continuation, measure_mtp_acceptance, mtp_width
-from trex.train.drafters import whole
+from trex.parallel.parameter_view import whole
 
 EXPORT_DIR = "mtp"  # under the re-fit's checkpoint directory
 
