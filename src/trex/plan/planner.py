@@ -99,7 +99,9 @@ def expert_parallel_note(layout: Layout, experts: int) -> str | None:
 
 
 def make_plan(cfg: AnyConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
-              assume: TimeAssumptions = TimeAssumptions()) -> Plan:
+              assume: TimeAssumptions = TimeAssumptions(), fitting_only: bool = False) -> Plan | None:
+    """The plan of ``layout``: memory per device, then the step's time. ``fitting_only``: None for a layout
+    that does not fit, its time not computed (what a search needs of the many layouts it rejects)."""
     layout.check(cfg, seq_len)
     if assume.dtype not in DTYPE_BYTES:
         raise PlanError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {assume.dtype!r}")
@@ -107,11 +109,13 @@ def make_plan(cfg: AnyConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
         raise PlanError(f"hardware profile {hw.name!r} has no {assume.dtype} peak; it has {sorted(hw.peak_tflops)}")
     b = DTYPE_BYTES[assume.dtype]
     facts = model_facts(cfg)
-    return Plan(layout=layout, seq_len=seq_len, hardware=hw, facts=facts,
-                memory=memory(cfg, facts, layout, seq_len, b),
-                time=step_time(cfg, facts, layout, seq_len, hw, assume, b),
+    plan = Plan(layout=layout, seq_len=seq_len, hardware=hw, facts=facts,
+                memory=memory(cfg, facts, layout, seq_len, b), time=None,
                 flops_per_token=training_flops(cfg, seq_len).total, assumptions=assume,
                 routed_experts=cfg.n_routed_experts, model_notes=tuple(terms(cfg).notes(cfg, layout.tp)))
+    if fitting_only and not plan.fits:
+        return None
+    return dataclasses.replace(plan, time=step_time(cfg, facts, layout, seq_len, hw, assume, b))
 
 
 def with_drafter(plan: Plan, cfg, section, main_steps: int) -> Plan:
@@ -172,8 +176,8 @@ def search(cfg: AnyConfig, devices: int, seq_len: int, global_batch_tokens: int,
                         layout = Layout(dp_shard=shard, dp_replicate=replicate, ep=ep, cp=cp, tp=tp, pp=pp, micro_batch=mb,
                                         grad_accum=ga, recompute=rc, optimizer=optimizer, offload_optimizer=off,
                                         reduce_every_micro_batch=every, train_engram=train_engram)
-                        plan = make_plan(cfg, layout, seq_len, hw, assume)
-                        if plan.fits or not fitting_only:
+                        plan = make_plan(cfg, layout, seq_len, hw, assume, fitting_only)
+                        if plan is not None:
                             plans.append(plan)
     return sorted(plans, key=lambda p: p.time.total)
 
