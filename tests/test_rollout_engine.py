@@ -419,6 +419,45 @@ def test_asynchronous_rollouts_never_train_a_sample_beyond_max_staleness(tmp_pat
     assert any("2 samples dropped untrained" in w for w in result.summary["warnings"])
 
 
+def test_a_run_resumed_from_a_checkpoint_taken_with_batches_in_flight_draws_them_again(tmp_path, monkeypatch):
+    """Asynchronous GRPO saved at step 2 while the batches of steps 3 and 4 are in flight (max_staleness 2), then
+    resumed from that checkpoint: the resumed run draws those two batches again, from the checkpoint's prompt
+    position and sampler generator, under the checkpoint's weights (both at version 2: 0 and 1 step stale), and
+    trains them as the unbroken run did. At lr 0 every version holds the same weights, so the two runs give
+    the same prompts, tokens, rewards and losses; no prompt is skipped or trained twice."""
+    from trex.posttrain import grpo
+    from trex.train.loop import train
+
+    files = _files(tmp_path)
+    monkeypatch.syspath_prepend(str(files))
+    collect, taken = grpo.GRPOObjective._collect, []
+
+    def record(self, model, step):
+        batch = collect(self, model, step)
+        taken.append((step, len(self.inflight), batch.rollouts))
+        return batch
+    monkeypatch.setattr(grpo.GRPOObjective, "_collect", record)
+    extra = ('sampling.engine="server"', "sampling.asynchronous=true", "sampling.max_staleness=2", "optim.lr=0",
+             "train.steps=4", "grpo.prompts_per_step=2", "grpo.group_size=2", "checkpoint.save_every=2",
+             "checkpoint.keep_last=0")
+    train(_recipe(files, tmp_path / "a", *extra))
+    unbroken = taken[:]
+    train(_recipe(files, tmp_path / "b", *extra, f'checkpoint.resume="{tmp_path}/a/checkpoints/step_2"'))
+    resumed = taken[len(unbroken):]
+    assert [(s, n) for s, n, _ in unbroken] == [(0, 2), (1, 2), (2, 1), (3, 0)]  # two in flight at the save
+    assert [(s, n) for s, n, _ in resumed] == [(2, 1), (3, 0)]
+    # the unbroken run sampled them at versions 0 and 1; the resumed one draws both at once, at the checkpoint's 2
+    assert [r.version for _, _, r in unbroken] == [0, 0, 0, 1] and [r.version for _, _, r in resumed] == [2, 2]
+    for (_, _, x), (_, _, y) in zip(unbroken[2:], resumed):
+        assert torch.equal(x.input_ids, y.input_ids) and x.texts == y.texts  # same prompts, same tokens
+    a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == [3, 4]
+    assert [[r[f"rollout/staleness_{k}"] for k in range(3)] for r in b] == [[4, 0, 0], [0, 4, 0]]
+    for x, y in zip(a[2:], b):
+        assert x["reward_mean"] == y["reward_mean"] and x["response_length"] == y["response_length"]
+        assert x["loss"] == pytest.approx(y["loss"], abs=1e-7), x["step"]
+
+
 class _RoundsAcrossSyncs:
     """A slowed engine for asynchronous multi-turn rollouts: every round is the forced calculator call
     (forced_calls, with the engine's own log-probs of it at its current weights). In the rollout thread, a
