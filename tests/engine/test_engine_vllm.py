@@ -125,6 +125,24 @@ def test_sampled_tokens_and_log_probs_come_back_and_trex_rescores_them(served, t
     assert max(gaps) < 1e-3
 
 
+RECORD = {"prompt": "What is 12+30?", "answer": "42"}
+
+
+def _calculator_conversation():
+    """(tokenizer, V4 chat-mode codec, record, its tools episode, (prompt, call, tool turn, answer) ids): the
+    conversation the tool tests fit the tiny model to (V4's DSML call; no tools listed in the prompt)."""
+    from trex.data.tokenizer import compact_tokenizer
+    from trex.data.tool_calls import tool_codec
+    from trex.rollout.environment import ToolsEnvironment
+
+    tok, codec = compact_tokenizer(), tool_codec("deepseek-v4", thinking=False)
+    episode = ToolsEnvironment(tools=["calculator"], schemas=False).reset(RECORD)
+    ids = [tok.encode(codec.prompt(episode.system, episode.user, episode.tools)).tolist(),
+           tok.encode(codec.assistant("", [{"name": "calculator", "arguments": {"expression": "12+30"}}])).tolist(),
+           tok.encode(codec.results(["42"])).tolist(), tok.encode(codec.assistant("42", [])).tolist()]
+    return tok, codec, RECORD, episode, ids
+
+
 def _fit_to_call(model, text_ids: list[int], until: float = 2e-4, steps: int = 400) -> float:
     """Fit ``model`` (fp32, in place) to one conversation's tokens until its mean loss is below ``until`` (it
     then repeats them); returns the last loss."""
@@ -150,20 +168,11 @@ def test_a_multi_turn_tool_trajectory_is_sampled_by_vllm_parsed_from_its_ids_and
     built-in calculator in a sandbox, appends the tool turn as the template's ids (mask 0, no engine
     log-prob) and asks vLLM for the next turn. The trajectory is the engine's ids and the template's, never
     re-tokenised; every sampled token's engine log-prob agrees with trex's forward of the whole trajectory."""
-    from trex.data.tokenizer import compact_tokenizer
-    from trex.data.tool_calls import tool_codec
-    from trex.rollout.environment import ToolsEnvironment
     from trex.rollout.multiturn import TurnLimits, roll_out_turns
     from trex.rollout.sampling import SamplingParams
 
     server, model_dir = served
-    tok, codec = compact_tokenizer(), tool_codec("deepseek-v4", thinking=False)
-    record = {"prompt": "What is 12+30?", "answer": "42"}
-    episode = ToolsEnvironment(tools=["calculator"], schemas=False).reset(record)
-    prompt = tok.encode(codec.prompt(episode.system, episode.user, episode.tools)).tolist()
-    call = tok.encode(codec.assistant("", [{"name": "calculator", "arguments": {"expression": "12+30"}}])).tolist()
-    tool_turn = tok.encode(codec.results(["42"])).tolist()
-    answer = tok.encode(codec.assistant("42", [])).tolist()
+    tok, codec, record, episode, (prompt, call, tool_turn, answer) = _calculator_conversation()
     model = _load(model_dir)
     fitted = _fit_to_call(model, prompt + call + tool_turn + answer)
     engine = VLLMEngine(server.url, sync_dir=str(tmp_path / "sync"))
@@ -240,6 +249,46 @@ def test_grpo_trains_through_the_engine_gated_after_every_sync(served, tmp_path,
                rollout_pearson=r["rollout/pearson"], logprob_diff_max=r["logprob_diff_max"],
                is_mean=r["rollout_corr/is_mean"])
     assert rows[0]["loss"] != rows[-1]["loss"]
+
+
+def test_multi_turn_grpo_trains_asynchronously_through_the_engine_within_its_staleness_bound(served, tmp_path):
+    """GRPO with the tools environment through vLLM, asynchronous (``max_staleness`` 1): the tiny model, fitted to
+    the calculator conversation and loaded by the run, samples each turn on vLLM; its call is parsed from vLLM's
+    ids and answered by the sandboxed calculator, the exact-answer reward reads the whole trajectory. Every
+    step syncs and passes the gate; each batch after the first was sampled one version behind while the step
+    before trained (``engine/lag`` 1), none beyond the bound. At lr 0 every version holds the same weights, so
+    the engine's log-prob of each sampled token, carried with it, equals the trainer's recompute (rollout/k3_kl
+    ~0): any token attributed to the wrong turn, row or position would show. (At lr 1e-2 AdamW moves the fitted
+    model so far in one step that the one-version lag reads k3 ~0.5: the staleness the correction weighs.)"""
+    from trex.checkpoint.save import save_pretrained
+    from trex.data.records import write_jsonl
+    from make_model import write_tokenizer
+
+    server, model_dir = served
+    tok, _, record, _, (prompt, call, tool_turn, answer) = _calculator_conversation()
+    model = _load(model_dir)
+    fitted = _fit_to_call(model, prompt + call + tool_turn + answer)
+    save_pretrained(model, str(tmp_path / "fitted"), layout="hf", dtype="fp32", overwrite=True)
+    write_tokenizer(str(tmp_path / "fitted"))
+    write_jsonl(tmp_path / "prompts.jsonl", [record] * 8)
+    overrides = [o for o in _overrides(server.url, str(tmp_path / "fitted"), tmp_path)
+                 if not o.startswith(("grpo.rewards", "sampling.max_new_tokens", "data.seq_len"))]
+    _train([*overrides, 'grpo.rewards=["exact_match"]', f"data.seq_len={len(prompt) + 2 * len(call)}",
+            f"sampling.max_new_tokens={len(call) + 8}", "sampling.temperature=0.2", 'grpo.correction="decoupled"',
+            "sampling.asynchronous=true", "sampling.max_staleness=1", 'environment.name="tools"',
+            'environment.options={tools=["calculator"], schemas=false}', "environment.max_turns=2",
+            f"environment.max_tokens={len(call) + len(tool_turn) + 16}", "optim.lr=0"])
+    rows = _metrics(tmp_path / "run")
+    assert [r["engine/version"] for r in rows] == [0.0, 1.0, 2.0] and [r["engine/lag"] for r in rows] == [0, 1, 1]
+    for r in rows:
+        assert r["engine/parity_k3"] <= BOUND and r["rollout/k3_kl"] < 1e-6 and r["rollout/pearson"] > 0.999, r
+        assert r["env/tool_calls"] == 1.0 and r["env/parse_errors"] == 0 and r["env/tool_errors"] == 0
+        assert r["rollout/stale_dropped"] == 0 and r["rollout/staleness_0"] + r["rollout/staleness_1"] == 16
+        report(figure="multiturn_grpo_async_step", step=r["step"], fitted_loss=fitted, reward=r["reward_mean"],
+               lag=r["engine/lag"], tool_calls=r["env/tool_calls"], answered=r["env/answered"],
+               rollout_k3=r["rollout/k3_kl"], is_mean=r["rollout_corr/is_mean"])
+    assert [r["rollout/staleness_1"] for r in rows] == [0, 16, 16]
+    assert [r["reward_mean"] for r in rows] == [1.0, 1.0, 1.0]  # the fitted answer, copied from the calculator's
 
 
 def test_distillation_trains_through_the_engine(served, tmp_path):

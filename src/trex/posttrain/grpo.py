@@ -162,9 +162,10 @@ class GRPOObjective(Objective):
         self.reference = load_frozen(self.cfg.reference or ctx.model, ctx) if self.cfg.kl_coef > 0 else None
         self.batch: GroupBatch | None = None
         self.engine = None  # started at the first batch
-        if self.sampling.asynchronous and (self.sampling.engine != "server" or self.cfg.ppo_epochs != 1):
-            raise ValueError('sampling.asynchronous = true needs sampling.engine = "server" and grpo.ppo_epochs = 1 '
-                             "(it samples the next batches in the engine's process while this one trains)")
+        if self.sampling.asynchronous and (self.sampling.engine == "in_process" or self.cfg.ppo_epochs != 1):
+            raise ValueError('sampling.asynchronous = true needs sampling.engine = "server" or "vllm" and '
+                             "grpo.ppo_epochs = 1 (it samples the next batches in the engine's process while this "
+                             "one trains)")
         self.inflight: deque[InFlight] = deque()  # asynchronous: the batches being sampled, oldest first
         self.pool: ThreadPoolExecutor | None = None  # their thread: one batch at a time, in order
         self.correction = self.cfg.correction if self.cfg.correction != "auto" else (

@@ -76,7 +76,7 @@ class SamplingSection:
     probe_rows: int = 4
     """Prompts in the parity probe."""
     asynchronous: bool = False
-    """Off-policy by a bounded lag (grpo, server engine): while step k trains, the engine samples the next
+    """Off-policy by a bounded lag (grpo; the server or vllm engine): while step k trains, the engine samples the next
     ``max_staleness`` batches in a rollout thread, each with the weights it holds when the batch starts; each
     batch records its weight-version lag (``engine/lag``) and the decoupled correction weighs the lag's policy
     change. With an [environment] a trajectory in flight across a weight sync goes on under the new weights

@@ -49,6 +49,7 @@ import http.client
 import io
 import json
 import os
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -86,7 +87,10 @@ class EngineLost(EngineDied):
 
 
 class VLLMEngine:
-    """A running vLLM server at ``url`` serving the trainer's model."""
+    """A running vLLM server at ``url`` serving the trainer's model. Thread-safe as trex.rollout.engine.ServerEngine
+    is: ``generate``, ``score`` and ``sync`` each hold the engine's lock, so a sync from the trainer's thread lands
+    between two ``generate`` calls of an asynchronous rollout in another thread (the rounds after it sample under
+    the new weights), and a batch's version is the one its every request was served at."""
 
     def __init__(self, url: str, transport: str = "disk", sync_dir: str = "", quantize: str | None = None,
                  timeout: float = 600.0, engine_world_size: int = 1, bucket_bytes: int = 64 << 20):
@@ -102,6 +106,7 @@ class VLLMEngine:
         self.version = -1  # the server starts at its checkpoint's weights (vLLM's version "default")
         self._comm = None
         self._running = False  # check() passed: from now on a server that fails is lost mid-run
+        self._lock = threading.RLock()
 
     # ---- HTTP ------------------------------------------------------------------------------------------
     def _request(self, method: str, path: str, body: dict | None = None, doing: str = "") -> dict:
@@ -153,6 +158,11 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
                  batch_size: int, record_routes: bool = False) -> Samples:
         """Completions from vLLM (its own random draws: ``uniforms`` only seed them, row i with seed + i)."""
+        with self._lock:
+            return self._generate(prompts, params, uniforms, batch_size, record_routes)
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, uniforms: torch.Tensor | None,
+                  batch_size: int, record_routes: bool) -> Samples:
         seed = 0 if uniforms is None else int(uniforms.flatten()[0].item() * 2**31)
         model = self._model()
 
@@ -188,8 +198,9 @@ class VLLMEngine:
 
     def score(self, rows: list[list[int]]) -> list[list[float]]:
         """log p(row[t + 1] | row[..t]) from vLLM's prompt log-probs."""
-        reply = self._post("v1/completions", {"model": self._model(), "prompt": rows, "max_tokens": 1,
-                                              "temperature": 0.0, "prompt_logprobs": 0}, doing="the parity probe")
+        with self._lock:
+            reply = self._post("v1/completions", {"model": self._model(), "prompt": rows, "max_tokens": 1,
+                                                  "temperature": 0.0, "prompt_logprobs": 0}, doing="the parity probe")
         out = []
         for row, c in zip(rows, sorted(reply["choices"], key=lambda c: c["index"])):
             entries = c["prompt_logprobs"][1:]  # the first prompt token has none
@@ -199,13 +210,14 @@ class VLLMEngine:
     def sync(self, model: torch.nn.Module, version: int) -> None:
         """The trainer's weights to vLLM as ``version`` (every rank of a sharded model iterates; rank 0 sends)."""
         rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-        if self.transport == "disk":
-            self._sync_disk(model, version, rank0)
-        elif self.transport == "files":
-            self._sync_files(model, version, rank0)
-        else:
-            self._sync_broadcast(model, version, rank0)
-        self.version = version
+        with self._lock:
+            if self.transport == "disk":
+                self._sync_disk(model, version, rank0)
+            elif self.transport == "files":
+                self._sync_files(model, version, rank0)
+            else:
+                self._sync_broadcast(model, version, rank0)
+            self.version = version
 
     def _sync_disk(self, model: torch.nn.Module, version: int, rank0: bool) -> None:
         from safetensors.torch import save_file
@@ -325,7 +337,6 @@ class VLLMEngine:
     def _in_background(self, path: str, body: dict):
         """POST while this thread goes on (vLLM answers once the broadcast it waits for is done); returns a
         function that waits for the answer and raises its error."""
-        import threading
 
         result: dict = {}
 

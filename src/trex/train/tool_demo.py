@@ -122,9 +122,12 @@ def _plot(path: str, runs: dict[str, list[dict]]) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for arm, rows in runs.items():
-        left.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], "o-", markersize=3,
-                  label="with the calculator" if arm == "tools" else "without tools")
+    for (arm, rows), color in zip(runs.items(), ("tab:blue", "tab:orange")):
+        steps, reward = [r["step"] for r in rows], [r["reward_mean"] for r in rows]
+        left.plot(steps, reward, "o", markersize=2.5, color=color, alpha=0.35)
+        w = max(1, len(rows) // 10)  # a trailing mean over a tenth of the steps: 32 trajectories a step are noisy
+        left.plot(steps[w - 1:], [sum(reward[i - w + 1:i + 1]) / w for i in range(w - 1, len(reward))], "-",
+                  color=color, label=f"{'with the calculator' if arm == 'tools' else 'without tools'} ({w}-step mean)")
     left.set(xlabel="GRPO step", ylabel="reward (exact answer)", ylim=(-0.03, 1.03), title="reward")
     left.legend()
     rows = runs.get("tools", [])
