@@ -14,8 +14,8 @@ Traffic: every all-reduce of the tp group one rank takes part in during one forw
 planner counts (ring-collective buffer bytes: an all-reduce of B bytes is a reduce-scatter plus an all-gather of
 B, 2 B). The planner's figure is Megatron's sequence-parallel scheme, recompute "none": 4 buffers of [S, hidden]
 forward and 4 backward per block, and 2 per embedding and head. trex does not split the sequence between the
-collectives (no sequence parallelism) and enters the split region once per split input (MLA's latent and k_pe,
-the FFN's w1 and w3 each): docs/distributed.md.
+collectives (no sequence parallelism) and enters the split region once per split input (wq_b's input, MLA's
+latent and k_pe, the FFN's input once for w1 and w3): docs/distributed.md.
 
     .venv/bin/python bench/tensor_parallel.py            # printed
     .venv/bin/python bench/tensor_parallel.py --write    # into docs/benchmarks.md

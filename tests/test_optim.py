@@ -367,3 +367,30 @@ def test_sharded_muon_runs_newton_schulz_once_per_matrix(sharded_muon):
     assert {(5, 12), (12, 5), (3, 8, 6)} <= set(owned[0]) | set(owned[1])
     loads = [sum(ns_flops(s, [], 10) for s in mine) for mine in owned]
     assert max(loads) < 1.25 * min(loads), loads
+
+
+# ---- Muon under FSDP2 x TP: four gloo ranks (tests/muon_tp_worker.py) ----------------------------------
+@pytest.mark.slow
+def test_muon_under_fsdp2_x_tp_gathers_2d_matrices_without_dtensor_warnings(tmp_path):
+    """tiny-v3 at dp_shard = 2 x tp = 2 (experts over ep = 4): a column-wise weight is a 2-D DTensor (TP's rows split again by FSDP2: a
+    ``_StridedShard`` on the fsdp dim), which Muon orthogonalises whole on every rank. Gathered one mesh dim at a
+    time in the order DTensor can (trex.parallel.parameter_view.full_tensor), no rank logs DTensor's warning
+    about sequential all_gathers (``full_tensor()`` logged it once on each rank: "While redistributing from
+    (Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0)) to (Replicate(), Replicate(), Replicate()), 2
+    sequential all_gather operations will be performed ... it is not possible to merge non-ascending order
+    all_gather operations"), and after two steps every Muon parameter is one process's bit for bit: the
+    orthogonalised update is the one computed from the whole matrix. Every parameter of the layout (experts too)
+    gathers as DTensor's ``full_tensor`` gathers it."""
+    import json
+    import os
+
+    from test_distributed import ROOT
+    from trex_run import torchrun
+
+    proc = torchrun(os.path.join(ROOT, "tests", "muon_tp_worker.py"), [str(tmp_path)], nproc=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))" in ranks[0]["gathered"]
+    assert ranks[0]["mismatched"] == []
+    assert [r["logged"] for r in ranks] == [[]] * 4
+    assert [r["differing_gathers"] for r in ranks] == [[]] * 4  # every parameter's placements gathered alike

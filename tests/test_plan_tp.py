@@ -149,12 +149,12 @@ def test_v4_tp_collective_volume_by_hand():
     d, c, q = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
     # per block, all-reduces (2 buffers each): forward wo_b's and the shared w2's outputs [S, d]; backward the
     # gradients of wq_b's input [S, q], the K = V head [S, c], the compressed entries [S / m, c] and the shared
-    # expert's input for w1 and for w3 [S, d]
+    # expert's input [S, d] (once for w1 and w3)
     entries = sum(S // cfg.compress_rate(t) for t in cfg.layer_types if t != "sliding_attention")
     entries += S // cfg.compress_rate(cfg.mtp_layer_type) if cfg.mtp_layer_type != "sliding_attention" else 0
     blocks = cfg.num_hidden_layers + 1
     forward = blocks * 2 * d * S
-    backward = blocks * (q + c + 2 * d) * S + entries * c
+    backward = blocks * (q + c + d) * S + entries * c
     heads = 2 * d * S + 2 * 2 * (3 + d) * S  # two embedding lookups [S, d]; two losses' 3 stats and dh, fp32
     layout = Layout(dp_shard=2, ep=2, tp=2)
     assert tp_traffic(cfg, layout, S, b) == 2 * b * (forward + backward + heads)
@@ -162,6 +162,22 @@ def test_v4_tp_collective_volume_by_hand():
     assert tp_traffic(cfg, full, S, b) == 2 * b * (2 * forward + backward + heads)  # the forward's again
     plan = make_plan(cfg, layout, S, H100)
     assert plan.time.tp_comm == pytest.approx(2 * b * (forward + backward + heads) / 2 / (H100.intra_node_gbps * 1e9))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny", "tiny-v4.1"])
+def test_v4_tp_traffic_is_what_a_tp2_step_all_reduces(preset, monkeypatch):
+    """The V4 family's tp_traffic is the bytes of the all-reduces trex.parallel.tensor_parallel issues in one
+    forward + backward of the model split at tp = 2 (every head's loss; fp32: 4 bytes), counted in one process
+    over a fake process group (tests/tp_counting.py)."""
+    from tp_counting import AllReduces, fake_tp, split_model, training_step
+
+    cfg, S = get_preset(preset), 64
+    with fake_tp(2) as mesh:
+        model = split_model(cfg, mesh)
+        counted = AllReduces(monkeypatch)
+        training_step(model, S, counted)
+    assert counted.bytes == tp_traffic(cfg, Layout(dp_shard=1, tp=2), S, 4)
 
 
 TINY_V41 = get_preset("tiny-v4.1")
@@ -203,7 +219,7 @@ def test_v41_tp_collective_volume_by_hand():
     entries = sum(S // cfg.layer_ratios[i] for i in cfg.kv_source_layer_ids if cfg.layer_ratios[i])
     blocks = cfg.num_hidden_layers
     forward = blocks * 2 * d * S
-    backward = blocks * (q + c + 2 * d) * S + entries * c
+    backward = blocks * (q + c + d) * S + entries * c
     heads = d * S + 2 * (3 + d) * S
     layout = Layout(dp_shard=2, ep=2, tp=2)
     assert tp_traffic(cfg, layout, S, b) == 2 * b * (forward + backward + heads)

@@ -9,6 +9,7 @@ tp = 2 against one process, through tests/context_parallel_worker.py.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import replace
 
@@ -68,6 +69,63 @@ def test_a_family_without_a_plan_is_refused_in_one_line(monkeypatch):
     with pytest.raises(ValueError, match=r"^parallel.tp: deepseek_v41 has no tensor-parallel plan yet \(families "
                                          r"with one: deepseek_v3, deepseek_v4\)$"):
         check_divisible(build_model(get_preset("tiny-v4.1"), seed=0), 2)
+
+
+@pytest.mark.parametrize("preset", ["tiny-v3", "tiny"])
+def test_a_shared_expert_enters_the_split_region_once(preset, monkeypatch):
+    """Every SharedExpert (V3's dense FFN, the MoE layers' shared experts, MTP's) at tp = 2 all-reduces once forward
+    (w2's partial sums) and once backward (its input's gradient, for w1 and w3 together: they read it inside the
+    region, entered at the expert's parameter-free ``input``); the plan's patterns hit SharedExperts only (a MoE
+    layer's ``ffn`` has no ``input``), and the state dict keeps its names."""
+    from tp_counting import AllReduces, fake_tp, split_model
+
+    from trex.models.common.moe import SharedExpert
+    from trex.parallel.tensor_parallel import local_view_of, planned_modules, tp_plan
+
+    cfg = get_preset(preset)
+    names = set(build_model(cfg, device="meta").state_dict())
+    with fake_tp(2) as mesh:
+        model = split_model(cfg, mesh)
+        assert set(model.state_dict()) == names
+        experts = {path: m for path, m in model.named_modules() if isinstance(m, SharedExpert)}
+        assert len(experts) == cfg.num_hidden_layers + (cfg.num_nextn_predict_layers or 0)
+        planned = planned_modules(model, tp_plan(model))
+        entered = {path.removesuffix(".input") for path, (_, styles) in planned.items() if "enter:forward" in styles
+                   and path.endswith(".input")}
+        assert entered == set(experts)
+        for path, (_, styles) in planned.items():
+            if path.rpartition(".")[2] in ("w1", "w3", "w2", "input") and ".attn." not in path:
+                assert path.rpartition(".")[0] in experts, path
+        counted = AllReduces(monkeypatch)
+        for path, expert in experts.items():
+            block = model.get_submodule(".".join(path.split(".")[:2]))
+            x = torch.randn(5, cfg.hidden_size, requires_grad=True)
+            with local_view_of(block):
+                y = expert(x)
+            assert counted.take() == [(5, cfg.hidden_size)], path  # w2's output
+            y.sum().backward()
+            assert counted.take() == [(5, cfg.hidden_size)], path  # x's gradient, once
+
+
+@pytest.mark.slow
+def test_a_tp2_step_of_tiny_v3_all_reduces_once_per_split_input(monkeypatch):
+    """One forward + backward of tiny-v3 (3 layers, 1 MTP block) at tp = 2: forward per block ``wo``'s and the FFN's
+    ``w2``'s sums, each embedding's, each loss's statistics; backward per block one sum each of ``wq_b``'s input,
+    MLA's latent and its k_pe, the FFN's input (each SharedExpert's once, no longer once for ``w1`` and once for
+    ``w3``: 22 before), and each loss's hidden-state gradient."""
+    from tp_counting import AllReduces, fake_tp, split_model, training_step
+
+    cfg = get_preset("tiny-v3")
+    blocks, heads = cfg.num_hidden_layers + cfg.num_nextn_predict_layers, 1 + cfg.num_nextn_predict_layers
+    with fake_tp(2) as mesh:
+        model = split_model(cfg, mesh)
+        forward, backward = training_step(model, 16, AllReduces(monkeypatch))
+    d, S = cfg.hidden_size, 16
+    elements = sorted(math.prod(shape) for shape in backward)  # [B, S, ...] or [B * S, ...]
+    assert elements == sorted([S * cfg.q_lora_rank, S * cfg.kv_lora_rank, S * cfg.qk_rope_head_dim, S * d] * blocks
+                              + [S * d] * heads)
+    assert len(backward) == 4 * blocks + heads == 18
+    assert sorted(math.prod(shape) for shape in forward) == sorted([S * d] * (2 * blocks + heads) + [S] * 3 * heads)
 
 
 @pytest.fixture(scope="module")

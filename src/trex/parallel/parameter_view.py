@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def whole(weight: torch.Tensor) -> torch.Tensor:
@@ -19,7 +21,23 @@ def whole(weight: torch.Tensor) -> torch.Tensor:
     tensor, the same on every rank, detached; a plain tensor as itself, detached. Every rank of the parameter's
     mesh must call it (a DTensor's ``full_tensor`` gathers)."""
     weight = weight.detach()
-    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+    return full_tensor(weight) if isinstance(weight, DTensor) else weight
+
+
+def full_tensor(t: DTensor) -> torch.Tensor:
+    """``t.full_tensor()`` (the whole tensor, the same on every rank of its mesh, which must all call it) as one
+    all_gather per mesh dim that splits it, each a redistribution of its own: first a ``_StridedShard`` (FSDP2's
+    shard of a dim tensor parallelism split before it: the finer split, inside TP's chunks), then the other splits
+    innermost mesh dim first. ``full_tensor`` plans the same gathers in one redistribution, cannot merge them into
+    one collective (no flattened mesh of those dims, and FSDP2 x TP's strided gather comes first: "non-ascending")
+    and logs DTensor's warning about sequential all_gathers on every rank."""
+    placements = list(t.placements)
+    strided = [i for i, p in enumerate(placements) if isinstance(p, _StridedShard)]
+    rest = [i for i in reversed(range(len(placements))) if i not in strided and not placements[i].is_replicate()]
+    for i in strided + rest:
+        placements[i] = Replicate()
+        t = t.redistribute(t.device_mesh, placements)
+    return t.to_local()
 
 
 class ParameterView:

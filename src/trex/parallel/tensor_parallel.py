@@ -7,7 +7,8 @@ Styles:
 
 ``colwise``         a linear's output rows split (Shard(0)): its replicated input enters the split region here
                     (identity forward; the input's gradient summed over the group in backward);
-``colwise_within``  the same, its input already inside the region (entered by ``enter``: no second sum);
+``colwise_within``  the same, its input already inside the region (entered by ``enter``: no second sum), as for
+                    the linears that read one input (a SharedExpert's ``w1`` and ``w3``: one sum, not two);
 ``rowwise``         a linear's input columns split (Shard(1)): its output, a partial sum on each rank, is summed
                     over the group (forward; identity backward) and leaves the region;
 ``vocab``           an embedding's or the head's vocabulary rows split (Shard(0)): the embedding looks up the
@@ -15,7 +16,9 @@ Styles:
                     ``head_slice``) computes its rows' logits, and its loss the vocabulary-parallel
                     cross-entropy (trex.models.common.cross_entropy.head_nll);
 ``enter:METHOD``    the tensors the module's METHOD returns enter the region (replicated values every head
-                    reads, such as MLA's latent, where no linear of their own takes them in);
+                    reads, such as MLA's latent, where no linear of their own takes them in; or an input several
+                    split linears read, entered once: a SharedExpert's ``input``, a parameter-free identity,
+                    with ``enter:forward``);
 ``heads:ATTR``      the module's integer ATTR (its head count, or its count of head groups) divided by tp: it
                     reshapes by this rank's heads; its ``head_split`` (trex.models.common.context.HeadSplit)
                     averages a statistic over all heads;

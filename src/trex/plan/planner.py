@@ -124,11 +124,9 @@ def with_drafter(plan: Plan, cfg, section, main_steps: int) -> Plan:
         raise PlanError("[drafter] enabled: the model has no drafter to re-fit (DeepSeek-V4.1's DSpark stages: "
                         "num_nextn_predict_layers and dspark_target_layer_ids; or the multi-token prediction modules "
                         "of DeepSeek-V4 and the V3 family: num_nextn_predict_layers > 0)")
-    if plan.layout.tp > 1:
-        raise PlanError("[drafter] enabled with tp > 1: the re-fit under tensor parallelism is not planned yet")
     b = DTYPE_BYTES[plan.assumptions.dtype]
     refit = drafter_plan(cfg, section, plan.layout, plan.seq_len, plan.hardware, plan.assumptions, b, plan.memory,
-                         plan.facts.active, main_steps)
+                         plan.facts, main_steps)
     return dataclasses.replace(plan, drafter=refit)
 
 

@@ -37,6 +37,7 @@ from torch import nn
 
 from trex import device as trex_device
 from trex.logs import plural
+from trex.parallel.parameter_view import full_tensor
 from trex.recipe import check_choices
 
 OptimizerName = Literal["muon", "adamw"]
@@ -412,7 +413,7 @@ class MuonAdamW(torch.optim.Optimizer):
                                       direction.placements, shape=direction.shape, stride=direction.stride())
         if isinstance(split, tuple):
             return _Gathered(direction, *split, self.owners()[p], orthogonalize)
-        full = orthogonalize(direction.full_tensor())
+        full = orthogonalize(full_tensor(direction))
         return distribute_tensor(full, direction.device_mesh, direction.placements, src_data_rank=None)
 
     @staticmethod

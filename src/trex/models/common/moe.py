@@ -56,15 +56,21 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 class SharedExpert(nn.Module):
+    """A SwiGLU MLP: w2(clamped_swiglu(w1(x), w3(x))), x [..., dim] -> [..., dim]. ``input``, an identity without
+    parameters (no name in the state dict), is where x is taken in once for both w1 and w3: the point a
+    parallelism hooks to act on the input once (tensor parallelism's split region starts there)."""
+
     def __init__(self, dim: int, inter: int, limit: float, block: int):
         super().__init__()
         self.limit = limit
+        self.input = nn.Identity()
         self.w1 = QuantLinear(dim, inter, block=block)
         self.w2 = QuantLinear(inter, dim, block=block)
         self.w3 = QuantLinear(dim, inter, block=block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
+        h = self.input(x)
+        return self.w2(clamped_swiglu(self.w1(h), self.w3(h), self.limit).to(x.dtype))
 
 
 def expert_counts(idx: torch.Tensor, n_experts: int, valid: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,15 +11,16 @@ forms, V3.2's sparse MLA and context parallelism's ``latent_attention``, read ``
 lightning indexer is replicated: its top-k needs the score summed over all its heads, and it reads only
 replicated inputs (x and the query latent, detached).
 
-The dense FFN (the first ``first_k_dense_replace`` layers) and the shared experts: ``w1``, ``w3`` by output
-rows, ``w2`` by input columns. The router and the routed experts are replicated over the group (expert
+The dense FFN (the first ``first_k_dense_replace`` layers) and the shared experts (both SharedExpert): the input
+enters the split region once, at the parameter-free ``input``, ``w1``, ``w3`` by output rows inside it, ``w2`` by
+input columns. The router and the routed experts are replicated over the group (expert
 parallelism splits them over ``ep``). The embedding and the head by vocabulary rows (the head with its
 vocabulary-parallel cross-entropy). MTP modules as the main blocks; their ``eh_proj`` replicated.
 """
 
 from __future__ import annotations
 
-from trex.models.common.tp_plan import model_plan
+from trex.models.common.tp_plan import model_plan, swiglu
 
 _BLOCK = {
     "attn": ("heads:n_heads", "enter:latent_kv"),
@@ -27,9 +28,7 @@ _BLOCK = {
     "attn.wq_b": ("colwise",),
     "attn.wkv_b": ("colwise_within",),
     "attn.wo": ("rowwise",),
-    "ffn.w1": ("colwise",),  # the dense layers' FFN
-    "ffn.w3": ("colwise",),
-    "ffn.w2": ("rowwise",),
+    **swiglu("ffn"),  # the dense layers' FFN (a MoE layer's ffn has no input, w1, w3 or w2 of its own)
 }
 
 TP_PLAN = model_plan(_BLOCK)

@@ -327,7 +327,7 @@ def tp_traffic(cfg: ModelConfig | V41Config, S: int, b: int, recompute: str, lay
     row-parallel outputs, ``wo_b``'s and the shared expert's ``w2`` [S, hidden]; backward: the gradients of what
     enters the heads' region, ``wq_b``'s input [S, q_lora_rank], the shared K = V head ``_kv`` [S + window halo,
     head_dim], the compressed entries a compressing layer's compressor returns [S / ratio, head_dim], and the shared
-    expert's input once for ``w1`` and once for ``w3`` (each column-parallel linear enters it) [S, hidden]; a full
+    expert's input [S, hidden], once for ``w1`` and ``w3`` (it enters the region at the expert's ``input``); a full
     recompute runs the forward's again, a selective one the attention's (``wo_b``). Each embedding lookup (main and
     each MTP block's) sums [S, hidden] forward; each vocabulary-parallel loss (head_nll) sums three fp32 statistics
     per row forward and the fp32 hidden-state gradient [S, hidden] backward."""
@@ -339,7 +339,7 @@ def tp_traffic(cfg: ModelConfig | V41Config, S: int, b: int, recompute: str, lay
     for kind, n in Counter(k for k, _ in main_blocks(cfg)[:layers] + [(mtp_kind(cfg), "moe")] * mtp).items():
         lt, m, computes_entries, _ = layer_kind(cfg, kind)
         attention_fwd, ffn_fwd = d * s, shared * d * s
-        backward = q * s + c * (s + _halo(cfg, kind, cp)[0]) + 2 * shared * d * s
+        backward = q * s + c * (s + _halo(cfg, kind, cp)[0]) + shared * d * s
         if lt != SLIDING and computes_entries:
             backward += c * (s // m)
         again = {"none": 0, "selective": attention_fwd, "full": attention_fwd + ffn_fwd}[recompute]

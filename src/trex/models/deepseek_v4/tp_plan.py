@@ -7,9 +7,10 @@ compressed entries (the attention's ``compressor``) are replicated and enter the
 reads them. The grouped output projection: ``wo_a`` by its groups' rows (each rank holds ``o_groups`` / tp whole
 groups of its heads), ``wo_b`` by input columns (a sum over the group). The lightning indexer (CSA layers) and
 its compressor are replicated; its KL target and recall average the main attention over every head of the
-group (``head_split``). mHC, the norms and the routers are replicated; the shared experts ``w1``, ``w3`` by rows,
-``w2`` by columns; routed experts replicated (expert parallelism splits them). The embedding and the head by
-vocabulary rows. MTP blocks as the main blocks; their ``e_proj``, ``h_proj`` replicated.
+group (``head_split``). mHC, the norms and the routers are replicated; the shared experts' input enters the region
+once (at their ``input``), ``w1``, ``w3`` by rows inside it, ``w2`` by columns; routed experts replicated (expert
+parallelism splits them). The embedding and the head by vocabulary rows. MTP blocks as the main blocks; their
+``e_proj``, ``h_proj`` replicated.
 """
 
 from __future__ import annotations
