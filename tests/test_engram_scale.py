@@ -90,10 +90,11 @@ def test_the_planner_counts_the_flash_tables_rows_and_keeps_them_apart():
     assert trained.memory.gradients - frozen.memory.gradients == pytest.approx(tables)
     assert trained.memory.optimizer - frozen.memory.optimizer == pytest.approx(4 * sum(FLASH_ROWS) / 128)
     assert trained.time.ep_comm > frozen.time.ep_comm  # the rows' gradients travel back
+    from trex.plan.layout import Trained
     from trex.plan.planner import search
 
     found = search(cfg, 128, 4096, 128 * 4096, h200, micro_batches=(1,), recompute=("full",), largest_ep_only=True,
-                   train_engram=True)
+                   trained=Trained(engram=True))
     assert found and all(p.layout.train_engram for p in found)  # a search keeps the tables' mode
 
 

@@ -79,7 +79,8 @@ def recipe_inputs(path: str, devices: int | None) -> tuple[str | None, Layout, i
     layout = Layout(dp_shard=shard, dp_replicate=par.dp_replicate, ep=par.ep, cp=par.cp, tp=tp,
                     micro_batch=r.data.micro_batch_size, grad_accum=r.train.grad_accum,
                     recompute=par.activation_checkpointing, optimizer=r.optim.name,
-                    reduce_every_micro_batch=par.reduce_every_micro_batch, train_engram=r.train.engram == "train")
+                    reduce_every_micro_batch=par.reduce_every_micro_batch, train_engram=r.train.engram == "train",
+                    train_indexer=r.train.indexer_loss > 0)
     has_checkpoint = bool(r.model.path) and os.path.exists(r.model.path)
     model_spec = r.model.path if has_checkpoint or not r.model.preset else r.model.preset
     return model_spec, layout, r.data.seq_len, (r.precision.dtype if r.precision.dtype != "auto" else None)
@@ -233,7 +234,7 @@ def _fewest(args: argparse.Namespace, spec: str, cfg: AnyConfig, layout: Layout,
             assume: TimeAssumptions) -> int:
     """No device count: the fewest devices that fit, and the fastest layout there."""
     found = fewest_devices(cfg, seq, hw, assume, optimizer=layout.optimizer,
-                           global_batch_tokens=args.global_batch_tokens, train_engram=layout.train_engram)
+                           global_batch_tokens=args.global_batch_tokens, trained=layout.trained())
     if found is None:
         reason = f"{spec} at {seq:,}-token sequences does not fit on any number of {hw.name} devices the planner tries"
         _emit(args, {"fits": False, "model": spec, "seq_len": seq, "hardware": hw.name, "reasons": [reason]},
@@ -280,9 +281,9 @@ def _plan(args: argparse.Namespace) -> int:
         narrow = {"recompute": (args.recompute,)} if args.recompute else {}
         narrow |= {"offload": (True,)} if args.offload else {}
         plans = search(cfg, devices, seq, batch, hw, assume, optimizer=layout.optimizer,
-                       train_engram=layout.train_engram, **narrow)
+                       trained=layout.trained(), **narrow)
         if not plans:
-            hint = no_fit_hint(cfg, devices, seq, batch, hw, assume, layout.optimizer, layout.train_engram)
+            hint = no_fit_hint(cfg, devices, seq, batch, hw, assume, layout.optimizer, layout.trained())
             _emit(args, {"fits": False, "model": spec, "devices": devices, "seq_len": seq, "global_batch_tokens": batch,
                          "hardware": hw.name, "reasons": [hint]}, f"no layout fits: {hint}")
             return 1
@@ -309,11 +310,11 @@ def _nearest(cfg: AnyConfig, plan, hw: HardwareProfile, assume: TimeAssumptions)
     and one line saying it with its changes and throughput)."""
     layout = plan.layout
     plans = search(cfg, layout.devices, plan.seq_len, plan.global_batch_tokens, hw, assume,
-                   optimizer=layout.optimizer, train_engram=layout.train_engram)
+                   optimizer=layout.optimizer, trained=layout.trained())
     near = nearest_fitting(layout, plans)
     if near is None:
         hint = no_fit_hint(cfg, layout.devices, plan.seq_len, plan.global_batch_tokens, hw, assume,
-                           layout.optimizer, layout.train_engram)
+                           layout.optimizer, layout.trained())
         return None, f"nearest     none fits on {layout.devices} devices at this batch: {hint}"
     changes = layout_changes(layout, near.layout)
     return ({"layout": near.layout.describe(), "changes": changes, "memory_bytes": near.memory.total,

@@ -63,6 +63,15 @@ def check_tensor_parallel(cfg: AnyConfig, tp: int) -> None:
 
 
 @dataclass(frozen=True)
+class Trained:
+    """What trains that post-training leaves frozen by default (a layout's ``train_engram``, ``train_indexer``; a
+    search keeps them as it finds layouts): V4.1's Engram tables, the lightning indexer."""
+
+    engram: bool = False
+    indexer: bool = False
+
+
+@dataclass(frozen=True)
 class Layout:
     dp_shard: int
     dp_replicate: int = 1
@@ -77,6 +86,12 @@ class Layout:
     offload_optimizer: bool = False  # optimizer moments in host memory (a "virtual optimizer")
     reduce_every_micro_batch: bool = False  # reduce-scatter per micro-batch: no unsharded gradient accumulation
     train_engram: bool = False  # V4.1: [train] engram = "train" (the tables' gradients and row-wise AdaGrad)
+    train_indexer: bool = False  # [train] indexer_loss > 0: the lightning indexer trains (its KL to the main
+    #                              attention: its FLOPs, gradients and optimizer state, not its Newton-Schulz
+    #                              FLOPs); frozen otherwise
+
+    def trained(self) -> Trained:
+        return Trained(self.train_engram, self.train_indexer)
 
     @property
     def devices(self) -> int:
@@ -113,6 +128,8 @@ class Layout:
             parts.append("reduce-every-micro-batch")
         if self.train_engram:
             parts.append("engram-trained")
+        if self.train_indexer:
+            parts.append("indexer-trained")
         return " ".join(parts)
 
     def train_refusal(self) -> str | None:
@@ -163,6 +180,15 @@ class Layout:
         if (seq_len // self.cp) % self.tp:
             raise PlanError(f"layout: tp={self.tp} does not divide the {seq_len // self.cp} rows of a sequence per "
                             "context-parallel rank (sequence parallelism splits them)")
+        if self.train_indexer:
+            from trex.plan.terms import terms
+
+            try:
+                trained = sum(terms(cfg).indexer_training_flops(cfg, seq_len))
+            except NotImplementedError as e:
+                raise PlanError(f"layout: train_indexer: {e}") from None
+            if not trained:
+                raise PlanError(f"layout: train_indexer: {cfg.architecture} has no lightning indexer")
 
 
 def parse_layout(text: str, base: Layout) -> Layout:

@@ -154,13 +154,10 @@ def memory(cfg: AnyConfig, facts: ModelFacts, layout: Layout, seq_len: int, b: i
         return facts.per_tp_rank(total, whole, tp)
 
     stored = per_rank(facts.stored, facts.tp_whole_stored) / shard
-    trainable = per_rank(facts.trainable, facts.tp_whole_trainable) / shard
-    if layout.optimizer == "muon":
-        muon = per_rank(facts.muon, facts.tp_whole_muon)
-        adamw = per_rank(facts.adamw, facts.tp_whole_trainable - facts.tp_whole_muon)
-        state = (4 * muon + 8 * adamw) / shard
-    else:
-        state = 8 * trainable
+    trained, muon = facts.trained_per_tp_rank(tp, layout.train_indexer)
+    indexer = facts.indexer if layout.train_indexer else 0  # whole on every TP rank (both families' TP plans)
+    trainable = trained / shard
+    state = (4 * muon + 8 * (trained - muon)) / shard if layout.optimizer == "muon" else 8 * trainable
     tables = 4 * facts.engram_tables / layout.devices
     table_grads = tables if layout.train_engram else 0.0
     table_state = 4 * facts.engram_rows / layout.devices if layout.train_engram else 0.0
@@ -180,7 +177,7 @@ def memory(cfg: AnyConfig, facts: ModelFacts, layout: Layout, seq_len: int, b: i
         # micro-batches before the last skip the reduce-scatter (no-sync), so FSDP2 accumulates
         # *unsharded* gradients of the whole stage (experts: this rank's ep share), upcast to the
         # fp32 reduce dtype (trex.precision); one process keeps its fp32 gradients
-        unsharded = (per_rank(facts.trainable - facts.experts, facts.tp_whole_trainable)
+        unsharded = (per_rank(facts.trainable - facts.experts, facts.tp_whole_trainable) + indexer
                      + facts.experts / layout.ep) / layout.pp
         accumulated = 4 * unsharded if layout.fsdp > 1 else 4 * trainable
     # the largest local matrix (TP splits the largest dense ones, MLA's wo or the dense MLP's)

@@ -88,11 +88,20 @@ class ModelFacts:
     tp_whole_indexer: bool = False  # the lightning indexer (frozen, forward only) is whole on every TP rank (V4:
     #                                 it is among the model's parameters and TP_SPLIT leaves it; V3.2: its
     #                                 ``counted_model`` says so), so each rank runs all of it on the group's tokens
+    indexer: int = 0  # the lightning indexers' parameters (main and MTP), what trains with Layout.train_indexer
+    indexer_muon: int = 0  # of ``indexer``, those Muon updates when it trains (its matrices)
 
     def per_tp_rank(self, total: int, whole: int, tp: int) -> float:
         """Elements of ``total`` one of ``tp`` TP ranks holds, ``whole`` of them not split (routed experts split
         by EP over the TP ranks too)."""
         return whole + (total - whole) / tp
+
+    def trained_per_tp_rank(self, tp: int, train_indexer: bool) -> tuple[float, float]:
+        """(trained, of them under Muon) elements on one of ``tp`` TP ranks, before FSDP: ``trainable`` and
+        ``muon``, plus the lightning indexer (whole under TP) when it trains."""
+        indexer, indexer_muon = (self.indexer, self.indexer_muon) if train_indexer else (0, 0)
+        return (self.per_tp_rank(self.trainable, self.tp_whole_trainable, tp) + indexer,
+                self.per_tp_rank(self.muon, self.tp_whole_muon, tp) + indexer_muon)
 
     @property
     def stored(self) -> int:
@@ -163,7 +172,11 @@ def _build_facts(cfg: AnyConfig) -> ModelFacts:
         else:
             root += p.numel()
             root_whole += p.numel() if whole else 0
+    indexers = indexer_muon = 0
     for name, p, rule, row_blocks in classify(model):
+        if INDEXER in f".{name}":
+            indexers += p.numel()
+            indexer_muon += p.numel() if rule.muon else 0
         if INDEXER in f".{name}" or TABLE in name:
             continue
         trainable += p.numel()
@@ -186,6 +199,7 @@ def _build_facts(cfg: AnyConfig) -> ModelFacts:
             entry[3] += index_whole
         whole_stored += len(blocks) * index_whole
         whole_indexer = index_whole == indexer
+        indexers = indexer_muon = len(blocks) * indexer  # counted from the config: its matrices (and a norm's 2 x c_I)
     total = sum(by_type.values())
     largest_block = max(blocks.values(), key=lambda v: v[0])
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
@@ -200,7 +214,7 @@ def _build_facts(cfg: AnyConfig) -> ModelFacts:
         block_trainable=tuple(v[2] for v in blocks.values()), largest_muon_matrix=largest, muon_ns_flops=ns,
         engram_tables=tables, engram_rows=rows, tp_whole_stored=whole_stored, tp_whole_trainable=whole_trainable,
         tp_whole_muon=whole_muon, tp_whole_block=largest_block[3], tp_whole_root=root_whole,
-        tp_whole_matmul=whole_matmul, tp_whole_indexer=whole_indexer)
+        tp_whole_matmul=whole_matmul, tp_whole_indexer=whole_indexer, indexer=indexers, indexer_muon=indexer_muon)
 
 
 _CACHE: dict[str, ModelFacts] = {}

@@ -12,7 +12,7 @@ from trex.hardware import HardwareProfile
 from trex.logs import plural
 from trex.models.registry import AnyConfig, drafter_kind
 from trex.plan.drafter import DrafterPlan, drafter_plan
-from trex.plan.layout import Layout, PlanError, check_context_parallel, check_tensor_parallel
+from trex.plan.layout import Layout, PlanError, Trained, check_context_parallel, check_tensor_parallel
 from trex.plan.memory import HEADROOM, MemoryBreakdown, memory
 from trex.plan.model_facts import ModelFacts, model_facts
 from trex.plan.terms import terms
@@ -139,11 +139,11 @@ def search(cfg: AnyConfig, devices: int, seq_len: int, global_batch_tokens: int,
            micro_batches: tuple[int, ...] = (1, 2, 4), recompute: tuple[str, ...] = ("none", "selective", "full"),
            pipeline: tuple[int, ...] = (1,), fitting_only: bool = True,
            offload: tuple[bool, ...] = (False, True), largest_ep_only: bool = False,
-           train_engram: bool = False, tensor: tuple[int, ...] | None = None,
+           trained: Trained = Trained(), tensor: tuple[int, ...] | None = None,
            runnable_only: bool = True) -> list[Plan]:
     """Every layout on ``devices`` devices that fits (every one, with ``fitting_only=False``) and
     reaches ``global_batch_tokens`` exactly, fastest first; ``offload`` and ``largest_ep_only``
-    narrow the options tried; ``train_engram``: V4.1's Engram tables train (trex.plan.layout.Layout). tp ranges
+    narrow the options tried; ``trained``: what trains beyond the default (trex.plan.layout.Trained). tp ranges
     over ``tensor`` (default :func:`tensor_parallel_sizes`: within a node, dividing what TP splits), cp over the
     divisors of the devices left that split the sequence (see trex.models.registry.check_shardable), shard
     sizes over the divisors of what it leaves; ep divides the expert count and dp_shard x tp (the search carves
@@ -173,7 +173,8 @@ def search(cfg: AnyConfig, devices: int, seq_len: int, global_batch_tokens: int,
                     for rc, off, every in itertools.product(recompute, offload, reduce_options):
                         layout = Layout(dp_shard=shard, dp_replicate=replicate, ep=ep, cp=cp, tp=tp, pp=pp, micro_batch=mb,
                                         grad_accum=ga, recompute=rc, optimizer=optimizer, offload_optimizer=off,
-                                        reduce_every_micro_batch=every, train_engram=train_engram)
+                                        reduce_every_micro_batch=every, train_engram=trained.engram,
+                                        train_indexer=trained.indexer)
                         plan = make_plan(cfg, layout, seq_len, hw, assume, fitting_only)
                         if plan is not None:
                             plans.append(plan)
@@ -197,11 +198,11 @@ def nearest_fitting(layout: Layout, plans: list[Plan]) -> Plan | None:
 
 
 def no_fit_hint(cfg: AnyConfig, devices: int, seq_len: int, global_batch_tokens: int, hw: HardwareProfile,
-                assume: TimeAssumptions = TimeAssumptions(), optimizer: str = "muon", train_engram: bool = False) -> str:
+                assume: TimeAssumptions = TimeAssumptions(), optimizer: str = "muon", trained: Trained = Trained()) -> str:
     """Why :func:`search` found nothing, naming only what it did not try: the batch does not split over
     any layout, or the leanest layout it tried needs more memory than the device has."""
     tried = search(cfg, devices, seq_len, global_batch_tokens, hw, assume, optimizer, fitting_only=False,
-                   train_engram=train_engram)
+                   trained=trained)
     if not tried:
         return (f"no layout on {plural(devices, 'device')} reaches {global_batch_tokens:,} tokens per step exactly "
                 f"(its {global_batch_tokens // seq_len:,} sequences must split evenly over the data-parallel ranks): "
@@ -261,7 +262,7 @@ class Fewest:
 
 def fewest_devices(cfg: AnyConfig, seq_len: int, hw: HardwareProfile, assume: TimeAssumptions = TimeAssumptions(),
                    optimizer: str = "muon", global_batch_tokens: int | None = None,
-                   limit: int = 1 << 17, train_engram: bool = False) -> Fewest | None:
+                   limit: int = 1 << 17, trained: Trained = Trained()) -> Fewest | None:
     """The fewest devices (of :func:`device_counts`) on which some layout fits, and every layout that
     fits there, fastest first. A count is tried with its leanest layouts (full recompute, one sequence
     per micro-batch, the widest ep of every shard/cp split, with and without offload): if none fits,
@@ -280,8 +281,8 @@ def fewest_devices(cfg: AnyConfig, seq_len: int, hw: HardwareProfile, assume: Ti
         batch = global_batch_tokens or n * seq_len
         if lean:  # the least memory: one sequence, full recompute, experts split widest
             return search(cfg, n, seq_len, batch, hw, assume, optimizer, micro_batches=(1,), recompute=("full",),
-                          largest_ep_only=True, train_engram=train_engram)
-        return search(cfg, n, seq_len, batch, hw, assume, optimizer, train_engram=train_engram)
+                          largest_ep_only=True, trained=trained)
+        return search(cfg, n, seq_len, batch, hw, assume, optimizer, trained=trained)
 
     lo, hi, step = -1, None, 1  # indices into counts: counts[lo] does not fit, counts[hi] fits
     while hi is None:

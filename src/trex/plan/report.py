@@ -71,6 +71,10 @@ def plan_table(plan: Plan, model: str) -> str:
         mode = "trained (row-wise AdaGrad)" if plan.layout.train_engram else "frozen"
         lines.append(f"            Engram tables {f.engram_rows:,} rows, {f.engram_tables / 1e9:.2f}B: {mode}, split by "
                      f"rows over all {plural(plan.layout.devices, 'device')} (counted apart from the trained)")
+    if f.indexer:
+        mode = ("trained (its KL to the main attention, the sparse stage; whole on every TP rank)"
+                if plan.layout.train_indexer else "frozen (train.indexer_loss > 0 trains it)")
+        lines.append(f"            lightning indexer {f.indexer / 1e9:.2f}B: {mode}")
     lines.append("memory per device")
     for key, value in m.as_dict().items():
         if key not in ("total", "optimizer_host", "step_peak"):

@@ -1,8 +1,9 @@
 """Step time of one layout: compute, communication with stated overlap, pipeline bubble, optimizer.
 
 Compute: tokens per device x FLOPs per token (`trex.models.flops`, the MFU numerator) plus what the
-family's kernels run beyond it (its ``kernel_extra_flops``: V3.2's absorbed sparse MLA) and the forward work
-that recomputation repeats, at ``compute_efficiency`` x the device peak.
+family's kernels run beyond it (its ``kernel_extra_flops``: V3.2's absorbed sparse MLA), the lightning indexer's
+training when it trains (``Layout.train_indexer``: the family's ``indexer_training_flops``, its whole part on
+every TP rank) and the forward work that recomputation repeats, at ``compute_efficiency`` x the device peak.
 Communication per step and device, ring algorithms (a device moves (g-1)/g of the buffer):
   FSDP   all-gather of parameters in forward and again in backward per micro-batch (compute
          dtype), reduce-scatter of gradients once per step (fp32, trex's reduce dtype), or once
@@ -167,7 +168,9 @@ def step_time(cfg: AnyConfig, facts: ModelFacts, layout: Layout, seq_len: int, h
     whole, whole_again = tp_whole_flops(cfg, facts, seq_len, layout.tp, layout.recompute)
     kernel = terms(cfg).kernel_extra_flops(cfg, seq_len)  # e.g. V3.2's absorbed sparse MLA; the attention is
     kernel_again = kernel / 3 if layout.recompute != "none" else 0.0  # recomputed under either recompute
-    compute = tokens_per_device * (busiest_shard_flops(cfg, seq_len, layout.cp) + whole + kernel) / rate
+    split_i, whole_i = terms(cfg).indexer_training_flops(cfg, seq_len) if layout.train_indexer else (0.0, 0.0)
+    indexer = split_i + layout.tp * whole_i  # a TP rank runs its heads' share and all of the rest on every row
+    compute = tokens_per_device * (busiest_shard_flops(cfg, seq_len, layout.cp) + whole + kernel + indexer) / rate
     recompute = tokens_per_device * (recompute_flops_per_token(cfg, seq_len, layout.recompute) + whole_again
                                      + kernel_again) / rate
 
@@ -209,8 +212,7 @@ def step_time(cfg: AnyConfig, facts: ModelFacts, layout: Layout, seq_len: int, h
     if layout.optimizer == "muon":
         optimizer += facts.muon_ns_flops / (layout.fsdp * layout.pp * tp) / rate
     if layout.offload_optimizer:
-        muon = facts.per_tp_rank(facts.muon, facts.tp_whole_muon, tp)
-        trainable = facts.per_tp_rank(facts.trainable, facts.tp_whole_trainable, tp)
+        trainable, muon = facts.trained_per_tp_rank(tp, layout.train_indexer)
         state = (4 * muon + 8 * (trainable - muon)) if layout.optimizer == "muon" else 8 * trainable
         link = hw.host_link_gbps or hw.inter_node_gbps
         optimizer += 2 * state / (layout.fsdp * layout.pp) / (link * 1e9)

@@ -220,6 +220,10 @@ def prepare_model(m: Model, recipe: TrainRecipe, par: Parallel, policy: Precisio
                                       only_indexer=warmup)
     frozen += hold_mtp(m, recipe)  # [drafter] on MTP modules in DPO / GRPO / distillation: only the re-fit moves them
     m.set_quant(recipe.precision.quant_sim())
+    if recipe.train.indexer_loss > 0 and not (hasattr(m, "align_indexer")
+                                              and any(n.endswith(".indexer") for n, _ in m.named_modules())):
+        raise ValueError(f"train.indexer_loss: {m.cfg.architecture} has no lightning indexer alignment to train "
+                         "(DeepSeek-V4's CSA layers and V3.2's attention have one); set it to 0")
     m.align_indexer = recipe.train.indexer_loss > 0
     if warmup:
         m.dense_warmup = True  # DeepSeek-V3.2's dense warm-up: dense attention, the indexer fitted to it

@@ -45,6 +45,11 @@ Time (FLOPs per token; bytes per sequence row and pass):
                                             training FLOPs per token the family's kernels run beyond the model
                                             FLOPs trex.models.flops counts (the MFU numerator): in the step time,
                                             not in the MFU; its forward third again in a recompute
+    indexer_training_flops(cfg, seq_len) -> (split, whole)
+                                            training FLOPs per token the lightning indexer's KL alignment adds when
+                                            it trains ([train] indexer_loss > 0; the planner's default is frozen):
+                                            the part TP splits by heads, and the part every TP rank runs whole (in
+                                            the step time, not in the MFU)
     cp_traffic(cfg, seq_len, b) -> (halo, gathered)
                                             context-parallel bytes per row and pass for one rank: sent to the
                                             neighbours, and moved by ring collectives (all-gather / reduce-scatter)
@@ -80,8 +85,9 @@ F32, I64 = 4, 8  # bytes of an fp32 element and of an int64 index
 
 # what a family's plan_terms module defines (tests/test_plan.py checks every architecture's)
 FUNCTIONS = ("main_blocks", "mtp_blocks", "mtp_kind", "stream_bytes", "block", "weight_copies", "backward_workspace",
-             "model_level", "moe_layers", "dense_ffn_flops", "busiest_shard_flops", "kernel_extra_flops", "cp_traffic",
-             "tp_split", "tp_traffic", "table_reads", "table_lookup_bytes", "counted_model", "notes")
+             "model_level", "moe_layers", "dense_ffn_flops", "busiest_shard_flops", "kernel_extra_flops",
+             "indexer_training_flops", "cp_traffic", "tp_split", "tp_traffic", "table_reads", "table_lookup_bytes",
+             "counted_model", "notes")
 
 
 @dataclass(frozen=True)

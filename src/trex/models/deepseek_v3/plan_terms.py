@@ -224,6 +224,28 @@ def kernel_extra_flops(cfg: V3Config, seq_len: int) -> float:
     return 3 * 2 * H * (executed - counted) * (cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
 
 
+def indexer_training_flops(cfg: V3Config, seq_len: int) -> tuple[float, float]:
+    """Training FLOPs per token DeepSeek-V3.2's lightning indexer adds when it trains (``[train] indexer_loss`` > 0,
+    the sparse stage: trex.models.deepseek_v3.dsa ``Indexer.align``), every main layer and MTP block, as (split by
+    TP's heads, whole on every TP rank). Per layer and token, over k = min(index_topk, S) picks (all of them
+    computed, the invalid masked):
+      the KL's target, the main attention's absorbed scores over the picks (H heads x (kv_lora_rank +
+        qk_rope_head_dim)), computed inside each checkpointed query chunk: in the forward and again in its
+        backward; TP splits it by heads (each rank its heads, the mean over all of them all-reduced);
+      the index scores over the picks (index_n_heads x index_head_dim, then weighed over the heads): the forward,
+        the checkpoint's recompute and the backward's two products, whole;
+      the projections (wq_b, wk, weights_proj) run again with a gradient, and their weight gradients (the inputs
+        are detached: no input gradient), whole.
+    The align runs in the recording forward only, so a recompute of the block adds nothing. 0 for a dense V3."""
+    if not cfg.index_topk:
+        return 0.0, 0.0
+    k, hi, ci = min(cfg.index_topk, seq_len), cfg.index_n_heads, cfg.index_head_dim
+    projections = cfg.q_lora_rank * hi * ci + cfg.hidden_size * (hi + ci)
+    layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    target = 2 * cfg.num_attention_heads * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * k
+    return 2.0 * layers * target, 2.0 * layers * (4 * hi * (ci + 1) * k + 2 * projections)
+
+
 def cp_traffic(cfg: V3Config, seq_len: int, b: int) -> tuple[float, float]:
     """Context-parallel bytes per sequence row and pass, for one rank: no halo; every MLA layer (MTP blocks too)
     all-gathers every row's [latent | k_pe] forward and reduce-scatters its gradient backward, V3.2 its index

@@ -295,6 +295,31 @@ def kernel_extra_flops(cfg: ModelConfig | V41Config, seq_len: int) -> float:
     return 0.0
 
 
+def indexer_training_flops(cfg: ModelConfig | V41Config, seq_len: int) -> tuple[float, float]:
+    """Training FLOPs per token the lightning indexer adds when it trains (``[train] indexer_loss`` > 0:
+    trex.models.deepseek_v4.compressor ``Indexer.align``), every CSA layer (and a CSA MTP block), as (split by
+    TP's heads, whole on every TP rank); NotImplementedError for V4.1, which has none. Per layer and token, over
+    k = min(index_topk, S / ratio) picks of compressed entries:
+      the KL's target, the main attention's scores over the picks (H heads x head_dim), once (no gradient, outside
+        the checkpoint); TP splits it by heads;
+      the index scores over the picks (index_n_heads x index_head_dim, then weighed over the heads) in each
+        checkpointed query chunk: the forward, the recompute and the backward's two products, whole;
+      the indexer's projections (wq_b, weights_proj, its compressor's) run again with a gradient, and their weight
+        gradients (the inputs are detached), whole."""
+    if isinstance(cfg, V41Config):
+        raise NotImplementedError("DeepSeek-V4.1's indexer has no alignment loss in trex (train.indexer_loss is "
+                                  "refused for it)")
+    d, hi, ci = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim
+    types = list(cfg.layer_types) + [cfg.mtp_layer_type] * cfg.num_nextn_predict_layers
+    projections = cfg.q_lora_rank * hi * ci + d * hi + 2 * 2 * ci * d
+    split = whole = 0.0
+    for m in (cfg.compress_rate(CSA) for t in types if t == CSA):
+        k = min(cfg.index_topk, seq_len // m)
+        split += cfg.num_attention_heads * cfg.head_dim * k
+        whole += 4 * hi * (ci + 1) * k + 2 * projections
+    return 2.0 * split, 2.0 * whole
+
+
 def cp_traffic(cfg: ModelConfig | V41Config, seq_len: int, b: int) -> tuple[float, float]:
     """Context-parallel bytes per sequence row and pass (forward and backward), for one rank:
     (halo bytes it sends to its neighbours: each layer's input rows forward, their gradients backward;
