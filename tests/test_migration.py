@@ -186,9 +186,9 @@ def test_a_v3_run_moves_onto_two_ranks_and_back_and_continues_the_run_that_never
     and AdamW's moments, put back together). The tp = 2 run's step 4 also resumes, in a copy of the run, under
     FSDP2 on the same two ranks (dp_shard = 2, tp = 1, ep = 1, two rows a rank: the slices put back together and
     sharded again by rows; measured: loss 1.1e-7, gradient norm 1.7e-7 relative, and 28% off at step 6 with
-    AdamW's moments not restored there). Every step's loss and gradient norm within 1e-5 of the run that never moved (so also
-    `trex train` at cp = 2 and at tp = 2 x ep = 2 against one process), and every move recorded under the layout
-    profile."""
+    AdamW's moments not restored there). Every step's loss and gradient norm within 1e-5 of the run that never
+    moved (so also `trex train` at cp = 2 and at tp = 2 x ep = 2 against one process), and every move recorded
+    under the layout profile."""
     run = tmp_path / "run"
     _leg(run, 2, *V3)
     experts = ("parallel.ep=2",) if split == "tp" else ()
