@@ -19,6 +19,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from muon_compare import compare_muon_params
 from trex import device as device_layer
 from trex.models import build_model
 from trex.models.common.config import HASH_MOE, MOE
@@ -82,18 +83,14 @@ def main(out: str) -> None:
 
     mismatched, owned, stacks = [], [], []
     for reference, sharded, one_params, params in pairs:
-        for group in sharded.param_groups:
-            if group["algorithm"] != "muon":
-                continue
-            for name, q in zip(group["names"], group["params"]):
-                full = q.full_tensor() if isinstance(q, DTensor) else q
-                if par.rank == 0 and not torch.equal(full, one_params[name].detach()):
-                    mismatched.append([name, (full - one_params[name]).abs().max().item()])
-                split = optim._matrix_split(q) if isinstance(q, DTensor) else "plain"
-                if isinstance(split, tuple) and sharded.owners()[q] == q.device_mesh.get_local_rank(split[0]):
-                    owned.append(list(q.shape))
-                elif split in ("local", "plain"):
-                    stacks.append(list(q.to_local().shape if isinstance(q, DTensor) else q.shape))
+        differing, muon = compare_muon_params(sharded, one_params, par.rank == 0)
+        mismatched += differing
+        for name, q in muon:
+            split = optim._matrix_split(q) if isinstance(q, DTensor) else "plain"
+            if isinstance(split, tuple) and sharded.owners()[q] == q.device_mesh.get_local_rank(split[0]):
+                owned.append(list(q.shape))
+            elif split in ("local", "plain"):
+                stacks.append(list(q.to_local().shape if isinstance(q, DTensor) else q.shape))
     result = {"rank": par.rank, "mismatched": mismatched, "ns_calls": calls, "owned": owned, "stacks": stacks,
               "syncs": syncs, "experts": list(model.layers[1].ffn.experts.w1.to_local().shape),
               "owner_path": sum(len(o.owners()) for _, o, *_ in pairs)}

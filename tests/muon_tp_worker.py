@@ -21,6 +21,7 @@ import sys
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from muon_compare import compare_muon_params
 from trex import device as device_layer
 from trex.models import build_model
 from trex.models.registry import get_preset
@@ -63,16 +64,8 @@ def main(out: str) -> None:
             reference.step()
         sharded.step()
     logged_by_steps = list(logged.messages)  # the check below gathers with DTensor's own full_tensor
-    mismatched, gathered = [], set()
-    for group in sharded.param_groups:
-        if group["algorithm"] != "muon":
-            continue
-        for name, q in zip(group["names"], group["params"]):
-            full = q.full_tensor() if isinstance(q, DTensor) else q
-            if par.rank == 0 and not torch.equal(full, one_params[name].detach()):
-                mismatched.append([name, (full - one_params[name]).abs().max().item()])
-            if isinstance(q, DTensor) and optim._matrix_split(q) == "full":
-                gathered.add(str(q.placements))
+    mismatched, muon = compare_muon_params(sharded, one_params, par.rank == 0)
+    gathered = {str(q.placements) for _, q in muon if isinstance(q, DTensor) and optim._matrix_split(q) == "full"}
     differing = [name for name, q in params.items() if isinstance(q, DTensor)
                  and not torch.equal(full_tensor(q.detach()), q.detach().full_tensor())]
     result = {"rank": par.rank, "mismatched": mismatched, "gathered": sorted(gathered), "logged": logged_by_steps,
