@@ -23,9 +23,11 @@ os.environ.setdefault("TREX_CACHE_DIR", tempfile.mkdtemp(prefix="trex-cache-"))
 
 # The longest test files (`make test` prints the slowest tests), handed out to the workers first (the
 # Makefile's --no-loadscope-reorder keeps this order) so that neither worker is left running one of them
-# at the end while the other idles.
-LONGEST_FIRST = ("test_compile.py", "test_docs_commands.py", "test_faults.py", "test_migration.py",
-                 "test_context_parallel.py", "test_vdev_plugin.py", "test_posttrain_dpo.py", "test_syncs.py")
+# at the end while the other idles (ordered by their wall time in a `make test` of 2026-12-07).
+LONGEST_FIRST = ("test_faults.py", "test_compile.py", "test_docs_commands.py", "test_migration.py",
+                 "test_tensor_parallel.py", "test_fidelity_record.py", "test_tool_demo.py", "test_drafter_refit.py",
+                 "test_posttrain_dpo.py", "test_context_parallel.py", "test_mtp_refit.py", "test_posttrain_grpo.py",
+                 "test_profile.py", "test_vdev_plugin.py", "test_syncs.py")
 
 
 def pytest_collection_modifyitems(items):
