@@ -55,17 +55,25 @@ def test_override_to_missing_accelerator_is_a_clear_error(monkeypatch):
 
 
 def test_memory_readings_track_allocations():
+    """On CPU the readings are the process's resident set: a tensor over 64 MiB of fresh pages, touched, raises
+    it and its peak. The pages are a new anonymous mapping (``torch.frombuffer`` over ``mmap``): a plain
+    ``torch.ones`` may be served by malloc from memory an earlier test freed and the process still holds,
+    which moves no reading (it did, once another test file ran before this one in the same worker)."""
+    import mmap
+
     dev = device.Device("cpu")
     was_reset = dev.reset_peak_memory()
     before, peak_before = dev.memory_allocated(), dev.max_memory_allocated()
-    block = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, touched
-    block += 1
+    pages = mmap.mmap(-1, 64 * 1024 * 1024)
+    block = torch.frombuffer(pages, dtype=torch.float32)  # 64 MiB
+    block.fill_(1.0)  # touched
     assert dev.memory_allocated() >= before + 48 * 1024 * 1024
     assert dev.max_memory_allocated() >= dev.memory_allocated()
     if was_reset:  # the peak since the reset, not the process's lifetime peak
         assert peak_before <= before + 8 * 1024 * 1024
         assert dev.max_memory_allocated() >= peak_before + 48 * 1024 * 1024
     del block
+    pages.close()
 
 
 def test_a_refused_peak_reset_is_reported(monkeypatch):
