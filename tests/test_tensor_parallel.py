@@ -135,9 +135,10 @@ def reference_v3(tmp_path_factory):
     return torch.load(d / "one.pt")
 
 
-# name -> the worker's V3 code of the steps run checkpointed and compiled at tp = 2, one launch of two ranks for both
-# (the second compiles on the first's warm dynamo: V4's costs ~16 s there, ~60 s in a launch of its own)
-COMPILED_TP2 = {"v3": 1, "v4": 0}
+# name -> the worker's V3 code of the steps run checkpointed and compiled at tp = 2, in one launch of two ranks. The
+# tiny V4 (code 0) passed too (loss 0, gradients 7.7e-7 relative: commit f8aef0e), but at ~25 s more of the suite's
+# 15 minutes it is left out: add "v4": 0 to run it.
+COMPILED_TP2 = {"v3": 1}
 
 
 @pytest.fixture(scope="module")
@@ -164,17 +165,6 @@ def test_deepseek_v3_at_tp2_checkpointed_and_compiled_gives_one_process(referenc
     _assert_as_one_process(reference_v3, got)
     worst = max((got["grads"][n] - g).abs().max().item() for n, g in reference_v3["grads"].items())
     assert (got["loss"] - reference_v3["loss"]).abs().max() <= 1e-5 and worst <= 1e-5
-
-
-@pytest.mark.slow
-def test_deepseek_v4_at_tp2_checkpointed_and_compiled_gives_one_process(tmp_path, tp2_compiled):
-    """The tiny V4 (sliding, CSA and HCA layers, mHC, hash and score MoE, MTP) as V3's above: split over two ranks,
-    every block checkpointed and compiled with fullgraph=True (aot_eager), its loss, NLL and gradients as one
-    process's; the blocks' graphs trace the group's all-reduces of the split heads, the grouped output projection,
-    the shared K = V head and the compressed entries entering every head (and their backward sums), on the
-    local shards. Measured: loss 0 abs, NLL 9.5e-7, gradients 7.7e-7 relative (2.1e-8 abs)."""
-    worker.step(str(tmp_path / "one.pt"))
-    _assert_as_one_process(torch.load(tmp_path / "one.pt"), tp2_compiled["v4"])
 
 
 @pytest.mark.slow
