@@ -46,7 +46,8 @@ class PlanError(ValueError):
 def check_tensor_parallel(cfg: AnyConfig, tp: int) -> None:
     """PlanError unless ``tp`` divides everything tensor parallelism splits in the model (the family's
     ``tp_split``: for the DeepSeek-V3 family the attention heads, the vocabulary, the dense FFN and shared-expert
-    widths; for V4 and V4.1 the heads, the output groups, the vocabulary and the shared expert's width); the message names the numbers, or why the family's TP is not planned."""
+    widths; for V4 and V4.1 the heads, the output groups, the vocabulary and the shared expert's width); the
+    message names the numbers, or why the family's TP is not planned."""
     if tp == 1:
         return
     if not architecture(cfg).tp_plan:  # what trex.parallel.tensor_parallel would refuse

@@ -174,10 +174,11 @@ def _build_facts(cfg: AnyConfig) -> ModelFacts:
             root_whole += p.numel() if whole else 0
     indexers = indexer_muon = 0
     for name, p, rule, row_blocks in classify(model):
-        if INDEXER in f".{name}":
+        if INDEXER in f".{name}":  # frozen unless Layout.train_indexer: counted apart
             indexers += p.numel()
             indexer_muon += p.numel() if rule.muon else 0
-        if INDEXER in f".{name}" or TABLE in name:
+            continue
+        if TABLE in name:
             continue
         trainable += p.numel()
         whole = ".ffn.experts." not in name and not re.search(TP_SPLIT, name)
