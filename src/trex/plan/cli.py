@@ -21,7 +21,9 @@ def register(sub) -> None:
     p.add_argument("--seq", type=int, help="tokens per sequence")
     p.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (sets grad_accum)")
     p.add_argument("--layout", default="", help="Layout fields, e.g. dp_shard=64,ep=32,pp=1,micro_batch=1; tp=N for tensor "
-                                                "parallelism")
+                                                "parallelism; train_engram=true, train_indexer=true for what trains "
+                                                "beyond the default (default: none: the recipe's layout, or the "
+                                                "fastest that fits)")
     p.add_argument("--override", default="", metavar="FIELD=VALUE,...",
                    help="model config fields changed on the preset, as a recipe's [model] overrides, e.g. "
                         "num_nextn_predict_layers=0 (no MTP module)")
