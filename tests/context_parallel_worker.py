@@ -1,6 +1,6 @@
 """One SFT step's forward and backward of the tiny model at a layout, for tests/test_context_parallel.py.
 
-    torchrun --nproc-per-node N tests/context_parallel_worker.py OUT.pt,DP_SHARD,EP,CP[,COMPILED[,V3[,TP[,SAMPLE[,GRPO]]]]] ...
+    torchrun --nproc-per-node N tests/context_parallel_worker.py OUT.pt,DP_SHARD,EP,CP[,COMPILED[,V3[,TP[,SAMPLE[,GRPO[,SP]]]]]] ...
     python tests/context_parallel_worker.py OUT.pt            (one process: the reference)
 
 Several layouts run one after the other in one launch, on one process group (each its own mesh and model).
@@ -13,7 +13,8 @@ V3 = 3: V4's tiny model with its CSA layers' indexer KL trained likewise; V3 = 4
 candidate pool). TP: tensor-parallel size
 (tests/test_tensor_parallel.py). SAMPLE = 1: after the step, the in-process rollout engine samples a few tokens
 of PROMPTS with fixed draws (temperature 1), as GRPO's rollouts do (decode cache and all). GRPO = 1: the step's
-loss is GRPO's (``grpo_loss``), not SFT's (one data-parallel rank).
+loss is GRPO's (``grpo_loss``), not SFT's (one data-parallel rank). SP = 0: tensor parallelism without sequence
+parallelism (``[parallel] sequence_parallel = false``; default 1).
 
 The global batch (ROWS rows of SEQ tokens, packed documents that cross every shard boundary) is the
 same at every layout; each data-parallel rank takes its rows. Rank 0 saves the step's loss, the
@@ -68,10 +69,10 @@ def rows(batch: Batch, index: slice) -> Batch:
 
 
 def step(out: str, dp_shard: int = 1, ep: int = 1, cp: int = 1, compiled: int = 0, v3: int = 0, tp: int = 1,
-         sample: int = 0, grpo: int = 0, last: bool = True) -> None:
+         sample: int = 0, grpo: int = 0, sp: int = 1, last: bool = True) -> None:
     """One layout's step; ``last``: leave the process group after it (`shutdown_distributed`)."""
     dev = device_layer.Device("cpu")
-    par = init_parallel(1, dp_shard, ep, 120, dev, cp=cp, tp=tp)
+    par = init_parallel(1, dp_shard, ep, 120, dev, cp=cp, tp=tp, sequence_parallel=bool(sp))
     preset = {1: "tiny-v3", 2: "tiny-v3.2"}.get(v3)
     cfg = (get_preset(preset) if preset else replace(get_preset("tiny-v4.1"), hc_sinkhorn_iters=SINKHORN) if v3 == 4
            else tiny(hc_sinkhorn_iters=SINKHORN))

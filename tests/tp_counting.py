@@ -28,31 +28,43 @@ def fake_tp(size: int = 2):
 
 
 class AllReduces:
-    """The all-reduces tensor_parallel issues while entered: each buffer's shape and its ring bytes (as the planner
-    counts: reduce-scatter + all-gather, 2 x the buffer)."""
+    """The collectives tensor_parallel issues while entered: each buffer's shape and its ring bytes (as the planner
+    counts: an all-reduce 2 x the buffer, a reduce-scatter + an all-gather; an all-gather its output, a
+    reduce-scatter its input). ``shapes`` are the all-reduces'; ``kinds`` every collective's (kind, shape)."""
 
     def __init__(self, monkeypatch):
         self.shapes: list[tuple[int, ...]] = []
+        self.kinds: list[tuple[str, tuple[int, ...]]] = []
         self.bytes = 0
-        real = tensor_parallel._all_reduce
 
-        def counting(x: torch.Tensor, op: str, group) -> torch.Tensor:
-            self.shapes.append(tuple(x.shape))
-            self.bytes += 2 * x.numel() * x.element_size()
-            return real(x, op, group)
+        def counted(name: str, ring: int, size_of):
+            real = getattr(tensor_parallel, name)
 
-        monkeypatch.setattr(tensor_parallel, "_all_reduce", counting)
+            def counting(x: torch.Tensor, *args) -> torch.Tensor:
+                out = real(x, *args)
+                shape = tuple(size_of(x, out).shape)
+                if name == "_all_reduce":
+                    self.shapes.append(shape)
+                self.kinds.append((name.strip("_"), shape))
+                self.bytes += ring * size_of(x, out).numel() * x.element_size()
+                return out
+
+            monkeypatch.setattr(tensor_parallel, name, counting)
+
+        counted("_all_reduce", 2, lambda x, out: x)
+        counted("_all_gather", 1, lambda x, out: out)
+        counted("_reduce_scatter", 1, lambda x, out: x)
 
     def take(self) -> list[tuple[int, ...]]:
-        """The shapes since the last take."""
-        shapes, self.shapes = self.shapes, []
+        """The all-reduces' shapes since the last take (every collective's kinds, too, are taken)."""
+        shapes, self.shapes, self.kinds = self.shapes, [], []
         return shapes
 
 
-def split_model(cfg, mesh):
+def split_model(cfg, mesh, sequence_parallel: bool = False):
     """``cfg``'s model (seed 0, training mode) split over ``mesh`` by its family's plan."""
     model = build_model(cfg, seed=0).train()
-    tensor_parallel.apply_tensor_parallel(model, mesh)
+    tensor_parallel.apply_tensor_parallel(model, mesh, sequence_parallel)
     return model
 
 

@@ -130,7 +130,8 @@ def _join(recipe: TrainRecipe) -> None:
     dev = device_layer.detect(recipe.train.device or None)
     dev.set_current()
     layout = recipe.parallel
-    init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev, cp=layout.cp, tp=layout.tp)
+    init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev, cp=layout.cp, tp=layout.tp,
+                  sequence_parallel=layout.sequence_parallel)
 
 
 def _probe_piece(output: torch.Tensor, seq: int, par: Parallel) -> Piece:

@@ -55,6 +55,11 @@ class ParallelSection:
     """Tensor-parallel size: each block's attention heads, dense FFN and shared-expert widths, and the
     vocabulary of the embedding and head are split over this many adjacent ranks, which read the same
     micro-batches (trex.parallel.tensor_parallel; the model's family declares what it splits)."""
+    sequence_parallel: bool = True
+    """With tp > 1: the residual stream, the norms and mHC between the split regions hold 1/tp of the rows on each
+    tp rank (the norms' outputs all-gathered into a region, its output reduce-scattered out: the traffic of the
+    all-reduces they replace), so what a block keeps for backward or recompute is 1/tp. Off: every tp rank keeps
+    the whole rows. Generation keeps the whole rows either way."""
     timeout_s: int = 1800
     """Collective timeout in seconds: how long a rank waits in one collective before the backend
     gives up (long enough for a first step that compiles on a large cluster)."""
@@ -91,6 +96,8 @@ class Parallel:
     summed_group: dist.ProcessGroup | None = None
     """The process group ``all_reduce_sum`` reduces over when tp > 1 (the "summed" mesh dimension's, made once:
     slicing a mesh reads its coordinates on the host); None: every rank."""
+    sequence_parallel: bool = True
+    """With tp > 1: the rows between the split regions split over the tp ranks (``ParallelSection``)."""
 
     @property
     def data_rank(self) -> int:
@@ -224,7 +231,7 @@ def attempt_store(timeout: timedelta) -> dist.Store | None:
 
 def init_parallel(dp_replicate: int, dp_shard: int, ep: int, timeout_s: int,
                   dev: device_layer.Device, world_size: int | None = None, trace_dir: str | None = None,
-                  cp: int = 1, tp: int = 1) -> Parallel:
+                  cp: int = 1, tp: int = 1, sequence_parallel: bool = True) -> Parallel:
     """Join the process group (torchrun's environment) and build the mesh; a no-op for one process.
     With ``trace_dir``, a backend with a flight recorder dumps each rank's last collectives there
     (``rank_<r>``) when one times out; variables already set in the environment win."""
@@ -252,6 +259,7 @@ def init_parallel(dp_replicate: int, dp_shard: int, ep: int, timeout_s: int,
     if ep_spans_tp(ep, tp):
         mesh["ep", "tp"]._flatten("ep_tp")
     par = Parallel(dist.get_rank(), world_size, replicate, shard, ep, cp, mesh, tp)
+    par.sequence_parallel = sequence_parallel
     if tp > 1:
         par.summed_group = par._sliced("summed").get_group()
     return par

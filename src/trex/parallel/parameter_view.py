@@ -55,7 +55,7 @@ class ParameterView:
         self.saved: list[nn.Parameter] = []
         self.depth = 0
         self.hooks = [unit.register_forward_pre_hook(lambda *_: self._enter()),
-                      unit.register_forward_hook(lambda *_: self.__exit__(), always_call=True)]
+                      unit.register_forward_hook(lambda *_: self._exit(), always_call=True)]
 
     def __enter__(self) -> ParameterView:
         self._enter()
@@ -69,6 +69,9 @@ class ParameterView:
         self.depth += 1
 
     def __exit__(self, *_) -> None:
+        self._exit()
+
+    def _exit(self) -> None:
         self.depth -= 1
         if self.depth == 0:
             for (m, name), p in zip(self.slots, self.saved):

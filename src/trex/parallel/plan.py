@@ -152,7 +152,7 @@ def apply_parallelism(model: Model, par: Parallel, policy: PrecisionPolicy,
     A sharded model handed to a later stage (the default job's SFT after its CPT) keeps its plan:
     applying the same one again changes nothing, a different one is a ValueError."""
     plan = {"world_size": par.world_size, "dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "ep": par.ep,
-            "cp": par.cp, "tp": par.tp,
+            "cp": par.cp, "tp": par.tp, "sequence_parallel": par.sequence_parallel,
             "activation_checkpointing": activation_checkpointing, "compile": compile,
             "param_dtype": str(policy.compute_dtype), "reduce_dtype": str(policy.reduce_dtype)}
     if par.distributed and isinstance(model, FSDPModule):
@@ -180,7 +180,7 @@ def apply_parallelism(model: Model, par: Parallel, policy: PrecisionPolicy,
                             category=UserWarning)
     mp = MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=policy.reduce_dtype)
     if par.tp > 1:
-        apply_tensor_parallel(model, par.tp_mesh)
+        apply_tensor_parallel(model, par.tp_mesh, par.sequence_parallel)
     if par.cp > 1:
         apply_context_parallel(model, par.cp_mesh)
     experts = shard_experts(model, par.ep_mesh, par.tp_mesh if par.ep_spans_tp else None) if par.ep > 1 else []

@@ -37,6 +37,7 @@ rank of the group computes it on the same inputs, so their gradients are whole o
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -48,12 +49,24 @@ from trex.models.common.heads import Model
 from trex.models.registry import ARCHITECTURES, architecture
 from trex.parallel.parameter_view import ParameterView
 
-STYLES = ("colwise", "colwise_within", "rowwise", "vocab", "enter", "heads", "heads_param", "head_split")
+STYLES = ("colwise", "colwise_within", "rowwise", "vocab", "enter", "heads", "heads_param", "head_split", "rows_gather",
+          "rows_reduce", "rows_partial", "rows_whole")
 
 
 def _all_reduce(x: torch.Tensor, op: str, group) -> torch.Tensor:
     """The group's sum (or max) of x, a new tensor (functional collectives: traceable by torch.compile)."""
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, group))
+
+
+def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's x along ``dim``, in rank order (traceable, as ``_all_reduce``)."""
+    return funcol.wait_tensor(funcol.all_gather_single(x.movedim(dim, 0).contiguous(), 0, group)).movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's slice along ``dim`` of the group's sum of x (traceable, as ``_all_reduce``)."""
+    part = funcol.reduce_scatter_single(x.movedim(dim, 0).contiguous(), "sum", 0, group)
+    return funcol.wait_tensor(part).movedim(0, dim)
 
 
 class _Enter(torch.autograd.Function):
@@ -89,8 +102,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, slice_: TensorParallelSlice, dim: int) -> torch.Tensor:
         ctx.rank, ctx.dim, ctx.rows = slice_.rank, dim, x.shape[dim]
-        whole = funcol.wait_tensor(funcol.all_gather_single(x.movedim(dim, 0).contiguous(), 0, slice_.group))
-        return whole.movedim(0, dim)
+        return _all_gather(x, dim, slice_.group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -109,17 +121,48 @@ class _Scatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        whole = funcol.wait_tensor(funcol.all_gather_single(grad.movedim(ctx.dim, 0).contiguous(), 0, ctx.group))
-        return whole.movedim(0, ctx.dim), None, None
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatter(_Scatter):
+    """Forward sums each rank's partial x over the group and keeps this rank's slice along ``dim`` (a size the group
+    divides); backward, ``_Scatter``'s, gathers every rank's slice of the gradient (the sum's gradient is the same
+    for every partial)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, slice_: TensorParallelSlice, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = slice_.group, dim
+        return _reduce_scatter(x, dim, slice_.group)
+
+
+class _Partial(torch.autograd.Function):
+    """x, the same on every rank -> a partial: this rank's slice along dim 0 kept, zeros elsewhere, so the group's
+    sum is x exactly; backward the identity (the gradient of a partial is the sum's, whole on every rank, and so
+    is x's, as a replicated tensor's is)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, slice_: TensorParallelSlice) -> torch.Tensor:
+        rows = x.shape[0] // slice_.size
+        mine = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+        mine[slice_.rank * rows:(slice_.rank + 1) * rows] = True
+        return torch.where(mine.view(-1, *[1] * (x.dim() - 1)), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 class TensorParallelSlice:
-    """This rank's place in the tp group, and the head's vocabulary rows (``HeadSlice``)."""
+    """This rank's place in the tp group, and the head's vocabulary rows (``HeadSlice``). ``sequence_parallel``: the
+    residual stream between the split regions is split by rows over the group in the forwards that allow it
+    (``split``, set by the model's root pre-hook for each forward: module docstring)."""
 
-    def __init__(self, mesh: DeviceMesh, vocab: int = 0):
+    def __init__(self, mesh: DeviceMesh, vocab: int = 0, sequence_parallel: bool = False):
         self.group = mesh.get_group()
         self.rank, self.size = mesh.get_local_rank(), mesh.size()
         self.start = vocab // self.size * self.rank
+        self.sequence_parallel = sequence_parallel
+        self.split = False  # this forward's rows split over the group (sequence parallelism)
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         return _all_reduce(t, "max", self.group)
@@ -150,6 +193,31 @@ class TensorParallelSlice:
     def leave(self, x: torch.Tensor) -> torch.Tensor:
         return _Leave.apply(x, self.group)
 
+    # ---- sequence parallelism: [B, rows, ...] tensors, rows on dim 1; each the identity when not ``split`` ----
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows -> the whole rows (all-gather; backward keeps this rank's rows: what reads the whole rows
+        is replicated or enters the region itself, so its gradient is whole on every rank)."""
+        return _Gather.apply(x, self, 1) if self.split else x
+
+    def own_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole rows, the same on every rank -> this rank's (backward: all-gather)."""
+        return _Scatter.apply(x, self, 1) if self.split else x
+
+    def leave_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """A partial sum over the group's rows -> this rank's rows of the sum (reduce-scatter; backward all-gather);
+        not split: the whole sum (``leave``)."""
+        return _ReduceScatter.apply(x, self, 1) if self.split else self.leave(x)
+
+    def sum_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """A split region's output, a partial sum over the group -> this rank's rows of the sum (reduce-scatter;
+        backward all-gather)."""
+        return _ReduceScatter.apply(x, self, 1) if self.split else x
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, ...], the same on every rank -> a partial of it (``_Partial``) that a split region's outputs
+        sum into."""
+        return _Partial.apply(x, self) if self.split else x
+
 
 _VIEW = "_trex_local_view"
 
@@ -157,14 +225,43 @@ _VIEW = "_trex_local_view"
 class LocalView(ParameterView):
     """While ``unit``'s forward runs (each block, and the root for what lies outside blocks), the split (DTensor)
     parameters under it (minus those under ``skip``) are seen as their local shards: differentiable views
-    (``to_local``) whose gradients reach the DTensor parameters. The hooks run outside a block's compiled
-    forward (torch.compile sees plain tensors) and after FSDP2's gather (which its pre-forward hook runs first).
-    Entering again while entered does nothing; activation checkpointing's recompute, which calls the block's
-    forward without its hooks, enters it (``local_view_of``)."""
+    (``to_local``) whose gradients reach the DTensor parameters. Under sequence parallelism, in a forward whose rows
+    are split, the unit's other parameters outside ``whole_rows`` (the regions that read the whole rows) compute on
+    this rank's rows: they are seen through ``_Enter``, which sums their gradients over the group. The hooks run
+    outside a block's compiled forward (torch.compile sees plain tensors) and after FSDP2's gather (which its
+    pre-forward hook runs first). Entering again while entered does nothing; activation checkpointing's recompute,
+    which calls the block's forward without its hooks, enters it (``local_view_of``), with the rows split as they
+    were in the unit's last forward."""
 
-    def __init__(self, unit: nn.Module, skip: tuple[nn.Module, ...] = ()):
-        super().__init__(unit, lambda p: isinstance(p, DTensor), lambda p: p.to_local(), skip)
+    def __init__(self, unit: nn.Module, slice_: TensorParallelSlice, skip: tuple[nn.Module, ...] = (),
+                 whole_rows: tuple[nn.Module, ...] = ()):
+        whole = {id(m) for region in whole_rows for m in region.modules()}
+        on_rows = {id(p) for m in unit.modules() if id(m) not in whole for p in m.parameters(recurse=False)}
+        self.slice_, self.recorded, self.before, self.replaying = slice_, False, False, False
+        super().__init__(unit, lambda p: isinstance(p, DTensor) or (slice_.sequence_parallel and id(p) in on_rows),
+                         self._local, skip)
         unit.__dict__[_VIEW] = self
+
+    def _local(self, p: torch.Tensor) -> torch.Tensor:
+        if isinstance(p, DTensor):
+            return p.to_local()
+        return self.slice_.enter(p) if self.slice_.split else p
+
+    def _enter(self) -> None:
+        if self.depth == 0 and not self.replaying:
+            self.recorded = self.slice_.split
+        super()._enter()
+
+    def __enter__(self) -> LocalView:
+        self.before, self.slice_.split, self.replaying = self.slice_.split, self.recorded, True
+        try:
+            return super().__enter__()
+        finally:
+            self.replaying = False
+
+    def __exit__(self, *_) -> None:
+        super().__exit__()
+        self.slice_.split = self.before
 
 
 def local_view_of(unit: nn.Module) -> contextlib.AbstractContextManager:
@@ -233,15 +330,17 @@ def _split(module: nn.Module, dim: int, mesh: DeviceMesh, name: str = "weight") 
                                        requires_grad=full.requires_grad))
 
 
-def apply_tensor_parallel(model: Model, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: Model, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
     """Split ``model`` over ``tp_mesh`` by its family's plan (module docstring); a no-op for a group of one. The
-    model's parameters must be the same on every rank of the group (each keeps its slice, no communication)."""
+    model's parameters must be the same on every rank of the group (each keeps its slice, no communication).
+    ``sequence_parallel``: the rows between the split regions split over the group too (module docstring)."""
     tp = tp_mesh.size()
     if tp == 1:
         return
     check_divisible(model, tp)
     modules = planned_modules(model, tp_plan(model))
-    slice_ = TensorParallelSlice(tp_mesh, model.cfg.vocab_size)
+    slice_ = TensorParallelSlice(tp_mesh, model.cfg.vocab_size, sequence_parallel)
+    whole_rows = []  # the regions that read the whole rows under sequence parallelism
     for path, (module, styles) in modules.items():
         for style in styles:
             kind, _, arg = style.partition(":")
@@ -249,8 +348,8 @@ def apply_tensor_parallel(model: Model, tp_mesh: DeviceMesh) -> None:
                 _split(module, 1 if kind == "rowwise" else 0, tp_mesh)
             if kind == "colwise":
                 module.register_forward_pre_hook(lambda m, args: (slice_.enter(args[0]), *args[1:]))
-            elif kind == "rowwise":
-                module.register_forward_hook(lambda m, args, out: slice_.leave(out))
+            elif kind == "rowwise":  # split rows: a partial, summed where its region leaves (rows_reduce)
+                module.register_forward_hook(lambda m, args, out: out if slice_.split else slice_.leave(out))
             elif kind == "vocab" and isinstance(module, nn.Embedding):
                 _vocab_embedding(module, slice_)
             elif kind == "vocab":
@@ -267,13 +366,52 @@ def apply_tensor_parallel(model: Model, tp_mesh: DeviceMesh) -> None:
                 _split(module, 0, tp_mesh, arg)
             elif kind == "head_split":
                 module.head_split = slice_
+            elif not sequence_parallel:
+                continue
+            elif kind == "rows_gather":
+                module.register_forward_hook(lambda m, args, out: slice_.rows(out))
+            elif kind == "rows_reduce":
+                module.register_forward_hook(lambda m, args, out: _first(out, slice_.sum_rows))
+                whole_rows.append(module)
+            elif kind == "rows_partial":
+                module.register_forward_hook(lambda m, args, out: slice_.partial(out))
+            elif kind == "rows_whole":
+                module.register_forward_pre_hook(lambda m, args: (slice_.rows(args[0]), *args[1:]))
+                module.register_forward_hook(lambda m, args, out: slice_.own_rows(out))
+                whole_rows.append(module)
+    if sequence_parallel:
+        model.register_forward_pre_hook(functools.partial(_split_rows, slice_=slice_), with_kwargs=True)
+        model.register_forward_hook(functools.partial(_whole_hidden, slice_=slice_))
     blocks = (*model.layers, *getattr(model, "mtp", ()))
     for unit in (model, *blocks):
-        LocalView(unit, skip=blocks if unit is model else ())
+        LocalView(unit, slice_, skip=blocks if unit is model else (), whole_rows=tuple(whole_rows))
+
+
+def _split_rows(model: Model, args: tuple, kwargs: dict, slice_: TensorParallelSlice) -> None:
+    """The root's pre-hook under sequence parallelism: this forward's rows are split over the group unless it
+    generates (a decode cache: its prefill keeps the whole rows, a step has one) or the group does not divide the
+    rows this rank computes (the sequence over its context-parallel ranks)."""
+    ids = args[0] if args else kwargs["input_ids"]
+    cache = args[3] if len(args) > 3 else kwargs.get("cache")
+    shards = model.sequence_shard.size if model.sequence_shard is not None else 1
+    slice_.split = cache is None and ids.shape[1] % (shards * slice_.size) == 0
+
+
+def _whole_hidden(model: Model, args: tuple, out, slice_: TensorParallelSlice) -> None:
+    """The root's forward hook under sequence parallelism: the hidden states a forward returns (V4.1's DSpark taps)
+    for the whole rows, as without it."""
+    if slice_.split and getattr(out, "hidden", None) is not None:
+        out.hidden = slice_.rows(out.hidden)
+
+
+def _first(out, fn):
+    """``fn`` applied to ``out``, or to the first of a tuple (V4.1's attention returns its output and ``Shared``)."""
+    return (fn(out[0]), *out[1:]) if isinstance(out, tuple) else fn(out)
 
 
 def _vocab_embedding(module: nn.Embedding, slice_: TensorParallelSlice) -> None:
-    """Ids outside this rank's rows look up row 0 and are zeroed; the group's sum is every id's row."""
+    """Ids outside this rank's rows look up row 0 and are zeroed; the group's sum is every id's row (its rows of
+    the sequence under sequence parallelism: a reduce-scatter)."""
     rows = module.weight.shape[0] // slice_.size
     lo = rows * slice_.rank
 
@@ -284,7 +422,7 @@ def _vocab_embedding(module: nn.Embedding, slice_: TensorParallelSlice) -> None:
 
     def after(m, args, out):
         outside = m.__dict__.pop("_tp_outside")
-        return slice_.leave(out.masked_fill(outside[..., None], 0.0))
+        return slice_.leave_rows(out.masked_fill(outside[..., None], 0.0))
 
     module.register_forward_pre_hook(before)
     module.register_forward_hook(after)

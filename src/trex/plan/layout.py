@@ -79,6 +79,7 @@ class Layout:
     ep: int = 1
     cp: int = 1
     tp: int = 1
+    sequence_parallel: bool = True  # with tp > 1: the rows between the split regions split over the tp ranks
     pp: int = 1
     micro_batch: int = 1
     grad_accum: int = 1

@@ -102,13 +102,14 @@ def backward_peak(cfg: AnyConfig, facts: ModelFacts, layout: Layout, seq_len: in
     main = act.main_blocks(cfg)[: cfg.num_hidden_layers // layout.pp]
     n_mtp = act.mtp_blocks(cfg)
     blocks = main + [(act.mtp_kind(cfg), "moe")] * n_mtp
-    stream = act.stream_bytes(cfg, b, tp) * S_local  # a block's input, all a checkpointed block keeps
+    rows = tp if layout.sequence_parallel else 1  # the ranks a block's rows are split over
+    stream = act.stream_bytes(cfg, b, rows) * S_local  # a block's input, all a checkpointed block keeps
     # per block: kept from the forward; recomputed in its backward (by then the block's FFN site, run
     # first in backward, has freed what it kept: only the block's input is left of its own)
     def kind(lt: str, mt: str) -> tuple[float, float, float]:
         """(saved, rebuilt, workspace) of a block of attention ``lt`` and FFN ``mt``."""
-        blk, copies = act.block(cfg, lt, mt, S, b, cp, tp), act.weight_copies(cfg, lt, b)
-        work = act.backward_workspace(cfg, lt, S, b, cp, tp)
+        blk, copies = act.block(cfg, lt, mt, S, b, cp, tp, rows), act.weight_copies(cfg, lt, b)
+        work = act.backward_workspace(cfg, lt, S, b, cp, tp, rows)
         if layout.recompute == "none":
             return blk.total + copies, 0.0, work
         if layout.recompute == "selective":  # the attention site (hc_attn: mHC + attention) is recomputed;
@@ -122,8 +123,8 @@ def backward_peak(cfg: AnyConfig, facts: ModelFacts, layout: Layout, seq_len: in
         """Block j's own bytes while its backward runs."""
         return (saved[j] if layout.recompute == "none" else stream + rebuilt[j]) + workspace[j]
 
-    model_level = act.model_level(cfg, S_local, b, tp=tp)
-    after_heads = act.model_level(cfg, S_local, b, heads=False, tp=tp)
+    model_level = act.model_level(cfg, S_local, b, tp=tp, rows=rows)
+    after_heads = act.model_level(cfg, S_local, b, heads=False, tp=tp, rows=rows)
     in_flight = min(layout.pp, layout.grad_accum)  # 1F1B: stage 0 holds pp micro-batches
     others = (in_flight - 1) * mb * (sum(saved) + model_level)
     tokens = mb * S_local

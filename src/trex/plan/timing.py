@@ -130,7 +130,8 @@ def tp_traffic(cfg: AnyConfig, layout: Layout, seq_len: int, b: int) -> float:
         return 0.0
     family = terms(cfg)
     return layout.micro_batch * family.tp_traffic(cfg, seq_len, b, layout.recompute,
-                                                  cfg.num_hidden_layers // layout.pp, layout.cp)
+                                                  cfg.num_hidden_layers // layout.pp, layout.cp,
+                                                  layout.sequence_parallel)
 
 
 def tp_whole_flops(cfg: AnyConfig, facts: ModelFacts, seq_len: int, tp: int, recompute: str) -> tuple[float, float]:

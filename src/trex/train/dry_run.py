@@ -41,7 +41,8 @@ def dry_run(recipe: TrainRecipe, world_size: int) -> dict:
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
         par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, cpu, world_size,
-                            cp=layout.cp, tp=layout.tp)
+                            cp=layout.cp, tp=layout.tp,
+                            sequence_parallel=layout.sequence_parallel)
         # bf16 on this CPU is no warning: the dry run only counts bytes, nothing runs here
         policy = PrecisionPolicy.resolve(recipe.precision.dtype if recipe.precision.dtype != "auto" else "bf16",
                                          cpu, warn_slow=False)

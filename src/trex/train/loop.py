@@ -330,7 +330,8 @@ def _set_up(recipe: TrainRecipe, model: Model | None, tokenizer: Tokenizer | Non
     dev.set_current()
     kernels.prepare(dev.type)  # the fast paths' probes, before step 1
     par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev,
-                        trace_dir=os.path.join(cfg_train.out, "flight_recorder"), cp=layout.cp, tp=layout.tp)
+                        trace_dir=os.path.join(cfg_train.out, "flight_recorder"), cp=layout.cp, tp=layout.tp,
+                        sequence_parallel=layout.sequence_parallel)
     heartbeat.start()
     dev.manual_seed(cfg_train.seed)  # the same on every rank: identical initial weights
     compile_backend = cfg_train.compile_with(dev)

@@ -79,13 +79,18 @@ class HeadSlice(VocabSlice, Protocol):
     def enter(self, h: torch.Tensor) -> torch.Tensor:
         """h, whose gradient (each rank's rows' part) is summed over the group in backward."""
 
+    def rows(self, h: torch.Tensor) -> torch.Tensor:
+        """h [B, s, d], this rank's rows of the sequence under sequence parallelism -> the whole rows (the
+        identity without it); backward keeps this rank's rows of the (summed) gradient."""
+
     def gather(self, logits: torch.Tensor) -> torch.Tensor:
         """Each rank's rows' logits [..., V / tp] -> the whole vocabulary's [..., V]; backward: this rank's part."""
 
 
 class UntiedHead:
     """The LM head of a model whose ``head`` is its own [V, d] linear (not tied to the embedding). With
-    ``head_slice`` set (tensor parallelism) each rank holds its rows of the vocabulary."""
+    ``head_slice`` set (tensor parallelism) each rank holds its rows of the vocabulary, and reads the whole rows of
+    the sequence (gathered under sequence parallelism)."""
 
     head: nn.Linear
     head_slice: HeadSlice | None = None
@@ -94,7 +99,8 @@ class UntiedHead:
         """LM head in fp32: [B, S, d] -> [B, S, V] (split by vocabulary: each rank's rows, gathered)."""
         if self.head_slice is None:
             return linear_fp32(h, self.head.weight)
-        return self.head_slice.gather(linear_fp32(self.head_slice.enter(h), self.head_slice.local(self.head.weight)))
+        h = self.head_slice.enter(self.head_slice.rows(h))
+        return self.head_slice.gather(linear_fp32(h, self.head_slice.local(self.head.weight)))
 
     def head_nll(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The LM head fused with the loss: h [B, S, d], targets [B, S] -> fp32 per-token NLL [B, S]
@@ -102,7 +108,7 @@ class UntiedHead:
         by vocabulary, no rank holds more than its rows' logits of a tile)."""
         if self.head_slice is None:
             return head_nll(h, self.head.weight, targets)
-        return head_nll(h, self.head_slice.local(self.head.weight), targets, self.head_slice)
+        return head_nll(self.head_slice.rows(h), self.head_slice.local(self.head.weight), targets, self.head_slice)
 
 
 def fill_heads(model: nn.Module, out: ModelOutput, ctx: SequenceContext, h: torch.Tensor,

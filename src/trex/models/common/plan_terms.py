@@ -20,13 +20,14 @@ Activations (bytes autograd keeps for backward):
                                             first layer first
     mtp_blocks(cfg) -> int                  MTP blocks the model trains (0: none, or a drafter carried untrained)
     mtp_kind(cfg) -> str                    the layer kind of an MTP block (its FFN is "moe")
-    stream_bytes(cfg, b, tp=1) -> float     per token: a block's input, all a checkpointed block keeps
-    block(cfg, kind, mlp_type, S, b, cp=1, tp=1) -> LayerActivations
+    stream_bytes(cfg, b, rows=1) -> float   per token: a block's input, all a checkpointed block keeps (1 / rows
+                                            of it under sequence parallelism over ``rows`` tp ranks)
+    block(cfg, kind, mlp_type, S, b, cp=1, tp=1, rows=1) -> LayerActivations
                                             one block's saved bytes on one rank
     weight_copies(cfg, kind, b) -> float    fp32 copies of weights one block keeps at a lower compute dtype
-    backward_workspace(cfg, kind, S, b, cp=1, tp=1) -> float
+    backward_workspace(cfg, kind, S, b, cp=1, tp=1, rows=1) -> float
                                             transient bytes while one block runs backward, on top of what it saved
-    model_level(cfg, S, b, heads=True, tp=1) -> float
+    model_level(cfg, S, b, heads=True, tp=1, rows=1) -> float
                                             bytes outside the blocks (ids, heads, MTP inputs, their weight copies);
                                             ``heads=False``: what is left once the heads are back-propagated
 
@@ -56,10 +57,11 @@ Time (FLOPs per token; bytes per sequence row and pass):
     tp_split(cfg) -> dict[str, int]         what tensor parallelism splits, by name, each a size ``tp`` must divide
                                             (0: absent); NotImplementedError(reason) where the family's TP is not
                                             modelled
-    tp_traffic(cfg, S, b, recompute, layers, cp=1) -> float
+    tp_traffic(cfg, S, b, recompute, layers, cp=1, sp=True) -> float
                                             ring-collective buffer bytes (an all-reduce counts twice) one TP rank
                                             takes part in for one sequence through ``layers`` main layers, the MTP
-                                            blocks and the heads, under ``recompute`` ("none", "selective", "full")
+                                            blocks and the heads, under ``recompute`` ("none", "selective", "full"),
+                                            with sequence parallelism or without (``sp``): ``tp_ring_elements``
     table_reads(cfg) -> int                 elements of the row-split embedding tables (V4.1's Engram) one token
                                             reads (0: none)
     table_lookup_bytes(cfg, trained) -> int bytes per token the tables' all-to-all lookup moves (row ids, rows,
@@ -116,3 +118,49 @@ def head_backward_workspace(cfg, tokens: int, tp: int = 1) -> float:
     V, d = cfg.vocab_size // tp, cfg.hidden_size
     block, rows = head_tiles(tokens, V)
     return F32 * (block * rows + tokens * d + 2 * V * d)
+
+
+@dataclass
+class SplitBlock:
+    """What one block moves between tensor-parallel ranks, in elements of one context-parallel rank's rows (s of
+    them): ``ffn_out`` whether its FFN has a split part (a dense FFN or shared experts) whose output is summed;
+    ``entries`` what enters the split regions, its gradient summed in backward (the latents a split attention
+    reads, the FFN's input); ``params`` the elements of the parameters it computes on this rank's rows under
+    sequence parallelism (norms, mHC), whose gradients are summed; ``whole_rows`` the elements of a region run on
+    the whole rows under sequence parallelism (V4.1's Engram: its input gathered, its output's gradient
+    gathered)."""
+
+    ffn_out: bool
+    entries: float
+    params: float = 0.0
+    whole_rows: float = 0.0
+
+
+def tp_ring_elements(s: int, d: int, blocks: list[SplitBlock], heads: int, root_params: float, stats: float,
+                     recompute: str, sp: bool) -> float:
+    """Ring-collective elements (an all-reduce counts twice: a reduce-scatter and an all-gather; an all-gather its
+    output, a reduce-scatter its input) one TP rank takes part in for s rows through ``blocks``, ``heads``
+    embeddings and vocabulary-parallel losses, as trex.parallel.tensor_parallel runs them. ``stats``: each loss's
+    elements per row summed in the compute dtype's units (its statistics and its hidden state's gradient, fp32);
+    ``root_params``: the parameters outside the blocks computed on this rank's rows under sequence parallelism.
+
+    Without sequence parallelism each block sums its attention's and split FFN's outputs (forward), the gradients
+    of what enters them (backward), and its forward's again in a recompute (full: both, selective: the attention);
+    each embedding sums [s, d]. With it the residual stream holds 1 / tp of the rows: each block all-gathers the
+    norms' outputs into its two regions and reduce-scatters their outputs (forward: 4 x [s, d]), all-gathers the
+    outputs' gradients (backward: 2 x [s, d]) besides the entries' sums, sums its row-computed parameters'
+    gradients, and runs the forward's again in a recompute (full: 4 x [s, d], selective: the attention site's 2);
+    each embedding reduce-scatters forward and all-gathers backward, each head all-gathers its input rows."""
+    total = 0.0
+    again = {"none": 0.0, "selective": 1.0, "full": 2.0}[recompute]  # regions run again (attention first)
+    for blk in blocks:
+        if sp:
+            total += 4 * s * d + 2 * s * d + 2 * blk.entries + 2 * blk.params + again * 2 * s * d
+            total += blk.whole_rows * (2 + (recompute == "full"))  # gathered forward (and again), backward
+        else:
+            out = [s * d, s * d if blk.ffn_out else 0.0]
+            total += 2 * sum(out) + 2 * blk.entries + 2 * sum(out[:int(again)])
+    total += heads * (2 * s * d + 2 * stats * s)  # embeddings (a sum, or a reduce-scatter and its gradient's gather); losses
+    if sp:
+        total += heads * s * d + 2 * root_params
+    return total

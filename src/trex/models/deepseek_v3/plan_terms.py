@@ -23,14 +23,14 @@ from collections.abc import Callable
 
 from trex.kernels import latent_attention, sparse_mla
 from trex.models.common.flops import mean_window_keys
-from trex.models.common.plan_terms import F32, I64, LayerActivations, rms_norm
+from trex.models.common.plan_terms import F32, I64, LayerActivations, SplitBlock, rms_norm, tp_ring_elements
 from trex.models.deepseek_v3.config import V3, V3Config
 
 # layer kinds
 V3_DENSE, V3_MOE, V3_MTP = "mla/dense", "mla/moe", "mla/mtp"
 
 
-def attention(cfg: V3Config, S: int, b: int, cp: int = 1, tp: int = 1) -> float:
+def attention(cfg: V3Config, S: int, b: int, cp: int = 1, tp: int = 1, rows: int = 1) -> float:
     """One sequence of S tokens through attn_norm and MLA, on one of ``cp`` context-parallel ranks (its s = S / cp
     rows). At cp > 1 the dense MLA runs the kernel op ``latent_attention`` (trex.kernels.latent_attention: keys
     and values expanded a chunk at a time and again in backward): it keeps the gathered [S, kv_lora_rank +
@@ -41,13 +41,13 @@ def attention(cfg: V3Config, S: int, b: int, cp: int = 1, tp: int = 1) -> float:
     picks; the whole rows' [latent | k_pe]; nothing quadratic (checked against autograd on tiny-v3.2,
     tests/test_plan_activations.py). The kernel's mask form, which it takes only when the picks are a quarter
     of the keys and its [s, H, S] scores fit 64 MiB (tiny cases), is not modelled.
-    Under tensor parallelism (``tp``, Megatron's / torchtitan's MLA plan) a rank keeps 1 / tp of the rows' attn_norm
-    (sequence parallel) and its H / tp heads' terms; the all-gathered norm output, the down projections' latents
+    Under tensor parallelism (``tp``, trex.models.deepseek_v3.tp_plan) a rank keeps its H / tp heads' terms, and
+    under sequence parallelism 1 / ``rows`` of the rows' attn_norm; the all-gathered norm output, the down projections' latents
     and their norms (replicated: every TP rank computes them on every row) whole."""
     d, H, q, kv, rd = cfg.hidden_size, cfg.num_attention_heads // tp, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     qk, nope, dv = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     s = S // cp
-    per_tok = rms_norm(d) / tp + b * d  # attn_norm (sequence parallel); wq_a / wkv_a input (one tensor)
+    per_tok = rms_norm(d) / rows + b * d  # attn_norm (sequence parallel); wq_a / wkv_a input (one tensor)
     if q:
         per_tok += rms_norm(q) + b * q  # q_norm, wq_b input
     per_tok += 2 * F32 * rd  # RoPE of q and k_pe: each keeps its complex rotation [rd/2]
@@ -71,14 +71,14 @@ def attention(cfg: V3Config, S: int, b: int, cp: int = 1, tp: int = 1) -> float:
     return per_tok * s + per_key * S + per_seq
 
 
-def ffn(cfg: V3Config, moe_layer: bool, b: int, tp: int = 1) -> float:
+def ffn(cfg: V3Config, moe_layer: bool, b: int, tp: int = 1, rows: int = 1) -> float:
     """Per token, ffn_norm and the dense SwiGLU MLP or the MoE (router, k routed experts, shared experts).
-    Under tensor parallelism (``tp``): ffn_norm over 1 / tp of the rows (sequence parallel), its all-gathered output
+    Under tensor parallelism (``tp``): ffn_norm over 1 / ``rows`` of the rows (sequence parallel), its all-gathered output
     and the router's terms whole (every TP rank routes every row), the dense MLP's and shared experts' widths
     / tp, the routed copies of 1 / tp of the rows (each TP rank dispatches its share: torchtitan's
     ReordererSequenceParallel)."""
     d = cfg.hidden_size
-    per = rms_norm(d) / tp + b * d  # ffn_norm; the FFN's input
+    per = rms_norm(d) / rows + b * d  # ffn_norm; the FFN's input
     if not moe_layer:
         return per + (3 * F32 + b) * cfg.intermediate_size / tp  # gate, up, silu(gate) in fp32; w2 input
     E, k, inter, g = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.n_group
@@ -95,19 +95,21 @@ def ffn(cfg: V3Config, moe_layer: bool, b: int, tp: int = 1) -> float:
     return per
 
 
-def block(cfg: V3Config, kind: str, mlp_type: str, S: int, b: int, cp: int = 1, tp: int = 1) -> LayerActivations:
+def block(cfg: V3Config, kind: str, mlp_type: str, S: int, b: int, cp: int = 1, tp: int = 1,
+          rows: int = 1) -> LayerActivations:
     """One block's saved bytes for one sequence on one of ``cp`` context-parallel and ``tp`` tensor-parallel ranks
-    (the FFN follows the kind: ``mlp_type`` is main_blocks')."""
+    (the FFN follows the kind: ``mlp_type`` is main_blocks'), the rows of the residual stream split over ``rows``
+    of them (sequence parallelism)."""
     moe_layer = kind != V3_DENSE
     s = S // cp
     per_seq = (4 * cfg.n_routed_experts + 2 * F32 * cfg.n_routed_experts) if moe_layer else 0  # offsets; balance
     d = cfg.hidden_size
     # enorm, hnorm (at fp32 its input is the previous head's input, saved already), eh_proj input [2d]; the
     # module's final norm
-    # (under TP: the norms over 1 / tp of the rows, eh_proj's all-gathered input whole)
-    mtp = ((3 * rms_norm(d) - (F32 * d if b == F32 else 0)) / tp + 2 * b * d) * s if kind == V3_MTP else 0.0
-    return LayerActivations(mhc=0.0, attention=attention(cfg, S, b, cp, tp) + mtp,
-                            moe=ffn(cfg, moe_layer, b, tp) * s + per_seq)
+    # (under sequence parallelism all over 1 / rows of the rows)
+    mtp = ((3 * rms_norm(d) - (F32 * d if b == F32 else 0)) + 2 * b * d) / rows * s if kind == V3_MTP else 0.0
+    return LayerActivations(mhc=0.0, attention=attention(cfg, S, b, cp, tp, rows) + mtp,
+                            moe=ffn(cfg, moe_layer, b, tp, rows) * s + per_seq)
 
 
 def weight_copies(cfg: V3Config, kind: str, b: int) -> float:
@@ -118,20 +120,20 @@ def weight_copies(cfg: V3Config, kind: str, b: int) -> float:
     return F32 * (2 * d + cfg.q_lora_rank + cfg.kv_lora_rank + (3 * d if kind == V3_MTP else 0))
 
 
-def model_level(cfg: V3Config, S: int, b: int, heads: bool = True, tp: int = 1) -> float:
+def model_level(cfg: V3Config, S: int, b: int, heads: bool = True, tp: int = 1, rows: int = 1) -> float:
     """Per-sequence bytes outside the blocks: token ids, the final norm, each head's input and loss terms. Under
-    tensor parallelism the final norm over 1 / tp of the rows (sequence parallel), the vocabulary-parallel heads'
+    tensor parallelism the final norm over 1 / ``rows`` of the rows (sequence parallel), the vocabulary-parallel heads'
     all-gathered inputs and the loss terms of every row whole."""
     heads_n = 1 + cfg.num_nextn_predict_layers
     total = I64 * heads_n * S  # ids for the embeddings (main and each MTP module's tokens ahead)
     if heads:
         d = cfg.hidden_size
-        total += (rms_norm(d) / tp + heads_n * (b * d + F32 + I64 + 1)) * S + 8 * heads_n  # norm; head input, lse, target
+        total += (rms_norm(d) / rows + heads_n * (b * d + F32 + I64 + 1)) * S + 8 * heads_n  # norm; head input, lse, target
         total += F32 * d if b != F32 else 0.0
     return total
 
 
-def backward_workspace(cfg: V3Config, kind: str, S: int, b: int, cp: int = 1, tp: int = 1) -> float:
+def backward_workspace(cfg: V3Config, kind: str, S: int, b: int, cp: int = 1, tp: int = 1, rows: int = 1) -> float:
     """Transient bytes while one V3 block runs backward on one of ``cp`` ranks: the gradients of its output and
     input streams (its s = S / cp rows), and the attention core's: [H, s, S] gradients (of the probabilities
     at the compute dtype, of the fp32 scores through softmax and the mask); at cp > 1 for the dense MLA
@@ -139,9 +141,9 @@ def backward_workspace(cfg: V3Config, kind: str, S: int, b: int, cp: int = 1, tp
     [H, tile, chunk] tiles (the scores turned probabilities in place, a matmul's output, dP turned dS); for
     V3.2's gathered sparse MLA its dq, the fp32 gradient of the whole rows' [latent | k_pe] it scatter-adds into
     and one query chunk's transients (at most sparse_mla.CHUNK_BYTES). Under tensor parallelism: the streams
-    of 1 / tp of the rows, H / tp heads. An estimate, not measured."""
+    of 1 / ``rows`` of the rows (sequence parallelism), H / tp heads. An estimate, not measured."""
     H, s = cfg.num_attention_heads // tp, S // cp
-    streams = 2 * b * cfg.hidden_size * s / tp
+    streams = 2 * b * cfg.hidden_size * s / rows
     if cfg.index_topk:
         c, k = cfg.kv_lora_rank + cfg.qk_rope_head_dim, min(cfg.index_topk, S)
         chunk = min(sparse_mla.CHUNK_BYTES, s * k * (c * (b + 8) + 16 * H))
@@ -168,10 +170,10 @@ def mtp_kind(cfg: V3Config) -> str:
     return V3_MTP
 
 
-def stream_bytes(cfg: V3Config, b: int, tp: int = 1) -> float:
+def stream_bytes(cfg: V3Config, b: int, rows: int = 1) -> float:
     """Per token, a block's input: all a checkpointed block keeps (one stream at the compute dtype; under tensor
-    parallelism a rank keeps its 1 / tp of the rows, sequence parallelism)."""
-    return b * cfg.hidden_size / tp
+    parallelism a rank keeps its 1 / ``rows`` of the rows)."""
+    return b * cfg.hidden_size / rows
 
 
 # ---- time, facts, notes ------------------------------------------------------------------------------------
@@ -264,17 +266,23 @@ def tp_split(cfg: V3Config) -> dict[str, int]:
             "shared-expert width": cfg.moe_intermediate_size * cfg.n_shared_experts}
 
 
-def tp_traffic(cfg: V3Config, S: int, b: int, recompute: str, layers: int, cp: int = 1) -> float:
+def tp_traffic(cfg: V3Config, S: int, b: int, recompute: str, layers: int, cp: int = 1, sp: bool = True) -> float:
     """Ring-collective buffer bytes one TP rank takes part in for one sequence of ``S`` tokens on one of ``cp``
-    context-parallel ranks (its S / cp rows) through ``layers`` main layers, the MTP blocks and the heads, modelled as
-    Megatron's / torchtitan's TP with sequence parallelism: per block forward an all-gather of the [S, hidden] input
-    before attention and before the FFN and a reduce-scatter of each one's output (2 + 2 buffers), backward the
-    mirror (2 + 2), a recompute the forward's again (full: 4, selective: the attention site's 2); the embedding
-    (reduce-scatter forward, all-gather backward) and each vocabulary-parallel head (all-gather forward,
-    reduce-scatter backward) once each way."""
-    per_pass = {"none": 8, "selective": 10, "full": 12}[recompute]
-    mtp = cfg.num_nextn_predict_layers
-    return b * (S // cp) * cfg.hidden_size * ((layers + mtp) * per_pass + 2 * (2 + mtp))
+    context-parallel ranks (its S / cp rows) through ``layers`` main layers, the MTP blocks and the heads, as
+    trex.parallel.tensor_parallel runs the V3 family's plan (``tp_ring_elements``, at the compute dtype). What
+    enters the heads' region, its gradient summed in backward: ``wq_b``'s input [S, q_lora_rank] (Moonlight's
+    ``wq``'s, [S, hidden]), the normed KV latent [S, kv_lora_rank] and the rotated k_pe [S, qk_rope_head_dim]; and
+    the dense FFN's or the shared experts' input [S, hidden]. Under sequence parallelism each block's two norms
+    compute on this rank's rows (their gradients summed), and outside the blocks the final norm and each MTP
+    module's enorm, hnorm, eh_proj and norm. Each vocabulary-parallel loss (head_nll) sums three fp32 statistics
+    per row forward and the fp32 hidden-state gradient backward."""
+    d, mtp, s = cfg.hidden_size, cfg.num_nextn_predict_layers, S // cp
+    attention = ((cfg.q_lora_rank or d) + cfg.kv_lora_rank + cfg.qk_rope_head_dim) * s
+    shared = bool(cfg.n_shared_experts)
+    blocks = [SplitBlock(dense or shared, attention + (d * s if dense or shared else 0), 2 * d)
+              for dense in [i < cfg.first_k_dense_replace for i in range(layers)] + [False] * mtp]
+    root = d + mtp * (2 * d * d + 3 * d)
+    return b * tp_ring_elements(s, d, blocks, 1 + mtp, root, F32 / b * (3 + d), recompute, sp)
 
 
 def table_reads(cfg: V3Config) -> int:
@@ -310,9 +318,9 @@ def counted_model(cfg: V3Config) -> tuple[V3Config, int, int]:
 def notes(cfg: V3Config, tp: int = 1) -> list[str]:
     out = []
     if tp > 1:
-        out.append("tensor parallelism is planned as Megatron's / torchtitan's plan with sequence parallelism "
-                   "(all-gathers and reduce-scatters; norms over 1/tp of the rows); trex train runs it with "
-                   "all-reduces and the residual stream whole")
+        out.append("tensor parallelism is planned as trex.parallel.tensor_parallel runs it: MLA by heads after its "
+                   "replicated down projections, the dense FFN and shared experts by width; with sequence parallelism "
+                   "unless the layout says sequence_parallel=false")
     if not cfg.index_topk:
         return out
     return out + ["DeepSeek-V3.2's indexer is planned from its config (its parameters and FLOPs, attention over its "

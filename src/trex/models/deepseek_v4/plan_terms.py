@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from trex.kernels.sparse_attention import CHUNK_BYTES, DENSE_TOPK_FRACTION
 from trex.models.common.config import HASH_MOE
-from trex.models.common.plan_terms import F32, I64, LayerActivations, rms_norm
+from trex.models.common.plan_terms import F32, I64, LayerActivations, SplitBlock, rms_norm, tp_ring_elements
 from trex.models.deepseek_v4.config import CSA, SLIDING, ModelConfig, shard_halo
 from trex.models.deepseek_v4.config_v41 import CSA2, V41Config
 
@@ -77,10 +77,10 @@ def mtp_kind(cfg: ModelConfig | V41Config) -> str:
     return cfg.mtp_layer_type
 
 
-def stream_bytes(cfg: ModelConfig | V41Config, b: int, tp: int = 1) -> float:
-    """Per token, a block's input: all a checkpointed block keeps (the hc_mult streams; whole on every TP rank:
-    trex's TP has no sequence parallelism, trex.models.deepseek_v4.tp_plan)."""
-    return b * cfg.hidden_size * cfg.hc_mult
+def stream_bytes(cfg: ModelConfig | V41Config, b: int, rows: int = 1) -> float:
+    """Per token, a block's input: all a checkpointed block keeps (the hc_mult streams; under sequence parallelism
+    a rank keeps its 1 / ``rows`` of the rows)."""
+    return b * cfg.hidden_size * cfg.hc_mult / rows
 
 
 def mhc_site(cfg: ModelConfig, b: int) -> float:
@@ -198,24 +198,25 @@ def moe(cfg: ModelConfig, mlp_type: str, b: int, tp: int = 1) -> float:
 
 
 def block(cfg: ModelConfig, layer_type: str, mlp_type: str, S: int, b: int, cp: int = 1,
-          tp: int = 1) -> LayerActivations:
+          tp: int = 1, rows: int = 1) -> LayerActivations:
     """One block's saved bytes for one sequence on one of ``cp`` context-parallel and ``tp`` tensor-parallel
-    ranks (mHC is replicated under TP: whole)."""
+    ranks (mHC over 1 / ``rows`` of the rows: sequence parallelism; whole without)."""
     balance = F32 * cfg.n_routed_experts if mlp_type != HASH_MOE else 0  # per-sequence expert fractions
-    return LayerActivations(mhc=2 * mhc_site(cfg, b) * (S // cp), attention=attention(cfg, layer_type, S, b, cp, tp),
+    return LayerActivations(mhc=2 * mhc_site(cfg, b) * (S // cp) / rows, attention=attention(cfg, layer_type, S, b, cp, tp),
                             moe=moe(cfg, mlp_type, b, tp) * (S // cp) + balance)
 
 
-def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1, tp: int = 1) -> float:
+def backward_workspace(cfg: ModelConfig, layer_type: str, S: int, b: int, cp: int = 1, tp: int = 1,
+                       rows: int = 1) -> float:
     """Transient bytes while one block runs backward (or is recomputed), on top of what it saved:
     the fp32 gradients of its output and input streams, and sparse attention's entry-gradient buffers
     (kernels.sparse_attention: the score and probability gradients of the compressed entries; over all
     entries (HCA, and CSA whose top-k covers half of them) the probabilities as one matmul operand;
     for gathered top-k, one query chunk's stacked [2H] operands and [T, k, c] per-pick gradients).
     Checked end to end by the full-recompute cases of tests/test_plan_memory_cpu.py, where it shows. Under TP
-    the H / tp heads' buffers; the streams whole."""
+    the H / tp heads' buffers; the streams over 1 / ``rows`` of the rows (sequence parallelism)."""
     n, d, H, c = cfg.hc_mult, cfg.hidden_size, cfg.num_attention_heads // tp, cfg.head_dim
-    total = 2 * F32 * n * d * (S // cp)
+    total = 2 * F32 * n * d * (S // cp) / rows
     if layer_kind(cfg, layer_type)[0] != SLIDING:
         _, kc, gathered = compressed_seen(cfg, layer_type, S)
         queries = S // cp + _halo(cfg, layer_type, cp)[0]
@@ -251,9 +252,10 @@ def head(cfg: ModelConfig, b: int) -> float:
     return hc_head + rms_norm(d) + b * d + F32 + I64 + 1  # ...; target index and its valid mask
 
 
-def model_level(cfg: ModelConfig, S: int, b: int, heads: bool = True, tp: int = 1) -> float:
+def model_level(cfg: ModelConfig, S: int, b: int, heads: bool = True, tp: int = 1, rows: int = 1) -> float:
     """Per-sequence bytes outside the blocks: ids, document ids, heads, MTP inputs, weight copies.
-    ``heads=False``: what is left once the heads and MTP modules are back-propagated."""
+    ``heads=False``: what is left once the heads and MTP modules are back-propagated. Whole rows under sequence
+    parallelism too (``rows`` unused: an upper bound; the heads read the gathered rows)."""
     n, d = cfg.hc_mult, cfg.hidden_size
     cp = 0 if b == F32 else F32
     mtp = mtp_blocks(cfg)
@@ -344,34 +346,34 @@ def tp_split(cfg: ModelConfig | V41Config) -> dict[str, int]:
             "vocabulary": cfg.vocab_size, "shared-expert width": cfg.moe_intermediate_size * cfg.n_shared_experts}
 
 
-def tp_traffic(cfg: ModelConfig | V41Config, S: int, b: int, recompute: str, layers: int, cp: int = 1) -> float:
-    """Ring-collective buffer bytes (an all-reduce counts twice: reduce-scatter + all-gather) one TP rank takes
-    part in for one sequence of ``S`` tokens on one of ``cp`` context-parallel ranks (its S / cp rows) through
-    ``layers`` main layers, the MTP blocks and the heads, as trex.parallel.tensor_parallel runs V4's plan (no
-    sequence parallelism: every collective is an all-reduce at the compute dtype). Per block, forward: the
-    row-parallel outputs, ``wo_b``'s and the shared expert's ``w2`` [S, hidden]; backward: the gradients of what
-    enters the heads' region, ``wq_b``'s input [S, q_lora_rank], the shared K = V head ``_kv`` [S + window halo,
-    head_dim], the compressed entries a compressing layer's compressor returns [S / ratio, head_dim], and the shared
-    expert's input [S, hidden], once for ``w1`` and ``w3`` (it enters the region at the expert's ``input``); a full
-    recompute runs the forward's again, a selective one the attention's (``wo_b``). Each embedding lookup (main and
-    each MTP block's) sums [S, hidden] forward; each vocabulary-parallel loss (head_nll) sums three fp32 statistics
-    per row forward and the fp32 hidden-state gradient [S, hidden] backward."""
-    d, c, q = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
-    shared = 1 if cfg.n_shared_experts else 0
+def tp_traffic(cfg: ModelConfig | V41Config, S: int, b: int, recompute: str, layers: int, cp: int = 1,
+               sp: bool = True) -> float:
+    """Ring-collective buffer bytes one TP rank takes part in for one sequence of ``S`` tokens on one of ``cp``
+    context-parallel ranks (its S / cp rows) through ``layers`` main layers, the MTP blocks and the heads, as
+    trex.parallel.tensor_parallel runs V4's plan (``tp_ring_elements``, at the compute dtype). What enters the
+    heads' region, its gradient summed in backward: ``wq_b``'s input [S, q_lora_rank], the shared K = V head ``_kv``
+    [S + window halo, head_dim], the compressed entries a compressing layer's compressor returns [S / ratio,
+    head_dim], and the shared expert's input [S, hidden]. Under sequence parallelism each block's norms and its two
+    HyperConnections compute on this rank's rows (their gradients summed), V4.1's Engram on the whole rows, and
+    the final norm, V4's mHC head and MTP's projections, norms and mHC heads outside the blocks likewise. Each vocabulary-parallel
+    loss (head_nll) sums three fp32 statistics per row forward and the fp32 hidden-state gradient backward."""
+    d, c, q, n = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.hc_mult
+    shared = bool(cfg.n_shared_experts)
     mtp = mtp_blocks(cfg)
     s = S // cp
-    total = 0.0  # elements at the compute dtype
-    for kind, n in Counter(k for k, _ in main_blocks(cfg)[:layers] + [(mtp_kind(cfg), "moe")] * mtp).items():
+    hc = (2 + n) * n * (n * d + 1) + 3  # one HyperConnection's fn, base, scale
+    blocks = []
+    kinds = [k for k, _ in main_blocks(cfg)[:layers]] + [mtp_kind(cfg)] * mtp
+    engram = set(getattr(cfg, "engram_layer_ids", ()))
+    for i, kind in enumerate(kinds):
         lt, m, computes_entries, _ = layer_kind(cfg, kind)
-        attention_fwd, ffn_fwd = d * s, shared * d * s
-        backward = q * s + c * (s + _halo(cfg, kind, cp)[0]) + shared * d * s
+        entries = q * s + c * (s + _halo(cfg, kind, cp)[0]) + (d * s if shared else 0)
         if lt != SLIDING and computes_entries:
-            backward += c * (s // m)
-        again = {"none": 0, "selective": attention_fwd, "full": attention_fwd + ffn_fwd}[recompute]
-        total += n * (attention_fwd + ffn_fwd + backward + again)
-    heads = 1 + mtp
-    total += heads * d * s + heads * F32 / b * (3 + d) * s  # embeddings; the losses' fp32 statistics and dh
-    return 2 * b * total
+            entries += c * (s // m)
+        blocks.append(SplitBlock(shared, entries, 2 * d + 2 * hc, n * s * d if i in engram else 0.0))
+    head_hc = n * n * d + n + 1  # an mHC head's fn, base, scale (V4.1 collapses with the last pre: none)
+    root = d + (0 if isinstance(cfg, V41Config) else head_hc) + mtp * (2 * d * d + 3 * d + head_hc)
+    return b * tp_ring_elements(s, d, blocks, 1 + mtp, root, F32 / b * (3 + d), recompute, sp)
 
 
 def table_reads(cfg: ModelConfig | V41Config) -> int:
