@@ -21,20 +21,21 @@ DIE = load_profiles()["ascend-910c-die"]
 
 def _tiny_v3_whole_by_hand(cfg) -> int:
     """Parameters TP leaves whole in tiny-v3, from its shapes: per block MLA's wq_a, wkv_a and their norms and the
-    two block norms; the router in MoE blocks; an MTP block's enorm, hnorm and final norm; the model's final norm."""
+    two block norms; the router in MoE blocks; an MTP block's enorm, hnorm, final norm and eh_proj [d, 2d] (whole on
+    every TP rank, trex.models.deepseek_v3.tp_plan); the model's final norm."""
     d = cfg.hidden_size
     attention = d * cfg.q_lora_rank + cfg.q_lora_rank + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) \
         + cfg.kv_lora_rank + 2 * d
     router = cfg.n_routed_experts * d
     dense, moe = cfg.first_k_dense_replace, cfg.num_hidden_layers - cfg.first_k_dense_replace
     mtp = cfg.num_nextn_predict_layers
-    return dense * attention + moe * (attention + router) + mtp * (attention + router + 3 * d) + d
+    return dense * attention + moe * (attention + router) + mtp * (attention + router + 3 * d + 2 * d * d) + d
 
 
 def test_tp_memory_per_rank_by_hand():
     facts = model_facts(TINY_V3)
     whole = _tiny_v3_whole_by_hand(TINY_V3)
-    assert facts.tp_whole_stored == facts.tp_whole_trainable == whole == 20992
+    assert facts.tp_whole_stored == facts.tp_whole_trainable == whole == 29184
     plain = make_plan(TINY_V3, Layout(dp_shard=2, ep=2, recompute="full"), 64, H100)
     tp2 = make_plan(TINY_V3, Layout(dp_shard=2, ep=2, tp=2, recompute="full"), 64, H100)
     # fp32 weights: TP's split parts halve on each TP rank, then FSDP over dp_shard = 2

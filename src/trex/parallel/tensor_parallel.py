@@ -25,6 +25,26 @@ Styles:
 ``heads_param:NAME`` the module's per-head parameter NAME split with the heads (Shard(0));
 ``head_split``      the module (an indexer aligned to the attention) is given the ``head_split`` only.
 
+Sequence parallelism (``apply_tensor_parallel``'s ``sequence_parallel``; the same styles in every family's block,
+trex.models.common.tp_plan): between the split regions each rank holds 1 / tp of the rows (dim 1 of [B, S, ...]);
+the embedding's sum is reduce-scattered by rows; and
+
+``rows_gather``     the module's output (a norm's, over this rank's rows) is all-gathered to the whole rows the
+                    region after it reads (backward keeps this rank's rows: every reader of them is replicated or
+                    enters the region itself, so their gradient is whole on every rank);
+``rows_reduce``     the module's output (a region's: attention, FFN; the first of a tuple) is reduce-scattered to
+                    this rank's rows: its row-parallel linears leave their outputs partial under it;
+``rows_partial``    the module's output, the same on every rank (the routed experts'), becomes a partial (this
+                    rank's rows kept, backward the identity) for the enclosing region's reduce-scatter;
+``rows_whole``      the module (V4.1's Engram) runs on the whole rows: its first input gathered, its output
+                    narrowed back to this rank's rows.
+
+The parameters that compute on a rank's rows (every one outside ``rows_reduce`` / ``rows_whole`` regions that the
+split leaves whole: norms, mHC, MTP's input projections, the final norm and mHC head) are seen through ``_Enter``,
+which sums their gradients over the group. The root's pre-hook decides, per forward, whether its rows split: not
+with a decode cache (generation keeps the whole rows) nor where tp does not divide the rows a rank computes; a
+forward's ``hidden`` (V4.1's DSpark taps) comes back whole.
+
 The parameters become DTensors on the tp mesh with their global shapes and names (checkpoints reshard across
 layouts; FSDP2 shards them again over the data-parallel mesh, 2-D). While a block runs (and the root, for the
 embedding and head), those parameters are seen as their local shards (``LocalView``), so the model's own
