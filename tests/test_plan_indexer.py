@@ -86,3 +86,10 @@ def test_a_recipe_with_indexer_loss_plans_the_indexer_trained_and_trex_train_ref
                                        f'train.out="{tmp_path}/run"', "train.steps=1", "train.progress=false"])
     with pytest.raises(ValueError, match=r"^train.indexer_loss: .* has no lightning indexer alignment to train"):
         train(bad)
+    assert not (tmp_path / "run").exists()  # refused before the run directory is made
+    warmup = load(TrainRecipe, overrides=['model.preset="tiny"', "train.indexer_warmup=true", "train.indexer_loss=0.1",
+                                          "train.freeze_indexer=false",
+                                          f'train.out="{tmp_path}/run2"', "train.steps=1", "train.progress=false"])
+    with pytest.raises(ValueError, match=r"^train.indexer_warmup: .* has no dense warm-up stage"):
+        train(warmup)
+    assert not (tmp_path / "run2").exists()

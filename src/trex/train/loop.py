@@ -206,6 +206,18 @@ class CompiledGraphs:
                 "graphs": self._count() - self.start}
 
 
+def check_indexer_stage(m: Model, recipe: TrainRecipe) -> None:
+    """ValueError unless ``m`` (built, or on the meta device before the run directory is made) has what
+    ``train.indexer_warmup`` and ``train.indexer_loss`` train: a dense warm-up stage (DeepSeek-V3.2), a lightning
+    indexer alignment (V4's CSA layers, V3.2's attention)."""
+    if recipe.train.indexer_warmup and not hasattr(m, "dense_warmup"):
+        raise ValueError(f"train.indexer_warmup: {m.cfg.architecture} has no dense warm-up stage (DeepSeek-V3.2 has)")
+    if recipe.train.indexer_loss > 0 and not (hasattr(m, "align_indexer")
+                                              and any(n.endswith(".indexer") for n, _ in m.named_modules())):
+        raise ValueError(f"train.indexer_loss: {m.cfg.architecture} has no lightning indexer alignment to train "
+                         "(DeepSeek-V4's CSA layers and V3.2's attention have one); set it to 0")
+
+
 def prepare_model(m: Model, recipe: TrainRecipe, par: Parallel, policy: PrecisionPolicy,
                   compile_backend: str | None) -> list[str]:
     """Make a built (or loaded) model the run's student: cast, indexer frozen or aligned, QAT
@@ -213,17 +225,12 @@ def prepare_model(m: Model, recipe: TrainRecipe, par: Parallel, policy: Precisio
     process holds parameters in the policy's dtype; sharded runs keep fp32 shards (the master
     weights) and let FSDP cast to the compute dtype."""
     m.to(dtype=torch.float32 if par.distributed else policy.param_dtype).train()
+    check_indexer_stage(m, recipe)
     warmup = recipe.train.indexer_warmup
-    if warmup and not hasattr(m, "dense_warmup"):
-        raise ValueError(f"train.indexer_warmup: {m.cfg.architecture} has no dense warm-up stage (DeepSeek-V3.2 has)")
     frozen = freeze_for_post_training(m, recipe.train.freeze_indexer, recipe.train.engram, recipe.train.router_frozen(),
                                       only_indexer=warmup)
     frozen += hold_mtp(m, recipe)  # [drafter] on MTP modules in DPO / GRPO / distillation: only the re-fit moves them
     m.set_quant(recipe.precision.quant_sim())
-    if recipe.train.indexer_loss > 0 and not (hasattr(m, "align_indexer")
-                                              and any(n.endswith(".indexer") for n, _ in m.named_modules())):
-        raise ValueError(f"train.indexer_loss: {m.cfg.architecture} has no lightning indexer alignment to train "
-                         "(DeepSeek-V4's CSA layers and V3.2's attention have one); set it to 0")
     m.align_indexer = recipe.train.indexer_loss > 0
     if warmup:
         m.dense_warmup = True  # DeepSeek-V3.2's dense warm-up: dense attention, the indexer fitted to it
@@ -336,6 +343,8 @@ def _set_up(recipe: TrainRecipe, model: Model | None, tokenizer: Tokenizer | Non
     dev.manual_seed(cfg_train.seed)  # the same on every rank: identical initial weights
     compile_backend = cfg_train.compile_with(dev)
     policy = PrecisionPolicy.resolve(recipe.precision.dtype, dev)
+    if cfg_train.indexer_loss > 0 or cfg_train.indexer_warmup:  # refused before the run directory exists
+        check_indexer_stage(model if model is not None else build_model(model_config(recipe), "meta"), recipe)
     run_dir = RunDir(cfg_train.out, enabled=par.is_main)
     heartbeat.on_lost = lambda message: run_dir.write_summary({"status": f"stopped: {message}", "steps_completed": 0})
 
