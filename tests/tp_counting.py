@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from trex.models import build_model
 from trex.models.common.context import shift_labels
 from trex.parallel import tensor_parallel
+from trex.parallel.expert_parallel import shard_experts
 
 
 @contextlib.contextmanager
@@ -61,10 +62,13 @@ class AllReduces:
         return shapes
 
 
-def split_model(cfg, mesh, sequence_parallel: bool = False):
-    """``cfg``'s model (seed 0, training mode) split over ``mesh`` by its family's plan."""
+def split_model(cfg, mesh, sequence_parallel: bool = False, experts: bool = False):
+    """``cfg``'s model (seed 0, training mode) split over ``mesh`` by its family's plan; ``experts``: the routed
+    experts split over the tp group as its expert-parallel group (ep = tp)."""
     model = build_model(cfg, seed=0).train()
     tensor_parallel.apply_tensor_parallel(model, mesh, sequence_parallel)
+    if experts:
+        shard_experts(model, mesh, mesh)
     return model
 
 

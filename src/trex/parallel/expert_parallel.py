@@ -11,6 +11,8 @@ degree 1), the tp ranks of a group hold the same tokens, routed the same way (th
 dispatches only its 1/tp of them (the rows padded to a multiple of tp with rows of routing weight 0, exact and of
 static shape), and the group all-gathers the outputs (the gather's backward keeps this rank's rows; the split's
 gathers the group's gradients, so the MoE input's gradient is whole on every rank, as the replicated parts expect).
+Under sequence parallelism no gather: each rank's outputs, in zeros elsewhere, are a partial of the MoE's output,
+which the group reduce-scatters with the shared experts' (trex.parallel.tensor_parallel).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from trex.models.common.moe import Experts, combine, expert_ffn, sort_by_expert
-from trex.parallel.tensor_parallel import TensorParallelSlice
+from trex.parallel.tensor_parallel import TensorParallelSlice, slice_of
 
 
 class ExpertParallelExperts(Experts):
@@ -48,6 +50,9 @@ class ExpertParallelExperts(Experts):
             x, idx, weights = (F.pad(t, (0, 0, 0, pad)) for t in (x, idx, weights))
         rows = (T + pad) // tp.size
         y = self._dispatch(tp.scatter(x, 0), idx.narrow(0, tp.rank * rows, rows), tp.scatter(weights, 0))
+        if tp.split:  # sequence parallelism: a partial (this rank's rows, zeros elsewhere) that the MoE's
+            # reduce-scatter sums (T divides: the rows split; ``rows_partial`` then keeps it as it is)
+            return F.pad(y, (0, 0, tp.rank * rows, (tp.size - 1 - tp.rank) * rows))
         return tp.gather(y, 0)[:T]
 
     def _dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -86,7 +91,7 @@ def shard_experts(model: nn.Module, ep_mesh, tp_mesh=None) -> list[nn.Parameter]
     """Replace every routed-experts module by its expert-parallel form; returns the expert params. ``tp_mesh``:
     the tp ranks ``ep_mesh`` spans, whose tokens are the same (module docstring); None: it spans none."""
     ep = ep_mesh.size()
-    tp_slice = TensorParallelSlice(tp_mesh) if tp_mesh is not None else None
+    tp_slice = slice_of(model, tp_mesh) if tp_mesh is not None else None
     params = []
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):

@@ -399,12 +399,22 @@ def apply_tensor_parallel(model: Model, tp_mesh: DeviceMesh, sequence_parallel: 
                 module.register_forward_pre_hook(lambda m, args: (slice_.rows(args[0]), *args[1:]))
                 module.register_forward_hook(lambda m, args, out: slice_.own_rows(out))
                 whole_rows.append(module)
+    model.__dict__[_SLICE] = slice_
     if sequence_parallel:
         model.register_forward_pre_hook(functools.partial(_split_rows, slice_=slice_), with_kwargs=True)
         model.register_forward_hook(functools.partial(_whole_hidden, slice_=slice_))
     blocks = (*model.layers, *getattr(model, "mtp", ()))
     for unit in (model, *blocks):
         LocalView(unit, slice_, skip=blocks if unit is model else (), whole_rows=tuple(whole_rows))
+
+
+_SLICE = "_trex_tp_slice"
+
+
+def slice_of(model: Model, tp_mesh: DeviceMesh) -> TensorParallelSlice:
+    """The slice ``apply_tensor_parallel`` split ``model`` with over ``tp_mesh`` (whose ``split`` says, per forward,
+    whether the rows are split), or a new one for a model it did not split."""
+    return model.__dict__.get(_SLICE) or TensorParallelSlice(tp_mesh)
 
 
 def _split_rows(model: Model, args: tuple, kwargs: dict, slice_: TensorParallelSlice) -> None:

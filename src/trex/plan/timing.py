@@ -21,10 +21,13 @@ Communication per step and device, ring algorithms (a device moves (g-1)/g of th
          (kv_lora_rank + qk_rope_head_dim values a token) and the reduce-scatter of its gradient
          (and V3.2's index keys, forward only).
   TP     per micro-batch, the family's ``tp_traffic`` (its collectives per layer, forward, backward and again
-         in a recompute, and the embedding's and heads'): the V3 family as Megatron / torchtitan with sequence
-         parallelism (all-gathers and reduce-scatters of [mb x S / cp, hidden]), V4 and V4.1 as trex's TP
-         runs them (all-reduces of the row-parallel outputs forward and of the column-parallel inputs'
-         gradients backward). TP ranks are adjacent: a group within a node runs at the intra-node link.
+         in a recompute, and the embedding's and heads'), as trex.parallel.tensor_parallel runs them: with
+         sequence parallelism (``Layout.sequence_parallel``, the default) all-gathers and reduce-scatters of
+         [mb x S / cp, hidden] around each region, without it all-reduces of the regions' outputs; both sum the
+         gradients of what enters a region. An expert-parallel group spanning the TP ranks all-gathers the
+         gradients of each MoE layer's dispatched rows and routing weights over them (backward), and without
+         sequence parallelism its outputs too (forward, and again in a full recompute).
+         TP ranks are adjacent: a group within a node runs at the intra-node link.
          ``tp_overlap`` (default 0, as torchtitan without async TP) hides it. Every TP rank also runs the
          matmuls TP leaves whole (``ModelFacts.tp_whole_matmul``: the attention's and the router's) on all
          of the group's rows: ``tp - 1`` extra copies of that work, in the compute time, not in the MFU.
@@ -129,9 +132,18 @@ def tp_traffic(cfg: AnyConfig, layout: Layout, seq_len: int, b: int) -> float:
     if layout.tp == 1:
         return 0.0
     family = terms(cfg)
-    return layout.micro_batch * family.tp_traffic(cfg, seq_len, b, layout.recompute,
-                                                  cfg.num_hidden_layers // layout.pp, layout.cp,
-                                                  layout.sequence_parallel)
+    layers = cfg.num_hidden_layers // layout.pp
+    total = family.tp_traffic(cfg, seq_len, b, layout.recompute, layers, layout.cp, layout.sequence_parallel)
+    if layout.ep > 1:  # the expert-parallel group spans the TP ranks (trex.parallel.expert_parallel): each rank
+        # dispatches its 1 / tp of the rows, backward all-gathers the gradients of their input [S, hidden] and of their
+        # fp32 routing weights [S, k]; without sequence parallelism the outputs are all-gathered forward (again in a
+        # full recompute)
+        rows, moe = seq_len // layout.cp, family.moe_layers(cfg, layers) + family.mtp_blocks(cfg)
+        per_layer = b * rows * cfg.hidden_size + 4 * rows * cfg.num_experts_per_tok
+        if not layout.sequence_parallel:
+            per_layer += (2 if layout.recompute == "full" else 1) * b * rows * cfg.hidden_size
+        total += moe * per_layer
+    return layout.micro_batch * total
 
 
 def tp_whole_flops(cfg: AnyConfig, facts: ModelFacts, seq_len: int, tp: int, recompute: str) -> tuple[float, float]:
