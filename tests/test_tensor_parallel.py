@@ -108,6 +108,41 @@ def test_a_shared_expert_enters_the_split_region_once(preset, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-v3", "tiny", "tiny-v4.1"])
+def test_sequence_parallelism_keeps_a_blocks_rows_split_and_generation_whole(preset, monkeypatch):
+    """At tp = 2 with sequence parallelism every block (main and MTP) is given this rank's half of the rows (what a
+    block checkpointed under full recompute keeps) and every attention and FFN the whole rows, and the vocabulary's
+    logits come back for every row; 63 rows (not divisible) and a forward with a decode cache keep the whole rows
+    everywhere. Without it, the blocks see the whole rows."""
+    from tp_counting import fake_tp, split_model
+
+    from trex.models.common.context import shift_labels
+    from trex.models.registry import decode_cache
+
+    cfg = get_preset(preset)
+    with fake_tp(2) as mesh:
+        for sequence_parallel in (True, False):
+            model = split_model(cfg, mesh, sequence_parallel)
+            seen: dict[str, set[int]] = {"block": set(), "region": set()}
+            for block in (*model.layers, *model.mtp):
+                block.register_forward_pre_hook(lambda m, args: seen["block"].add(args[0].shape[1]))
+                for region in (block.attn, block.ffn):
+                    region.register_forward_pre_hook(lambda m, args: seen["region"].add(args[0].shape[1]))
+            for S in (64, 63):
+                seen["block"].clear(), seen["region"].clear()
+                ids = torch.randint(0, cfg.vocab_size, (2, S), generator=torch.Generator().manual_seed(0))
+                docs = torch.zeros_like(ids)
+                out = model(ids, doc_ids=docs, targets=[shift_labels(ids, 1, docs)])
+                assert out.logits.shape == (2, S, cfg.vocab_size) and out.token_nll[0].shape == (2, S)
+                split = sequence_parallel and S % 2 == 0
+                assert seen == {"block": {S // 2 if split else S}, "region": {S}}, (sequence_parallel, S)
+            seen["block"].clear(), seen["region"].clear()
+            with torch.no_grad():
+                model.eval()(ids[:, :8], cache=decode_cache(cfg, 4))
+            assert seen == {"block": {8}, "region": {8}}
+
+
+@pytest.mark.slow
 def test_a_tp2_step_of_tiny_v3_all_reduces_once_per_split_input(monkeypatch):
     """One forward + backward of tiny-v3 (3 layers, 1 MTP block) at tp = 2: forward per block ``wo``'s and the FFN's
     ``w2``'s sums, each embedding's, each loss's statistics; backward per block one sum each of ``wq_b``'s input,
