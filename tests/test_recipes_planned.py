@@ -74,7 +74,7 @@ def test_a_model_and_a_device_count_alone_plan_the_fastest_layout_that_fits(caps
     # the README's line: no recipe, no --seq, no --layout
     assert main(["plan", "--model", "deepseek-v4-pro", "--hardware", "ascend-910c-die", "--devices", "1024"]) == 0
     out, err = capsys.readouterr()
-    assert "FITS" in out and "dp_shard=1024" in out and "4096" in out
+    assert "FITS" in out and "(1024 x ascend-910c-die" in out and "4096" in out
     assert "4096-token sequences" in err and "fastest of" in err
 
 
