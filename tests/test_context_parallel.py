@@ -209,18 +209,14 @@ def test_ten_steps_at_cp2_match_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, seq_len, says", [
-    ("parallel.cp=2", 100, ["data.seq_len = 100 with parallel.cp = 2", "would work"]),
-    ("parallel.tp=2", 63, ["data.seq_len = 63: parallel.tp = 2 does not divide the 63 rows",
-                           "parallel.sequence_parallel = false"])], ids=["cp", "tp-sequence-parallel"])
-def test_a_sequence_the_layout_cannot_split_fails_before_step_one(tmp_path, layout, seq_len, says):
+def test_a_sequence_the_layout_cannot_split_fails_before_step_one(tmp_path):
     (tmp_path / "recipe.toml").write_text("# everything set on the command line\n")
     cmd = [sys.executable, "-m", "trex", "launch", "--nproc-per-node=2", f"--master-port={_free_port()}", "train",
-           str(tmp_path / "recipe.toml"), "--out", str(tmp_path / "run"), "--set", layout,
-           "--set", f"data.seq_len={seq_len}", "--set", "train.steps=1"]
+           str(tmp_path / "recipe.toml"), "--out", str(tmp_path / "run"), "--set", "parallel.cp=2",
+           "--set", "data.seq_len=100", "--set", "train.steps=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TREX_DEVICE": "cpu"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 2, proc.stderr[-3000:]  # a user error
-    assert all(part in proc.stderr for part in says), proc.stderr[-2000:]
+    assert "data.seq_len = 100 with parallel.cp = 2" in proc.stderr and "would work" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

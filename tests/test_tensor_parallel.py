@@ -64,6 +64,20 @@ def test_a_tp_that_does_not_divide_the_model_names_the_numbers():
         check_divisible(v4, 4)
 
 
+def test_rows_sequence_parallelism_cannot_split_are_refused_in_the_recipe():
+    """A data.seq_len whose rows per context-parallel rank tp does not divide: one line naming the numbers when the
+    recipe is read (before any process group), unless sequence parallelism is off."""
+    from trex.recipe import RecipeError, load
+    from trex.train.config import TrainRecipe
+
+    with pytest.raises(RecipeError, match=r"data.seq_len = 100: parallel.tp = 4 does not divide the 50 rows of a "
+                                          r"sequence per context-parallel rank .* multiple of cp x tp = 8, or set "
+                                          r"parallel.sequence_parallel = false"):
+        load(TrainRecipe, overrides=["parallel.tp=4", "parallel.cp=2", "data.seq_len=100"])
+    load(TrainRecipe, overrides=["parallel.tp=4", "parallel.cp=2", "data.seq_len=100", "parallel.sequence_parallel=false"])
+    load(TrainRecipe, overrides=["parallel.tp=4", "parallel.cp=2", "data.seq_len=128"])
+
+
 def test_a_family_without_a_plan_is_refused_in_one_line(monkeypatch):
     monkeypatch.setitem(ARCHITECTURES, "deepseek_v41", replace(ARCHITECTURES["deepseek_v41"], tp_plan=None))
     with pytest.raises(ValueError, match=r"^parallel.tp: deepseek_v41 has no tensor-parallel plan yet \(families "

@@ -197,3 +197,11 @@ class TrainRecipe:
     environment: EnvironmentSection = field(default_factory=EnvironmentSection)
     drafter: DrafterSection = field(default_factory=DrafterSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def __post_init__(self) -> None:
+        rows = self.data.seq_len // self.parallel.cp  # a rank's rows of a sequence, split over tp under SP
+        if self.parallel.tp > 1 and self.parallel.sequence_parallel and rows % self.parallel.tp:
+            raise ValueError(f"data.seq_len = {self.data.seq_len}: parallel.tp = {self.parallel.tp} does not divide the "
+                             f"{rows} rows of a sequence per context-parallel rank that sequence parallelism splits; "
+                             f"make it a multiple of cp x tp = {self.parallel.cp * self.parallel.tp}, or set "
+                             "parallel.sequence_parallel = false")

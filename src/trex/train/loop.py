@@ -359,11 +359,6 @@ def _set_up(recipe: TrainRecipe, model: Model | None, tokenizer: Tokenizer | Non
             check_shardable(cfg_model, recipe.data.seq_len, layout.cp)
         except ValueError as e:
             raise ValueError(f"data.seq_len = {recipe.data.seq_len} with parallel.cp = {layout.cp}: {e}") from None
-    rows = recipe.data.seq_len // layout.cp  # a rank's rows of a sequence, split over tp by sequence parallelism
-    if layout.tp > 1 and layout.sequence_parallel and rows % layout.tp:
-        raise ValueError(f"data.seq_len = {recipe.data.seq_len}: parallel.tp = {layout.tp} does not divide the {rows} "
-                         f"rows of a sequence per context-parallel rank that sequence parallelism splits; make it a "
-                         f"multiple of cp x tp = {layout.cp * layout.tp}, or set parallel.sequence_parallel = false")
     if model is None and recipe.model.path and par.distributed:
         model = load_sharded(recipe.model.path, prepare, dev.torch_device,  # each rank reads its shards
                              overrides=recipe.model.overrides)
