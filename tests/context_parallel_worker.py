@@ -6,7 +6,8 @@
 Several layouts run one after the other in one launch, on one process group (each its own mesh and model).
 
 COMPILED = 1: every block checkpointed (full) and compiled with fullgraph=True (the aot_eager
-backend: the graphs, partitioned for the recompute as Inductor's are, without code generation).
+backend: the graphs, partitioned for the recompute as Inductor's are, without code generation); COMPILED = 2: each
+block's attention site checkpointed (selective), eager.
 V3 = 1: DeepSeek-V3's tiny preset (MLA, a dense first layer, group-limited routing, MTP), not V4's; V3 = 2:
 tiny-v3.2 (its indexer picking 8 keys, their KL trained as the sparse stage's ``[train] indexer_loss``).
 V3 = 3: V4's tiny model with its CSA layers' indexer KL trained likewise; V3 = 4: tiny-v4.1 (CSA2, Engram, the
@@ -79,7 +80,8 @@ def step(out: str, dp_shard: int = 1, ep: int = 1, cp: int = 1, compiled: int = 
     model = build_model(cfg, seed=0).train()
     model.align_indexer = v3 in (2, 3)
     if compiled:  # the plan's order: activation checkpointing, compile, then (below) CP, EP and FSDP2
-        apply_activation_checkpointing(model, "full")
+        apply_activation_checkpointing(model, "full" if compiled == 1 else "selective")
+    if compiled == 1:
         apply_compile(model, fullgraph=True, backend="aot_eager")
     apply_parallelism(model, par, PrecisionPolicy.resolve("fp32", dev))
     per_rank = ROWS // par.data_world
@@ -96,7 +98,7 @@ def step(out: str, dp_shard: int = 1, ep: int = 1, cp: int = 1, compiled: int = 
     # the per-position NLL checks how shards gather; compiled, it runs the blocks eagerly: under no_grad their
     # graphs would be traced again (a new grad mode), a third of this layout's time for what the loss and the
     # gradients above already check of the compiled blocks
-    with torch.no_grad(), torch.compiler.set_stance("force_eager" if compiled else "default"):
+    with torch.no_grad(), torch.compiler.set_stance("force_eager" if compiled == 1 else "default"):
         nll = next_token_nll(model, mine.input_ids, mine.doc_ids, heads=1 if v3 == 4 else 2).token_nll
     samples = _sample(model) if sample else None
     if par.rank == 0:

@@ -46,7 +46,7 @@ class ParallelSection:
     """Context-parallel size: each sequence is split into this many contiguous shards, one per rank
     (those ranks read the same micro-batches). data.seq_len must split evenly (see trex plan)."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    """none | full | selective (recompute mHC and attention)."""
+    """none | full | selective (recompute the attention site: V4's mHC and attention, the V3 family's attention)."""
     reduce_every_micro_batch: bool = False
     """With grad_accum > 1: reduce-scatter gradients after every micro-batch, so only sharded fp32
     gradients accumulate (grad_accum reduce-scatters per step). Off: one reduce-scatter after the

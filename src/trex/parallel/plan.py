@@ -111,11 +111,12 @@ def sync_gradients(model: nn.Module, micro_batch: int, micro_batches: int) -> No
 
 
 def apply_activation_checkpointing(model: Model, mode: str) -> None:
-    """none; full (each block); selective (each block's mHC + attention site: hc_attn)."""
+    """none; full (each block); selective (each block's attention site: V4's mHC + attention, ``hc_attn``; the
+    attention, ``attn``, in a block without mHC, the V3 family's)."""
     if mode == "none":
         return
     for block in [*model.layers, *model.mtp]:
-        _recompute(block if mode == "full" else block.hc_attn, block)
+        _recompute(block if mode == "full" else getattr(block, "hc_attn", None) or block.attn, block)
 
 
 def apply_compile(model: Model, fullgraph: bool = True, backend: str = "inductor") -> None:
