@@ -119,6 +119,7 @@ class Layout:
     def describe(self) -> str:
         parts = [f"dp_shard={self.dp_shard}", f"ep={self.ep}"] + ([f"cp={self.cp}"] if self.cp > 1 else [])
         parts += [f"tp={self.tp}"] if self.tp > 1 else []
+        parts += ["no-sequence-parallel"] if self.tp > 1 and not self.sequence_parallel else []
         if self.dp_replicate > 1:
             parts.insert(0, f"dp_replicate={self.dp_replicate}")
         if self.pp > 1:

@@ -609,5 +609,6 @@ def _summary(r: _Run, wall_time_s: float) -> dict:
         **({"drafter": r.refit.summary()} if r.refit is not None else {}),
         "parallel": {"world_size": r.par.world_size, "dp_replicate": r.par.dp_replicate, "dp_shard": r.par.dp_shard,
                      "ep": r.par.ep, "cp": r.par.cp, "tp": r.par.tp,
+                     "sequence_parallel": r.par.tp > 1 and r.par.sequence_parallel,
                      "activation_checkpointing": layout.activation_checkpointing},
     }
