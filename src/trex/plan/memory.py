@@ -86,6 +86,18 @@ class BackwardMoment:
     gradients: float  # gradients this backward has already produced (this rank's shard)
 
 
+_MEMO: dict[int, tuple[AnyConfig, dict]] = {}
+
+
+def _memo(cfg: AnyConfig) -> dict:
+    """The per-block terms already computed for this config object (held here, so its id is not reused; a
+    config is a value the planner never changes in place)."""
+    held = _MEMO.get(id(cfg))
+    if held is None or held[0] is not cfg:
+        held = _MEMO[id(cfg)] = (cfg, {})
+    return held[1]
+
+
 def backward_peak(cfg: AnyConfig, facts: ModelFacts, layout: Layout, seq_len: int, b: int,
                   grads_held: bool) -> BackwardMoment:
     """The busiest moment of the backward of the busiest pipeline stage, found by walking the backward
@@ -116,7 +128,13 @@ def backward_peak(cfg: AnyConfig, facts: ModelFacts, layout: Layout, seq_len: in
             return stream + blk.mhc / 2 + blk.moe, blk.mhc / 2 + blk.attention + copies, work  # FFN site's mHC, MoE kept
         return stream, blk.total + copies, work
 
-    kinds = {k: kind(*k) for k in dict.fromkeys(blocks)}  # a few kinds; the search calls this per layout
+    memo = _memo(cfg)  # a search plans thousands of layouts over a few kinds of block at a few shapes
+    kinds = {}
+    for k in dict.fromkeys(blocks):
+        key = (*k, S, b, cp, tp, rows, layout.recompute)
+        if key not in memo:
+            memo[key] = kind(*k)
+        kinds[k] = memo[key]
     saved, rebuilt, workspace = ([kinds[k][i] for k in blocks] for i in range(3))
 
     def own(j: int) -> float:

@@ -219,11 +219,17 @@ def _build_facts(cfg: AnyConfig) -> ModelFacts:
 
 
 _CACHE: dict[str, ModelFacts] = {}
+_BY_OBJECT: dict[int, tuple[AnyConfig, ModelFacts]] = {}  # id -> (the config, held so its id is not reused)
 
 
 def model_facts(cfg: AnyConfig) -> ModelFacts:
-    """Facts of ``cfg`` (cached by the config's contents)."""
+    """Facts of ``cfg`` (cached by the config's contents; the same config object, as a search passes it thousands of
+    times, without reading them again)."""
+    held = _BY_OBJECT.get(id(cfg))
+    if held is not None and held[0] is cfg:
+        return held[1]
     key = repr(cfg)
     if key not in _CACHE:
         _CACHE[key] = _build_facts(cfg)
+    _BY_OBJECT[id(cfg)] = (cfg, _CACHE[key])
     return _CACHE[key]
