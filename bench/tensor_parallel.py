@@ -5,10 +5,10 @@ sequence parallelism, the default, and without), and that traffic against the pl
 A DeepSeek-V3 family model (MLA; a dense first layer, then MoE; no MTP) at two sizes, one sequence of S tokens,
 fp32, gloo; each rank one thread. Every layout runs in its own torchrun (tp = 1: one process), split by
 trex.parallel.tensor_parallel as `[parallel] tp` does. Time: the slowest rank's forward + backward, the median of
-the timed steps. Memory: the bytes autograd saves for backward in one step (unique storages; weights, their local shards and
-FSDP2's unsharded copies left out),
-and the weights' local shards, the worst rank; the bytes the blocks' inputs hold (what a block checkpointed under
-full recompute keeps for backward: the whole rows without sequence parallelism, 1 / tp of them with it); and Linux VmHWM during the timed steps minus VmRSS before them,
+the timed steps. Memory: the bytes autograd saves for backward in one step (unique storages; weights, their
+local shards and FSDP2's unsharded copies left out), and the weights' local shards, the worst rank; the bytes the
+blocks' inputs hold (what a block checkpointed under full recompute keeps for backward: the whole rows without
+sequence parallelism, 1 / tp of them with it); and Linux VmHWM during the timed steps minus VmRSS before them,
 which also holds what the allocator and gloo keep (at these sizes it says little). On a machine with fewer cores
 than ranks the ranks share cores, so there the times say nothing about speed-up.
 

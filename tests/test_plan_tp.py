@@ -188,12 +188,12 @@ def test_tp_traffic_is_what_a_tp2_step_moves(preset, ep, sequence_parallel, monk
     backward of the model split at tp = 2 (every head's loss; fp32: 4 bytes), with sequence parallelism and
     without, counted in one process over a fake process group (tests/tp_counting.py): the all-reduces, all-gathers
     and reduce-scatters."""
-    from tp_counting import AllReduces, fake_tp, split_model, training_step
+    from tp_counting import Collectives, fake_tp, split_model, training_step
 
     cfg, S = get_preset(preset), 64
     with fake_tp(2) as mesh:
         model = split_model(cfg, mesh, sequence_parallel, experts=ep > 1)
-        counted = AllReduces(monkeypatch)
+        counted = Collectives(monkeypatch)
         training_step(model, S, counted)
     layout = Layout(dp_shard=1, tp=2, ep=ep, sequence_parallel=sequence_parallel)
     assert counted.bytes == tp_traffic(cfg, layout, S, 4)

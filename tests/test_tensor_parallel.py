@@ -91,7 +91,7 @@ def test_a_shared_expert_enters_the_split_region_once(preset, monkeypatch):
     (w2's partial sums) and once backward (its input's gradient, for w1 and w3 together: they read it inside the
     region, entered at the expert's parameter-free ``input``); the plan's patterns hit SharedExperts only (a MoE
     layer's ``ffn`` has no ``input``), and the state dict keeps its names."""
-    from tp_counting import AllReduces, fake_tp, split_model
+    from tp_counting import Collectives, fake_tp, split_model
 
     from trex.models.common.moe import SharedExpert
     from trex.parallel.tensor_parallel import local_view_of, planned_modules, tp_plan
@@ -110,7 +110,7 @@ def test_a_shared_expert_enters_the_split_region_once(preset, monkeypatch):
         for path, (_, styles) in planned.items():
             if path.rpartition(".")[2] in ("w1", "w3", "w2", "input") and ".attn." not in path:
                 assert path.rpartition(".")[0] in experts, path
-        counted = AllReduces(monkeypatch)
+        counted = Collectives(monkeypatch)
         for path, expert in experts.items():
             block = model.get_submodule(".".join(path.split(".")[:2]))
             x = torch.randn(5, cfg.hidden_size, requires_grad=True)
@@ -162,13 +162,13 @@ def test_a_tp2_step_of_tiny_v3_all_reduces_once_per_split_input(monkeypatch):
     ``w2``'s sums, each embedding's, each loss's statistics; backward per block one sum each of ``wq_b``'s input,
     MLA's latent and its k_pe, the FFN's input (each SharedExpert's once, no longer once for ``w1`` and once for
     ``w3``: 22 before), and each loss's hidden-state gradient."""
-    from tp_counting import AllReduces, fake_tp, split_model, training_step
+    from tp_counting import Collectives, fake_tp, split_model, training_step
 
     cfg = get_preset("tiny-v3")
     blocks, heads = cfg.num_hidden_layers + cfg.num_nextn_predict_layers, 1 + cfg.num_nextn_predict_layers
     with fake_tp(2) as mesh:
         model = split_model(cfg, mesh)
-        forward, backward = training_step(model, 16, AllReduces(monkeypatch))
+        forward, backward = training_step(model, 16, Collectives(monkeypatch))
     d, S = cfg.hidden_size, 16
     elements = sorted(math.prod(shape) for shape in backward)  # [B, S, ...] or [B * S, ...]
     assert elements == sorted([S * cfg.q_lora_rank, S * cfg.kv_lora_rank, S * cfg.qk_rope_head_dim, S * d] * blocks

@@ -1,6 +1,6 @@
 """Tensor parallelism's collectives counted in one process: a model split at tp = N over a fake process group
 (torch's ``fake`` backend: rank 0 of N, every collective a no-op that returns its input, so the values are not
-the group's) and each all-reduce trex.parallel.tensor_parallel issues recorded. What is counted is what a real
+the group's) and each collective trex.parallel.tensor_parallel issues recorded. What is counted is what a real
 tp group runs: the plan, the hooks and the autograd functions are the real ones; only the numbers are wrong."""
 
 from __future__ import annotations
@@ -28,14 +28,13 @@ def fake_tp(size: int = 2):
         dist.destroy_process_group()
 
 
-class AllReduces:
+class Collectives:
     """The collectives tensor_parallel issues while entered: each buffer's shape and its ring bytes (as the planner
     counts: an all-reduce 2 x the buffer, a reduce-scatter + an all-gather; an all-gather its output, a
-    reduce-scatter its input). ``shapes`` are the all-reduces'; ``kinds`` every collective's (kind, shape)."""
+    reduce-scatter its input); ``shapes`` are the all-reduces'."""
 
     def __init__(self, monkeypatch):
         self.shapes: list[tuple[int, ...]] = []
-        self.kinds: list[tuple[str, tuple[int, ...]]] = []
         self.bytes = 0
 
         def counted(name: str, ring: int, size_of):
@@ -43,10 +42,8 @@ class AllReduces:
 
             def counting(x: torch.Tensor, *args) -> torch.Tensor:
                 out = real(x, *args)
-                shape = tuple(size_of(x, out).shape)
                 if name == "_all_reduce":
-                    self.shapes.append(shape)
-                self.kinds.append((name.strip("_"), shape))
+                    self.shapes.append(tuple(x.shape))
                 self.bytes += ring * size_of(x, out).numel() * x.element_size()
                 return out
 
@@ -57,8 +54,8 @@ class AllReduces:
         counted("_reduce_scatter", 1, lambda x, out: x)
 
     def take(self) -> list[tuple[int, ...]]:
-        """The all-reduces' shapes since the last take (every collective's kinds, too, are taken)."""
-        shapes, self.shapes, self.kinds = self.shapes, [], []
+        """The all-reduces' shapes since the last take."""
+        shapes, self.shapes = self.shapes, []
         return shapes
 
 
@@ -72,7 +69,7 @@ def split_model(cfg, mesh, sequence_parallel: bool = False, experts: bool = Fals
     return model
 
 
-def training_step(model, S: int, counted: AllReduces) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+def training_step(model, S: int, counted: Collectives) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
     """One sequence of S tokens through every head (main and MTP), the losses' sum backward: the shapes of the
     all-reduces ``counted`` saw in the forward and in the backward."""
     cfg = model.cfg

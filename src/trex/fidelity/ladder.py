@@ -103,8 +103,8 @@ def build_parts(side: Side) -> Parts:
     dev = device_layer.detect(recipe.train.device or None)
     dev.set_current()
     layout = recipe.parallel
-    par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev, cp=layout.cp, tp=layout.tp,
-                        sequence_parallel=layout.sequence_parallel)
+    par = init_parallel(layout.dp_replicate, layout.dp_shard, layout.ep, layout.timeout_s, dev, cp=layout.cp,
+                        tp=layout.tp, sequence_parallel=layout.sequence_parallel)
     dev.manual_seed(recipe.train.seed)
     policy = PrecisionPolicy.resolve(recipe.precision.dtype, dev)
     tokenizer = tokenizer_for(recipe.data.tokenizer)

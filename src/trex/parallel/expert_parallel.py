@@ -51,7 +51,7 @@ class ExpertParallelExperts(Experts):
         rows = (T + pad) // tp.size
         y = self._dispatch(tp.scatter(x, 0), idx.narrow(0, tp.rank * rows, rows), tp.scatter(weights, 0))
         if tp.split:  # sequence parallelism: a partial (this rank's rows, zeros elsewhere) that the MoE's
-            # reduce-scatter sums (T divides: the rows split; ``rows_partial`` then keeps it as it is)
+            # reduce-scatter sums (T divides: the rows split; ``rows_partial`` leaves it as it is)
             return F.pad(y, (0, 0, tp.rank * rows, (tp.size - 1 - tp.rank) * rows))
         return tp.gather(y, 0)[:T]
 

@@ -258,8 +258,7 @@ def init_parallel(dp_replicate: int, dp_shard: int, ep: int, timeout_s: int,
     mesh["dp_replicate", "efsdp", "ep", "cp", "tp"]._flatten("world")
     if ep_spans_tp(ep, tp):
         mesh["ep", "tp"]._flatten("ep_tp")
-    par = Parallel(dist.get_rank(), world_size, replicate, shard, ep, cp, mesh, tp)
-    par.sequence_parallel = sequence_parallel
+    par = Parallel(dist.get_rank(), world_size, replicate, shard, ep, cp, mesh, tp, sequence_parallel=sequence_parallel)
     if tp > 1:
         par.summed_group = par._sliced("summed").get_group()
     return par

@@ -35,7 +35,9 @@ the embedding's sum is reduce-scattered by rows; and
 ``rows_reduce``     the module's output (a region's: attention, FFN; the first of a tuple) is reduce-scattered to
                     this rank's rows: its row-parallel linears leave their outputs partial under it;
 ``rows_partial``    the module's output, the same on every rank (the routed experts'), becomes a partial (this
-                    rank's rows kept, backward the identity) for the enclosing region's reduce-scatter;
+                    rank's rows kept, backward the identity) for the enclosing region's reduce-scatter; experts
+                    whose expert-parallel group spans the tp ranks (their ``tp_slice`` this group's) return one
+                    already (trex.parallel.expert_parallel);
 ``rows_whole``      the module (V4.1's Engram) runs on the whole rows: its first input gathered, its output
                     narrowed back to this rank's rows.
 
@@ -393,8 +395,9 @@ def apply_tensor_parallel(model: Model, tp_mesh: DeviceMesh, sequence_parallel: 
             elif kind == "rows_reduce":
                 module.register_forward_hook(lambda m, args, out: _first(out, slice_.sum_rows))
                 whole_rows.append(module)
-            elif kind == "rows_partial":
-                module.register_forward_hook(lambda m, args, out: slice_.partial(out))
+            elif kind == "rows_partial":  # experts dispatching over this group's ranks return a partial already
+                module.register_forward_hook(
+                    lambda m, args, out: out if getattr(m, "tp_slice", None) is slice_ else slice_.partial(out))
             elif kind == "rows_whole":
                 module.register_forward_pre_hook(lambda m, args: (slice_.rows(args[0]), *args[1:]))
                 module.register_forward_hook(lambda m, args, out: slice_.own_rows(out))

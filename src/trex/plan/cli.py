@@ -21,8 +21,8 @@ def register(sub) -> None:
     p.add_argument("--seq", type=int, help="tokens per sequence")
     p.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (sets grad_accum)")
     p.add_argument("--layout", default="", help="Layout fields, e.g. dp_shard=64,ep=32,pp=1,micro_batch=1; tp=N for tensor "
-                                                "parallelism (sequence_parallel=false: without sequence "
-                                                "parallelism); train_engram=true, train_indexer=true for what trains "
+                                                "parallelism, with sequence parallelism unless "
+                                                "sequence_parallel=false; train_engram=true, train_indexer=true for what trains "
                                                 "beyond the default (default: none: the recipe's layout, or the "
                                                 "fastest that fits)")
     p.add_argument("--override", default="", metavar="FIELD=VALUE,...",

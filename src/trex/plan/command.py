@@ -77,7 +77,8 @@ def recipe_inputs(path: str, devices: int | None) -> tuple[str | None, Layout, i
     tp = par.tp
     shard = par.dp_shard if par.dp_shard != -1 else devices // (par.dp_replicate * par.cp * tp)
     layout = Layout(dp_shard=shard, dp_replicate=par.dp_replicate, ep=par.ep, cp=par.cp, tp=tp,
-                    sequence_parallel=par.sequence_parallel, micro_batch=r.data.micro_batch_size, grad_accum=r.train.grad_accum,
+                    sequence_parallel=par.sequence_parallel, micro_batch=r.data.micro_batch_size,
+                    grad_accum=r.train.grad_accum,
                     recompute=par.activation_checkpointing, optimizer=r.optim.name,
                     reduce_every_micro_batch=par.reduce_every_micro_batch, train_engram=r.train.engram == "train",
                     train_indexer=r.train.indexer_loss > 0)

@@ -37,15 +37,14 @@ MODULE_TYPES = (
     ("norms", r"norm\.weight$"),
     ("mtp_projections", r"\.(e_proj|h_proj)\."),
 )
-# Parameters tensor parallelism splits (trex.plan.layout.Layout.tp). The DeepSeek-V3 family as Megatron /
-# torchtitan: MLA's up projections column-wise and output row-wise (the low-rank down projections, their norms
-# and the router stay whole on every TP rank), the dense FFN column/row-wise, an MTP block's eh_proj whole
-# (trex.models.deepseek_v3.tp_plan; Megatron's MTP splits it column-wise). V4 and V4.1 as trex.models.deepseek_v4.tp_plan and tp_plan_v41: wq_b by heads,
-# the per-head attn_sink with them, wo_a by whole output groups, wo_b row-wise (wq_a, the K = V head wkv, the
-# compressor, the indexer, mHC, the norms, the router and V4.1's Engram whole; tests/test_plan_tp.py checks this
-# against both plans). Both: the
-# shared experts column/row-wise, embedding and head by vocabulary.
-# Routed experts are split by expert parallelism instead (counted apart, ``experts``).
+# Parameters tensor parallelism splits (trex.plan.layout.Layout.tp). The DeepSeek-V3 family as
+# trex.models.deepseek_v3.tp_plan: MLA's up projections column-wise and output row-wise (the low-rank down
+# projections, their norms and the router stay whole on every TP rank), the dense FFN column/row-wise, an MTP
+# block's eh_proj whole (Megatron's MTP splits it column-wise). V4 and V4.1 as trex.models.deepseek_v4.tp_plan and
+# tp_plan_v41: wq_b by heads, the per-head attn_sink with them, wo_a by whole output groups, wo_b row-wise (wq_a, the
+# K = V head wkv, the compressor, the indexer, mHC, the norms, the router and V4.1's Engram whole;
+# tests/test_plan_tp.py checks this against both plans). Both: the shared experts column/row-wise, embedding and
+# head by vocabulary. Routed experts are split by expert parallelism instead (counted apart, ``experts``).
 TP_SPLIT = (r"\.attn\.(wq_b|wkv_b|wo|wo_a|wo_b)\.|\.attn\.attn_sink$|\.ffn\.(w[123]|shared_experts)\.|"
             r"^embed\.|^head\.")
 # The trained matmuls among the parameters TP leaves whole, which every TP rank runs on all of the group's rows

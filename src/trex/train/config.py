@@ -201,7 +201,7 @@ class TrainRecipe:
     def __post_init__(self) -> None:
         rows = self.data.seq_len // self.parallel.cp  # a rank's rows of a sequence, split over tp under SP
         if self.parallel.tp > 1 and self.parallel.sequence_parallel and rows % self.parallel.tp:
-            raise ValueError(f"data.seq_len = {self.data.seq_len}: parallel.tp = {self.parallel.tp} does not divide the "
-                             f"{rows} rows of a sequence per context-parallel rank that sequence parallelism splits; "
-                             f"make it a multiple of cp x tp = {self.parallel.cp * self.parallel.tp}, or set "
+            raise ValueError(f"data.seq_len = {self.data.seq_len}: parallel.tp = {self.parallel.tp} does not divide "
+                             f"the {rows} rows of a sequence per context-parallel rank that sequence parallelism "
+                             f"splits; make it a multiple of cp x tp = {self.parallel.cp * self.parallel.tp}, or set "
                              "parallel.sequence_parallel = false")

@@ -155,12 +155,14 @@ def tp_ring_elements(s: int, d: int, blocks: list[SplitBlock], heads: int, root_
     again = {"none": 0.0, "selective": 1.0, "full": 2.0}[recompute]  # regions run again (attention first)
     for blk in blocks:
         if sp:
-            total += 4 * s * d + 2 * s * d + 2 * blk.entries + 2 * blk.params + again * 2 * s * d
+            # forward 4 x [s, d], backward 2 (the outputs' gradients) and the sums; the recompute's again
+            total += (6 + 2 * again) * s * d + 2 * blk.entries + 2 * blk.params
             total += blk.whole_rows * (2 + (recompute == "full"))  # gathered forward (and again), backward
         else:
             out = [s * d, s * d if blk.ffn_out else 0.0]
             total += 2 * sum(out) + 2 * blk.entries + 2 * sum(out[:int(again)])
-    total += heads * (2 * s * d + 2 * stats * s)  # embeddings (a sum, or a reduce-scatter and its gradient's gather); losses
+    # embeddings (a sum, or a reduce-scatter and its gradient's gather); the losses' statistics
+    total += heads * (2 * s * d + 2 * stats * s)
     if sp:
         total += heads * s * d + 2 * root_params
     return total

@@ -42,8 +42,8 @@ def attention(cfg: V3Config, S: int, b: int, cp: int = 1, tp: int = 1, rows: int
     tests/test_plan_activations.py). The kernel's mask form, which it takes only when the picks are a quarter
     of the keys and its [s, H, S] scores fit 64 MiB (tiny cases), is not modelled.
     Under tensor parallelism (``tp``, trex.models.deepseek_v3.tp_plan) a rank keeps its H / tp heads' terms, and
-    under sequence parallelism 1 / ``rows`` of the rows' attn_norm; the all-gathered norm output, the down projections' latents
-    and their norms (replicated: every TP rank computes them on every row) whole."""
+    under sequence parallelism 1 / ``rows`` of the rows' attn_norm; the all-gathered norm output, the down
+    projections' latents and their norms (replicated: every TP rank computes them on every row) whole."""
     d, H, q, kv, rd = cfg.hidden_size, cfg.num_attention_heads // tp, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     qk, nope, dv = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     s = S // cp
@@ -73,8 +73,8 @@ def attention(cfg: V3Config, S: int, b: int, cp: int = 1, tp: int = 1, rows: int
 
 def ffn(cfg: V3Config, moe_layer: bool, b: int, tp: int = 1, rows: int = 1) -> float:
     """Per token, ffn_norm and the dense SwiGLU MLP or the MoE (router, k routed experts, shared experts).
-    Under tensor parallelism (``tp``): ffn_norm over 1 / ``rows`` of the rows (sequence parallel), its all-gathered output
-    and the router's terms whole (every TP rank routes every row), the dense MLP's and shared experts' widths
+    Under tensor parallelism (``tp``): ffn_norm over 1 / ``rows`` of the rows (sequence parallel), its all-gathered
+    output and the router's terms whole (every TP rank routes every row), the dense MLP's and shared experts' widths
     / tp, the routed copies of 1 / tp of the rows (each TP rank dispatches its share: torchtitan's
     ReordererSequenceParallel)."""
     d = cfg.hidden_size
@@ -122,18 +122,20 @@ def weight_copies(cfg: V3Config, kind: str, b: int) -> float:
 
 def model_level(cfg: V3Config, S: int, b: int, heads: bool = True, tp: int = 1, rows: int = 1) -> float:
     """Per-sequence bytes outside the blocks: token ids, the final norm, each head's input and loss terms. Under
-    tensor parallelism the final norm over 1 / ``rows`` of the rows (sequence parallel), the vocabulary-parallel heads'
-    all-gathered inputs and the loss terms of every row whole."""
+    tensor parallelism the final norm over 1 / ``rows`` of the rows (sequence parallel), the vocabulary-parallel
+    heads' all-gathered inputs and the loss terms of every row whole."""
     heads_n = 1 + cfg.num_nextn_predict_layers
     total = I64 * heads_n * S  # ids for the embeddings (main and each MTP module's tokens ahead)
     if heads:
         d = cfg.hidden_size
-        total += (rms_norm(d) / rows + heads_n * (b * d + F32 + I64 + 1)) * S + 8 * heads_n  # norm; head input, lse, target
+        # the final norm; each head's input, log-sum-exp and target
+        total += (rms_norm(d) / rows + heads_n * (b * d + F32 + I64 + 1)) * S + 8 * heads_n
         total += F32 * d if b != F32 else 0.0
     return total
 
 
-def backward_workspace(cfg: V3Config, kind: str, S: int, b: int, cp: int = 1, tp: int = 1, rows: int = 1) -> float:
+def backward_workspace(cfg: V3Config, kind: str, S: int, b: int, cp: int = 1, tp: int = 1,
+                       rows: int = 1) -> float:
     """Transient bytes while one V3 block runs backward on one of ``cp`` ranks: the gradients of its output and
     input streams (its s = S / cp rows), and the attention core's: [H, s, S] gradients (of the probabilities
     at the compute dtype, of the fp32 scores through softmax and the mask); at cp > 1 for the dense MLA

@@ -202,7 +202,8 @@ def block(cfg: ModelConfig, layer_type: str, mlp_type: str, S: int, b: int, cp: 
     """One block's saved bytes for one sequence on one of ``cp`` context-parallel and ``tp`` tensor-parallel
     ranks (mHC over 1 / ``rows`` of the rows: sequence parallelism; whole without)."""
     balance = F32 * cfg.n_routed_experts if mlp_type != HASH_MOE else 0  # per-sequence expert fractions
-    return LayerActivations(mhc=2 * mhc_site(cfg, b) * (S // cp) / rows, attention=attention(cfg, layer_type, S, b, cp, tp),
+    return LayerActivations(mhc=2 * mhc_site(cfg, b) * (S // cp) / rows,
+                            attention=attention(cfg, layer_type, S, b, cp, tp),
                             moe=moe(cfg, mlp_type, b, tp) * (S // cp) + balance)
 
 
@@ -355,8 +356,9 @@ def tp_traffic(cfg: ModelConfig | V41Config, S: int, b: int, recompute: str, lay
     [S + window halo, head_dim], the compressed entries a compressing layer's compressor returns [S / ratio,
     head_dim], and the shared expert's input [S, hidden]. Under sequence parallelism each block's norms and its two
     HyperConnections compute on this rank's rows (their gradients summed), V4.1's Engram on the whole rows, and
-    the final norm, V4's mHC head and MTP's projections, norms and mHC heads outside the blocks likewise. Each vocabulary-parallel
-    loss (head_nll) sums three fp32 statistics per row forward and the fp32 hidden-state gradient backward."""
+    the final norm, V4's mHC head and MTP's projections, norms and mHC heads outside the blocks likewise. Each
+    vocabulary-parallel loss (head_nll) sums three fp32 statistics per row forward and the fp32 hidden-state
+    gradient backward."""
     d, c, q, n = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, cfg.hc_mult
     shared = bool(cfg.n_shared_experts)
     mtp = mtp_blocks(cfg)

@@ -8,10 +8,11 @@ the heads' region where every head reads them; the grouped ``wo_a`` by whole gro
 The indexer and the candidate pool are replicated (they run without autograd on replicated inputs, and a top-k
 needs every head's score). Engram is replicated over the group: its tables stay split by rows over every rank
 (trex.parallel.engram, which counts a tp group's identical look-ups once), its ``wkv`` and gate whole on each
-rank; under sequence parallelism it runs on the whole rows (gathered before it, this rank's rows kept after). mHC, the norms, the routers and the routed experts replicated; the shared experts' input entering the
-region once (at their ``input``), ``w1``, ``w3`` by rows, ``w2`` by columns; the embedding and the head by
-vocabulary rows. The DSpark drafter's taps are the replicated residual streams; the drafter reads the head and
-embedding whole (trex.train.drafters.dspark).
+rank; under sequence parallelism it runs on the whole rows (gathered before it, this rank's rows kept after).
+mHC, the norms, the routers and the routed experts replicated; the shared experts' input entering the region once
+(at their ``input``), ``w1``, ``w3`` by rows, ``w2`` by columns; the embedding and the head by vocabulary rows.
+The DSpark drafter's taps are the residual streams (gathered whole under sequence parallelism); the drafter reads
+the head and embedding whole (trex.train.drafters.dspark).
 """
 
 from __future__ import annotations
